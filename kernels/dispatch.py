@@ -1,0 +1,102 @@
+"""The one place that picks a kernel implementation: Triton on CUDA tensors, torch on CPU.
+
+``backend`` is ``"auto"`` (Triton when the tensor is on CUDA and Triton imports), ``"torch"`` or
+``"triton"`` (forced; on CPU it needs ``TRITON_INTERPRET=1`` set before triton is imported).
+Triton modules are imported lazily so the CPU path never imports triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from pdserve.kernels import reference as ref
+from pdserve.kernels.kv_layout import KVCacheLayer
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map ``auto`` to a concrete backend for tensors on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton" and not triton_available():
+        raise ValueError("attention_backend='triton' needs the triton package: pip install triton")
+    return backend
+
+
+def _triton(module: str):
+    return importlib.import_module(f"pdserve.kernels.{module}")
+
+
+def write_kv(key, value, cache: KVCacheLayer, slot_mapping, backend: str = "auto") -> None:
+    if resolve_backend(backend, key.device) == "triton":
+        return _triton("kv_write").write_kv(key, value, cache, slot_mapping)
+    return ref.write_kv_ref(key, value, cache, slot_mapping)
+
+
+def paged_attention(query, cache: KVCacheLayer, cu_seqlens_q, context_lens, block_tables,
+                    scale: float, sliding_window: int | None = None, backend: str = "auto",
+                    max_query_len: int | None = None, max_context_len: int | None = None):
+    """Packed variable-length causal attention over paged KV (prefill, chunked prefill, mixed)."""
+    if resolve_backend(backend, query.device) == "triton":
+        return _triton("prefill_attention").prefill_attention(
+            query, cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
+            max_query_len=max_query_len)
+    return ref.paged_attention_ref(query, cache, cu_seqlens_q, context_lens, block_tables,
+                                   scale, sliding_window)
+
+
+def paged_decode_attention(query, cache: KVCacheLayer, block_tables, context_lens, scale: float,
+                           sliding_window: int | None = None, backend: str = "auto",
+                           max_context_len: int | None = None):
+    """One query token per sequence against its paged KV."""
+    if resolve_backend(backend, query.device) == "triton":
+        return _triton("decode_attention").decode_attention(
+            query, cache, block_tables, context_lens, scale, sliding_window,
+            max_context_len=max_context_len)
+    return ref.paged_decode_attention_ref(query, cache, block_tables, context_lens, scale,
+                                          sliding_window)
+
+
+def rms_norm(x, weight, eps: float, residual=None, backend: str = "auto"):
+    if resolve_backend(backend, x.device) == "triton":
+        return _triton("norm").rms_norm(x, weight, eps, residual)
+    return ref.rms_norm_ref(x, weight, eps, residual)
+
+
+def rotary(q, k, positions, cos_sin_cache, backend: str = "auto"):
+    if resolve_backend(backend, q.device) == "triton":
+        return _triton("rotary").rotary(q, k, positions, cos_sin_cache)
+    return ref.rotary_ref(q, k, positions, cos_sin_cache)
+
+
+def silu_and_mul(x, backend: str = "auto"):
+    if resolve_backend(backend, x.device) == "triton":
+        return _triton("activation").silu_and_mul(x)
+    return ref.silu_and_mul_ref(x)
+
+
+def pack_blocks(caches: list[KVCacheLayer], block_ids, backend: str = "auto"):
+    if resolve_backend(backend, block_ids.device) == "triton":
+        return _triton("block_copy").pack_blocks(caches, block_ids)
+    return ref.pack_blocks_ref(caches, block_ids)
+
+
+def unpack_blocks(buffer, caches: list[KVCacheLayer], block_ids, backend: str = "auto") -> None:
+    if resolve_backend(backend, block_ids.device) == "triton":
+        return _triton("block_copy").unpack_blocks(buffer, caches, block_ids)
+    return ref.unpack_blocks_ref(buffer, caches, block_ids)

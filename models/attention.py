@@ -1,0 +1,64 @@
+"""Per-step attention metadata and the attention layer every decoder block uses.
+
+The engine's model runner builds one :class:`AttentionMetadata` per step and passes it down
+the forward call; there is no module-global context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pdserve import kernels
+from pdserve.kernels import KVCacheLayer
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat tensors describing one step's batch; sequences are packed in the same order."""
+
+    slot_mapping: torch.Tensor  # (num_tokens,) int64: cache slot each new token's K/V goes to
+    cu_seqlens_q: torch.Tensor  # (num_seqs + 1,) int32: query token offsets per sequence
+    context_lens: torch.Tensor  # (num_seqs,) int32: tokens in cache after this step, per sequence
+    block_tables: torch.Tensor  # (num_seqs, max_blocks) int32; unused entries are 0, never read
+    max_query_len: int  # longest query run in the batch
+    max_context_len: int  # longest context in the batch
+    backend: str = "auto"  # kernel backend: "auto" | "torch" | "triton"
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence brings exactly one new token (the decode kernel applies)."""
+        return self.max_query_len == 1
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V into the paged cache, then attends over the whole context."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
+        kernels.write_kv(k, v, cache, meta.slot_mapping, backend=meta.backend)
+        if meta.is_decode_only:
+            return kernels.paged_decode_attention(
+                q, cache, meta.block_tables, meta.context_lens, self.scale, self.sliding_window,
+                backend=meta.backend, max_context_len=meta.max_context_len)
+        return kernels.paged_attention(
+            q, cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, self.scale,
+            self.sliding_window, backend=meta.backend, max_query_len=meta.max_query_len,
+            max_context_len=meta.max_context_len)
