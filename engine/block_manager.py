@@ -1,0 +1,294 @@
+"""Paged KV block allocator: ref counts, a prefix cache of chained block hashes, LRU eviction.
+
+Every block is in exactly one of three states:
+
+- **free**: ref count 0, no hash; on the free list.
+- **cached**: ref count 0 but holding a prefix-cache hash; evictable, kept in LRU order
+  (least recently released first). Allocation takes free blocks first, then evicts the LRU
+  cached block and drops its hash.
+- **used**: ref count > 0; the ref count equals the number of block tables that hold it (a
+  block is shared only through a prefix-cache hit).
+
+Invariants (``check_invariants`` raises ``RuntimeError`` on a violation):
+
+- ``num_free_blocks + num_cached_blocks + num_used_blocks == num_blocks`` at all times.
+- A block table only grows (append-only) until ``free`` clears it; with a sliding window an
+  entry becomes ``None`` once its block is out of every future query's window.
+- ``free`` releases a table in reverse order, tails first, so the LRU end of the cache holds
+  chain tails and the heads of shared prefixes survive longest.
+- A hash maps to one block; a block carries at most one hash. A block's hash is
+  ``hash((parent_hash, tuple(token_ids)))`` chained from the first block, so a hit on block
+  ``i`` implies the whole prefix ``[0, (i + 1) * block_size)`` matches. Tuples of ints hash
+  the same in every process (no PYTHONHASHSEED dependence).
+- ``match_prefix`` never serves every token of a sequence from the cache: at least one token
+  is left to compute so the step can sample from its logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+
+from pdserve.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+_ROOT_HASH = 0  # parent hash of a sequence's first block
+
+
+def _chain_hash(parent_hash: int, token_ids: list[int]) -> int:
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockManager:
+    """Hands out KV cache blocks to sequences and keeps finished prefixes for reuse."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if sliding_window is not None and (isinstance(sliding_window, bool)
+                                           or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, "
+                             f"got {sliding_window!r}")
+        self._num_blocks = num_blocks
+        self._block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        self._ref_counts = [0] * num_blocks  # per block: tables holding it
+        self._block_hashes: list[int | None] = [None] * num_blocks  # per block: prefix hash
+        self._free: deque[int] = deque(range(num_blocks))  # ref 0, unhashed
+        self._cached: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; LRU first
+        self._hash_to_block: dict[int, int] = {}  # prefix hash -> block holding it
+        # request_id -> (full blocks already hashed, hash of the last of them)
+        self._chains: dict[str, tuple[int, int]] = {}
+        self.num_prefix_queries = 0  # match_prefix calls
+        self.num_prefix_query_tokens = 0  # tokens looked up by match_prefix
+        self.num_prefix_hit_tokens = 0  # tokens served from the prefix cache
+
+    # ---- counts -------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._num_blocks - len(self._free) - len(self._cached)
+
+    @property
+    def num_allocatable_blocks(self) -> int:
+        return len(self._free) + len(self._cached)
+
+    @property
+    def usage_ratio(self) -> float:
+        return self.num_used_blocks / self._num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hit_tokens / max(1, self.num_prefix_query_tokens)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    # ---- prefix cache -------------------------------------------------------------------
+
+    def _lookup(self, seq: Sequence) -> tuple[list[int], int]:
+        """Hit blocks of seq's full-block hash chain, and the hash of the last hit (pure)."""
+        bs = self._block_size
+        hits: list[int] = []
+        parent = _ROOT_HASH
+        if not self.enable_prefix_caching:
+            return hits, parent
+        for i in range((seq.num_tokens - 1) // bs):  # leave at least one token to compute
+            h = _chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits, parent
+
+    def _num_dead_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks out of the window of every query at position >= num_computed_tokens.
+
+        A query at position p sees keys k > p - window, so keys k <= num_computed - window are
+        dead; block i (last token (i + 1) * block_size - 1) is dead when all its keys are.
+        """
+        if self.sliding_window is None:
+            return 0
+        return max(0, (num_computed_tokens - self.sliding_window + 1) // self._block_size)
+
+    def lookup_prefix(self, seq: Sequence) -> int:
+        """Tokens ``match_prefix`` would serve from the cache right now; changes nothing."""
+        return len(self._lookup(seq)[0]) * self._block_size
+
+    def admission_room(self, seq: Sequence) -> int:
+        """Tokens past the prefix hit that a fresh seq could get blocks for now; changes nothing.
+
+        Counts the cached (ref 0) hit blocks that ``match_prefix`` would revive as taken.
+        """
+        hits, _ = self._lookup(seq)
+        num_dead = min(len(hits), self._num_dead_blocks(len(hits) * self._block_size))
+        revived = sum(1 for b in hits[num_dead:] if self._ref_counts[b] == 0)
+        return (self.num_allocatable_blocks - revived) * self._block_size
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Admit seq onto its cached prefix: share the hit blocks, skip their tokens.
+
+        Requires an empty block table and ``num_computed_tokens == 0``. Sets ``block_table``,
+        ``num_computed_tokens`` and ``num_cached_tokens``; returns the number of hit tokens.
+        With a sliding window, hit blocks already out of the window enter the table as ``None``.
+        """
+        if seq.block_table or seq.num_computed_tokens:
+            raise RuntimeError(f"match_prefix needs a fresh sequence; {seq.request_id} has "
+                               f"{len(seq.block_table)} blocks, "
+                               f"{seq.num_computed_tokens} computed tokens")
+        hits, last_hash = self._lookup(seq)
+        num_hit_tokens = len(hits) * self._block_size
+        num_dead = min(len(hits), self._num_dead_blocks(num_hit_tokens))
+        table: list[int | None] = [None] * num_dead
+        for block_id in hits[num_dead:]:
+            if self._ref_counts[block_id] == 0:
+                del self._cached[block_id]  # revive an evictable block
+            self._ref_counts[block_id] += 1
+            table.append(block_id)
+        seq.block_table = table
+        seq.num_computed_tokens = num_hit_tokens
+        seq.num_cached_tokens = num_hit_tokens
+        if self.enable_prefix_caching:
+            self._chains[seq.request_id] = (len(hits), last_hash)
+        self.num_prefix_queries += 1
+        self.num_prefix_query_tokens += seq.num_tokens
+        self.num_prefix_hit_tokens += num_hit_tokens
+        return num_hit_tokens
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register a chained hash for every newly full block whose tokens are all computed.
+
+        A hash already held by another block keeps that block; this one stays unhashed.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self._block_size
+        num_hashed, parent = self._chains.get(seq.request_id, (0, _ROOT_HASH))
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(num_hashed, num_full):
+            h = _chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            block_id = seq.block_table[i]
+            if (block_id is not None and self._block_hashes[block_id] is None
+                    and h not in self._hash_to_block):
+                self._block_hashes[block_id] = h
+                self._hash_to_block[h] = block_id
+            parent = h
+        if num_full > num_hashed:
+            self._chains[seq.request_id] = (num_full, parent)
+
+    # ---- allocation ---------------------------------------------------------------------
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to append so the table covers num_computed_tokens + num_new_tokens tokens."""
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self._block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_allocatable_blocks
+
+    def num_allocatable_tokens(self, seq: Sequence) -> int:
+        """Most new tokens seq could get blocks for right now (its table's slack included)."""
+        capacity = (len(seq.block_table) + self.num_allocatable_blocks) * self._block_size
+        return max(0, capacity - seq.num_computed_tokens)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Append blocks so seq's table covers its next num_new_tokens tokens."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > self.num_allocatable_blocks:
+            raise RuntimeError(f"allocate: {seq.request_id} needs {needed} blocks, "
+                               f"{self.num_allocatable_blocks} allocatable")
+        for _ in range(needed):
+            seq.block_table.append(self._take_block())
+
+    def _take_block(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._cached.popitem(last=False)  # evict least recently used
+            del self._hash_to_block[self._block_hashes[block_id]]
+            self._block_hashes[block_id] = None
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] < 0:
+            raise RuntimeError(f"block {block_id} released more often than taken")
+        if self._ref_counts[block_id] == 0:
+            if self._block_hashes[block_id] is not None:
+                self._cached[block_id] = None  # most recently used end
+            else:
+                self._free.append(block_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks, tails first, and clear its table. Safe on an empty table."""
+        for block_id in reversed(seq.block_table):
+            if block_id is not None:
+                self._release(block_id)
+        seq.block_table = []
+        self._chains.pop(seq.request_id, None)
+
+    def free_out_of_window(self, seq: Sequence) -> int:
+        """Free blocks no future query of seq can see; their entries become None."""
+        num_dead = min(self._num_dead_blocks(seq.num_computed_tokens), len(seq.block_table))
+        num_freed = 0
+        for i in range(num_dead - 1, -1, -1):  # tails first; stop at the already-freed prefix
+            block_id = seq.block_table[i]
+            if block_id is None:
+                break
+            self._release(block_id)
+            seq.block_table[i] = None
+            num_freed += 1
+        return num_freed
+
+    # ---- checks -------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError if the free/cached/used partition or the hash index is broken."""
+        free, cached = set(self._free), set(self._cached)
+        problems = []
+        if len(free) != len(self._free):
+            problems.append("duplicate block on the free list")
+        if free & cached:
+            problems.append(f"blocks both free and cached: {sorted(free & cached)}")
+        used = {b for b in range(self._num_blocks) if self._ref_counts[b] > 0}
+        if used & (free | cached):
+            problems.append(f"blocks with refs on free/cached lists: {sorted(used & (free | cached))}")
+        if len(free) + len(cached) + len(used) != self._num_blocks:
+            problems.append(f"free {len(free)} + cached {len(cached)} + used {len(used)} "
+                            f"!= {self._num_blocks} blocks")
+        if any(self._block_hashes[b] is not None for b in free):
+            problems.append("a free block holds a hash")
+        if any(self._block_hashes[b] is None for b in cached):
+            problems.append("a cached block holds no hash")
+        for h, b in self._hash_to_block.items():
+            if self._block_hashes[b] != h:
+                problems.append(f"hash index points to block {b} holding another hash")
+        num_hashed = sum(h is not None for h in self._block_hashes)
+        if num_hashed != len(self._hash_to_block):
+            problems.append(f"{num_hashed} hashed blocks but {len(self._hash_to_block)} indexed")
+        if problems:
+            raise RuntimeError("BlockManager invariants violated: " + "; ".join(problems))

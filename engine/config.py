@@ -1,0 +1,81 @@
+"""Typed engine configuration with cross-field validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kernels import BACKENDS
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "int8")
+DEFAULT_CPU_MEMORY_BUDGET = 4 << 30  # bytes for weights + KV pool + activations on a CPU worker
+
+
+def _positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine (offline, colocated, prefill or decode worker) is built from."""
+
+    model: str  # Hugging Face checkpoint folder
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (fp32 on CPU, checkpoint dtype on CUDA)
+    device: str = "auto"  # cpu | cuda | auto
+    block_size: int = 16  # tokens per KV block
+    kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8
+    kv_int8_keep_edge_layers: bool = True  # with int8: first and last layers stay in model dtype
+    num_kv_blocks: int | None = None  # pin the pool size instead of deriving it from the budget
+    memory_budget_bytes: int | None = None  # worker memory for weights + KV + activations
+    memory_safety_margin: float = 0.05  # fraction of the budget kept free
+    max_num_seqs: int = 256  # sequences per step at most
+    max_num_batched_tokens: int = 2048  # tokens per step at most (chunked prefill budget)
+    max_model_len: int | None = None  # context limit; None = the model's max positions
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"  # auto | torch | triton
+    seed: int = 0  # seeds the random streams of requests that bring no seed
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        _positive_int("block_size", self.block_size)
+        _positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        _positive_int("memory_budget_bytes", self.memory_budget_bytes, allow_none=True)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        if not 0.0 <= self.memory_safety_margin < 0.5:
+            raise ValueError("memory_safety_margin must be in [0, 0.5), "
+                             f"got {self.memory_safety_margin!r}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_model_len > self.max_num_batched_tokens:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= "
+                             f"max_model_len ({self.max_model_len})")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is visible; use device='cpu'")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        return DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.bfloat16)

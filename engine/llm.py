@@ -1,0 +1,104 @@
+"""The offline API: ``LLM(model_dir).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine, RequestDelta
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """One finished request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # generated ids only
+    text: str = ""  # generated text (stop strings excluded)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[dict[int, float]] | None = None  # per generated token, when requested
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    def add(self, delta: RequestDelta, now: float) -> None:
+        if delta.new_token_ids and self.first_token_time is None:
+            self.first_token_time = now
+        self.token_ids.extend(delta.new_token_ids)
+        self.text += delta.text
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason, self.finish_time = delta.finish_reason, now
+
+
+class LLM:
+    """Offline batch generation on one engine. Keywords are :class:`EngineConfig` fields."""
+
+    def __init__(self, model: str, **engine_kwargs):
+        self.engine = LLMEngine.from_config(EngineConfig(model=str(model), **engine_kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.parts.tokenizer
+
+    @property
+    def memory_ledger(self):
+        return self.engine.parts.ledger
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (a string or a list of token ids); outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"params: got {len(per_prompt)} for {len(prompts)} prompts")
+        outputs: dict[str, RequestOutput] = {}
+        sequences = {}
+        try:
+            for prompt, p in zip(prompts, per_prompt):
+                request_id = f"offline-{next(self._ids)}"
+                seq = sequences[request_id] = self.engine.add_request(request_id, prompt, p)
+                outputs[request_id] = RequestOutput(request_id, list(seq.token_ids),
+                                                    arrival_time=seq.arrival_time)
+            self._run(outputs, use_tqdm)
+            for request_id, out in outputs.items():
+                out.num_cached_tokens = sequences[request_id].num_cached_tokens
+        finally:
+            for request_id, out in outputs.items():
+                if out.finish_reason is None:
+                    self.engine.abort(request_id)
+        return list(outputs.values())
+
+    def _run(self, outputs: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        pending = len(outputs)
+        with tqdm(total=pending, desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while pending:
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("engine went idle with requests unfinished")
+                deltas = self.engine.step()
+                now = time.monotonic()
+                for delta in deltas:
+                    out = outputs[delta.request_id]
+                    out.add(delta, now)
+                    if delta.finish_reason is not None:
+                        pending -= 1
+                        bar.update(1)

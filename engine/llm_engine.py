@@ -1,0 +1,248 @@
+"""The engine: ``add_request`` / ``step`` / ``abort`` over a scheduler, a model runner, a
+sampler and a detokenizer per request. Prefill-only and decode-only workers reuse its parts.
+
+Step:
+1. ``scheduler.schedule()`` picks sequences and how many tokens each computes;
+2. ``runner.execute()`` runs them as one flat batch and returns logits of the sequences whose
+   chunk reaches their last token;
+3. ``scheduler.update()`` advances ``num_computed_tokens`` and caches full blocks;
+4. the sampler draws one token per such sequence; stop checks and detokenization follow;
+   finished sequences free their blocks through ``scheduler.finish``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.detokenizer import Detokenizer
+from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dtypes, plan_kv_pool
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.kernels import resolve_backend
+from pdserve.models import ModelConfig, Tokenizer, load_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestDelta:
+    """What one step produced for one request (the unit streamed to clients)."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens generated this step
+    text: str  # text delta (held back while it could still become a stop string)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
+    logprobs: list[dict[int, float]] | None = None  # per new token, when requested
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # generated so far, this delta included
+
+
+@dataclass
+class StepStats:
+    """Where one step's wall time went."""
+
+    num_tokens: int = 0  # tokens computed
+    num_seqs: int = 0  # sequences in the batch
+    forward_s: float = 0.0  # model forward incl. logits
+    total_s: float = 0.0  # whole step: scheduling, forward, sampling, bookkeeping
+
+
+@dataclass
+class EngineParts:
+    """The components an engine or a worker is composed of."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    runner: ModelRunner
+    block_manager: BlockManager
+    ledger: MemoryLedger
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def build(cls, config: EngineConfig) -> EngineParts:
+        mc = ModelConfig.from_dir(config.model)
+        device = config.resolve_device()
+        dtype = config.resolve_dtype(getattr(mc, "torch_dtype", None), device)
+        backend = resolve_backend(config.attention_backend, device)
+        max_model_len = config.max_model_len or mc.max_position_embeddings
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({mc.max_position_embeddings})")
+        model = load_model(config.model, dtype=dtype, device=device)
+        ledger = plan_kv_pool(mc, config, model, dtype, device, max_model_len, backend)
+        layer_dtypes = kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
+        scales = None
+        if config.kv_cache_dtype == "int8":
+            from pdserve.engine.kv_quant import calibrate_kv_scales
+
+            scales = calibrate_kv_scales(model, mc, layer_dtypes, device, backend)
+        caches = allocate_kv_caches(mc, ledger, layer_dtypes, device, scales)
+        runner = ModelRunner(model, caches, config.block_size, device, backend)
+        block_manager = BlockManager(ledger.num_kv_blocks, config.block_size,
+                                     enable_prefix_caching=config.enable_prefix_caching,
+                                     sliding_window=mc.sliding_window)
+        try:
+            tokenizer = Tokenizer.from_dir(config.model)
+        except (FileNotFoundError, ValueError) as exc:
+            logger.warning("no tokenizer (%s): token-id prompts only, empty text", exc)
+            tokenizer = None
+        logger.info("engine ready: %s", ", ".join(f"{k} {v}" for k, v in ledger.rows()))
+        return cls(config, mc, tokenizer, runner, block_manager, ledger, max_model_len,
+                   tuple(mc.eos_token_ids))
+
+
+class LLMEngine:
+    """Colocated continuous batching with chunked prefill (the baseline every mode is held to)."""
+
+    def __init__(self, parts: EngineParts, scheduler: Scheduler | None = None):
+        self.parts = parts
+        cfg = parts.config
+        self.scheduler = scheduler or Scheduler(
+            SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
+                            max_num_batched_tokens=cfg.max_num_batched_tokens,
+                            max_model_len=parts.max_model_len,
+                            enable_chunked_prefill=cfg.enable_chunked_prefill),
+            parts.block_manager)
+        self.sampler = Sampler()
+        self._seed_source = random.Random(cfg.seed)
+        self._sequences: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, Detokenizer] = {}
+        self.last_step = StepStats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        return cls(EngineParts.build(config))
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Validate a prompt and return its token ids (ValueError naming ``prompt``)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.parts.tokenizer is None:
+                raise ValueError("prompt is text but the checkpoint has no tokenizer.json; "
+                                 "pass token ids instead")
+            return self.parts.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.parts.model_config.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> Sequence:
+        params = params or SamplingParams()
+        if request_id in self._sequences:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        token_ids = self.encode(prompt)
+        limit = self.parts.max_model_len
+        if len(token_ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds the context length {limit}")
+        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        seq = Sequence(request_id, token_ids, params, seed=seed)
+        self.scheduler.add(seq)
+        self._sequences[request_id] = seq
+        if self.parts.tokenizer is not None:
+            self._detokenizers[request_id] = Detokenizer(self.parts.tokenizer, token_ids,
+                                                         stop=params.stop)
+        return seq
+
+    def abort(self, request_id: str) -> RequestDelta | None:
+        """Idempotent: frees the request's blocks; returns its final delta if it was live."""
+        seq = self._sequences.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
+        self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        return RequestDelta(request_id, [], "", "abort", None, seq.num_prompt_tokens,
+                            seq.num_output_tokens)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._sequences)
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        start = time.perf_counter()
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            self.last_step = StepStats()
+            return []
+        sampling = [item for item in output.scheduled if item.samples]
+        forward_start = time.perf_counter()
+        logits = self.parts.runner.execute(output.scheduled)
+        forward_s = time.perf_counter() - forward_start
+        self.scheduler.update(output)
+        deltas = self.sample_and_emit(sampling, logits)
+        self.last_step = StepStats(output.num_batched_tokens, len(output.scheduled), forward_s,
+                                   time.perf_counter() - start)
+        return deltas
+
+    def sample_and_emit(self, sampling: list[ScheduledSequence],
+                        logits: torch.Tensor) -> list[RequestDelta]:
+        """Sample one token per sequence in ``sampling``, apply stop rules, emit deltas."""
+        if not sampling:
+            return []
+        rows = [SamplingRow(s.seq.sampling_params, s.seq.seed, s.seq.num_output_tokens,
+                            s.seq.prompt_token_ids, s.seq.output_token_ids) for s in sampling]
+        sampled = self.sampler(logits, rows)
+        now = time.monotonic()
+        deltas = []
+        for item, token_id, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
+            deltas.append(self.append_token(item.seq, token_id, logprobs, now))
+        return deltas
+
+    def append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
+                     now: float) -> RequestDelta:
+        seq.append_token(token_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        text, stopped = "", False
+        detok = self._detokenizers.get(seq.request_id)
+        if detok is not None:
+            piece = detok.append(token_id)
+            text, stopped = piece.text, piece.stopped
+        status = self.stop_status(seq, token_id, stopped)
+        if status is not None:
+            if detok is not None and status != SequenceStatus.FINISHED_STOPPED:
+                text += detok.flush()
+            self.scheduler.finish(seq, status)
+            self._sequences.pop(seq.request_id, None)
+            self._detokenizers.pop(seq.request_id, None)
+        return RequestDelta(seq.request_id, [token_id], text,
+                            status.finish_reason if status else None,
+                            [logprobs] if logprobs is not None else None,
+                            seq.num_prompt_tokens, seq.num_output_tokens)
+
+    def stop_status(self, seq: Sequence, token_id: int, stop_string_hit: bool):
+        params = seq.sampling_params
+        if stop_string_hit or token_id in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token_id in self.parts.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.parts.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,155 @@
+"""Where a worker's memory goes: weights, KV pool, activations, margin.
+
+The KV pool is what is left of the budget::
+
+    kv_pool_bytes = budget * (1 - margin) - weight_bytes - activation_peak_bytes
+    num_kv_blocks = kv_pool_bytes // bytes_per_block
+
+``activation_peak_bytes`` is an analytic estimate of the largest step (documented in
+:func:`estimate_activation_bytes`), not a measurement: CPU allocations are not tracked by torch.
+The budget defaults to the free device memory on CUDA and to ``DEFAULT_CPU_MEMORY_BUDGET`` on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
+from pdserve.kernels import KVCacheLayer
+
+logger = logging.getLogger(__name__)
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryLedger:
+    """One worker's memory accounts, in bytes unless named otherwise."""
+
+    budget_bytes: int  # what the worker may use in all
+    margin_bytes: int  # kept free for fragmentation and allocator slack
+    weight_bytes: int  # model parameters
+    activation_bytes: int  # estimated peak of one step's temporaries
+    kv_pool_bytes: int  # the paged KV pool actually allocated
+    num_kv_blocks: int  # blocks in the pool
+    block_size: int  # tokens per block
+    kv_bytes_per_token: int  # all layers, K and V, as stored (int8 layers count 1 byte)
+    kv_dtype: str  # storage dtype of the pool ("int8" when quantized)
+
+    @property
+    def kv_token_capacity(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(label, value) rows for printing."""
+        mib = lambda b: f"{b / (1 << 20):,.1f} MiB"  # noqa: E731
+        return [
+            ("budget", mib(self.budget_bytes)),
+            ("weights", mib(self.weight_bytes)),
+            ("activations (est. peak)", mib(self.activation_bytes)),
+            ("safety margin", mib(self.margin_bytes)),
+            ("KV pool", f"{mib(self.kv_pool_bytes)} = {self.num_kv_blocks} blocks x "
+                        f"{self.block_size} tokens ({self.kv_dtype})"),
+            ("KV bytes per token", f"{self.kv_bytes_per_token:,} B"),
+            ("KV capacity", f"{self.kv_token_capacity:,} tokens"),
+        ]
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "kv_token_capacity": self.kv_token_capacity}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in list(model.parameters()) + list(model.buffers()):
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def estimate_activation_bytes(mc, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
+                              attention_scratch: bool) -> int:
+    """Peak temporaries of one step of ``max_num_batched_tokens`` tokens.
+
+    Per token: residual, hidden and normed states (3 x hidden), q/k/v and attention output,
+    gate/up and the activated product (3 x intermediate), in the model dtype; logits for up to
+    ``max_num_seqs`` sampled rows in fp32, three copies in the sampler. With the torch attention
+    path (CPU), the fp32 score and probability matrices of a full-budget chunk against the
+    longest context: 2 x heads x tokens x context x 4 bytes.
+    """
+    tokens = config.max_num_batched_tokens
+    elt = torch.finfo(dtype).bits // 8
+    heads, kv_heads, hd = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    per_token = 3 * mc.hidden_size + (2 * heads + 2 * kv_heads) * hd + 3 * mc.intermediate_size
+    total = tokens * per_token * elt + min(config.max_num_seqs, tokens) * mc.vocab_size * 4 * 3
+    if attention_scratch:
+        total += 2 * heads * tokens * min(max_model_len, tokens + max_model_len) * 4
+    return total
+
+
+def default_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_allocated(device))
+    return DEFAULT_CPU_MEMORY_BUDGET
+
+
+def kv_layer_dtypes(num_layers: int, model_dtype: torch.dtype, config: EngineConfig):
+    """Storage dtype per layer: int8 everywhere with int8, except the edges when kept."""
+    if config.kv_cache_dtype != "int8":
+        return [model_dtype] * num_layers
+    keep = {0, num_layers - 1} if config.kv_int8_keep_edge_layers else set()
+    return [model_dtype if i in keep else torch.int8 for i in range(num_layers)]
+
+
+def bytes_per_block(mc, block_size: int, layer_dtypes) -> int:
+    per_layer_elems = 2 * block_size * mc.num_key_value_heads * mc.head_dim
+    return sum(per_layer_elems * (torch.finfo(d).bits if d.is_floating_point else 8) // 8
+               for d in layer_dtypes)
+
+
+def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype,
+                 device: torch.device, max_model_len: int, backend: str) -> MemoryLedger:
+    """Size the KV pool from the budget (or ``config.num_kv_blocks``) and return the ledger."""
+    layer_dtypes = kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
+    per_block = bytes_per_block(mc, config.block_size, layer_dtypes)
+    budget = config.memory_budget_bytes or default_budget(device)
+    margin = int(budget * config.memory_safety_margin)
+    weights = weight_bytes(model)
+    activations = estimate_activation_bytes(mc, config, dtype, max_model_len,
+                                            attention_scratch=backend == "torch")
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        num_blocks = (budget - margin - weights - activations) // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"memory_budget_bytes ({budget / GiB:.2f} GiB) leaves no room for the KV cache: "
+                f"weights {weights / GiB:.2f} GiB + activations {activations / GiB:.2f} GiB. "
+                "Raise memory_budget_bytes or lower max_num_batched_tokens / max_num_seqs.")
+    kv_dtype = "int8" if config.kv_cache_dtype == "int8" else str(dtype).replace("torch.", "")
+    return MemoryLedger(
+        budget_bytes=budget, margin_bytes=margin, weight_bytes=weights,
+        activation_bytes=activations, kv_pool_bytes=num_blocks * per_block,
+        num_kv_blocks=num_blocks, block_size=config.block_size,
+        kv_bytes_per_token=per_block // config.block_size, kv_dtype=kv_dtype)
+
+
+def allocate_kv_caches(mc, ledger: MemoryLedger, layer_dtypes, device: torch.device,
+                       scales: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+                       ) -> list[KVCacheLayer]:
+    """Zero-filled pools, one :class:`KVCacheLayer` per layer (int8 layers need ``scales``)."""
+    shape = (2, ledger.num_kv_blocks, ledger.block_size, mc.num_key_value_heads, mc.head_dim)
+    caches = []
+    for layer, dtype in enumerate(layer_dtypes):
+        kv = torch.zeros(shape, dtype=dtype, device=device)
+        if dtype == torch.int8:
+            if scales is None or scales[layer] is None:
+                raise ValueError(f"int8 KV layer {layer} needs calibrated scales")
+            k_scale, v_scale = scales[layer]
+            caches.append(KVCacheLayer(kv, k_scale.to(device), v_scale.to(device)))
+        else:
+            caches.append(KVCacheLayer(kv))
+    return caches

@@ -1,0 +1,84 @@
+"""Turns a scheduled batch into flat tensors, runs the model, returns logits to sample from.
+
+Per step (no globals): the runner packs every scheduled sequence's new tokens into one flat
+batch, builds one :class:`AttentionMetadata`, runs ``model.forward`` and keeps only the hidden
+states of the sequences whose chunk reaches their last token (they get a new token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.scheduler import ScheduledSequence
+from pdserve.kernels import KVCacheLayer
+from pdserve.models.attention import AttentionMetadata
+
+
+@dataclass
+class ModelInput:
+    """One step's flat batch."""
+
+    input_ids: torch.Tensor  # (num_tokens,) int64
+    positions: torch.Tensor  # (num_tokens,) int64
+    metadata: AttentionMetadata
+    sample_indices: torch.Tensor  # (num_sampled,) int64: rows of the flat batch to sample from
+
+
+class ModelRunner:
+    """Owns the model and its KV pools; knows nothing about scheduling policy."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[KVCacheLayer], block_size: int,
+                 device: torch.device, backend: str):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend
+
+    def prepare(self, scheduled: list[ScheduledSequence]) -> ModelInput:
+        input_ids: list[int] = []
+        starts: list[int] = []  # first position computed this step, per sequence
+        q_lens: list[int] = []
+        tables: list[list[int]] = []
+        for item in scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start:start + item.num_new_tokens])
+            starts.append(start)
+            q_lens.append(item.num_new_tokens)
+            tables.append([0 if b is None else b for b in seq.block_table])
+        dev, bs = self.device, self.block_size
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens_t, 0, out=cu[1:])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
+        # (num_tokens,): absolute position of each new token inside its sequence
+        positions = torch.tensor(starts, dtype=torch.int64)[seq_of_token] \
+            + torch.arange(int(cu[-1])) - cu[:-1][seq_of_token]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+        context_lens = torch.tensor(starts, dtype=torch.int64) + q_lens_t
+        sample_indices = [int(cu[i + 1]) - 1 for i, item in enumerate(scheduled) if item.samples]
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            cu_seqlens_q=cu.to(dev, torch.int32),
+            context_lens=context_lens.to(dev, torch.int32),
+            block_tables=block_tables.to(dev, torch.int32),
+            max_query_len=max(q_lens),
+            max_context_len=int(context_lens.max()),
+            backend=self.backend,
+        )
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=positions.to(dev), metadata=meta,
+            sample_indices=torch.tensor(sample_indices, dtype=torch.int64, device=dev))
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
+        """Run one step; returns fp32 logits (num_sampled, vocab) in the order of ``scheduled``."""
+        batch = self.prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        # (num_tokens, hidden) -> (num_sampled, hidden): only rows that end a sequence's tokens
+        return self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
