@@ -17,6 +17,11 @@ mistral    no              no            no         ``sliding_window`` on every 
 qwen2      always          no            no         only when ``use_sliding_window``
 qwen3      attention_bias  attention_b.  yes        only when ``use_sliding_window``
 =========  ==============  ============  =========  =======================================
+
+Qwen's windowed layers are those whose ``layer_types`` entry is ``"sliding_attention"``
+(default: layers >= ``max_window_layers``). ``layer_sliding_windows`` holds each layer's window;
+``sliding_window`` is set only when one window covers every layer, since that is the only case
+in which KV blocks that fell out of the window may be freed.
 """
 
 from __future__ import annotations
@@ -122,7 +127,7 @@ def _require(cfg: dict[str, Any], key: str) -> Any:
 
 def _layer_windows(cfg: dict[str, Any], model_type: str,
                    num_layers: int) -> tuple[int | None, tuple[int | None, ...]]:
-    """(sliding_window, per-layer windows) following each family's transformers semantics."""
+    """(window shared by all layers or None, per-layer windows), per transformers' semantics."""
     if model_type == "llama":
         return None, (None,) * num_layers
     if model_type == "mistral":
@@ -147,7 +152,8 @@ def _layer_windows(cfg: dict[str, Any], model_type: str,
     if unknown:
         raise ValueError(f"layer_types holds unsupported entries {sorted(unknown)}")
     windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-    return window, windows
+    # Mixed full/windowed layers: no single window, so no KV block may be dropped.
+    return (window if all(w == window for w in windows) else None), windows
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,8 @@ class ModelConfig:
     o_proj_bias: bool = False  # o_proj carries a bias (Llama/Qwen3 with attention_bias)
     mlp_bias: bool = False  # gate/up/down carry biases (Llama mlp_bias)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    sliding_window: int | None = None  # the window size when any layer uses one
+    # The window shared by EVERY layer, else None: what KV block freeing may rely on.
+    sliding_window: int | None = None
     layer_sliding_windows: tuple[int | None, ...] = ()  # per layer: window or None (full)
     torch_dtype: str | None = None  # dtype the checkpoint was saved in ("bfloat16", ...)
     eos_token_ids: tuple[int, ...] = ()  # generation stops on any of these
@@ -200,8 +207,14 @@ class ModelConfig:
             raise ValueError(f"layer_sliding_windows has {len(self.layer_sliding_windows)} "
                              f"entries for {self.num_hidden_layers} layers")
         for w in (self.sliding_window, *self.layer_sliding_windows):
-            if w is not None and (not isinstance(w, int) or w <= 0):
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
                 raise ValueError(f"sliding_window must be a positive int or None, got {w!r}")
+        first = self.layer_sliding_windows[0]
+        uniform = first if all(w == first for w in self.layer_sliding_windows) else None
+        if self.sliding_window != uniform:
+            raise ValueError(f"sliding_window ({self.sliding_window}) must be the window every "
+                             f"layer uses, or None when layers differ: layer_sliding_windows="
+                             f"{self.layer_sliding_windows}")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -259,12 +272,6 @@ class ModelConfig:
             eos_token_ids=tuple(eos_token_ids), bos_token_id=bos_token_id, extra=dict(cfg))
 
     # ----- derived quantities -------------------------------------------------------------
-    @property
-    def uniform_sliding_window(self) -> int | None:
-        """The window when every layer uses the same one (then old KV blocks can be freed)."""
-        first = self.layer_sliding_windows[0]
-        return first if all(w == first for w in self.layer_sliding_windows) else None
-
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim

@@ -101,11 +101,13 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, rope_theta: float,
     """The ``(max_positions, head_dim)`` float32 ``[cos | sin]`` table for positions 0.. ."""
     if max_positions <= 0:
         raise ValueError(f"max_positions must be positive, got {max_positions}")
-    inv_freq, attention_scaling = inv_frequencies(
-        head_dim, rope_theta, rope_scaling, max_position_embeddings or max_positions)
-    positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :]  # (max_positions, head_dim / 2)
-    cache = torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
+    with torch.device("cpu"):  # always computed on CPU in fp32, even under a meta context
+        inv_freq, attention_scaling = inv_frequencies(
+            head_dim, rope_theta, rope_scaling, max_position_embeddings or max_positions)
+        positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # (max_positions, head_dim / 2)
+        cache = torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling),
+                          dim=-1)
     return cache.to(device) if device is not None else cache  # (max_positions, head_dim)
 
 

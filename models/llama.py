@@ -1,0 +1,236 @@
+"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 and Qwen3.
+
+The families differ only in switches carried by :class:`ModelConfig` (q/k/v and o biases,
+per-head q/k RMSNorm, tied embeddings, per-layer sliding windows, RoPE scaling), so one module
+tree serves all of them. Tokens arrive packed and flat, ``(num_tokens,)`` with no batch
+dimension and no padding; :class:`AttentionMetadata` says which sequence each run belongs to.
+
+Parameter layout (the loader maps Hugging Face names onto it):
+
+* ``qkv_proj``: q_proj, k_proj and v_proj stacked along the output dim, one GEMM per layer
+* ``gate_up_proj``: gate_proj then up_proj stacked, fed to ``silu_and_mul``
+
+Every norm, rotary and activation goes through :mod:`pdserve.kernels` with
+``backend=meta.backend``; attention goes through :class:`pdserve.models.attention.Attention`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kernels import KVCacheLayer
+
+# The dispatch module, not the package: once the Triton submodule pdserve.kernels.rotary is
+# imported, it replaces the package attribute ``rotary`` (the dispatch function).
+from pdserve.kernels import dispatch as kernels
+from pdserve.models.attention import Attention, AttentionMetadata
+from pdserve.models.config import ModelConfig
+from pdserve.models.rope import cos_sin_cache_for
+
+logger = logging.getLogger(__name__)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    # Uninitialised on purpose: weights always come from a checkpoint (or a test's fill).
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """Weight holder; the math lives in ``kernels.rms_norm``."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = _param(size)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                backend: str = "auto"):
+        return kernels.rms_norm(x, self.weight, self.eps, residual, backend=backend)
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` with an optional bias, weights loaded, never initialised."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class SelfAttention(nn.Module):
+    """Fused qkv projection, optional q/k norm, RoPE, paged attention, output projection."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              scale=self.head_dim ** -0.5,
+                              sliding_window=config.layer_sliding_windows[layer_idx])
+
+    def _head_norm(self, norm: RMSNorm, x: torch.Tensor, backend: str) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = x.shape
+        flat = x.reshape(num_tokens * num_heads, head_dim)  # (T * heads, head_dim)
+        return norm(flat, backend=backend).view(num_tokens, num_heads, head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cache: KVCacheLayer,
+                meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # (T, q_size + 2 * kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # (T, heads, head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
+        if self.q_norm is not None:
+            q = self._head_norm(self.q_norm, q, meta.backend)
+            k = self._head_norm(self.k_norm, k, meta.backend)
+        q, k = kernels.rotary(q, k, positions, cos_sin_cache, backend=meta.backend)
+        out = self.attn(q, k, v, cache, meta)  # (T, heads, head_dim)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, hidden)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)) with gate and up fused into one GEMM."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
+                                   config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+
+    def forward(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
+        return self.down_proj(kernels.silu_and_mul(gate_up, backend=backend))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual add is fused into the next RMSNorm."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, positions, hidden, residual, cache, meta, cos_sin_cache):
+        backend = meta.backend
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden, backend=backend)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual, backend=backend)
+        hidden = self.self_attn(positions, hidden, cache, meta, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, backend=backend)
+        return self.mlp(hidden, backend), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and the final norm (Hugging Face's ``model.`` prefix)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder for every supported family; see the module docstring."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Module()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head.weight = _param(config.vocab_size, config.hidden_size)
+        # float32 [cos | sin] table, kept outside the parameters so .to(dtype) never rounds it
+        self._cos_sin_cache = cos_sin_cache_for(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        """The RoPE table on ``device`` (moved once, then reused)."""
+        if self._cos_sin_cache.device != device:
+            self._cos_sin_cache = self._cos_sin_cache.to(device)
+        return self._cos_sin_cache
+
+    def tie_weights(self) -> None:
+        """Make lm_head share the embedding matrix (tied or lm_head-less checkpoints)."""
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCacheLayer], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (T,) -> final-normed hidden states (T, hidden)."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must both be (num_tokens,), got "
+                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {self.num_layers}")
+        cos_sin = self.cos_sin_cache(input_ids.device)
+        hidden = F.embedding(input_ids, self.model.embed_tokens.weight)  # (T, hidden)
+        residual = None
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, cache, meta, cos_sin)
+        hidden, _ = self.model.norm(hidden, residual, backend=meta.backend)  # >= 1 layer
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(T, hidden) -> (T, vocab) float32."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+
+# model_type -> decoder class; all four families share one implementation.
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> nn.Module:
+    """An uninitialised model for ``config`` (fill it with :func:`load_model` or by hand)."""
+    try:
+        cls = MODEL_REGISTRY[config.model_type]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {config.model_type!r}; supported: "
+                         f"{', '.join(MODEL_REGISTRY)}") from None
+    with torch.device("meta"):  # no allocation, no init: shapes only
+        model = cls(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.tie_weights()  # to_empty gives each module its own tensor
+    return model.eval()
