@@ -1,0 +1,340 @@
+"""Python clients for ``pdserve.v1.Generation``: ``PdserveClient`` (blocking) and
+``AsyncPdserveClient`` (asyncio).
+
+```python
+from pdserve.api.client import PdserveClient
+with PdserveClient("127.0.0.1:50051") as client:
+    client.wait_ready(timeout=30)
+    result = client.generate("Hello", max_tokens=32, temperature=0.0)
+    print(result.text, result.finish_reason, result.usage.completion_tokens)
+    for chunk in client.generate_stream([1, 2, 3], max_tokens=8, stop=["\\n"]):
+        print(chunk.text, end="", flush=True)
+```
+
+The prompt is a string or a list of token ids. Sampling keywords mirror ``SamplingParams``
+(OpenAI-like): ``max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
+presence_penalty, frequency_penalty, seed, stop (str or list), stop_token_ids, ignore_eos,
+logprobs``; a keyword left as ``None`` is unset and takes the server's default. ``timeout``
+(seconds) becomes the gRPC deadline. Every failure is a ``PdserveError`` with the gRPC code.
+Leaving a ``generate_stream`` loop early cancels the call, which frees the request's KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.api import generation_pb2, generation_pb2_grpc
+
+__all__ = ["PdserveError", "Usage", "GenerateChunk", "GenerateResult", "ModelInfo",
+           "PdserveClient", "AsyncPdserveClient", "build_generate_request"]
+
+_HEALTH_POLL_S = 0.1
+
+
+class PdserveError(Exception):
+    """A failed call: ``code`` is the ``grpc.StatusCode``, ``details`` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code  # e.g. grpc.StatusCode.INVALID_ARGUMENT
+        self.details = details  # names the field for INVALID_ARGUMENT
+
+
+def _error(exc: grpc.RpcError) -> PdserveError:
+    return PdserveError(exc.code(), exc.details() or "")
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int  # tokens in the prompt
+    completion_tokens: int  # tokens generated
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One streamed response."""
+
+    request_id: str  # set on the first chunk only ("" afterwards)
+    token_ids: list[int]  # ids generated since the previous chunk
+    text: str  # text those ids add
+    logprobs: list[dict[int, float]] | None  # per id: top id -> logprob (when requested)
+    finish_reason: str | None  # "stop" | "length" | "abort" on the last chunk, else None
+    usage: Usage | None  # on the last chunk, else None
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """A whole generation, the chunks concatenated."""
+
+    request_id: str  # the server's id for the request
+    text: str  # generated text
+    token_ids: list[int]  # generated ids (prompt excluded)
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    usage: Usage | None  # prompt and completion token counts
+    logprobs: list[dict[int, float]] | None  # per generated id, when requested
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str  # served model's name
+    max_context_tokens: int  # prompt + generated tokens at most
+    vocab_size: int  # valid token ids are [0, vocab_size)
+    eos_token_ids: list[int]  # ids that end generation unless ignore_eos
+
+
+def build_generate_request(
+        prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int | None = None,
+        temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+        min_p: float | None = None, repetition_penalty: float | None = None,
+        presence_penalty: float | None = None, frequency_penalty: float | None = None,
+        seed: int | None = None, stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
+        logprobs: int | None = None) -> generation_pb2.GenerateRequest:
+    """The request proto for a prompt and OpenAI-like sampling keywords (``None`` = unset)."""
+    request = generation_pb2.GenerateRequest(request_id=request_id or "")
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.SetInParent()  # an empty list still selects token_ids
+        request.token_ids.ids.extend(prompt)
+    scalars = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+               "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
+               "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+               "seed": seed, "ignore_eos": ignore_eos, "logprobs": logprobs}
+    for name, value in scalars.items():
+        if value is not None:
+            setattr(request.sampling, name, value)
+    if stop is not None:
+        request.sampling.stop.extend([stop] if isinstance(stop, str) else stop)
+    if stop_token_ids is not None:
+        request.sampling.stop_token_ids.extend(stop_token_ids)
+    return request
+
+
+def _chunk(response: generation_pb2.GenerateResponse) -> GenerateChunk:
+    logprobs = None
+    if len(response.logprobs):
+        logprobs = [{top.token_id: top.logprob for top in entry.top}
+                    for entry in response.logprobs]
+        for token_id, entry, top in zip(response.token_ids, response.logprobs, logprobs,
+                                        strict=False):
+            if entry.HasField("logprob"):
+                top.setdefault(token_id, entry.logprob)
+    usage = None
+    if response.HasField("usage"):
+        usage = Usage(response.usage.prompt_tokens, response.usage.completion_tokens)
+    return GenerateChunk(request_id=response.request_id, token_ids=list(response.token_ids),
+                         text=response.text, logprobs=logprobs,
+                         finish_reason=response.finish_reason or None, usage=usage)
+
+
+class _Collector:
+    """Concatenates chunks into a ``GenerateResult``."""
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = None
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+
+    def add(self, chunk: GenerateChunk) -> None:
+        self.request_id = self.request_id or chunk.request_id
+        self.texts.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + chunk.logprobs
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.usage = chunk.usage or self.usage
+
+    def result(self) -> GenerateResult:
+        return GenerateResult(request_id=self.request_id, text="".join(self.texts),
+                              token_ids=self.token_ids, finish_reason=self.finish_reason,
+                              usage=self.usage, logprobs=self.logprobs)
+
+
+def _model_info(reply: generation_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(model_name=reply.model_name, max_context_tokens=reply.max_context_tokens,
+                     vocab_size=reply.vocab_size, eos_token_ids=list(reply.eos_token_ids))
+
+
+def _status_name(reply: health_pb2.HealthCheckResponse) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+class PdserveClient:
+    """Blocking client; ``timeout`` is the default deadline in seconds for every call."""
+
+    def __init__(self, target: str, *, timeout: float | None = None,
+                 options: Sequence[tuple[str, object]] = ()) -> None:
+        self._timeout = timeout
+        self._channel = grpc.insecure_channel(target, options=list(options))
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self._timeout if timeout is None else timeout
+
+    def __enter__(self) -> PdserveClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                 request_id: str = "", **sampling) -> GenerateResult:
+        """Generate to the end and return the concatenated result."""
+        collector = _Collector()
+        for chunk in self.generate_stream(prompt, timeout=timeout, request_id=request_id,
+                                          **sampling):
+            collector.add(chunk)
+        return collector.result()
+
+    def generate_stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                        request_id: str = "", **sampling) -> Iterator[GenerateChunk]:
+        """Yield chunks as the server streams them; breaking out of the loop cancels."""
+        request = build_generate_request(prompt, request_id=request_id, **sampling)
+        call = self._stub.Generate(request, timeout=self._deadline(timeout))
+        try:
+            for response in call:
+                yield _chunk(response)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()  # no-op once the call has finished
+
+    def tokenize(self, text: str, *, timeout: float | None = None) -> list[int]:
+        try:
+            reply = self._stub.Tokenize(generation_pb2.TokenizeRequest(text=text),
+                                        timeout=self._deadline(timeout))
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return list(reply.token_ids)
+
+    def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        try:
+            reply = self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(),
+                                            timeout=self._deadline(timeout))
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return _model_info(reply)
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The server's health status name: "SERVING", "NOT_SERVING", ..."""
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                       timeout=self._deadline(timeout))
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return _status_name(reply)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until health is SERVING; ``PdserveError(DEADLINE_EXCEEDED)`` after ``timeout``."""
+        end = time.monotonic() + timeout
+        last = "UNKNOWN"
+        while time.monotonic() < end:
+            try:
+                last = self.health(timeout=max(0.01, min(1.0, end - time.monotonic())))
+                if last == "SERVING":
+                    return
+            except PdserveError as exc:
+                last = exc.code.name
+            time.sleep(_HEALTH_POLL_S)
+        raise PdserveError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"server not SERVING after {timeout} s (last: {last})")
+
+
+class AsyncPdserveClient:
+    """asyncio client; create it inside the event loop that uses it."""
+
+    def __init__(self, target: str, *, timeout: float | None = None,
+                 options: Sequence[tuple[str, object]] = ()) -> None:
+        self._timeout = timeout
+        self._channel = grpc.aio.insecure_channel(target, options=list(options))
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self._timeout if timeout is None else timeout
+
+    async def __aenter__(self) -> AsyncPdserveClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                       request_id: str = "", **sampling) -> GenerateResult:
+        """Generate to the end and return the concatenated result."""
+        collector = _Collector()
+        async for chunk in self.generate_stream(prompt, timeout=timeout, request_id=request_id,
+                                                **sampling):
+            collector.add(chunk)
+        return collector.result()
+
+    async def generate_stream(self, prompt: str | Sequence[int], *,
+                              timeout: float | None = None, request_id: str = "",
+                              **sampling) -> AsyncIterator[GenerateChunk]:
+        """Yield chunks as the server streams them; leaving early cancels the call."""
+        request = build_generate_request(prompt, request_id=request_id, **sampling)
+        call = self._stub.Generate(request, timeout=self._deadline(timeout))
+        try:
+            async for response in call:
+                yield _chunk(response)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    async def tokenize(self, text: str, *, timeout: float | None = None) -> list[int]:
+        try:
+            reply = await self._stub.Tokenize(generation_pb2.TokenizeRequest(text=text),
+                                              timeout=self._deadline(timeout))
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return list(reply.token_ids)
+
+    async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        try:
+            reply = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(),
+                                                  timeout=self._deadline(timeout))
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return _model_info(reply)
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The server's health status name: "SERVING", "NOT_SERVING", ..."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                             timeout=self._deadline(timeout))
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return _status_name(reply)
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait until health is SERVING; ``PdserveError(DEADLINE_EXCEEDED)`` after ``timeout``."""
+        end = time.monotonic() + timeout
+        last = "UNKNOWN"
+        while time.monotonic() < end:
+            try:
+                last = await self.health(timeout=max(0.01, min(1.0, end - time.monotonic())))
+                if last == "SERVING":
+                    return
+            except PdserveError as exc:
+                last = exc.code.name
+            await asyncio.sleep(_HEALTH_POLL_S)
+        raise PdserveError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"server not SERVING after {timeout} s (last: {last})")

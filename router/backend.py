@@ -1,0 +1,103 @@
+"""What the gRPC front door needs from whatever generates tokens behind it.
+
+Two implementations are planned: an in-process engine (colocated, one process) and the
+disaggregated router core (prefill + decode workers). ``pdserve.router.fake_backend`` is a
+model-free one for tests and for measuring the streaming overhead.
+
+Call order for one request, as ``pdserve.router.grpc_server`` makes it:
+
+1. ``is_ready()`` is true (else UNAVAILABLE) and ``model_info()`` gives the limits validation
+   checks against.
+2. ``tokenize(text)`` when the prompt came as text.
+3. ``generate(request_id, prompt_token_ids, params, deadline)`` is iterated; admission
+   failures (``QueueFullError``, ``RequestTooLargeError``, ``NoWorkersError`` from
+   ``pdserve.router.errors``) are raised from the first ``__anext__``. Each item is a
+   ``GenerationDelta``; the last one has ``finish_reason`` set and nothing follows it.
+4. If the stream ends any other way (client cancel, deadline, error, server stop),
+   ``abort(request_id)`` is awaited exactly once and the iterator is closed. ``abort`` must be
+   idempotent and must free everything the request holds (KV blocks on every worker).
+
+A backend must not block the event loop: ``generate`` buffers deltas for slow clients rather
+than making its engine wait on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from pdserve.engine.sampling_params import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The served model's limits, as validation and GetModelInfo need them."""
+
+    model_name: str  # name reported to clients
+    max_context_tokens: int  # prompt + generated tokens at most
+    vocab_size: int  # valid token ids are [0, vocab_size)
+    eos_token_ids: tuple[int, ...] = ()  # ids that end generation unless ignore_eos
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_context_tokens, int) or self.max_context_tokens < 2:
+            raise ValueError(f"max_context_tokens must be an integer >= 2, "
+                             f"got {self.max_context_tokens!r}")
+        if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive integer, got {self.vocab_size!r}")
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        for token_id in self.eos_token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"eos_token_ids must be in [0, {self.vocab_size}), "
+                                 f"got {token_id!r}")
+
+
+@dataclass
+class GenerationDelta:
+    """Tokens generated since the previous delta of the same request."""
+
+    token_ids: list[int]  # new ids, in order (may be empty, e.g. a bare finish)
+    text: str = ""  # text those ids add (stop strings already cut)
+    logprobs: list[dict[int, float]] | None = None  # per id in token_ids: top id -> logprob
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta only
+
+    def __post_init__(self) -> None:
+        if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, "
+                             f"got {self.finish_reason!r}")
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"logprobs must have one entry per token id "
+                             f"({len(self.token_ids)}), got {len(self.logprobs)}")
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """Generates tokens for validated requests; see the module docstring for the call order."""
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 deadline: float | None) -> AsyncIterator[GenerationDelta]:
+        """Stream the request's deltas; an ``async def`` with ``yield`` fits.
+
+        ``deadline`` is a ``time.monotonic()`` instant after which the request is worthless
+        (``None`` = no deadline); the server also enforces it and then calls ``abort``.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop the request and free what it holds; a no-op when unknown or finished."""
+        ...
+
+    async def tokenize(self, text: str) -> list[int]:
+        """The prompt's token ids, as the engine would see them (special tokens included)."""
+        ...
+
+    def model_info(self) -> ModelSpec:
+        """The served model's limits; called per request, so keep it cheap."""
+        ...
+
+    def is_ready(self) -> bool:
+        """True once workers can take requests; polled for the health service."""
+        ...
+

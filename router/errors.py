@@ -1,0 +1,54 @@
+"""Errors the router raises or receives from a backend, each mapped to one gRPC status code.
+
+The mapping (applied by ``pdserve.router.grpc_server``) follows DESIGN.md section 4:
+
+| exception                 | gRPC code          | when                                           |
+|---------------------------|--------------------|------------------------------------------------|
+| RequestValidationError    | INVALID_ARGUMENT   | bad input; the message names the field         |
+| QueueFullError            | RESOURCE_EXHAUSTED | admission queue full (retry later)             |
+| RequestTooLargeError      | RESOURCE_EXHAUSTED | the request can never fit any worker           |
+| NoWorkersError            | UNAVAILABLE        | no workers, backend not ready, or draining     |
+| DuplicateRequestError     | ALREADY_EXISTS     | the request_id is already in flight            |
+| DeadlineExceededError     | DEADLINE_EXCEEDED  | the request's deadline passed                  |
+
+This module imports no gRPC, so backends can raise these without depending on it.
+"""
+
+from __future__ import annotations
+
+
+class RouterError(Exception):
+    """Base of the errors the gRPC front door turns into a status code."""
+
+
+class RequestValidationError(RouterError, ValueError):
+    """A request field is invalid; ``field`` is its path in the proto (``sampling.top_p``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field  # proto field path, e.g. "sampling.temperature" or "token_ids"
+        self.message = message  # what is wrong with it
+
+
+class AdmissionError(RouterError):
+    """The backend refused to admit the request."""
+
+
+class QueueFullError(AdmissionError):
+    """The admission queue is full (by requests or by tokens); the client may retry later."""
+
+
+class RequestTooLargeError(AdmissionError):
+    """The request needs more KV blocks than any worker has in total; retrying cannot help."""
+
+
+class NoWorkersError(RouterError):
+    """No worker can take the request now: none registered, not ready, or draining."""
+
+
+class DuplicateRequestError(RouterError):
+    """A request with this request_id is already in flight on this router."""
+
+
+class DeadlineExceededError(RouterError):
+    """The request's deadline passed before it finished."""

@@ -1,0 +1,347 @@
+"""The gRPC front door: ``pdserve.v1.Generation`` over ``grpc.aio``, plus health and reflection.
+
+Life of a Generate call (``GenerationServicer.Generate``):
+
+1. Refuse with UNAVAILABLE while draining or while the backend is not ready.
+2. Validate (``pdserve.router.validation``), tokenize a text prompt through the backend, check
+   the context fits; failures are INVALID_ARGUMENT naming the field.
+3. Register the request id (a duplicate in flight is ALREADY_EXISTS), then iterate
+   ``backend.generate`` and write one response chunk per delta; the last chunk carries
+   ``finish_reason`` and usage.
+4. Whatever ends the stream early (client cancel, deadline, backend error, server stop), the
+   ``finally`` awaits ``backend.abort(request_id)`` exactly once and closes the iterator.
+
+Errors map to codes as listed in ``pdserve.router.errors``; anything else is INTERNAL
+(logged with its traceback, not sent to the client).
+
+Health (``grpc.health.v1``) reports, for "" and "pdserve.v1.Generation", SERVING exactly when
+the backend is ready and ``set_serving(False)`` (draining) is not in force; a background task
+polls ``backend.is_ready()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.api import generation_pb2, generation_pb2_grpc
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.backend import GenerationBackend, GenerationDelta
+from pdserve.router.errors import (
+    DeadlineExceededError,
+    DuplicateRequestError,
+    NoWorkersError,
+    QueueFullError,
+    RequestTooLargeError,
+    RequestValidationError,
+)
+from pdserve.router.validation import fit_to_context, validate_generate_request
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+_NO_DEADLINE_S = 1e8  # time_remaining() above this means the client set no deadline
+
+_STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (RequestValidationError, grpc.StatusCode.INVALID_ARGUMENT),
+    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RequestTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NoWorkersError, grpc.StatusCode.UNAVAILABLE),
+    (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
+    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+
+
+def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and details an exception is returned as."""
+    for error_type, code in _STATUS_BY_ERROR:
+        if isinstance(exc, error_type):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"
+
+
+def _response_for(delta: GenerationDelta, num_top: int | None) -> generation_pb2.GenerateResponse:
+    response = generation_pb2.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
+    if delta.logprobs is not None and num_top is not None:
+        for token_id, top in zip(delta.token_ids, delta.logprobs, strict=True):
+            entry = response.logprobs.add()
+            if token_id in top:
+                entry.logprob = top[token_id]
+            best = sorted(top.items(), key=lambda item: -item[1])[:num_top]
+            entry.top.extend(generation_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in best)
+    return response
+
+
+async def _abort_with_status(context: grpc.aio.ServicerContext, exc: Exception,
+                             what: str) -> None:
+    """End the call with the status ``exc`` maps to (raises ``AbortError``)."""
+    code, details = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.error("%s failed", what, exc_info=exc)
+    else:
+        logger.info("%s: %s %s", what, code.name, details)
+    await context.abort(code, details)
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """Implements the three RPCs against a ``GenerationBackend``."""
+
+    def __init__(self, backend: GenerationBackend, server: GenerationServer) -> None:
+        self._backend = backend
+        self._server = server  # asked whether new requests are accepted
+        self._active: set[str] = set()  # request ids streaming now
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._active)
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> None:
+        try:
+            await self._generate(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort_with_status(context, exc, f"Generate {request.request_id!r}")
+
+    async def _generate(self, request: generation_pb2.GenerateRequest,
+                        context: grpc.aio.ServicerContext) -> None:
+        self._server.check_accepting()
+        model = self._backend.model_info()
+        validated = validate_generate_request(request, model)
+        prompt_token_ids = validated.prompt_token_ids
+        if prompt_token_ids is None:
+            prompt_token_ids = list(await self._backend.tokenize(validated.prompt_text))
+        params = fit_to_context(prompt_token_ids, validated, model)
+        remaining = context.time_remaining()
+        deadline = None
+        if remaining is not None and remaining < _NO_DEADLINE_S:
+            deadline = time.monotonic() + remaining
+        request_id = validated.request_id or uuid.uuid4().hex
+        if request_id in self._active:
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
+        self._active.add(request_id)
+        try:
+            await self._stream(request_id, prompt_token_ids, params, deadline, context)
+        finally:
+            self._active.discard(request_id)
+
+    async def _stream(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, deadline: float | None,
+                      context: grpc.aio.ServicerContext) -> None:
+        deltas = self._backend.generate(request_id, prompt_token_ids, params, deadline)
+        finished = False
+        num_generated = 0
+        try:
+            first = True
+            while not finished:
+                delta = await self._next_delta(deltas, deadline)
+                if delta is None:
+                    raise RuntimeError("backend ended the stream without a finish_reason")
+                num_generated += len(delta.token_ids)
+                finished = delta.finish_reason is not None
+                if not (delta.token_ids or delta.text or finished):
+                    continue
+                response = _response_for(delta, params.logprobs)
+                if first:
+                    response.request_id = request_id
+                    first = False
+                if finished:
+                    response.finish_reason = delta.finish_reason
+                    response.usage.prompt_tokens = len(prompt_token_ids)
+                    response.usage.completion_tokens = num_generated
+                await context.write(response)
+        finally:
+            try:
+                if not finished:
+                    await asyncio.shield(self._abort(request_id))
+            finally:
+                await self._close(deltas)
+
+    @staticmethod
+    async def _next_delta(deltas: AsyncIterator[GenerationDelta],
+                          deadline: float | None) -> GenerationDelta | None:
+        try:
+            if deadline is None:
+                return await deltas.__anext__()
+            timeout = max(0.0, deadline - time.monotonic())
+            return await asyncio.wait_for(deltas.__anext__(), timeout)
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError as exc:
+            raise DeadlineExceededError("the request's deadline passed") from exc
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self._backend.abort(request_id)
+        except Exception:
+            logger.exception("backend abort of %r failed", request_id)
+
+    @staticmethod
+    async def _close(deltas: AsyncIterator[GenerationDelta]) -> None:
+        close = getattr(deltas, "aclose", None)
+        if close is None:
+            return
+        try:
+            await close()
+        except Exception:
+            logger.exception("closing a backend stream failed")
+
+    async def Tokenize(self, request: generation_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
+        try:
+            self._check_ready()
+            token_ids = await self._backend.tokenize(request.text)
+        except Exception as exc:
+            await _abort_with_status(context, exc, "Tokenize")
+        return generation_pb2.TokenizeResponse(token_ids=token_ids)
+
+    async def GetModelInfo(self, request: generation_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> generation_pb2.ModelInfo:
+        try:
+            self._check_ready()
+            model = self._backend.model_info()
+        except Exception as exc:
+            await _abort_with_status(context, exc, "GetModelInfo")
+        return generation_pb2.ModelInfo(
+            model_name=model.model_name, max_context_tokens=model.max_context_tokens,
+            vocab_size=model.vocab_size, eos_token_ids=model.eos_token_ids)
+
+    def _check_ready(self) -> None:
+        if not self._server.backend_ready():
+            raise NoWorkersError("backend is not ready")
+
+
+class GenerationServer:
+    """Owns the ``grpc.aio`` server, its health service and the readiness poller.
+
+    Create, ``start`` and ``stop`` it inside one running event loop. ``set_serving`` may be
+    called from any thread.
+    """
+
+    def __init__(self, backend: GenerationBackend, *, health_poll_interval_s: float = 0.5,
+                 max_message_bytes: int = 16 * 1024 * 1024) -> None:
+        if health_poll_interval_s <= 0:
+            raise ValueError(f"health_poll_interval_s must be > 0, got {health_poll_interval_s}")
+        self._backend = backend
+        self._poll_s = health_poll_interval_s
+        self._max_message_bytes = max_message_bytes
+        self._servicer = GenerationServicer(backend, self)
+        self._health = health_aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None  # set to re-check health at once
+        self._poller: asyncio.Task | None = None
+        self._draining = False  # set_serving(False) in force
+        self._serving = False  # what health reports now
+        self.port: int | None = None  # bound port once started
+
+    @property
+    def is_serving(self) -> bool:
+        """What the health service reports now."""
+        return self._serving
+
+    @property
+    def num_active_requests(self) -> int:
+        return self._servicer.num_active_requests
+
+    def check_accepting(self) -> None:
+        """Raise ``NoWorkersError`` unless a new Generate may start now."""
+        if self._draining:
+            raise NoWorkersError("server is draining")
+        if not self.backend_ready():
+            raise NoWorkersError("backend is not ready")
+
+    def set_serving(self, serving: bool) -> None:
+        """``False`` drains: health NOT_SERVING, new Generate calls UNAVAILABLE. ``True`` undoes."""
+        self._draining = not serving
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def start(self, host: str = "127.0.0.1", port: int = 50051) -> int:
+        """Bind and start serving; returns the bound port (useful with ``port=0``)."""
+        if self._server is not None:
+            raise RuntimeError("server already started")
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        server = grpc.aio.server(options=[
+            ("grpc.so_reuseport", 0),  # a second server on a busy port must fail, not share it
+            ("grpc.max_receive_message_length", self._max_message_bytes),
+            ("grpc.max_send_message_length", self._max_message_bytes),
+        ])
+        generation_pb2_grpc.add_GenerationServicer_to_server(self._servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
+        address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else \
+            f"{host}:{port}"
+        bound = server.add_insecure_port(address)
+        if bound == 0:
+            raise RuntimeError(f"could not bind {address}")
+        await server.start()
+        self._server = server
+        self.port = bound
+        await self._update_health()
+        self._poller = asyncio.create_task(self._poll_health())
+        logger.info("pdserve gRPC listening on %s (bound port %d)", address, bound)
+        return bound
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Report NOT_SERVING, then stop; calls still running after ``grace`` s are cancelled."""
+        if self._server is None:
+            return
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
+            self._poller = None
+        self._serving = False
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        self._server = None
+        logger.info("pdserve gRPC server stopped")
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    def backend_ready(self) -> bool:
+        """``backend.is_ready()``, with an exception counted as not ready."""
+        try:
+            return bool(self._backend.is_ready())
+        except Exception:
+            logger.exception("backend.is_ready() failed; reporting not ready")
+            return False
+
+    async def _update_health(self) -> None:
+        serving = not self._draining and self.backend_ready()
+        if serving == self._serving:
+            return
+        self._serving = serving
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
+        logger.info("health: %s", "SERVING" if serving else "NOT_SERVING")
+
+    async def _poll_health(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self._poll_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            await self._update_health()

@@ -1,0 +1,156 @@
+"""Check a GenerateRequest before any worker sees it.
+
+Two steps, because a text prompt must be tokenized (by the backend) in between:
+
+1. ``validate_generate_request(request, model)``: request id, input present and non-empty,
+   token ids inside the vocabulary, every sampling field (reusing ``SamplingParams``' own
+   checks, NaN and infinity included).
+2. ``fit_to_context(prompt_token_ids, validated, model)``: prompt + max_tokens within the
+   model's context.
+
+Each failure raises ``RequestValidationError(field, message)`` with the proto field path
+(``sampling.top_p``, ``token_ids``), which the server returns as INVALID_ARGUMENT.
+
+Defaults for unset sampling fields are ``SamplingParams``' own: max_tokens 16, temperature 1.0
+(as OpenAI), top_p 1.0, top_k 0 (off), min_p 0, penalties neutral, seed chosen by the engine.
+An unset max_tokens is shrunk to the room left in the context when the prompt is long; an
+explicit one that does not fit is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from pdserve.api import generation_pb2
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.backend import ModelSpec
+from pdserve.router.errors import RequestValidationError
+
+__all__ = ["RequestValidationError", "ValidatedRequest", "validate_generate_request",
+           "check_request_id", "sampling_params_from_proto", "fit_to_context"]
+
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
+MAX_STOP_STRINGS = 32  # stop strings per request
+MAX_STOP_STRING_CHARS = 256  # characters per stop string
+
+# Optional scalar fields of pdserve.v1.SamplingParams, named as in SamplingParams.
+_SCALAR_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs")
+_ALL_FIELDS = frozenset(_SCALAR_FIELDS + ("stop", "stop_token_ids"))
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request that passed step 1; exactly one of the prompt fields is set."""
+
+    request_id: str  # as given; "" = the server assigns one
+    prompt_text: str | None  # the prompt when given as text (to be tokenized)
+    prompt_token_ids: list[int] | None  # the prompt when given as ids (range-checked)
+    params: SamplingParams  # sampling parameters with defaults filled in
+    max_tokens_given: bool  # False: fit_to_context may shrink max_tokens to fit
+
+    @property
+    def input_field(self) -> str:
+        """The proto field the prompt came in, for error messages."""
+        return "text" if self.prompt_text is not None else "token_ids"
+
+
+def check_request_id(request_id: str) -> None:
+    """Raise unless ``request_id`` is empty or a short id of safe characters."""
+    if not request_id:
+        return
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise RequestValidationError(
+            "request_id", f"must be at most {MAX_REQUEST_ID_CHARS} characters, "
+            f"got {len(request_id)}")
+    if not _REQUEST_ID_PATTERN.fullmatch(request_id):
+        raise RequestValidationError(
+            "request_id", f"may hold only letters, digits and . _ : -, got {request_id!r}")
+
+
+def _check_token_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
+    for index, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise RequestValidationError(
+                field, f"token id {token_id} at index {index} is outside the vocabulary "
+                f"[0, {vocab_size})")
+
+
+def _check_stop_strings(stop: list[str]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestValidationError(
+            "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for text in stop:
+        if len(text) > MAX_STOP_STRING_CHARS:
+            raise RequestValidationError(
+                "sampling.stop", f"each stop string must be at most {MAX_STOP_STRING_CHARS} "
+                f"characters, got {len(text)}")
+
+
+def sampling_params_from_proto(sampling: generation_pb2.SamplingParams,
+                               vocab_size: int) -> SamplingParams:
+    """Build ``SamplingParams`` from the proto; unset fields take its defaults."""
+    kwargs: dict[str, object] = {
+        name: getattr(sampling, name) for name in _SCALAR_FIELDS if sampling.HasField(name)}
+    stop = list(sampling.stop)
+    stop_token_ids = list(sampling.stop_token_ids)
+    _check_stop_strings(stop)
+    try:
+        params = SamplingParams(stop=stop, stop_token_ids=stop_token_ids, **kwargs)
+    except ValueError as exc:
+        # SamplingParams' messages start with the field's name.
+        name = str(exc).split(" ", 1)[0]
+        field = f"sampling.{name}" if name in _ALL_FIELDS else "sampling"
+        raise RequestValidationError(field, str(exc)) from exc
+    _check_token_ids("sampling.stop_token_ids", params.stop_token_ids, vocab_size)
+    return params
+
+
+def validate_generate_request(request: generation_pb2.GenerateRequest,
+                              model: ModelSpec) -> ValidatedRequest:
+    """Step 1: everything that can be checked before tokenization."""
+    check_request_id(request.request_id)
+    kind = request.WhichOneof("input")
+    prompt_text: str | None = None
+    prompt_token_ids: list[int] | None = None
+    if kind is None:
+        raise RequestValidationError("input", "set either text or token_ids")
+    if kind == "text":
+        if not request.text:
+            raise RequestValidationError("text", "must be non-empty")
+        prompt_text = request.text
+    else:
+        prompt_token_ids = list(request.token_ids.ids)
+        if not prompt_token_ids:
+            raise RequestValidationError("token_ids", "must hold at least one token id")
+        _check_token_ids("token_ids", prompt_token_ids, model.vocab_size)
+    params = sampling_params_from_proto(request.sampling, model.vocab_size)
+    return ValidatedRequest(
+        request_id=request.request_id, prompt_text=prompt_text,
+        prompt_token_ids=prompt_token_ids, params=params,
+        max_tokens_given=request.sampling.HasField("max_tokens"))
+
+
+def fit_to_context(prompt_token_ids: list[int], validated: ValidatedRequest,
+                   model: ModelSpec) -> SamplingParams:
+    """Step 2: the params to run with, after checking prompt + max_tokens fit the context."""
+    num_prompt = len(prompt_token_ids)
+    limit = model.max_context_tokens
+    if num_prompt == 0:
+        raise RequestValidationError(validated.input_field, "tokenizes to no tokens")
+    if num_prompt >= limit:
+        raise RequestValidationError(
+            validated.input_field, f"prompt has {num_prompt} tokens but the model's context "
+            f"is {limit}, leaving no room to generate")
+    room = limit - num_prompt
+    params = validated.params
+    if params.max_tokens <= room:
+        return params
+    if validated.max_tokens_given:
+        raise RequestValidationError(
+            "sampling.max_tokens", f"prompt ({num_prompt} tokens) + max_tokens "
+            f"({params.max_tokens}) exceeds the model's context of {limit} tokens")
+    return dataclasses.replace(params, max_tokens=room)
