@@ -106,6 +106,10 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
+    def block_hash(self, block_id: int) -> int | None:
+        """The prefix-cache hash block_id holds, or None."""
+        return self._block_hashes[block_id]
+
     # ---- prefix cache -------------------------------------------------------------------
 
     def _lookup(self, seq: Sequence) -> tuple[list[int], int]:
@@ -275,8 +279,9 @@ class BlockManager:
         if free & cached:
             problems.append(f"blocks both free and cached: {sorted(free & cached)}")
         used = {b for b in range(self._num_blocks) if self._ref_counts[b] > 0}
-        if used & (free | cached):
-            problems.append(f"blocks with refs on free/cached lists: {sorted(used & (free | cached))}")
+        listed_used = used & (free | cached)
+        if listed_used:
+            problems.append(f"blocks with refs on free/cached lists: {sorted(listed_used)}")
         if len(free) + len(cached) + len(used) != self._num_blocks:
             problems.append(f"free {len(free)} + cached {len(cached)} + used {len(used)} "
                             f"!= {self._num_blocks} blocks")

@@ -1,0 +1,333 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Lifecycle of one step (the engine drives it):
+
+1. ``schedule()``: running sequences claim the token budget in the policy's order (decodes
+   take one token, partial prefills a chunk of what is left). A sequence that cannot get
+   blocks preempts the newest unscheduled running sequence (tail first, possibly itself):
+   its blocks are freed, ``num_computed_tokens`` drops to 0 and it goes to the FRONT of
+   waiting. If no running sequence went short, waiting sequences are admitted FCFS: prefix
+   cache first (``match_prefix``), then a chunk of what remains, while ``max_num_seqs`` and
+   the budget allow. Returns a :class:`SchedulerOutput` in batch order.
+2. The model runner computes ``seq.token_ids[start : start + num_new_tokens]`` for every
+   :class:`ScheduledSequence`; the engine samples one token for those whose ``samples`` is
+   True.
+3. ``update(output)``: advance ``num_computed_tokens``, register full blocks in the prefix
+   cache, free blocks that left the sliding window. Call it before ``finish``.
+4. The engine appends sampled tokens, decides stop, and calls ``finish(seq, status)`` (or
+   ``hand_off`` on a prefill worker, whose blocks then belong to the KV sender).
+
+Queues: ``waiting`` (deque, FCFS, status WAITING, no blocks) and ``running`` (list in
+admission order, status RUNNING, blocks cover ``num_computed_tokens``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.scheduling_policy import (
+    DecodeOnlyPolicy,
+    PrefillOnlyPolicy,
+    SchedulingPolicy,
+)
+from pdserve.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DecodeOnlyPolicy", "PrefillOnlyPolicy", "ScheduledSequence", "Scheduler",
+           "SchedulerConfig", "SchedulerOutput", "SchedulingPolicy"]
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Limits of one scheduler; validated on construction."""
+
+    max_num_seqs: int = 256  # sequences in one step at most
+    max_num_batched_tokens: int = 2048  # tokens in one step at most (chunked prefill budget)
+    max_model_len: int  # context limit (prompt + output)
+    enable_chunked_prefill: bool = True  # split long prompts over steps
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 2)
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be a bool, "
+                             f"got {self.enable_chunked_prefill!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                             f">= max_model_len ({self.max_model_len}) when chunked prefill is "
+                             f"off, or a long prompt could never be scheduled")
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step."""
+
+    seq: Sequence  # the sequence, its block table already covers the new tokens
+    num_new_tokens: int  # computes seq.token_ids[start : start + num_new_tokens]
+    start: int = field(init=False)  # seq.num_computed_tokens when scheduled (first position)
+    samples: bool = field(init=False)  # the chunk reaches the end of token_ids: sample a token
+
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens >= self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner computes this step."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)  # batch order
+    preempted: list[Sequence] = field(default_factory=list)  # preempted in this schedule()
+    num_batched_tokens: int = 0  # sum of num_new_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def _add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.scheduled.append(ScheduledSequence(seq, num_new_tokens))
+        self.num_batched_tokens += num_new_tokens
+
+
+def _remove(items: list[Sequence] | deque[Sequence], seq: Sequence) -> bool:
+    """Remove seq by identity (dataclass equality compares every field)."""
+    for i, item in enumerate(items):
+        if item is seq:
+            del items[i]
+            return True
+    return False
+
+
+class Scheduler:
+    """Owns the waiting and running queues of one engine and decides each step's batch."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 policy: SchedulingPolicy | None = None):
+        self.config = config
+        self.block_manager = block_manager
+        self.policy = policy if policy is not None else SchedulingPolicy()
+        self.waiting: deque[Sequence] = deque()  # FCFS; preempted ones go to the front
+        self.running: list[Sequence] = []  # admission order; the tail is preempted first
+        self._seqs: dict[str, Sequence] = {}  # request_id -> every waiting or running seq
+        self.num_preemptions = 0  # preemptions since start
+
+    # ---- counts -------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    # ---- entry points -------------------------------------------------------------------
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise ValueError if seq alone could never be served by this scheduler's pool."""
+        bm, cfg = self.block_manager, self.config
+        prompt_len = seq.num_prompt_tokens
+        if prompt_len < 1:
+            raise ValueError("prompt length must be at least 1 token")
+        if prompt_len > cfg.max_model_len - 1:
+            raise ValueError(f"prompt length ({prompt_len}) exceeds max_model_len - 1 "
+                             f"({cfg.max_model_len - 1}); one position is kept for output")
+        max_tokens = seq.sampling_params.max_tokens
+        total = min(prompt_len + max_tokens, cfg.max_model_len)
+        blocks = -(-total // bm.block_size)
+        if bm.sliding_window is not None and cfg.enable_chunked_prefill:
+            blocks = min(blocks, -(-bm.sliding_window // bm.block_size) + 2)
+        if blocks > bm.num_blocks:
+            raise ValueError(f"prompt length + max_tokens ({prompt_len} + {max_tokens}) needs "
+                             f"{blocks} KV blocks of {bm.block_size} tokens, more than the "
+                             f"{bm.num_blocks} blocks in the pool")
+
+    def _track(self, seq: Sequence) -> None:
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request_id {seq.request_id!r} is already scheduled")
+        self._seqs[seq.request_id] = seq
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new prompt. ValueError if it can never fit or the role takes no prompts."""
+        if not self.policy.accepts_prompts:
+            raise ValueError(f"a {self.policy.name} scheduler takes no prompts; use add_running")
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"{seq.request_id}: a new sequence must hold no blocks and no "
+                             f"computed tokens")
+        self.check_fits(seq)
+        self._track(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Join a sequence whose KV is already in its blocks (decode worker after commit)."""
+        if not self.policy.accepts_running:
+            raise ValueError(f"a {self.policy.name} scheduler takes no running sequences")
+        if self.block_manager.blocks_needed(seq, 0):
+            raise ValueError(f"{seq.request_id}: block_table ({len(seq.block_table)} blocks) "
+                             f"does not cover num_computed_tokens ({seq.num_computed_tokens})")
+        self.check_fits(seq)
+        self._track(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _drop(self, seq: Sequence) -> bool:
+        """Forget seq (queues only, blocks untouched); False if it was not tracked."""
+        if self._seqs.get(seq.request_id) is not seq:
+            return False
+        del self._seqs[seq.request_id]
+        if not _remove(self.running, seq):
+            _remove(self.waiting, seq)
+        return True
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End seq: drop it from the queues, free its blocks, set a finished status once."""
+        if not SequenceStatus(status).is_finished:
+            raise ValueError(f"status must be a finished status, got {status!r}")
+        self._drop(seq)
+        self.block_manager.free(seq)
+        if not seq.is_finished:
+            seq.status = status
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Abort a waiting or running request; None if unknown or already finished."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        logger.debug("aborted %s", request_id)
+        return seq
+
+    def hand_off(self, seq: Sequence, status: SequenceStatus = SequenceStatus.SENDING_KV) -> None:
+        """Drop seq from the queues but keep its blocks: the caller now owns and frees them."""
+        if not self._drop(seq):
+            raise ValueError(f"{seq.request_id} is not scheduled here")
+        seq.status = status
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget, short = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not short:  # never admit while the running set is short of blocks
+            self._schedule_waiting(out, budget)
+        now = time.monotonic()
+        for item in out.scheduled:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = now
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Give running sequences their tokens; returns (budget left, went short of blocks)."""
+        cfg, short = self.config, False
+        for seq in self.policy.order_running(self.running):
+            if budget <= 0 or len(out.scheduled) >= cfg.max_num_seqs:
+                break
+            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = self.policy.num_new_tokens(seq, seq.num_computed_tokens, budget,
+                                           cfg.enable_chunked_prefill)
+            if n <= 0:
+                continue
+            if not self.block_manager.can_allocate(seq, n):
+                short = True
+                n = self._make_room(seq, n, out)
+                if n == 0:
+                    continue
+            self.block_manager.allocate(seq, n)
+            out._add(seq, n)
+            budget -= n
+        return budget, short
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
+        """Preempt newest unscheduled sequences until seq's n tokens fit.
+
+        When seq itself is the newest, shrink its chunk to what fits, or preempt it when not
+        even one token fits. Returns the tokens seq computes now (0 = seq was preempted).
+        """
+        bm = self.block_manager
+        while not bm.can_allocate(seq, n):
+            scheduled = {id(item.seq) for item in out.scheduled}
+            candidates = [s for s in self.running if id(s) not in scheduled]
+            victim = self.policy.pick_victim(candidates)
+            if not any(victim is s for s in candidates):
+                raise RuntimeError(f"policy {self.policy.name} picked a victim outside the "
+                                   f"unscheduled running sequences")
+            if victim is seq:
+                fit = min(n, bm.num_allocatable_tokens(seq))
+                if fit >= 1 and self.config.enable_chunked_prefill:
+                    return fit
+                self._preempt(seq, out)
+                return 0
+            self._preempt(victim, out)
+        return n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        _remove(self.running, seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        logger.debug("preempted %s (recompute %d tokens)", seq.request_id, seq.num_tokens)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences FCFS while seats, budget and blocks allow."""
+        cfg, bm = self.config, self.block_manager
+        while (budget > 0 and len(self.running) < cfg.max_num_seqs
+               and len(out.scheduled) < cfg.max_num_seqs):
+            seq = self.policy.next_waiting(self.waiting)
+            if seq is None:
+                break
+            hit = bm.lookup_prefix(seq)
+            n = self.policy.num_new_tokens(seq, hit, budget, cfg.enable_chunked_prefill)
+            if n <= 0:
+                break
+            room = bm.admission_room(seq)
+            if room < n:
+                # Alone, a chunk shrinks to what fits so a sliding-window request progresses.
+                if self.running or not cfg.enable_chunked_prefill or room < 1:
+                    break
+                n = room
+            _remove(self.waiting, seq)
+            bm.match_prefix(seq)
+            bm.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out._add(seq, n)
+            budget -= n
+
+    def update(self, output: SchedulerOutput) -> None:
+        """After the model ran: advance progress, cache full blocks, free out-of-window blocks."""
+        bm = self.block_manager
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.is_finished:  # finished or aborted between schedule and update
+                continue
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            if seq.num_computed_tokens > seq.num_tokens:
+                raise RuntimeError(f"{seq.request_id}: computed {seq.num_computed_tokens} of "
+                                   f"{seq.num_tokens} tokens")
+            bm.cache_computed_blocks(seq)
+            bm.free_out_of_window(seq)

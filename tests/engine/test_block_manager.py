@@ -1,0 +1,305 @@
+"""BlockManager: unit cases, then a hypothesis state machine with a shadow KV cache.
+
+The state machine writes, for every computed token, the prefix it depends on into a shadow
+copy of the pool, and checks every key a query reads against it: a prefix-cache hit must
+hold exactly the sequence's tokens, a sliding window must never free a key still visible.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
+
+
+def make_seq(request_id: str, token_ids: list[int]) -> Sequence:
+    return Sequence(request_id, list(token_ids), SamplingParams(max_tokens=4))
+
+
+def compute(bm: BlockManager, seq: Sequence, n: int) -> None:
+    """Allocate and 'run' n tokens the way the scheduler and engine do."""
+    bm.allocate(seq, n)
+    seq.num_computed_tokens += n
+    bm.cache_computed_blocks(seq)
+    bm.free_out_of_window(seq)
+
+
+def test_counts_and_validation():
+    bm = BlockManager(8, 4)
+    assert (bm.num_blocks, bm.block_size, bm.num_free_blocks) == (8, 4, 8)
+    assert bm.num_cached_blocks == bm.num_used_blocks == 0
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockManager(0, 4)
+    with pytest.raises(ValueError, match="block_size"):
+        BlockManager(4, 0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        BlockManager(4, 4, sliding_window=0)
+
+
+def test_allocate_extends_table_and_raises_without_room():
+    bm = BlockManager(3, 4)
+    seq = make_seq("a", list(range(10)))
+    assert bm.blocks_needed(seq, 10) == 3
+    bm.allocate(seq, 5)
+    assert len(seq.block_table) == 2
+    assert bm.blocks_needed(seq, 3) == 0  # 8 tokens still fit in 2 blocks
+    other = make_seq("b", list(range(9)))
+    bm.allocate(other, 4)
+    assert not bm.can_allocate(seq, 10)
+    with pytest.raises(RuntimeError, match="allocatable"):
+        bm.allocate(seq, 10)
+    bm.free(seq)
+    bm.free(other)
+    bm.free(other)  # idempotent on an empty table
+    assert seq.block_table == [] and bm.num_used_blocks == 0
+    bm.check_invariants()
+
+
+def test_prefix_hit_shares_blocks_and_keeps_one_token_to_compute():
+    bm = BlockManager(16, 4)
+    prompt = list(range(100, 112))  # 3 full blocks
+    first = make_seq("a", prompt)
+    assert bm.match_prefix(first) == 0
+    compute(bm, first, 12)
+    second = make_seq("b", prompt)  # identical: the last block must be recomputed
+    assert bm.lookup_prefix(second) == 8
+    assert bm.match_prefix(second) == 8
+    assert second.block_table == first.block_table[:2]
+    assert second.num_computed_tokens == second.num_cached_tokens == 8
+    assert [bm.ref_count(b) for b in first.block_table] == [2, 2, 1]
+    compute(bm, second, 4)  # same content as first's block 2: hash stays with first's block
+    assert bm.block_hash(second.block_table[2]) is None
+    third = make_seq("c", prompt + [7])
+    assert bm.match_prefix(third) == 12
+    assert third.block_table == first.block_table
+    assert (bm.num_prefix_queries, bm.num_prefix_hit_tokens) == (3, 20)
+    for seq in (first, second, third):
+        bm.free(seq)
+    assert bm.num_used_blocks == 0 and bm.num_cached_blocks == 3
+    bm.check_invariants()
+
+
+def test_cached_blocks_revive_and_evict_lru_tails_first():
+    bm = BlockManager(4, 2)
+    seq = make_seq("a", [1, 2, 3, 4, 5, 6, 7])
+    bm.match_prefix(seq)
+    compute(bm, seq, 7)
+    table = list(seq.block_table)
+    bm.free(seq)
+    assert bm.num_cached_blocks == 3 and bm.num_free_blocks == 1
+    # A newcomer with another prefix takes the free block, then evicts the chain's tail.
+    other = make_seq("b", [9] * 5)
+    bm.match_prefix(other)
+    bm.allocate(other, 5)
+    assert other.block_table == [3, table[2], table[1]]
+    assert bm.num_allocatable_blocks == 1 and bm.block_hash(table[0]) is not None
+    bm.free(other)
+    # The head survived: a request sharing it revives it from the cache.
+    again = make_seq("c", [1, 2, 8])
+    assert bm.admission_room(again) == 3 * 2  # 4 allocatable, one revived
+    assert bm.match_prefix(again) == 2 and again.block_table == [table[0]]
+    assert bm.num_cached_blocks == 0 and bm.num_used_blocks == 1
+    bm.free(again)
+    bm.check_invariants()
+
+
+def test_prefix_caching_off_never_hits():
+    bm = BlockManager(8, 2, enable_prefix_caching=False)
+    a = make_seq("a", [1, 2, 3, 4, 5])
+    bm.match_prefix(a)
+    compute(bm, a, 5)
+    b = make_seq("b", [1, 2, 3, 4, 5])
+    assert bm.match_prefix(b) == 0
+    bm.free(a)
+    assert bm.num_cached_blocks == 0 and bm.num_free_blocks == 8
+
+
+def test_sliding_window_frees_only_blocks_no_future_query_sees():
+    bm = BlockManager(16, 2, sliding_window=4)
+    seq = make_seq("a", list(range(20)))
+    bm.match_prefix(seq)
+    compute(bm, seq, 6)  # next query at 6 sees keys 3..6: block 0 (keys 0, 1) is dead
+    assert seq.block_table[0] is None and seq.block_table[1] is not None
+    compute(bm, seq, 1)  # next query at 7 sees keys 4..7: block 1 (keys 2, 3) is dead
+    assert seq.block_table[:2] == [None, None] and seq.block_table[2] is not None
+    assert bm.free_out_of_window(seq) == 0
+    compute(bm, seq, 13)
+    assert sum(b is not None for b in seq.block_table) <= 3
+    bm.free(seq)
+    assert bm.num_used_blocks == 0
+    bm.check_invariants()
+
+
+def test_sliding_window_prefix_hit_skips_dead_blocks():
+    bm = BlockManager(16, 2, sliding_window=3)
+    a = make_seq("a", list(range(11)))
+    bm.match_prefix(a)
+    compute(bm, a, 4)  # blocks 0, 1 hashed while still live; block 0 then freed (dead)
+    compute(bm, a, 6)
+    b = make_seq("b", list(range(10)) + [99])
+    assert a.block_table[:4] == [None] * 4
+    # All 5 full blocks hit; at 10 computed tokens keys 0..7 are dead, so only block 4 lives.
+    assert bm.match_prefix(b) == 10
+    assert b.block_table == [None] * 4 + [a.block_table[4]]
+    assert bm.ref_count(a.block_table[4]) == 2
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_used_blocks == 0
+    bm.check_invariants()
+
+
+def test_chain_hash_is_the_same_in_every_process():
+    code = ("from pdserve.engine.block_manager import _chain_hash;"
+            "print(_chain_hash(_chain_hash(0, [1, 2, 3]), [4, 5, 6]))")
+    outs = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                text=True, check=True).stdout)
+    assert len(outs) == 1
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] * 2,
+           [1, 2, 3, 4, 9, 9, 9, 9, 5, 5, 5, 5, 6, 6, 6, 6] * 2,
+           [7] * 32]
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random admit/allocate/compute/append/free/window-free over shared prefixes."""
+
+    @initialize(num_blocks=st.integers(3, 24), block_size=st.sampled_from([1, 2, 4]),
+                window=st.none() | st.integers(1, 12), prefix_caching=st.booleans())
+    def setup(self, num_blocks, block_size, window, prefix_caching):
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching, window)
+        self.live: dict[str, Sequence] = {}
+        self.freed: list[Sequence] = []
+        self.shadow: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, slot) -> prefix
+        self.next_id = 0
+
+    def _pick(self, index: int) -> Sequence:
+        return self.live[sorted(self.live)[index % len(self.live)]]
+
+    @rule(prompt=st.integers(0, len(PROMPTS) - 1), keep=st.integers(1, 32),
+          tail=st.lists(st.integers(0, 3), max_size=6))
+    def admit(self, prompt, keep, tail):
+        seq = make_seq(f"r{self.next_id}", PROMPTS[prompt][:keep] + tail)
+        self.next_id += 1
+        expected, room = self.bm.lookup_prefix(seq), self.bm.admission_room(seq)
+        hit = self.bm.match_prefix(seq)
+        assert hit == expected < seq.num_tokens and hit % self.bm.block_size == 0
+        assert self.bm.num_allocatable_tokens(seq) == room
+        for i, block in enumerate(seq.block_table):  # a hit holds exactly this prefix
+            if block is None:
+                continue
+            for slot in range(self.bm.block_size):
+                pos = i * self.bm.block_size + slot
+                assert self.shadow[(block, slot)] == tuple(seq.token_ids[:pos + 1])
+        self.live[seq.request_id] = seq
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 99), want=st.integers(1, 12))
+    def allocate_and_compute(self, index, want):
+        seq = self._pick(index)
+        n = min(want, seq.num_uncomputed_tokens)
+        if n == 0:
+            return
+        if not self.bm.can_allocate(seq, n):
+            with pytest.raises(RuntimeError):
+                self.bm.allocate(seq, n)
+            return
+        self.bm.allocate(seq, n)
+        self._run(seq, n)
+        self.bm.cache_computed_blocks(seq)
+
+    def _run(self, seq: Sequence, n: int) -> None:
+        """Check every key the n queries read, then write their K/V into the shadow pool."""
+        bs, window, start = self.bm.block_size, self.bm.sliding_window, seq.num_computed_tokens
+        for pos in range(start, start + n):
+            block = seq.block_table[pos // bs]
+            assert block is not None and self.bm.ref_count(block) == 1  # never write shared
+            self.shadow[(block, pos % bs)] = tuple(seq.token_ids[:pos + 1])
+            low = 0 if window is None else max(0, pos - window + 1)
+            for key in range(low, pos + 1):
+                kblock = seq.block_table[key // bs]
+                assert kblock is not None, f"key {key} of query {pos} was freed"
+                assert self.shadow[(kblock, key % bs)] == tuple(seq.token_ids[:key + 1])
+        seq.num_computed_tokens += n
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 99), token=st.integers(0, 3))
+    def append_token(self, index, token):
+        seq = self._pick(index)
+        if seq.num_uncomputed_tokens == 0:
+            seq.append_token(token)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 99))
+    def window_free(self, index):
+        seq = self._pick(index)
+        before = self.bm.num_used_blocks
+        freed = self.bm.free_out_of_window(seq)
+        if self.bm.sliding_window is None:
+            assert freed == 0
+        assert self.bm.num_used_blocks <= before
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 99))
+    def free(self, index):
+        seq = self._pick(index)
+        self.bm.free(seq)
+        assert seq.block_table == []
+        self.bm.free(seq)  # idempotent
+        del self.live[seq.request_id]
+        self.freed.append(seq)
+
+    @invariant()
+    def blocks_are_consistent(self):
+        if not hasattr(self, "bm"):
+            return
+        bm = self.bm
+        bm.check_invariants()
+        assert bm.num_free_blocks + bm.num_cached_blocks + bm.num_used_blocks == bm.num_blocks
+        holders: dict[int, int] = {}
+        for seq in self.live.values():
+            live = [b for b in seq.block_table if b is not None]
+            assert len(live) == len(set(live)), "a block twice in one table"
+            first_live = next((i for i, b in enumerate(seq.block_table) if b is not None),
+                              len(seq.block_table))
+            assert all(b is not None for b in seq.block_table[first_live:]), "None after live"
+            assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
+            for b in live:
+                holders[b] = holders.get(b, 0) + 1
+        for b in range(bm.num_blocks):
+            assert bm.ref_count(b) == holders.get(b, 0)
+            if holders.get(b, 0) > 1:
+                assert bm.block_hash(b) is not None, "shared block outside the prefix cache"
+        assert all(seq.block_table == [] for seq in self.freed)
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for seq in self.live.values():
+            self.bm.free(seq)
+        assert self.bm.num_used_blocks == 0
+        self.bm.check_invariants()
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+test_block_manager_state_machine = BlockManagerMachine.TestCase
