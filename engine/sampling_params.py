@@ -1,24 +1,55 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters, validated on construction.
+
+Every invalid value raises ``ValueError`` whose message starts with the field's name. Numbers are
+strict: bools are never numbers, integer fields take integers only (``numbers.Integral``, so
+numpy integers too, never ``1.0``), float fields take finite reals (ints too). Values are
+normalized to builtin ``int`` / ``float`` / ``list`` so they serialize cleanly. ``stop`` accepts a
+single string or ``None``; ``stop_token_ids`` accepts ``None``. Validation runs in
+``__post_init__``: build a new object (``dataclasses.replace``) rather than mutate one.
+"""
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _check_number(name: str, value, low: float | None = None, high: float | None = None,
-                  low_open: bool = False, integer: bool = False) -> None:
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
-    if not integer and not math.isfinite(value):
+def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value!r}")
+    return value
+
+
+def _check_float(name: str, value, low: float | None = None, high: float | None = None,
+                 low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     if low is not None and (value <= low if low_open else value < low):
         raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
     if high is not None and value > high:
         raise ValueError(f"{name} must be <= {high}, got {value!r}")
+    return value
+
+
+def _check_list(name: str, value) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return list(value)
 
 
 @dataclass
@@ -29,47 +60,45 @@ class SamplingParams:
     are keyed by (``seed``, output position); with ``seed=None`` the engine picks one.
     """
 
-    max_tokens: int = 16  # generated tokens at most
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    max_tokens: int = 16  # generated tokens at most, >= 1
+    temperature: float = 1.0  # >= 0; 0 (anything < 1e-5) = greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 = off
-    min_p: float = 0.0  # drop tokens below min_p * p(most likely)
-    repetition_penalty: float = 1.0  # >1 discourages tokens seen in prompt or output
-    presence_penalty: float = 0.0  # subtracted once from logits of tokens already generated
-    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
-    seed: int | None = None  # random stream key; None = chosen by the engine
+    min_p: float = 0.0  # in [0, 1]: drop tokens below min_p * p(most likely); 0 = off
+    repetition_penalty: float = 1.0  # > 0; >1 discourages tokens seen in prompt or output
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from generated tokens' logits
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in generated tokens
+    seed: int | None = None  # random stream key (int64 range); None = chosen by the engine
     stop: list[str] = field(default_factory=list)  # stop strings, not included in the text
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end generation
     ignore_eos: bool = False  # keep going past the model's end-of-sequence ids
-    logprobs: int | None = None  # return this many top log-probabilities per token
+    logprobs: int | None = None  # return this many (0..20) top log-probabilities per token
 
     def __post_init__(self) -> None:
-        _check_number("max_tokens", self.max_tokens, low=1, integer=True)
-        _check_number("temperature", self.temperature, low=0)
-        _check_number("top_p", self.top_p, low=0, high=1, low_open=True)
-        _check_number("top_k", self.top_k, low=0, integer=True)
-        _check_number("min_p", self.min_p, low=0, high=1)
-        _check_number("repetition_penalty", self.repetition_penalty, low=0, low_open=True)
-        _check_number("presence_penalty", self.presence_penalty, low=-2, high=2)
-        _check_number("frequency_penalty", self.frequency_penalty, low=-2, high=2)
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1)
+        self.temperature = _check_float("temperature", self.temperature, low=0)
+        self.top_p = _check_float("top_p", self.top_p, low=0, high=1, low_open=True)
+        self.top_k = _check_int("top_k", self.top_k, low=0)
+        self.min_p = _check_float("min_p", self.min_p, low=0, high=1)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty,
+                                               low=0, low_open=True)
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty,
+                                             low=-2, high=2)
+        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty,
+                                              low=-2, high=2)
         if self.seed is not None:
-            _check_number("seed", self.seed, low=-(2**63), high=2**63 - 1, integer=True)
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple)) or not all(
-                isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        self.stop = list(self.stop)
-        if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
-        for token_id in self.stop_token_ids:
-            _check_number("stop_token_ids", token_id, low=0, integer=True)
-        self.stop_token_ids = list(self.stop_token_ids)
+            self.seed = _check_int("seed", self.seed, low=_INT64_MIN, high=_INT64_MAX)
+        self.stop = _check_list("stop", [self.stop] if isinstance(self.stop, str) else self.stop)
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop must hold non-empty strings, got {text!r}")
+        self.stop_token_ids = [_check_int("stop_token_ids", token_id, low=0)
+                               for token_id in _check_list("stop_token_ids", self.stop_token_ids)]
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
-            _check_number("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS, integer=True)
+            self.logprobs = _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE

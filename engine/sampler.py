@@ -1,0 +1,354 @@
+"""Turns a batch of logits into one token per sequence: penalties, temperature, filters, draw.
+
+Semantics, applied per row in this order (Hugging Face / vLLM / OpenAI conventions):
+
+1. ``repetition_penalty`` (HF ``RepetitionPenaltyLogitsProcessor``): for every token id that
+   occurs in prompt + output (how often does not matter), ``logit < 0 -> logit * penalty`` else
+   ``logit / penalty``.
+2. ``frequency_penalty`` / ``presence_penalty`` (OpenAI, vLLM): on output tokens only,
+   ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+3. Greedy rows (``temperature < 1e-5``, i.e. 0): ``token = argmax(logits)`` over the penalized
+   logits, first index on ties. With no penalties set the row is never modified, so the token is
+   exactly ``torch.argmax`` of the raw logits (the engine relies on this to match HF).
+4. Other rows: ``logits / temperature``, softmax, then the filters, each keeping a top set of
+   tokens (always at least the most likely one; tokens tied with a threshold are all kept):
+   - top-k (0 = off, >= vocab = off): keep the k most likely tokens;
+   - top-p (1 = off): on the distribution renormalized after top-k, keep a token if the mass of
+     the tokens strictly more likely than it is < top_p (the smallest top set with mass >= top_p,
+     HF ``TopPLogitsWarper``);
+   - min-p (0 = off): keep tokens with ``p >= min_p * p_max`` (a ratio, so renormalizing first
+     changes nothing). The order top-k, top-p, min-p is Hugging Face's.
+5. The draw is an inverse-CDF draw from the filtered distribution with ONE uniform per row,
+   ``u = draw_uniform(seed, position)`` (a splitmix64 hash of the request's seed and the output
+   position): the token is the first whose cumulative probability (in token id order) exceeds
+   ``u``. It depends only on (seed, position, the row's logits): not on the other rows, the row
+   index or which process samples it (the prefill worker draws position 0, the decode worker the
+   rest, possibly another one after failover). The CDF is summed in two levels (float64 over
+   128-token block sums, then within the chosen block), so tokens of probability 0 (filtered)
+   are never drawn and the rest are drawn with their float32 softmax probability.
+
+Logprobs (``params.logprobs = n``): ``log_softmax`` of the logits after penalties and temperature
+(temperature 1 for greedy rows) and BEFORE top-k / top-p / min-p filtering (vLLM's
+"processed_logprobs"): the n most likely tokens plus the sampled one.
+
+Cost: no Python loop over rows except to gather parameters and key the uniforms. The filters work
+on ``exp(logit - max)`` (max 1 per row, so min-p is ``weight >= min_p``) and are thresholds per
+row. Top-k is one ``torch.topk`` with the largest k in the batch. Top-p never sorts the vocab:
+the tokens with ``p >= (1 - top_p) / (2 * vocab)`` are a superset of the kept set (the others
+hold less than half of the mass top-p drops); if no row has more than 256 of them they are
+ranked with ``torch.topk``, otherwise a two-level radix select on the float32 bit patterns
+(histograms by ``index_add_``) finds the boundary sub-bucket (tokens within ~5e-4 relative) and
+only that one is ranked. (num_rows, vocab) int64 tensors are avoided: on CPU they cost more than
+the float math.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_MASK64 = (1 << 64) - 1
+_CDF_BLOCK = 128  # tokens per block of the two-level inverse CDF
+_LOW_BITS = 12  # float32 bits below the radix-select keys (2**-11 relative: near-ties)
+_HI_BUCKETS = 1024  # level-1 radix buckets: weights <= 1.0 have bits >> 20 <= 1016
+_TOP_P_RANK_MAX = 256  # top-p ranks this many candidates with topk; more: radix select
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs about one sequence being sampled."""
+
+    params: SamplingParams  # the request's sampling parameters
+    seed: int  # the request's random stream key
+    position: int  # output position of the token being sampled (0 = first generated token)
+    prompt_token_ids: list[int]  # for the repetition penalty
+    output_token_ids: list[int]  # tokens generated so far, for all penalties
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, in the order of the rows."""
+
+    token_ids: list[int]  # the sampled token of each row
+    logprobs: list[dict[int, float] | None]  # per row: {token_id: logprob}, None if not requested
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that picks the token at ``position`` of the stream ``seed``.
+
+    ``splitmix64(splitmix64(seed mod 2**64) xor (position mod 2**64))``, top 53 bits.
+    """
+    mixed = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+    return (mixed >> 11) * 2.0**-53
+
+
+def _flat_ids(rows: list[int], id_lists: list[list[int]], vocab: int, device,
+              field: str) -> torch.Tensor:
+    """Flat indices ``row * vocab + token_id`` into a (num_rows, vocab) tensor, all lists joined."""
+    lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64)
+    flat = torch.tensor([t for ids in id_lists for t in ids], dtype=torch.int64)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab):
+        raise ValueError(f"{field} must be token ids in [0, {vocab})")
+    row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)
+    return (row_of * vocab + flat).to(device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties; returns a new (num_rows, vocab) tensor.
+
+    Sparse: only the (row, token) entries that occur are read and written, so the cost is the
+    number of prompt + output ids, not num_rows * vocab.
+    """
+    vocab = logits.shape[1]
+    dev = logits.device
+    out = logits.clone()
+    flat_out = out.view(-1)  # (num_rows * vocab,)
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        ids = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep]
+        flat = _flat_ids(rep, ids, vocab, dev, "prompt_token_ids/output_token_ids")
+        penalty = torch.ones(len(rows), dtype=logits.dtype, device=dev)
+        penalty[rep] = torch.tensor([rows[i].params.repetition_penalty for i in rep],
+                                    dtype=logits.dtype, device=dev)
+        values, factor = flat_out[flat], penalty[flat // vocab]
+        flat_out[flat] = torch.where(values < 0, values * factor, values / factor)  # repeats agree
+    freq = [i for i, r in enumerate(rows)
+            if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0]
+    if freq:
+        flat = _flat_ids(freq, [rows[i].output_token_ids for i in freq], vocab, dev,
+                         "output_token_ids")
+        seen, counts = torch.unique(flat, return_counts=True)
+        fp = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype,
+                          device=dev)
+        pp = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype,
+                          device=dev)
+        row_of = seen // vocab
+        flat_out.index_add_(0, seen, -(fp[row_of] * counts.to(logits.dtype) + pp[row_of]))
+    return out
+
+
+def _as_float(mask: torch.Tensor) -> torch.Tensor:
+    """bool -> float32 before multiplying: much faster on CPU than mixing dtypes in ``mul``."""
+    return mask.to(torch.float32)
+
+
+def softmax_weights(scaled: torch.Tensor) -> torch.Tensor:
+    """In place: ``exp(logits - max)``, the unnormalized softmax; the most likely token weighs 1."""
+    return scaled.sub_(scaled.amax(dim=1, keepdim=True)).exp_()
+
+
+def _top_k_threshold(weights: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """(rows,) weight of the k-th most likely token; 0 (keep all) where k == 0 or k >= vocab."""
+    vocab = weights.shape[1]
+    active = (top_k > 0) & (top_k < vocab)
+    thr = torch.zeros(weights.shape[0], dtype=weights.dtype, device=weights.device)
+    if bool(active.any()):
+        k = top_k[active]
+        sub = weights if bool(active.all()) else weights[active]
+        values = torch.topk(sub, int(k.max())).values  # (num_active, k_max) descending
+        thr[active] = values.gather(1, (k - 1)[:, None]).squeeze(1)
+    return thr
+
+
+def _rank_top_p(weights: torch.Tensor, target: torch.Tensor,
+                num_candidates: torch.Tensor) -> torch.Tensor:
+    """Weight of the last token top-p keeps, the kept set lying within ``num_candidates`` best."""
+    values = torch.topk(weights, int(num_candidates.max())).values  # (rows, k) descending
+    above = torch.cumsum(values, dim=1) - values  # mass strictly above each candidate
+    num_keep = ((above < target[:, None]) & (values > 0)).sum(1).clamp(min=1)
+    num_keep = torch.minimum(num_keep, num_candidates.long())
+    return values.gather(1, (num_keep - 1)[:, None]).squeeze(1)
+
+
+def _histogram(keys: torch.Tensor, weights: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """(rows, num_buckets) sum of the weights per key; int32 flat indices (no int64 copy)."""
+    rows = keys.shape[0]
+    offsets = torch.arange(rows, dtype=torch.int32, device=keys.device)[:, None] * num_buckets
+    hist = torch.zeros(rows * num_buckets, dtype=weights.dtype, device=weights.device)
+    hist.index_add_(0, (keys + offsets).view(-1), weights.reshape(-1))
+    return hist.view(rows, num_buckets)  # (rows, num_buckets)
+
+
+def _boundary_bucket(hist: torch.Tensor, base: torch.Tensor,
+                     target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lowest nonempty bucket whose best token top-p keeps, and the mass above that bucket.
+
+    ``hist`` (rows, buckets) holds each bucket's mass, buckets in increasing weight order;
+    ``base`` is the mass above all of them; a token is kept if the mass above it < ``target``.
+    """
+    above = hist.flip(1).cumsum(1).flip(1) - hist + base[:, None]  # (rows, buckets)
+    usable = (above < target[:, None]) & (hist > 0)
+    bucket = usable.to(torch.float32).argmax(dim=1)  # first (lowest) usable bucket
+    return bucket.to(torch.int32), above.gather(1, bucket[:, None]).squeeze(1)
+
+
+def _radix_top_p(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Weight of the last token top-p keeps: radix select on the float bits, no sort.
+
+    For weights >= 0 the int32 bit pattern orders like the value. Level 1 buckets by the top
+    bits (exponent + 3 mantissa bits, 1/8 octave), level 2 by the next 8 bits inside the boundary
+    bucket; only the tokens of the final boundary sub-bucket (near-ties) are ranked with topk.
+    """
+    key = (weights.view(torch.int32) >> _LOW_BITS).clamp_(max=(_HI_BUCKETS << 8) - 1)  # NaN-safe
+    high = key >> 8  # (rows, vocab) level-1 bucket
+    bucket_hi, base = _boundary_bucket(_histogram(high, weights, _HI_BUCKETS),
+                                       torch.zeros_like(target), target)
+    in_bucket = weights * _as_float(high == bucket_hi[:, None])  # the rest weigh 0 at level 2
+    bucket_lo, base = _boundary_bucket(_histogram(key & 255, in_bucket, 256), base, target)
+    chosen = key == ((bucket_hi << 8) | bucket_lo)[:, None]
+    num_chosen = int(chosen.sum(1, dtype=torch.int32).max())
+    values = torch.topk(weights * _as_float(chosen), num_chosen).values  # (rows, k) desc
+    above = torch.cumsum(values, dim=1) - values + base[:, None]
+    num_keep = ((above < target[:, None]) & (values > 0)).sum(1).clamp(min=1)
+    return values.gather(1, (num_keep - 1)[:, None]).squeeze(1)
+
+
+def _top_p_threshold(weights: torch.Tensor, top_k_thr: torch.Tensor,
+                     top_p: torch.Tensor) -> torch.Tensor:
+    """(rows,) weight of the least likely token top-p keeps; 0 (keep all) where top_p == 1."""
+    vocab = weights.shape[1]
+    thr = torch.zeros(weights.shape[0], dtype=weights.dtype, device=weights.device)
+    active = top_p < 1.0
+    if not bool(active.any()):
+        return thr
+    sub = weights if bool(active.all()) else weights[active]  # (num_active, vocab)
+    k_thr = top_k_thr[active]
+    if bool((k_thr > 0).any()):
+        sub = sub * _as_float(sub >= k_thr[:, None])  # top-p sees what top-k left
+    mass = sub.sum(dim=1)
+    p = top_p[active]
+    # Tokens below this bound hold < (1 - p) / 2 of the mass, so the kept set lies above it.
+    bound = mass * (1.0 - p) / (2 * vocab)
+    num_candidates = (sub >= bound[:, None]).sum(1, dtype=torch.int32)
+    if int(num_candidates.max()) <= _TOP_P_RANK_MAX:
+        thr[active] = _rank_top_p(sub, p * mass, num_candidates)
+    else:
+        thr[active] = _radix_top_p(sub, p * mass)
+    return thr
+
+
+def filter_weights(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """In place: top-k, top-p, min-p zero the weights of filtered tokens (a threshold per row).
+
+    ``weights`` are ``softmax_weights`` (max 1 per row), so min-p is simply ``weight >= min_p``.
+    """
+    thr_k = _top_k_threshold(weights, top_k)
+    thr_p = _top_p_threshold(weights, thr_k, top_p)
+    thr = torch.maximum(torch.maximum(thr_k, thr_p), min_p)
+    return weights.mul_(_as_float(weights >= thr[:, None]))
+
+
+def inverse_cdf_draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """(rows,) token ids drawn by inverse CDF from nonnegative weights, one uniform per row."""
+    rows, vocab = weights.shape
+    pad = (-vocab) % _CDF_BLOCK
+    if pad:
+        weights = torch.nn.functional.pad(weights, (0, pad))
+    blocks = weights.view(rows, -1, _CDF_BLOCK)  # (rows, num_blocks, block)
+    block_mass = blocks.sum(dim=2).to(torch.float64)  # (rows, num_blocks)
+    block_cdf = torch.cumsum(block_mass, dim=1)
+    # strictly below the total, so the chosen block has mass > 0
+    target = uniforms.to(torch.float64) * block_cdf[:, -1] * (1.0 - 1e-12)
+    block = torch.searchsorted(block_cdf, target[:, None], right=True)  # (rows, 1)
+    block = block.clamp(max=block_cdf.shape[1] - 1)
+    rest = target[:, None] - (block_cdf.gather(1, block) - block_mass.gather(1, block))
+    index = block[:, :, None].expand(rows, 1, _CDF_BLOCK)
+    inner_cdf = torch.cumsum(blocks.gather(1, index).squeeze(1).to(torch.float64), dim=1)
+    # keep the target strictly inside this block's mass so a zero-weight tail is unreachable
+    rest = torch.minimum(rest.clamp(min=0.0), inner_cdf[:, -1:] * (1.0 - 1e-12))
+    inner = torch.searchsorted(inner_cdf, rest, right=True).clamp(max=_CDF_BLOCK - 1)
+    return (block * _CDF_BLOCK + inner).squeeze(1)
+
+
+def _gather_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
+                     counts: list[int]) -> list[dict[int, float]]:
+    """Top-``counts[i]`` log-probabilities of each row plus the sampled token's."""
+    logprobs = torch.log_softmax(processed, dim=1)
+    num_top = min(max(counts), logprobs.shape[1])
+    top = torch.topk(logprobs, num_top)  # (rows, num_top), possibly empty
+    sampled = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    rows = zip(counts, top.indices.tolist(), top.values.tolist(), token_ids.tolist(), sampled,
+               strict=True)
+    out = []
+    for n, ids, values, token, value in rows:
+        entry = dict(zip(ids[:n], values[:n], strict=True))
+        entry[token] = value
+        out.append(entry)
+    return out
+
+
+class Sampler:
+    """Stateless: ``sampler(logits, rows)`` samples one token per row (see the module docstring)."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be (num_rows={len(rows)}, vocab), "
+                             f"got {tuple(logits.shape)}")
+        if not rows:
+            return SamplerOutput([], [])
+        logits = logits.float()
+        dev = logits.device
+        if any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
+               or r.params.presence_penalty != 0.0 for r in rows):
+            logits = apply_penalties(logits, rows)
+        temps = [r.params.temperature for r in rows]
+        greedy = [i for i, t in enumerate(temps) if t < GREEDY_TEMPERATURE]
+        sampled = [i for i, t in enumerate(temps) if t >= GREEDY_TEMPERATURE]
+        token_ids = torch.empty(len(rows), dtype=torch.int64, device=dev)
+        if len(greedy) == len(rows):
+            token_ids = logits.argmax(dim=1)
+        elif greedy:
+            token_ids[greedy] = logits[greedy].argmax(dim=1)
+        if sampled:
+            token_ids[sampled] = self._sample(logits, [rows[i] for i in sampled], sampled)
+        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, rows, token_ids))
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, rows: list[SamplingRow],
+                indices: list[int]) -> torch.Tensor:
+        dev = logits.device
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=dev)
+        if len(indices) == logits.shape[0]:
+            scaled = logits / temps[:, None]  # (num_sampled, vocab), a fresh tensor
+        else:
+            scaled = logits.index_select(0, torch.tensor(indices, device=dev)).div_(temps[:, None])
+        weights = softmax_weights(scaled)
+        top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.int64, device=dev)
+        top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=dev)
+        min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=dev)
+        if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in rows):
+            weights = filter_weights(weights, top_k, top_p, min_p)
+        uniforms = torch.tensor([draw_uniform(r.seed, r.position) for r in rows],
+                                dtype=torch.float64, device=dev)
+        return inverse_cdf_draw(weights, uniforms)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, rows: list[SamplingRow],
+                  token_ids: torch.Tensor) -> list[dict[int, float] | None]:
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        out: list[dict[int, float] | None] = [None] * len(rows)
+        if not wanted:
+            return out
+        temps = [rows[i].params.temperature for i in wanted]
+        temps = torch.tensor([t if t >= GREEDY_TEMPERATURE else 1.0 for t in temps],
+                             dtype=logits.dtype, device=logits.device)
+        processed = logits[wanted] / temps[:, None]  # (num_wanted, vocab)
+        counts = [rows[i].params.logprobs for i in wanted]
+        entries = _gather_logprobs(processed, token_ids[wanted], counts)
+        for i, entry in zip(wanted, entries, strict=True):
+            out[i] = entry
+        return out
