@@ -58,7 +58,8 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> 
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"d{i}", [(7 * i + j) % 500 + 1 for j in range(prompt_len)], params)
-    while any(s.num_output_tokens == 0 for s in engine.scheduler.running + engine.scheduler.waiting):
+    sched = engine.scheduler
+    while any(s.num_output_tokens == 0 for s in [*sched.running, *sched.waiting]):
         engine.step()
     stats = []
     for _ in range(steps):

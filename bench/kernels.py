@@ -55,7 +55,7 @@ class Bench:
         self.device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
         self.timed = self.device.type == "cuda"
         self.reps = reps
-        self.gen = torch.Generator(self.device).manual_seed(0)
+        self.gen = torch.Generator(device=self.device).manual_seed(0)
         self._flush = torch.empty(256 << 20, dtype=torch.int8, device=self.device) \
             if self.timed else None
         self.copy_gbps = self.matmul_tflops = float("nan")

@@ -27,7 +27,7 @@ def format_table(header: list[str], rows: list[list]) -> str:
     """Plain aligned text table."""
     cells = [header] + [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

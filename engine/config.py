@@ -25,7 +25,7 @@ class EngineConfig:
     """Everything one engine (offline, colocated, prefill or decode worker) is built from."""
 
     model: str  # Hugging Face checkpoint folder
-    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (fp32 on CPU, checkpoint dtype on CUDA)
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (CPU: fp32, CUDA: checkpoint)
     device: str = "auto"  # cpu | cuda | auto
     block_size: int = 16  # tokens per KV block
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8

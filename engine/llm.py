@@ -74,7 +74,7 @@ class LLM:
         outputs: dict[str, RequestOutput] = {}
         sequences = {}
         try:
-            for prompt, p in zip(prompts, per_prompt):
+            for prompt, p in zip(prompts, per_prompt, strict=True):
                 request_id = f"offline-{next(self._ids)}"
                 seq = sequences[request_id] = self.engine.add_request(request_id, prompt, p)
                 outputs[request_id] = RequestOutput(request_id, list(seq.token_ids),

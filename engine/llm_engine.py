@@ -23,28 +23,17 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dtypes, plan_kv_pool
+from pdserve.engine.messages import RequestDelta, WorkerStats
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from pdserve.engine.scheduling_policy import SchedulingPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.kernels import resolve_backend
 from pdserve.models import ModelConfig, Tokenizer, load_model
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestDelta:
-    """What one step produced for one request (the unit streamed to clients)."""
-
-    request_id: str
-    new_token_ids: list[int]  # tokens generated this step
-    text: str  # text delta (held back while it could still become a stop string)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
-    logprobs: list[dict[int, float]] | None = None  # per new token, when requested
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0  # generated so far, this delta included
 
 
 @dataclass
@@ -106,15 +95,15 @@ class EngineParts:
 class LLMEngine:
     """Colocated continuous batching with chunked prefill (the baseline every mode is held to)."""
 
-    def __init__(self, parts: EngineParts, scheduler: Scheduler | None = None):
+    def __init__(self, parts: EngineParts, policy: SchedulingPolicy | None = None):
         self.parts = parts
         cfg = parts.config
-        self.scheduler = scheduler or Scheduler(
+        self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                             max_num_batched_tokens=cfg.max_num_batched_tokens,
                             max_model_len=parts.max_model_len,
                             enable_chunked_prefill=cfg.enable_chunked_prefill),
-            parts.block_manager)
+            parts.block_manager, policy)
         self.sampler = Sampler()
         self._seed_source = random.Random(cfg.seed)
         self._sequences: dict[str, Sequence] = {}
@@ -140,14 +129,23 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.parts.model_config.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in ids
+               if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> Sequence:
-        params = params or SamplingParams()
+                    params: SamplingParams | None = None, seed: int | None = None) -> Sequence:
+        """Validate and queue a prompt; ``seed`` overrides the request's random stream key."""
+        seq = self.new_sequence(request_id, prompt, params or SamplingParams(), seed)
+        self.scheduler.add(seq)
+        self.track(seq)
+        return seq
+
+    def new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     seed: int | None = None) -> Sequence:
+        """A validated, untracked Sequence (ValueError naming what is wrong)."""
         if request_id in self._sequences:
             raise ValueError(f"request_id {request_id!r} is already running")
         token_ids = self.encode(prompt)
@@ -155,19 +153,27 @@ class LLMEngine:
         if len(token_ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds the context length {limit}")
-        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, token_ids, params, seed=seed)
-        self.scheduler.add(seq)
-        self._sequences[request_id] = seq
-        if self.parts.tokenizer is not None:
-            self._detokenizers[request_id] = Detokenizer(self.parts.tokenizer, token_ids,
-                                                         stop=params.stop)
+        self.scheduler.check_fits(seq)
         return seq
+
+    def track(self, seq: Sequence) -> None:
+        """Start detokenizing and stop-checking ``seq``'s output."""
+        self._sequences[seq.request_id] = seq
+        if self.parts.tokenizer is not None:
+            self._detokenizers[seq.request_id] = Detokenizer(
+                self.parts.tokenizer, seq.prompt_token_ids, stop=seq.sampling_params.stop)
+
+    def untrack(self, request_id: str) -> Sequence | None:
+        """Stop following a request (it left this engine: handed off or aborted elsewhere)."""
+        self._detokenizers.pop(request_id, None)
+        return self._sequences.pop(request_id, None)
 
     def abort(self, request_id: str) -> RequestDelta | None:
         """Idempotent: frees the request's blocks; returns its final delta if it was live."""
-        seq = self._sequences.pop(request_id, None)
-        self._detokenizers.pop(request_id, None)
+        seq = self.untrack(request_id)
         self.scheduler.abort(request_id)
         if seq is None:
             return None
@@ -209,7 +215,8 @@ class LLMEngine:
         sampled = self.sampler(logits, rows)
         now = time.monotonic()
         deltas = []
-        for item, token_id, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
+        for item, token_id, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs,
+                                            strict=True):
             deltas.append(self.append_token(item.seq, token_id, logprobs, now))
         return deltas
 
@@ -230,8 +237,7 @@ class LLMEngine:
             if detok is not None and status != SequenceStatus.FINISHED_STOPPED:
                 text += detok.flush()
             self.scheduler.finish(seq, status)
-            self._sequences.pop(seq.request_id, None)
-            self._detokenizers.pop(seq.request_id, None)
+            self.untrack(seq.request_id)
         return RequestDelta(seq.request_id, [token_id], text,
                             status.finish_reason if status else None,
                             [logprobs] if logprobs is not None else None,
@@ -246,3 +252,16 @@ class LLMEngine:
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.parts.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+
+def engine_stats(worker_id: str, role: str, engine: LLMEngine, num_reserved: int = 0,
+                 transfer_address: str = "") -> WorkerStats:
+    """A worker's load and memory as the router and the registry see them."""
+    bm, sched = engine.parts.block_manager, engine.scheduler
+    queued = sum(s.num_uncomputed_tokens for s in [*sched.waiting, *sched.running]
+                 if s.num_computed_tokens < s.num_prompt_tokens)
+    return WorkerStats(
+        worker_id, role, bm.num_blocks, bm.num_allocatable_blocks, bm.num_used_blocks,
+        bm.num_cached_blocks, sched.num_running, sched.num_waiting + num_reserved, queued,
+        sched.num_preemptions, bm.num_prefix_hit_tokens, bm.num_prefix_query_tokens,
+        engine.parts.ledger.to_dict(), transfer_address)

@@ -7,6 +7,7 @@ states of the sequences whose chunk reaches their last token (they get a new tok
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,9 +77,12 @@ class ModelRunner:
             sample_indices=torch.tensor(sample_indices, dtype=torch.int64, device=dev))
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
-        """Run one step; returns fp32 logits (num_sampled, vocab) in the order of ``scheduled``."""
+    def execute(self, scheduled: list[ScheduledSequence],
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run one step; returns fp32 logits (num_sampled, vocab) in the order of ``scheduled``.
+        ``after_layer(i)`` is called as soon as layer ``i``'s K/V are written."""
         batch = self.prepare(scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
+                            after_layer=after_layer)
         # (num_tokens, hidden) -> (num_sampled, hidden): only rows that end a sequence's tokens
         return self.model.compute_logits(hidden.index_select(0, batch.sample_indices))

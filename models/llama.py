@@ -17,6 +17,7 @@ Every norm, rotary and activation goes through :mod:`pdserve.kernels` with
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -190,8 +191,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCacheLayer], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: (T,) -> final-normed hidden states (T, hidden)."""
+                kv_caches: list[KVCacheLayer], meta: AttentionMetadata,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions: (T,) -> final-normed hidden states (T, hidden).
+
+        ``after_layer(i)`` runs once layer ``i``'s K/V are in the cache (the prefill worker
+        ships that layer while the next one computes)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids and positions must both be (num_tokens,), got "
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
@@ -200,8 +205,10 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.cos_sin_cache(input_ids.device)
         hidden = F.embedding(input_ids, self.model.embed_tokens.weight)  # (T, hidden)
         residual = None
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             hidden, residual = layer(positions, hidden, residual, cache, meta, cos_sin)
+            if after_layer is not None:
+                after_layer(i)
         hidden, _ = self.model.norm(hidden, residual, backend=meta.backend)  # >= 1 layer
         return hidden
 

@@ -13,16 +13,21 @@ transformers = pytest.importorskip("transformers")
 
 
 def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Reference: full-recompute greedy decoding with the HF model, no eos handling."""
+    """Reference: greedy decoding with the HF model and its own KV cache, no eos handling
+    (``generate``'s min_new_tokens would mask eos logits and change the argmax)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     outs = []
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
-                                 min_new_tokens=max_tokens, pad_token_id=0)
-            outs.append(out[0, len(prompt):].tolist())
+            ids, past, generated = torch.tensor([prompt]), None, []
+            for _ in range(max_tokens):
+                out = model(input_ids=ids, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                token = int(out.logits[0, -1].argmax())
+                generated.append(token)
+                ids = torch.tensor([[token]])
+            outs.append(generated)
     return outs
 
 

@@ -1,0 +1,176 @@
+"""The decode worker: holds reservations, receives KV, runs continuous batching.
+
+Lifecycle of one request on a decode worker D:
+
+1. ``reserve(request)``: validate it against D's pool, allocate blocks for its prompt under a
+   lease (``lease_s``) and a fresh ``TransferKey(transfer_id, epoch)``; the sequence waits in
+   ``_reserved`` with status ``WAITING_FOR_KV``; the sink now accepts frames for the key.
+2. KV frames arrive on the transfer endpoint's receive threads and are scattered straight into
+   the reserved blocks (``ReservedBlocksSink``); frames for unknown or stale keys are dropped.
+3. COMMIT (token 0 from the prefill worker) hands the request to the loop thread: token 0 is
+   appended, ``num_computed_tokens`` = prompt length, and the sequence joins the running batch.
+4. Every step decodes the running batch; token deltas go to the outbox, which the router
+   drains in batches (``poll``), so a slow client never stalls the loop.
+5. The request ends by stop/length (blocks freed by the scheduler), ``abort`` (idempotent in
+   every state), transfer failure or lease expiry (blocks freed, an ``abort`` delta carrying
+   the error goes to the router).
+
+All engine state is touched only on the loop thread (``EngineLoop``); public methods return
+futures. D keeps no prefix cache: received blocks are never matched by hash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.llm_engine import EngineParts, LLMEngine, engine_stats
+from pdserve.engine.messages import RequestDelta, Reservation, WorkerStats, WorkRequest
+from pdserve.engine.scheduling_policy import DecodeOnlyPolicy
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.kv_transfer import KVReceiver, ReservedBlocksSink, TransferError, TransferKey
+
+logger = logging.getLogger(__name__)
+
+
+class NoCapacityError(RuntimeError):
+    """The decode worker has no free blocks for this request right now (try another)."""
+
+
+@dataclass
+class _Reserved:
+    """A reservation waiting for its KV."""
+
+    seq: Sequence
+    key: TransferKey
+    lease_deadline: float  # time.time()
+
+
+class DecodeWorker:
+    """See the module docstring for the lifecycle."""
+
+    role = "decode"
+
+    def __init__(self, worker_id: str, parts: EngineParts,
+                 make_endpoint: Callable[[ReservedBlocksSink], KVReceiver],
+                 lease_s: float = 60.0):
+        if parts.block_manager.enable_prefix_caching:
+            raise ValueError("a decode worker's pool must be built with "
+                             "enable_prefix_caching=False (use DecodeWorker.config_for)")
+        self.worker_id = worker_id
+        self.engine = LLMEngine(parts, policy=DecodeOnlyPolicy())
+        self.lease_s = lease_s
+        self.sink = ReservedBlocksSink(parts.runner.kv_caches, on_complete=self._on_kv_complete,
+                                       on_failure=self._on_kv_failed)
+        self.endpoint = make_endpoint(self.sink)
+        self.epoch = random.getrandbits(62)  # this incarnation: older frames never match
+        self._transfer_ids = itertools.count(1)
+        self._reserved: dict[str, _Reserved] = {}
+        self._by_key: dict[TransferKey, str] = {}
+        self.loop = EngineLoop(f"decode-{worker_id}", self.engine.step,
+                               self.engine.has_unfinished_requests, self._expire_leases).start()
+
+    @staticmethod
+    def config_for(config: EngineConfig) -> EngineConfig:
+        return dataclasses.replace(config, enable_prefix_caching=False)
+
+    # -- public API (any thread) --------------------------------------------------------------
+    def reserve(self, request: WorkRequest) -> Future:
+        """Future[Reservation]; raises ValueError (never fits) or NoCapacityError (not now)."""
+        return self.loop.call(self._reserve, request)
+
+    def abort(self, request_id: str) -> Future:
+        return self.loop.call(self._abort, request_id)
+
+    def poll(self, timeout: float | None = None) -> list[RequestDelta]:
+        """Deltas produced since the last poll (blocks up to ``timeout`` when none)."""
+        return self.loop.outbox.drain(timeout)
+
+    def stats(self) -> Future:
+        return self.loop.call(self._stats)
+
+    def close(self) -> None:
+        self.endpoint.close()
+        self.loop.stop()
+
+    # -- loop thread ------------------------------------------------------------------------
+    def _reserve(self, request: WorkRequest) -> Reservation:
+        if request.request_id in self._reserved:
+            raise ValueError(f"request_id {request.request_id!r} is already reserved")
+        seq = self.engine.new_sequence(request.request_id, request.prompt_token_ids,
+                                       request.params, request.seed)
+        bm = self.engine.parts.block_manager
+        if not bm.can_allocate(seq, seq.num_prompt_tokens):
+            raise NoCapacityError(f"decode worker {self.worker_id} has "
+                                  f"{bm.num_allocatable_blocks} free blocks, request needs "
+                                  f"{bm.blocks_needed(seq, seq.num_prompt_tokens)}")
+        bm.allocate(seq, seq.num_prompt_tokens)
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        key = TransferKey(next(self._transfer_ids), self.epoch)
+        self.sink.expect(key, list(seq.block_table))
+        deadline = time.time() + self.lease_s
+        self._reserved[seq.request_id] = _Reserved(seq, key, deadline)
+        self._by_key[key] = seq.request_id
+        return Reservation(seq.request_id, self.worker_id, self.endpoint.address,
+                           key.transfer_id, key.epoch, len(seq.block_table), deadline)
+
+    def _release(self, request_id: str) -> _Reserved | None:
+        entry = self._reserved.pop(request_id, None)
+        if entry is not None:
+            self._by_key.pop(entry.key, None)
+            self.sink.forget(entry.key)
+            self.engine.parts.block_manager.free(entry.seq)
+            entry.seq.status = SequenceStatus.FINISHED_ABORTED
+        return entry
+
+    def _abort(self, request_id: str) -> None:
+        if self._release(request_id) is None:
+            self.engine.abort(request_id)
+
+    def _fail(self, request_id: str, error: str) -> None:
+        entry = self._release(request_id)
+        if entry is not None:
+            logger.warning("request %s failed on %s: %s", request_id, self.worker_id, error)
+            self.loop.outbox.put_many([RequestDelta(
+                request_id, [], "", "abort", num_prompt_tokens=entry.seq.num_prompt_tokens,
+                error=error)])
+
+    def _commit(self, key: TransferKey, first_token_id: int) -> None:
+        request_id = self._by_key.pop(key, None)
+        if request_id is None:  # aborted or expired meanwhile
+            return
+        entry = self._reserved.pop(request_id)
+        seq = entry.seq
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.engine.track(seq)
+        # Token 0 was streamed by the prefill worker; run it through the same stop rules and
+        # detokenizer state here so later deltas continue exactly where it left off.
+        self.engine.append_token(seq, first_token_id, None, time.monotonic())
+        if not seq.is_finished:
+            self.engine.scheduler.add_running(seq)
+
+    def _expire_leases(self) -> None:
+        now = time.time()
+        for request_id in [r for r, e in self._reserved.items() if e.lease_deadline < now]:
+            self._fail(request_id, "reservation lease expired before the KV arrived")
+
+    def _stats(self) -> WorkerStats:
+        return engine_stats(self.worker_id, self.role, self.engine, len(self._reserved),
+                            self.endpoint.address)
+
+    # -- receive threads ----------------------------------------------------------------------
+    def _on_kv_complete(self, key: TransferKey, first_token_id: int) -> None:
+        self.loop.call(self._commit, key, first_token_id)
+
+    def _on_kv_failed(self, key: TransferKey, error: TransferError) -> None:
+        request_id = self._by_key.get(key)
+        if request_id is not None:
+            self.loop.call(self._fail, request_id, f"KV transfer failed: {error}")

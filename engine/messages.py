@@ -1,0 +1,81 @@
+"""Typed control messages between the router and the workers (sent over Ray calls).
+
+KV data never travels in these: it moves through ``pdserve.kv_transfer`` frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class WorkRequest:
+    """A validated request as the router hands it to a worker."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # random stream key, fixed by the router so every worker samples alike
+    arrival_time: float  # router's time.time() when the request arrived
+
+
+@dataclass
+class RequestDelta:
+    """What one step produced for one request (the unit streamed to clients)."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens generated this step
+    text: str  # text delta (held back while it could still become a stop string)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
+    logprobs: list[dict[int, float]] | None = None  # per new token, when requested
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # generated so far, this delta included
+    error: str | None = None  # why an "abort" happened when the worker aborted on its own
+
+
+@dataclass
+class Reservation:
+    """Blocks a decode worker holds for one request until its KV arrives (a lease)."""
+
+    request_id: str
+    worker_id: str  # the decode worker
+    transfer_address: str  # its KV endpoint, host:port
+    transfer_id: int  # int64 key of the reservation on the wire
+    epoch: int  # fencing epoch: frames of another epoch are dropped
+    num_blocks: int  # blocks reserved (prompt tokens / block size, rounded up)
+    lease_deadline: float  # time.time() after which the decode worker frees the blocks
+
+
+@dataclass
+class PrefillResult:
+    """What a prefill worker returns once token 0 is sampled and the KV has been sent."""
+
+    request_id: str
+    first: RequestDelta  # token 0 (finish_reason set if it already ends the request)
+    queue_time_s: float  # arrival at the worker -> first chunk scheduled
+    prefill_time_s: float  # first chunk scheduled -> token 0 sampled
+    transfer_time_s: float  # token 0 sampled -> last frame (commit) sent
+    transfer_bytes: int  # KV payload bytes sent
+    num_cached_tokens: int  # prompt tokens served by the prefill worker's prefix cache
+
+
+@dataclass
+class WorkerStats:
+    """A worker's load and memory, for the registry, the router's pairing and metrics."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    total_blocks: int
+    free_blocks: int  # allocatable now (free + evictable cached)
+    used_blocks: int  # owned by requests or reservations
+    cached_blocks: int  # evictable prefix-cache blocks
+    num_running: int
+    num_waiting: int  # queued prompts, or reservations waiting for KV
+    queued_tokens: int  # prompt tokens not computed yet
+    num_preemptions: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    ledger: dict = field(default_factory=dict)  # MemoryLedger.to_dict()
+    transfer_address: str = ""

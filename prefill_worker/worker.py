@@ -1,0 +1,192 @@
+"""The prefill worker: runs prompts and ships their KV to the decode worker that reserved it.
+
+Lifecycle of one request on a prefill worker P:
+
+1. ``prefill(request, reservation)`` queues the prompt (``WAITING``) with its target: the
+   decode worker's transfer address and the reservation's ``TransferKey``.
+2. Steps batch queued prompts with chunked prefill under the token budget; the prefix cache
+   serves shared prompt prefixes first (``PrefillOnlyPolicy``: nothing decodes here).
+3. In the step that computes a prompt's last chunk, as soon as layer ``l`` has written its
+   K/V the request's blocks of that layer are packed (a copy) and queued on the sender's own
+   thread, so layer ``l`` ships while ``l + 1`` computes (``overlap=True``; otherwise all
+   layers are sent after the forward).
+4. Token 0 is sampled; the sequence is handed off (``SENDING_KV``) and its blocks are released
+   to the prefix cache at once (the payloads are copies); COMMIT(token 0) follows the layers
+   on the same channel. If token 0 already ends the request, ABORT is sent instead.
+5. When the last frame has left, the ``PrefillResult`` future resolves with token 0 and the
+   timings (queue, prefill, transfer). A failed send fails that future with TransferError.
+``abort(request_id)`` is idempotent: a queued or running prompt is dropped and its blocks freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.llm_engine import EngineParts, LLMEngine, engine_stats
+from pdserve.engine.messages import (
+    PrefillResult,
+    RequestDelta,
+    Reservation,
+    WorkerStats,
+    WorkRequest,
+)
+from pdserve.engine.scheduler import ScheduledSequence
+from pdserve.engine.scheduling_policy import PrefillOnlyPolicy
+from pdserve.kv_transfer import KVConnector, KVSender, TransferError, TransferKey, pack_layers
+
+logger = logging.getLogger(__name__)
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted before its prefill finished."""
+
+
+@dataclass
+class _Target:
+    """Where one request's KV goes, and what its transfer has cost so far."""
+
+    reservation: Reservation
+    result: Future  # Future[PrefillResult]
+    arrival: float = field(default_factory=time.monotonic)
+    sender: KVSender | None = None
+    frames: list[Future] = field(default_factory=list)
+    bytes_sent: int = 0
+
+    @property
+    def key(self) -> TransferKey:
+        return TransferKey(self.reservation.transfer_id, self.reservation.epoch)
+
+
+class PrefillWorker:
+    """See the module docstring for the lifecycle."""
+
+    role = "prefill"
+
+    def __init__(self, worker_id: str, parts: EngineParts, connector: KVConnector,
+                 overlap: bool = True, layers_per_frame: int = 1):
+        if layers_per_frame < 1:
+            raise ValueError(f"layers_per_frame must be >= 1, got {layers_per_frame}")
+        self.worker_id = worker_id
+        self.engine = LLMEngine(parts, policy=PrefillOnlyPolicy())
+        self.connector = connector
+        self.overlap = overlap
+        self.layers_per_frame = layers_per_frame
+        self.num_layers = len(parts.runner.kv_caches)
+        self._targets: dict[str, _Target] = {}
+        self.loop = EngineLoop(f"prefill-{worker_id}", self._step,
+                               self.engine.has_unfinished_requests).start()
+
+    # -- public API (any thread) --------------------------------------------------------------
+    def prefill(self, request: WorkRequest, reservation: Reservation) -> Future:
+        """Future[PrefillResult]: resolves once token 0 is sampled and the KV has been sent."""
+        result: Future = Future()
+        admitted = self.loop.call(self._admit, request, reservation, result)
+        admitted.add_done_callback(
+            lambda f: f.exception() is not None and not result.done()
+            and result.set_exception(f.exception()))
+        return result
+
+    def abort(self, request_id: str) -> Future:
+        return self.loop.call(self._abort, request_id)
+
+    def stats(self) -> Future:
+        return self.loop.call(self._stats)
+
+    def close(self) -> None:
+        self.loop.stop()
+        self.connector.close()
+
+    # -- loop thread --------------------------------------------------------------------------
+    def _admit(self, request: WorkRequest, reservation: Reservation, result: Future) -> None:
+        sender = self.connector.sender(reservation.transfer_address)  # connects lazily
+        self.engine.add_request(request.request_id, request.prompt_token_ids, request.params,
+                                request.seed)
+        self._targets[request.request_id] = _Target(reservation, result, sender=sender)
+
+    def _abort(self, request_id: str) -> None:
+        target = self._targets.pop(request_id, None)
+        self.engine.abort(request_id)
+        if target is not None and not target.result.done():
+            target.result.set_exception(RequestAborted(f"{request_id} aborted"))
+
+    def _step(self) -> list[RequestDelta]:
+        output = self.engine.scheduler.schedule()
+        if output.is_empty:
+            return []
+        finishing = [item for item in output.scheduled if item.samples]
+        shipments = self._open_shipments(finishing)
+        after_layer = self._layer_sender(shipments) if self.overlap and shipments else None
+        logits = self.engine.parts.runner.execute(output.scheduled, after_layer)
+        if not self.overlap:
+            for start in range(0, self.num_layers, self.layers_per_frame):
+                self._send_layers(shipments, start)
+        self.engine.scheduler.update(output)
+        sampled_at = time.monotonic()
+        deltas = self.engine.sample_and_emit(finishing, logits)
+        for item, delta in zip(finishing, deltas, strict=True):
+            self._finish_prefill(item, delta, sampled_at)
+        return []
+
+    def _open_shipments(self, finishing: list[ScheduledSequence]):
+        """(target, block ids tensor) for every request whose prompt completes this step."""
+        shipments = []
+        device = self.engine.parts.runner.device
+        for item in finishing:
+            target = self._targets[item.seq.request_id]
+            ids = [0 if b is None else b for b in item.seq.block_table]  # None: out of window
+            shipments.append((target, torch.tensor(ids, dtype=torch.int64, device=device)))
+        return shipments
+
+    def _layer_sender(self, shipments):
+        def after_layer(layer: int) -> None:
+            if (layer + 1) % self.layers_per_frame == 0 or layer + 1 == self.num_layers:
+                self._send_layers(shipments, layer - layer % self.layers_per_frame)
+        return after_layer
+
+    def _send_layers(self, shipments, start: int) -> None:
+        end = min(start + self.layers_per_frame, self.num_layers)
+        caches = self.engine.parts.runner.kv_caches
+        for target, block_ids in shipments:
+            payload = pack_layers(caches, block_ids, start, end)
+            target.bytes_sent += payload.numel() * payload.element_size()
+            target.frames.append(target.sender.send_layers(target.key, start, end, payload))
+
+    def _finish_prefill(self, item: ScheduledSequence, delta: RequestDelta,
+                        sampled_at: float) -> None:
+        seq = item.seq
+        target = self._targets.pop(seq.request_id)
+        if seq.is_finished:  # token 0 ended the request: D's reservation is not needed
+            target.frames.append(target.sender.send_abort(target.key))
+        else:
+            self.engine.scheduler.hand_off(seq)
+            self.engine.parts.block_manager.free(seq)  # payloads are copies: cache/free now
+            self.engine.untrack(seq.request_id)
+            target.frames.append(target.sender.send_commit(target.key, delta.new_token_ids[0]))
+        timings = (seq.first_scheduled_time - target.arrival,
+                   sampled_at - seq.first_scheduled_time)
+        last = target.frames[-1]
+        last.add_done_callback(lambda f: self._resolve(target, seq, delta, timings, sampled_at, f))
+
+    def _resolve(self, target: _Target, seq, delta: RequestDelta, timings, sampled_at: float,
+                 last: Future) -> None:
+        """On the sender thread, once the last frame left (or failed)."""
+        # Frames leave in order on one sender thread: every earlier frame is done too.
+        failed = next((f.exception() for f in target.frames if f.exception()), None)
+        if target.result.done():
+            return
+        if failed is not None:
+            target.result.set_exception(TransferError(f"{seq.request_id}: {failed}"))
+            return
+        target.result.set_result(PrefillResult(
+            seq.request_id, delta, queue_time_s=timings[0], prefill_time_s=timings[1],
+            transfer_time_s=time.monotonic() - sampled_at, transfer_bytes=target.bytes_sent,
+            num_cached_tokens=seq.num_cached_tokens))
+
+    def _stats(self) -> WorkerStats:
+        return engine_stats(self.worker_id, self.role, self.engine)

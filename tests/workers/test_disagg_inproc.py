@@ -1,0 +1,53 @@
+"""Prefill and decode workers in one process: greedy output equals the colocated engine,
+and every path returns every block."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+
+
+def prompts_for(seed: int, lengths: list[int], vocab: int = 200) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    return SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("prefill_kwargs", [{}, {"overlap": False, "layers_per_frame": 2}])
+def test_disaggregated_greedy_equals_colocated(hf_checkpoint, make_pair, greedy, prefill_kwargs):
+    model_dir = hf_checkpoint("llama")
+    prompts = prompts_for(0, [5, 17, 30])
+    expected = [o.token_ids for o in LLM(str(model_dir), dtype="float32", block_size=4,
+                                         num_kv_blocks=128).generate(prompts, greedy,
+                                                                     use_tqdm=False)]
+    pair = make_pair(model_dir, prefill_kwargs=prefill_kwargs)
+    for i, prompt in enumerate(prompts):
+        tokens, reason = pair.generate(f"r{i}", prompt, greedy)
+        assert reason == "length"
+        assert tokens == expected[i]
+    assert pair.used_blocks() == (0, 0)
+
+
+def test_sliding_window_and_chunked_prefill(hf_checkpoint, make_pair, greedy):
+    model_dir = hf_checkpoint("mistral")
+    prompts = prompts_for(1, [23, 6])
+    expected = [o.token_ids for o in LLM(str(model_dir), dtype="float32", block_size=4,
+                                         num_kv_blocks=128).generate(prompts, greedy,
+                                                                     use_tqdm=False)]
+    pair = make_pair(model_dir, max_num_batched_tokens=8)
+    assert [pair.generate(f"w{i}", p, greedy)[0] for i, p in enumerate(prompts)] == expected
+    assert pair.used_blocks() == (0, 0)
+
+
+def test_token_zero_finishes_request(hf_checkpoint, make_pair):
+    pair = make_pair(hf_checkpoint("llama"))
+    tokens, reason = pair.generate("one", [3, 4, 5], SamplingParams(max_tokens=1, temperature=0))
+    assert len(tokens) == 1 and reason == "length"
+    assert pair.used_blocks() == (0, 0)
