@@ -78,4 +78,5 @@ class WorkerStats:
     prefix_hit_tokens: int
     prefix_query_tokens: int
     ledger: dict = field(default_factory=dict)  # MemoryLedger.to_dict()
-    transfer_address: str = ""
+    transfer_address: str = ""  # decode workers: KV endpoint host:port
+    draining: bool = False  # takes no new requests

@@ -1,0 +1,85 @@
+"""Async handles over workers living in this process (tests, single-process serving)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from pdserve.decode_worker.worker import NoCapacityError
+from pdserve.engine.messages import WorkRequest
+from pdserve.router.handles import NoCapacity
+
+
+class LocalHandle:
+    """Any worker (prefill, decode, colocated) behind the router's async handle protocol."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.worker_id = worker.worker_id
+        self.role = worker.role
+        self._poller = ThreadPoolExecutor(1, thread_name_prefix=f"poll-{self.worker_id}")
+
+    async def stats(self):
+        return await asyncio.wrap_future(self.worker.stats())
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.wrap_future(self.worker.abort(request_id))
+
+    async def reserve(self, request: WorkRequest):
+        try:
+            return await asyncio.wrap_future(self.worker.reserve(request))
+        except NoCapacityError as exc:
+            raise NoCapacity(str(exc)) from exc
+
+    async def prefill(self, request: WorkRequest, reservation):
+        return await asyncio.wrap_future(self.worker.prefill(request, reservation))
+
+    async def submit(self, request: WorkRequest) -> None:
+        await asyncio.wrap_future(self.worker.submit(request))
+
+    async def poll(self, timeout: float):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._poller, self.worker.poll, timeout)
+
+    def close(self) -> None:
+        self._poller.shutdown(wait=False, cancel_futures=True)
+        self.worker.close()
+
+
+def build_local_workers(config, num_prefill: int = 1, num_decode: int = 1,
+                        colocated: bool = False, transport: str = "inproc",
+                        prefill_kwargs: dict | None = None) -> list[LocalHandle]:
+    """Workers in this process: ``transport`` is "inproc" (queues) or "torch" (gloo/NCCL pairs
+    over loopback, as between processes)."""
+    from pdserve.decode_worker.colocated import ColocatedWorker
+    from pdserve.decode_worker.worker import DecodeWorker
+    from pdserve.engine.llm_engine import EngineParts
+    from pdserve.kv_transfer import (
+        InProcConnector,
+        InProcEndpoint,
+        InProcHub,
+        TorchDistConnector,
+        TransferEndpoint,
+    )
+    from pdserve.prefill_worker.worker import PrefillWorker
+
+    if colocated:
+        return [LocalHandle(ColocatedWorker(f"colocated-{i}", EngineParts.build(config)))
+                for i in range(num_decode)]
+    hub = InProcHub()
+    handles = []
+    for i in range(num_decode):
+        name = f"decode-{i}"
+        if transport == "inproc":
+            make = lambda sink, name=name: InProcEndpoint(hub, name, sink)  # noqa: E731
+        else:
+            make = lambda sink: TransferEndpoint(sink, "127.0.0.1", 0)  # noqa: E731
+        parts = EngineParts.build(DecodeWorker.config_for(config))
+        handles.append(LocalHandle(DecodeWorker(name, parts, make)))
+    for i in range(num_prefill):
+        name = f"prefill-{i}"
+        connector = (InProcConnector(hub, name) if transport == "inproc"
+                     else TorchDistConnector(name))
+        handles.append(LocalHandle(PrefillWorker(name, EngineParts.build(config), connector,
+                                                 **(prefill_kwargs or {}))))
+    return handles

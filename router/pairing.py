@@ -1,0 +1,72 @@
+"""Pairing policy: which decode worker reserves, which prefill worker computes.
+
+Decode: the worker with the most free blocks after the reservations this router made since
+its last stats refresh, then the fewest running requests. Prefill: the fewest queued prompt
+tokens (including what this router sent since the refresh) minus the prompt tokens its prefix
+cache probably holds, estimated from the chained block hashes of prompts this router sent it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pdserve.engine.messages import WorkerStats
+
+
+def chained_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Hash of every full block, each chained to its predecessor (as the prefix cache keys)."""
+    hashes, parent = [], 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class WorkerLoad:
+    """The router's view of one worker: last stats plus what it sent since."""
+
+    stats: WorkerStats
+    pending_blocks: int = 0  # reserved by this router since the stats were taken
+    pending_tokens: int = 0  # prompt tokens sent for prefill since the stats were taken
+    recent_hashes: OrderedDict = field(default_factory=OrderedDict)  # LRU of prompt blocks
+
+    def refresh(self, stats: WorkerStats) -> None:
+        self.stats, self.pending_blocks, self.pending_tokens = stats, 0, 0
+
+    @property
+    def free_blocks(self) -> int:
+        return self.stats.free_blocks - self.pending_blocks
+
+    def prefix_hit_tokens(self, hashes: list[int], block_size: int) -> int:
+        hits = 0
+        for h in hashes:
+            if h not in self.recent_hashes:
+                break
+            hits += 1
+        return hits * block_size
+
+    def remember(self, hashes: list[int], capacity: int) -> None:
+        for h in hashes:
+            self.recent_hashes[h] = None
+            self.recent_hashes.move_to_end(h)
+        while len(self.recent_hashes) > capacity:
+            self.recent_hashes.popitem(last=False)
+
+
+def rank_decode(loads: list[WorkerLoad]) -> list[WorkerLoad]:
+    """Candidates for a reservation, best first (draining workers excluded by the caller)."""
+    return sorted(loads, key=lambda w: (-w.free_blocks, w.stats.num_running, w.stats.worker_id))
+
+
+def pick_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int],
+                 block_size: int) -> tuple[WorkerLoad, list[int]]:
+    """The prefill worker with the least work left after its likely prefix-cache hit."""
+    hashes = chained_block_hashes(prompt_token_ids, block_size)
+
+    def cost(w: WorkerLoad) -> tuple:
+        queued = w.stats.queued_tokens + w.pending_tokens
+        return (queued - w.prefix_hit_tokens(hashes, block_size), w.stats.worker_id)
+
+    return min(loads, key=cost), hashes

@@ -1,0 +1,109 @@
+"""The router core behind the real gRPC server, with workers in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.api.client import AsyncPdserveClient, PdserveError
+from pdserve.cluster.local import build_local_workers
+from pdserve.engine.config import EngineConfig
+from pdserve.router.backend import ModelSpec
+from pdserve.router.core import Router
+from pdserve.router.directory import StaticDirectory
+from pdserve.router.grpc_server import GenerationServer
+
+
+def config_for(model_dir, **kw) -> EngineConfig:
+    base = dict(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=96,
+                max_num_batched_tokens=32)
+    return EngineConfig(**{**base, **kw})
+
+
+async def serve(model_dir, **build_kwargs):
+    handles = build_local_workers(config_for(model_dir), **build_kwargs)
+    spec = ModelSpec("test", 256, 509, ())
+    router = Router(spec, StaticDirectory(handles), tokenize=lambda text: [1, 2, 3])
+    await router.start()
+    server = GenerationServer(router, health_poll_interval_s=0.05)
+    port = await server.start("127.0.0.1", 0)
+    return handles, router, server, port
+
+
+async def shutdown(handles, router, server):
+    await server.stop(0)
+    await router.stop()
+    for h in handles:
+        h.close()
+
+
+def used_blocks(handles) -> list[int]:
+    return [h.worker.stats().result(10).used_blocks for h in handles]
+
+
+def prompts_for(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 200) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("build", [dict(num_prefill=1, num_decode=1),
+                                   dict(num_prefill=2, num_decode=2),
+                                   dict(colocated=True, num_decode=1)],
+                         ids=["1P1D", "2P2D", "colocated"])
+def test_concurrent_greedy_equals_offline(hf_checkpoint, build):
+    model_dir = hf_checkpoint("qwen2")
+    prompts = prompts_for(0, 8)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(str(model_dir), dtype="float32", block_size=4,
+                                         num_kv_blocks=96).generate(prompts, params,
+                                                                    use_tqdm=False)]
+
+    async def main():
+        handles, router, server, port = await serve(model_dir, **build)
+        try:
+            async with AsyncPdserveClient(f"127.0.0.1:{port}") as client:
+                results = await asyncio.gather(*(
+                    client.generate(p, max_tokens=8, temperature=0.0, ignore_eos=True)
+                    for p in prompts))
+            assert [r.token_ids for r in results] == expected
+            assert all(r.finish_reason == "length" for r in results)
+            await asyncio.sleep(0.1)
+            assert used_blocks(handles) == [0] * len(handles)
+            assert len(router.traces) == len(prompts)
+        finally:
+            await shutdown(handles, router, server)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("build", [dict(num_prefill=1, num_decode=1),
+                                   dict(colocated=True, num_decode=1)],
+                         ids=["1P1D", "colocated"])
+def test_cancel_and_deadline_free_all_blocks(hf_checkpoint, build):
+    model_dir = hf_checkpoint("llama")
+
+    async def main():
+        handles, router, server, port = await serve(model_dir, **build)
+        try:
+            async with AsyncPdserveClient(f"127.0.0.1:{port}") as client:
+                stream = client.generate_stream([5, 6, 7, 8] * 5, max_tokens=200,
+                                                temperature=0.0, ignore_eos=True)
+                async for _chunk in stream:
+                    break  # cancel mid-stream
+                await stream.aclose()
+                with pytest.raises(PdserveError) as err:
+                    await client.generate([9, 10, 11], max_tokens=200, temperature=0.0,
+                                          ignore_eos=True, timeout=0.05)
+                assert "DEADLINE_EXCEEDED" in str(err.value.code)
+            deadline = time.monotonic() + 10
+            while used_blocks(handles) != [0] * len(handles) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert used_blocks(handles) == [0] * len(handles)
+        finally:
+            await shutdown(handles, router, server)
+
+    asyncio.run(main())
