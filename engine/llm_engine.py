@@ -72,21 +72,21 @@ class EngineParts:
         model = load_model(config.model, dtype=dtype, device=device)
         ledger = plan_kv_pool(mc, config, model, dtype, device, max_model_len, backend)
         layer_dtypes = kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
-        scales = None
-        if config.kv_cache_dtype == "int8":
-            from pdserve.engine.kv_quant import calibrate_kv_scales
-
-            scales = calibrate_kv_scales(model, mc, layer_dtypes, device, backend)
-        caches = allocate_kv_caches(mc, ledger, layer_dtypes, device, scales)
-        runner = ModelRunner(model, caches, config.block_size, device, backend)
-        block_manager = BlockManager(ledger.num_kv_blocks, config.block_size,
-                                     enable_prefix_caching=config.enable_prefix_caching,
-                                     sliding_window=mc.sliding_window)
         try:
             tokenizer = Tokenizer.from_dir(config.model)
         except (FileNotFoundError, ValueError) as exc:
             logger.warning("no tokenizer (%s): token-id prompts only, empty text", exc)
             tokenizer = None
+        scales = None
+        if config.kv_cache_dtype == "int8":
+            from pdserve.engine.kv_quant import calibrate_kv_scales
+
+            scales = calibrate_kv_scales(model, mc, layer_dtypes, device, backend, tokenizer)
+        caches = allocate_kv_caches(mc, ledger, layer_dtypes, device, scales)
+        runner = ModelRunner(model, caches, config.block_size, device, backend)
+        block_manager = BlockManager(ledger.num_kv_blocks, config.block_size,
+                                     enable_prefix_caching=config.enable_prefix_caching,
+                                     sliding_window=mc.sliding_window)
         logger.info("engine ready: %s", ", ".join(f"{k} {v}" for k, v in ledger.rows()))
         return cls(config, mc, tokenizer, runner, block_manager, ledger, max_model_len,
                    tuple(mc.eos_token_ids))
@@ -234,7 +234,7 @@ class LLMEngine:
             text, stopped = piece.text, piece.stopped
         status = self.stop_status(seq, token_id, stopped)
         if status is not None:
-            if detok is not None and status != SequenceStatus.FINISHED_STOPPED:
+            if detok is not None:  # held-back text is final now ("" after a stop string)
                 text += detok.flush()
             self.scheduler.finish(seq, status)
             self.untrack(seq.request_id)

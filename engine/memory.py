@@ -37,6 +37,7 @@ class MemoryLedger:
     block_size: int  # tokens per block
     kv_bytes_per_token: int  # all layers, K and V, as stored (int8 layers count 1 byte)
     kv_dtype: str  # storage dtype of the pool ("int8" when quantized)
+    num_kv_blocks_model_dtype: int  # blocks the same pool bytes would hold in the model dtype
 
     @property
     def kv_token_capacity(self) -> int:
@@ -54,7 +55,9 @@ class MemoryLedger:
                         f"{self.block_size} tokens ({self.kv_dtype})"),
             ("KV bytes per token", f"{self.kv_bytes_per_token:,} B"),
             ("KV capacity", f"{self.kv_token_capacity:,} tokens"),
-        ]
+        ] + ([("int8 KV gain", f"{self.num_kv_blocks / self.num_kv_blocks_model_dtype:.2f}x "
+                                f"blocks ({self.num_kv_blocks_model_dtype} in model dtype)")]
+             if self.kv_dtype == "int8" and self.num_kv_blocks_model_dtype else [])
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "kv_token_capacity": self.kv_token_capacity}
@@ -75,7 +78,7 @@ def estimate_activation_bytes(mc, config: EngineConfig, dtype: torch.dtype, max_
 
     Per token: residual, hidden and normed states (3 x hidden), q/k/v and attention output,
     gate/up and the activated product (3 x intermediate), in the model dtype; logits for up to
-    ``max_num_seqs`` sampled rows in fp32, three copies in the sampler. With the torch attention
+    ``max_num_seqs`` sampled rows in fp32, seven copies in the sampler's top-p path. With the torch attention
     path (CPU), the fp32 score and probability matrices of a full-budget chunk against the
     longest context: 2 x heads x tokens x context x 4 bytes.
     """
@@ -83,7 +86,7 @@ def estimate_activation_bytes(mc, config: EngineConfig, dtype: torch.dtype, max_
     elt = torch.finfo(dtype).bits // 8
     heads, kv_heads, hd = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
     per_token = 3 * mc.hidden_size + (2 * heads + 2 * kv_heads) * hd + 3 * mc.intermediate_size
-    total = tokens * per_token * elt + min(config.max_num_seqs, tokens) * mc.vocab_size * 4 * 3
+    total = tokens * per_token * elt + min(config.max_num_seqs, tokens) * mc.vocab_size * 4 * 7
     if attention_scratch:
         total += 2 * heads * tokens * min(max_model_len, tokens + max_model_len) * 4
     return total
@@ -130,11 +133,13 @@ def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.
                 f"weights {weights / GiB:.2f} GiB + activations {activations / GiB:.2f} GiB. "
                 "Raise memory_budget_bytes or lower max_num_batched_tokens / max_num_seqs.")
     kv_dtype = "int8" if config.kv_cache_dtype == "int8" else str(dtype).replace("torch.", "")
+    model_dtype_block = bytes_per_block(mc, config.block_size, [dtype] * mc.num_hidden_layers)
     return MemoryLedger(
         budget_bytes=budget, margin_bytes=margin, weight_bytes=weights,
         activation_bytes=activations, kv_pool_bytes=num_blocks * per_block,
         num_kv_blocks=num_blocks, block_size=config.block_size,
-        kv_bytes_per_token=per_block // config.block_size, kv_dtype=kv_dtype)
+        kv_bytes_per_token=per_block // config.block_size, kv_dtype=kv_dtype,
+        num_kv_blocks_model_dtype=num_blocks * per_block // model_dtype_block)
 
 
 def allocate_kv_caches(mc, ledger: MemoryLedger, layer_dtypes, device: torch.device,

@@ -140,6 +140,19 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return out
 
 
+def _block_sums(weights: torch.Tensor) -> torch.Tensor:
+    """(rows, num_blocks) sums of 128-token blocks (zero-padded).
+
+    Summing in fixed blocks keeps a row's sums independent of the batch: a plain ``sum(dim=1)``
+    may split one long row across threads when the batch is small, changing the rounding.
+    """
+    rows, vocab = weights.shape
+    pad = (-vocab) % _CDF_BLOCK
+    if pad:
+        weights = torch.nn.functional.pad(weights, (0, pad))
+    return weights.view(rows, -1, _CDF_BLOCK).sum(dim=2)  # (rows, num_blocks)
+
+
 def _as_float(mask: torch.Tensor) -> torch.Tensor:
     """bool -> float32 before multiplying: much faster on CPU than mixing dtypes in ``mul``."""
     return mask.to(torch.float32)
@@ -228,7 +241,7 @@ def _top_p_threshold(weights: torch.Tensor, top_k_thr: torch.Tensor,
     k_thr = top_k_thr[active]
     if bool((k_thr > 0).any()):
         sub = sub * _as_float(sub >= k_thr[:, None])  # top-p sees what top-k left
-    mass = sub.sum(dim=1)
+    mass = _block_sums(sub).sum(dim=1)
     p = top_p[active]
     # Tokens below this bound hold < (1 - p) / 2 of the mass, so the kept set lies above it.
     bound = mass * (1.0 - p) / (2 * vocab)
@@ -255,23 +268,20 @@ def filter_weights(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 def inverse_cdf_draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """(rows,) token ids drawn by inverse CDF from nonnegative weights, one uniform per row."""
     rows, vocab = weights.shape
-    pad = (-vocab) % _CDF_BLOCK
-    if pad:
-        weights = torch.nn.functional.pad(weights, (0, pad))
-    blocks = weights.view(rows, -1, _CDF_BLOCK)  # (rows, num_blocks, block)
-    block_mass = blocks.sum(dim=2).to(torch.float64)  # (rows, num_blocks)
+    block_mass = _block_sums(weights).to(torch.float64)  # (rows, num_blocks)
     block_cdf = torch.cumsum(block_mass, dim=1)
     # strictly below the total, so the chosen block has mass > 0
     target = uniforms.to(torch.float64) * block_cdf[:, -1] * (1.0 - 1e-12)
     block = torch.searchsorted(block_cdf, target[:, None], right=True)  # (rows, 1)
     block = block.clamp(max=block_cdf.shape[1] - 1)
     rest = target[:, None] - (block_cdf.gather(1, block) - block_mass.gather(1, block))
-    index = block[:, :, None].expand(rows, 1, _CDF_BLOCK)
-    inner_cdf = torch.cumsum(blocks.gather(1, index).squeeze(1).to(torch.float64), dim=1)
+    start = block * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=weights.device)  # (rows, block)
+    in_block = weights.gather(1, start.clamp(max=vocab - 1)) * (start < vocab)  # 0 past the end
+    inner_cdf = torch.cumsum(in_block.to(torch.float64), dim=1)
     # keep the target strictly inside this block's mass so a zero-weight tail is unreachable
     rest = torch.minimum(rest.clamp(min=0.0), inner_cdf[:, -1:] * (1.0 - 1e-12))
-    inner = torch.searchsorted(inner_cdf, rest, right=True).clamp(max=_CDF_BLOCK - 1)
-    return (block * _CDF_BLOCK + inner).squeeze(1)
+    offset = torch.searchsorted(inner_cdf, rest, right=True).clamp(max=_CDF_BLOCK - 1)
+    return (block * _CDF_BLOCK + offset).squeeze(1)
 
 
 def _gather_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
