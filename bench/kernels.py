@@ -161,7 +161,7 @@ def prefill_case(b: Bench, num_seqs: int, quantized: bool = False) -> Row:
 def pointwise_cases(b: Bench) -> list[Row]:
     from pdserve.kernels.activation import silu_and_mul
     from pdserve.kernels.norm import rms_norm
-    from pdserve.kernels.rotary import rotary
+    from pdserve.kernels.rotary_embedding import rotary
 
     tokens, hidden, inter, heads, kv_heads, hd = (8, 96, 80, 4, 2, 64) if b.tiny else \
         (4096, 4096, 14336, 32, 8, 128)

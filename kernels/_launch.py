@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -74,5 +76,11 @@ def next_pow2(n: int) -> int:
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (a fixed small number off-GPU)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else
+                         torch.cuda.current_device())
     return 4
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -80,7 +80,9 @@ def rms_norm(x, weight, eps: float, residual=None, backend: str = "auto"):
 
 def rotary(q, k, positions, cos_sin_cache, backend: str = "auto"):
     if resolve_backend(backend, q.device) == "triton":
-        return _triton("rotary").rotary(q, k, positions, cos_sin_cache)
+        # Not "rotary": importing pdserve.kernels.rotary would rebind this package's
+        # ``rotary`` attribute to the submodule.
+        return _triton("rotary_embedding").rotary(q, k, positions, cos_sin_cache)
     return ref.rotary_ref(q, k, positions, cos_sin_cache)
 
 

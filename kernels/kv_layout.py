@@ -28,7 +28,8 @@ class KVCacheLayer:
 
     def __post_init__(self) -> None:
         if self.kv.dim() != 5 or self.kv.shape[0] != 2:
-            raise ValueError(f"kv must be (2, blocks, block_size, kv_heads, head_dim), got {tuple(self.kv.shape)}")
+            raise ValueError("kv must be (2, blocks, block_size, kv_heads, head_dim), "
+                             f"got {tuple(self.kv.shape)}")
         quantized = self.kv.dtype == torch.int8
         if quantized != (self.k_scale is not None and self.v_scale is not None):
             raise ValueError("k_scale and v_scale must be given exactly when kv is int8")

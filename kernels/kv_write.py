@@ -23,7 +23,7 @@ from pdserve.kernels.kv_layout import KVCacheLayer
 
 # Adding then subtracting 1.5 * 2**23 rounds an fp32 of magnitude < 2**22 to the nearest
 # integer, ties to even (what torch.round does), with no libdevice call.
-_ROUND_MAGIC = 12582912.0
+_ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -48,7 +48,8 @@ def _write_kv_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim) & (slot >= 0)
+    heads = tl.where(slot >= 0, num_kv_heads, 0)  # a negative slot writes nothing
+    mask = (offs_h[:, None] < heads) & (offs_d[None, :] < head_dim)
     k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
                 mask=mask, other=0.0)
     v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],

@@ -30,14 +30,65 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, cache: KVCacheLayer,
     v_flat.index_copy_(0, slot_mapping, value.to(v_flat.dtype))
 
 
-def _gather_context(cache: KVCacheLayer, block_tables: torch.Tensor, max_context_len: int):
-    """Gather each sequence's K and V: (num_seqs, max_context_len, kv_heads, head_dim) fp32."""
-    block_size = cache.block_size
-    num_blocks = -(-max_context_len // block_size)
-    table = block_tables[:, :num_blocks].long()  # (num_seqs, num_blocks)
-    k = cache.k[table].flatten(1, 2)[:, :max_context_len]  # (num_seqs, ctx, kv_heads, head_dim)
-    v = cache.v[table].flatten(1, 2)[:, :max_context_len]
-    return dequantize(k, cache.k_scale, torch.float32), dequantize(v, cache.v_scale, torch.float32)
+def _gather_context(cache: KVCacheLayer, block_tables: torch.Tensor, lo: torch.Tensor,
+                    hi: torch.Tensor, max_ctx: int):
+    """Gather each sequence's K and V over ``max_ctx`` positions: (S, ctx, kv_heads, hd) fp32.
+
+    Only positions in ``[lo, hi)`` (per sequence, the keys some query may see) are read; the
+    others repeat the nearest of those, since slots past a sequence's end or behind block table
+    padding may hold anything, NaN included, and 0 * NaN would leak through the softmax.
+    """
+    bs = cache.block_size
+    pos = torch.arange(max_ctx, device=block_tables.device)[None, :]
+    pos = torch.minimum(torch.maximum(pos, lo[:, None]), hi[:, None] - 1).clamp_(min=0)
+    slots = block_tables.long().gather(1, pos // bs) * bs + pos % bs  # (S, ctx)
+    kv = cache.kv.flatten(1, 2)[:, slots]  # (2, S, ctx, kv_heads, hd)
+    return (dequantize(kv[0], cache.k_scale, torch.float32),
+            dequantize(kv[1], cache.v_scale, torch.float32))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """fp32 GQA attention. q: (S, heads, Q, hd); k, v: (S, ctx, kv_heads, hd);
+    visible: (S, Q, ctx). Returns (S, heads, Q, hd); rows that see nothing are undefined."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible[:, None], scale=scale,
+        enable_gqa=True)
+
+
+def _visible(q_pos: torch.Tensor, max_ctx: int, sliding_window: int | None) -> torch.Tensor:
+    """(S, Q) query positions -> (S, Q, ctx) bool: key k visible iff k <= p (and k > p - w)."""
+    k_pos = torch.arange(max_ctx, device=q_pos.device)
+    visible = k_pos[None, None, :] <= q_pos[:, :, None]
+    if sliding_window is not None:
+        visible &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    return visible
+
+
+def _padded_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: torch.Tensor,
+                      context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                      sliding_window: int | None) -> torch.Tensor:
+    """Attention of packed queries (tokens, heads, hd) whose sequences have ``q_lens``,
+    computed on a (num_seqs, max_q) padding. Returns fp32 (tokens, heads, hd)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = context_lens.shape[0]
+    device = query.device
+    max_q = int(q_lens.max())
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    local = torch.arange(num_tokens, device=device) - starts[seq_of_token]
+    q = query.new_zeros(num_seqs, max_q, num_heads, head_dim, dtype=torch.float32)
+    q[seq_of_token, local] = query.float()
+
+    q_pos = (context_lens.long() - q_lens)[:, None] + torch.arange(max_q, device=device)
+    q_pos = torch.where(torch.arange(max_q, device=device)[None, :] < q_lens[:, None], q_pos, -1)
+    max_ctx = int(context_lens.max())
+    visible = _visible(q_pos, max_ctx, sliding_window)  # (S, max_q, ctx); padding sees nothing
+    first = context_lens.long() - q_lens  # first query position per sequence
+    lo = first - sliding_window + 1 if sliding_window is not None else torch.zeros_like(first)
+    k, v = _gather_context(cache, block_tables, lo, context_lens.long(), max_ctx)
+    out = _attend(q.transpose(1, 2), k, v, visible, scale)  # (S, heads, max_q, hd)
+    return out.transpose(1, 2)[seq_of_token, local]
 
 
 def paged_attention_ref(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q: torch.Tensor,
@@ -49,34 +100,30 @@ def paged_attention_ref(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q: 
     Sequence ``s``'s queries are the last ``q_len`` positions of its ``context_lens[s]`` tokens,
     whose K/V are already in the cache. A query at position ``p`` sees keys ``k`` with
     ``k <= p`` and, with a window ``w``, ``k > p - w``. Returns (num_tokens, num_heads, head_dim).
+
+    Sequences with one query (decodes in a mixed batch) take the decode path, so a long
+    prefill chunk does not pad every decode in the batch to its length.
     """
-    num_tokens, num_heads, head_dim = query.shape
-    num_seqs = context_lens.shape[0]
-    num_kv_heads = cache.k.shape[2]
-    group = num_heads // num_kv_heads
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    max_q = int(q_lens.max())
-    max_ctx = int(context_lens.max())
-    k, v = _gather_context(cache, block_tables, max_ctx)  # (S, ctx, kv_heads, head_dim)
-
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=query.device), q_lens)
-    local = torch.arange(num_tokens, device=query.device) - cu_seqlens_q[seq_of_token].long()
-    q = query.new_zeros(num_seqs, max_q, num_heads, head_dim, dtype=torch.float32)
-    q[seq_of_token, local] = query.float()
-    q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim)
-
-    q_pos = (context_lens.long() - q_lens)[:, None] + torch.arange(max_q, device=query.device)
-    k_pos = torch.arange(max_ctx, device=query.device)
-    visible = k_pos[None, None, :] <= q_pos[:, :, None]  # (S, max_q, ctx)
-    if sliding_window is not None:
-        visible &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-
-    scores = torch.einsum("sqhgd,skhd->shgqk", q, k) * scale  # (S, kv_heads, group, max_q, ctx)
-    scores.masked_fill_(~visible[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
-    out = torch.einsum("shgqk,skhd->sqhgd", probs, v)  # (S, max_q, kv_heads, group, head_dim)
-    out = out.reshape(num_seqs, max_q, num_heads, head_dim)
-    return out[seq_of_token, local].to(query.dtype)
+    if query.shape[0] == 0:
+        return query.new_empty(query.shape)
+    single = q_lens == 1
+    if bool(single.all()):
+        return paged_decode_attention_ref(query, cache, block_tables, context_lens, scale,
+                                          sliding_window)
+    if not bool(single.any()):
+        return _padded_attention(query, cache, q_lens, context_lens, block_tables, scale,
+                                 sliding_window).to(query.dtype)
+    token_single = torch.repeat_interleave(single, q_lens)  # (num_tokens,)
+    out = torch.empty_like(query)
+    out[token_single] = paged_decode_attention_ref(
+        query[token_single], cache, block_tables[single], context_lens[single], scale,
+        sliding_window)
+    multi = ~single
+    out[~token_single] = _padded_attention(
+        query[~token_single], cache, q_lens[multi], context_lens[multi], block_tables[multi],
+        scale, sliding_window).to(query.dtype)
+    return out
 
 
 def paged_decode_attention_ref(query: torch.Tensor, cache: KVCacheLayer, block_tables: torch.Tensor,
@@ -84,21 +131,17 @@ def paged_decode_attention_ref(query: torch.Tensor, cache: KVCacheLayer, block_t
                                sliding_window: int | None = None) -> torch.Tensor:
     """One query token per sequence (its last position). query: (num_seqs, num_heads, head_dim)."""
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = cache.k.shape[2]
-    group = num_heads // num_kv_heads
+    if num_seqs == 0:
+        return query.new_empty(query.shape)
     max_ctx = int(context_lens.max())
-    k, v = _gather_context(cache, block_tables, max_ctx)  # (S, ctx, kv_heads, head_dim)
-    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
-    k_pos = torch.arange(max_ctx, device=query.device)
-    last = context_lens.long()[:, None] - 1
-    visible = k_pos[None, :] <= last  # (S, ctx)
-    if sliding_window is not None:
-        visible &= k_pos[None, :] > last - sliding_window
-    scores = torch.einsum("shgd,skhd->shgk", q, k) * scale  # (S, kv_heads, group, ctx)
-    scores.masked_fill_(~visible[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("shgk,skhd->shgd", probs, v)
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    last = context_lens.long()[:, None] - 1  # (S, 1)
+    visible = _visible(last, max_ctx, sliding_window)  # (S, 1, ctx)
+    lo = last[:, 0] - sliding_window + 1 if sliding_window is not None else torch.zeros_like(
+        last[:, 0])
+    k, v = _gather_context(cache, block_tables, lo, last[:, 0] + 1, max_ctx)
+    q = query.float()[:, :, None]  # (S, heads, 1, hd)
+    out = _attend(q, k, v, visible, scale)  # (S, heads, 1, hd)
+    return out[:, :, 0].to(query.dtype)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -1,0 +1,92 @@
+"""Triton KV write against write_kv_ref: float and int8 pools, poisoned destinations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.kv_layout import KVCacheLayer
+from pdserve.kernels.reference import quantize_int8, write_kv_ref
+from pdserve.kernels.testing import poison_, random_scales
+
+pytestmark = pytest.mark.triton
+
+
+def _pool(dtype, quantized, num_blocks, block_size, kv_heads, head_dim, gen):
+    kv = poison_(torch.empty(2, num_blocks, block_size, kv_heads, head_dim,
+                             dtype=torch.int8 if quantized else dtype))
+    if not quantized:
+        return KVCacheLayer(kv)
+    return KVCacheLayer(kv, random_scales(kv_heads, head_dim, gen),
+                        random_scales(kv_heads, head_dim, gen))
+
+
+def _clone(cache: KVCacheLayer) -> KVCacheLayer:
+    return KVCacheLayer(cache.kv.clone(), cache.k_scale, cache.v_scale)
+
+
+@pytest.mark.parametrize("dtype,quantized,head_dim", [
+    (torch.float32, False, 64), (torch.bfloat16, False, 128), (torch.float16, False, 64),
+    (torch.float32, True, 128), (torch.bfloat16, True, 64),
+])
+def test_write_kv_matches_reference(gen, dtype, quantized, head_dim):
+    from pdserve.kernels.kv_write import write_kv
+
+    kv_heads, block_size, num_blocks, num_tokens = 2, 4, 6, 11
+    cache = _pool(dtype, quantized, num_blocks, block_size, kv_heads, head_dim, gen)
+    expected = _clone(cache)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    # Keys as a strided view of a fused qkv projection, as the model produces them.
+    qkv = 2.0 * torch.randn(num_tokens, 3, kv_heads, head_dim, generator=gen).to(dtype)
+    key, value = qkv[:, 1], qkv[:, 2]
+    write_kv(key, value, cache, slots)
+    write_kv_ref(key, value, expected, slots)
+    if quantized:  # integers: exact, poison (-128) untouched outside the slots
+        assert torch.equal(cache.kv, expected.kv)
+    else:
+        assert torch.equal(cache.kv.isnan(), expected.kv.isnan())
+        assert torch.equal(cache.kv.nan_to_num(), expected.kv.nan_to_num())
+
+
+def test_int8_rounding_ties_and_clamp():
+    """Ties round to even and out-of-range values clamp, exactly like quantize_int8."""
+    from pdserve.kernels.kv_write import write_kv
+
+    head_dim = 16
+    scale = torch.full((1, head_dim), 0.5)
+    # x / 0.5 lands on .5 ties (0.5, 1.5, 2.5, -0.5, -2.5), exact integers and out of range.
+    row = torch.tensor([0.25, 0.75, 1.25, -0.25, -1.25, 3.0, 100.0, -100.0,
+                        63.25, -63.75, 0.0, 0.2, 0.3, -0.2, 1e9, -1e9])
+    key = row.view(1, 1, head_dim)
+    kv = poison_(torch.empty(2, 1, 1, 1, head_dim, dtype=torch.int8))
+    cache = KVCacheLayer(kv, scale, scale)
+    write_kv(key, -key, cache, torch.tensor([0]))
+    assert torch.equal(cache.kv[0, 0, 0], quantize_int8(key, scale)[0])
+    assert torch.equal(cache.kv[1, 0, 0], quantize_int8(-key, scale)[0])
+
+
+def test_negative_slot_is_skipped(gen):
+    from pdserve.kernels.kv_write import write_kv
+
+    cache = _pool(torch.float32, False, 2, 4, 1, 16, gen)
+    key = torch.randn(2, 1, 16, generator=gen)
+    write_kv(key, key, cache, torch.tensor([3, -1]))
+    flat = cache.k.reshape(-1, 16)
+    assert torch.equal(flat[3], key[0, 0])
+    assert flat[torch.arange(8) != 3].isnan().all()
+
+
+@pytest.mark.parametrize("field,bad", [
+    ("key", lambda k, v, s: (k[:, :1], v, s)),
+    ("value", lambda k, v, s: (k, v.double(), s)),
+    ("slot_mapping", lambda k, v, s: (k, v, s[:1])),
+    ("slot_mapping", lambda k, v, s: (k, v, s.float())),
+])
+def test_write_kv_rejects_bad_input(gen, field, bad):
+    from pdserve.kernels.kv_write import write_kv
+
+    cache = _pool(torch.float32, False, 2, 4, 2, 16, gen)
+    key = torch.randn(3, 2, 16, generator=gen)
+    k, v, slots = bad(key, key.clone(), torch.arange(3))
+    with pytest.raises(ValueError, match=field):
+        write_kv(k, v, cache, slots)

@@ -1,0 +1,144 @@
+"""The torch references (the CPU serving path and the Triton oracle) against naive
+per-sequence, per-token loops built on dense scaled_dot_product_attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels import reference as ref
+from pdserve.kernels.kv_layout import KVCacheLayer
+from pdserve.kernels.testing import TOLERANCE, random_paged_batch, relative_error
+
+
+def _naive_context(cache: KVCacheLayer, table: torch.Tensor, ctx: int):
+    """One sequence's dequantised K and V, token by token: (ctx, kv_heads, head_dim) fp32."""
+    bs = cache.block_size
+    rows = [cache.kv[:, int(table[p // bs]), p % bs] for p in range(ctx)]  # (2, kvh, hd) each
+    kv = torch.stack(rows, dim=1).float()  # (2, ctx, kv_heads, head_dim)
+    if cache.is_quantized:
+        return kv[0] * cache.k_scale, kv[1] * cache.v_scale
+    return kv[0], kv[1]
+
+
+def _naive_attention(query, cache, cu_seqlens_q, context_lens, block_tables, scale, window):
+    num_heads = query.shape[1]
+    outs = []
+    for s in range(context_lens.shape[0]):
+        q = query[int(cu_seqlens_q[s]):int(cu_seqlens_q[s + 1])].float()  # (q_len, H, hd)
+        ctx, q_len = int(context_lens[s]), q.shape[0]
+        k, v = _naive_context(cache, block_tables[s], ctx)
+        group = num_heads // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # (ctx, H, hd)
+        q_pos = torch.arange(ctx - q_len, ctx)[:, None]
+        k_pos = torch.arange(ctx)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                             v.transpose(0, 1), attn_mask=mask, scale=scale)
+        outs.append(out.transpose(0, 1))  # (q_len, H, hd)
+    return torch.cat(outs).to(query.dtype)
+
+
+@pytest.mark.parametrize("dtype,quantized,group,window", [
+    (torch.float32, False, 1, None), (torch.float32, True, 4, 6),
+    (torch.bfloat16, False, 8, None), (torch.float32, False, 4, 1),
+])
+def test_paged_attention_ref_matches_naive(gen, dtype, quantized, group, window):
+    # A fresh prompt, a chunk after a cached prefix, decodes (the split path), an empty one.
+    batch = random_paged_batch([23, 30, 1, 17, 9], [23, 11, 1, 1, 0], group * 2 if group < 8
+                               else 8, 2 if group < 8 else 1, 64, 4, dtype, gen,
+                               quantized=quantized)
+    args = (batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
+            batch.block_tables, 0.125, window)
+    out, want = ref.paged_attention_ref(*args), _naive_attention(*args)
+    assert torch.isfinite(out).all()  # slots past each context are NaN and must not leak
+    assert relative_error(out, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_ref_matches_naive(gen, window):
+    batch = random_paged_batch([1, 5, 37, 16], [1, 1, 1, 1], 8, 2, 128, 16, torch.float32, gen)
+    out = ref.paged_decode_attention_ref(batch.query, batch.cache, batch.block_tables,
+                                         batch.context_lens, 0.1, window)
+    want = _naive_attention(batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
+                            batch.block_tables, 0.1, window)
+    assert relative_error(out, want) < TOLERANCE[torch.float32]
+
+
+def test_fresh_prompt_matches_causal_sdpa(gen):
+    batch = random_paged_batch([19], [19], 4, 4, 64, 8, torch.float32, gen)
+    out = ref.paged_attention_ref(batch.query, batch.cache, batch.cu_seqlens_q,
+                                  batch.context_lens, batch.block_tables, 0.125)
+    k, v = _naive_context(batch.cache, batch.block_tables[0], 19)
+    want = F.scaled_dot_product_attention(batch.query.transpose(0, 1), k.transpose(0, 1),
+                                          v.transpose(0, 1), is_causal=True, scale=0.125)
+    assert relative_error(out, want.transpose(0, 1)) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_write_kv_ref_matches_per_token_loop(gen, quantized):
+    batch = random_paged_batch([6, 9], [6, 9], 2, 2, 64, 4, torch.float32, gen,
+                               quantized=quantized)
+    key = torch.randn(15, 2, 64, generator=gen)
+    value = torch.randn(15, 2, 64, generator=gen)
+    expected = batch.cache.kv.clone()
+    for i, slot in enumerate(batch.slot_mapping.tolist()):
+        b, o = divmod(slot, batch.cache.block_size)
+        for which, x, scale in ((0, key, batch.cache.k_scale), (1, value, batch.cache.v_scale)):
+            expected[which, b, o] = ref.quantize_int8(x[i], scale) if quantized else x[i]
+    ref.write_kv_ref(key, value, batch.cache, batch.slot_mapping)
+    assert torch.equal(batch.cache.kv.nan_to_num(), expected.nan_to_num())
+
+
+def test_quantize_int8_rounds_half_to_even_and_clamps():
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, 200.0, -200.0, 0.49]])
+    got = ref.quantize_int8(x, torch.ones_like(x))
+    assert got.tolist() == [[0, 2, 2, 0, -2, 127, -127, 0]]
+
+
+def test_pack_unpack_ref_match_loops(gen):
+    caches = [KVCacheLayer(torch.randn(2, 5, 4, 2, 8, generator=gen)) for _ in range(3)]
+    ids = torch.tensor([3, 0, 4])
+    buffer = ref.pack_blocks_ref(caches, ids)
+    for layer, cache in enumerate(caches):
+        for j, b in enumerate(ids.tolist()):
+            assert torch.equal(buffer[layer, :, j], cache.kv[:, b])
+    dst = [KVCacheLayer(torch.zeros(2, 5, 4, 2, 8)) for _ in range(3)]
+    ref.unpack_blocks_ref(buffer, dst, torch.tensor([1, 2, 0]))
+    for layer in range(3):
+        for j, b in enumerate([1, 2, 0]):
+            assert torch.equal(dst[layer].kv[:, b], buffer[layer, :, j])
+        assert (dst[layer].kv[:, 3:] == 0).all()
+
+
+def test_rms_norm_ref_formula(gen):
+    x = torch.randn(3, 16, generator=gen)
+    w = torch.randn(16, generator=gen)
+    r = torch.randn(3, 16, generator=gen)
+    out, resid = ref.rms_norm_ref(x, w, 1e-5, r)
+    h = x + r
+    want = w * h / torch.sqrt((h * h).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(resid, h)
+
+
+def test_rotary_ref_is_a_complex_rotation(gen):
+    """Rotate-half RoPE is multiplication of (x1 + i x2) by e^{i theta}."""
+    q, k = torch.randn(4, 2, 8, generator=gen), torch.randn(4, 1, 8, generator=gen)
+    theta = torch.rand(10, 4, generator=gen) * 6
+    cache = torch.cat([theta.cos(), theta.sin()], -1)
+    pos = torch.tensor([0, 9, 3, 3])
+    rq, rk = ref.rotary_ref(q, k, pos, cache)
+    for x, rx in ((q, rq), (k, rk)):
+        z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones(4, 1, 4),
+                                                                theta[pos][:, None])
+        torch.testing.assert_close(rx, torch.cat([z.real, z.imag], -1))
+
+
+def test_silu_and_mul_ref_formula(gen):
+    x = torch.randn(3, 10, generator=gen)
+    torch.testing.assert_close(ref.silu_and_mul_ref(x), x[:, :5] * torch.sigmoid(x[:, :5])
+                               * x[:, 5:])
