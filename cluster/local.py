@@ -48,9 +48,10 @@ class LocalHandle:
 
 def build_local_workers(config, num_prefill: int = 1, num_decode: int = 1,
                         colocated: bool = False, transport: str = "inproc",
-                        prefill_kwargs: dict | None = None) -> list[LocalHandle]:
-    """Workers in this process: ``transport`` is "inproc" (queues) or "torch" (gloo/NCCL pairs
-    over loopback, as between processes)."""
+                        prefill_kwargs: dict | None = None, fault_plan=None,
+                        lease_s: float = 60.0) -> list[LocalHandle]:
+    """Workers in this process: ``transport`` is "inproc" (queues; ``fault_plan`` injects
+    faults) or "torch" (gloo/NCCL pairs over loopback, as between processes)."""
     from pdserve.decode_worker.colocated import ColocatedWorker
     from pdserve.decode_worker.worker import DecodeWorker
     from pdserve.engine.llm_engine import EngineParts
@@ -75,10 +76,10 @@ def build_local_workers(config, num_prefill: int = 1, num_decode: int = 1,
         else:
             make = lambda sink: TransferEndpoint(sink, "127.0.0.1", 0)  # noqa: E731
         parts = EngineParts.build(DecodeWorker.config_for(config))
-        handles.append(LocalHandle(DecodeWorker(name, parts, make)))
+        handles.append(LocalHandle(DecodeWorker(name, parts, make, lease_s=lease_s)))
     for i in range(num_prefill):
         name = f"prefill-{i}"
-        connector = (InProcConnector(hub, name) if transport == "inproc"
+        connector = (InProcConnector(hub, name, fault_plan=fault_plan) if transport == "inproc"
                      else TorchDistConnector(name))
         handles.append(LocalHandle(PrefillWorker(name, EngineParts.build(config), connector,
                                                  **(prefill_kwargs or {}))))

@@ -78,9 +78,9 @@ def estimate_activation_bytes(mc, config: EngineConfig, dtype: torch.dtype, max_
 
     Per token: residual, hidden and normed states (3 x hidden), q/k/v and attention output,
     gate/up and the activated product (3 x intermediate), in the model dtype; logits for up to
-    ``max_num_seqs`` sampled rows in fp32, seven copies in the sampler's top-p path. With the torch attention
-    path (CPU), the fp32 score and probability matrices of a full-budget chunk against the
-    longest context: 2 x heads x tokens x context x 4 bytes.
+    ``max_num_seqs`` sampled rows in fp32, seven copies in the sampler's top-p path. With the
+    torch attention path (CPU), the fp32 score and probability matrices of a full-budget chunk
+    against the longest context: 2 x heads x tokens x context x 4 bytes.
     """
     tokens = config.max_num_batched_tokens
     elt = torch.finfo(dtype).bits // 8

@@ -77,7 +77,8 @@ class PrefillWorker:
         self.connector = connector
         self.overlap = overlap
         self.layers_per_frame = layers_per_frame
-        self.num_layers = len(parts.runner.kv_caches)
+        self.frames = frame_ranges(parts.runner.kv_caches, layers_per_frame)
+        self._frame_ending = {end - 1: (start, end) for start, end in self.frames}
         self._targets: dict[str, _Target] = {}
         self.loop = EngineLoop(f"prefill-{worker_id}", self._step,
                                self.engine.has_unfinished_requests).start()
@@ -124,8 +125,8 @@ class PrefillWorker:
         after_layer = self._layer_sender(shipments) if self.overlap and shipments else None
         logits = self.engine.parts.runner.execute(output.scheduled, after_layer)
         if not self.overlap:
-            for start in range(0, self.num_layers, self.layers_per_frame):
-                self._send_layers(shipments, start)
+            for start, end in self.frames:
+                self._send_layers(shipments, start, end)
         self.engine.scheduler.update(output)
         sampled_at = time.monotonic()
         deltas = self.engine.sample_and_emit(finishing, logits)
@@ -145,12 +146,11 @@ class PrefillWorker:
 
     def _layer_sender(self, shipments):
         def after_layer(layer: int) -> None:
-            if (layer + 1) % self.layers_per_frame == 0 or layer + 1 == self.num_layers:
-                self._send_layers(shipments, layer - layer % self.layers_per_frame)
+            if layer in self._frame_ending:
+                self._send_layers(shipments, *self._frame_ending[layer])
         return after_layer
 
-    def _send_layers(self, shipments, start: int) -> None:
-        end = min(start + self.layers_per_frame, self.num_layers)
+    def _send_layers(self, shipments, start: int, end: int) -> None:
         caches = self.engine.parts.runner.kv_caches
         for target, block_ids in shipments:
             payload = pack_layers(caches, block_ids, start, end)
@@ -190,3 +190,15 @@ class PrefillWorker:
 
     def _stats(self) -> WorkerStats:
         return engine_stats(self.worker_id, self.role, self.engine)
+
+
+def frame_ranges(caches, layers_per_frame: int) -> list[tuple[int, int]]:
+    """Split the layers into frames of at most ``layers_per_frame`` layers of one dtype
+    (int8 pools may keep their first and last layers in the model dtype)."""
+    ranges, start = [], 0
+    for layer in range(1, len(caches) + 1):
+        if (layer == len(caches) or layer - start == layers_per_frame
+                or caches[layer].kv.dtype != caches[start].kv.dtype):
+            ranges.append((start, layer))
+            start = layer
+    return ranges

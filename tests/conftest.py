@@ -24,6 +24,10 @@ model lacks.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
+
 import json
 import shutil
 from dataclasses import dataclass

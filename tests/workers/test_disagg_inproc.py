@@ -51,3 +51,31 @@ def test_token_zero_finishes_request(hf_checkpoint, make_pair):
     tokens, reason = pair.generate("one", [3, 4, 5], SamplingParams(max_tokens=1, temperature=0))
     assert len(tokens) == 1 and reason == "length"
     assert pair.used_blocks() == (0, 0)
+
+
+def test_int8_cache_disaggregated_equals_colocated(hf_checkpoint, make_pair, greedy):
+    model_dir = hf_checkpoint("llama")
+    prompts = prompts_for(2, [9, 21])
+    int8 = dict(kv_cache_dtype="int8", kv_int8_keep_edge_layers=True)
+    expected = [o.token_ids for o in LLM(str(model_dir), dtype="float32", block_size=4,
+                                         num_kv_blocks=128, **int8).generate(
+                                             prompts, greedy, use_tqdm=False)]
+    pair = make_pair(model_dir, prefill_kwargs={"layers_per_frame": 3}, **int8)
+    assert [pair.generate(f"q{i}", p, greedy)[0] for i, p in enumerate(prompts)] == expected
+    assert pair.used_blocks() == (0, 0)
+
+
+def test_frame_ranges_split_by_size_and_dtype():
+    import torch
+
+    from pdserve.kernels import KVCacheLayer
+    from pdserve.prefill_worker.worker import frame_ranges
+
+    def layer(dtype):
+        kv = torch.zeros(2, 1, 1, 1, 1, dtype=dtype)
+        scale = torch.ones(1, 1) if dtype == torch.int8 else None
+        return KVCacheLayer(kv, scale, scale)
+
+    caches = [layer(torch.float32)] + [layer(torch.int8)] * 4 + [layer(torch.float32)]
+    assert frame_ranges(caches, 3) == [(0, 1), (1, 4), (4, 5), (5, 6)]
+    assert frame_ranges(caches[1:5], 1) == [(0, 1), (1, 2), (2, 3), (3, 4)]
