@@ -75,7 +75,7 @@ class EngineParts:
         try:
             tokenizer = Tokenizer.from_dir(config.model)
         except (FileNotFoundError, ValueError) as exc:
-            logger.warning("no tokenizer (%s): token-id prompts only, empty text", exc)
+            logger.info("no tokenizer (%s): token-id prompts only, empty text", exc)
             tokenizer = None
         scales = None
         if config.kv_cache_dtype == "int8":

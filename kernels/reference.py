@@ -178,7 +178,16 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def pack_blocks_ref(caches: list[KVCacheLayer], block_ids: torch.Tensor) -> torch.Tensor:
     """Gather ``block_ids`` of every layer in ``caches`` into one contiguous buffer:
     (num_layers, 2, num_ids, block_size, kv_heads, head_dim)."""
-    return torch.stack([c.kv.index_select(1, block_ids) for c in caches])
+    first = caches[0].kv
+    num_ids = block_ids.numel()
+    out = torch.empty((len(caches), 2, num_ids, *first.shape[2:]), dtype=first.dtype,
+                      device=first.device)
+    for layer, cache in enumerate(caches):
+        for half in range(2):  # K, V: gather whole blocks as rows, straight into the buffer
+            # (num_blocks, block_size * kv_heads * head_dim) -> (num_ids, same)
+            torch.index_select(cache.kv[half].view(cache.num_blocks, -1), 0, block_ids,
+                               out=out[layer, half].view(num_ids, -1))
+    return out
 
 
 def unpack_blocks_ref(buffer: torch.Tensor, caches: list[KVCacheLayer],

@@ -1,0 +1,136 @@
+"""Disaggregation benchmark: ``python -m pdserve.bench.disagg [--quick]``. Prints; never asserts.
+
+In one run, on this machine:
+1. KV transfer GB/s through the real channel (a 2-rank gloo pair on loopback, NCCL on GPU):
+   the raw channel (one big send/recv), a local memcpy, and the full path (pack, frame, send,
+   receive, scatter into blocks) for one request's KV;
+2. TTFT of disaggregated (1 prefill + 1 decode, gloo pairs) vs colocated (1 worker) at 128, 1k
+   and 4k prompt tokens, with and without layer-wise overlap of sends and compute;
+3. streaming overhead per token: the gRPC server and client with a zero-compute backend.
+Workers run in this process on their own threads (the serving path on CPU uses torch kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve.bench.engine import write_random_llama
+from pdserve.bench.stats import format_table
+from pdserve.cluster.local import build_local_workers
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import measure_channel, measure_memcpy, measure_transfer
+from pdserve.router.backend import ModelSpec
+from pdserve.router.core import Router
+from pdserve.router.directory import StaticDirectory
+
+MODEL = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
+             max_position_embeddings=8192)
+
+
+def transfer_table(quick: bool) -> str:
+    nbytes = (16 if quick else 128) << 20
+    raw = measure_channel(nbytes, iters=3)
+    memcpy = measure_memcpy(nbytes, iters=3)
+    blocks = 64 if quick else 256  # one request: blocks x 16 tokens, 8 layers x 4 heads x 64
+    full = measure_transfer(num_layers=8, num_blocks=blocks, iters=3, dtype=torch.float32)
+    no_pack = measure_transfer(num_layers=8, num_blocks=blocks, iters=3, dtype=torch.float32,
+                               include_pack=False)
+    return format_table(["path", "GB/s", "vs raw channel", "vs memcpy"], [
+        ["local memcpy", memcpy, memcpy / raw, 1.0],
+        ["raw channel (one send/recv)", raw, 1.0, raw / memcpy],
+        ["KV frames, no pack/unpack", no_pack, no_pack / raw, no_pack / memcpy],
+        ["KV frames with pack/unpack", full, full / raw, full / memcpy]])
+
+
+async def _ttft(handles, prompt_len: int, repeats: int) -> float:
+    router = Router(ModelSpec("bench", 8192, MODEL["vocab_size"]), StaticDirectory(handles),
+                    tokenize=list)
+    await router.start()
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    times = []
+    try:
+        for i in range(repeats + 1):  # the first run warms up
+            prompt = [(7 * i + j) % 4000 + 1 for j in range(prompt_len)]
+            start = time.perf_counter()
+            async for _delta in router.generate(f"b{prompt_len}-{i}", prompt, params, None):
+                if i:
+                    times.append(time.perf_counter() - start)
+                break
+            await router.abort(f"b{prompt_len}-{i}")
+    finally:
+        await router.stop()
+    return statistics.median(times)
+
+
+def ttft_table(model_dir: Path, lengths: list[int], repeats: int) -> str:
+    config = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=2048,
+                          max_num_batched_tokens=4096, enable_prefix_caching=False)
+    setups = {"colocated": dict(colocated=True),
+              "disagg, overlap": dict(transport="torch"),
+              "disagg, no overlap": dict(transport="torch", prefill_kwargs={"overlap": False})}
+    results: dict[str, dict[int, float]] = {}
+    for name, kwargs in setups.items():
+        handles = build_local_workers(config, **kwargs)
+        try:
+            results[name] = {n: asyncio.run(_ttft(handles, n, repeats)) for n in lengths}
+        finally:
+            for h in handles:
+                h.close()
+    rows = []
+    for n in lengths:
+        base = results["colocated"][n]
+        rows.append([n, base * 1e3] + [x for name in list(setups)[1:]
+                                       for x in (results[name][n] * 1e3, results[name][n] / base)])
+    return format_table(["prompt tokens", "colocated ms", "disagg overlap ms", "x colocated",
+                         "disagg no-overlap ms", "x colocated"], rows)
+
+
+async def _stream_overhead(num_tokens: int) -> float:
+    from pdserve.api.client import AsyncPdserveClient
+    from pdserve.router.fake_backend import FakeBackend
+    from pdserve.router.grpc_server import GenerationServer
+
+    backend = FakeBackend(ModelSpec("fake", 1 << 20, 64, ()))
+    server = GenerationServer(backend)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        async with AsyncPdserveClient(f"127.0.0.1:{port}") as client:
+            await client.generate([1, 2], max_tokens=8, ignore_eos=True)
+            start = time.perf_counter()
+            count = 0
+            async for chunk in client.generate_stream([1, 2], max_tokens=num_tokens,
+                                                      ignore_eos=True):
+                count += len(chunk.token_ids)
+            return (time.perf_counter() - start) / count
+    finally:
+        await server.stop(0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    args = parser.parse_args(argv)
+    print("1. KV transfer bandwidth")
+    print(transfer_table(args.quick))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_llama(Path(tmp) / "llama", **MODEL)
+        lengths = [128, 512] if args.quick else [128, 1024, 4096]
+        print(f"\n2. TTFT, disaggregated vs colocated (random Llama, {MODEL['num_hidden_layers']}"
+              f" layers, hidden {MODEL['hidden_size']}, fp32)")
+        print(ttft_table(model_dir, lengths, 1 if args.quick else 3))
+    per_token = asyncio.run(_stream_overhead(200 if args.quick else 2000))
+    print(f"\n3. streaming overhead through gRPC (zero-compute backend): "
+          f"{per_token * 1e6:.0f} us per token")
+
+
+if __name__ == "__main__":
+    main()
