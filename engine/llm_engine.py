@@ -92,6 +92,15 @@ class EngineParts:
                    tuple(mc.eos_token_ids))
 
 
+def sampling_row(seq: Sequence) -> SamplingRow:
+    """What the sampler needs of ``seq``; token history only when a penalty reads it."""
+    p = seq.sampling_params
+    penalized = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+    return SamplingRow(p, seq.seed, seq.num_output_tokens,
+                       seq.prompt_token_ids if penalized else [],
+                       seq.output_token_ids if penalized else [])
+
+
 class LLMEngine:
     """Colocated continuous batching with chunked prefill (the baseline every mode is held to)."""
 
@@ -196,8 +205,9 @@ class LLMEngine:
             self.last_step = StepStats()
             return []
         sampling = [item for item in output.scheduled if item.samples]
+        batch = self.parts.runner.prepare(output.scheduled)
         forward_start = time.perf_counter()
-        logits = self.parts.runner.execute(output.scheduled)
+        logits = self.parts.runner.run(batch)
         forward_s = time.perf_counter() - forward_start
         self.scheduler.update(output)
         deltas = self.sample_and_emit(sampling, logits)
@@ -210,8 +220,7 @@ class LLMEngine:
         """Sample one token per sequence in ``sampling``, apply stop rules, emit deltas."""
         if not sampling:
             return []
-        rows = [SamplingRow(s.seq.sampling_params, s.seq.seed, s.seq.num_output_tokens,
-                            s.seq.prompt_token_ids, s.seq.output_token_ids) for s in sampling]
+        rows = [sampling_row(s.seq) for s in sampling]
         sampled = self.sampler(logits, rows)
         now = time.monotonic()
         deltas = []

@@ -43,12 +43,15 @@ class ModelRunner:
         starts: list[int] = []  # first position computed this step, per sequence
         q_lens: list[int] = []
         tables: list[list[int]] = []
+        sample_indices: list[int] = []  # flat row of each sampling sequence's last token
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start:start + item.num_new_tokens])
             starts.append(start)
             q_lens.append(item.num_new_tokens)
             tables.append([0 if b is None else b for b in seq.block_table])
+            if item.samples:
+                sample_indices.append(len(input_ids) - 1)
         dev, bs = self.device, self.block_size
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
@@ -58,10 +61,10 @@ class ModelRunner:
         positions = torch.tensor(starts, dtype=torch.int64)[seq_of_token] \
             + torch.arange(int(cu[-1])) - cu[:-1][seq_of_token]
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+        flat = [b for t in tables for b in (*t, *([0] * (width - len(t))))]
+        block_tables = torch.tensor(flat, dtype=torch.int64).view(len(tables), width)
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
         context_lens = torch.tensor(starts, dtype=torch.int64) + q_lens_t
-        sample_indices = [int(cu[i + 1]) - 1 for i, item in enumerate(scheduled) if item.samples]
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             cu_seqlens_q=cu.to(dev, torch.int32),
@@ -81,7 +84,12 @@ class ModelRunner:
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run one step; returns fp32 logits (num_sampled, vocab) in the order of ``scheduled``.
         ``after_layer(i)`` is called as soon as layer ``i``'s K/V are written."""
-        batch = self.prepare(scheduled)
+        return self.run(self.prepare(scheduled), after_layer)
+
+    @torch.inference_mode()
+    def run(self, batch: ModelInput,
+            after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The model forward and logits of a prepared batch."""
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
                             after_layer=after_layer)
         # (num_tokens, hidden) -> (num_sampled, hidden): only rows that end a sequence's tokens
