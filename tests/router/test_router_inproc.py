@@ -107,3 +107,33 @@ def test_cancel_and_deadline_free_all_blocks(hf_checkpoint, build):
             await shutdown(handles, router, server)
 
     asyncio.run(main())
+
+
+def test_admission_bounds_requests_in_flight(hf_checkpoint):
+    from pdserve.router.core import RouterConfig
+    from pdserve.router.errors import QueueFullError
+
+    model_dir = hf_checkpoint("llama")
+
+    async def main():
+        handles = build_local_workers(config_for(model_dir))
+        router = Router(ModelSpec("t", 256, 509), StaticDirectory(handles), tokenize=list,
+                        config=RouterConfig(max_requests_in_flight=1, max_tokens_in_flight=64))
+        await router.start()
+        params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+        try:
+            first = router.generate("a", [1, 2, 3], params, None)
+            await first.__anext__()
+            with pytest.raises(QueueFullError):
+                await router.generate("b", [4, 5], params, None).__anext__()
+            await first.aclose()
+            with pytest.raises(QueueFullError):  # too many prompt tokens at once
+                await router.generate("c", list(range(1, 70)), params, None).__anext__()
+            await asyncio.sleep(0.1)
+            assert used_blocks(handles) == [0, 0]
+        finally:
+            await router.stop()
+            for h in handles:
+                h.close()
+
+    asyncio.run(main())

@@ -1,0 +1,49 @@
+"""Pairing policy: decode by free blocks then load, prefill by queued tokens minus prefix hits."""
+
+from __future__ import annotations
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.messages import WorkerStats
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.router.pairing import WorkerLoad, chained_block_hashes, pick_prefill, rank_decode
+
+
+def stats(worker_id, role="decode", free=100, running=0, queued=0) -> WorkerStats:
+    return WorkerStats(worker_id, role, 128, free, 128 - free, 0, running, 0, queued, 0, 0, 0)
+
+
+def test_decode_prefers_free_blocks_then_fewer_running():
+    loads = [WorkerLoad(stats("a", free=50)), WorkerLoad(stats("b", free=90, running=9)),
+             WorkerLoad(stats("c", free=90, running=1))]
+    assert [w.stats.worker_id for w in rank_decode(loads)] == ["c", "b", "a"]
+    loads[2].pending_blocks = 60  # reservations made since the last refresh count
+    assert rank_decode(loads)[0].stats.worker_id == "b"
+
+
+def test_prefill_prefers_short_queue_unless_prefix_is_cached():
+    system = list(range(100, 164))  # 4 blocks of 16
+    busy, idle = WorkerLoad(stats("busy", "prefill", queued=40)), \
+        WorkerLoad(stats("idle", "prefill", queued=0))
+    load, _ = pick_prefill([busy, idle], system + [1, 2], 16)
+    assert load is idle
+    busy.remember(chained_block_hashes(system, 16), capacity=100)
+    load, _ = pick_prefill([busy, idle], system + [3, 4], 16)
+    assert load is busy  # 64 cached tokens outweigh 40 queued ones
+
+
+def test_router_hashes_match_the_prefix_cache():
+    bm = BlockManager(16, 4)
+    seq = Sequence("s", list(range(10, 22)), SamplingParams())
+    bm.allocate(seq, 12)
+    seq.num_computed_tokens = 12
+    bm.cache_computed_blocks(seq)
+    cached = [bm.block_hash(b) for b in seq.block_table]
+    assert chained_block_hashes(list(range(10, 22)), 4) == cached
+
+
+def test_remember_is_bounded_lru():
+    load = WorkerLoad(stats("p", "prefill"))
+    load.remember([1, 2, 3], capacity=3)
+    load.remember([4], capacity=3)
+    assert list(load.recent_hashes) == [2, 3, 4]

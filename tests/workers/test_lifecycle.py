@@ -1,0 +1,81 @@
+"""Worker lifecycles end in a leak check: leases expire, aborts are idempotent in every state."""
+
+from __future__ import annotations
+
+import time
+
+from pdserve import SamplingParams
+from pdserve.engine.messages import WorkRequest
+
+PARAMS = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+
+def request(request_id: str, n: int = 9) -> WorkRequest:
+    return WorkRequest(request_id, list(range(3, 3 + n)), PARAMS, seed=7, arrival_time=time.time())
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_expired_lease_frees_blocks_and_reports(hf_checkpoint, make_pair):
+    pair = make_pair(hf_checkpoint("llama"), lease_s=0.2)
+    reservation = pair.decode.reserve(request("late")).result(5)
+    assert reservation.num_blocks == 3 and pair.used_blocks() == (0, 3)
+    deltas = []
+    assert wait_for(lambda: deltas.extend(pair.decode.poll(0.05)) or bool(deltas))
+    assert deltas[0].request_id == "late" and deltas[0].finish_reason == "abort"
+    assert "lease" in deltas[0].error
+    assert pair.used_blocks() == (0, 0)
+
+
+def test_abort_is_idempotent_in_every_decode_state(hf_checkpoint, make_pair):
+    pair = make_pair(hf_checkpoint("llama"))
+    pair.decode.abort("never-seen").result(5)  # unknown
+    pair.decode.reserve(request("reserved")).result(5)
+    for _ in range(2):  # reserved, then already aborted
+        pair.decode.abort("reserved").result(5)
+    assert pair.used_blocks() == (0, 0)
+    req = request("running")
+    reservation = pair.decode.reserve(req).result(5)
+    pair.prefill.prefill(req, reservation).result(10)
+    assert wait_for(lambda: pair.decode.stats().result(5).num_running == 1)
+    for _ in range(2):  # running, then finished
+        pair.decode.abort("running").result(5)
+    assert wait_for(lambda: pair.used_blocks() == (0, 0))
+
+
+def test_abort_queued_prefill_fails_its_future(hf_checkpoint, make_pair):
+    pair = make_pair(hf_checkpoint("llama"))
+    reqs = [request(f"q{i}", 40) for i in range(6)]
+    futures = [pair.prefill.prefill(r, pair.decode.reserve(r).result(5)) for r in reqs]
+    for r in reqs[1:]:
+        pair.prefill.abort(r.request_id).result(5)
+        pair.decode.abort(r.request_id).result(5)
+    assert futures[0].result(20).first.new_token_ids
+    aborted = [f for f in futures[1:] if f.exception(20) is not None]
+    assert aborted  # at least the still-queued ones failed instead of hanging
+    pair.decode.abort("q0").result(5)
+    assert wait_for(lambda: pair.used_blocks() == (0, 0))
+
+
+def test_reserve_without_room_is_no_capacity(hf_checkpoint, make_pair):
+    import pytest
+
+    from pdserve.decode_worker.worker import NoCapacityError
+
+    pair = make_pair(hf_checkpoint("llama"), decode_blocks=24)
+    pair.decode.reserve(request("a", 40)).result(5)  # 10 of 24 blocks
+    pair.decode.reserve(request("b", 40)).result(5)  # 20 of 24 blocks
+    with pytest.raises(NoCapacityError):
+        pair.decode.reserve(request("c", 40)).result(5)
+    with pytest.raises(ValueError, match="max_tokens"):  # could never fit: not a capacity issue
+        pair.decode.reserve(request("d", 80)).result(5)
+    pair.decode.abort("b").result(5)
+    pair.decode.abort("a").result(5)
+    assert pair.used_blocks() == (0, 0)
