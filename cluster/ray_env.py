@@ -10,8 +10,9 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "pdserve"
 
 
-def _set_loopback_env() -> None:
-    # Must happen before `import ray`: keeps Ray on the loopback address, no usage stats.
+def set_loopback_env() -> None:
+    """Must run before ``import ray`` (``pdserve.cluster`` runs it on import): keeps Ray on the
+    loopback address, no usage stats, no log dedup."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -20,7 +21,7 @@ def _set_loopback_env() -> None:
 def init_ray(address: str | None = None, temp_dir: str | None = None,
              num_cpus: int | None = None):
     """Join ``address`` or start a local Ray on 127.0.0.1 (no dashboard, own temp dir)."""
-    _set_loopback_env()
+    set_loopback_env()
     import ray
 
     if ray.is_initialized():

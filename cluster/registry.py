@@ -2,15 +2,20 @@
 
 Keys: ``pdserve:<cluster>:worker:<worker_id>`` -> hash of :class:`WorkerRecord` fields, with a
 TTL of ``ttl_s``; a worker that stops heartbeating disappears from :meth:`Registry.workers`.
+``draining`` belongs to whoever marks it (:meth:`Registry.set_draining`: an operator, the
+autoscaler, the worker itself): heartbeats create it as 0 but never overwrite it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 
 import redis
+
+from pdserve.engine.messages import WorkerStats
 
 
 @dataclass
@@ -27,6 +32,29 @@ class WorkerRecord:
     queued_tokens: int = 0  # prompt tokens not yet computed
     draining: bool = False  # takes no new requests
     heartbeat_time: float = 0.0  # wall clock of the last heartbeat
+    used_blocks: int = 0  # owned by requests or reservations
+    cached_blocks: int = 0  # evictable prefix-cache blocks
+    num_preemptions: int = 0  # preemptions since start (a counter)
+    prefix_hit_tokens: int = 0  # prompt tokens served by the prefix cache (a counter)
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache (a counter)
+    ledger_json: str = "{}"  # MemoryLedger.to_dict() as JSON
+    pid: int = 0  # the worker's process id (on its node)
+
+    @classmethod
+    def from_stats(cls, stats: WorkerStats, pid: int = 0) -> WorkerRecord:
+        return cls(stats.worker_id, stats.role, stats.transfer_address, stats.total_blocks,
+                   stats.free_blocks, stats.num_running, stats.num_waiting,
+                   stats.queued_tokens, stats.draining, 0.0, stats.used_blocks,
+                   stats.cached_blocks, stats.num_preemptions, stats.prefix_hit_tokens,
+                   stats.prefix_query_tokens, json.dumps(stats.ledger, sort_keys=True), pid)
+
+    def to_stats(self) -> WorkerStats:
+        return WorkerStats(self.worker_id, self.role, self.total_blocks, self.free_blocks,
+                           self.used_blocks, self.cached_blocks, self.num_running,
+                           self.num_waiting, self.queued_tokens, self.num_preemptions,
+                           self.prefix_hit_tokens, self.prefix_query_tokens,
+                           json.loads(self.ledger_json or "{}"), self.transfer_address,
+                           self.draining)
 
     def to_hash(self) -> dict[str, str]:
         return {f.name: str(int(v) if isinstance(v, bool) else v)
@@ -54,10 +82,14 @@ class Registry:
         self.ttl_ms = int(ttl_s * 1000)
 
     def heartbeat(self, record: WorkerRecord) -> None:
+        """Write ``record`` (all but ``draining``, which is only created) and renew the TTL."""
         record.heartbeat_time = time.time()
         key = self.prefix + record.worker_id
+        fields = record.to_hash()
+        draining = fields.pop("draining")
         with self.client.pipeline() as pipe:
-            pipe.hset(key, mapping=record.to_hash())
+            pipe.hset(key, mapping=fields)
+            pipe.hsetnx(key, "draining", draining)
             pipe.pexpire(key, self.ttl_ms)
             pipe.execute()
 

@@ -33,6 +33,8 @@ class WorkerLoad:
     recent_hashes: OrderedDict = field(default_factory=OrderedDict)  # LRU of prompt blocks
 
     def refresh(self, stats: WorkerStats) -> None:
+        if stats is self.stats:  # the directory has nothing newer (e.g. no heartbeat since)
+            return
         self.stats, self.pending_blocks, self.pending_tokens = stats, 0, 0
 
     @property

@@ -42,3 +42,27 @@ def test_redis_child_stops_cleanly():
     except ProcessLookupError:
         alive = False
     assert not alive
+
+
+def test_stats_roundtrip_through_redis(redis_url):
+    from pdserve.engine.messages import WorkerStats
+
+    reg = Registry(redis_url, cluster=uuid.uuid4().hex)
+    stats = WorkerStats("d2", "decode", 64, 50, 10, 4, 2, 1, 12, 3, 40, 100,
+                        {"weight_bytes": 1024, "kv_dtype": "float32"}, "127.0.0.1:7", False)
+    reg.heartbeat(WorkerRecord.from_stats(stats, pid=42))
+    [record] = reg.workers()
+    assert record.pid == 42 and record.heartbeat_time > 0
+    assert record.to_stats() == stats
+
+
+def test_heartbeat_never_overwrites_draining(redis_url):
+    reg = Registry(redis_url, cluster=uuid.uuid4().hex)
+    reg.heartbeat(WorkerRecord("p1", "prefill"))
+    reg.set_draining("p1")
+    reg.heartbeat(WorkerRecord("p1", "prefill", queued_tokens=5))
+    [record] = reg.workers()
+    assert record.draining is True and record.queued_tokens == 5
+    reg.set_draining("p1", False)
+    reg.heartbeat(WorkerRecord("p1", "prefill"))
+    assert reg.workers()[0].draining is False

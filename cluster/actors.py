@@ -1,0 +1,290 @@
+"""Workers as Ray actors, the handle the router drives them through, and the Redis directory.
+
+Lifecycle of a worker actor (``WorkerActor``, one plain worker per actor process):
+
+1. Created by name (``worker_id``) in the cluster's Ray namespace with ``num_cpus=0``; the
+   constructor limits torch to one thread, then builds the worker (prefill, decode or
+   colocated) from a :class:`WorkerSpec` inside the actor process: model, KV pool, transfer
+   endpoint (decode) or connector (prefill).
+2. ``ready()`` writes the first heartbeat to the Redis registry and starts the heartbeat task
+   (every ``heartbeat_s``, TTL ``ttl_s``): a :class:`WorkerRecord` made from the worker's
+   ``WorkerStats``. Only now does the router see the worker.
+3. The router calls ``reserve`` / ``prefill`` / ``submit`` / ``poll`` / ``abort`` / ``stats``
+   through a :class:`RayHandle`. The worker's futures are awaited with ``asyncio.wrap_future``
+   and the blocking ``poll`` runs on its own thread, so the actor's event loop never blocks.
+4. ``close()`` stops the heartbeat, removes the record, closes the worker; the launcher then
+   kills the actor. A worker that dies stops heartbeating: its record expires after ``ttl_s``
+   and the handle marks it dead at once on the first failed call.
+
+The router finds workers through :class:`RedisDirectory` (records with a live TTL, each with a
+cached actor handle looked up by name); load and memory come from the records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from pdserve.cluster.registry import Registry, WorkerRecord
+from pdserve.decode_worker.worker import NoCapacityError
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.messages import WorkRequest
+from pdserve.router.handles import NoCapacity
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "colocated")
+# Set in every worker process before any process group exists.
+WORKER_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "OMP_NUM_THREADS": "1",
+              "MKL_NUM_THREADS": "1"}
+
+
+def cluster_namespace(cluster: str) -> str:
+    """The Ray namespace holding one cluster's named actors."""
+    return f"pdserve-{cluster}"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker actor builds its worker from."""
+
+    worker_id: str  # unique in the cluster; the actor's name and the registry key
+    role: str  # "prefill" | "decode" | "colocated"
+    config: EngineConfig  # the engine (decode workers get prefix caching turned off)
+    redis_url: str  # the registry
+    cluster: str  # registry key prefix and Ray namespace suffix
+    transfer_host: str = "127.0.0.1"  # KV transfer endpoint address; "" = this node's IP
+    heartbeat_s: float = 1.0  # registry refresh period
+    ttl_s: float = 5.0  # a record without heartbeat for this long disappears
+    lease_s: float = 60.0  # decode: reservation lease
+    log_level: str = "WARNING"  # logging level inside the actor process
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.worker_id or any(c.isspace() for c in self.worker_id):
+            raise ValueError(f"worker_id must be non-empty without spaces, got {self.worker_id!r}")
+        if not 0 < self.heartbeat_s < self.ttl_s:
+            raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be > 0 and < ttl_s "
+                             f"({self.ttl_s})")
+
+
+def limit_process_threads(log_level: str = "WARNING") -> None:
+    """One torch thread per worker process, so a 2-core machine stays responsive."""
+    os.environ.update(WORKER_ENV)
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set, or parallel work already ran
+        pass
+
+
+def build_worker(spec: WorkerSpec):
+    """The plain worker a spec describes (in the calling process)."""
+    from pdserve.decode_worker.colocated import ColocatedWorker
+    from pdserve.decode_worker.worker import DecodeWorker
+    from pdserve.engine.llm_engine import EngineParts
+    from pdserve.kv_transfer import TorchDistConnector, TransferEndpoint
+    from pdserve.prefill_worker.worker import PrefillWorker
+
+    device = str(spec.config.resolve_device())
+    host = spec.transfer_host or ray.util.get_node_ip_address()
+    if spec.role == "colocated":
+        return ColocatedWorker(spec.worker_id, EngineParts.build(spec.config))
+    if spec.role == "decode":
+        parts = EngineParts.build(DecodeWorker.config_for(spec.config))
+        make = lambda sink: TransferEndpoint(sink, host, 0, device)  # noqa: E731
+        return DecodeWorker(spec.worker_id, parts, make, lease_s=spec.lease_s)
+    connector = TorchDistConnector(spec.worker_id, host, device)
+    return PrefillWorker(spec.worker_id, EngineParts.build(spec.config), connector)
+
+
+class WorkerActor:
+    """Hosts one worker; see the module docstring. Create with :func:`worker_actor_options`."""
+
+    def __init__(self, spec: WorkerSpec):
+        limit_process_threads(spec.log_level)
+        self.spec = spec
+        self.worker = build_worker(spec)
+        self.registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
+        self._poller = ThreadPoolExecutor(1, thread_name_prefix="poll")
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="registry")
+        self._heartbeat: asyncio.Task | None = None
+        self._closed = False
+
+    async def ready(self) -> dict:
+        """First heartbeat written and the heartbeat task running; returns where it lives."""
+        if self._heartbeat is None:
+            await self._beat()
+            self._heartbeat = asyncio.create_task(self._heartbeat_loop())
+        return {"worker_id": self.spec.worker_id, "role": self.spec.role, "pid": os.getpid(),
+                "node_ip": ray.util.get_node_ip_address()}
+
+    async def _beat(self) -> None:
+        stats = await asyncio.wrap_future(self.worker.stats())
+        record = WorkerRecord.from_stats(stats, os.getpid())
+        await asyncio.get_running_loop().run_in_executor(self._io, self.registry.heartbeat,
+                                                         record)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.heartbeat_s)
+            try:
+                await self._beat()
+            except Exception as exc:  # noqa: BLE001 - Redis or the engine may recover
+                logger.warning("%s: heartbeat failed: %s", self.spec.worker_id, exc)
+
+    # -- the handle protocol ------------------------------------------------------------------
+    async def stats(self):
+        return await asyncio.wrap_future(self.worker.stats())
+
+    async def reserve(self, request: WorkRequest):
+        return await asyncio.wrap_future(self.worker.reserve(request))
+
+    async def prefill(self, request: WorkRequest, reservation):
+        return await asyncio.wrap_future(self.worker.prefill(request, reservation))
+
+    async def submit(self, request: WorkRequest) -> None:
+        await asyncio.wrap_future(self.worker.submit(request))
+
+    async def poll(self, timeout: float):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._poller, self.worker.poll, timeout)
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.wrap_future(self.worker.abort(request_id))
+
+    # -- management ---------------------------------------------------------------------------
+    async def set_draining(self, draining: bool = True) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._io, self.registry.set_draining, self.spec.worker_id,
+                                   draining)
+
+    async def close(self) -> None:
+        """Leave the registry and stop the worker (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._io, self.registry.remove, self.spec.worker_id)
+        except Exception as exc:  # noqa: BLE001 - the record expires by TTL anyway
+            logger.warning("%s: could not leave the registry: %s", self.spec.worker_id, exc)
+        await loop.run_in_executor(None, self.worker.close)
+        self._poller.shutdown(wait=False, cancel_futures=True)
+
+
+def worker_actor_options(spec: WorkerSpec) -> dict:
+    """Ray options for a worker actor: named, in the cluster namespace, no CPU reservation."""
+    return dict(name=spec.worker_id, namespace=cluster_namespace(spec.cluster), num_cpus=0,
+                max_restarts=0, max_concurrency=1000, lifetime=None)
+
+
+def start_worker_actor(spec: WorkerSpec):
+    """Create the actor (asynchronously); call ``ready.remote()`` to wait for it."""
+    return ray.remote(WorkerActor).options(**worker_actor_options(spec)).remote(spec)
+
+
+class RayHandle:
+    """The router's handle protocol over a worker actor (see ``pdserve.router.handles``)."""
+
+    def __init__(self, actor, worker_id: str, role: str):
+        self.actor = actor
+        self.worker_id = worker_id
+        self.role = role
+        self.dead_at: float | None = None  # time.time() of the first call that found it dead
+
+    async def _call(self, method: str, *args):
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except RayActorError:
+            if self.dead_at is None:
+                self.dead_at = time.time()
+                logger.warning("worker %s is dead", self.worker_id)
+            raise
+        except NoCapacityError as exc:  # a RayTaskError subclassing the cause
+            raise NoCapacity(str(_cause(exc))) from None
+        except ValueError as exc:
+            raise ValueError(str(_cause(exc))) from None
+
+    async def stats(self):
+        return await self._call("stats")
+
+    async def abort(self, request_id: str) -> None:
+        await self._call("abort", request_id)
+
+    async def reserve(self, request: WorkRequest):
+        return await self._call("reserve", request)
+
+    async def prefill(self, request: WorkRequest, reservation):
+        return await self._call("prefill", request, reservation)
+
+    async def submit(self, request: WorkRequest) -> None:
+        await self._call("submit", request)
+
+    async def poll(self, timeout: float):
+        return await self._call("poll", timeout)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    return exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
+
+
+class RedisDirectory:
+    """WorkerDirectory over the Redis registry: live records + cached actor handles by name."""
+
+    def __init__(self, registry: Registry, namespace: str):
+        self.registry = registry
+        self.namespace = namespace
+        self._handles: dict[str, RayHandle] = {}
+        # worker_id -> (heartbeat_time, stats): the same object until a newer heartbeat, so
+        # the router keeps counting what it sent since (WorkerLoad.refresh)
+        self._stats: dict[str, tuple[float, object]] = {}
+
+    def _stats_of(self, record: WorkerRecord):
+        cached = self._stats.get(record.worker_id)
+        if cached is None or cached[0] != record.heartbeat_time:
+            cached = self._stats[record.worker_id] = (record.heartbeat_time, record.to_stats())
+        return cached[1]
+
+    async def snapshot(self) -> list[tuple[RayHandle, object]]:
+        records = await asyncio.to_thread(self.registry.workers)
+        live = []
+        for record in records:
+            handle = self._handles.get(record.worker_id)
+            if handle is not None and handle.dead_at is not None:
+                if record.heartbeat_time <= handle.dead_at:
+                    continue  # the record of a dead incarnation, not expired yet
+                handle = None  # a new actor under the same name
+            if handle is None:
+                handle = await asyncio.to_thread(self._lookup, record)
+                if handle is None:
+                    continue
+                self._handles[record.worker_id] = handle
+            live.append((handle, self._stats_of(record)))
+        return live
+
+    def _lookup(self, record: WorkerRecord) -> RayHandle | None:
+        try:
+            actor = ray.get_actor(record.worker_id, namespace=self.namespace)
+        except ValueError:
+            logger.info("worker %s is registered but has no live actor", record.worker_id)
+            return None
+        return RayHandle(actor, record.worker_id, record.role)
+
+    def handles(self) -> list[RayHandle]:
+        """The live handles seen so far."""
+        return [h for h in self._handles.values() if h.dead_at is None]

@@ -1,0 +1,112 @@
+"""End to end: real Ray (one local instance per test session), real redis-server, real gRPC.
+
+Fixtures:
+* ``ray_session``: a local Ray on loopback for the whole session (temp dir under /tmp).
+* ``redis_url``: one redis-server child for the session; clusters get their own key prefix.
+* ``start_cluster(model_dir, own_redis=False, stage=None, **options)``: an
+  ``EmbeddedCluster`` with small pools (block_size 4, 128 KV blocks, 32 tokens per step) on
+  free ports, started and SERVING. ``stage(cluster)`` runs between the router's start and the
+  workers' (to observe NOT_SERVING). Stop it yourself (module fixtures do, in teardown).
+* ``e2e``: helpers (:class:`Helpers`): prompts, the offline reference, waiting on stats.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
+from pdserve.cluster.redis_server import RedisServer
+
+ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=32)
+WAIT_S = 30.0  # bound on waiting for an asynchronous effect
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    from pdserve.cluster.ray_env import init_ray
+
+    temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")
+    ray = init_ray(temp_dir=temp_dir, num_cpus=2)
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def start_cluster(ray_session, redis_url):
+    def start(model_dir: Path, own_redis: bool = False, stage=None,
+              **options) -> EmbeddedCluster:
+        engine = {**ENGINE, **options.pop("engine", {})}
+        opts = ClusterOptions(model=str(model_dir), port=0, metrics_port=0,
+                              redis_url=None if own_redis else redis_url, engine=engine,
+                              heartbeat_s=0.5, ttl_s=3.0, **options)
+        cluster = EmbeddedCluster(opts)
+        try:
+            cluster.start_infra()
+            cluster.start_router()
+            if stage is not None:
+                stage(cluster)
+            cluster.start_workers()
+            cluster.wait_ready(60)
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    return start
+
+
+class Helpers:
+    """Shared test helpers (test files cannot import each other)."""
+
+    def __init__(self):
+        self._reference: dict = {}
+
+    @staticmethod
+    def prompts(seed: int, n: int, low: int = 3, high: int = 40) -> list[list[int]]:
+        """Token-id prompts of mixed lengths."""
+        rng = random.Random(seed)
+        return [[rng.randrange(3, 400) for _ in range(rng.randrange(low, high))]
+                for _ in range(n)]
+
+    def reference(self, model_dir: Path, prompts: list[list[int]], max_tokens: int):
+        """Greedy token ids from the offline LLM (which the engine tests tie to HF)."""
+        from pdserve import LLM, SamplingParams
+
+        key = (str(model_dir), tuple(map(tuple, prompts)), max_tokens)
+        if key not in self._reference:
+            llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=256)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            self._reference[key] = [o.token_ids for o in outs]
+        return self._reference[key]
+
+    @staticmethod
+    def used_blocks(cluster: EmbeddedCluster) -> dict[str, int]:
+        return {wid: s.used_blocks for wid, s in cluster.worker_stats().items()}
+
+    def wait_idle(self, cluster: EmbeddedCluster) -> dict[str, int]:
+        """Poll worker stats until every worker owns no block (or WAIT_S); returns the last."""
+        deadline = time.monotonic() + WAIT_S
+        used = self.used_blocks(cluster)
+        while any(used.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            used = self.used_blocks(cluster)
+        return used
+
+
+@pytest.fixture(scope="session")
+def e2e() -> Helpers:
+    return Helpers()

@@ -1,0 +1,217 @@
+"""One prefill + one decode worker actor, the router actor, Redis, gRPC over loopback.
+
+The tests share one cluster and run in file order; the last two are destructive (a killed
+decode worker, then the shutdown's process check). The checkpoint's context (2048) and the pools
+(512 blocks of 4 tokens) are large enough that a long request outlives a short deadline or a
+kill by seconds on any machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pdserve.api.client import AsyncPdserveClient, PdserveClient, PdserveError
+from pdserve.cluster.launcher import is_running
+from pdserve.router.grpc_server import SERVICE_NAME
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_checkpoint):
+    return hf_checkpoint("qwen2", max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster, model_dir):
+    seen = {}
+
+    def before_workers(c):
+        with PdserveClient(c.target) as client:
+            seen["health"] = client.health(timeout=10)
+
+    c = start_cluster(model_dir, own_redis=True, stage=before_workers, num_prefill=1,
+                      num_decode=1, engine=dict(num_kv_blocks=512))
+    c.health_before_workers = seen["health"]
+    yield c
+    c.stop()
+
+
+def test_health_goes_from_not_serving_to_serving(cluster):
+    assert cluster.health_before_workers == "NOT_SERVING"
+    with PdserveClient(cluster.target) as client:
+        assert client.health(timeout=10) == "SERVING"
+        assert client.health(SERVICE_NAME, timeout=10) == "SERVING"
+
+
+def test_concurrent_greedy_equals_offline(cluster, model_dir, e2e):
+    prompts = e2e.prompts(0, 8)
+    expected = e2e.reference(model_dir, prompts, MAX_TOKENS)
+
+    async def main():
+        async with AsyncPdserveClient(cluster.target, timeout=60) as client:
+            return await asyncio.gather(*(
+                client.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+                for p in prompts))
+
+    results = asyncio.run(main())
+    assert [r.token_ids for r in results] == expected
+    assert all(r.finish_reason == "length" for r in results)
+    assert e2e.wait_idle(cluster) == {"prefill-0": 0, "decode-0": 0}
+    traces = cluster.traces()
+    assert len(traces) >= len(prompts)
+    assert all(t.prefill > 0 and t.ttft > 0 for t in traces)
+
+
+def test_reflection_lists_the_service(cluster):
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.target) as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            replies = [r async for r in stub.ServerReflectionInfo(iter([request]))]
+            return {s.name for s in replies[0].list_services_response.service}
+
+    assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= asyncio.run(main())
+
+
+def test_prometheus_serves_worker_gauges_and_ttft(cluster):
+    with PdserveClient(cluster.target, timeout=60) as client:
+        client.generate([5, 6, 7], max_tokens=4, temperature=0.0)
+    deadline = time.monotonic() + 10
+    while True:  # worker gauges follow the registry refresh
+        text = urllib.request.urlopen(cluster.metrics_url, timeout=10).read().decode()
+        if 'pdserve_kv_cache_used_blocks{role="prefill",worker="prefill-0"}' in text \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert 'pdserve_kv_cache_used_blocks{role="decode",worker="decode-0"}' in text
+    assert 'pdserve_kv_cache_used_blocks{role="prefill",worker="prefill-0"}' in text
+    assert 'pdserve_kv_cache_total_blocks{role="decode",worker="decode-0"} 512.0' in text
+    count = [line for line in text.splitlines()
+             if line.startswith('pdserve_time_to_first_token_seconds_count{role="router"}')]
+    assert count and float(count[0].split()[-1]) >= 1
+
+
+def test_cancel_mid_stream_and_deadline_free_every_block(cluster, e2e):
+    async def main():
+        async with AsyncPdserveClient(cluster.target) as client:
+            stream = client.generate_stream([5, 6, 7, 8] * 5, max_tokens=1000, temperature=0.0,
+                                            ignore_eos=True, timeout=60)
+            async for chunk in stream:
+                assert chunk.token_ids
+                break  # cancel mid-stream
+            await stream.aclose()
+            got = []
+            with pytest.raises(PdserveError) as err:
+                async for chunk in client.generate_stream([9, 10, 11], max_tokens=2000,
+                                                          temperature=0.0, ignore_eos=True,
+                                                          timeout=1.5):
+                    got.append(chunk)
+            return err.value.code, got
+
+    code, got = asyncio.run(main())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert got, "the deadline should expire mid-stream, after token 0"
+    assert e2e.wait_idle(cluster) == {"prefill-0": 0, "decode-0": 0}
+
+
+@pytest.mark.parametrize("request_kwargs, field", [
+    (dict(prompt=[]), "token_ids"),
+    (dict(prompt=""), "text"),
+    (dict(prompt=[1, 512]), "token_ids"),
+    (dict(prompt=[1, 2], temperature=math.nan), "sampling.temperature"),
+    (dict(prompt=[1] * 20, max_tokens=2030), "sampling.max_tokens"),
+], ids=["empty-ids", "empty-text", "out-of-vocab", "nan-temperature", "beyond-context"])
+def test_bad_input_is_invalid_argument_naming_the_field(cluster, request_kwargs, field):
+    with PdserveClient(cluster.target, timeout=30) as client:
+        with pytest.raises(PdserveError) as err:
+            client.generate(**request_kwargs)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details
+
+
+def test_server_stays_healthy_and_correct_after_bad_inputs(cluster, model_dir, e2e):
+    prompt = e2e.prompts(0, 8)[3]
+    with PdserveClient(cluster.target, timeout=60) as client:
+        assert client.health() == "SERVING"
+        result = client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                                 ignore_eos=True)
+    assert result.token_ids == e2e.reference(model_dir, e2e.prompts(0, 8), MAX_TOKENS)[3]
+
+
+def test_ray_handle_translates_worker_errors(cluster, e2e):
+    from pdserve.cluster.actors import RayHandle
+    from pdserve.engine.messages import WorkRequest
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.router.handles import NoCapacity
+
+    handle = RayHandle(cluster.workers["decode-0"], "decode-0", "decode")
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def request(request_id: str, n: int) -> WorkRequest:
+        return WorkRequest(request_id, [7] * n, params, seed=1, arrival_time=time.time())
+
+    async def main():
+        with pytest.raises(ValueError) as too_long:
+            await handle.reserve(request("too-long", 4000))
+        first = await handle.reserve(request("big-1", 1800))  # 450 of 512 blocks
+        try:
+            with pytest.raises(NoCapacity):
+                await handle.reserve(request("big-2", 1800))
+        finally:
+            await handle.abort(first.request_id)
+        return str(too_long.value)
+
+    message = asyncio.run(main())
+    assert "RayTaskError" not in message and message
+    assert e2e.wait_idle(cluster) == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_killed_decode_worker_fails_its_requests_with_unavailable(cluster):
+    async def one(client, prompt, started):
+        try:
+            async for chunk in client.generate_stream(prompt, max_tokens=1000, temperature=0.0,
+                                                      ignore_eos=True, timeout=60):
+                if chunk.token_ids:
+                    started.set()
+            return "finished"
+        except PdserveError as exc:
+            return exc.code
+
+    async def main():
+        async with AsyncPdserveClient(cluster.target) as client:
+            events = [asyncio.Event() for _ in range(2)]
+            tasks = [asyncio.create_task(one(client, [3 + i, 4, 5, 6], ev))
+                     for i, ev in enumerate(events)]
+            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in events)), 30)
+            await asyncio.to_thread(cluster.kill_worker, "decode-0")
+            return await asyncio.gather(*tasks)
+
+    outcomes = asyncio.run(main())
+    assert set(outcomes) <= {grpc.StatusCode.UNAVAILABLE, "finished"}
+    assert grpc.StatusCode.UNAVAILABLE in outcomes
+    with PdserveClient(cluster.target, timeout=30) as client:
+        deadline = time.monotonic() + 15
+        while client.health() != "NOT_SERVING" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.health() == "NOT_SERVING"
+        with pytest.raises(PdserveError) as err:
+            client.generate([1, 2, 3], max_tokens=2)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_shutdown_leaves_no_processes(cluster):
+    pids = cluster.started_pids()
+    assert len(pids) == 4  # router, prefill, decode (killed already), redis-server
+    cluster.stop()
+    assert [pid for pid in pids if is_running(pid)] == []
+    cluster.stop()  # idempotent
