@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from pdserve.cluster.local import LocalHandle
 from pdserve.cluster.registry import Registry, WorkerRecord
-from pdserve.decode_worker.worker import NoCapacityError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import WorkRequest
 from pdserve.router.handles import NoCapacity
@@ -110,15 +110,16 @@ def build_worker(spec: WorkerSpec):
     return PrefillWorker(spec.worker_id, EngineParts.build(spec.config), connector)
 
 
-class WorkerActor:
-    """Hosts one worker; see the module docstring. Create with :func:`worker_actor_options`."""
+class WorkerActor(LocalHandle):
+    """Hosts one worker; see the module docstring. Create with :func:`worker_actor_options`.
+    The handle protocol methods (stats, reserve, prefill, submit, poll, abort) are
+    :class:`LocalHandle`'s, run on the actor's event loop."""
 
     def __init__(self, spec: WorkerSpec):
         limit_process_threads(spec.log_level)
+        super().__init__(build_worker(spec))
         self.spec = spec
-        self.worker = build_worker(spec)
         self.registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
-        self._poller = ThreadPoolExecutor(1, thread_name_prefix="poll")
         self._io = ThreadPoolExecutor(1, thread_name_prefix="registry")
         self._heartbeat: asyncio.Task | None = None
         self._closed = False
@@ -145,26 +146,6 @@ class WorkerActor:
             except Exception as exc:  # noqa: BLE001 - Redis or the engine may recover
                 logger.warning("%s: heartbeat failed: %s", self.spec.worker_id, exc)
 
-    # -- the handle protocol ------------------------------------------------------------------
-    async def stats(self):
-        return await asyncio.wrap_future(self.worker.stats())
-
-    async def reserve(self, request: WorkRequest):
-        return await asyncio.wrap_future(self.worker.reserve(request))
-
-    async def prefill(self, request: WorkRequest, reservation):
-        return await asyncio.wrap_future(self.worker.prefill(request, reservation))
-
-    async def submit(self, request: WorkRequest) -> None:
-        await asyncio.wrap_future(self.worker.submit(request))
-
-    async def poll(self, timeout: float):
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._poller, self.worker.poll, timeout)
-
-    async def abort(self, request_id: str) -> None:
-        await asyncio.wrap_future(self.worker.abort(request_id))
-
     # -- management ---------------------------------------------------------------------------
     async def set_draining(self, draining: bool = True) -> None:
         loop = asyncio.get_running_loop()
@@ -183,8 +164,7 @@ class WorkerActor:
             await loop.run_in_executor(self._io, self.registry.remove, self.spec.worker_id)
         except Exception as exc:  # noqa: BLE001 - the record expires by TTL anyway
             logger.warning("%s: could not leave the registry: %s", self.spec.worker_id, exc)
-        await loop.run_in_executor(None, self.worker.close)
-        self._poller.shutdown(wait=False, cancel_futures=True)
+        await loop.run_in_executor(None, super().close)
 
 
 def worker_actor_options(spec: WorkerSpec) -> dict:
@@ -215,7 +195,7 @@ class RayHandle:
                 self.dead_at = time.time()
                 logger.warning("worker %s is dead", self.worker_id)
             raise
-        except NoCapacityError as exc:  # a RayTaskError subclassing the cause
+        except NoCapacity as exc:  # a RayTaskError subclassing the cause
             raise NoCapacity(str(_cause(exc))) from None
         except ValueError as exc:
             raise ValueError(str(_cause(exc))) from None

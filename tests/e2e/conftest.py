@@ -94,6 +94,21 @@ class Helpers:
         return self._reference[key]
 
     @staticmethod
+    def generate_all(target: str, prompts: list[list[int]], max_tokens: int):
+        """Send every prompt at once through gRPC (greedy); results in prompt order."""
+        import asyncio
+
+        from pdserve.api.client import AsyncPdserveClient
+
+        async def main():
+            async with AsyncPdserveClient(target, timeout=60) as client:
+                return await asyncio.gather(*(
+                    client.generate(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                    for p in prompts))
+
+        return asyncio.run(main())
+
+    @staticmethod
     def used_blocks(cluster: EmbeddedCluster) -> dict[str, int]:
         return {wid: s.used_blocks for wid, s in cluster.worker_stats().items()}
 

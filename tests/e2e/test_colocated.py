@@ -29,14 +29,7 @@ def cluster(start_cluster, model_dir):
 def test_concurrent_greedy_equals_offline(cluster, model_dir, e2e):
     prompts = e2e.prompts(0, 8)
     expected = e2e.reference(model_dir, prompts, MAX_TOKENS)
-
-    async def main():
-        async with AsyncPdserveClient(cluster.target, timeout=60) as client:
-            return await asyncio.gather(*(
-                client.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-                for p in prompts))
-
-    results = asyncio.run(main())
+    results = e2e.generate_all(cluster.target, prompts, MAX_TOKENS)
     assert [r.token_ids for r in results] == expected
     assert all(r.finish_reason == "length" for r in results)
 

@@ -3,11 +3,7 @@ workers used, every block back afterwards, no worker process left after stop."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-
-from pdserve.api.client import AsyncPdserveClient
 
 pytestmark = pytest.mark.e2e
 
@@ -29,14 +25,7 @@ def cluster(start_cluster, model_dir):
 def test_concurrent_greedy_equals_offline(cluster, model_dir, e2e):
     prompts = e2e.prompts(1, 12)
     expected = e2e.reference(model_dir, prompts, MAX_TOKENS)
-
-    async def main():
-        async with AsyncPdserveClient(cluster.target, timeout=60) as client:
-            return await asyncio.gather(*(
-                client.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-                for p in prompts))
-
-    results = asyncio.run(main())
+    results = e2e.generate_all(cluster.target, prompts, MAX_TOKENS)
     assert [r.token_ids for r in results] == expected
     assert e2e.wait_idle(cluster) == {"prefill-0": 0, "prefill-1": 0, "decode-0": 0,
                                       "decode-1": 0}
