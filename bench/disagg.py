@@ -38,17 +38,21 @@ MODEL = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
 
 def transfer_table(quick: bool) -> str:
     nbytes = (16 if quick else 128) << 20
-    raw = measure_channel(nbytes, iters=3)
-    memcpy = measure_memcpy(nbytes, iters=3)
     blocks = 64 if quick else 256  # one request: blocks x 16 tokens, 8 layers x 4 heads x 64
+    frame = blocks * 16 * 4 * 64 * 4 * 2  # one layer's K and V in fp32: one frame
+    raw = measure_channel(nbytes, iters=3)
+    raw_frame = measure_channel(frame, iters=5)
+    memcpy = measure_memcpy(nbytes, iters=3)
     full = measure_transfer(num_layers=8, num_blocks=blocks, iters=3, dtype=torch.float32)
     no_pack = measure_transfer(num_layers=8, num_blocks=blocks, iters=3, dtype=torch.float32,
                                include_pack=False)
     return format_table(["path", "GB/s", "vs raw channel", "vs memcpy"], [
         ["local memcpy", memcpy, memcpy / raw, 1.0],
-        ["raw channel (one send/recv)", raw, 1.0, raw / memcpy],
-        ["KV frames, no pack/unpack", no_pack, no_pack / raw, no_pack / memcpy],
-        ["KV frames with pack/unpack", full, full / raw, full / memcpy]])
+        [f"raw channel, one {nbytes >> 20} MiB send/recv", raw, 1.0, raw / memcpy],
+        [f"raw channel, one {frame >> 20} MiB frame", raw_frame, raw_frame / raw,
+         raw_frame / memcpy],
+        ["KV frames (8 layers), no pack/unpack", no_pack, no_pack / raw, no_pack / memcpy],
+        ["KV frames (8 layers) with pack/unpack", full, full / raw, full / memcpy]])
 
 
 async def _ttft(handles, prompt_len: int, repeats: int) -> float:

@@ -99,6 +99,7 @@ class DecodeWorker:
 
     def close(self) -> None:
         self.endpoint.close()
+        self.sink.close()
         self.loop.stop()
 
     # -- loop thread ------------------------------------------------------------------------

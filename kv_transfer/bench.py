@@ -124,5 +124,6 @@ def measure_transfer(num_layers: int = 8, num_blocks: int = 64, block_size: int 
     finally:
         connector.close()
         endpoint.close()
+        sink.close()
     nbytes = sum(c.bytes_per_block for c in src) * num_blocks
     return nbytes / statistics.median(times[1:]) / 1e9

@@ -6,6 +6,13 @@ other key are refused (drained and dropped by the receive loop). Exactly one of
 ``on_complete(key, first_token_id)`` / ``on_failure(key, error)`` is called per expected key,
 unless the worker forgets it first; after either, the key is forgotten, so later frames for it
 never touch the blocks (they may already belong to the running request or to someone else).
+
+Scattering runs on one unpack thread, so a receive loop takes the next frame while the last one
+is being written: each loop alternates between two payload buffers and waits only when the
+buffer it is about to reuse is still being unpacked. Commit, abort and failure notices go
+through the same thread, so they follow every scatter queued before them. Scatters happen under
+a write lock that ``forget`` also takes: once ``forget`` returns, nothing writes that key's
+blocks any more.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -51,8 +59,10 @@ class ReservedBlocksSink:
         self._on_peer_lost = on_peer_lost
         self._backend = backend
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # held while scattering; forget() waits for it
         self._expected: dict[TransferKey, _Expected] = {}
-        self._local = threading.local()  # per receive-loop thread staging buffer
+        self._local = threading.local()  # per receive loop: two staging buffers, pending scatters
+        self._unpacker = ThreadPoolExecutor(1, thread_name_prefix="kv-unpack")
 
     # -- decode worker side ---------------------------------------------------------------
     def expect(self, key: TransferKey, block_ids: torch.Tensor | list[int]) -> None:
@@ -69,9 +79,14 @@ class ReservedBlocksSink:
             self._expected[key] = _Expected(ids)
 
     def forget(self, key: TransferKey) -> bool:
-        """Stop accepting frames for ``key``; True if it was expected. Idempotent."""
-        with self._lock:
+        """Stop accepting frames for ``key``; True if it was expected. Idempotent. After it
+        returns no scatter into the key's blocks is running or will start."""
+        with self._write_lock, self._lock:
             return self._expected.pop(key, None) is not None
+
+    def close(self) -> None:
+        """Finish queued scatters and stop the unpack thread (idempotent)."""
+        self._unpacker.shutdown(wait=True)
 
     @property
     def num_expected(self) -> int:
@@ -93,25 +108,52 @@ class ReservedBlocksSink:
             raise ValueError(f"payload of {nbytes} bytes, expected {expected} for "
                              f"{entry.block_ids.numel()} blocks x {layer_end - layer_start} "
                              "layers")
-        buf = getattr(self._local, "buf", None)
+        local = self._local
+        if not hasattr(local, "bufs"):
+            local.bufs, local.pending, local.slot = [None, None], [None, None], 1
+        local.slot ^= 1
+        pending: Future | None = local.pending[local.slot]
+        if pending is not None:
+            pending.result()  # this buffer's previous payload is scattered: reuse it
+        buf = local.bufs[local.slot]
         if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._local.buf = buf
+            buf = local.bufs[local.slot] = torch.empty(nbytes, dtype=torch.uint8,
+                                                       device=self.device)
         return buf[:nbytes]
 
     def on_layers(self, key: TransferKey, layer_start: int, layer_end: int,
                   buffer: torch.Tensor) -> None:
-        with self._lock:
-            entry = self._expected.get(key)
-        if entry is None:  # forgotten between payload_buffer and now: drop
-            return
-        unpack_layers(buffer, self.caches, entry.block_ids, layer_start, layer_end,
-                      backend=self._backend)
-        with self._lock:
-            entry.layers.update(range(layer_start, layer_end))
-            entry.bytes_received += buffer.numel()
+        future = self._unpacker.submit(self._scatter, key, layer_start, layer_end, buffer)
+        if hasattr(self._local, "pending"):
+            self._local.pending[self._local.slot] = future
+        else:  # a buffer the sink did not lend (direct callers): wait, it may be reused
+            future.result()
+
+    def _scatter(self, key: TransferKey, layer_start: int, layer_end: int,
+                 buffer: torch.Tensor) -> None:
+        """On the unpack thread."""
+        with self._write_lock:
+            with self._lock:
+                entry = self._expected.get(key)
+            if entry is None:  # forgotten meanwhile: drop
+                return
+            try:
+                unpack_layers(buffer, self.caches, entry.block_ids, layer_start, layer_end,
+                              backend=self._backend)
+                error = None
+            except Exception as exc:  # noqa: BLE001 - fail the key, keep the thread
+                logger.exception("scatter failed for %s", key)
+                error = TransferError(f"scatter into blocks failed: {exc}")
+            with self._lock:
+                entry.layers.update(range(layer_start, layer_end))
+                entry.bytes_received += buffer.numel()
+        if error is not None:
+            self._fail_now(key, error)
 
     def on_commit(self, key: TransferKey, first_token_id: int) -> None:
+        self._unpacker.submit(self._commit, key, first_token_id)
+
+    def _commit(self, key: TransferKey, first_token_id: int) -> None:
         with self._lock:
             entry = self._expected.pop(key, None)
         if entry is None:
@@ -124,10 +166,12 @@ class ReservedBlocksSink:
             self._on_complete(key, first_token_id)
 
     def on_abort(self, key: TransferKey) -> None:
-        if self.forget(key):
-            self._fail(key, TransferError(f"{key} aborted by the prefill worker"))
+        self.on_failed(key, TransferError(f"{key} aborted by the prefill worker"))
 
     def on_failed(self, key: TransferKey, error: TransferError) -> None:
+        self._unpacker.submit(self._fail_now, key, error)  # after the scatters queued before it
+
+    def _fail_now(self, key: TransferKey, error: TransferError) -> None:
         if self.forget(key):
             self._fail(key, error)
 

@@ -57,9 +57,12 @@ def send_request(sender, key: TransferKey, pool, block_ids, first_token: int = 7
 class RecordingSink(ReservedBlocksSink):
     """ReservedBlocksSink that records outcomes and flags writes after a key ended."""
 
+    live: list[RecordingSink] = []  # closed by no_thread_leak at the end of each test
+
     def __init__(self, caches):
         super().__init__(caches, on_complete=self._complete, on_failure=self._failure,
                          on_peer_lost=self._lost)
+        RecordingSink.live.append(self)
         self.cond = threading.Condition()
         self.completed: dict[TransferKey, int] = {}
         self.failed: dict[TransferKey, Exception] = {}
@@ -118,6 +121,8 @@ def no_thread_leak():
     """Fails the test if a kv-* thread it started is still running shortly after it ends."""
     before = set(kv_threads())
     yield
+    while RecordingSink.live:  # the test's sinks end with it (their unpack thread too)
+        RecordingSink.live.pop().close()
     assert wait_until(lambda: not (set(kv_threads()) - before), timeout=5.0), kv_threads()
 
 

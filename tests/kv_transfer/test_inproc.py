@@ -45,6 +45,7 @@ class Rig:
         self.connector.close()
         assert self.kv.wait_until(lambda: self.endpoint.num_peers == 0, 5.0)
         self.endpoint.close()
+        self.sink.close()
 
     def exact(self, src_ids=SRC_IDS, dst_ids=DST_IDS) -> bool:
         return self.kv.blocks_equal(self.src, src_ids, self.dst, dst_ids)
