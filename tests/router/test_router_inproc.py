@@ -137,3 +137,45 @@ def test_admission_bounds_requests_in_flight(hf_checkpoint):
                 h.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("build", [dict(num_prefill=1, num_decode=1),
+                                   dict(colocated=True, num_decode=1)],
+                         ids=["1P1D", "colocated"])
+def test_seeded_sampling_text_stop_and_logprobs_match_offline(hf_checkpoint, build):
+    """Random draws are keyed by (seed, position): the same tokens whichever worker samples."""
+    model_dir = hf_checkpoint("llama")
+    offline = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=96)
+    prompt = "The quick brown fox jumps over the lazy dog"
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=42,
+                            ignore_eos=True, logprobs=2)
+    want = offline.generate([prompt], params, use_tqdm=False)[0]
+    stop = want.text[3:6] if len(want.text) > 6 else None
+    want_stopped = offline.generate([prompt], SamplingParams(
+        max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=42, ignore_eos=True,
+        stop=[stop] if stop else []), use_tqdm=False)[0]
+
+    async def main():
+        handles = build_local_workers(config_for(model_dir), **build)
+        tokenizer = offline.tokenizer
+        router = Router(ModelSpec("t", 256, 509), StaticDirectory(handles),
+                        tokenize=tokenizer.encode)
+        await router.start()
+        server = GenerationServer(router, health_poll_interval_s=0.05)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            async with AsyncPdserveClient(f"127.0.0.1:{port}") as client:
+                got = await client.generate(prompt, max_tokens=12, temperature=0.9, top_p=0.95,
+                                            top_k=50, seed=42, ignore_eos=True, logprobs=2)
+                got_stopped = await client.generate(
+                    prompt, max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=42,
+                    ignore_eos=True, stop=[stop] if stop else None)
+            return got, got_stopped
+        finally:
+            await shutdown(handles, router, server)
+
+    got, got_stopped = asyncio.run(main())
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert len(got.logprobs) == len(want.token_ids)
+    assert got_stopped.text == want_stopped.text
+    assert got_stopped.finish_reason == want_stopped.finish_reason
