@@ -89,17 +89,19 @@ def measure_channel(nbytes: int = 64 << 20, iters: int = 5, device: str = "cpu",
 def measure_transfer(num_layers: int = 8, num_blocks: int = 64, block_size: int = 16,
                      kv_heads: int = 4, head_dim: int = 64, iters: int = 3,
                      dtype: torch.dtype = torch.float16, checksum: bool = False,
-                     include_pack: bool = True) -> float:
+                     include_pack: bool = True, scatter: bool = True) -> float:
     """Median GB/s moving one request's KV (every layer, one frame per layer) through the full
     stack: pack, sender thread, gloo pair, receive loop, unpack into a second pool. With
-    ``include_pack=False`` the payloads are packed before the clock starts (transport only)."""
+    ``include_pack=False`` the payloads are packed before the clock starts; with
+    ``scatter=False`` the receiver drops payloads instead of writing blocks (transport only)."""
     shape = (2, num_blocks * 2, block_size, kv_heads, head_dim)
     src = [KVCacheLayer(torch.randn(shape).to(dtype)) for _ in range(num_layers)]
     dst = [KVCacheLayer(torch.zeros(shape, dtype=dtype)) for _ in range(num_layers)]
     src_ids = torch.arange(num_blocks, dtype=torch.int64)
     dst_ids = torch.arange(num_blocks, 2 * num_blocks, dtype=torch.int64)
     done = threading.Event()
-    sink = ReservedBlocksSink(dst, on_complete=lambda key, token: done.set())
+    sink = (ReservedBlocksSink(dst, on_complete=lambda key, token: done.set()) if scatter
+            else _NullSink(dst, on_complete=lambda key, token: done.set()))
     config = ChannelConfig(checksum=checksum)
     endpoint = TransferEndpoint(sink, config=config)
     connector = TorchDistConnector("bench-prefill", config=config)
@@ -127,3 +129,13 @@ def measure_transfer(num_layers: int = 8, num_blocks: int = 64, block_size: int 
         sink.close()
     nbytes = sum(c.bytes_per_block for c in src) * num_blocks
     return nbytes / statistics.median(times[1:]) / 1e9
+
+
+class _NullSink(ReservedBlocksSink):
+    """Accepts every frame of an expected key and writes nothing (measures the transport)."""
+
+    def on_layers(self, key, layer_start, layer_end, buffer) -> None:
+        with self._lock:
+            entry = self._expected.get(key)
+        if entry is not None:
+            entry.layers.update(range(layer_start, layer_end))
