@@ -109,6 +109,34 @@ class Helpers:
         return asyncio.run(main())
 
     @staticmethod
+    def cancel_then_deadline(target: str):
+        """Cancel one stream after its first chunk, then let a deadline expire mid-stream;
+        returns (the deadline's status code, the chunks that arrived before it)."""
+        import asyncio
+
+        from pdserve.api.client import AsyncPdserveClient, PdserveError
+
+        async def main():
+            async with AsyncPdserveClient(target) as client:
+                stream = client.generate_stream([5, 6, 7, 8] * 5, max_tokens=1000,
+                                                temperature=0.0, ignore_eos=True, timeout=60)
+                async for chunk in stream:
+                    assert chunk.token_ids
+                    break  # cancel mid-stream
+                await stream.aclose()
+                got = []
+                try:
+                    async for chunk in client.generate_stream([9, 10, 11], max_tokens=2000,
+                                                              temperature=0.0, ignore_eos=True,
+                                                              timeout=1.5):
+                        got.append(chunk)
+                except PdserveError as err:
+                    return err.code, got
+                return None, got
+
+        return asyncio.run(main())
+
+    @staticmethod
     def used_blocks(cluster: EmbeddedCluster) -> dict[str, int]:
         return {wid: s.used_blocks for wid, s in cluster.worker_stats().items()}
 

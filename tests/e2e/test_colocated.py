@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
-
-from pdserve.api.client import AsyncPdserveClient, PdserveError
 
 pytestmark = pytest.mark.e2e
 
@@ -35,22 +31,7 @@ def test_concurrent_greedy_equals_offline(cluster, model_dir, e2e):
 
 
 def test_cancel_mid_stream_and_deadline_free_every_block(cluster, e2e):
-    async def main():
-        async with AsyncPdserveClient(cluster.target) as client:
-            stream = client.generate_stream([5, 6, 7, 8] * 5, max_tokens=1000,
-                                            temperature=0.0, ignore_eos=True, timeout=60)
-            async for _chunk in stream:
-                break  # cancel mid-stream
-            await stream.aclose()
-            got = []
-            with pytest.raises(PdserveError) as err:
-                async for chunk in client.generate_stream([9, 10, 11], max_tokens=2000,
-                                                          temperature=0.0, ignore_eos=True,
-                                                          timeout=1.5):
-                    got.append(chunk)
-            return err.value.code, got
-
-    code, got = asyncio.run(main())
+    code, got = e2e.cancel_then_deadline(cluster.target)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert got, "the deadline should expire mid-stream, after token 0"
     assert e2e.wait_idle(cluster) == {"colocated-0": 0}

@@ -95,23 +95,7 @@ def test_prometheus_serves_worker_gauges_and_ttft(cluster):
 
 
 def test_cancel_mid_stream_and_deadline_free_every_block(cluster, e2e):
-    async def main():
-        async with AsyncPdserveClient(cluster.target) as client:
-            stream = client.generate_stream([5, 6, 7, 8] * 5, max_tokens=1000, temperature=0.0,
-                                            ignore_eos=True, timeout=60)
-            async for chunk in stream:
-                assert chunk.token_ids
-                break  # cancel mid-stream
-            await stream.aclose()
-            got = []
-            with pytest.raises(PdserveError) as err:
-                async for chunk in client.generate_stream([9, 10, 11], max_tokens=2000,
-                                                          temperature=0.0, ignore_eos=True,
-                                                          timeout=1.5):
-                    got.append(chunk)
-            return err.value.code, got
-
-    code, got = asyncio.run(main())
+    code, got = e2e.cancel_then_deadline(cluster.target)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert got, "the deadline should expire mid-stream, after token 0"
     assert e2e.wait_idle(cluster) == {"prefill-0": 0, "decode-0": 0}
