@@ -150,6 +150,12 @@ class Helpers:
         return used
 
 
+@pytest.fixture(scope="module")
+def model_dir(hf_checkpoint):
+    """The default e2e checkpoint (a test module may override it)."""
+    return hf_checkpoint("qwen2", max_position_embeddings=2048)
+
+
 @pytest.fixture(scope="session")
 def e2e() -> Helpers:
     return Helpers()

@@ -27,11 +27,6 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def model_dir(hf_checkpoint):
-    return hf_checkpoint("qwen2", max_position_embeddings=2048)
-
-
-@pytest.fixture(scope="module")
 def cluster(start_cluster, model_dir):
     seen = {}
 
