@@ -19,6 +19,10 @@ class WorkRequest:
     params: SamplingParams
     seed: int  # random stream key, fixed by the router so every worker samples alike
     arrival_time: float  # router's time.time() when the request arrived
+    deadline: float | None = None  # time.time() after which workers drop it (None = never)
+    attempt: int = 1  # the router's attempt epoch: deltas carry it, stale ones are dropped
+    output_token_ids: list[int] = field(default_factory=list)  # already streamed (migration):
+    # the worker computes prompt + these, and samples output position len(output_token_ids)
 
 
 @dataclass
@@ -33,6 +37,8 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # generated so far, this delta included
     error: str | None = None  # why an "abort" happened when the worker aborted on its own
+    attempt: int = 1  # WorkRequest.attempt of the request this delta belongs to
+    deadline_exceeded: bool = False  # the abort happened because the deadline passed
 
 
 @dataclass
@@ -80,3 +86,4 @@ class WorkerStats:
     ledger: dict = field(default_factory=dict)  # MemoryLedger.to_dict()
     transfer_address: str = ""  # decode workers: KV endpoint host:port
     draining: bool = False  # takes no new requests
+    error: str | None = None  # set when the worker's engine loop died: it takes no work

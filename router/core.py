@@ -43,8 +43,13 @@ logger = logging.getLogger(__name__)
 class RouterConfig:
     max_requests_in_flight: int = 1024  # admitted and unfinished, at most
     max_tokens_in_flight: int = 1 << 20  # prompt tokens of admitted requests, at most
-    reserve_wait_s: float = 10.0  # how long a request waits for a decode worker with room
-    max_attempts: int = 2  # reserve+prefill attempts before token 0 is streamed
+    reserve_wait_s: float | None = None  # wait for decode room at most this long (None: until
+    # the request's deadline); a request that finds no room waits, it does not fail
+    max_attempts: int = 3  # reserve+prefill attempts before token 0 is streamed
+    migration_limit: int = 3  # moves of one request to a new worker after token 0 (0 = off)
+    rpc_timeout_s: float = 10.0  # reserve / submit / abort / renew calls on a worker, at most
+    prefill_timeout_s: float = 600.0  # one prefill call (queue + compute + send), at most
+    stream_timeout_s: float = 120.0  # longest silence of a decoding request before it moves
     poll_timeout_s: float = 0.05  # long-poll wait of each decode worker poller
     stats_interval_s: float = 0.25  # worker stats refresh period
     prefix_memory_blocks: int = 8192  # prompt block hashes remembered per prefill worker
