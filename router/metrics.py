@@ -47,6 +47,12 @@ class RouterMetrics:
                                  "by the worker)")
         self.router_running = Gauge("pdserve_router_requests_in_flight", "Admitted requests",
                                     ("role",), registry=r)
+        self.migrations = Counter("pdserve_request_migrations", "Requests moved to new workers "
+                                  "after their first token, by why the attempt failed",
+                                  ("reason",), registry=r)
+        self._per_worker = (self.queue, self.prefill, self.transfer, self.transfer_bytes,
+                            self.running, self.waiting, self.used_blocks, self.total_blocks,
+                            self.usage, self.prefix_hits, self.preemptions)
 
     def observe_prefill(self, worker_id: str, result: PrefillResult) -> None:
         labels = ("prefill", worker_id)
@@ -64,6 +70,14 @@ class RouterMetrics:
         self.usage.labels(*labels).set(stats.used_blocks / max(1, stats.total_blocks))
         self.prefix_hits.labels(*labels).set(stats.prefix_hit_tokens)
         self.preemptions.labels(*labels).set(stats.num_preemptions)
+
+    def remove_worker(self, role: str, worker_id: str) -> None:
+        """Drop every per-worker series of a worker that left (dashboards forget it)."""
+        for metric in self._per_worker:
+            try:
+                metric.remove(role, worker_id)
+            except KeyError:  # that series was never observed
+                pass
 
     def start_http(self, port: int, host: str = "127.0.0.1"):
         """Serve /metrics; returns (server, thread)."""
