@@ -48,7 +48,8 @@ class ClusterOptions:
     router: RouterConfig = field(default_factory=RouterConfig)
     cluster_name: str = ""  # registry prefix / Ray namespace suffix; "" = a fresh one
     heartbeat_s: float = 1.0  # worker registry heartbeat period
-    ttl_s: float = 5.0  # registry record TTL
+    ttl_s: float = 5.0  # registry record TTL: a worker without heartbeat this long is gone
+    lease_s: float = 60.0  # decode reservation lease: KV must arrive within it
     log_level: str = "WARNING"  # logging level inside actor processes
     ray_num_cpus: int | None = None  # CPUs a local Ray advertises (None = all)
 
@@ -59,6 +60,13 @@ class ClusterOptions:
             raise ValueError(f"num_prefill must be >= 1, got {self.num_prefill}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if not 0 < self.heartbeat_s < self.ttl_s:
+            raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be > 0 and < ttl_s "
+                             f"({self.ttl_s})")
+        if self.lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
 
 
 class EmbeddedCluster:
@@ -145,7 +153,7 @@ class EmbeddedCluster:
             index = counts[role] = counts.get(role, -1) + 1
             specs.append(WorkerSpec(f"{role}-{index}", role, config, self.redis_url,
                                     self.cluster_name, transfer_host, opts.heartbeat_s,
-                                    opts.ttl_s, log_level=opts.log_level))
+                                    opts.ttl_s, opts.lease_s, log_level=opts.log_level))
         return specs
 
     def start_workers(self, timeout: float = 180.0) -> None:

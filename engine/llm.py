@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from tqdm.auto import tqdm
 
@@ -51,6 +51,11 @@ class LLM:
     """Offline batch generation on one engine. Keywords are :class:`EngineConfig` fields."""
 
     def __init__(self, model: str, **engine_kwargs):
+        valid = [f.name for f in fields(EngineConfig) if f.name != "model"]
+        unknown = sorted(set(engine_kwargs) - set(valid))
+        if unknown:
+            raise ValueError(f"LLM() got unknown keyword(s) {', '.join(unknown)}; valid "
+                             f"keywords are the EngineConfig fields: {', '.join(valid)}")
         self.engine = LLMEngine.from_config(EngineConfig(model=str(model), **engine_kwargs))
         self._ids = itertools.count()
 

@@ -22,6 +22,7 @@ from pdserve.kernels import KVCacheLayer
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,37 @@ def bytes_per_block(mc, block_size: int, layer_dtypes) -> int:
                for d in layer_dtypes)
 
 
+class MemoryBudgetError(ValueError):
+    """The memory budget leaves no room for the KV cache: a user error whose message names the
+    settings that fix it as ``pdserve serve`` flags (``LLM`` / ``EngineConfig`` take the same
+    names in snake case, ``memory_budget_bytes`` for ``--memory-budget-mib``).
+
+    Pickles by its message, so it crosses the Ray boundary as itself (``RayTaskError.cause``)."""
+
+
+def blocks_in_budget(config: EngineConfig, budget: int, weights: int, activations: int,
+                     per_block: int, max_model_len: int) -> int:
+    """KV blocks the budget holds after margin, weights and activations; at least one, else
+    :class:`MemoryBudgetError` with the numbers and the flags that change them."""
+    margin = int(budget * config.memory_safety_margin)
+    num_blocks = (budget - margin - weights - activations) // per_block
+    if num_blocks >= 1:
+        return num_blocks
+    mib = lambda b: f"{b / MiB:,.1f} MiB" if b >= MiB // 10 else f"{b / 1024:,.1f} KiB"  # noqa: E731
+    needed = weights + activations + per_block
+    at_least = -(-needed // int(MiB * (1 - config.memory_safety_margin)))  # ceil, in MiB
+    raise MemoryBudgetError(
+        f"the memory budget ({mib(budget)}) is too small for this model: weights "
+        f"{mib(weights)} + activations {mib(activations)} + one KV block {mib(per_block)} "
+        f"need {mib(needed)}, and the budget leaves {mib(max(0, budget - margin))} after its "
+        f"{config.memory_safety_margin:.0%} safety margin. Raise --memory-budget-mib to at "
+        f"least {at_least}, or shrink the activations with a smaller --max-num-batched-tokens "
+        f"(now {config.max_num_batched_tokens}), --max-num-seqs (now {config.max_num_seqs}) "
+        f"or --max-model-len (now {max_model_len}); --kv-cache-dtype int8 makes each KV block "
+        "smaller, and --num-kv-blocks N pins the pool size instead of deriving it from the "
+        "budget.")
+
+
 def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype,
                  device: torch.device, max_model_len: int, backend: str) -> MemoryLedger:
     """Size the KV pool from the budget (or ``config.num_kv_blocks``) and return the ledger."""
@@ -126,12 +158,8 @@ def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:
-        num_blocks = (budget - margin - weights - activations) // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"memory_budget_bytes ({budget / GiB:.2f} GiB) leaves no room for the KV cache: "
-                f"weights {weights / GiB:.2f} GiB + activations {activations / GiB:.2f} GiB. "
-                "Raise memory_budget_bytes or lower max_num_batched_tokens / max_num_seqs.")
+        num_blocks = blocks_in_budget(config, budget, weights, activations, per_block,
+                                      max_model_len)
     kv_dtype = "int8" if config.kv_cache_dtype == "int8" else str(dtype).replace("torch.", "")
     model_dtype_block = bytes_per_block(mc, config.block_size, [dtype] * mc.num_hidden_layers)
     return MemoryLedger(
