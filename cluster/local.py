@@ -31,6 +31,9 @@ class LocalHandle:
         except NoCapacityError as exc:
             raise NoCapacity(str(exc)) from exc
 
+    async def renew(self, request_id: str):
+        return await asyncio.wrap_future(self.worker.renew(request_id))
+
     async def prefill(self, request: WorkRequest, reservation):
         return await asyncio.wrap_future(self.worker.prefill(request, reservation))
 

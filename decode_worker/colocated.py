@@ -1,13 +1,17 @@
 """The colocated worker: one engine does both phases (chunked prefill mixed into decode steps).
 
 It is the baseline every disaggregated figure is measured against, and the fallback for
-one-worker setups. Lifecycle: ``submit(request)`` queues the prompt; steps run continuous
-batching; deltas (token 0 included) go to the outbox that the router drains with ``poll``;
-``abort`` is idempotent.
+one-worker setups. Lifecycle: ``submit(request)`` queues the prompt (plus the outputs already
+streamed, for a migrated request); steps run continuous batching; deltas (token 0 included,
+stamped with the request's attempt) go to the bounded outbox that the router drains with
+``poll``; ``abort`` is idempotent. A request also ends on its own, with an ``abort`` delta
+carrying the error, when its deadline passes, when no router has polled for
+``orphan_timeout_s``, or when the engine loop dies (the worker then refuses new work).
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 from pdserve.engine.engine_loop import EngineLoop
@@ -18,22 +22,20 @@ from pdserve.engine.messages import RequestDelta, WorkerStats, WorkRequest
 class ColocatedWorker:
     role = "colocated"
 
-    def __init__(self, worker_id: str, parts: EngineParts):
+    def __init__(self, worker_id: str, parts: EngineParts, orphan_timeout_s: float = 30.0):
         self.worker_id = worker_id
         self.engine = LLMEngine(parts)
+        self.orphan_timeout_s = orphan_timeout_s
         self.loop = EngineLoop(f"colocated-{worker_id}", self.engine.step,
-                               self.engine.has_unfinished_requests).start()
+                               self.engine.has_unfinished_requests, tick=self._tick,
+                               stats=self._stats, on_death=self._fail_everything).start()
 
     def submit(self, request: WorkRequest) -> Future:
         """Future[None]; raises ValueError when the request can never be served here."""
-        return self.loop.call(self.engine.add_request, request.request_id,
-                              request.prompt_token_ids, request.params, request.seed)
+        return self.loop.call(self._submit, request)
 
     def abort(self, request_id: str) -> Future:
         return self.loop.call(self._abort, request_id)
-
-    def _abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
 
     def poll(self, timeout: float | None = None) -> list[RequestDelta]:
         return self.loop.outbox.drain(timeout)
@@ -41,9 +43,28 @@ class ColocatedWorker:
     def stats(self) -> Future:
         return self.loop.call(self._stats)
 
-    def _stats(self) -> WorkerStats:
-        return engine_stats(self.worker_id, self.role, self.engine)
+    def snapshot(self) -> WorkerStats:
+        """The latest published stats, without waiting for the engine loop."""
+        return self.loop.snapshot()
 
     def close(self) -> None:
         self.loop.stop()
 
+    # -- loop thread --------------------------------------------------------------------------
+    def _submit(self, request: WorkRequest) -> None:
+        self.engine.add_work(request)
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def _stats(self) -> WorkerStats:
+        return engine_stats(self.worker_id, self.role, self.engine)
+
+    def _tick(self) -> None:
+        self.loop.outbox.put_many(self.engine.expire(time.time()))
+        orphaned = self.loop.outbox.seconds_since_drain()
+        if orphaned > self.orphan_timeout_s and self.engine.num_requests:
+            self._fail_everything(f"no router polled for {orphaned:.0f} s")
+
+    def _fail_everything(self, error: str) -> None:
+        self.loop.outbox.put_many(self.engine.abort_all(error))

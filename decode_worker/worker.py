@@ -2,18 +2,26 @@
 
 Lifecycle of one request on a decode worker D:
 
-1. ``reserve(request)``: validate it against D's pool, allocate blocks for its prompt under a
-   lease (``lease_s``) and a fresh ``TransferKey(transfer_id, epoch)``; the sequence waits in
-   ``_reserved`` with status ``WAITING_FOR_KV``; the sink now accepts frames for the key.
+1. ``reserve(request)``: validate it against D's pool, allocate blocks for its prompt (plus
+   the outputs already streamed, for a migrated request) under a lease (``lease_s``) and a
+   fresh ``TransferKey(transfer_id, epoch)``; the sequence waits in ``_reserved`` with status
+   ``WAITING_FOR_KV``; the sink now accepts frames for the key. While the prefill worker holds
+   the request (queued or running), the router renews the lease (``renew``), so it lapses only
+   when its owner is gone: invariant, a live router with a live prefill call never sees its
+   reservation expire.
 2. KV frames arrive on the transfer endpoint's receive threads and are scattered straight into
    the reserved blocks (``ReservedBlocksSink``); frames for unknown or stale keys are dropped.
 3. COMMIT (token 0 from the prefill worker) hands the request to the loop thread: token 0 is
-   appended, ``num_computed_tokens`` = prompt length, and the sequence joins the running batch.
-4. Every step decodes the running batch; token deltas go to the outbox, which the router
-   drains in batches (``poll``), so a slow client never stalls the loop.
+   appended, ``num_computed_tokens`` = every token before it, and the sequence joins the
+   running batch.
+4. Every step decodes the running batch; token deltas (stamped with the request's attempt) go
+   to the bounded outbox, which the router drains in batches (``poll``), so a slow client
+   never stalls the loop.
 5. The request ends by stop/length (blocks freed by the scheduler), ``abort`` (idempotent in
-   every state), transfer failure or lease expiry (blocks freed, an ``abort`` delta carrying
-   the error goes to the router).
+   every state), or on its own with an ``abort`` delta carrying the error: transfer failure,
+   lease expiry, its deadline passing (reserved or running), no router polling for
+   ``orphan_timeout_s``, or the engine loop dying (every request fails, the worker refuses
+   new work and reports the error in its stats).
 
 All engine state is touched only on the loop thread (``EngineLoop``); public methods return
 futures. D keeps no prefix cache: received blocks are never matched by hash.
@@ -61,13 +69,14 @@ class DecodeWorker:
 
     def __init__(self, worker_id: str, parts: EngineParts,
                  make_endpoint: Callable[[ReservedBlocksSink], KVReceiver],
-                 lease_s: float = 60.0):
+                 lease_s: float = 60.0, orphan_timeout_s: float = 30.0):
         if parts.block_manager.enable_prefix_caching:
             raise ValueError("a decode worker's pool must be built with "
                              "enable_prefix_caching=False (use DecodeWorker.config_for)")
         self.worker_id = worker_id
         self.engine = LLMEngine(parts, policy=DecodeOnlyPolicy())
         self.lease_s = lease_s
+        self.orphan_timeout_s = orphan_timeout_s
         self.sink = ReservedBlocksSink(parts.runner.kv_caches, on_complete=self._on_kv_complete,
                                        on_failure=self._on_kv_failed)
         self.endpoint = make_endpoint(self.sink)
@@ -76,7 +85,8 @@ class DecodeWorker:
         self._reserved: dict[str, _Reserved] = {}
         self._by_key: dict[TransferKey, str] = {}
         self.loop = EngineLoop(f"decode-{worker_id}", self.engine.step,
-                               self.engine.has_unfinished_requests, self._expire_leases).start()
+                               self.engine.has_unfinished_requests, tick=self._tick,
+                               stats=self._stats, on_death=self._fail_everything).start()
 
     @staticmethod
     def config_for(config: EngineConfig) -> EngineConfig:
@@ -87,8 +97,16 @@ class DecodeWorker:
         """Future[Reservation]; raises ValueError (never fits) or NoCapacityError (not now)."""
         return self.loop.call(self._reserve, request)
 
+    def renew(self, request_id: str) -> Future:
+        """Future[float | None]: the reservation's new lease deadline (None: not reserved)."""
+        return self.loop.call(self._renew, request_id)
+
     def abort(self, request_id: str) -> Future:
         return self.loop.call(self._abort, request_id)
+
+    def snapshot(self) -> WorkerStats:
+        """The latest published stats, without waiting for the engine loop."""
+        return self.loop.snapshot()
 
     def poll(self, timeout: float | None = None) -> list[RequestDelta]:
         """Deltas produced since the last poll (blocks up to ``timeout`` when none)."""
@@ -106,14 +124,13 @@ class DecodeWorker:
     def _reserve(self, request: WorkRequest) -> Reservation:
         if request.request_id in self._reserved:
             raise ValueError(f"request_id {request.request_id!r} is already reserved")
-        seq = self.engine.new_sequence(request.request_id, request.prompt_token_ids,
-                                       request.params, request.seed)
+        seq = self.engine.sequence_for(request)
         bm = self.engine.parts.block_manager
-        if not bm.can_allocate(seq, seq.num_prompt_tokens):
+        if not bm.can_allocate(seq, seq.num_tokens):
             raise NoCapacityError(f"decode worker {self.worker_id} has "
                                   f"{bm.num_allocatable_blocks} free blocks, request needs "
-                                  f"{bm.blocks_needed(seq, seq.num_prompt_tokens)}")
-        bm.allocate(seq, seq.num_prompt_tokens)
+                                  f"{bm.blocks_needed(seq, seq.num_tokens)}")
+        bm.allocate(seq, seq.num_tokens)
         seq.status = SequenceStatus.WAITING_FOR_KV
         key = TransferKey(next(self._transfer_ids), self.epoch)
         self.sink.expect(key, list(seq.block_table))
@@ -136,13 +153,29 @@ class DecodeWorker:
         if self._release(request_id) is None:
             self.engine.abort(request_id)
 
-    def _fail(self, request_id: str, error: str) -> None:
+    def _renew(self, request_id: str) -> float | None:
+        entry = self._reserved.get(request_id)
+        if entry is None:
+            return None
+        entry.lease_deadline = time.time() + self.lease_s
+        return entry.lease_deadline
+
+    def _fail(self, request_id: str, error: str, deadline_exceeded: bool = False) -> None:
+        """End a reservation on D's own initiative; the router learns why from the delta."""
         entry = self._release(request_id)
         if entry is not None:
             logger.warning("request %s failed on %s: %s", request_id, self.worker_id, error)
+            seq = entry.seq
             self.loop.outbox.put_many([RequestDelta(
-                request_id, [], "", "abort", num_prompt_tokens=entry.seq.num_prompt_tokens,
-                error=error)])
+                request_id, [], "", "abort", num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=seq.num_output_tokens, error=error, attempt=seq.attempt,
+                deadline_exceeded=deadline_exceeded)])
+
+    def _fail_everything(self, error: str) -> None:
+        """Every reservation and running request ends with ``error`` (loop death, orphaned)."""
+        for request_id in list(self._reserved):
+            self._fail(request_id, error)
+        self.loop.outbox.put_many(self.engine.abort_all(error))
 
     def _commit(self, key: TransferKey, first_token_id: int) -> None:
         request_id = self._by_key.pop(key, None)
@@ -150,7 +183,7 @@ class DecodeWorker:
             return
         entry = self._reserved.pop(request_id)
         seq = entry.seq
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = seq.num_tokens
         self.engine.track(seq)
         # Token 0 was streamed by the prefill worker; run it through the same stop rules and
         # detokenizer state here so later deltas continue exactly where it left off.
@@ -158,10 +191,17 @@ class DecodeWorker:
         if not seq.is_finished:
             self.engine.scheduler.add_running(seq)
 
-    def _expire_leases(self) -> None:
+    def _tick(self) -> None:
         now = time.time()
-        for request_id in [r for r, e in self._reserved.items() if e.lease_deadline < now]:
-            self._fail(request_id, "reservation lease expired before the KV arrived")
+        for request_id, entry in list(self._reserved.items()):
+            if entry.seq.deadline is not None and entry.seq.deadline < now:
+                self._fail(request_id, "the request's deadline passed", deadline_exceeded=True)
+            elif entry.lease_deadline < now:
+                self._fail(request_id, "reservation lease expired before the KV arrived")
+        self.loop.outbox.put_many(self.engine.expire(now))
+        orphaned = self.loop.outbox.seconds_since_drain()
+        if orphaned > self.orphan_timeout_s and (self._reserved or self.engine.num_requests):
+            self._fail_everything(f"no router polled for {orphaned:.0f} s")
 
     def _stats(self) -> WorkerStats:
         return engine_stats(self.worker_id, self.role, self.engine, len(self._reserved),

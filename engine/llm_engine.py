@@ -23,7 +23,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dtypes, plan_kv_pool
-from pdserve.engine.messages import RequestDelta, WorkerStats
+from pdserve.engine.messages import RequestDelta, WorkerStats, WorkRequest
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
@@ -168,12 +168,58 @@ class LLMEngine:
         self.scheduler.check_fits(seq)
         return seq
 
+    def sequence_for(self, request: WorkRequest) -> Sequence:
+        """An untracked Sequence for a router's request: prompt + the outputs already streamed
+        (a migrated request resumes at output position ``len(request.output_token_ids)``)."""
+        seq = self.new_sequence(request.request_id, request.prompt_token_ids, request.params,
+                                request.seed)
+        resumed = list(request.output_token_ids)
+        if len(resumed) >= request.params.max_tokens:
+            raise ValueError(f"output_token_ids ({len(resumed)}) must be fewer than "
+                             f"max_tokens ({request.params.max_tokens})")
+        if resumed:
+            self.encode(resumed)  # the same id checks as a prompt
+        seq.token_ids.extend(resumed)
+        seq.num_resumed_tokens = len(resumed)
+        seq.deadline, seq.attempt = request.deadline, request.attempt
+        return seq
+
+    def add_work(self, request: WorkRequest) -> Sequence:
+        """Queue a router's request (see :meth:`sequence_for`)."""
+        seq = self.sequence_for(request)
+        self.scheduler.add(seq)
+        self.track(seq)
+        return seq
+
     def track(self, seq: Sequence) -> None:
-        """Start detokenizing and stop-checking ``seq``'s output."""
+        """Start detokenizing and stop-checking ``seq``'s output (resumed outputs replayed, so
+        text and stop-string hold-back continue where the previous worker left them)."""
         self._sequences[seq.request_id] = seq
         if self.parts.tokenizer is not None:
-            self._detokenizers[seq.request_id] = Detokenizer(
-                self.parts.tokenizer, seq.prompt_token_ids, stop=seq.sampling_params.stop)
+            detok = Detokenizer(self.parts.tokenizer, seq.prompt_token_ids,
+                                stop=seq.sampling_params.stop)
+            for token_id in seq.output_token_ids:
+                detok.append(token_id)
+            self._detokenizers[seq.request_id] = detok
+
+    def expire(self, now: float) -> list[RequestDelta]:
+        """Abort every tracked request whose deadline (``time.time()``) has passed."""
+        late = [s.request_id for s in self._sequences.values()
+                if s.deadline is not None and s.deadline < now]
+        deltas = []
+        for request_id in late:
+            delta = self.abort(request_id)
+            if delta is not None:
+                delta.error, delta.deadline_exceeded = "the request's deadline passed", True
+                deltas.append(delta)
+        return deltas
+
+    def abort_all(self, error: str) -> list[RequestDelta]:
+        """Abort every tracked request; each final delta carries ``error``."""
+        deltas = [self.abort(request_id) for request_id in list(self._sequences)]
+        for delta in deltas:
+            delta.error = error
+        return deltas
 
     def untrack(self, request_id: str) -> Sequence | None:
         """Stop following a request (it left this engine: handed off or aborted elsewhere)."""
@@ -187,7 +233,7 @@ class LLMEngine:
         if seq is None:
             return None
         return RequestDelta(request_id, [], "", "abort", None, seq.num_prompt_tokens,
-                            seq.num_output_tokens)
+                            seq.num_output_tokens, attempt=seq.attempt)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -250,7 +296,7 @@ class LLMEngine:
         return RequestDelta(seq.request_id, [token_id], text,
                             status.finish_reason if status else None,
                             [logprobs] if logprobs is not None else None,
-                            seq.num_prompt_tokens, seq.num_output_tokens)
+                            seq.num_prompt_tokens, seq.num_output_tokens, attempt=seq.attempt)
 
     def stop_status(self, seq: Sequence, token_id: int, stop_string_hit: bool):
         params = seq.sampling_params

@@ -67,7 +67,9 @@ class PrefillOnlyPolicy(SchedulingPolicy):
 
     def num_new_tokens(self, seq: Sequence, num_computed_tokens: int, budget: int,
                        enable_chunked_prefill: bool) -> int:
-        if num_computed_tokens >= seq.num_prompt_tokens:
+        # Everything queued is computed before the one sample: the prompt, plus the outputs
+        # already streamed when a migrated request resumes.
+        if num_computed_tokens >= seq.num_prefill_tokens:
             return 0
         return super().num_new_tokens(seq, num_computed_tokens, budget, enable_chunked_prefill)
 

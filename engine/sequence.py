@@ -52,6 +52,9 @@ class Sequence:
     first_token_time: float | None = None
     num_preemptions: int = 0
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    deadline: float | None = None  # time.time() after which the engine drops it
+    num_resumed_tokens: int = 0  # outputs streamed by an earlier worker (a migrated request)
+    attempt: int = 1  # the router's attempt epoch, echoed in this sequence's deltas
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -72,6 +75,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens this engine computes before its first sample: prompt + resumed outputs."""
+        return self.num_prompt_tokens + self.num_resumed_tokens
 
     @property
     def last_token_id(self) -> int:

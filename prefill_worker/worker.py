@@ -16,6 +16,12 @@ Lifecycle of one request on a prefill worker P:
 5. When the last frame has left, the ``PrefillResult`` future resolves with token 0 and the
    timings (queue, prefill, transfer). A failed send fails that future with TransferError.
 ``abort(request_id)`` is idempotent: a queued or running prompt is dropped and its blocks freed.
+A queued or running prompt whose deadline passes is dropped the same way (its future fails with
+``RequestAborted``); if the engine loop dies, every pending future fails with the error and the
+worker refuses new work (its stats carry the error).
+
+A migrated request arrives with ``output_token_ids``: P computes prompt + those tokens and
+samples the next output position, which is the new token 0 of that attempt.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.engine_loop import EngineDeadError, EngineLoop
 from pdserve.engine.llm_engine import EngineParts, LLMEngine, engine_stats
 from pdserve.engine.messages import (
     PrefillResult,
@@ -81,7 +87,8 @@ class PrefillWorker:
         self._frame_ending = {end - 1: (start, end) for start, end in self.frames}
         self._targets: dict[str, _Target] = {}
         self.loop = EngineLoop(f"prefill-{worker_id}", self._step,
-                               self.engine.has_unfinished_requests).start()
+                               self.engine.has_unfinished_requests, tick=self._tick,
+                               stats=self._stats, on_death=self._fail_everything).start()
 
     # -- public API (any thread) --------------------------------------------------------------
     def prefill(self, request: WorkRequest, reservation: Reservation) -> Future:
@@ -99,6 +106,10 @@ class PrefillWorker:
     def stats(self) -> Future:
         return self.loop.call(self._stats)
 
+    def snapshot(self) -> WorkerStats:
+        """The latest published stats, without waiting for the engine loop."""
+        return self.loop.snapshot()
+
     def close(self) -> None:
         self.loop.stop()
         self.connector.close()
@@ -106,15 +117,25 @@ class PrefillWorker:
     # -- loop thread --------------------------------------------------------------------------
     def _admit(self, request: WorkRequest, reservation: Reservation, result: Future) -> None:
         sender = self.connector.sender(reservation.transfer_address)  # connects lazily
-        self.engine.add_request(request.request_id, request.prompt_token_ids, request.params,
-                                request.seed)
+        self.engine.add_work(request)
         self._targets[request.request_id] = _Target(reservation, result, sender=sender)
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, why: str = "aborted") -> None:
         target = self._targets.pop(request_id, None)
         self.engine.abort(request_id)
         if target is not None and not target.result.done():
-            target.result.set_exception(RequestAborted(f"{request_id} aborted"))
+            target.result.set_exception(RequestAborted(f"{request_id} {why}"))
+
+    def _tick(self) -> None:
+        for delta in self.engine.expire(time.time()):
+            self._abort(delta.request_id, "dropped: its deadline passed")
+
+    def _fail_everything(self, error: str) -> None:
+        """The loop died: fail every pending future (the engine's state is not trusted)."""
+        targets, self._targets = self._targets, {}
+        for target in targets.values():
+            if not target.result.done():
+                target.result.set_exception(EngineDeadError(f"engine loop died: {error}"))
 
     def _step(self) -> list[RequestDelta]:
         output = self.engine.scheduler.schedule()

@@ -1,20 +1,30 @@
-"""The router core: admission, pairing, a state machine per request, streaming, cancellation.
+"""The router core: admission, pairing, the per-request state machine, streaming, failover.
 
-Per request (disaggregated mode), as ``Router.generate`` drives it:
+Per request, as ``Router.generate`` drives it (states and transitions: ``router.flight``):
 
-1. ADMIT: bounded by requests and prompt tokens in flight (QueueFullError when full).
-2. RESERVE: the best decode worker (``pairing.rank_decode``) reserves blocks under a lease;
-   one without room is skipped; none with room within ``reserve_wait_s`` -> QueueFullError;
-   a request no decode worker could ever hold -> RequestTooLargeError.
-3. PREFILL: the best prefill worker (``pairing.pick_prefill``) computes the prompt, ships the
-   KV into the reservation and returns token 0, streamed at once (TTFT). If the prefill fails
-   before token 0, the reservation is aborted and the pair retried (``max_attempts``).
-4. DECODE: the decode worker's deltas arrive through one poller per worker and are routed by
-   request id into the request's queue; the stream ends with the delta carrying finish_reason.
-5. END: normal finish, or ``abort`` (client cancel, deadline, server stop) which reaches both
-   workers (idempotent); a dead worker fails its requests with NoWorkersError (UNAVAILABLE).
+1. ADMITTED: bounded by requests and prompt tokens in flight (QueueFullError when full).
+2. PLACING (disaggregated): the best decode worker (``pairing.rank_decode``) reserves blocks
+   under a lease; one without room is skipped; when none has room the request waits (up to
+   its deadline, or ``reserve_wait_s``) instead of failing; a request no decode worker could
+   ever hold -> RequestTooLargeError. (Colocated: ``submit`` to the least loaded worker.)
+3. PREFILLING: the best prefill worker (``pairing.pick_prefill``) computes the prompt, ships
+   the KV into the reservation and returns token 0, streamed at once (TTFT). While the call is
+   pending the router renews the reservation's lease, so a prompt queued behind others at the
+   prefill worker never loses its blocks.
+4. DECODING: the decode worker's deltas arrive through one poller per worker and are routed
+   by request id and attempt epoch into the request's queue; the stream ends with the delta
+   carrying finish_reason.
+5. MIGRATING: any failure of the attempt (a worker died, its engine loop died, a lease or
+   transfer failed, a call timed out) aborts both workers of the attempt and starts a new one
+   that resumes after the tokens already streamed; ``max_attempts`` bounds retries before the
+   first token, ``migration_limit`` moves after it; past them -> NoWorkersError (UNAVAILABLE).
+6. DONE: normal finish, or ``abort`` (client cancel, deadline, server stop), which reaches
+   both workers of the current attempt (idempotent, bounded by ``rpc_timeout_s``).
 
-Colocated mode replaces 2-4 by ``submit`` to one worker and the same delta routing.
+Every await on a worker is bounded by a timeout from the config and the request's deadline;
+the deadline also travels in ``WorkRequest`` so workers drop expired work themselves.
+A worker that leaves the registry stops receiving new requests, but streams on it go on until
+its poll fails (the process or its loop really died): liveness never depends on step time.
 """
 
 from __future__ import annotations
@@ -23,15 +33,21 @@ import asyncio
 import logging
 import random
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
-from pdserve.engine.messages import RequestDelta, WorkRequest
+from pdserve.engine.messages import PrefillResult, RequestDelta, Reservation, WorkRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import GenerationDelta, ModelSpec
 from pdserve.router.directory import WorkerDirectory
-from pdserve.router.errors import NoWorkersError, QueueFullError, RequestTooLargeError
+from pdserve.router.errors import (
+    DeadlineExceededError,
+    NoWorkersError,
+    QueueFullError,
+    RequestTooLargeError,
+)
+from pdserve.router.flight import AttemptFailed, Flight, Phase
 from pdserve.router.handles import NoCapacity
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import WorkerLoad, pick_prefill, rank_decode
@@ -41,18 +57,33 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RouterConfig:
+    """The router's limits and timeouts (``pdserve serve`` has a flag for each)."""
+
     max_requests_in_flight: int = 1024  # admitted and unfinished, at most
     max_tokens_in_flight: int = 1 << 20  # prompt tokens of admitted requests, at most
-    reserve_wait_s: float | None = None  # wait for decode room at most this long (None: until
-    # the request's deadline); a request that finds no room waits, it does not fail
+    reserve_wait_s: float | None = None  # longest wait for decode room (None: the deadline)
     max_attempts: int = 3  # reserve+prefill attempts before token 0 is streamed
     migration_limit: int = 3  # moves of one request to a new worker after token 0 (0 = off)
     rpc_timeout_s: float = 10.0  # reserve / submit / abort / renew calls on a worker, at most
     prefill_timeout_s: float = 600.0  # one prefill call (queue + compute + send), at most
     stream_timeout_s: float = 120.0  # longest silence of a decoding request before it moves
+    worker_wait_s: float = 30.0  # how long a request waits for a worker of its role to appear
     poll_timeout_s: float = 0.05  # long-poll wait of each decode worker poller
     stats_interval_s: float = 0.25  # worker stats refresh period
     prefix_memory_blocks: int = 8192  # prompt block hashes remembered per prefill worker
+
+    def __post_init__(self) -> None:
+        for name in ("max_requests_in_flight", "max_tokens_in_flight", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        for name in ("rpc_timeout_s", "prefill_timeout_s", "stream_timeout_s", "worker_wait_s",
+                     "poll_timeout_s", "stats_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.reserve_wait_s is not None and not self.reserve_wait_s > 0:
+            raise ValueError(f"reserve_wait_s must be > 0 or None, got {self.reserve_wait_s}")
 
 
 @dataclass
@@ -69,24 +100,11 @@ class RequestTrace:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     finish_reason: str | None = None
+    num_migrations: int = 0  # attempts moved to new workers after the first token
 
     @property
     def tpot(self) -> float:
         return self.decode / max(1, self.num_output_tokens - 1)
-
-
-@dataclass
-class _Flight:
-    """A request in flight."""
-
-    request: WorkRequest
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestDelta | Exception
-    arrival: float = field(default_factory=time.monotonic)
-    prefill_id: str | None = None
-    decode_id: str | None = None  # the worker streaming deltas (decode or colocated)
-    phase: str = "admitted"  # admitted | reserving | prefilling | decoding | done
-    trace: RequestTrace | None = None
-    last_token_at: float | None = None
 
 
 class Router:
@@ -100,11 +118,14 @@ class Router:
         self._tokenize = tokenize
         self.config = config or RouterConfig()
         self.metrics = metrics or RouterMetrics()
-        self._loads: dict[str, WorkerLoad] = {}
-        self._handles: dict = {}
+        self._loads: dict[str, WorkerLoad] = {}  # workers that take new requests
+        self._handles: dict = {}  # every worker seen and not lost (streams may go on)
         self._pollers: dict[str, asyncio.Task] = {}
-        self._flights: dict[str, _Flight] = {}
+        self._flights: dict[str, Flight] = {}
+        self._orphans: OrderedDict[str, None] = OrderedDict()  # unknown ids already aborted
         self._tokens_in_flight = 0
+        self._was_ready = False
+        self._room = asyncio.Event()  # set whenever a request leaves (blocks came back)
         self._tasks: list[asyncio.Task] = []
         self.traces: deque[RequestTrace] = deque(maxlen=100_000)
 
@@ -135,8 +156,10 @@ class Router:
             self.metrics.set_worker(stats)
             if stats.role != "prefill" and stats.worker_id not in self._pollers:
                 self._pollers[stats.worker_id] = asyncio.create_task(self._poll(handle))
-        for worker_id in set(self._loads) - seen:
-            self._worker_lost(worker_id, "left the registry")
+        for worker_id in set(self._loads) - seen:  # no new work; its streams go on
+            logger.info("worker %s left the registry: no new requests go to it", worker_id)
+            del self._loads[worker_id]
+        self._was_ready = self._was_ready or self.is_ready()
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -147,7 +170,8 @@ class Router:
                 logger.exception("worker refresh failed")
 
     def _live(self, role: str) -> list[WorkerLoad]:
-        return [w for w in self._loads.values() if w.stats.role == role and not w.stats.draining]
+        return [w for w in self._loads.values() if w.stats.role == role
+                and not w.stats.draining and w.stats.error is None]
 
     @property
     def mode(self) -> str:
@@ -166,11 +190,10 @@ class Router:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        deadline: float | None) -> AsyncIterator[GenerationDelta]:
-        flight = self._admit(request_id, prompt_token_ids, params)
+        flight = self._admit(request_id, prompt_token_ids, params, deadline)
         finished = False
         try:
-            run = self._colocated if self.mode == "colocated" else self._disaggregated
-            async for delta in run(flight):
+            async for delta in self._run(flight):
                 self._observe(flight, delta)
                 yield GenerationDelta(delta.new_token_ids, delta.text, delta.logprobs,
                                       delta.finish_reason)
@@ -179,18 +202,18 @@ class Router:
                     return
         finally:
             if not finished:
-                await self._abort_flight(flight)
+                await self._abort_attempt(flight)
             self._release(flight)
 
     async def abort(self, request_id: str) -> None:
         flight = self._flights.get(request_id)
         if flight is not None:
-            await self._abort_flight(flight)
+            await self._abort_attempt(flight)
 
     # -- admission ----------------------------------------------------------------------------
-    def _admit(self, request_id: str, prompt_token_ids: list[int],
-               params: SamplingParams) -> _Flight:
-        if not self.is_ready():
+    def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               deadline: float | None) -> Flight:
+        if not self.is_ready() and not self._was_ready:
             raise NoWorkersError("no workers are ready to take requests")
         cfg, n = self.config, len(prompt_token_ids)
         if len(self._flights) >= cfg.max_requests_in_flight:
@@ -198,115 +221,231 @@ class Router:
         if self._tokens_in_flight + n > cfg.max_tokens_in_flight:
             raise QueueFullError(f"{self._tokens_in_flight} prompt tokens in flight; retry")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        flight = _Flight(WorkRequest(request_id, list(prompt_token_ids), params, seed,
-                                     time.time()))
+        flight = Flight(WorkRequest(request_id, list(prompt_token_ids), params, seed,
+                                    time.time()), deadline)
+        flight.request.deadline = flight.wall_deadline()
         self._flights[request_id] = flight
         self._tokens_in_flight += n
         self.metrics.router_running.labels("router").set(len(self._flights))
         return flight
 
-    def _release(self, flight: _Flight) -> None:
-        if self._flights.pop(flight.request.request_id, None) is not None:
+    def _release(self, flight: Flight) -> None:
+        if self._flights.pop(flight.request_id, None) is not None:
             self._tokens_in_flight -= len(flight.request.prompt_token_ids)
-        flight.phase = "done"
+        flight.phase = Phase.DONE
+        self._room.set()
         self.metrics.router_running.labels("router").set(len(self._flights))
 
-    async def _abort_flight(self, flight: _Flight) -> None:
-        request_id = flight.request.request_id
+    async def _abort_attempt(self, flight: Flight) -> None:
+        """Abort the current attempt on both of its workers (idempotent, bounded)."""
         ids = {flight.prefill_id, flight.decode_id} - {None}
-        await asyncio.gather(*(self._handles[w].abort(request_id) for w in ids
-                               if w in self._handles), return_exceptions=True)
+        await asyncio.gather(*(self._abort_on(w, flight.request_id) for w in ids))
 
-    # -- disaggregated ------------------------------------------------------------------------
-    async def _disaggregated(self, flight: _Flight) -> AsyncIterator[RequestDelta]:
-        for attempt in range(1, self.config.max_attempts + 1):
-            reservation = await self._reserve(flight)
-            prefill = self._pick_prefill(flight)
-            flight.phase = "prefilling"
+    async def _abort_on(self, worker_id: str, request_id: str) -> None:
+        handle = self._handles.get(worker_id)
+        if handle is None:
+            return
+        try:
+            await asyncio.wait_for(handle.abort(request_id), self.config.rpc_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a dead worker frees everything anyway
+            logger.info("abort of %s on %s failed: %s", request_id, worker_id, exc)
+
+    # -- attempts -----------------------------------------------------------------------------
+    async def _run(self, flight: Flight) -> AsyncIterator[RequestDelta]:
+        """Attempts until one finishes the request; each failure moves it to new workers."""
+        while True:
+            flight.move_to(Phase.PLACING)
+            attempt = self._colocated if self.mode == "colocated" else self._disaggregated
             try:
-                result = await self._handles[prefill.stats.worker_id].prefill(
-                    flight.request, reservation)
-                break
-            except Exception as exc:  # noqa: BLE001 - any failure before token 0 is retried
-                await self._abort_flight(flight)
-                logger.warning("%s: prefill on %s failed (attempt %d): %s",
-                               flight.request.request_id, flight.prefill_id, attempt, exc)
-                flight.queue = asyncio.Queue()  # drop what the aborted decode side sent
-                if attempt == self.config.max_attempts:
-                    raise NoWorkersError(f"prefill failed: {exc}") from exc
-        self.metrics.observe_prefill(prefill.stats.worker_id, result)
-        flight.trace = RequestTrace(flight.request.request_id, 0.0, 0.0, result.queue_time_s,
-                                    result.prefill_time_s, result.transfer_time_s)
-        flight.phase = "decoding"
+                async for delta in attempt(flight):
+                    flight.output_ids += delta.new_token_ids
+                    yield delta
+                return
+            except AttemptFailed as failure:
+                await self._abort_attempt(flight)
+                self._count_failure(flight, failure)
+                logger.warning("%s: attempt %d failed (%s); moving it: %s", flight.request_id,
+                               flight.attempt, failure.reason, failure)
+                flight.next_attempt()
+
+    def _count_failure(self, flight: Flight, failure: AttemptFailed) -> None:
+        """Raise NoWorkersError when this failure spends the request's last attempt."""
+        cfg = self.config
+        if not flight.output_ids:
+            flight.num_retries += 1
+            if flight.num_retries >= cfg.max_attempts:
+                raise NoWorkersError(f"{failure} (after {flight.num_retries} attempts)")
+            return
+        if flight.num_migrations >= cfg.migration_limit:
+            spent = ("migration is off (migration_limit 0)" if cfg.migration_limit == 0
+                     else f"its {cfg.migration_limit} migrations are spent")
+            raise NoWorkersError(f"{failure}; the request cannot move on: {spent}")
+        flight.num_migrations += 1
+        self.metrics.migrations.labels(failure.reason).inc()
+
+    async def _disaggregated(self, flight: Flight) -> AsyncIterator[RequestDelta]:
+        reservation = await self._reserve(flight)
+        flight.move_to(Phase.PREFILLING)
+        result = await self._prefill(flight, reservation)
+        self.metrics.observe_prefill(flight.prefill_id, result)
+        if flight.trace is None:
+            flight.trace = RequestTrace(flight.request_id, 0.0, 0.0, result.queue_time_s,
+                                        result.prefill_time_s, result.transfer_time_s)
+        flight.move_to(Phase.DECODING)
         yield result.first
         if result.first.finish_reason is None:
             async for delta in self._drain(flight):
                 yield delta
         else:
-            await self._handles[flight.decode_id].abort(flight.request.request_id)
+            await self._abort_on(flight.decode_id, flight.request_id)
 
-    async def _reserve(self, flight: _Flight):
-        flight.phase = "reserving"
-        deadline = time.monotonic() + self.config.reserve_wait_s
-        too_large = 0
+    async def _colocated(self, flight: Flight) -> AsyncIterator[RequestDelta]:
+        await self._place(flight, "colocated", self._submit)
+        flight.move_to(Phase.DECODING)
+        async for delta in self._drain(flight):
+            yield delta
+
+    # -- placing ------------------------------------------------------------------------------
+    async def _reserve(self, flight: Flight) -> Reservation:
+        return await self._place(flight, "decode", self._reserve_on)
+
+    async def _reserve_on(self, flight: Flight, load: WorkerLoad) -> Reservation:
+        handle = self._handles[load.stats.worker_id]
+        reservation = await self._bounded(flight, lambda: handle.reserve(flight.request),
+                                          self.config.rpc_timeout_s, "reserve")
+        load.pending_blocks += reservation.num_blocks
+        return reservation
+
+    async def _submit(self, flight: Flight, load: WorkerLoad) -> None:
+        handle = self._handles[load.stats.worker_id]
+        await self._bounded(flight, lambda: handle.submit(flight.request),
+                            self.config.rpc_timeout_s, "submit")
+        load.pending_tokens += len(flight.request.prompt_token_ids)
+
+    async def _place(self, flight: Flight, role: str,
+                     place_on: Callable[[Flight, WorkerLoad], Awaitable]):
+        """Try the ranked workers of ``role`` until one takes the request; wait when none can.
+
+        A worker without room now (NoCapacity) is skipped; ValueError means it can never hold
+        the request (RequestTooLargeError once every worker says so); any other error is that
+        worker's problem (its poller or the pool manager deals with it): skip it too.
+        """
+        cfg = self.config
+        started = time.monotonic()
         while True:
-            candidates = rank_decode(self._live("decode"))
-            if not candidates:
-                raise NoWorkersError("no decode workers")
+            candidates = rank_decode(self._live(role))
+            too_large: list[ValueError] = []
             for load in candidates:
+                worker_id = load.stats.worker_id
                 try:
-                    reservation = await self._handles[load.stats.worker_id].reserve(
-                        flight.request)
+                    answer = await place_on(flight, load)
                 except NoCapacity:
                     continue
+                except DeadlineExceededError:
+                    raise
                 except ValueError as exc:
-                    too_large += 1
-                    if too_large >= len(candidates):
-                        raise RequestTooLargeError(str(exc)) from exc
+                    too_large.append(exc)
                     continue
-                load.pending_blocks += reservation.num_blocks
-                flight.decode_id = load.stats.worker_id
-                return reservation
-            if time.monotonic() > deadline:
-                raise QueueFullError("no decode worker has free KV blocks; retry later")
-            await asyncio.sleep(self.config.stats_interval_s)
+                except Exception as exc:  # noqa: BLE001 - that worker's problem, not the request's
+                    logger.warning("%s: %s on %s failed: %s", flight.request_id, role,
+                                   worker_id, exc)
+                    continue
+                flight.decode_id = worker_id
+                return answer
+            waited = time.monotonic() - started
+            if candidates and len(too_large) == len(candidates):
+                raise RequestTooLargeError(str(too_large[0]))
+            if not candidates and waited > cfg.worker_wait_s:
+                raise NoWorkersError(f"no {role} workers (waited {waited:.0f} s)")
+            if candidates and cfg.reserve_wait_s is not None and waited > cfg.reserve_wait_s:
+                raise QueueFullError(f"no {role} worker had room for {waited:.0f} s; retry later")
+            await self._wait_for_room(flight)
 
-    def _pick_prefill(self, flight: _Flight) -> WorkerLoad:
-        loads = self._live("prefill")
-        if not loads:
-            raise NoWorkersError("no prefill workers")
+    async def _wait_for_room(self, flight: Flight) -> None:
+        """Until a request leaves or the stats refresh, bounded by the deadline."""
+        self._room.clear()
+        wait = self.config.stats_interval_s
+        try:
+            await asyncio.wait_for(self._room.wait(), self._budget(flight, wait))
+        except TimeoutError:
+            self._budget(flight, wait)  # DeadlineExceededError if that was the deadline
+
+    async def _prefill(self, flight: Flight, reservation: Reservation) -> PrefillResult:
+        load = await self._pick_prefill(flight)
+        handle = self._handles[load.stats.worker_id]
+        renewing = asyncio.create_task(self._renew_lease(flight, reservation))
+        try:
+            return await self._bounded(flight, lambda: handle.prefill(flight.request,
+                                                                      reservation),
+                                       self.config.prefill_timeout_s, "prefill")
+        except (AttemptFailed, DeadlineExceededError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the prefill moves the request
+            raise AttemptFailed("worker_failed", f"prefill on {flight.prefill_id} failed: "
+                                f"{exc}") from exc
+        finally:
+            renewing.cancel()
+
+    async def _pick_prefill(self, flight: Flight) -> WorkerLoad:
+        started = time.monotonic()
+        while not (loads := self._live("prefill")):
+            if time.monotonic() - started > self.config.worker_wait_s:
+                raise AttemptFailed("worker_lost", "no prefill workers")
+            await self._wait_for_room(flight)
         block_size = int(loads[0].stats.ledger.get("block_size", 16))
-        prompt = flight.request.prompt_token_ids
+        prompt = flight.request.prompt_token_ids + flight.request.output_token_ids
         load, hashes = pick_prefill(loads, prompt, block_size)
         load.pending_tokens += len(prompt)
         load.remember(hashes, self.config.prefix_memory_blocks)
         flight.prefill_id = load.stats.worker_id
         return load
 
-    # -- colocated ----------------------------------------------------------------------------
-    async def _colocated(self, flight: _Flight) -> AsyncIterator[RequestDelta]:
-        loads = rank_decode(self._live("colocated"))
-        if not loads:
-            raise NoWorkersError("no colocated workers")
-        load = loads[0]
-        flight.decode_id = load.stats.worker_id
+    async def _renew_lease(self, flight: Flight, reservation: Reservation) -> None:
+        """Keep the reservation alive while the prefill call is pending (see module doc)."""
+        period = max(0.05, (reservation.lease_deadline - time.time()) / 3)
+        handle = self._handles.get(reservation.worker_id)
+        while handle is not None:
+            await asyncio.sleep(period)
+            try:
+                renewed = await asyncio.wait_for(handle.renew(flight.request_id),
+                                                 self.config.rpc_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a dead decode worker fails the attempt
+                logger.info("%s: lease renewal failed: %s", flight.request_id, exc)
+                continue
+            if renewed is None:  # committed or already failed: nothing left to renew
+                return
+
+    # -- bounds -------------------------------------------------------------------------------
+    def _budget(self, flight: Flight, limit: float) -> float:
+        """``limit`` cut to what is left of the deadline; DeadlineExceededError if nothing."""
+        if flight.deadline is None:
+            return limit
+        left = flight.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError("the request's deadline passed")
+        return min(limit, left)
+
+    async def _bounded(self, flight: Flight, call: Callable[[], Awaitable], limit: float,
+                       what: str):
+        budget = self._budget(flight, limit)
         try:
-            await self._handles[flight.decode_id].submit(flight.request)
-        except ValueError as exc:
-            raise RequestTooLargeError(str(exc)) from exc
-        load.pending_tokens += len(flight.request.prompt_token_ids)
-        flight.phase = "decoding"
-        async for delta in self._drain(flight):
-            yield delta
+            return await asyncio.wait_for(call(), budget)
+        except TimeoutError:
+            self._budget(flight, limit)
+            raise AttemptFailed("timeout", f"{what} took longer than {limit:g} s") from None
 
     # -- streaming ----------------------------------------------------------------------------
-    async def _drain(self, flight: _Flight) -> AsyncIterator[RequestDelta]:
+    async def _drain(self, flight: Flight) -> AsyncIterator[RequestDelta]:
+        limit = self.config.stream_timeout_s
         while True:
-            item = await flight.queue.get()
+            item = await self._bounded(flight, flight.queue.get, limit,
+                                       f"waiting for {flight.decode_id}'s next token")
             if isinstance(item, Exception):
                 raise item
+            if item.deadline_exceeded:
+                raise DeadlineExceededError(f"{flight.decode_id}: {item.error}")
             if item.error is not None:
-                raise NoWorkersError(f"{flight.decode_id}: {item.error}")
+                raise AttemptFailed("worker_failed", f"{flight.decode_id}: {item.error}")
             yield item
             if item.finish_reason is not None:
                 return
@@ -321,25 +460,45 @@ class Router:
                 self._worker_lost(handle.worker_id, f"poll failed: {exc}")
                 return
             for delta in deltas:
-                flight = self._flights.get(delta.request_id)
-                if flight is not None and flight.decode_id == handle.worker_id:
-                    flight.queue.put_nowait(delta)
+                self._route(handle, delta)
+
+    def _route(self, handle, delta: RequestDelta) -> None:
+        flight = self._flights.get(delta.request_id)
+        if flight is None:
+            if delta.finish_reason is None:  # a request no router follows: free it
+                self._abort_orphan(handle.worker_id, delta.request_id)
+        elif flight.decode_id == handle.worker_id and delta.attempt == flight.attempt:
+            flight.queue.put_nowait(delta)
+
+    def _abort_orphan(self, worker_id: str, request_id: str) -> None:
+        if request_id in self._orphans:
+            return
+        self._orphans[request_id] = None
+        while len(self._orphans) > 4096:
+            self._orphans.popitem(last=False)
+        logger.info("aborting %s on %s: no request of this router", request_id, worker_id)
+        self._tasks.append(asyncio.create_task(self._abort_on(worker_id, request_id)))
+        self._tasks = [t for t in self._tasks if not t.done()]
 
     def _worker_lost(self, worker_id: str, why: str) -> None:
         logger.warning("worker %s lost: %s", worker_id, why)
-        self._loads.pop(worker_id, None)
+        load = self._loads.pop(worker_id, None)
         self._handles.pop(worker_id, None)
+        if load is not None:
+            self.metrics.remove_worker(load.stats.role, worker_id)
         poller = self._pollers.pop(worker_id, None)
         if poller is not None and poller is not asyncio.current_task():
             poller.cancel()
         for flight in self._flights.values():
-            if flight.decode_id == worker_id and flight.phase == "decoding":
-                flight.queue.put_nowait(NoWorkersError(f"worker {worker_id} lost: {why}"))
+            if flight.decode_id == worker_id and flight.phase in (Phase.PREFILLING,
+                                                                  Phase.DECODING):
+                flight.queue.put_nowait(AttemptFailed("worker_lost",
+                                                      f"worker {worker_id} lost: {why}"))
 
-    def _observe(self, flight: _Flight, delta: RequestDelta) -> None:
+    def _observe(self, flight: Flight, delta: RequestDelta) -> None:
         now, n = time.monotonic(), len(delta.new_token_ids)
         if flight.trace is None:
-            flight.trace = RequestTrace(flight.request.request_id, 0.0, 0.0)
+            flight.trace = RequestTrace(flight.request_id, 0.0, 0.0)
         trace = flight.trace
         if n and flight.last_token_at is None:
             trace.ttft = now - flight.arrival
@@ -356,5 +515,6 @@ class Router:
             trace.decode = trace.e2e - trace.ttft
             trace.num_prompt_tokens = len(flight.request.prompt_token_ids)
             trace.finish_reason = delta.finish_reason
+            trace.num_migrations = flight.num_migrations
             self.metrics.e2e.labels("router").observe(trace.e2e)
             self.traces.append(trace)

@@ -29,6 +29,10 @@ class WorkerHandle(Protocol):
 class DecodeHandle(WorkerHandle, Protocol):
     async def reserve(self, request: WorkRequest) -> Reservation: ...
 
+    async def renew(self, request_id: str) -> float | None:
+        """Extend the reservation's lease; its new deadline, or None if not reserved."""
+        ...
+
     async def poll(self, timeout: float) -> list[RequestDelta]: ...
 
 

@@ -1,0 +1,105 @@
+"""One request's life on the router: an explicit state machine.
+
+States (``Phase``) and the only transitions allowed (``TRANSITIONS``; ``Flight.move_to`` is
+the one place that performs them and refuses any other):
+
+| from        | to                                  | when                                      |
+|-------------|-------------------------------------|-------------------------------------------|
+| ADMITTED    | PLACING, DONE                       | admitted (bounded by requests and tokens) |
+| PLACING     | PREFILLING, DECODING, MIGRATING,    | a decode reservation (waits for room up   |
+|             | DONE                                | to the deadline), or a colocated submit   |
+| PREFILLING  | DECODING, MIGRATING, DONE           | token 0 back from the prefill worker; the |
+|             |                                     | router renews the lease meanwhile         |
+| DECODING    | MIGRATING, DONE                     | deltas stream from the decode worker      |
+| MIGRATING   | PLACING, DONE                       | the attempt failed; a new attempt starts  |
+| DONE        | (none)                              | finished, failed, cancelled or expired    |
+
+An attempt is one (reservation, prefill, decode) or one colocated submit. Each has an epoch
+(``WorkRequest.attempt``) that workers echo in every delta, so deltas of an older attempt
+are dropped. A failed attempt before any token is streamed is retried (``max_attempts``);
+after tokens were streamed it is a migration (``migration_limit``): the next attempt
+re-prefills prompt + the tokens already streamed and continues the same stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from pdserve.engine.messages import WorkRequest
+
+
+class Phase(IntEnum):
+    ADMITTED = 0
+    PLACING = 1
+    PREFILLING = 2
+    DECODING = 3
+    MIGRATING = 4
+    DONE = 5
+
+
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.ADMITTED: frozenset({Phase.PLACING, Phase.DONE}),
+    Phase.PLACING: frozenset({Phase.PREFILLING, Phase.DECODING, Phase.MIGRATING, Phase.DONE}),
+    Phase.PREFILLING: frozenset({Phase.DECODING, Phase.MIGRATING, Phase.DONE}),
+    Phase.DECODING: frozenset({Phase.MIGRATING, Phase.DONE}),
+    Phase.MIGRATING: frozenset({Phase.PLACING, Phase.DONE}),
+    Phase.DONE: frozenset(),
+}
+
+
+class AttemptFailed(Exception):
+    """The current attempt cannot go on (a worker died, failed, or went silent)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # metrics label: worker_lost | worker_failed | timeout
+
+
+@dataclass
+class Flight:
+    """A request in flight on the router."""
+
+    request: WorkRequest  # what workers get; replaced (new attempt) on every retry
+    deadline: float | None = None  # time.monotonic() instant, None = no deadline
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestDelta | Exception
+    arrival: float = field(default_factory=time.monotonic)
+    phase: Phase = Phase.ADMITTED
+    output_ids: list[int] = field(default_factory=list)  # every token streamed so far
+    num_retries: int = 0  # failed attempts before the first token
+    num_migrations: int = 0  # failed attempts after it
+    prefill_id: str | None = None  # the current attempt's prefill worker
+    decode_id: str | None = None  # the worker streaming deltas (decode or colocated)
+    trace: object | None = None  # RequestTrace, set once the first prefill returns
+    last_token_at: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def attempt(self) -> int:
+        return self.request.attempt
+
+    def move_to(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise RuntimeError(f"{self.request_id}: no transition {self.phase.name} -> "
+                               f"{phase.name}")
+        self.phase = phase
+
+    def next_attempt(self) -> None:
+        """Start a new attempt that resumes after the tokens already streamed."""
+        self.move_to(Phase.MIGRATING)
+        self.request = dataclasses.replace(self.request, attempt=self.attempt + 1,
+                                           output_token_ids=list(self.output_ids))
+        self.prefill_id = self.decode_id = None
+        self.queue = asyncio.Queue()  # whatever the failed attempt queued is dropped
+
+    def wall_deadline(self) -> float | None:
+        """The deadline as ``time.time()``, which travels to workers in other processes."""
+        if self.deadline is None:
+            return None
+        return time.time() + (self.deadline - time.monotonic())
