@@ -8,7 +8,11 @@ Lifecycle of a worker actor (``WorkerActor``, one plain worker per actor process
    endpoint (decode) or connector (prefill).
 2. ``ready()`` writes the first heartbeat to the Redis registry and starts the heartbeat task
    (every ``heartbeat_s``, TTL ``ttl_s``): a :class:`WorkerRecord` made from the worker's
-   ``WorkerStats``. Only now does the router see the worker.
+   ``WorkerStats``. Only now does the router see the worker. The heartbeat never waits on the
+   engine loop: it sends the stats the loop published after its latest step (``snapshot``),
+   so a step longer than the TTL never makes a live worker look dead. ``ping()`` (liveness
+   for the pool manager: pid, node, whether the engine loop runs) also answers on the actor's
+   event loop.
 3. The router calls ``reserve`` / ``prefill`` / ``submit`` / ``poll`` / ``abort`` / ``stats``
    through a :class:`RayHandle`. The worker's futures are awaited with ``asyncio.wrap_future``
    and the blocking ``poll`` runs on its own thread, so the actor's event loop never blocks.
@@ -122,18 +126,48 @@ class WorkerActor(LocalHandle):
         self.registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="registry")
         self._heartbeat: asyncio.Task | None = None
+        self._last_stats = None  # WorkerStats last sent (workers without snapshot())
+        self._stats_call = None  # Future of the pending stats() call (same)
         self._closed = False
 
     async def ready(self) -> dict:
         """First heartbeat written and the heartbeat task running; returns where it lives."""
         if self._heartbeat is None:
+            if self._latest_stats() is None:  # a worker without snapshot(): its first stats
+                self._last_stats = await asyncio.wrap_future(self.worker.stats())
             await self._beat()
             self._heartbeat = asyncio.create_task(self._heartbeat_loop())
+        return self._where()
+
+    async def ping(self) -> dict:
+        """Liveness for the pool manager, answered without touching the engine loop:
+        {worker_id, role, pid, node_ip, loop_alive, error}."""
+        loop = getattr(self.worker, "loop", None)
+        error = getattr(loop, "error", None)
+        alive = bool(getattr(loop, "is_alive", True)) and error is None
+        return {**self._where(), "loop_alive": alive,
+                "error": None if error is None else str(error)}
+
+    def _where(self) -> dict:
         return {"worker_id": self.spec.worker_id, "role": self.spec.role, "pid": os.getpid(),
                 "node_ip": ray.util.get_node_ip_address()}
 
+    def _latest_stats(self):
+        """The newest WorkerStats without waiting on the engine loop (None: none yet)."""
+        snapshot = getattr(self.worker, "snapshot", None)
+        if snapshot is not None:
+            return snapshot() or self._last_stats
+        call = self._stats_call  # a worker without snapshot(): ask, never wait for the answer
+        if call is None or call.done():
+            if call is not None and call.exception() is None:
+                self._last_stats = call.result()
+            self._stats_call = self.worker.stats()
+        return self._last_stats
+
     async def _beat(self) -> None:
-        stats = await asyncio.wrap_future(self.worker.stats())
+        stats = self._latest_stats()
+        if stats is None:
+            return
         record = WorkerRecord.from_stats(stats, os.getpid())
         await asyncio.get_running_loop().run_in_executor(self._io, self.registry.heartbeat,
                                                          record)
@@ -167,15 +201,19 @@ class WorkerActor(LocalHandle):
         await loop.run_in_executor(None, super().close)
 
 
-def worker_actor_options(spec: WorkerSpec) -> dict:
-    """Ray options for a worker actor: named, in the cluster namespace, no CPU reservation."""
+def worker_actor_options(spec: WorkerSpec, detached: bool = False) -> dict:
+    """Ray options for a worker actor: named, in the cluster namespace, no CPU reservation.
+    Never restarted by Ray: the pool manager replaces a dead worker under a new name.
+    ``detached``: it outlives the process that created it (the router actor)."""
     return dict(name=spec.worker_id, namespace=cluster_namespace(spec.cluster), num_cpus=0,
-                max_restarts=0, max_concurrency=1000, lifetime=None)
+                max_restarts=0, max_concurrency=1000,
+                lifetime="detached" if detached else None)
 
 
-def start_worker_actor(spec: WorkerSpec):
-    """Create the actor (asynchronously); call ``ready.remote()`` to wait for it."""
-    return ray.remote(WorkerActor).options(**worker_actor_options(spec)).remote(spec)
+def start_worker_actor(spec: WorkerSpec, detached: bool = False):
+    """Create the actor (asynchronously); call ``ready.remote()`` to wait for it. Only the
+    pool manager (``pdserve.cluster.pools``) calls this in a cluster."""
+    return ray.remote(WorkerActor).options(**worker_actor_options(spec, detached)).remote(spec)
 
 
 class RayHandle:

@@ -39,6 +39,7 @@ class WorkerRecord:
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache (a counter)
     ledger_json: str = "{}"  # MemoryLedger.to_dict() as JSON
     pid: int = 0  # the worker's process id (on its node)
+    error: str = ""  # why the worker's engine loop died ("" while it runs): it takes no work
 
     @classmethod
     def from_stats(cls, stats: WorkerStats, pid: int = 0) -> WorkerRecord:
@@ -46,7 +47,8 @@ class WorkerRecord:
                    stats.free_blocks, stats.num_running, stats.num_waiting,
                    stats.queued_tokens, stats.draining, 0.0, stats.used_blocks,
                    stats.cached_blocks, stats.num_preemptions, stats.prefix_hit_tokens,
-                   stats.prefix_query_tokens, json.dumps(stats.ledger, sort_keys=True), pid)
+                   stats.prefix_query_tokens, json.dumps(stats.ledger, sort_keys=True), pid,
+                   stats.error or "")
 
     def to_stats(self) -> WorkerStats:
         return WorkerStats(self.worker_id, self.role, self.total_blocks, self.free_blocks,
@@ -54,7 +56,7 @@ class WorkerRecord:
                            self.num_waiting, self.queued_tokens, self.num_preemptions,
                            self.prefix_hit_tokens, self.prefix_query_tokens,
                            json.loads(self.ledger_json or "{}"), self.transfer_address,
-                           self.draining)
+                           self.draining, self.error or None)
 
     def to_hash(self) -> dict[str, str]:
         return {f.name: str(int(v) if isinstance(v, bool) else v)
