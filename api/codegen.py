@@ -1,10 +1,10 @@
-"""Regenerate the Python code for ``generation.proto``.
+"""Regenerate the Python code for the ``.proto`` files of ``pdserve.api``.
 
-Run ``python -m pdserve.api.codegen`` after editing the proto; it rewrites
-``generation_pb2.py``, ``generation_pb2_grpc.py`` and ``generation_pb2.pyi`` beside it.
+Run ``python -m pdserve.api.codegen`` after editing a proto; for each of :data:`PROTOS` it
+rewrites ``<name>_pb2.py``, ``<name>_pb2_grpc.py`` and ``<name>_pb2.pyi`` beside it.
 ``grpcio-tools`` (the ``test`` extra) is needed here only; serving needs grpcio and protobuf.
 
-The proto is compiled from a temporary tree where it sits at ``pdserve/api/generation.proto``,
+Each proto is compiled from a temporary tree where it sits at ``pdserve/api/<name>.proto``,
 so protoc writes package-absolute imports (``from pdserve.api import generation_pb2``) and
 registers the file under a name no other package uses. The generated code checks at import
 that the installed protobuf and grpcio are at least the versions it was generated with.
@@ -22,13 +22,29 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-PROTO_PATH = Path(__file__).with_name("generation.proto")
+API_DIR = Path(__file__).parent
+PROTOS = ("generation.proto", "admin.proto")  # every proto of pdserve.api
+PROTO_PATH = API_DIR / "generation.proto"
 PROTO_NAME = "pdserve/api/generation.proto"  # the name protoc and the descriptor pool see
-GENERATED_NAMES = ("generation_pb2.py", "generation_pb2_grpc.py", "generation_pb2.pyi")
 
 
-def generate(out_dir: Path | str, proto_path: Path | str = PROTO_PATH) -> list[Path]:
-    """Compile ``proto_path`` into ``out_dir``; returns the paths of the generated files."""
+def proto_name(proto: str) -> str:
+    """The name a proto of :data:`PROTOS` is registered under (``pdserve/api/<file>``)."""
+    return f"pdserve/api/{proto}"
+
+
+def generated_names(proto: str) -> tuple[str, str, str]:
+    stem = proto.removesuffix(".proto")
+    return (f"{stem}_pb2.py", f"{stem}_pb2_grpc.py", f"{stem}_pb2.pyi")
+
+
+GENERATED_NAMES = tuple(name for proto in PROTOS for name in generated_names(proto))
+
+
+def generate(out_dir: Path | str, proto_dir: Path | str = API_DIR,
+             protos: tuple[str, ...] = PROTOS) -> list[Path]:
+    """Compile ``protos`` (file names in ``proto_dir``) into ``out_dir``; returns the paths
+    of the generated files."""
     try:
         import grpc_tools  # noqa: F401
     except ImportError as exc:
@@ -38,23 +54,24 @@ def generate(out_dir: Path | str, proto_path: Path | str = PROTO_PATH) -> list[P
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        source = root / "src" / PROTO_NAME
-        source.parent.mkdir(parents=True)
-        shutil.copyfile(proto_path, source)
+        for proto in protos:
+            source = root / "src" / proto_name(proto)
+            source.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(proto_dir) / proto, source)
         build = root / "build"
         build.mkdir()
         cmd = [sys.executable, "-m", "grpc_tools.protoc", f"-I{root / 'src'}",
                f"--python_out={build}", f"--grpc_python_out={build}", f"--pyi_out={build}",
-               PROTO_NAME]
+               *(proto_name(p) for p in protos)]
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"protoc failed ({result.returncode}): {result.stderr.strip()}")
         written = []
-        for name in GENERATED_NAMES:
+        for name in (n for p in protos for n in generated_names(p)):
             target = out_dir / name
             shutil.copyfile(build / "pdserve" / "api" / name, target)
             written.append(target)
-    logger.info("generated %s into %s", ", ".join(GENERATED_NAMES), out_dir)
+    logger.info("generated %s into %s", ", ".join(p.name for p in written), out_dir)
     return written
 
 

@@ -1,4 +1,4 @@
-"""The committed generated code matches generation.proto and loads with the installed runtime."""
+"""The committed generated code matches the api/ protos and loads with the installed runtime."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import re
 from pathlib import Path
 
 import grpc
+import pytest
 
-from pdserve.api import codegen, generation_pb2, generation_pb2_grpc
+from pdserve.api import admin_pb2, admin_pb2_grpc, codegen, generation_pb2, generation_pb2_grpc
 
 # Lines that record the generator's version rather than the proto's content.
 _VERSION_LINES = re.compile(
@@ -41,12 +42,24 @@ def test_committed_generated_code_is_in_sync(tmp_path):
                 f"{name} is stale: run python -m pdserve.api.codegen"
 
 
-def test_generated_imports_are_package_absolute():
-    text = Path(generation_pb2_grpc.__file__).read_text()
-    assert "from pdserve.api import generation_pb2 as" in text
-    assert "\nimport generation_pb2" not in text
-    assert generation_pb2.DESCRIPTOR.name == codegen.PROTO_NAME
-    assert generation_pb2.DESCRIPTOR.package == "pdserve.v1"
+@pytest.mark.parametrize("pb2, pb2_grpc", [(generation_pb2, generation_pb2_grpc),
+                                            (admin_pb2, admin_pb2_grpc)],
+                         ids=["generation", "admin"])
+def test_generated_imports_are_package_absolute(pb2, pb2_grpc):
+    stem = pb2.__name__.rsplit(".", 1)[-1].removesuffix("_pb2")
+    text = Path(pb2_grpc.__file__).read_text()
+    assert f"from pdserve.api import {stem}_pb2 as" in text
+    assert f"\nimport {stem}_pb2" not in text
+    assert pb2.DESCRIPTOR.name == codegen.proto_name(f"{stem}.proto")
+    assert pb2.DESCRIPTOR.package == "pdserve.v1"
+
+
+def test_every_proto_is_generated():
+    protos = sorted(p.name for p in Path(codegen.__file__).parent.glob("*.proto"))
+    assert protos == sorted(codegen.PROTOS)
+    assert set(admin_pb2.DESCRIPTOR.services_by_name) == {"Admin"}
+    assert {m.name for m in admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods} == {
+        "ListWorkers", "DrainWorker", "GetPools", "SetPoolTarget"}
 
 
 def test_generated_code_needs_no_newer_grpcio_than_installed():
