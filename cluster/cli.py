@@ -7,35 +7,59 @@ of pdserve logs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
 import threading
 
 logger = logging.getLogger(__name__)
+SETTINGS_HELP = ("Every setting is a field of EngineConfig, RouterConfig or ClusterOptions; only "
+                 "the flags given override their defaults.")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line and exit 2; ``populate(parser)`` adds the flags on first use, so
+    commands that never see the generated settings don't import what they are made from."""
+
+    def __init__(self, *args, populate=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._populate = populate
+
+    def _ensure_populated(self) -> None:
+        populate, self._populate = self._populate, None
+        if populate is not None:
+            populate(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._ensure_populated()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._ensure_populated()
+        return super().format_help()
+
+    def error(self, message: str):
+        _fail(self.prog, message)
+
+
+def _fail(prog: str, message: str):
+    """A user error: one line on stderr, exit code 2 (as argparse's own errors)."""
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _serve_settings(parser: argparse.ArgumentParser) -> None:
+    from pdserve.cluster.launcher import ClusterOptions
+    from pdserve.cluster.settings import add_setting_flags
+
+    add_setting_flags(parser, ClusterOptions())
 
 
 def _add_serve(sub) -> None:
-    serve = sub.add_parser("serve", help="serve a model over gRPC until SIGINT/SIGTERM")
-    serve.add_argument("--model", default=None,
-                       help="Hugging Face checkpoint folder (default: the built-in tiny model, "
-                            "random weights)")
-    serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    serve.add_argument("--decode", type=int, default=1,
-                       help="decode workers (colocated workers with --colocated)")
-    serve.add_argument("--colocated", action="store_true",
-                       help="workers do both phases (no disaggregation)")
-    serve.add_argument("--host", default="127.0.0.1", help="gRPC and metrics bind address")
-    serve.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free)")
-    serve.add_argument("--metrics-port", type=int, default=9400,
-                       help="Prometheus /metrics port (0 = any free)")
-    serve.add_argument("--ray-address", default=None,
-                       help="join this Ray cluster (default: start a local Ray on loopback)")
-    serve.add_argument("--redis-url", default=None,
-                       help="use this Redis (default: a redis-server child on loopback)")
-    serve.add_argument("--memory-budget-mib", type=int, default=None,
-                       help="per-worker memory for weights + KV pool + activations (default: "
-                            "free device memory on CUDA, 4096 on CPU)")
+    sub.add_parser("serve", help="serve a model over gRPC until SIGINT/SIGTERM",
+                   usage="%(prog)s [settings]", description=SETTINGS_HELP,
+                   populate=_serve_settings)
 
 
 def _add_generate(sub) -> None:
@@ -53,18 +77,33 @@ def _add_generate(sub) -> None:
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
 
 
+def _demo_settings(parser: argparse.ArgumentParser) -> None:
+    from pdserve.cluster.demo import demo_options
+    from pdserve.cluster.settings import add_setting_flags
+
+    add_setting_flags(parser, demo_options())
+
+
+def _add_demo(sub) -> None:
+    demo = sub.add_parser("demo", help="start the embedded cluster, send real traffic, report",
+                          usage="%(prog)s [--requests N] [--concurrency N] [--offline] "
+                                "[settings]",
+                          description=f"{SETTINGS_HELP} --seed also seeds the prompts.",
+                          populate=_demo_settings)
+    demo.add_argument("--requests", type=int, default=48, help="number of requests to send")
+    demo.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
+    demo.add_argument("--offline", action="store_true",
+                      help="the engine alone in this process (no Ray, Redis or gRPC); takes "
+                           "the engine settings")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
+    parser = _Parser(prog="pdserve", description="Disaggregated LLM serving")
     parser.add_argument("--log-level", default="WARNING", help="logging level (INFO, DEBUG, ...)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_generate(sub)
-    demo = sub.add_parser("demo", help="start the embedded cluster, send real traffic, report")
-    demo.add_argument("--requests", type=int, default=48, help="number of requests to send")
-    demo.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--offline", action="store_true",
-                      help="the engine alone in this process (no Ray, Redis or gRPC)")
+    _add_demo(sub)
     return parser
 
 
@@ -80,42 +119,69 @@ def _stop_on_signals(stop: threading.Event) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _checked_options(args, base, prog: str):
+    """The ClusterOptions the flags ask for, every config built and the engine's memory plan
+    checked in this process (:mod:`pdserve.cluster.preflight`) before anything starts; a user
+    error exits 2 with one message naming the flags that fix it."""
+    from pdserve.cluster.preflight import check_cluster
+    from pdserve.cluster.settings import SettingsError, name_flags, options_from_args
+    from pdserve.engine.memory import MemoryBudgetError
+    from pdserve.models import tiny_model_dir
+
+    try:
+        options = options_from_args(args, dataclasses.replace(base, log_level=args.log_level))
+        check_cluster(options, options.model or str(tiny_model_dir()))
+    except (SettingsError, MemoryBudgetError) as exc:
+        _fail(prog, str(exc))
+    except FileNotFoundError as exc:
+        _fail(prog, f"argument --model: {exc}")
+    except ValueError as exc:  # the model's own limits, or what its folder holds
+        named = name_flags("engine", str(exc))
+        _fail(prog, named if named != str(exc) else f"argument --model: {exc}")
+    return options
+
+
 def _cmd_serve(args) -> int:
     from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
+    from pdserve.cluster.preflight import user_error
 
-    engine = {}
-    if args.memory_budget_mib is not None:
-        engine["memory_budget_bytes"] = args.memory_budget_mib << 20
-    options = ClusterOptions(model=args.model, num_prefill=args.prefill,
-                             num_decode=args.decode, colocated=args.colocated, host=args.host,
-                             port=args.port, metrics_port=args.metrics_port,
-                             ray_address=args.ray_address, redis_url=args.redis_url,
-                             engine=engine, log_level=args.log_level)
+    options = _checked_options(args, ClusterOptions(), "pdserve serve")
     stop = threading.Event()
     _stop_on_signals(stop)
     cluster = EmbeddedCluster(options)
+    failure = None
     try:
         cluster.start_infra()
         _stop_on_signals(stop)  # again: a local Ray's core installed its own handlers
         cluster.start_router()
         cluster.start_workers()
         cluster.wait_ready(120)
-        shape = (f"{args.decode} colocated" if args.colocated
-                 else f"{args.prefill} prefill + {args.decode} decode")
-        print(f"pdserve: serving {cluster.model} with {shape} worker(s)\n"
-              f"pdserve: gRPC on {args.host}:{cluster.port}, metrics on "
+        print(f"pdserve: serving {cluster.model} with {_shape(options)} worker(s)\n"
+              f"pdserve: gRPC on {options.host}:{cluster.port}, metrics on "
               f"{cluster.metrics_url}, Redis {cluster.redis_url}\n"
               f"pdserve: Ctrl-C or SIGTERM stops everything", file=sys.stderr, flush=True)
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:
         pass
+    except Exception as exc:  # a worker's user error (MemoryBudgetError) becomes one message
+        failure = user_error(exc)
+        if failure is None:
+            raise
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("pdserve: stopping", file=sys.stderr, flush=True)
         cluster.stop()
+    if failure is not None:
+        _fail("pdserve serve", str(failure))
     return 0
+
+
+def _shape(options) -> str:
+    if options.colocated:
+        return f"{options.num_decode} colocated"
+    return f"{options.num_prefill} prefill + {options.num_decode} decode"
 
 
 def _cmd_generate(args) -> int:
@@ -140,16 +206,24 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    from pdserve.cluster.demo import demo_options
+    from pdserve.cluster.settings import engine_config
+
+    options = _checked_options(args, demo_options(), "pdserve demo")
+    seed = engine_config(options).seed
     if args.offline:
         from pdserve.cluster.offline_demo import run_offline_demo
 
-        run_offline_demo(num_requests=args.requests, seed=args.seed)
+        run_offline_demo(num_requests=args.requests, seed=seed, model=options.model,
+                         engine=options.engine)
         return 0
     from pdserve.cluster.demo import format_report, run_demo
 
-    print("pdserve demo: starting Ray, Redis, 1 prefill + 1 decode worker and the router "
-          "(built-in tiny model, random weights)...", flush=True)
-    report = run_demo(num_requests=args.requests, concurrency=args.concurrency, seed=args.seed)
+    model = options.model or "built-in tiny model, random weights"
+    print(f"pdserve demo: starting Ray, Redis, {_shape(options)} worker(s) and the router "
+          f"({model})...", flush=True)
+    report = run_demo(num_requests=args.requests, concurrency=args.concurrency, seed=seed,
+                      options=options)
     print(format_report(report))
     print("\ncluster stopped")
     return 0

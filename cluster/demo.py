@@ -87,10 +87,17 @@ async def drive(target: str, prompts: list[str], output_lens: list[int],
     return [t for t, _ in done], done[0][1] if done else ""
 
 
+def demo_options() -> ClusterOptions:
+    """The demo's cluster when no flag says otherwise: free gRPC port, no metrics port, a
+    ``DEMO_MEMORY_BUDGET`` per worker (``pdserve demo`` flags override these like any other)."""
+    return ClusterOptions(port=0, metrics_port=None,
+                          engine=dict(memory_budget_bytes=DEMO_MEMORY_BUDGET))
+
+
 def run_demo(num_requests: int = 48, concurrency: int = 8, seed: int = 0,
              options: ClusterOptions | None = None) -> DemoReport:
-    options = options or ClusterOptions(port=0, metrics_port=None,
-                                        engine=dict(memory_budget_bytes=DEMO_MEMORY_BUDGET))
+    """Steps 1-3 of the module docstring on ``options`` (default :func:`demo_options`)."""
+    options = options or demo_options()
     rng = random.Random(seed)
     prompts, output_lens = make_prompts(rng, num_requests)
     shape = (f"{options.num_decode} colocated" if options.colocated

@@ -26,9 +26,11 @@ def make_prompts(rng: random.Random, n: int) -> tuple[list[str], list[int]]:
     return prompts, outputs
 
 
-def run_offline_demo(num_requests: int = 32, seed: int = 0) -> None:
+def run_offline_demo(num_requests: int = 32, seed: int = 0, model: str | None = None,
+                     engine: dict | None = None) -> None:
+    """``engine``: EngineConfig keywords over the demo's ``max_num_seqs=32``."""
     rng = random.Random(seed)
-    llm = LLM(str(tiny_model_dir()), max_num_seqs=32)
+    llm = LLM(str(model or tiny_model_dir()), **{"max_num_seqs": 32, **(engine or {})})
     prompts, output_lens = make_prompts(rng, num_requests)
     params = [SamplingParams(max_tokens=m, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
               for i, m in enumerate(output_lens)]
@@ -40,7 +42,8 @@ def run_offline_demo(num_requests: int = 32, seed: int = 0) -> None:
     tpot = [(o.e2e_s - o.ttft_s) / max(1, len(o.token_ids) - 1) for o in outputs]
     generated = sum(len(o.token_ids) for o in outputs)
     print(f"\n{num_requests} requests, {generated} tokens generated in {wall:.2f} s "
-          f"({generated / wall:,.0f} tok/s) on the built-in tiny model (random weights)\n")
+          f"({generated / wall:,.0f} tok/s) on "
+          f"{model or 'the built-in tiny model (random weights)'}\n")
     rows = [[name] + [v * 1000 for v in summarize(vals).values()]
             for name, vals in (("TTFT ms", ttft), ("TPOT ms", tpot), ("e2e ms", e2e))]
     print(format_table(["latency", "mean", "P50", "P90", "P99"], rows))

@@ -1,0 +1,113 @@
+"""What the CLI checks before it starts anything: will each worker's engine fit its budget?
+
+A worker sizes its KV pool in ``engine.memory.plan_kv_pool`` from the budget, the weights and an
+analytic activation estimate. All three are known without loading a weight: the model config
+comes from ``config.json``, the weight bytes from the model built on the ``meta`` device (tied
+to the embedding where the safetensors headers have no ``lm_head.weight``, as the loader does),
+the activations from the same estimate. :func:`check_engine_fits` runs that plan and raises the
+worker's own :class:`MemoryBudgetError` (or the ValueError a worker would raise for a bad
+``--max-model-len`` or ``--model``), so the user gets one message instead of a failed actor.
+
+It checks only what this process can know: on a joined Ray cluster (``--ray-address``) the
+workers' devices may differ from this one, and on CUDA without ``--memory-budget-mib`` the
+budget is the worker's free device memory; there the worker's error (unwrapped by
+:func:`user_error`) is what the user sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pdserve.cluster.launcher import ClusterOptions
+from pdserve.engine import memory
+from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
+from pdserve.engine.memory import MemoryBudgetError
+from pdserve.kernels import resolve_backend
+from pdserve.models import ModelConfig, build_model
+from pdserve.models.loader import find_weight_files
+
+logger = logging.getLogger(__name__)
+
+
+def meta_weight_bytes(model_dir: Path, mc: ModelConfig, dtype: torch.dtype) -> int:
+    """What ``engine.memory.weight_bytes`` will count for the loaded model, read from the
+    safetensors headers and a ``meta``-device model (no weight is read)."""
+    names: set[str] = set()
+    for path in find_weight_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            names.update(f.keys())
+    model = build_model(mc, dtype=dtype, device="meta")
+    if "lm_head.weight" not in names:
+        model.tie_weights()
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def check_engine_fits(config: EngineConfig) -> int | None:
+    """Plan ``config``'s KV pool as a worker on this machine would; returns the number of
+    blocks (None when the budget is this process's to guess: CUDA with no explicit budget, or
+    a pinned ``num_kv_blocks``). Raises what the worker would: :class:`MemoryBudgetError`,
+    ``ValueError`` for a context longer than the model's, ``FileNotFoundError`` for a folder
+    with no checkpoint."""
+    model_dir = Path(config.model)
+    mc = ModelConfig.from_dir(model_dir)
+    device = config.resolve_device()
+    dtype = config.resolve_dtype(getattr(mc, "torch_dtype", None), device)
+    backend = resolve_backend(config.attention_backend, device)
+    max_model_len = config.max_model_len or mc.max_position_embeddings
+    if max_model_len > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
+                         f"max_position_embeddings ({mc.max_position_embeddings})")
+    budget = config.memory_budget_bytes
+    if budget is None and device.type == "cpu":
+        budget = DEFAULT_CPU_MEMORY_BUDGET
+    if budget is None or config.num_kv_blocks is not None:
+        find_weight_files(model_dir)  # a folder without weights still fails here
+        return None
+    weights = meta_weight_bytes(model_dir, mc, dtype)
+    activations = memory.estimate_activation_bytes(mc, config, dtype, max_model_len,
+                                                   attention_scratch=backend == "torch")
+    layer_dtypes = memory.kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
+    per_block = memory.bytes_per_block(mc, config.block_size, layer_dtypes)
+    return memory.blocks_in_budget(config, budget, weights, activations, per_block, max_model_len)
+
+
+def check_cluster(options: ClusterOptions, model_dir: str) -> None:
+    """:func:`check_engine_fits` for the workers ``options`` describes, unless they run on a
+    joined Ray cluster (their devices are not this machine's)."""
+    if options.ray_address:
+        logger.info("--ray-address: the memory budget is checked by the workers themselves")
+        return
+    check_engine_fits(EngineConfig(model=model_dir, **options.engine))
+
+
+_WORKER_ERROR = re.compile(r"MemoryBudgetError: (.*)")
+
+
+def user_error(exc: BaseException | None) -> MemoryBudgetError | None:
+    """The :class:`MemoryBudgetError` behind a failed worker start, or None.
+
+    A ``RayTaskError`` carries it as ``.cause``; an actor whose constructor raised it fails its
+    calls with an ``ActorDiedError`` that keeps only the creation task's text, whose last line
+    is ``...MemoryBudgetError: <message>``."""
+    from ray.exceptions import RayError
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        cause = getattr(exc, "cause", None)
+        if isinstance(exc, RayError) and isinstance(cause, BaseException):
+            exc = cause
+            continue
+        if isinstance(exc, MemoryBudgetError):
+            return exc
+        found = _WORKER_ERROR.findall(str(exc)) if isinstance(exc, RayError) else []
+        if found:
+            return MemoryBudgetError(found[-1].strip())
+        exc = exc.__cause__
+    return None
