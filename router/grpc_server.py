@@ -12,7 +12,11 @@ Life of a Generate call (``GenerationServicer.Generate``):
    ``finally`` awaits ``backend.abort(request_id)`` exactly once and closes the iterator.
 
 Errors map to codes as listed in ``pdserve.router.errors``; anything else is INTERNAL
-(logged with its traceback, not sent to the client).
+(logged with its traceback, not sent to the client). Every failed Generate counts once in
+``pdserve_requests_failed_total{code}`` (when the server has metrics).
+
+With ``admin=`` an ``AdminBackend``, the same server also serves ``pdserve.v1.Admin``
+(``pdserve.router.admin_server``); reflection lists it.
 
 Health (``grpc.health.v1``) reports, for "" and "pdserve.v1.Generation", SERVING exactly when
 the backend is ready and ``set_serving(False)`` (draining) is not in force; a background task
@@ -34,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.api import generation_pb2, generation_pb2_grpc
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.admin_server import AdminBackend, add_admin_service
 from pdserve.router.backend import GenerationBackend, GenerationDelta
 from pdserve.router.errors import (
     DeadlineExceededError,
@@ -43,6 +48,7 @@ from pdserve.router.errors import (
     RequestTooLargeError,
     RequestValidationError,
 )
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.validation import fit_to_context, validate_generate_request
 
 logger = logging.getLogger(__name__)
@@ -81,22 +87,27 @@ def _response_for(delta: GenerationDelta, num_top: int | None) -> generation_pb2
 
 
 async def _abort_with_status(context: grpc.aio.ServicerContext, exc: Exception,
-                             what: str) -> None:
-    """End the call with the status ``exc`` maps to (raises ``AbortError``)."""
+                             what: str, metrics: RouterMetrics | None = None) -> None:
+    """End the call with the status ``exc`` maps to (raises ``AbortError``); a Generate
+    passes ``metrics`` to count the failure by code."""
     code, details = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         logger.error("%s failed", what, exc_info=exc)
     else:
         logger.info("%s: %s %s", what, code.name, details)
+    if metrics is not None:
+        metrics.requests_failed.labels(code.name).inc()
     await context.abort(code, details)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Implements the three RPCs against a ``GenerationBackend``."""
 
-    def __init__(self, backend: GenerationBackend, server: GenerationServer) -> None:
+    def __init__(self, backend: GenerationBackend, server: GenerationServer,
+                 metrics: RouterMetrics | None = None) -> None:
         self._backend = backend
         self._server = server  # asked whether new requests are accepted
+        self._metrics = metrics  # failed requests are counted here
         self._active: set[str] = set()  # request ids streaming now
 
     @property
@@ -110,7 +121,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort_with_status(context, exc, f"Generate {request.request_id!r}")
+            await _abort_with_status(context, exc, f"Generate {request.request_id!r}",
+                                     self._metrics)
 
     async def _generate(self, request: generation_pb2.GenerateRequest,
                         context: grpc.aio.ServicerContext) -> None:
@@ -228,13 +240,15 @@ class GenerationServer:
     """
 
     def __init__(self, backend: GenerationBackend, *, health_poll_interval_s: float = 0.5,
-                 max_message_bytes: int = 16 * 1024 * 1024) -> None:
+                 max_message_bytes: int = 16 * 1024 * 1024, admin: AdminBackend | None = None,
+                 metrics: RouterMetrics | None = None) -> None:
         if health_poll_interval_s <= 0:
             raise ValueError(f"health_poll_interval_s must be > 0, got {health_poll_interval_s}")
         self._backend = backend
         self._poll_s = health_poll_interval_s
         self._max_message_bytes = max_message_bytes
-        self._servicer = GenerationServicer(backend, self)
+        self._admin = admin  # served as pdserve.v1.Admin when set
+        self._servicer = GenerationServicer(backend, self, metrics)
         self._health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -278,11 +292,14 @@ class GenerationServer:
             ("grpc.max_send_message_length", self._max_message_bytes),
         ])
         generation_pb2_grpc.add_GenerationServicer_to_server(self._servicer, server)
+        services = [SERVICE_NAME]
+        if self._admin is not None:
+            services.append(add_admin_service(server, self._admin))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
         address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else \
             f"{host}:{port}"

@@ -1,8 +1,12 @@
 """Prometheus metrics (prefix ``pdserve_``, label ``role``, and ``worker`` where per worker).
 
 Latency histograms are observed by the router as requests flow; per-worker gauges and
-counters are set from the worker stats the router refreshes. ``start_http`` serves the text
-format on the metrics port.
+counters are set from the worker stats the router refreshes, and removed
+(:meth:`RouterMetrics.remove_worker`) when a worker leaves, so dashboards drop dead workers.
+Fault counters: ``pdserve_request_migrations_total{reason}`` (the router core),
+``pdserve_worker_restarts_total{role}`` (the pool manager, in the router's process) and
+``pdserve_requests_failed_total{code}`` (the gRPC front door, by status code name).
+``start_http`` serves the text format on the metrics port.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ class RouterMetrics:
         self.migrations = Counter("pdserve_request_migrations", "Requests moved to new workers "
                                   "after their first token, by why the attempt failed",
                                   ("reason",), registry=r)
+        self.worker_restarts = Counter("pdserve_worker_restarts", "Dead workers replaced by "
+                                       "the pool manager", ("role",), registry=r)
+        self.requests_failed = Counter("pdserve_requests_failed", "Generate calls that ended "
+                                       "with an error, by gRPC status code name",
+                                       ("code",), registry=r)
         self._per_worker = (self.queue, self.prefill, self.transfer, self.transfer_bytes,
                             self.running, self.waiting, self.used_blocks, self.total_blocks,
                             self.usage, self.prefix_hits, self.preemptions)

@@ -1,0 +1,160 @@
+"""The operator front door: ``pdserve.v1.Admin`` (``api/admin.proto``) over an ``AdminBackend``.
+
+It shares the router's ``grpc.aio`` server (``GenerationServer(admin=...)``). The backend is
+whatever owns the pools; ``pdserve.cluster`` implements it with its pool manager and the
+Redis registry, so this module knows neither Ray nor Redis. Every RPC is one backend call:
+
+* ``ListWorkers`` -> ``list_workers()``; ``GetPools`` -> ``get_pools()``;
+* ``DrainWorker`` -> ``drain_worker(worker_id)``: NOT_FOUND for an unknown id
+  (:class:`UnknownWorkerError`), FAILED_PRECONDITION for a dead one (:class:`WorkerDeadError`);
+* ``SetPoolTarget`` -> ``set_pool_target(role, size)``: INVALID_ARGUMENT on ``ValueError``.
+
+Anything else a backend raises is INTERNAL (logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from pdserve.api import admin_pb2, admin_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+WORKER_STATES = ("starting", "ready", "draining", "dead")
+_STATE_PB = {state: admin_pb2.WorkerState.Value(f"WORKER_STATE_{state.upper()}")
+             for state in WORKER_STATES}
+
+
+class UnknownWorkerError(LookupError):
+    """No worker has this id."""
+
+
+class WorkerDeadError(Exception):
+    """The worker is dead: it cannot be drained (the pool manager replaces it)."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One worker as an operator sees it (``pdserve status``)."""
+
+    worker_id: str  # e.g. "decode-3"
+    role: str  # "prefill" | "decode" | "colocated"
+    state: str  # "starting" | "ready" | "draining" | "dead"
+    node: str = ""  # IP address of its node ("" until known)
+    pid: int = 0  # OS process id on that node (0 until known)
+    running: int = 0  # requests in its running batch
+    waiting: int = 0  # requests queued or reservations waiting for KV
+    kv_used_blocks: int = 0  # KV blocks owned by requests or reservations
+    kv_total_blocks: int = 0  # KV blocks in its pool
+    heartbeat_age_s: float | None = None  # seconds since its last heartbeat (None: none yet)
+    restarts: int = 0  # dead workers its pool slot replaced before it
+    error: str = ""  # why it died, or its engine loop's error
+
+    def __post_init__(self) -> None:
+        if self.state not in WORKER_STATES:
+            raise ValueError(f"state must be one of {WORKER_STATES}, got {self.state!r}")
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """One pool's target and actual size."""
+
+    role: str  # "prefill" | "decode" | "colocated"
+    target: int  # the size the pool manager keeps
+    actual: int  # starting + ready workers
+    ready: int  # workers taking requests
+    starting: int  # workers not ready yet
+    draining: int  # workers finishing their streams (not in actual)
+    restarts: int  # dead workers replaced (a counter)
+    last_error: str = ""  # why the latest failed start failed
+
+
+class AdminBackend(Protocol):
+    async def list_workers(self) -> list[WorkerInfo]: ...
+
+    async def drain_worker(self, worker_id: str) -> WorkerInfo: ...
+
+    async def get_pools(self) -> list[PoolInfo]: ...
+
+    async def set_pool_target(self, role: str, size: int) -> PoolInfo: ...
+
+
+def worker_pb(info: WorkerInfo) -> admin_pb2.Worker:
+    worker = admin_pb2.Worker(
+        worker_id=info.worker_id, role=info.role, node=info.node, pid=info.pid,
+        state=_STATE_PB[info.state], running=info.running, waiting=info.waiting,
+        kv_used_blocks=info.kv_used_blocks, kv_total_blocks=info.kv_total_blocks,
+        restarts=info.restarts, error=info.error)
+    if info.heartbeat_age_s is not None:
+        worker.heartbeat_age_s = info.heartbeat_age_s
+    return worker
+
+
+def pool_pb(info: PoolInfo) -> admin_pb2.Pool:
+    return admin_pb2.Pool(role=info.role, target=info.target, actual=info.actual,
+                          ready=info.ready, starting=info.starting, draining=info.draining,
+                          restarts=info.restarts, last_error=info.last_error)
+
+
+_STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (UnknownWorkerError, grpc.StatusCode.NOT_FOUND),
+    (WorkerDeadError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, what: str) -> None:
+    for error_type, code in _STATUS_BY_ERROR:
+        if isinstance(exc, error_type):
+            logger.info("%s: %s %s", what, code.name, exc)
+            await context.abort(code, str(exc))
+    logger.error("%s failed", what, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})")
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    """Implements ``pdserve.v1.Admin`` against an :class:`AdminBackend`."""
+
+    def __init__(self, backend: AdminBackend) -> None:
+        self._backend = backend
+
+    async def ListWorkers(self, request, context):
+        try:
+            workers = await self._backend.list_workers()
+        except Exception as exc:
+            await _abort(context, exc, "ListWorkers")
+        return admin_pb2.ListWorkersResponse(workers=[worker_pb(w) for w in workers])
+
+    async def DrainWorker(self, request, context):
+        try:
+            if not request.worker_id:
+                raise ValueError("worker_id must be set")
+            worker = await self._backend.drain_worker(request.worker_id)
+        except Exception as exc:
+            await _abort(context, exc, f"DrainWorker {request.worker_id!r}")
+        return worker_pb(worker)
+
+    async def GetPools(self, request, context):
+        try:
+            pools = await self._backend.get_pools()
+        except Exception as exc:
+            await _abort(context, exc, "GetPools")
+        return admin_pb2.GetPoolsResponse(pools=[pool_pb(p) for p in pools])
+
+    async def SetPoolTarget(self, request, context):
+        try:
+            pool = await self._backend.set_pool_target(request.role, int(request.size))
+        except Exception as exc:
+            await _abort(context, exc, f"SetPoolTarget {request.role!r}")
+        return pool_pb(pool)
+
+
+def add_admin_service(server: grpc.aio.Server, backend: AdminBackend) -> str:
+    """Serve ``pdserve.v1.Admin`` on ``server``; returns the service's full name."""
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(backend), server)
+    return ADMIN_SERVICE_NAME
