@@ -2,18 +2,31 @@
 as one thing (``pdserve serve``, ``pdserve demo``, the e2e tests).
 
 Start order (:meth:`EmbeddedCluster.start`): Ray (local on loopback unless ``ray_address``),
-redis-server child (unless ``redis_url``), the router actor (gRPC up, NOT_SERVING), the worker
-actors (each heartbeats into Redis once built; the router picks them up and turns SERVING).
-:meth:`EmbeddedCluster.stop` undoes exactly what was started, in reverse, and is idempotent:
-router stopped, workers closed and killed, Ray shut down only if this cluster started it,
-Redis stopped only if this cluster started it. Processes it started (actor processes, the
-redis-server child, and a local Ray's own processes) are listed by :meth:`started_pids`.
+redis-server child (unless ``redis_url``), the router actor (gRPC up, NOT_SERVING; it runs the
+pool manager), the pool targets: the pool manager creates the worker actors (each heartbeats
+into Redis once built; the router picks them up and turns SERVING) and replaces any that dies
+while the cluster runs. The launcher never creates a worker actor itself.
+
+Actors: workers are always detached (they outlive a router restart; the restarted router's
+pool manager adopts them by name). The router is restarted by Ray when its process dies; it is
+detached too with ``detached`` (default: with ``ray_address``), and then a later launcher with
+the same ``cluster_name`` (default "default" there) and Redis adopts the running router and
+pools instead of starting new ones.
+
+:meth:`EmbeddedCluster.stop` undoes what was started, in reverse, and is idempotent: router
+stopped, every worker of the cluster (replacements included) closed and killed, the cluster's
+Redis keys deleted, Ray shut down only if this cluster started it, Redis stopped only if this
+cluster started it (``detach_on_stop`` leaves a detached router and its pools running instead).
+Processes it started (actor processes, replacements included, the redis-server child, and a
+local Ray's own processes) are listed by :meth:`started_pids`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import signal
 import tempfile
 import time
 import uuid
@@ -21,10 +34,12 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from pdserve.cluster.actors import WorkerSpec, start_worker_actor
+from pdserve.cluster.actors import WorkerSpec, cluster_namespace
+from pdserve.cluster.pool_store import PoolStore
+from pdserve.cluster.pools import PoolSettings, WorkerStartError
 from pdserve.cluster.ray_env import init_ray
 from pdserve.cluster.redis_server import RedisServer
-from pdserve.cluster.router_actor import RouterSpec, start_router_actor
+from pdserve.cluster.router_actor import ROUTER_NAME, RouterSpec, start_router_actor
 from pdserve.engine.config import EngineConfig
 from pdserve.router.core import RouterConfig
 
@@ -52,6 +67,9 @@ class ClusterOptions:
     lease_s: float = 60.0  # decode reservation lease: KV must arrive within it
     log_level: str = "WARNING"  # logging level inside actor processes
     ray_num_cpus: int | None = None  # CPUs a local Ray advertises (None = all)
+    detached: bool | None = None  # the router actor outlives this process, so a later launcher
+    # with the same cluster name and Redis adopts it and its pools (None: with --ray-address)
+    detach_on_stop: bool = False  # stopping leaves a detached router and its pools running
 
     def __post_init__(self) -> None:
         if self.num_decode < 1:
@@ -74,20 +92,26 @@ class EmbeddedCluster:
 
     def __init__(self, options: ClusterOptions | None = None):
         self.options = options or ClusterOptions()
-        self.cluster_name = self.options.cluster_name or f"pd{uuid.uuid4().hex[:8]}"
+        opts = self.options
+        self.detached = opts.detached if opts.detached is not None else bool(opts.ray_address)
+        self.cluster_name = opts.cluster_name or ("default" if self.detached
+                                                  else f"pd{uuid.uuid4().hex[:8]}")
         self.model: str | None = None
         self.redis_url: str | None = None
         self.port: int | None = None  # bound gRPC port
         self.metrics_port: int | None = None  # bound metrics port
         self.router = None  # router actor handle
-        self.workers: dict[str, object] = {}  # worker_id -> actor handle
-        self.worker_info: dict[str, dict] = {}  # worker_id -> ready() answer (pid, role, ...)
+        self.workers: dict[str, object] = {}  # worker_id -> actor handle (live ones)
+        self.worker_info: dict[str, dict] = {}  # worker_id -> {worker_id, role, pid, node_ip},
+        # every worker seen (refresh_workers), so stop can check each process is gone
+        self.store: PoolStore | None = None  # the cluster's pool state in Redis
         self._ray = None
         self._owns_ray = False
         self._redis: RedisServer | None = None
         self._ray_pids: set[int] = set()
         self._ray_temp_dir: str | None = None  # a local Ray's session dir, removed on stop
-        self._router_pid: int | None = None
+        self._router_pids: set[int] = set()  # every router pid seen (Ray restarts it)
+        self._worker_pids: set[int] = set()  # every worker pid the pool manager recorded
         self._stopped = False
 
     # -- start ----------------------------------------------------------------------------
@@ -118,6 +142,7 @@ class EmbeddedCluster:
         else:
             self._redis = RedisServer().start()
             self.redis_url = self._redis.url
+        self.store = PoolStore(self.redis_url, self.cluster_name)
         if opts.model is None:
             from pdserve.models import tiny_model_dir
 
@@ -131,41 +156,100 @@ class EmbeddedCluster:
         return EngineConfig(model=self.model, **self.options.engine)
 
     def start_router(self, timeout: float = 60.0) -> None:
+        """Start the router actor (or adopt a detached one of this cluster); wait until it
+        serves (NOT_SERVING until the pools have workers)."""
         opts = self.options
         spec = RouterSpec(self.model, self.redis_url, self.cluster_name, opts.host, opts.port,
                           opts.metrics_port, opts.engine.get("max_model_len"), None, opts.router,
-                          ttl_s=opts.ttl_s, log_level=opts.log_level)
-        self.router = start_router_actor(spec)
+                          ttl_s=opts.ttl_s, log_level=opts.log_level,
+                          pools=PoolSettings(tuple(self.worker_specs()), detached=True))
+        self.router = self._adoptable_router(timeout) or start_router_actor(spec, self.detached)
         info = self._ray.get(self.router.start.remote(), timeout=timeout)
         self.port, self.metrics_port = info["port"], info["metrics_port"]
-        self._router_pid = info["pid"]
+        self._router_pids.add(info["pid"])
+
+    def _adoptable_router(self, timeout: float):
+        """A live router actor of this cluster name using our Redis, or None (one using
+        another Redis is stale: it and its workers are removed)."""
+        namespace = cluster_namespace(self.cluster_name)
+        try:
+            router = self._ray.get_actor(ROUTER_NAME, namespace=namespace)
+        except ValueError:
+            return None
+        try:
+            info = self._ray.get(router.info.remote(), timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - a broken leftover: replace it
+            info = {"redis_url": None}
+            logger.warning("leftover router of cluster %s does not answer: %s",
+                           self.cluster_name, exc)
+        if info["redis_url"] == self.redis_url:
+            logger.info("adopting the running router of cluster %s", self.cluster_name)
+            return router
+        logger.warning("removing a stale router of cluster %s (Redis %s)", self.cluster_name,
+                       info["redis_url"])
+        for actor in [router, *self._named_workers()]:
+            _quietly(lambda actor=actor: self._ray.kill(actor, no_restart=True), "stale kill")
+        return None
 
     def worker_specs(self) -> list[WorkerSpec]:
+        """One template per pool role: the pool manager gives each worker a fresh id."""
         opts, config = self.options, self._engine_config()
         # Loopback for a local Ray; on a joined (maybe multi-node) cluster each worker
         # announces its node's address.
         transfer_host = "127.0.0.1" if opts.ray_address is None else ""
-        roles = (["colocated"] * opts.num_decode if opts.colocated
-                 else ["prefill"] * opts.num_prefill + ["decode"] * opts.num_decode)
-        counts: dict[str, int] = {}
-        specs = []
-        for role in roles:
-            index = counts[role] = counts.get(role, -1) + 1
-            specs.append(WorkerSpec(f"{role}-{index}", role, config, self.redis_url,
-                                    self.cluster_name, transfer_host, opts.heartbeat_s,
-                                    opts.ttl_s, opts.lease_s, log_level=opts.log_level))
-        return specs
+        return [WorkerSpec(role, role, config, self.redis_url, self.cluster_name, transfer_host,
+                           opts.heartbeat_s, opts.ttl_s, opts.lease_s, log_level=opts.log_level)
+                for role in self.pool_targets()]
+
+    def pool_targets(self) -> dict[str, int]:
+        """role -> the pool size the options ask for."""
+        opts = self.options
+        if opts.colocated:
+            return {"colocated": opts.num_decode}
+        return {"prefill": opts.num_prefill, "decode": opts.num_decode}
 
     def start_workers(self, timeout: float = 180.0) -> None:
-        """Create every worker actor at once, then wait until each has registered."""
-        specs = self.worker_specs()
-        for spec in specs:
-            self.workers[spec.worker_id] = start_worker_actor(spec)
-        answers = self._ray.get([a.ready.remote() for a in self.workers.values()],
-                                timeout=timeout)
-        for answer in answers:
-            self.worker_info[answer["worker_id"]] = answer
-        logger.info("workers up: %s", ", ".join(self.worker_info))
+        """Set the pool targets (the router's pool manager starts the workers), then wait
+        until every pool has its target of ready workers."""
+        self._ray.get(self.router.set_pool_targets.remote(self.pool_targets()), timeout=30)
+        self.wait_pools(timeout)
+        self.refresh_workers()
+        logger.info("workers up: %s", ", ".join(sorted(self.workers)))
+
+    def wait_pools(self, timeout: float = 180.0) -> list:
+        """Block until each pool has ``target`` ready workers; returns the pools. A failed
+        worker start raises :class:`WorkerStartError` with the worker's error."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pools = self._ray.get(self.router.pools_info.remote(), timeout=30)
+            failed = [p for p in pools if p.last_error and p.ready < p.target]
+            if failed:
+                raise WorkerStartError(f"{failed[0].role} worker failed to start: "
+                                       f"{failed[0].last_error}")
+            if all(p.ready == p.target and not p.starting for p in pools):
+                return pools
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pools not at their targets after {timeout:.0f} s: {pools}")
+            time.sleep(0.1)
+
+    def refresh_workers(self) -> list:
+        """Re-read the pools' workers from the router (replacements appear, the dead go);
+        returns the router's WorkerInfo list."""
+        infos = self._ray.get(self.router.list_workers.remote(), timeout=30)
+        live = {w.worker_id: w for w in infos if w.state != "dead"}
+        for worker_id in set(self.workers) - set(live):
+            del self.workers[worker_id]
+        namespace = cluster_namespace(self.cluster_name)
+        for worker_id, info in live.items():
+            if worker_id not in self.workers:
+                try:
+                    self.workers[worker_id] = self._ray.get_actor(worker_id, namespace=namespace)
+                except ValueError:
+                    continue  # gone since the router listed it
+            if info.pid:
+                self.worker_info[worker_id] = {"worker_id": worker_id, "role": info.role,
+                                               "pid": info.pid, "node_ip": info.node}
+        return infos
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until health says SERVING (``PdserveError`` after ``timeout``)."""
@@ -197,6 +281,7 @@ class EmbeddedCluster:
 
     def worker_stats(self, timeout: float = 30.0) -> dict:
         """worker_id -> WorkerStats, asked of each live worker actor directly."""
+        self.refresh_workers()
         refs = {wid: actor.stats.remote() for wid, actor in self.workers.items()}
         out = {}
         for wid, ref in refs.items():
@@ -208,17 +293,39 @@ class EmbeddedCluster:
 
     def kill_worker(self, worker_id: str) -> None:
         """Kill one worker actor abruptly (no close), as a crash would."""
+        if worker_id not in self.workers:
+            self.refresh_workers()
         self._ray.kill(self.workers.pop(worker_id), no_restart=True)
 
+    def kill_worker_process(self, worker_id: str, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to a (local) worker's OS process, as the kernel or an operator would;
+        returns its pid."""
+        if worker_id not in self.worker_info:
+            self.refresh_workers()
+        pid = self.worker_info[worker_id]["pid"]
+        os.kill(pid, sig)
+        return pid
+
     def started_pids(self) -> set[int]:
-        """Processes this cluster started (local ones): actors, redis child, a local Ray."""
+        """Processes this cluster started (local ones): actors (replacement workers and a
+        restarted router included), redis child, a local Ray."""
+        self._learn_pids()
         pids = set(self._ray_pids)
         pids.update(info["pid"] for info in self.worker_info.values())
-        if self._router_pid is not None:
-            pids.add(self._router_pid)
+        pids.update(self._worker_pids | self._router_pids)
         if self._redis is not None and self._redis.process is not None:
             pids.add(self._redis.process.pid)
         return pids
+
+    def _learn_pids(self) -> None:
+        """Every worker pid the pool manager recorded, and the router's current pid."""
+        if self.store is not None:
+            self._worker_pids.update(pid for _node, pid in _quiet_value(self.store.pids, set()))
+        if self.router is not None and self._ray is not None:
+            info = _quiet_value(lambda: self._ray.get(self.router.info.remote(), timeout=10),
+                                None)
+            if info is not None:
+                self._router_pids.add(info["pid"])
 
     # -- stop -----------------------------------------------------------------------------
     def stop(self, timeout: float = 20.0) -> None:
@@ -226,13 +333,17 @@ class EmbeddedCluster:
         if self._stopped:
             return
         self._stopped = True
+        keep = self.detached and self.options.detach_on_stop
         actor_pids = set()
-        if self.options.ray_address is None:  # actors ran on this machine
-            actor_pids = {info["pid"] for info in self.worker_info.values()}
-            if self._router_pid is not None:
-                actor_pids.add(self._router_pid)
+        if self.options.ray_address is None and not keep:  # actors ran on this machine
+            self._learn_pids()
+            actor_pids = ({info["pid"] for info in self.worker_info.values()}
+                          | self._worker_pids | self._router_pids)
         if self._ray is not None:
-            self._stop_actors(timeout)
+            if keep:
+                logger.info("leaving cluster %s running (detach_on_stop)", self.cluster_name)
+            else:
+                self._stop_actors(timeout)
             if self._owns_ray:  # every child but Redis is Ray's now, and goes with it
                 redis = {self._redis.process.pid} if self._redis and self._redis.process else set()
                 self._ray_pids |= _child_pids() - redis
@@ -241,22 +352,50 @@ class EmbeddedCluster:
         wait_gone(actor_pids | self._ray_pids, timeout)
         if self._ray_temp_dir is not None:
             shutil.rmtree(self._ray_temp_dir, ignore_errors=True)
+        if self.store is not None:
+            if not keep:
+                _quietly(self.store.clear, "clearing the cluster's Redis keys")
+            self.store.close()
         if self._redis is not None:
             self._redis.stop()
         logger.info("cluster %s stopped", self.cluster_name)
 
+    def _named_workers(self) -> list:
+        """Every live worker actor of this cluster, found by name (members not yet listed,
+        replacements just started)."""
+        namespace = cluster_namespace(self.cluster_name)
+        found = []
+        for entry in self._ray.util.list_named_actors(all_namespaces=True):
+            if entry["namespace"] == namespace and entry["name"] != ROUTER_NAME:
+                actor = _quiet_value(lambda e=entry: self._ray.get_actor(e["name"],
+                                                                         namespace=namespace),
+                                     None)
+                if actor is not None:
+                    found.append(actor)
+        return found
+
     def _stop_actors(self, timeout: float) -> None:
         ray = self._ray
-        if self.router is not None:
+        if self.router is not None:  # first: its pool manager must not replace what goes now
             _quietly(lambda: ray.get(self.router.stop.remote(), timeout=timeout), "router stop")
-        closing = [a.close.remote() for a in self.workers.values()]
+        workers = self._named_workers()
+        closing = [a.close.remote() for a in workers]
         _quietly(lambda: ray.wait(closing, num_returns=len(closing), timeout=timeout),
                  "worker close")
-        for actor in [*self.workers.values(), self.router]:
+        for actor in [*workers, self.router]:
             if actor is not None:
                 _quietly(lambda actor=actor: ray.kill(actor, no_restart=True), "actor kill")
         self.workers.clear()
         self.router = None
+
+
+def _quiet_value(fn, default):
+    """``fn()``, or ``default`` (logged) when it raises."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - best effort while observing or stopping
+        logger.warning("%s failed: %s", getattr(fn, "__name__", "call"), exc)
+        return default
 
 
 def _quietly(fn, what: str) -> None:

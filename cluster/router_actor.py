@@ -1,15 +1,25 @@
-"""The router as a Ray actor: ``Router`` + the gRPC front door + Prometheus, on one event loop.
+"""The router as a Ray actor: ``Router`` + the gRPC front door (Generation and Admin) +
+Prometheus + the pool manager, on one event loop.
 
 Lifecycle:
 
-1. Created by name ("router") in the cluster's Ray namespace with ``num_cpus=0``.
-2. ``start()`` reads the model's limits and tokenizer from the checkpoint folder, builds the
-   ``Router`` over a :class:`RedisDirectory`, starts the gRPC server (``grpc.aio`` on the
-   actor's event loop; health NOT_SERVING until a prefill and a decode worker, or a colocated
-   one, are registered) and the metrics HTTP server; returns the bound ports.
-3. Requests flow; ``traces()`` and ``worker_stats()`` report what happened (the demo).
-4. ``stop()`` reports NOT_SERVING, stops the gRPC server (in-flight calls are cancelled, which
-   aborts their KV on the workers) and the router; the launcher then kills the actor.
+1. Created by name ("router") in the cluster's Ray namespace with ``num_cpus=0`` and
+   ``max_restarts=-1``: if its process dies, Ray starts it again (detached on a long-lived
+   cluster, so it outlives the ``pdserve serve`` that created it).
+2. ``start()`` (idempotent) reads the model's limits and tokenizer from the checkpoint folder,
+   builds the ``Router`` over a :class:`RedisDirectory`, starts the pool manager
+   (``pdserve.cluster.pools``; it adopts the live workers Redis lists), the gRPC server
+   (``grpc.aio`` on the actor's event loop; health NOT_SERVING until a prefill and a decode
+   worker, or a colocated one, are registered; ``pdserve.v1.Admin`` beside Generation) and the
+   metrics HTTP server; the bound ports go to Redis; returns them.
+3. Requests flow; ``traces()`` and ``worker_stats()`` report what happened (the demo);
+   ``set_pool_targets`` / ``pools`` / ``list_workers`` are the launcher's view of the pools.
+4. A restarted incarnation calls its own ``start()`` from the constructor and binds the ports
+   the previous one saved in Redis, so clients reconnect to the same address; only the streams
+   that were open on the dead process failed.
+5. ``stop()`` stops the pool manager (the workers keep running for the launcher to remove),
+   reports NOT_SERVING, stops the gRPC server (in-flight calls are cancelled, which aborts
+   their KV on the workers) and the router; the launcher then kills the actor.
 """
 
 from __future__ import annotations
@@ -23,7 +33,11 @@ from pathlib import Path
 import ray
 
 from pdserve.cluster.actors import RedisDirectory, cluster_namespace, limit_process_threads
+from pdserve.cluster.admin import ClusterAdmin
+from pdserve.cluster.pool_store import PoolStore
+from pdserve.cluster.pools import PoolManager, PoolSettings
 from pdserve.cluster.registry import Registry
+from pdserve.router.admin_server import PoolInfo, WorkerInfo
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import RequestTrace, Router, RouterConfig
 from pdserve.router.errors import RequestValidationError
@@ -51,6 +65,8 @@ class RouterSpec:
     health_poll_s: float = 0.25  # how often health re-checks readiness
     ttl_s: float = 5.0  # registry TTL (the workers' setting)
     log_level: str = "WARNING"  # logging level inside the actor process
+    pools: PoolSettings | None = None  # the pool manager's settings (None: no pool manager)
+    bind_attempts: int = 20  # tries to bind the ports (a restart may find them still held)
 
 
 def model_spec_for(model_dir: str, max_model_len: int | None = None,
@@ -81,10 +97,26 @@ class RouterActor:
         self.router: Router | None = None
         self.server: GenerationServer | None = None
         self.directory: RedisDirectory | None = None
+        self.pools: PoolManager | None = None
+        self.admin: ClusterAdmin | None = None
         self._metrics_server = None
+        self._info: dict | None = None  # start()'s answer once serving
+        self._start_lock: asyncio.Lock | None = None
+        context = ray.get_runtime_context()
+        if context.was_current_actor_reconstructed:
+            logger.warning("router restarted by Ray: serving again")
+            self._restart = context.current_actor.start.remote()  # runs once __init__ returns
 
     async def start(self) -> dict:
-        """Serve; returns {"port", "metrics_port", "pid"}."""
+        """Serve (idempotent); returns {"port", "metrics_port", "pid"}."""
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._info is None:
+                self._info = await self._start()
+        return self._info
+
+    async def _start(self) -> dict:
         spec = self.spec
         model, tokenizer = await asyncio.to_thread(model_spec_for, spec.model, spec.max_model_len,
                                                    spec.model_name)
@@ -95,18 +127,51 @@ class RouterActor:
             return tokenizer.encode(text)
 
         registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
+        store = PoolStore(spec.redis_url, spec.cluster)
         self.directory = RedisDirectory(registry, cluster_namespace(spec.cluster))
         metrics = RouterMetrics()
         self.router = Router(model, self.directory, tokenize, spec.config, metrics)
         await self.router.start()
-        self.server = GenerationServer(self.router, health_poll_interval_s=spec.health_poll_s)
-        port = await self.server.start(spec.host, spec.port)
-        metrics_port = None
-        if spec.metrics_port is not None:
-            self._metrics_server, _thread = metrics.start_http(spec.metrics_port, spec.host)
-            metrics_port = self._metrics_server.server_port
+        if spec.pools is not None:
+            self.pools = PoolManager(store, registry, spec.pools, cluster_namespace(spec.cluster),
+                                     lambda role: metrics.worker_restarts.labels(role).inc())
+            await self.pools.start()
+            self.admin = ClusterAdmin(self.pools)
+        port, metrics_port = await self._serve(store, metrics)
         logger.info("router serving %s on %s:%d", model.model_name, spec.host, port)
         return {"port": port, "metrics_port": metrics_port, "pid": os.getpid()}
+
+    async def _serve(self, store: PoolStore, metrics: RouterMetrics) -> tuple[int, int | None]:
+        """Bind gRPC and metrics (the ports a previous incarnation saved, when asked for any)."""
+        spec = self.spec
+        saved_port, saved_metrics = await asyncio.to_thread(store.router_ports)
+        port = spec.port or saved_port or 0
+        metrics_port = spec.metrics_port
+        if metrics_port == 0 and saved_metrics is not None:
+            metrics_port = saved_metrics
+        for attempt in range(1, spec.bind_attempts + 1):
+            try:
+                self.server = GenerationServer(self.router, admin=self.admin, metrics=metrics,
+                                               health_poll_interval_s=spec.health_poll_s)
+                port = await self.server.start(spec.host, port)
+                if metrics_port is not None:
+                    self._metrics_server, _thread = metrics.start_http(metrics_port, spec.host)
+                    metrics_port = self._metrics_server.server_port
+                break
+            except (RuntimeError, OSError) as exc:
+                if attempt == spec.bind_attempts:
+                    raise
+                logger.warning("binding %s:%s failed (%s); retrying", spec.host, port, exc)
+                if self.server is not None:
+                    await self.server.stop(0)
+                await asyncio.sleep(0.5)
+        await asyncio.to_thread(store.save_router, port, metrics_port)
+        return port, metrics_port
+
+    async def info(self) -> dict:
+        """Where this incarnation runs: {"pid", "redis_url", "serving"}."""
+        return {"pid": os.getpid(), "redis_url": self.spec.redis_url,
+                "serving": await self.is_serving()}
 
     async def is_serving(self) -> bool:
         return self.server is not None and self.server.is_serving
@@ -114,6 +179,16 @@ class RouterActor:
     async def set_serving(self, serving: bool) -> None:
         if self.server is not None:
             self.server.set_serving(serving)
+
+    async def set_pool_targets(self, targets: dict[str, int]) -> None:
+        for role, size in targets.items():
+            await self.admin.set_pool_target(role, size)
+
+    async def pools_info(self) -> list[PoolInfo]:
+        return await self.admin.get_pools() if self.admin is not None else []
+
+    async def list_workers(self) -> list[WorkerInfo]:
+        return await self.admin.list_workers() if self.admin is not None else []
 
     async def traces(self) -> list[RequestTrace]:
         """Finished requests' time split, oldest first."""
@@ -128,6 +203,9 @@ class RouterActor:
         return [s for s in results if not isinstance(s, BaseException)]
 
     async def stop(self) -> None:
+        if self.pools is not None:
+            await self.pools.stop()
+            self.pools = None
         if self.server is not None:
             await self.server.stop(1.0)
             self.server = None
@@ -139,8 +217,9 @@ class RouterActor:
             self._metrics_server = None
 
 
-def start_router_actor(spec: RouterSpec):
-    """Create the router actor (asynchronously); call ``start.remote()`` to serve."""
+def start_router_actor(spec: RouterSpec, detached: bool = False):
+    """Create the router actor (asynchronously); call ``start.remote()`` to serve. Ray
+    restarts it whenever its process dies; ``detached``: it outlives this process."""
     return ray.remote(RouterActor).options(
-        name=ROUTER_NAME, namespace=cluster_namespace(spec.cluster), num_cpus=0, max_restarts=0,
-        max_concurrency=1000).remote(spec)
+        name=ROUTER_NAME, namespace=cluster_namespace(spec.cluster), num_cpus=0, max_restarts=-1,
+        max_concurrency=1000, lifetime="detached" if detached else None).remote(spec)

@@ -1,0 +1,405 @@
+"""Worker pools kept at their target size: the pool manager (the decision is ``pool_plan``).
+
+One pool per role (prefill, decode, colocated). Its target lives in Redis
+(:class:`~pdserve.cluster.pool_store.PoolStore`); the autoscaler and operators only change
+targets, the :class:`PoolManager` makes them true. The manager runs as an asyncio task in the
+router actor's process and is the only code that creates worker actors.
+
+Every ``interval_s`` the manager reconciles:
+
+1. Observe: targets and members from Redis, worker records from the registry; a starting
+   worker's ``ready()`` answer (or failure); every other member's ``ping()`` (answered on the
+   worker's event loop, never behind an engine step). A member is **dead** when its actor is
+   gone (``RayActorError``), ``max_missed_pings`` pings in a row time out, its engine loop
+   died (``loop_alive`` false), or it did not start within ``start_timeout_s``.
+2. Decide: :func:`~pdserve.cluster.pool_plan.plan` turns (target, members) into actions,
+   a pure function.
+3. Act: ``start`` (a new actor under a fresh id ``<role>-<n>``, detached so it outlives this
+   process), ``replace`` (kill the dead one, count a restart, start another), ``remove`` (a
+   dead worker whose slot is not refilled), ``drain`` (mark it draining in the registry: the
+   router stops routing to it), ``finish`` (a draining worker that reported no request in a
+   heartbeat taken ``drain_grace_s`` after the drain began, or ``drain_timeout_s`` passed:
+   close and kill it).
+
+A restarted manager (the router actor restarted by Ray) re-reads targets and members and
+adopts every member whose named actor still lives; a member whose actor is gone is dead and
+replaced. A failed start holds further starts of that role for a backoff that doubles per
+consecutive failure, so a bad setting does not spin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError
+
+from pdserve.cluster.actors import WorkerSpec, start_worker_actor
+from pdserve.cluster.pool_plan import (
+    DEAD,
+    DRAIN,
+    DRAINING,
+    FINISH,
+    READY,
+    REMOVE,
+    REPLACE,
+    START,
+    STARTING,
+    Action,
+    MemberView,
+    plan,
+)
+from pdserve.cluster.pool_store import MemberRecord, PoolStore
+from pdserve.cluster.registry import Registry, WorkerRecord
+
+logger = logging.getLogger(__name__)
+
+# -- the manager ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PoolSettings:
+    """How the pool manager starts and watches workers."""
+
+    templates: tuple[WorkerSpec, ...]  # one per role it may start (worker_id is replaced)
+    detached: bool = True  # worker actors outlive the router actor, so a restart adopts them
+    interval_s: float = 0.5  # reconcile period
+    ping_timeout_s: float = 5.0  # one ping, at most
+    max_missed_pings: int = 3  # pings in a row timing out that make a worker dead
+    start_timeout_s: float = 600.0  # actor creation + model load, at most
+    drain_grace_s: float = 1.0  # a drained worker must be idle in a heartbeat this much later
+    drain_timeout_s: float = 600.0  # a drain lasting longer finishes anyway
+    close_timeout_s: float = 30.0  # a finished worker's close(), at most, before the kill
+    backoff_s: float = 1.0  # starts held after a failed start, doubled per consecutive failure
+    max_backoff_s: float = 60.0  # the longest hold
+    dead_keep_s: float = 60.0  # a removed dead worker stays listed this long
+
+    def __post_init__(self) -> None:
+        roles = [t.role for t in self.templates]
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"templates must have one spec per role, got roles {roles}")
+        for name in ("interval_s", "ping_timeout_s", "start_timeout_s", "backoff_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_missed_pings < 1:
+            raise ValueError(f"max_missed_pings must be >= 1, got {self.max_missed_pings}")
+
+    def template(self, role: str) -> WorkerSpec:
+        for spec in self.templates:
+            if spec.role == role:
+                return spec
+        raise ValueError(f"role must be one of {[t.role for t in self.templates]}, "
+                         f"got {role!r}")
+
+
+class WorkerStartError(RayError):
+    """A worker actor failed to start; the message ends with the worker's own error line."""
+
+
+@dataclass
+class Member:
+    """One worker the manager owns, as it is watched in this process."""
+
+    record: MemberRecord  # what Redis keeps of it
+    actor: object | None  # its Ray actor handle (None: no live actor found)
+    state: str = STARTING
+    ready: asyncio.Task | None = None  # the pending ready() call while STARTING
+    missed_pings: int = 0  # ping timeouts in a row
+    drain_started: float | None = None  # time.time() the drain began
+    error: str = ""  # why it died, or its engine loop's error
+    died_at: float | None = None  # time.time() it was found dead
+    was_draining: bool = False  # it died while draining
+
+    @property
+    def worker_id(self) -> str:
+        return self.record.worker_id
+
+    @property
+    def role(self) -> str:
+        return self.record.role
+
+
+def death_reason(exc: BaseException, limit: int = 200) -> str:
+    """One short line saying why a worker call failed: the last line of the error (a worker's
+    own exception when its constructor raised), cut to its first sentence when long."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    line = lines[-1] if lines else type(exc).__name__
+    if len(line) > limit:
+        first = line.find(". ")
+        line = line[:first + 1] if 0 < first < limit else line[:limit] + "..."
+    return line
+
+
+class PoolManager:
+    """See the module docstring. Create, ``start`` and ``stop`` it inside one event loop."""
+
+    def __init__(self, store: PoolStore, registry: Registry, settings: PoolSettings,
+                 namespace: str, on_restart: Callable[[str], None] | None = None):
+        self.store = store
+        self.registry = registry
+        self.settings = settings
+        self.namespace = namespace  # the cluster's Ray namespace (worker actor names)
+        self._on_restart = on_restart  # called with the role of every replaced worker
+        self.members: dict[str, Member] = {}
+        self.dead: list[Member] = []  # removed dead workers, kept for dead_keep_s
+        self.records: dict[str, WorkerRecord] = {}  # registry view of the latest reconcile
+        self.last_error: dict[str, str] = {}  # role -> why its latest failed start failed
+        self._failures: dict[str, int] = {}  # role -> failed starts in a row
+        self._hold_until: dict[str, float] = {}  # role -> time.monotonic() starts resume
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self._adopt()
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop watching (the workers keep running; the launcher removes them)."""
+        tasks = [t for t in [self._task, *(m.ready for m in self.members.values())] if t]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+
+    def wake(self) -> None:
+        """Reconcile now instead of at the next period."""
+        self._wake.set()
+
+    async def _adopt(self) -> None:
+        for record in await asyncio.to_thread(self.store.members):
+            actor = await asyncio.to_thread(self._lookup, record.worker_id)
+            member = Member(record, actor)
+            self.members[record.worker_id] = member
+            if actor is None:
+                self._mark_dead(member, "no live actor (found by a restarted pool manager)")
+            else:
+                member.ready = asyncio.ensure_future(self._ready(actor))
+                logger.info("adopting %s", record.worker_id)
+
+    def _lookup(self, worker_id: str):
+        try:
+            return ray.get_actor(worker_id, namespace=self.namespace)
+        except ValueError:
+            return None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.reconcile()
+            except Exception:  # noqa: BLE001 - Redis or Ray may recover; keep watching
+                logger.exception("pool reconcile failed")
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.settings.interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+
+    # -- one reconcile --------------------------------------------------------------------
+    async def reconcile(self) -> None:
+        targets = await asyncio.to_thread(self.store.targets)
+        records = await asyncio.to_thread(self.registry.workers)
+        self.records = {r.worker_id: r for r in records}
+        await self._observe()
+        async with self._lock:
+            now = time.monotonic()
+            for role in sorted(set(targets) | {m.role for m in self.members.values()}):
+                views = [self._view(m) for m in self.members.values() if m.role == role]
+                can_start = now >= self._hold_until.get(role, 0.0)
+                for action in plan(role, targets.get(role, 0), views, can_start):
+                    await self._apply(action)
+        cutoff = time.time() - self.settings.dead_keep_s
+        self.dead = [m for m in self.dead if (m.died_at or 0.0) > cutoff]
+
+    async def _observe(self) -> None:
+        members = list(self.members.values())
+        await asyncio.gather(*(self._observe_one(m) for m in members))
+
+    async def _observe_one(self, member: Member) -> None:
+        if member.state == STARTING:
+            await self._check_start(member)
+        elif member.state in (READY, DRAINING):
+            await self._check_ping(member)
+
+    async def _check_start(self, member: Member) -> None:
+        task = member.ready
+        if task is None or not task.done():
+            age = time.time() - member.record.created_time
+            if age > self.settings.start_timeout_s:
+                self._start_failed(member, f"did not start within "
+                                           f"{self.settings.start_timeout_s:.0f} s")
+            return
+        try:
+            answer = task.result()
+        except Exception as exc:  # noqa: BLE001 - any failure to start is the worker's death
+            self._start_failed(member, death_reason(exc))
+            return
+        member.ready = None
+        member.state = DRAINING if member.record.draining else READY
+        if member.record.draining and member.drain_started is None:
+            member.drain_started = time.time()
+        self._failures.pop(member.role, None)
+        self.last_error.pop(member.role, None)
+        await self._learn_where(member, answer)
+        logger.info("worker %s ready (pid %s)", member.worker_id, member.record.pid)
+
+    async def _learn_where(self, member: Member, answer: dict) -> None:
+        pid, node = int(answer.get("pid", 0)), str(answer.get("node_ip", ""))
+        if (pid, node) != (member.record.pid, member.record.node_ip):
+            member.record.pid, member.record.node_ip = pid, node
+            await asyncio.to_thread(self.store.save_member, member.record)
+            await asyncio.to_thread(self.store.add_pid, node, pid)
+
+    async def _check_ping(self, member: Member) -> None:
+        try:
+            answer = await asyncio.wait_for(member.actor.ping.remote(),
+                                            self.settings.ping_timeout_s)
+        except (asyncio.TimeoutError, ActorUnavailableError) as exc:
+            member.missed_pings += 1
+            if member.missed_pings >= self.settings.max_missed_pings:
+                self._mark_dead(member, f"{member.missed_pings} pings unanswered ({exc!r})")
+            return
+        except RayActorError as exc:
+            self._mark_dead(member, f"actor died: {death_reason(exc)}")
+            return
+        member.missed_pings = 0
+        if not answer.get("loop_alive", True):
+            self._mark_dead(member, f"engine loop died: {answer.get('error')}")
+            return
+        await self._learn_where(member, answer)
+
+    def _start_failed(self, member: Member, why: str) -> None:
+        role = member.role
+        failures = self._failures[role] = self._failures.get(role, 0) + 1
+        hold = min(self.settings.max_backoff_s, self.settings.backoff_s * 2 ** (failures - 1))
+        self._hold_until[role] = time.monotonic() + hold
+        self.last_error[role] = f"{member.worker_id}: {why}"
+        logger.warning("worker %s failed to start (%s); %s starts held %.0f s",
+                       member.worker_id, why, role, hold)
+        self._mark_dead(member, why)
+
+    def _mark_dead(self, member: Member, why: str) -> None:
+        if member.state != DEAD:
+            logger.warning("worker %s is dead: %s", member.worker_id, why)
+        member.was_draining = member.was_draining or member.state == DRAINING \
+            or member.record.draining
+        member.state, member.error, member.died_at = DEAD, why, time.time()
+
+    def _view(self, member: Member) -> MemberView:
+        record = self.records.get(member.worker_id)
+        load = record.num_running + record.num_waiting if record is not None else 0
+        return MemberView(member.worker_id, member.state, load, self._drained(member),
+                          member.was_draining, member.record.restarts)
+
+    def _drained(self, member: Member) -> bool:
+        if member.state != DRAINING or member.drain_started is None:
+            return False
+        if time.time() - member.drain_started > self.settings.drain_timeout_s:
+            return True
+        record = self.records.get(member.worker_id)
+        return (record is not None and record.num_running == 0 and record.num_waiting == 0
+                and record.heartbeat_time >= member.drain_started + self.settings.drain_grace_s)
+
+    # -- actions ----------------------------------------------------------------------------
+    async def _apply(self, action: Action) -> None:
+        member = self.members.get(action.worker_id) if action.worker_id else None
+        if action.kind == START:
+            await self._start(action.role, action.restarts)
+        elif action.kind == REPLACE:
+            await self._remove(member)
+            await asyncio.to_thread(self.store.count_restart, action.role)
+            if self._on_restart is not None:
+                self._on_restart(action.role)
+            new_id = await self._start(action.role, action.restarts)
+            logger.warning("replaced dead worker %s (%s) with %s", member.worker_id,
+                           member.error, new_id)
+        elif action.kind == REMOVE:
+            await self._remove(member)
+        elif action.kind == DRAIN:
+            await self._begin_drain(member)
+        elif action.kind == FINISH:
+            await self._finish(member)
+
+    async def _start(self, role: str, restarts: int) -> str:
+        worker_id = await asyncio.to_thread(self.store.next_worker_id, role)
+        spec = dataclasses.replace(self.settings.template(role), worker_id=worker_id)
+        record = MemberRecord(worker_id, role, restarts, created_time=time.time())
+        await asyncio.to_thread(self.store.save_member, record)  # before the actor: adoptable
+        actor = start_worker_actor(spec, self.settings.detached)
+        member = Member(record, actor)
+        member.ready = asyncio.ensure_future(self._ready(actor))
+        self.members[worker_id] = member
+        logger.info("starting worker %s", worker_id)
+        return worker_id
+
+    @staticmethod
+    async def _ready(actor) -> dict:
+        return await actor.ready.remote()
+
+    async def _remove(self, member: Member) -> None:
+        """Forget a dead member: kill what is left of it, drop its records."""
+        if member.ready is not None:
+            member.ready.cancel()
+        await self._kill(member)
+        await asyncio.to_thread(self.registry.remove, member.worker_id)
+        await asyncio.to_thread(self.store.remove_member, member.worker_id)
+        self.members.pop(member.worker_id, None)
+        self.dead.append(member)
+
+    async def _kill(self, member: Member) -> None:
+        if member.actor is None:
+            return
+        try:
+            await asyncio.to_thread(ray.kill, member.actor, no_restart=True)
+        except Exception as exc:  # noqa: BLE001 - already gone
+            logger.debug("kill %s: %s", member.worker_id, exc)
+
+    async def _begin_drain(self, member: Member) -> None:
+        starting = member.state == STARTING
+        member.state, member.drain_started = DRAINING, time.time()
+        if starting:  # no request can be on it yet: stop it now
+            await self._finish(member)
+            return
+        member.record.draining = True
+        await asyncio.to_thread(self.store.save_member, member.record)
+        await asyncio.to_thread(self.registry.set_draining, member.worker_id, True)
+        logger.info("draining worker %s", member.worker_id)
+
+    async def _finish(self, member: Member) -> None:
+        """A drained member: close it (it leaves the registry), kill the actor, forget it."""
+        if member.ready is not None:
+            member.ready.cancel()
+        if member.actor is not None:
+            try:
+                await asyncio.wait_for(member.actor.close.remote(),
+                                       self.settings.close_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - it is killed anyway
+                logger.warning("closing %s failed: %s", member.worker_id, exc)
+        await self._kill(member)
+        await asyncio.to_thread(self.registry.remove, member.worker_id)
+        await asyncio.to_thread(self.store.remove_member, member.worker_id)
+        self.members.pop(member.worker_id, None)
+        logger.info("worker %s drained and stopped", member.worker_id)
+
+    # -- operator actions (the Admin service) ---------------------------------------------
+    async def drain(self, worker_id: str) -> Member:
+        """Drain one worker and lower its pool's target by one (idempotent)."""
+        async with self._lock:
+            member = self.members.get(worker_id)
+            if member is None:
+                raise KeyError(worker_id)
+            if member.state in (DRAINING, DEAD):
+                return member
+            await asyncio.to_thread(self.store.add_target, member.role, -1)
+            await self._begin_drain(member)
+        self.wake()
+        return member
+
+    async def set_target(self, role: str, size: int) -> None:
+        self.settings.template(role)  # a ValueError for a role this cluster cannot start
+        await asyncio.to_thread(self.store.set_target, role, size)
+        self.wake()
