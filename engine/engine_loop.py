@@ -105,6 +105,7 @@ class EngineLoop:
         self._snapshot: WorkerStats | None = None
         self._published_at = 0.0
         self.error: str | None = None  # why the loop died (None while it runs)
+        self.busy_since: float | None = None  # time.monotonic() the running step began
 
     def start(self) -> EngineLoop:
         self._publish(force=True)
@@ -170,8 +171,10 @@ class EngineLoop:
                     self._tick()
                     last_tick = time.monotonic()
                 if can_step and self._has_work():
+                    self.busy_since = time.monotonic()
                     self._apply_fault()
                     self.outbox.put_many(self._step())
+                    self.busy_since = None
                 self._publish()
         except BaseException as exc:  # noqa: BLE001 - a dead loop must be visible
             logger.exception("engine loop %s died", self._thread.name)
@@ -203,7 +206,7 @@ class EngineLoop:
             self._snapshot = dataclasses.replace(self._snapshot, error=error)
         if self._on_death is not None:
             try:
-                self._on_death(error)
+                self._on_death(f"engine loop died: {error}")
             except Exception:  # noqa: BLE001 - the loop is already dead
                 logger.exception("engine loop %s: on_death failed", self._thread.name)
 

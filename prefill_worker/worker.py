@@ -113,6 +113,7 @@ class PrefillWorker:
     def close(self) -> None:
         self.loop.stop()
         self.connector.close()
+        self._fail_everything("the prefill worker was closed")  # the loop has stopped
 
     # -- loop thread --------------------------------------------------------------------------
     def _admit(self, request: WorkRequest, reservation: Reservation, result: Future) -> None:
@@ -131,11 +132,11 @@ class PrefillWorker:
             self._abort(delta.request_id, "dropped: its deadline passed")
 
     def _fail_everything(self, error: str) -> None:
-        """The loop died: fail every pending future (the engine's state is not trusted)."""
+        """The loop died or stopped: fail every pending future (engine state not touched)."""
         targets, self._targets = self._targets, {}
         for target in targets.values():
             if not target.result.done():
-                target.result.set_exception(EngineDeadError(f"engine loop died: {error}"))
+                target.result.set_exception(EngineDeadError(error))
 
     def _step(self) -> list[RequestDelta]:
         output = self.engine.scheduler.schedule()

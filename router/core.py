@@ -347,8 +347,7 @@ class Router:
                     too_large.append(exc)
                     continue
                 except Exception as exc:  # noqa: BLE001 - that worker's problem, not the request's
-                    logger.warning("%s: %s on %s failed: %s", flight.request_id, role,
-                                   worker_id, exc)
+                    self._suspect(worker_id, f"{role} call failed: {exc}")
                     continue
                 flight.decode_id = worker_id
                 return answer
@@ -381,6 +380,7 @@ class Router:
         except (AttemptFailed, DeadlineExceededError):
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the prefill moves the request
+            self._suspect(flight.prefill_id, f"prefill failed: {exc}")
             raise AttemptFailed("worker_failed", f"prefill on {flight.prefill_id} failed: "
                                 f"{exc}") from exc
         finally:
@@ -479,6 +479,12 @@ class Router:
         logger.info("aborting %s on %s: no request of this router", request_id, worker_id)
         self._tasks.append(asyncio.create_task(self._abort_on(worker_id, request_id)))
         self._tasks = [t for t in self._tasks if not t.done()]
+
+    def _suspect(self, worker_id: str, why: str) -> None:
+        """A call on the worker failed: route nothing new to it until the directory next
+        reports it (a dead one never comes back; a live one does at the next refresh)."""
+        logger.warning("worker %s: %s", worker_id, why)
+        self._loads.pop(worker_id, None)
 
     def _worker_lost(self, worker_id: str, why: str) -> None:
         logger.warning("worker %s lost: %s", worker_id, why)

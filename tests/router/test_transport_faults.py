@@ -1,5 +1,6 @@
 """Property: under any transport fault sequence, each request either completes with the
-correct tokens or fails with a documented error, and every pool returns to its baseline."""
+correct tokens or fails with a documented error, and every pool returns to its baseline.
+With enough attempts to outlast the (finite) fault script, every request completes."""
 
 from __future__ import annotations
 
@@ -27,10 +28,12 @@ def _config(model_dir) -> EngineConfig:
     return EngineConfig(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=64)
 
 
-async def _run(model_dir, plan: FaultPlan):
+async def _run(model_dir, plan: FaultPlan, max_attempts: int = 3):
     handles = build_local_workers(_config(model_dir), fault_plan=plan, lease_s=0.5)
     router = Router(ModelSpec("t", 256, 509), StaticDirectory(handles), tokenize=list,
-                    config=RouterConfig(stats_interval_s=0.05, reserve_wait_s=2.0))
+                    config=RouterConfig(stats_interval_s=0.05, reserve_wait_s=2.0,
+                                        max_attempts=max_attempts,
+                                        migration_limit=max_attempts))
     await router.start()
 
     async def one(i: int, prompt: list[int]):
@@ -74,6 +77,22 @@ def test_any_fault_sequence(hf_checkpoint, script):
     results, used = asyncio.run(_run(model_dir, plan))
     for result, want in zip(results, expected, strict=True):
         assert isinstance(result, DOCUMENTED) or result == want, (script, result, want)
+    assert used == [0, 0], (script, used)
+
+
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(script=st.lists(FAULTS, min_size=1, max_size=12))
+def test_requests_outlast_any_fault_sequence(hf_checkpoint, script):
+    """Each harmful fault spends at most one attempt (or migration) of each request it
+    touches, and the script is finite: with more attempts than faults, nothing may fail."""
+    model_dir = hf_checkpoint("llama")
+    expected = [o.token_ids for o in LLM(str(model_dir), dtype="float32", block_size=4,
+                                         num_kv_blocks=64).generate(PROMPTS, PARAMS,
+                                                                    use_tqdm=False)]
+    results, used = asyncio.run(_run(model_dir, FaultPlan(script, delay_s=0.01),
+                                     max_attempts=len(script) + 1))
+    assert results == expected, script
     assert used == [0, 0], (script, used)
 
 

@@ -1,0 +1,77 @@
+"""Worker-side failure paths: deadlines, a dead engine loop, no router polling, long steps.
+Each ends in a leak check."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from pdserve import SamplingParams
+from pdserve.engine.engine_loop import EngineDeadError
+from pdserve.engine.messages import WorkRequest
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def test_worker_drops_expired_work_without_the_router(hf_checkpoint, make_pair):
+    pair = make_pair(hf_checkpoint("llama"))
+    params = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
+    req = WorkRequest("late", [3, 4, 5], params, seed=1, arrival_time=time.time(),
+                      deadline=time.time() + 0.3)
+    reservation = pair.decode.reserve(req).result(5)
+    pair.decode.loop.inject_fault("stall", 0.6)  # its first decode step outlasts the deadline
+    pair.prefill.prefill(req, reservation).result(10)
+    deltas, end = [], time.monotonic() + 10
+    while not any(d.finish_reason for d in deltas) and time.monotonic() < end:
+        deltas += pair.decode.poll(0.05)
+    last = deltas[-1]
+    assert last.finish_reason == "abort" and last.deadline_exceeded
+    assert pair.used_blocks() == (0, 0)
+
+def test_a_dead_loop_refuses_work_and_says_so(hf_checkpoint, make_pair):
+    pair = make_pair(hf_checkpoint("llama"))
+    req = WorkRequest("a", [3, 4, 5], GREEDY, seed=1, arrival_time=time.time())
+    pair.decode.reserve(req).result(5)
+    pair.prefill.prefill(req, pair.decode.reserve(dataclasses.replace(
+        req, request_id="b")).result(5))
+    pair.decode.loop.inject_fault("raise")
+    deltas, end = [], time.monotonic() + 10
+    while len({d.request_id for d in deltas if d.error}) < 2 and time.monotonic() < end:
+        deltas += pair.decode.poll(0.05)
+    assert {d.request_id for d in deltas if d.error and "died" in d.error} == {"a", "b"}
+    assert pair.decode.snapshot().error is not None
+    with pytest.raises(EngineDeadError):
+        pair.decode.reserve(dataclasses.replace(req, request_id="c")).result(5)
+
+
+def test_unpolled_worker_aborts_its_requests(hf_checkpoint, make_pair):
+    pair = make_pair(hf_checkpoint("llama"))
+    pair.decode.orphan_timeout_s = 0.3
+    pair.decode.loop.inject_fault("stall", 0.5)  # so the request is still running by then
+    params = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
+    req = WorkRequest("orphan", [3, 4, 5], params, seed=1, arrival_time=time.time())
+    pair.prefill.prefill(req, pair.decode.reserve(req).result(5)).result(10)
+    end = time.monotonic() + 10
+    while pair.used_blocks() != (0, 0) and time.monotonic() < end:
+        time.sleep(0.05)  # nobody polls the decode worker
+    assert pair.used_blocks() == (0, 0)
+    assert any("no router polled" in (d.error or "") for d in pair.decode.poll(0))
+
+
+def test_a_long_step_does_not_hide_the_snapshot(hf_checkpoint, make_pair):
+    pair = make_pair(hf_checkpoint("llama"))
+    pair.decode.loop.inject_fault("stall", 1.0)
+    req = WorkRequest("s", [3, 4, 5], GREEDY, seed=1, arrival_time=time.time())
+    pair.prefill.prefill(req, pair.decode.reserve(req).result(5)).result(10)
+    end = time.monotonic() + 10
+    while pair.decode.loop.busy_since is None and time.monotonic() < end:
+        time.sleep(0.01)  # until the stalled step runs
+    started = time.monotonic()
+    snapshot = pair.decode.snapshot()  # answered while the step stalls
+    assert time.monotonic() - started < 0.5 and snapshot.worker_id == pair.decode.worker_id
+    stats = pair.decode.stats()
+    with pytest.raises(TimeoutError):  # the loop itself is busy for the stall
+        stats.result(0.2)
+    pair.decode.abort("s").result(10)
