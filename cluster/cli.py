@@ -1,4 +1,5 @@
-"""The ``pdserve`` command line (DESIGN.md section 4): ``serve``, ``generate``, ``demo``.
+"""The ``pdserve`` command line (DESIGN.md sections 4 and 7): ``serve``, ``generate``,
+``demo``, and the operator commands ``status`` and ``drain`` (clients of ``pdserve.v1.Admin``).
 
 Output to the terminal happens only in the ``_print_*`` / ``_cmd_*`` functions here; the rest
 of pdserve logs.
@@ -97,6 +98,26 @@ def _add_demo(sub) -> None:
                            "the engine settings")
 
 
+def _add_status(sub) -> None:
+    status = sub.add_parser("status", help="pools (target and actual size) and workers of a "
+                                           "running server")
+    status.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+    status.add_argument("--json", action="store_true",
+                        help='print one JSON object: {"pools": {role: {...}}, "workers": [...]}')
+    status.add_argument("--timeout", type=float, default=10.0, help="call deadline in seconds")
+
+
+def _add_drain(sub) -> None:
+    drain = sub.add_parser("drain", help="take a worker out of routing, let it finish its "
+                                         "streams, then stop it (its pool target drops by one)")
+    drain.add_argument("worker_id", help="as `pdserve status` lists it, e.g. decode-1")
+    drain.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+    drain.add_argument("--wait", type=float, nargs="?", const=600.0, default=None,
+                       metavar="SECONDS", help="return only once the worker has stopped (at "
+                                               "most SECONDS, default 600)")
+    drain.add_argument("--timeout", type=float, default=10.0, help="call deadline in seconds")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pdserve", description="Disaggregated LLM serving")
     parser.add_argument("--log-level", default="WARNING", help="logging level (INFO, DEBUG, ...)")
@@ -104,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_generate(sub)
     _add_demo(sub)
+    _add_status(sub)
+    _add_drain(sub)
     return parser
 
 
@@ -229,11 +252,94 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _admin_call(prog: str, target: str, timeout: float, fn):
+    """``fn(AdminClient)``; an unreachable server, an unknown worker or a bad target exits 2
+    with one line."""
+    import grpc
+
+    from pdserve.api.admin_client import AdminClient
+    from pdserve.api.client import PdserveError
+
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        _fail(prog, f"argument --target: expected HOST:PORT, got {target!r}")
+    try:
+        with AdminClient(target, timeout=timeout) as admin:
+            return fn(admin)
+    except PdserveError as exc:
+        if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            _fail(prog, f"cannot reach a pdserve router at {target}: {exc.details}")
+        if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+            _fail(prog, f"the server at {target} has no pdserve.v1.Admin service")
+        _fail(prog, exc.details or exc.code.name)
+
+
+def _cmd_status(args) -> int:
+    import json
+
+    from pdserve.api.admin_client import pool_dict, worker_dict
+
+    pools, workers = _admin_call("pdserve status", args.target, args.timeout,
+                                 lambda admin: (admin.get_pools(), admin.list_workers()))
+    report = {"pools": {p.role: pool_dict(p) for p in pools},
+              "workers": [worker_dict(w) for w in workers]}
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+        return 0
+    print(_table(["POOL", "TARGET", "ACTUAL", "READY", "STARTING", "DRAINING", "RESTARTS"],
+                 [[role, p["target"], p["actual"], p["ready"], p["starting"], p["draining"],
+                   p["restarts"]] for role, p in report["pools"].items()]))
+    for role, p in report["pools"].items():
+        if p["last_error"]:
+            print(f"{role}: last failed start: {p['last_error']}")
+    print()
+    rows = []
+    for w, raw in zip(report["workers"], workers, strict=True):
+        age = w["heartbeat_age_s"]
+        rows.append([w["worker_id"], w["role"], w["state"], w["node"] or "-", w["pid"] or "-",
+                     w["running"], w["waiting"], f"{w['kv_used_blocks']}/{w['kv_total_blocks']}",
+                     "-" if age is None else f"{age:.1f}s", w["restarts"], raw.error or ""])
+    print(_table(["WORKER", "ROLE", "STATE", "NODE", "PID", "RUNNING", "WAITING", "KV BLOCKS",
+                  "HEARTBEAT", "RESTARTS", "ERROR"], rows))
+    return 0
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    cells = [header, *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in cells)
+
+
+def _cmd_drain(args) -> int:
+    import time
+
+    prog = "pdserve drain"
+    worker = _admin_call(prog, args.target, args.timeout,
+                         lambda admin: admin.drain_worker(args.worker_id))
+    pools = _admin_call(prog, args.target, args.timeout, lambda admin: admin.get_pools())
+    target = next((p.target for p in pools if p.role == worker.role), None)
+    print(f"pdserve: draining {worker.worker_id}: it takes no new requests, finishes its "
+          f"streams, then stops; {worker.role} pool target now {target}", file=sys.stderr)
+    if args.wait is None:
+        return 0
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        workers = _admin_call(prog, args.target, args.timeout, lambda admin: admin.list_workers())
+        if not any(w.worker_id == args.worker_id and w.state == worker.state for w in workers):
+            print(f"pdserve: {args.worker_id} stopped", file=sys.stderr)
+            return 0
+        time.sleep(0.5)
+    _fail(prog, f"{args.worker_id} still draining after {args.wait:.0f} s "
+                "(it stops once its last stream ends)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    command = {"serve": _cmd_serve, "generate": _cmd_generate, "demo": _cmd_demo}
+    command = {"serve": _cmd_serve, "generate": _cmd_generate, "demo": _cmd_demo,
+               "status": _cmd_status, "drain": _cmd_drain}
     return command[args.command](args)
 
 

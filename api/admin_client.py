@@ -1,0 +1,87 @@
+"""A blocking client for ``pdserve.v1.Admin`` (``admin.proto``): the pools behind a router.
+
+```python
+from pdserve.api.admin_client import AdminClient
+with AdminClient("127.0.0.1:50051") as admin:
+    for pool in admin.get_pools():
+        print(pool.role, pool.target, pool.ready)
+    admin.drain_worker("decode-1")      # leaves routing, finishes its streams, exits
+    admin.set_pool_target("decode", 3)  # the pool manager starts one more
+```
+
+Replies are the proto messages; :func:`worker_dict` and :func:`pool_dict` turn them into the
+plain dicts ``pdserve status --json`` prints. Every failure is a ``PdserveError`` with the
+gRPC code (NOT_FOUND for an unknown worker, UNAVAILABLE when the router cannot be reached).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from pdserve.api import admin_pb2, admin_pb2_grpc
+from pdserve.api.client import PdserveError
+
+__all__ = ["AdminClient", "worker_dict", "pool_dict", "state_name"]
+
+
+def state_name(state: int) -> str:
+    """``WORKER_STATE_READY`` -> "ready" ("unspecified" for 0)."""
+    return admin_pb2.WorkerState.Name(state).removeprefix("WORKER_STATE_").lower()
+
+
+def worker_dict(worker: admin_pb2.Worker) -> dict:
+    """One worker as ``pdserve status --json`` prints it."""
+    return {
+        "worker_id": worker.worker_id, "role": worker.role, "node": worker.node,
+        "pid": worker.pid, "state": state_name(worker.state), "running": worker.running,
+        "waiting": worker.waiting, "kv_used_blocks": worker.kv_used_blocks,
+        "kv_total_blocks": worker.kv_total_blocks,
+        "heartbeat_age_s": (round(worker.heartbeat_age_s, 3)
+                            if worker.HasField("heartbeat_age_s") else None),
+        "restarts": worker.restarts,
+    }
+
+
+def pool_dict(pool: admin_pb2.Pool) -> dict:
+    """One pool as ``pdserve status --json`` prints it (under its role)."""
+    return {"target": pool.target, "actual": pool.actual, "ready": pool.ready,
+            "starting": pool.starting, "draining": pool.draining, "restarts": pool.restarts,
+            "last_error": pool.last_error}
+
+
+class AdminClient:
+    """``with AdminClient("host:port") as admin: admin.list_workers()``; ``timeout`` (seconds)
+    is each call's deadline."""
+
+    def __init__(self, target: str, *, timeout: float | None = 10.0) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target)
+        self._stub = admin_pb2_grpc.AdminStub(self._channel)
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request):
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise PdserveError(exc.code(), exc.details() or "") from None
+
+    def list_workers(self) -> list[admin_pb2.Worker]:
+        return list(self._call("ListWorkers", admin_pb2.ListWorkersRequest()).workers)
+
+    def get_pools(self) -> list[admin_pb2.Pool]:
+        return list(self._call("GetPools", admin_pb2.GetPoolsRequest()).pools)
+
+    def drain_worker(self, worker_id: str) -> admin_pb2.Worker:
+        return self._call("DrainWorker", admin_pb2.DrainWorkerRequest(worker_id=worker_id))
+
+    def set_pool_target(self, role: str, size: int) -> admin_pb2.Pool:
+        return self._call("SetPoolTarget", admin_pb2.SetPoolTargetRequest(role=role, size=size))

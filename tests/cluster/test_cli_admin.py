@@ -1,0 +1,105 @@
+"""``pdserve status`` and ``pdserve drain`` against a real gRPC server with an in-memory
+Admin backend (the e2e tests run them against a real cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from pdserve.cluster.cli import main
+from pdserve.router.admin_server import WorkerInfo
+from pdserve.router.fake_admin import FakeAdmin
+from pdserve.router.fake_backend import FakeBackend
+from pdserve.router.grpc_server import GenerationServer
+
+WORKER_KEYS = {"worker_id", "role", "node", "pid", "state", "running", "waiting",
+               "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts"}
+
+
+@pytest.fixture
+def server():
+    """(target, FakeAdmin) served from a background event loop."""
+    admin = FakeAdmin([
+        WorkerInfo("prefill-0", "prefill", "ready", "127.0.0.1", 101, 1, 2, 3, 64, 0.25),
+        WorkerInfo("decode-0", "decode", "ready", "127.0.0.1", 102, 4, 0, 10, 128, 0.5),
+        WorkerInfo("decode-2", "decode", "starting", restarts=1),
+        WorkerInfo("decode-1", "decode", "dead", "127.0.0.1", 103, error="actor died"),
+    ], {"prefill": 1, "decode": 2})
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    grpc_server = GenerationServer(FakeBackend(), admin=admin)
+    port = asyncio.run_coroutine_threadsafe(grpc_server.start("127.0.0.1", 0), loop).result(10)
+    yield f"127.0.0.1:{port}", admin
+    asyncio.run_coroutine_threadsafe(grpc_server.stop(0), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def _exit_code(argv: list[str]) -> int:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    return exc.value.code
+
+
+def test_status_json_is_one_object_with_pools_and_workers(server, capsys):
+    target, _admin = server
+    assert main(["status", "--target", target, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)  # exactly one JSON document
+    assert set(report) == {"pools", "workers"}
+    assert report["pools"]["decode"]["target"] == 2 and report["pools"]["decode"]["actual"] == 2
+    assert report["pools"]["prefill"] == {"target": 1, "actual": 1, "ready": 1, "starting": 0,
+                                          "draining": 0, "restarts": 0, "last_error": ""}
+    assert all(set(w) == WORKER_KEYS for w in report["workers"])
+    by_id = {w["worker_id"]: w for w in report["workers"]}
+    assert by_id["decode-0"] == {"worker_id": "decode-0", "role": "decode", "node": "127.0.0.1",
+                                 "pid": 102, "state": "ready", "running": 4, "waiting": 0,
+                                 "kv_used_blocks": 10, "kv_total_blocks": 128,
+                                 "heartbeat_age_s": 0.5, "restarts": 0}
+    assert by_id["decode-2"]["state"] == "starting"
+    assert by_id["decode-2"]["heartbeat_age_s"] is None
+    assert by_id["decode-1"]["state"] == "dead"
+
+
+def test_status_table_lists_pools_and_workers(server, capsys):
+    target, _admin = server
+    assert main(["status", "--target", target]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == ["POOL", "TARGET", "ACTUAL", "READY", "STARTING", "DRAINING",
+                                "RESTARTS"]
+    assert lines[1].split() == ["decode", "2", "2", "1", "1", "0", "1"]
+    row = next(line for line in lines if line.startswith("decode-0"))
+    assert row.split() == ["decode-0", "decode", "ready", "127.0.0.1", "102", "4", "0",
+                           "10/128", "0.5s", "0"]
+    assert "actor died" in next(line for line in lines if line.startswith("decode-1"))
+
+
+def test_drain_marks_the_worker_and_lowers_its_target(server, capsys):
+    target, admin = server
+    assert main(["drain", "--target", target, "decode-0"]) == 0
+    assert admin.drained == ["decode-0"] and admin.targets["decode"] == 1
+    assert "decode pool target now 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["drain", "decode-9"], "unknown worker 'decode-9'"),
+    (["drain", "decode-1"], "is dead"),
+    (["status", "--target", "localhost"], "expected HOST:PORT"),
+])
+def test_user_errors_exit_2_with_one_line(server, capsys, argv, message):
+    target, _admin = server
+    if "--target" not in argv:
+        argv = [*argv, "--target", target]
+    assert _exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_unreachable_server_exits_2(capsys):
+    assert _exit_code(["status", "--target", "127.0.0.1:1", "--timeout", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach a pdserve router at 127.0.0.1:1" in err and "Traceback" not in err
