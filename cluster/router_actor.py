@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,7 +104,10 @@ class RouterActor:
         self._info: dict | None = None  # start()'s answer once serving
         self._start_lock: asyncio.Lock | None = None
         context = ray.get_runtime_context()
-        if context.was_current_actor_reconstructed:
+        with warnings.catch_warnings():  # Ray deprecates an attribute this property reads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            reconstructed = context.was_current_actor_reconstructed
+        if reconstructed:
             logger.warning("router restarted by Ray: serving again")
             self._restart = context.current_actor.start.remote()  # runs once __init__ returns
 

@@ -7,7 +7,8 @@ Fixtures:
   ``EmbeddedCluster`` with small pools (block_size 4, 128 KV blocks, 32 tokens per step) on
   free ports, started and SERVING. ``stage(cluster)`` runs between the router's start and the
   workers' (to observe NOT_SERVING). Stop it yourself (module fixtures do, in teardown).
-* ``e2e``: helpers (:class:`Helpers`): prompts, the offline reference, waiting on stats.
+* ``e2e``: helpers (:class:`Helpers`): prompts, the offline reference, waiting on stats,
+  ``wait_for(predicate, timeout, what)``: the one way tests poll for a condition.
 """
 
 from __future__ import annotations
@@ -135,6 +136,27 @@ class Helpers:
                 return None, got
 
         return asyncio.run(main())
+
+    @staticmethod
+    def wait_for(predicate, timeout: float = WAIT_S, what: str = "a condition",
+                 interval: float = 0.1):
+        """Poll ``predicate()`` until it returns something truthy (returned) or ``timeout``
+        seconds pass (AssertionError naming ``what`` and the last value). An exception in
+        ``predicate`` counts as not yet (a server coming back, a worker starting)."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while True:
+            try:
+                last = predicate()
+            except Exception as exc:  # noqa: BLE001 - not yet
+                last = exc
+            else:
+                if last:
+                    return last
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} "
+                                     f"(last: {last!r})")
+            time.sleep(interval)
 
     @staticmethod
     def used_blocks(cluster: EmbeddedCluster) -> dict[str, int]:
