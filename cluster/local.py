@@ -44,6 +44,10 @@ class LocalHandle:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._poller, self.worker.poll, timeout)
 
+    async def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
+        """Test hook: the worker's next engine step raises or stalls (``EngineLoop``)."""
+        self.worker.loop.inject_fault(kind, seconds)
+
     def close(self) -> None:
         self._poller.shutdown(wait=False, cancel_futures=True)
         self.worker.close()

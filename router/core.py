@@ -100,6 +100,7 @@ class RequestTrace:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     finish_reason: str | None = None
+    num_retries: int = 0  # failed attempts before the first token
     num_migrations: int = 0  # attempts moved to new workers after the first token
 
     @property
@@ -521,6 +522,6 @@ class Router:
             trace.decode = trace.e2e - trace.ttft
             trace.num_prompt_tokens = len(flight.request.prompt_token_ids)
             trace.finish_reason = delta.finish_reason
-            trace.num_migrations = flight.num_migrations
+            trace.num_retries, trace.num_migrations = flight.num_retries, flight.num_migrations
             self.metrics.e2e.labels("router").observe(trace.e2e)
             self.traces.append(trace)

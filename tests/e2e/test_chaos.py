@@ -1,0 +1,121 @@
+"""Chaos on real Ray actors, redis-server and gRPC: processes SIGKILLed mid-stream, an engine
+loop made to raise, a step longer than the registry TTL, deadlines at a stalled prefill.
+
+One 2 prefill + 2 decode cluster serves the module; every test ends with the pools back at
+their targets and every live worker's blocks back to zero. Tokens are compared with the
+offline engine on the same requests (greedy and seeded sampling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pdserve.bench.failover import (
+    busiest,
+    chaos_requests,
+    reference_tokens,
+    sigkill_busiest,
+    stream_all,
+)
+
+pytestmark = pytest.mark.e2e
+
+ENGINE = dict(num_kv_blocks=512)
+REFERENCE_ENGINE = dict(block_size=4, num_kv_blocks=2048)
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster, model_dir):
+    c = start_cluster(model_dir, num_prefill=2, num_decode=2, engine=ENGINE)
+    yield c
+    c.stop()
+
+
+def back_to_baseline(cluster, e2e) -> None:
+    cluster.wait_pools(120)
+    cluster.wait_ready(60)
+    assert set(e2e.wait_idle(cluster).values()) == {0}
+
+
+def run_chaos(cluster, model_dir, prefix: str, fault, **traffic):
+    cluster.refresh_workers()
+    requests = chaos_requests(16, seed=sum(map(ord, prefix)), prefix=prefix)
+    expected = reference_tokens(str(model_dir), requests, **REFERENCE_ENGINE)
+    records, _ = asyncio.run(stream_all(cluster.target, requests, fault, **traffic))
+    traces = {t.request_id: t for t in cluster.traces()}
+    return records, expected, [traces.get(r.request_id) for r in requests]
+
+
+def test_decode_worker_sigkilled_mid_stream(cluster, model_dir, e2e):
+    records, expected, traces = run_chaos(cluster, model_dir, "kill-d",
+                                          sigkill_busiest(cluster, "decode"))
+    assert [r.error for r in records] == [None] * len(records)
+    assert [r.token_ids for r in records] == expected
+    assert any(t.num_migrations for t in traces)  # the kill landed on running streams
+    back_to_baseline(cluster, e2e)
+
+
+def test_prefill_worker_sigkilled_with_prompts_queued(cluster, model_dir, e2e):
+    cluster.refresh_workers()
+    for wid in [w for w in cluster.workers if w.startswith("prefill")]:
+        cluster.workers[wid].inject_fault.remote("stall", 3.0)  # prompts queue behind it
+
+    def kill_after_queueing():
+        time.sleep(0.5)  # inside the 3 s stall: the prompts sit at the prefill workers
+        sigkill_busiest(cluster, "prefill")()
+
+    records, expected, traces = run_chaos(cluster, model_dir, "kill-p", kill_after_queueing,
+                                          fault_after_streams=0)
+    assert [r.error for r in records] == [None] * len(records)
+    assert [r.token_ids for r in records] == expected
+    assert any(t.num_retries for t in traces)
+    back_to_baseline(cluster, e2e)
+
+
+def test_engine_loop_raising_is_replaced_and_its_requests_move(cluster, model_dir, e2e):
+    victims = []
+
+    def crash():
+        victims.append(busiest(cluster, "decode"))
+        cluster._ray.get(cluster.workers[victims[0]].inject_fault.remote("raise"), timeout=30)
+
+    records, expected, traces = run_chaos(cluster, model_dir, "raise", crash)
+    assert [r.token_ids for r in records] == expected
+    assert any(t.num_migrations for t in traces)
+    e2e.wait_for(lambda: victims[0] not in {w.worker_id for w in cluster.refresh_workers()
+                                            if w.state != "dead"},
+                 what=f"{victims[0]} (its engine loop died) leaving the pool")
+    back_to_baseline(cluster, e2e)
+
+
+def test_step_longer_than_the_ttl_is_not_a_death(cluster, model_dir, e2e):
+    ttl = cluster.options.ttl_s
+    cluster.refresh_workers()
+    before = set(cluster.workers)
+
+    def stall_every_decode_worker():
+        for wid in [w for w in cluster.workers if w.startswith("decode")]:
+            cluster.workers[wid].inject_fault.remote("stall", ttl + 1.5)
+
+    records, expected, traces = run_chaos(cluster, model_dir, "stall",
+                                          stall_every_decode_worker)
+    assert [r.token_ids for r in records] == expected
+    assert not any(t.num_migrations or t.num_retries for t in traces)
+    back_to_baseline(cluster, e2e)
+    cluster.refresh_workers()
+    assert set(cluster.workers) == before  # nobody was declared dead or replaced
+
+
+def test_deadline_while_queued_at_a_stalled_prefill(cluster, e2e):
+    from pdserve.api.client import PdserveClient, PdserveError
+
+    cluster.refresh_workers()
+    for wid in [w for w in cluster.workers if w.startswith("prefill")]:
+        cluster.workers[wid].inject_fault.remote("stall", 2.5)
+    with PdserveClient(cluster.target) as client, pytest.raises(PdserveError) as err:
+        client.generate([5, 6, 7, 8] * 4, max_tokens=8, temperature=0.0, timeout=1.0)
+    assert err.value.code.name == "DEADLINE_EXCEEDED"
+    back_to_baseline(cluster, e2e)
