@@ -1,0 +1,91 @@
+"""Overload on real Ray, redis-server and gRPC: a burst whose KV exceeds the decode pool and
+whose prefill queue outlasts the lease completes in full, in both modes, with the offline
+engine's tokens; and with ``migration_limit 0`` a killed decode worker fails only its streams.
+
+Each test starts its own small cluster: a decode pool of 40 blocks of 4 tokens holds about
+two of the burst's requests at once, the lease (1 s) is shorter than a stalled prefill step
+(1.5 s), and in colocated mode a stalled step (4 s) is longer than the registry TTL (3 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.bench.failover import (
+    ChaosRequest,
+    reference_tokens,
+    sigkill_busiest,
+    stream_all,
+)
+from pdserve.router.core import RouterConfig
+
+pytestmark = pytest.mark.e2e
+
+SMALL_POOL = dict(num_kv_blocks=40, max_num_batched_tokens=16)
+
+
+def burst(n: int = 10) -> list[ChaosRequest]:
+    """Prompts of 48 tokens + 12 generated: 15 blocks each, ~2 fit a 40-block pool."""
+    return [ChaosRequest(f"burst{i}", [(11 * i + 7 * j) % 390 + 5 for j in range(48)],
+                         dict(max_tokens=12, temperature=0.0, ignore_eos=True))
+            for i in range(n)]
+
+
+def run_burst(cluster, model_dir, stalled_role: str, stall_s: float):
+    requests = burst()
+    expected = reference_tokens(str(model_dir), requests, block_size=4, num_kv_blocks=512)
+    cluster.refresh_workers()
+    stalled = [w for w in cluster.workers if w.startswith(stalled_role)]
+
+    def stall():
+        for wid in stalled:
+            cluster.workers[wid].inject_fault.remote("stall", stall_s)
+
+    records, _ = asyncio.run(stream_all(cluster.target, requests, stall,
+                                        fault_after_streams=0))
+    return records, expected
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_burst_beyond_the_pool_and_the_lease_completes(start_cluster, model_dir, e2e, mode):
+    if mode == "colocated":
+        cluster = start_cluster(model_dir, colocated=True, num_decode=1, engine=SMALL_POOL)
+        stalled_role, stall_s = "colocated", cluster.options.ttl_s + 1.0
+    else:
+        cluster = start_cluster(model_dir, num_prefill=1, num_decode=1, engine=SMALL_POOL,
+                                lease_s=1.0)
+        stalled_role, stall_s = "prefill", 1.5
+    try:
+        records, expected = run_burst(cluster, model_dir, stalled_role, stall_s)
+        assert [r.error for r in records] == [None] * len(records)
+        assert [r.token_ids for r in records] == expected
+        assert not any(t.num_retries or t.num_migrations for t in cluster.traces())
+        assert set(e2e.wait_idle(cluster).values()) == {0}
+    finally:
+        cluster.stop()
+
+
+def test_migration_limit_zero_fails_only_streams_on_the_killed_worker(start_cluster,
+                                                                       model_dir, e2e):
+    from pdserve.bench.failover import chaos_requests
+
+    cluster = start_cluster(model_dir, num_prefill=1, num_decode=2,
+                            engine=dict(num_kv_blocks=512),
+                            router=RouterConfig(migration_limit=0, stats_interval_s=0.1))
+    try:
+        requests = chaos_requests(16, seed=5, prefix="nomig")
+        expected = reference_tokens(str(model_dir), requests, block_size=4,
+                                    num_kv_blocks=2048)
+        records, _ = asyncio.run(stream_all(cluster.target, requests,
+                                            sigkill_busiest(cluster, "decode")))
+        failed = [r for r in records if r.error]
+        assert failed and {r.error for r in failed} == {"UNAVAILABLE"}
+        for record, want in zip(records, expected, strict=True):
+            if record.error is None:
+                assert record.token_ids == want
+        cluster.wait_pools(120)
+        assert set(e2e.wait_idle(cluster).values()) == {0}
+    finally:
+        cluster.stop()
