@@ -181,8 +181,19 @@ class DecodeWorker:
         request_id = self._by_key.pop(key, None)
         if request_id is None:  # aborted or expired meanwhile
             return
-        entry = self._reserved.pop(request_id)
-        seq = entry.seq
+        self._by_key[key] = request_id  # until it runs, a failure releases it as reserved
+        try:
+            self._start_running(self._reserved[request_id].seq, first_token_id)
+        except Exception as exc:  # noqa: BLE001 - the request learns why; nothing leaks
+            logger.exception("commit of %s failed", request_id)
+            self.engine.untrack(request_id)
+            self.engine.scheduler.abort(request_id)
+            self._fail(request_id, f"commit failed: {exc!r}")
+            return
+        self._by_key.pop(key, None)
+        self._reserved.pop(request_id)
+
+    def _start_running(self, seq: Sequence, first_token_id: int) -> None:
         seq.num_computed_tokens = seq.num_tokens
         self.engine.track(seq)
         # Token 0 was streamed by the prefill worker; run it through the same stop rules and

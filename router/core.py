@@ -159,7 +159,7 @@ class Router:
                 self._pollers[stats.worker_id] = asyncio.create_task(self._poll(handle))
         for worker_id in set(self._loads) - seen:  # no new work; its streams go on
             logger.info("worker %s left the registry: no new requests go to it", worker_id)
-            del self._loads[worker_id]
+            self.metrics.remove_worker(self._loads.pop(worker_id).stats.role, worker_id)
         self._was_ready = self._was_ready or self.is_ready()
 
     async def _refresh_loop(self) -> None:

@@ -75,3 +75,20 @@ def test_a_long_step_does_not_hide_the_snapshot(hf_checkpoint, make_pair):
     with pytest.raises(TimeoutError):  # the loop itself is busy for the stall
         stats.result(0.2)
     pair.decode.abort("s").result(10)
+
+
+def test_a_commit_that_raises_fails_its_request_and_frees_its_blocks(hf_checkpoint, make_pair,
+                                                                     monkeypatch):
+    pair = make_pair(hf_checkpoint("llama"))
+
+    def broken(seq, first_token_id):
+        raise RuntimeError("injected commit failure")
+
+    monkeypatch.setattr(pair.decode, "_start_running", broken)
+    req = WorkRequest("c", [3, 4, 5, 6, 7], GREEDY, seed=1, arrival_time=time.time())
+    pair.prefill.prefill(req, pair.decode.reserve(req).result(5)).result(10)
+    deltas, end = [], time.monotonic() + 10
+    while not deltas and time.monotonic() < end:
+        deltas += pair.decode.poll(0.05)
+    assert deltas[0].finish_reason == "abort" and "commit failed" in deltas[0].error
+    assert pair.used_blocks() == (0, 0)
