@@ -126,15 +126,11 @@ class WorkerActor(LocalHandle):
         self.registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="registry")
         self._heartbeat: asyncio.Task | None = None
-        self._last_stats = None  # WorkerStats last sent (workers without snapshot())
-        self._stats_call = None  # Future of the pending stats() call (same)
         self._closed = False
 
     async def ready(self) -> dict:
         """First heartbeat written and the heartbeat task running; returns where it lives."""
         if self._heartbeat is None:
-            if self._latest_stats() is None:  # a worker without snapshot(): its first stats
-                self._last_stats = await asyncio.wrap_future(self.worker.stats())
             await self._beat()
             self._heartbeat = asyncio.create_task(self._heartbeat_loop())
         return self._where()
@@ -152,21 +148,9 @@ class WorkerActor(LocalHandle):
         return {"worker_id": self.spec.worker_id, "role": self.spec.role, "pid": os.getpid(),
                 "node_ip": ray.util.get_node_ip_address()}
 
-    def _latest_stats(self):
-        """The newest WorkerStats without waiting on the engine loop (None: none yet)."""
-        snapshot = getattr(self.worker, "snapshot", None)
-        if snapshot is not None:
-            return snapshot() or self._last_stats
-        call = self._stats_call  # a worker without snapshot(): ask, never wait for the answer
-        if call is None or call.done():
-            if call is not None and call.exception() is None:
-                self._last_stats = call.result()
-            self._stats_call = self.worker.stats()
-        return self._last_stats
-
     async def _beat(self) -> None:
-        stats = self._latest_stats()
-        if stats is None:
+        stats = self.worker.snapshot()  # what the engine loop published last: no wait on it
+        if stats is None:  # nothing published yet
             return
         record = WorkerRecord.from_stats(stats, os.getpid())
         await asyncio.get_running_loop().run_in_executor(self._io, self.registry.heartbeat,

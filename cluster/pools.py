@@ -122,12 +122,12 @@ class Member:
         return self.record.role
 
 
-def death_reason(exc: BaseException, limit: int = 200) -> str:
-    """One short line saying why a worker call failed: the last line of the error (a worker's
-    own exception when its constructor raised), cut to its first sentence when long."""
+def death_reason(exc: BaseException, limit: int | None = 200) -> str:
+    """One line saying why a worker call failed: the last line of the error (a worker's own
+    exception when its constructor raised), cut to its first sentence when over ``limit``."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     line = lines[-1] if lines else type(exc).__name__
-    if len(line) > limit:
+    if limit is not None and len(line) > limit:
         first = line.find(". ")
         line = line[:first + 1] if 0 < first < limit else line[:limit] + "..."
     return line
@@ -236,7 +236,7 @@ class PoolManager:
         try:
             answer = task.result()
         except Exception as exc:  # noqa: BLE001 - any failure to start is the worker's death
-            self._start_failed(member, death_reason(exc))
+            self._start_failed(member, death_reason(exc, limit=None))  # the worker's own words
             return
         member.ready = None
         member.state = DRAINING if member.record.draining else READY

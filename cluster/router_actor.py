@@ -67,7 +67,8 @@ class RouterSpec:
     ttl_s: float = 5.0  # registry TTL (the workers' setting)
     log_level: str = "WARNING"  # logging level inside the actor process
     pools: PoolSettings | None = None  # the pool manager's settings (None: no pool manager)
-    bind_attempts: int = 20  # tries to bind the ports (a restart may find them still held)
+    bind_attempts: int = 20  # tries to bind the ports after a restart (the dead process may
+    # still hold them for a moment); a first start tries once
 
 
 def model_spec_for(model_dir: str, max_model_len: int | None = None,
@@ -107,6 +108,7 @@ class RouterActor:
         with warnings.catch_warnings():  # Ray deprecates an attribute this property reads
             warnings.simplefilter("ignore", DeprecationWarning)
             reconstructed = context.was_current_actor_reconstructed
+        self._reconstructed = reconstructed  # a restart: the old process may hold the ports
         if reconstructed:
             logger.warning("router restarted by Ray: serving again")
             self._restart = context.current_actor.start.remote()  # runs once __init__ returns
@@ -153,7 +155,8 @@ class RouterActor:
         metrics_port = spec.metrics_port
         if metrics_port == 0 and saved_metrics is not None:
             metrics_port = saved_metrics
-        for attempt in range(1, spec.bind_attempts + 1):
+        attempts = spec.bind_attempts if self._reconstructed else 1
+        for attempt in range(1, attempts + 1):
             try:
                 self.server = GenerationServer(self.router, admin=self.admin, metrics=metrics,
                                                health_poll_interval_s=spec.health_poll_s)
@@ -163,7 +166,7 @@ class RouterActor:
                     metrics_port = self._metrics_server.server_port
                 break
             except (RuntimeError, OSError) as exc:
-                if attempt == spec.bind_attempts:
+                if attempt == attempts:
                     raise
                 logger.warning("binding %s:%s failed (%s); retrying", spec.host, port, exc)
                 if self.server is not None:

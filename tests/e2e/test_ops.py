@@ -1,9 +1,11 @@
 """Operating a running 1 prefill + 2 decode cluster on real Ray, Redis and gRPC: ``pdserve
 status`` and ``pdserve drain`` (the real CLI in a subprocess), a SIGKILLed worker replaced, the
-router actor killed and restarted by Ray, and no process left after stop.
+router actor killed and restarted by Ray, and no process left after stop. Then two small
+clusters of their own: a worker that cannot start (its error reaches the launcher), and a
+detached cluster left running by one launcher and adopted by the next.
 
-The tests share one cluster and run in file order; each leaves the pools at their targets for
-the next (the drain lowers the decode target to 1 for good).
+The shared cluster's tests run in file order; each leaves the pools at their targets for the
+next (the drain lowers the decode target to 1 for good).
 """
 
 from __future__ import annotations
@@ -178,4 +180,36 @@ def test_stop_leaves_no_process_replacements_included(cluster):
     # 2 routers (one killed), prefill-0, decode-0, decode-1, the replacement decode worker
     assert len(pids) == 6
     cluster.stop()
+    assert [pid for pid in pids if is_running(pid)] == []
+
+
+def test_a_worker_that_cannot_start_fails_the_start_with_its_own_error(start_cluster,
+                                                                       model_dir):
+    from pdserve.cluster.pools import WorkerStartError
+    from pdserve.cluster.preflight import user_error
+
+    with pytest.raises(WorkerStartError, match="MemoryBudgetError") as err:
+        start_cluster(model_dir, engine=dict(memory_budget_bytes=1 << 20, num_kv_blocks=None))
+    assert "--memory-budget-mib" in str(user_error(err.value))
+
+
+def test_a_detached_cluster_left_running_is_adopted_by_the_next_launcher(start_cluster,
+                                                                         model_dir, e2e):
+    import uuid
+
+    name = f"adopt{uuid.uuid4().hex[:6]}"
+    first = start_cluster(model_dir, cluster_name=name, detached=True, detach_on_stop=True)
+    pids = first.started_pids()
+    workers = {w: info["pid"] for w, info in first.worker_info.items()}
+    first.stop()  # leaves the router and its pools running
+    assert all(is_running(pid) for pid in pids)
+    second = start_cluster(model_dir, cluster_name=name, detached=True)
+    try:
+        assert second.port == first.port and second.started_pids() == pids
+        assert {w: info["pid"] for w, info in second.worker_info.items()} == workers
+        prompts = e2e.prompts(5, 2)
+        results = e2e.generate_all(second.target, prompts, 8)
+        assert [r.token_ids for r in results] == e2e.reference(model_dir, prompts, 8)
+    finally:
+        second.stop()
     assert [pid for pid in pids if is_running(pid)] == []
