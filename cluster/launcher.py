@@ -61,7 +61,8 @@ class ClusterOptions:
     redis_url: str | None = None  # use this Redis instead of starting a child
     engine: dict = field(default_factory=dict)  # EngineConfig overrides for every worker
     router: RouterConfig = field(default_factory=RouterConfig)
-    cluster_name: str = ""  # registry prefix / Ray namespace suffix; "" = a fresh one
+    cluster_name: str = ""  # registry prefix / Ray namespace suffix; "" = a fresh one, or
+    # "default" when detached (so the next launcher finds the running cluster)
     heartbeat_s: float = 1.0  # worker registry heartbeat period
     ttl_s: float = 5.0  # registry record TTL: a worker without heartbeat this long is gone
     lease_s: float = 60.0  # decode reservation lease: KV must arrive within it
