@@ -207,7 +207,9 @@ class PoolManager:
         await self._observe()
         async with self._lock:
             now = time.monotonic()
-            for role in sorted(set(targets) | {m.role for m in self.members.values()}):
+            startable = {t.role for t in self.settings.templates}
+            roles = (set(targets) | {m.role for m in self.members.values()}) & startable
+            for role in sorted(roles):
                 views = [self._view(m) for m in self.members.values() if m.role == role]
                 can_start = now >= self._hold_until.get(role, 0.0)
                 for action in plan(role, targets.get(role, 0), views, can_start):
