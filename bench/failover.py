@@ -131,9 +131,14 @@ def sigkill_busiest(cluster, role: str = "decode") -> Callable[[], None]:
 
 
 def resume_gaps(record: StreamRecord, fault_at: float) -> float | None:
-    """Seconds from the fault to the stream's first token after it."""
+    """Seconds from the fault to the stream's resumed token: the chunk that ends the longest
+    silence after the fault (chunks already in flight at the kill arrive before it)."""
     after = [t for t in record.chunk_times if t > fault_at]
-    return after[0] - fault_at if after else None
+    if not after:
+        return None
+    edges = [fault_at, *after]
+    gaps = [(b - a, b) for a, b in zip(edges, edges[1:], strict=False)]
+    return max(gaps)[1] - fault_at
 
 
 def run(num_requests: int, model: str | None, seed: int) -> str:
