@@ -231,6 +231,9 @@ class RayHandle:
     async def reserve(self, request: WorkRequest):
         return await self._call("reserve", request)
 
+    async def renew(self, request_id: str):
+        return await self._call("renew", request_id)
+
     async def prefill(self, request: WorkRequest, reservation):
         return await self._call("prefill", request, reservation)
 
