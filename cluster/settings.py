@@ -152,28 +152,32 @@ class Setting:
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """field -> its comment in ``cls``'s source: the comments on the field's own lines plus the
-    comment-only lines right after a trailing one (its continuation), or, for a field with no
-    trailing comment, the comment-only lines right above it."""
+    """field -> its comment in ``cls``'s source: the comments on the field's own lines, then
+    the comment-only lines below them (their continuation) unless the next field has no comment
+    of its own, in which case those lines are that field's (a comment above a field)."""
     source = textwrap.dedent(inspect.getsource(cls))
     lines = source.splitlines()
     comments = {tok.start[0]: tok.string.lstrip("#").strip()
                 for tok in tokenize.generate_tokens(io.StringIO(source).readline)
                 if tok.type == tokenize.COMMENT}
-    is_comment_line = lambda n: 0 < n <= len(lines) and lines[n - 1].lstrip().startswith("#")  # noqa: E731
     classdef = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef))
-    out = {}
-    for node in classdef.body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        own = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
-        line, step, extra = (node.end_lineno + 1, 1, []) if own else (node.lineno - 1, -1, [])
-        while is_comment_line(line):
-            extra.append(comments[line])
-            line += step
-        parts = own + extra if own else extra[::-1]
-        out[node.target.id] = " ".join(p for p in parts if p)
-    return out
+    fields = [node for node in classdef.body
+              if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)]
+    own = {node.target.id: [comments[n] for n in range(node.lineno, node.end_lineno + 1)
+                            if n in comments] for node in fields}
+    out = {name: list(parts) for name, parts in own.items()}
+    previous = None
+    for node in fields:
+        above, line = [], node.lineno - 1
+        while line > 0 and lines[line - 1].lstrip().startswith("#"):
+            above.insert(0, comments[line])
+            line -= 1
+        if previous is not None and own[previous] and own[node.target.id]:
+            out[previous] += above  # continuation of the previous field's comment
+        else:
+            out[node.target.id] = above + out[node.target.id]
+        previous = node.target.id
+    return {name: " ".join(p for p in parts if p) for name, parts in out.items()}
 
 
 def _kind(annotation) -> tuple[type, bool]:
@@ -224,9 +228,8 @@ def all_settings() -> list[Setting]:
 def _base_value(setting: Setting, base: ClusterOptions):
     if setting.section == "engine":
         return base.engine.get(setting.name, setting.default)
-    if setting.section == "router":
-        return getattr(base.router, setting.name)
-    return getattr(base, setting.name)
+    owner = base.router if setting.section == "router" else base
+    return getattr(owner, setting.name, setting.default)
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, base: ClusterOptions) -> None:
