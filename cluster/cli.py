@@ -245,8 +245,16 @@ def _cmd_demo(args) -> int:
     model = options.model or "built-in tiny model, random weights"
     print(f"pdserve demo: starting Ray, Redis, {_shape(options)} worker(s) and the router "
           f"({model})...", flush=True)
-    report = run_demo(num_requests=args.requests, concurrency=args.concurrency, seed=seed,
-                      options=options)
+    try:
+        report = run_demo(num_requests=args.requests, concurrency=args.concurrency, seed=seed,
+                          options=options)
+    except Exception as exc:  # a worker's user error (MemoryBudgetError) becomes one message
+        from pdserve.cluster.preflight import user_error
+
+        failure = user_error(exc)
+        if failure is None:
+            raise
+        _fail("pdserve demo", str(failure))
     print(format_report(report))
     print("\ncluster stopped")
     return 0
