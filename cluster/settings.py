@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.cluster.launcher import ClusterOptions
-from pdserve.engine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
+from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, DTYPES, KV_CACHE_DTYPES, EngineConfig
 from pdserve.kernels import BACKENDS
 from pdserve.router.core import RouterConfig
 
@@ -96,7 +96,7 @@ RENAMES: dict[tuple[str, str], Rename] = {
     ("engine", "memory_budget_bytes"): Rename(
         "--memory-budget-mib", _positive_mib, lambda mib: mib * MiB,
         lambda b: None if b is None else b // MiB, "MiB",
-        "free device memory on CUDA, 4096 on CPU"),
+        f"free device memory on CUDA, {DEFAULT_CPU_MEMORY_BUDGET // MiB} on CPU"),
     ("cluster", "num_prefill"): Rename("--prefill"),
     ("cluster", "num_decode"): Rename("--decode"),
     ("cluster", "ttl_s"): Rename("--registry-ttl-s"),
