@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
 from pdserve.router.fake_backend import FakeBackend
 from pdserve.router.grpc_server import GenerationServer
+from pdserve.testing import wait_for
 
 
 class BackgroundServer:
@@ -32,11 +32,7 @@ class BackgroundServer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=10)
 
     def wait_until(self, predicate, what: str, timeout_s: float = 5.0) -> None:
-        end = time.monotonic() + timeout_s
-        while not predicate():
-            if time.monotonic() > end:
-                raise AssertionError(f"timed out waiting for {what}")
-            time.sleep(0.01)
+        wait_for(predicate, timeout_s, what, 0.01)
 
     def close(self) -> None:
         self.call(self.server.stop(0))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.registry import Registry, WorkerRecord
+from pdserve.testing import wait_for
 
 
 def test_heartbeat_roundtrip_and_roles(redis_url):
@@ -26,8 +26,7 @@ def test_record_expires_without_heartbeat(redis_url):
     reg = Registry(redis_url, cluster=uuid.uuid4().hex, ttl_s=0.2)
     reg.heartbeat(WorkerRecord("d1", "decode"))
     assert len(reg.workers()) == 1
-    time.sleep(0.4)
-    assert reg.workers() == []
+    wait_for(lambda: reg.workers() == [], 10, "the record to expire")
 
 
 def test_redis_child_stops_cleanly():

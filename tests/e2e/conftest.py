@@ -16,13 +16,13 @@ from __future__ import annotations
 import random
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
 from pdserve.cluster.redis_server import RedisServer
+from pdserve.testing import wait_for
 
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=32)
 WAIT_S = 30.0  # bound on waiting for an asynchronous effect
@@ -137,39 +137,19 @@ class Helpers:
 
         return asyncio.run(main())
 
-    @staticmethod
-    def wait_for(predicate, timeout: float = WAIT_S, what: str = "a condition",
-                 interval: float = 0.1):
-        """Poll ``predicate()`` until it returns something truthy (returned) or ``timeout``
-        seconds pass (AssertionError naming ``what`` and the last value). An exception in
-        ``predicate`` counts as not yet (a server coming back, a worker starting)."""
-        deadline = time.monotonic() + timeout
-        last = None
-        while True:
-            try:
-                last = predicate()
-            except Exception as exc:  # noqa: BLE001 - not yet
-                last = exc
-            else:
-                if last:
-                    return last
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} "
-                                     f"(last: {last!r})")
-            time.sleep(interval)
+    wait_for = staticmethod(wait_for)  # pdserve.testing.wait_for: the one polling helper
 
     @staticmethod
     def used_blocks(cluster: EmbeddedCluster) -> dict[str, int]:
         return {wid: s.used_blocks for wid, s in cluster.worker_stats().items()}
 
     def wait_idle(self, cluster: EmbeddedCluster) -> dict[str, int]:
-        """Poll worker stats until every worker owns no block (or WAIT_S); returns the last."""
-        deadline = time.monotonic() + WAIT_S
-        used = self.used_blocks(cluster)
-        while any(used.values()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        """Poll worker stats until every worker owns no block; returns them (all 0)."""
+        def idle():
             used = self.used_blocks(cluster)
-        return used
+            return used if used and not any(used.values()) else False
+
+        return wait_for(idle, WAIT_S, "every worker's blocks back to 0", 0.1)
 
 
 @pytest.fixture(scope="module")

@@ -71,16 +71,16 @@ def test_reflection_lists_the_service(cluster):
     assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= asyncio.run(main())
 
 
-def test_prometheus_serves_worker_gauges_and_ttft(cluster):
+def test_prometheus_serves_worker_gauges_and_ttft(cluster, e2e):
     with PdserveClient(cluster.target, timeout=60) as client:
         client.generate([5, 6, 7], max_tokens=4, temperature=0.0)
-    deadline = time.monotonic() + 10
-    while True:  # worker gauges follow the registry refresh
+
+    def scraped():  # worker gauges follow the registry refresh
         text = urllib.request.urlopen(cluster.metrics_url, timeout=10).read().decode()
-        if 'pdserve_kv_cache_used_blocks{role="prefill",worker="prefill-0"}' in text \
-                or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        return text if 'pdserve_kv_cache_used_blocks{role="prefill",worker="prefill-0"}' \
+            in text else False
+
+    text = e2e.wait_for(scraped, 10, "the worker gauges", 0.2)
     assert 'pdserve_kv_cache_used_blocks{role="decode",worker="decode-0"}' in text
     assert 'pdserve_kv_cache_used_blocks{role="prefill",worker="prefill-0"}' in text
     assert 'pdserve_kv_cache_total_blocks{role="decode",worker="decode-0"} 512.0' in text

@@ -21,6 +21,7 @@ from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import DeadlineExceededError, NoWorkersError
 from pdserve.router.flight import TRANSITIONS, Flight, Phase
+from pdserve.testing import async_wait_for
 
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=32)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -83,22 +84,14 @@ def offline(model_dir, reqs) -> list[list[int]]:
     return [llm.generate([p], params, use_tqdm=False)[0].token_ids for p, params in reqs]
 
 
-async def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
-async def idle_blocks(handles, timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while True:
+async def idle_blocks(handles) -> list[int]:
+    """Poll the live workers until none owns a block; returns their counts (all 0)."""
+    async def idle():
         used = [(await h.inner.stats()).used_blocks for h in handles
                 if not h.killed and h.worker.loop.is_alive]
-        if not any(used) or time.monotonic() > deadline:
-            return used
-        await asyncio.sleep(0.05)
+        return used if not any(used) else False
+
+    return await async_wait_for(idle, 10.0, "every live worker's blocks back to 0")
 
 
 class Cluster:
@@ -150,7 +143,7 @@ def run_with_fault(model_dir, fault, router_config=None, **build):
                      in enumerate(reqs)]
             role = "colocated" if build.get("colocated") else "decode"
             streaming = [h.worker_id for h in c.handles if h.role == role]
-            await wait_until(lambda: any(len(c.streaming_on(w)) >= 2 for w in streaming),
+            await async_wait_for(lambda: any(len(c.streaming_on(w)) >= 2 for w in streaming),
                              what="two streams on one worker")
             victim = next(w for w in streaming if len(c.streaming_on(w)) >= 2)
             victims = {f.request_id for f in c.streaming_on(victim)}
@@ -213,7 +206,7 @@ def test_prefill_worker_killed_before_commit_is_retried(hf_checkpoint):
                            engine=dict(max_num_batched_tokens=8)) as c:
             tasks = [asyncio.create_task(c.one(i, p, params)) for i, (p, params)
                      in enumerate(reqs)]
-            await wait_until(lambda: any(f.phase == Phase.PREFILLING and f.prefill_id
+            await async_wait_for(lambda: any(f.phase == Phase.PREFILLING and f.prefill_id
                                          for f in c.router._flights.values()))
             prefilling = next(f.prefill_id for f in c.router._flights.values()
                               if f.phase == Phase.PREFILLING and f.prefill_id)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.grpc_server import GenerationServer
+from pdserve.testing import async_wait_for
 
 
 def config_for(model_dir, **kw) -> EngineConfig:
@@ -71,8 +71,8 @@ def test_concurrent_greedy_equals_offline(hf_checkpoint, build):
                     for p in prompts))
             assert [r.token_ids for r in results] == expected
             assert all(r.finish_reason == "length" for r in results)
-            await asyncio.sleep(0.1)
-            assert used_blocks(handles) == [0] * len(handles)
+            await async_wait_for(lambda: used_blocks(handles) == [0] * len(handles),
+                                 10, "every block back")
             assert len(router.traces) == len(prompts)
         finally:
             await shutdown(handles, router, server)
@@ -99,10 +99,8 @@ def test_cancel_and_deadline_free_all_blocks(hf_checkpoint, build):
                     await client.generate([9, 10, 11], max_tokens=200, temperature=0.0,
                                           ignore_eos=True, timeout=0.05)
                 assert "DEADLINE_EXCEEDED" in str(err.value.code)
-            deadline = time.monotonic() + 10
-            while used_blocks(handles) != [0] * len(handles) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert used_blocks(handles) == [0] * len(handles)
+            await async_wait_for(lambda: used_blocks(handles) == [0] * len(handles),
+                                 10, "every block back")
         finally:
             await shutdown(handles, router, server)
 
@@ -129,8 +127,8 @@ def test_admission_bounds_requests_in_flight(hf_checkpoint):
             await first.aclose()
             with pytest.raises(QueueFullError):  # too many prompt tokens at once
                 await router.generate("c", list(range(1, 70)), params, None).__anext__()
-            await asyncio.sleep(0.1)
-            assert used_blocks(handles) == [0, 0]
+            await async_wait_for(lambda: used_blocks(handles) == [0, 0], 10,
+                                 "every block back")
         finally:
             await router.stop()
             for h in handles:

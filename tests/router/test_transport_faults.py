@@ -5,7 +5,6 @@ With enough attempts to outlast the (finite) fault script, every request complet
 from __future__ import annotations
 
 import asyncio
-import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +17,7 @@ from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import NoWorkersError
+from pdserve.testing import async_wait_for
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43], [27, 18]]
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -48,13 +48,14 @@ async def _run(model_dir, plan: FaultPlan, max_attempts: int = 3):
     try:
         results = await asyncio.wait_for(
             asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))), timeout=60)
-        deadline = time.monotonic() + 10
-        used = None
-        while time.monotonic() < deadline:
+        async def idle():
             used = [(await h.stats()).used_blocks for h in handles]
-            if used == [0] * len(handles):
-                break
-            await asyncio.sleep(0.05)
+            return used if used == [0] * len(handles) else False
+
+        try:
+            used = await async_wait_for(idle, 10, "every block back")
+        except AssertionError as exc:  # reported by the test's own assertion
+            used = str(exc)
         return results, used
     finally:
         await router.stop()

@@ -11,8 +11,17 @@ import pytest
 from pdserve import SamplingParams
 from pdserve.engine.engine_loop import EngineDeadError
 from pdserve.engine.messages import WorkRequest
+from pdserve.testing import wait_for
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def drain_until(worker, done, timeout: float = 10.0) -> list:
+    """Poll ``worker``'s deltas until ``done(all deltas so far)``."""
+    deltas = []
+    wait_for(lambda: deltas.extend(worker.poll(0.05)) or done(deltas), timeout,
+             "the expected deltas")
+    return deltas
 
 
 def test_worker_drops_expired_work_without_the_router(hf_checkpoint, make_pair):
@@ -23,9 +32,7 @@ def test_worker_drops_expired_work_without_the_router(hf_checkpoint, make_pair):
     reservation = pair.decode.reserve(req).result(5)
     pair.decode.loop.inject_fault("stall", 0.6)  # its first decode step outlasts the deadline
     pair.prefill.prefill(req, reservation).result(10)
-    deltas, end = [], time.monotonic() + 10
-    while not any(d.finish_reason for d in deltas) and time.monotonic() < end:
-        deltas += pair.decode.poll(0.05)
+    deltas = drain_until(pair.decode, lambda ds: any(d.finish_reason for d in ds))
     last = deltas[-1]
     assert last.finish_reason == "abort" and last.deadline_exceeded
     assert pair.used_blocks() == (0, 0)
@@ -37,9 +44,7 @@ def test_a_dead_loop_refuses_work_and_says_so(hf_checkpoint, make_pair):
     pair.prefill.prefill(req, pair.decode.reserve(dataclasses.replace(
         req, request_id="b")).result(5))
     pair.decode.loop.inject_fault("raise")
-    deltas, end = [], time.monotonic() + 10
-    while len({d.request_id for d in deltas if d.error}) < 2 and time.monotonic() < end:
-        deltas += pair.decode.poll(0.05)
+    deltas = drain_until(pair.decode, lambda ds: len({d.request_id for d in ds if d.error}) == 2)
     assert {d.request_id for d in deltas if d.error and "died" in d.error} == {"a", "b"}
     assert pair.decode.snapshot().error is not None
     with pytest.raises(EngineDeadError):
@@ -53,24 +58,19 @@ def test_unpolled_worker_aborts_its_requests(hf_checkpoint, make_pair):
     params = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
     req = WorkRequest("orphan", [3, 4, 5], params, seed=1, arrival_time=time.time())
     pair.prefill.prefill(req, pair.decode.reserve(req).result(5)).result(10)
-    end = time.monotonic() + 10
-    while pair.used_blocks() != (0, 0) and time.monotonic() < end:
-        time.sleep(0.05)  # nobody polls the decode worker
-    assert pair.used_blocks() == (0, 0)
+    wait_for(lambda: pair.used_blocks() == (0, 0), 10, "the orphan's blocks freed")  # no poll
     assert any("no router polled" in (d.error or "") for d in pair.decode.poll(0))
 
 
 def test_a_long_step_does_not_hide_the_snapshot(hf_checkpoint, make_pair):
     pair = make_pair(hf_checkpoint("llama"))
-    pair.decode.loop.inject_fault("stall", 1.0)
+    pair.decode.loop.inject_fault("stall", 3.0)
     req = WorkRequest("s", [3, 4, 5], GREEDY, seed=1, arrival_time=time.time())
     pair.prefill.prefill(req, pair.decode.reserve(req).result(5)).result(10)
-    end = time.monotonic() + 10
-    while pair.decode.loop.busy_since is None and time.monotonic() < end:
-        time.sleep(0.01)  # until the stalled step runs
-    started = time.monotonic()
-    snapshot = pair.decode.snapshot()  # answered while the step stalls
-    assert time.monotonic() - started < 0.5 and snapshot.worker_id == pair.decode.worker_id
+    wait_for(lambda: pair.decode.loop.busy_since is not None, 10, "the stalled step")
+    snapshot = pair.decode.snapshot()
+    assert pair.decode.loop.busy_since is not None  # answered while the step still stalls
+    assert snapshot.worker_id == pair.decode.worker_id and snapshot.error is None
     stats = pair.decode.stats()
     with pytest.raises(TimeoutError):  # the loop itself is busy for the stall
         stats.result(0.2)
@@ -87,8 +87,6 @@ def test_a_commit_that_raises_fails_its_request_and_frees_its_blocks(hf_checkpoi
     monkeypatch.setattr(pair.decode, "_start_running", broken)
     req = WorkRequest("c", [3, 4, 5, 6, 7], GREEDY, seed=1, arrival_time=time.time())
     pair.prefill.prefill(req, pair.decode.reserve(req).result(5)).result(10)
-    deltas, end = [], time.monotonic() + 10
-    while not deltas and time.monotonic() < end:
-        deltas += pair.decode.poll(0.05)
+    deltas = drain_until(pair.decode, bool)
     assert deltas[0].finish_reason == "abort" and "commit failed" in deltas[0].error
     assert pair.used_blocks() == (0, 0)

@@ -6,21 +6,13 @@ import time
 
 from pdserve import SamplingParams
 from pdserve.engine.messages import WorkRequest
+from pdserve.testing import wait_for
 
 PARAMS = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 
 
 def request(request_id: str, n: int = 9) -> WorkRequest:
     return WorkRequest(request_id, list(range(3, 3 + n)), PARAMS, seed=7, arrival_time=time.time())
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def test_expired_lease_frees_blocks_and_reports(hf_checkpoint, make_pair):
