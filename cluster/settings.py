@@ -53,6 +53,7 @@ NOT_FLAGS: dict[tuple[str, str], str] = {
     ("cluster", "engine"): "the engine settings are flags of their own",
     ("cluster", "router"): "the router settings are flags of their own",
     ("cluster", "log_level"): "pdserve --log-level (before the command) sets it",
+    ("engine", "prefix_cache_salt"): "a secret the launcher generates per cluster",
 }
 # Values a str field accepts, where its config validates a fixed set.
 CHOICES: dict[tuple[str, str], tuple[str, ...]] = {

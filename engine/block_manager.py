@@ -16,10 +16,11 @@ Invariants (``check_invariants`` raises ``RuntimeError`` on a violation):
   entry becomes ``None`` once its block is out of every future query's window.
 - ``free`` releases a table in reverse order, tails first, so the LRU end of the cache holds
   chain tails and the heads of shared prefixes survive longest.
-- A hash maps to one block; a block carries at most one hash. A block's hash is
-  ``hash((parent_hash, tuple(token_ids)))`` chained from the first block, so a hit on block
-  ``i`` implies the whole prefix ``[0, (i + 1) * block_size)`` matches. Tuples of ints hash
-  the same in every process (no PYTHONHASHSEED dependence).
+- A hash maps to one block; a block carries at most one hash. A block's hash is the salted
+  sha256 of its parent's hash and its token ids (``pdserve.engine.prefix_hash``), chained from
+  the first block, so a hit on block ``i`` implies the whole prefix
+  ``[0, (i + 1) * block_size)`` matches. The salt is one per cluster (the launcher passes it
+  in ``EngineConfig.prefix_cache_salt``); without one each block manager draws its own.
 - ``match_prefix`` never serves every token of a sequence from the cache: at least one token
   is left to compute so the step can sample from its logits.
 """
@@ -27,24 +28,20 @@ Invariants (``check_invariants`` raises ``RuntimeError`` on a violation):
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import OrderedDict, deque
 
+from pdserve.engine.prefix_hash import ROOT_HASH, SALT_BYTES, chain_hash
 from pdserve.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
-
-_ROOT_HASH = 0  # parent hash of a sequence's first block
-
-
-def _chain_hash(parent_hash: int, token_ids: list[int]) -> int:
-    return hash((parent_hash, tuple(token_ids)))
 
 
 class BlockManager:
     """Hands out KV cache blocks to sequences and keeps finished prefixes for reuse."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, hash_salt: bytes | None = None):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -54,17 +51,20 @@ class BlockManager:
                                            or sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive integer or None, "
                              f"got {sliding_window!r}")
+        if hash_salt is not None and not isinstance(hash_salt, bytes):
+            raise ValueError(f"hash_salt must be bytes or None, got {type(hash_salt).__name__}")
         self._num_blocks = num_blocks
         self._block_size = block_size
+        self._salt = secrets.token_bytes(SALT_BYTES) if hash_salt is None else hash_salt
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
         self._ref_counts = [0] * num_blocks  # per block: tables holding it
-        self._block_hashes: list[int | None] = [None] * num_blocks  # per block: prefix hash
+        self._block_hashes: list[bytes | None] = [None] * num_blocks  # per block: prefix hash
         self._free: deque[int] = deque(range(num_blocks))  # ref 0, unhashed
         self._cached: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; LRU first
-        self._hash_to_block: dict[int, int] = {}  # prefix hash -> block holding it
+        self._hash_to_block: dict[bytes, int] = {}  # prefix hash -> block holding it
         # request_id -> (full blocks already hashed, hash of the last of them)
-        self._chains: dict[str, tuple[int, int]] = {}
+        self._chains: dict[str, tuple[int, bytes]] = {}
         self.num_prefix_queries = 0  # match_prefix calls
         self.num_prefix_query_tokens = 0  # tokens looked up by match_prefix
         self.num_prefix_hit_tokens = 0  # tokens served from the prefix cache
@@ -106,21 +106,21 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def block_hash(self, block_id: int) -> int | None:
+    def block_hash(self, block_id: int) -> bytes | None:
         """The prefix-cache hash block_id holds, or None."""
         return self._block_hashes[block_id]
 
     # ---- prefix cache -------------------------------------------------------------------
 
-    def _lookup(self, seq: Sequence) -> tuple[list[int], int]:
+    def _lookup(self, seq: Sequence) -> tuple[list[int], bytes]:
         """Hit blocks of seq's full-block hash chain, and the hash of the last hit (pure)."""
         bs = self._block_size
         hits: list[int] = []
-        parent = _ROOT_HASH
+        parent = ROOT_HASH
         if not self.enable_prefix_caching:
             return hits, parent
         for i in range((seq.num_tokens - 1) // bs):  # leave at least one token to compute
-            h = _chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], self._salt)
             block_id = self._hash_to_block.get(h)
             if block_id is None:
                 break
@@ -190,10 +190,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self._block_size
-        num_hashed, parent = self._chains.get(seq.request_id, (0, _ROOT_HASH))
+        num_hashed, parent = self._chains.get(seq.request_id, (0, ROOT_HASH))
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         for i in range(num_hashed, num_full):
-            h = _chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], self._salt)
             block_id = seq.block_table[i]
             if (block_id is not None and self._block_hashes[block_id] is None
                     and h not in self._hash_to_block):

@@ -40,6 +40,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # auto | torch | triton
     seed: int = 0  # seeds the random streams of requests that bring no seed
+    prefix_cache_salt: str | None = None  # secret mixed into every prefix-cache block hash,
+    # one per cluster (the launcher generates it); None: each engine draws its own
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -86,10 +86,15 @@ class EngineParts:
         runner = ModelRunner(model, caches, config.block_size, device, backend)
         block_manager = BlockManager(ledger.num_kv_blocks, config.block_size,
                                      enable_prefix_caching=config.enable_prefix_caching,
-                                     sliding_window=mc.sliding_window)
+                                     sliding_window=mc.sliding_window,
+                                     hash_salt=_salt_bytes(config.prefix_cache_salt))
         logger.info("engine ready: %s", ", ".join(f"{k} {v}" for k, v in ledger.rows()))
         return cls(config, mc, tokenizer, runner, block_manager, ledger, max_model_len,
                    tuple(mc.eos_token_ids))
+
+
+def _salt_bytes(salt: str | None) -> bytes | None:
+    return None if salt is None else salt.encode()
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:

@@ -3,7 +3,8 @@
 Decode: the worker with the most free blocks after the reservations this router made since
 its last stats refresh, then the fewest running requests. Prefill: the fewest queued prompt
 tokens (including what this router sent since the refresh) minus the prompt tokens its prefix
-cache probably holds, estimated from the chained block hashes of prompts this router sent it.
+cache probably holds, estimated from the chained block hashes of prompts this router sent it
+(the engine's own salted sha256, ``pdserve.engine.prefix_hash``; they never leave the router).
 """
 
 from __future__ import annotations
@@ -12,15 +13,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pdserve.engine.messages import WorkerStats
+from pdserve.engine.prefix_hash import chained_block_hashes
 
-
-def chained_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """Hash of every full block, each chained to its predecessor (as the prefix cache keys)."""
-    hashes, parent = [], 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
-        hashes.append(parent)
-    return hashes
+__all__ = ["WorkerLoad", "chained_block_hashes", "pick_prefill", "rank_decode"]
 
 
 @dataclass
@@ -41,7 +36,7 @@ class WorkerLoad:
     def free_blocks(self) -> int:
         return self.stats.free_blocks - self.pending_blocks
 
-    def prefix_hit_tokens(self, hashes: list[int], block_size: int) -> int:
+    def prefix_hit_tokens(self, hashes: list[bytes], block_size: int) -> int:
         hits = 0
         for h in hashes:
             if h not in self.recent_hashes:
@@ -49,7 +44,7 @@ class WorkerLoad:
             hits += 1
         return hits * block_size
 
-    def remember(self, hashes: list[int], capacity: int) -> None:
+    def remember(self, hashes: list[bytes], capacity: int) -> None:
         for h in hashes:
             self.recent_hashes[h] = None
             self.recent_hashes.move_to_end(h)
@@ -62,10 +57,13 @@ def rank_decode(loads: list[WorkerLoad]) -> list[WorkerLoad]:
     return sorted(loads, key=lambda w: (-w.free_blocks, w.stats.num_running, w.stats.worker_id))
 
 
-def pick_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int],
-                 block_size: int) -> tuple[WorkerLoad, list[int]]:
-    """The prefill worker with the least work left after its likely prefix-cache hit."""
-    hashes = chained_block_hashes(prompt_token_ids, block_size)
+def pick_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_size: int,
+                 salt: bytes = b"") -> tuple[WorkerLoad, list[bytes]]:
+    """The prefill worker with the least work left after its likely prefix-cache hit.
+
+    ``salt``: the cluster's prefix-cache salt when the caller has it; the router only compares
+    its own hashes with each other, so any fixed salt gives the same choice."""
+    hashes = chained_block_hashes(prompt_token_ids, block_size, salt)
 
     def cost(w: WorkerLoad) -> tuple:
         queued = w.stats.queued_tokens + w.pending_tokens

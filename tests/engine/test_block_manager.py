@@ -164,14 +164,40 @@ def test_sliding_window_prefix_hit_skips_dead_blocks():
 
 
 def test_chain_hash_is_the_same_in_every_process():
-    code = ("from pdserve.engine.block_manager import _chain_hash;"
-            "print(_chain_hash(_chain_hash(0, [1, 2, 3]), [4, 5, 6]))")
+    code = ("from pdserve.engine.prefix_hash import ROOT_HASH, chain_hash;"
+            "print(chain_hash(chain_hash(ROOT_HASH, [1, 2, 3], b's'), [4, 5, 6], b's').hex())")
     outs = set()
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                                 text=True, check=True).stdout)
     assert len(outs) == 1
+
+
+def _cached_hashes(bm: BlockManager, token_ids: list[int]) -> list[bytes]:
+    seq = Sequence(f"r{bm.num_prefix_queries}", list(token_ids), SamplingParams())
+    bm.match_prefix(seq)
+    bm.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_computed_blocks(seq)
+    hashes = [h for b in seq.block_table if (h := bm.block_hash(b)) is not None]
+    bm.free(seq)
+    return hashes
+
+
+def test_salted_hashes_still_hit_and_differ_between_clusters():
+    prompt = list(range(40, 53))  # 3 full blocks of 4, and one token
+    one, same, other = (BlockManager(16, 4, hash_salt=s) for s in (b"a", b"a", b"b"))
+    first = _cached_hashes(one, prompt)
+    assert len(first) == 3 and all(len(h) == 32 for h in first)
+    assert _cached_hashes(same, prompt) == first  # same salt, same hashes
+    assert set(_cached_hashes(other, prompt)).isdisjoint(first)  # another cluster's salt
+    again = Sequence("again", prompt + [7], SamplingParams())
+    assert one.match_prefix(again) == 12  # the prefix cache still hits with salted hashes
+    one.free(again)
+    one.check_invariants()
+    with pytest.raises(ValueError, match="hash_salt"):
+        BlockManager(4, 4, hash_salt="text")
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] * 2,

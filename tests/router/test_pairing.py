@@ -27,19 +27,21 @@ def test_prefill_prefers_short_queue_unless_prefix_is_cached():
         WorkerLoad(stats("idle", "prefill", queued=0))
     load, _ = pick_prefill([busy, idle], system + [1, 2], 16)
     assert load is idle
-    busy.remember(chained_block_hashes(system, 16), capacity=100)
+    busy.remember(chained_block_hashes(system, 16, b""), capacity=100)
     load, _ = pick_prefill([busy, idle], system + [3, 4], 16)
     assert load is busy  # 64 cached tokens outweigh 40 queued ones
 
 
 def test_router_hashes_match_the_prefix_cache():
-    bm = BlockManager(16, 4)
+    bm = BlockManager(16, 4, hash_salt=b"cluster-salt")
     seq = Sequence("s", list(range(10, 22)), SamplingParams())
     bm.allocate(seq, 12)
     seq.num_computed_tokens = 12
     bm.cache_computed_blocks(seq)
     cached = [bm.block_hash(b) for b in seq.block_table]
-    assert chained_block_hashes(list(range(10, 22)), 4) == cached
+    assert chained_block_hashes(list(range(10, 22)), 4, b"cluster-salt") == cached
+    assert all(len(h) == 32 for h in cached)  # sha256 digests
+    assert chained_block_hashes(list(range(10, 22)), 4, b"other-salt") != cached
 
 
 def test_remember_is_bounded_lru():
