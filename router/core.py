@@ -35,11 +35,11 @@ import random
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 from pdserve.engine.messages import PrefillResult, RequestDelta, Reservation, WorkRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import GenerationDelta, ModelSpec
+from pdserve.router.config import RouterConfig
 from pdserve.router.directory import WorkerDirectory
 from pdserve.router.errors import (
     DeadlineExceededError,
@@ -51,61 +51,11 @@ from pdserve.router.flight import AttemptFailed, Flight, Phase
 from pdserve.router.handles import NoCapacity
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import WorkerLoad, pick_prefill, rank_decode
+from pdserve.router.trace import RequestTrace, observe
+
+__all__ = ["RequestTrace", "Router", "RouterConfig"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """The router's limits and timeouts (``pdserve serve`` has a flag for each)."""
-
-    max_requests_in_flight: int = 1024  # admitted and unfinished, at most
-    max_tokens_in_flight: int = 1 << 20  # prompt tokens of admitted requests, at most
-    reserve_wait_s: float | None = None  # longest wait for decode room (None: the deadline)
-    max_attempts: int = 3  # reserve+prefill attempts before token 0 is streamed
-    migration_limit: int = 3  # moves of one request to a new worker after token 0 (0 = off)
-    rpc_timeout_s: float = 10.0  # reserve / submit / abort / renew calls on a worker, at most
-    prefill_timeout_s: float = 600.0  # one prefill call (queue + compute + send), at most
-    stream_timeout_s: float = 120.0  # longest silence of a decoding request before it moves
-    worker_wait_s: float = 30.0  # how long a request waits for a worker of its role to appear
-    poll_timeout_s: float = 0.05  # long-poll wait of each decode worker poller
-    stats_interval_s: float = 0.25  # worker stats refresh period
-    prefix_memory_blocks: int = 8192  # prompt block hashes remembered per prefill worker
-
-    def __post_init__(self) -> None:
-        for name in ("max_requests_in_flight", "max_tokens_in_flight", "max_attempts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.migration_limit < 0:
-            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
-        for name in ("rpc_timeout_s", "prefill_timeout_s", "stream_timeout_s", "worker_wait_s",
-                     "poll_timeout_s", "stats_interval_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.reserve_wait_s is not None and not self.reserve_wait_s > 0:
-            raise ValueError(f"reserve_wait_s must be > 0 or None, got {self.reserve_wait_s}")
-
-
-@dataclass
-class RequestTrace:
-    """Where one finished request's time went (seconds)."""
-
-    request_id: str
-    ttft: float
-    e2e: float
-    queue: float = 0.0  # waiting at the prefill (or colocated) worker
-    prefill: float = 0.0
-    transfer: float = 0.0
-    decode: float = 0.0  # first token -> last token
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    finish_reason: str | None = None
-    num_retries: int = 0  # failed attempts before the first token
-    num_migrations: int = 0  # attempts moved to new workers after the first token
-
-    @property
-    def tpot(self) -> float:
-        return self.decode / max(1, self.num_output_tokens - 1)
 
 
 class Router:
@@ -195,7 +145,9 @@ class Router:
         finished = False
         try:
             async for delta in self._run(flight):
-                self._observe(flight, delta)
+                trace = observe(flight, delta, self.metrics)
+                if trace is not None:
+                    self.traces.append(trace)
                 yield GenerationDelta(delta.new_token_ids, delta.text, delta.logprobs,
                                       delta.finish_reason)
                 if delta.finish_reason is not None:
@@ -312,14 +264,14 @@ class Router:
 
     async def _reserve_on(self, flight: Flight, load: WorkerLoad) -> Reservation:
         handle = self._handles[load.stats.worker_id]
-        reservation = await self._bounded(flight, lambda: handle.reserve(flight.request),
+        reservation = await flight.bounded(lambda: handle.reserve(flight.request),
                                           self.config.rpc_timeout_s, "reserve")
         load.pending_blocks += reservation.num_blocks
         return reservation
 
     async def _submit(self, flight: Flight, load: WorkerLoad) -> None:
         handle = self._handles[load.stats.worker_id]
-        await self._bounded(flight, lambda: handle.submit(flight.request),
+        await flight.bounded(lambda: handle.submit(flight.request),
                             self.config.rpc_timeout_s, "submit")
         load.pending_tokens += len(flight.request.prompt_token_ids)
 
@@ -366,16 +318,16 @@ class Router:
         self._room.clear()
         wait = self.config.stats_interval_s
         try:
-            await asyncio.wait_for(self._room.wait(), self._budget(flight, wait))
+            await asyncio.wait_for(self._room.wait(), flight.budget(wait))
         except TimeoutError:
-            self._budget(flight, wait)  # DeadlineExceededError if that was the deadline
+            flight.budget(wait)  # DeadlineExceededError if that was the deadline
 
     async def _prefill(self, flight: Flight, reservation: Reservation) -> PrefillResult:
         load = await self._pick_prefill(flight)
         handle = self._handles[load.stats.worker_id]
         renewing = asyncio.create_task(self._renew_lease(flight, reservation))
         try:
-            return await self._bounded(flight, lambda: handle.prefill(flight.request,
+            return await flight.bounded(lambda: handle.prefill(flight.request,
                                                                       reservation),
                                        self.config.prefill_timeout_s, "prefill")
         except (AttemptFailed, DeadlineExceededError):
@@ -416,30 +368,11 @@ class Router:
             if renewed is None:  # committed or already failed: nothing left to renew
                 return
 
-    # -- bounds -------------------------------------------------------------------------------
-    def _budget(self, flight: Flight, limit: float) -> float:
-        """``limit`` cut to what is left of the deadline; DeadlineExceededError if nothing."""
-        if flight.deadline is None:
-            return limit
-        left = flight.deadline - time.monotonic()
-        if left <= 0:
-            raise DeadlineExceededError("the request's deadline passed")
-        return min(limit, left)
-
-    async def _bounded(self, flight: Flight, call: Callable[[], Awaitable], limit: float,
-                       what: str):
-        budget = self._budget(flight, limit)
-        try:
-            return await asyncio.wait_for(call(), budget)
-        except TimeoutError:
-            self._budget(flight, limit)
-            raise AttemptFailed("timeout", f"{what} took longer than {limit:g} s") from None
-
     # -- streaming ----------------------------------------------------------------------------
     async def _drain(self, flight: Flight) -> AsyncIterator[RequestDelta]:
         limit = self.config.stream_timeout_s
         while True:
-            item = await self._bounded(flight, flight.queue.get, limit,
+            item = await flight.bounded(flight.queue.get, limit,
                                        f"waiting for {flight.decode_id}'s next token")
             if isinstance(item, Exception):
                 raise item
@@ -501,27 +434,3 @@ class Router:
                                                                   Phase.DECODING):
                 flight.queue.put_nowait(AttemptFailed("worker_lost",
                                                       f"worker {worker_id} lost: {why}"))
-
-    def _observe(self, flight: Flight, delta: RequestDelta) -> None:
-        now, n = time.monotonic(), len(delta.new_token_ids)
-        if flight.trace is None:
-            flight.trace = RequestTrace(flight.request_id, 0.0, 0.0)
-        trace = flight.trace
-        if n and flight.last_token_at is None:
-            trace.ttft = now - flight.arrival
-            self.metrics.ttft.labels("router").observe(trace.ttft)
-        elif n:
-            gap = (now - flight.last_token_at) / n
-            for _ in range(n):
-                self.metrics.itl.labels("router").observe(gap)
-        if n:
-            flight.last_token_at = now
-        trace.num_output_tokens = delta.num_output_tokens or trace.num_output_tokens + n
-        if delta.finish_reason is not None:
-            trace.e2e = now - flight.arrival
-            trace.decode = trace.e2e - trace.ttft
-            trace.num_prompt_tokens = len(flight.request.prompt_token_ids)
-            trace.finish_reason = delta.finish_reason
-            trace.num_retries, trace.num_migrations = flight.num_retries, flight.num_migrations
-            self.metrics.e2e.labels("router").observe(trace.e2e)
-            self.traces.append(trace)

@@ -26,10 +26,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 from pdserve.engine.messages import WorkRequest
+from pdserve.router.errors import DeadlineExceededError
 
 
 class Phase(IntEnum):
@@ -103,3 +105,23 @@ class Flight:
         if self.deadline is None:
             return None
         return time.time() + (self.deadline - time.monotonic())
+
+    def budget(self, limit: float) -> float:
+        """``limit`` cut to what is left of the deadline; DeadlineExceededError if nothing."""
+        if self.deadline is None:
+            return limit
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError("the request's deadline passed")
+        return min(limit, left)
+
+    async def bounded(self, call: Callable[[], Awaitable], limit: float, what: str):
+        """Await ``call()`` for at most ``budget(limit)``; past it DeadlineExceededError if the
+        deadline went, else AttemptFailed (the worker is too slow: move the request)."""
+        budget = self.budget(limit)
+        try:
+            return await asyncio.wait_for(call(), budget)
+        except TimeoutError:
+            self.budget(limit)
+            raise AttemptFailed("timeout", f"{what} took longer than {limit:g} s") from None
+

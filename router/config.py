@@ -1,0 +1,36 @@
+"""The router's limits and timeouts; ``pdserve serve`` generates a flag from every field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router's limits and timeouts (``pdserve serve`` has a flag for each)."""
+
+    max_requests_in_flight: int = 1024  # admitted and unfinished, at most
+    max_tokens_in_flight: int = 1 << 20  # prompt tokens of admitted requests, at most
+    reserve_wait_s: float | None = None  # longest wait for decode room (None: the deadline)
+    max_attempts: int = 3  # reserve+prefill attempts before token 0 is streamed
+    migration_limit: int = 3  # moves of one request to a new worker after token 0 (0 = off)
+    rpc_timeout_s: float = 10.0  # reserve / submit / abort / renew calls on a worker, at most
+    prefill_timeout_s: float = 600.0  # one prefill call (queue + compute + send), at most
+    stream_timeout_s: float = 120.0  # longest silence of a decoding request before it moves
+    worker_wait_s: float = 30.0  # how long a request waits for a worker of its role to appear
+    poll_timeout_s: float = 0.05  # long-poll wait of each decode worker poller
+    stats_interval_s: float = 0.25  # worker stats refresh period
+    prefix_memory_blocks: int = 8192  # prompt block hashes remembered per prefill worker
+
+    def __post_init__(self) -> None:
+        for name in ("max_requests_in_flight", "max_tokens_in_flight", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        for name in ("rpc_timeout_s", "prefill_timeout_s", "stream_timeout_s", "worker_wait_s",
+                     "poll_timeout_s", "stats_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.reserve_wait_s is not None and not self.reserve_wait_s > 0:
+            raise ValueError(f"reserve_wait_s must be > 0 or None, got {self.reserve_wait_s}")

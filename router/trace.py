@@ -1,0 +1,59 @@
+"""Where each request's time went: the router's per-request trace and latency metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pdserve.engine.messages import RequestDelta
+from pdserve.router.flight import Flight
+from pdserve.router.metrics import RouterMetrics
+
+
+@dataclass
+class RequestTrace:
+    """Where one finished request's time went (seconds)."""
+
+    request_id: str
+    ttft: float
+    e2e: float
+    queue: float = 0.0  # waiting at the prefill (or colocated) worker
+    prefill: float = 0.0
+    transfer: float = 0.0
+    decode: float = 0.0  # first token -> last token
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    num_retries: int = 0  # failed attempts before the first token
+    num_migrations: int = 0  # attempts moved to new workers after the first token
+
+    @property
+    def tpot(self) -> float:
+        return self.decode / max(1, self.num_output_tokens - 1)
+
+
+def observe(flight: Flight, delta: RequestDelta, metrics: RouterMetrics) -> RequestTrace | None:
+    """Account one streamed delta (TTFT, ITL, counts); returns the trace when it finishes."""
+    now, n = time.monotonic(), len(delta.new_token_ids)
+    if flight.trace is None:
+        flight.trace = RequestTrace(flight.request_id, 0.0, 0.0)
+    trace = flight.trace
+    if n and flight.last_token_at is None:
+        trace.ttft = now - flight.arrival
+        metrics.ttft.labels("router").observe(trace.ttft)
+    elif n:
+        gap = (now - flight.last_token_at) / n
+        for _ in range(n):
+            metrics.itl.labels("router").observe(gap)
+    if n:
+        flight.last_token_at = now
+    trace.num_output_tokens = delta.num_output_tokens or trace.num_output_tokens + n
+    if delta.finish_reason is None:
+        return None
+    trace.e2e = now - flight.arrival
+    trace.decode = trace.e2e - trace.ttft
+    trace.num_prompt_tokens = len(flight.request.prompt_token_ids)
+    trace.finish_reason = delta.finish_reason
+    trace.num_retries, trace.num_migrations = flight.num_retries, flight.num_migrations
+    metrics.e2e.labels("router").observe(trace.e2e)
+    return trace
