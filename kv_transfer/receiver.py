@@ -68,6 +68,11 @@ class PeerDispatcher:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self._scratch_device)
         return self._scratch[:nbytes]
 
+    def release_scratch(self, keep_bytes: int) -> None:
+        """Drop the scratch buffer when it grew beyond ``keep_bytes`` (a rare large drain)."""
+        if self._scratch is not None and self._scratch.numel() > keep_bytes:
+            self._scratch = None
+
     def begin(self, header: FrameHeader) -> torch.Tensor | None:
         """Decide about a frame; returns the sink's buffer for its payload or None (drop)."""
         self.stats.frames += 1

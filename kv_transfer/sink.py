@@ -89,6 +89,11 @@ class ReservedBlocksSink:
         self._unpacker.shutdown(wait=True)
 
     @property
+    def max_payload_bytes(self) -> int:
+        """The largest frame any reservation could take: every block of every layer."""
+        return layers_nbytes(self.caches, self.caches[0].num_blocks, 0, self.num_layers)
+
+    @property
     def num_expected(self) -> int:
         with self._lock:
             return len(self._expected)

@@ -4,9 +4,10 @@ No global world. D hosts a ``TCPStore`` (``TransferEndpoint``); its ``address`` 
 registry. A P sender joins lazily, on its first frame:
 
 1. P opens a store client to D's address, takes a pair index ``idx = add("next", 1)`` and
-   pushes ``"idx peer_id"`` on the join queue.
+   pushes ``"idx peer_id token"`` on the join queue (``token``: the cluster's join token).
 2. D's listener pops the join, answers ``accept/idx`` with ``1`` (or ``0`` when it already
-   holds ``max_peers`` pairs) and starts the peer's receive loop thread.
+   holds ``max_peers`` pairs, or the token is wrong) and starts the peer's receive loop thread.
+   A join that does not parse (hostile or broken) is logged and dropped; the listener goes on.
 3. Both build the group on ``PrefixStore("pair/idx/")`` over their own store client, D as
    rank 0, P as rank 1: ``ProcessGroupGloo`` for CPU pools, ``ProcessGroupNCCL`` for CUDA
    pools (``ChannelConfig.backend`` overrides; gloo with CUDA tensors stages through host memory).
@@ -20,6 +21,12 @@ futures fail with TransferError and its connector builds a new pair on the next 
 the pair's open keys and calls ``sink.on_peer_lost``. A gloo recv cannot be interrupted, so
 ``TransferEndpoint.close`` ends each loop at its peer's next frame (a heartbeat at the latest).
 
+Exposure: the store listens only on ``host`` (a socket bound here and handed to the store,
+never every interface); it is unauthenticated, so the join token is what keeps strangers'
+pairs out, and every frame is bounded by what the sink can ever accept (a whole pool:
+``sink.max_payload_bytes``), so a header announcing more ends the pair before anything is
+allocated; the sink then checks each frame against its reservation.
+
 Alignment matters more than usual here: gloo aborts the whole process when a message's size
 differs from the posted receive, so the loop posts a payload receive only for a header that
 passed validation, always with the header's exact size, and ends the pair on any bad header.
@@ -31,7 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hmac
 import logging
+import socket
 import threading
 import time
 
@@ -51,6 +60,9 @@ _JOIN = "pdserve/kv/join"  # queue of "idx peer_id"
 _ACCEPT = "pdserve/kv/accept/"  # + idx -> b"1" accepted / b"0" refused
 _PAIR = "pdserve/kv/pair/"  # + idx + "/" : the pair's process-group rendezvous prefix
 _POLL_S = 0.02
+_MAX_PEER_ID_CHARS = 128
+_MAX_JOIN_BYTES = 512  # a longer join message is hostile or broken: dropped unread
+_KEEP_SCRATCH_BYTES = 64 << 20  # a drained payload's buffer beyond this is not kept
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -72,6 +84,45 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"address must be 'host:port', got {address!r}")
     return host, int(port)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on exactly ``host`` (IPv4 or IPv6 literal or a name)."""
+    family, _type, _proto, _name, sockaddr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _master_store(host: str, port: int, timeout_s: float) -> TCPStore:
+    """The rendezvous server, listening on ``host`` only (TCPStore alone binds ``::``)."""
+    sock = _listening_socket(host, port)
+    bound = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the descriptor from here on
+    return TCPStore(host, bound, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=fd)
+
+
+def parse_join(message: bytes) -> tuple[int, str, str]:
+    """``b"idx peer_id [token]"`` -> (idx, peer_id, token); ValueError when malformed."""
+    if len(message) > _MAX_JOIN_BYTES:
+        raise ValueError(f"join message of {len(message)} bytes")
+    parts = message.decode("utf-8").split(" ")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"join message has {len(parts)} fields")
+    idx_text, peer_id = parts[0], parts[1]
+    if not idx_text.isdigit() or int(idx_text) < 1:
+        raise ValueError(f"pair index {idx_text[:20]!r} is not a positive integer")
+    if not peer_id or len(peer_id) > _MAX_PEER_ID_CHARS or not peer_id.isprintable():
+        raise ValueError("peer id is empty, too long or not printable")
+    return int(idx_text), peer_id, parts[2] if len(parts) == 3 else ""
 
 
 def _store_client(address: str, timeout_s: float) -> TCPStore:
@@ -101,10 +152,11 @@ class TorchDistSender(ThreadedSender):
     """P side of one pair (rank 1); the group is built on the sender thread at first use."""
 
     def __init__(self, address: str, peer_id: str, host: str, device: torch.device,
-                 config: ChannelConfig) -> None:
+                 config: ChannelConfig, join_token: str = "") -> None:
         super().__init__(address, config, name=f"kv-send-{peer_id}->{address}")
         self.peer_id = peer_id
         self._host = host
+        self._join_token = join_token
         self._backend = resolve_backend(config.backend, device)
         self._wire = wire_device(self._backend, device)
         self._pg: dist.ProcessGroup | None = None
@@ -114,14 +166,16 @@ class TorchDistSender(ThreadedSender):
         try:
             store = _store_client(self.address, timeout)
             idx = store.add(_NEXT, 1)
-            store.queue_push(_JOIN, f"{idx} {self.peer_id}")
+            join = f"{idx} {self.peer_id}"
+            store.queue_push(_JOIN, f"{join} {self._join_token}" if self._join_token else join)
             store.wait([f"{_ACCEPT}{idx}"], datetime.timedelta(seconds=timeout))
             accepted = store.get(f"{_ACCEPT}{idx}") == b"1"
             store.delete_key(f"{_ACCEPT}{idx}")
         except Exception as exc:
             raise TransferError(f"cannot reach decode endpoint {self.address}: {exc}") from exc
         if not accepted:
-            raise TransferError(f"decode endpoint {self.address} refused: at max_peers")
+            raise TransferError(f"decode endpoint {self.address} refused the pair (at max_peers, "
+                                "or a wrong join token)")
         try:
             self._pg = new_pair_group(PrefixStore(f"{_PAIR}{idx}/", store), 1, self._backend,
                                       self._host, self.config.peer_timeout_s)
@@ -147,28 +201,40 @@ class TorchDistConnector(LRUConnector):
     """P side: senders to many decode endpoints, created lazily, at most ``max_channels``."""
 
     def __init__(self, peer_id: str, host: str = "127.0.0.1", device: str | torch.device = "cpu",
-                 config: ChannelConfig | None = None, max_channels: int = 16) -> None:
+                 config: ChannelConfig | None = None, max_channels: int = 16,
+                 join_token: str = "") -> None:
         if not peer_id or any(c.isspace() for c in peer_id):
             raise ValueError(f"peer_id must be non-empty without spaces, got {peer_id!r}")
+        if any(c.isspace() for c in join_token):
+            raise ValueError("join_token must not contain spaces")
         self.config = config or ChannelConfig()
         super().__init__(max_channels, close_timeout_s=self.config.heartbeat_s * 2)
         self.peer_id = peer_id
         self.host = host
         self.device = torch.device(device)
+        self._join_token = join_token  # the endpoints' token (the cluster's secret)
 
     def _make_sender(self, address: str) -> TorchDistSender:
         parse_address(address)
-        return TorchDistSender(address, self.peer_id, self.host, self.device, self.config)
+        return TorchDistSender(address, self.peer_id, self.host, self.device, self.config,
+                               self._join_token)
 
 
 class TransferEndpoint(KVReceiver):
-    """D side: hosts the rendezvous store, accepts pairs, runs one receive loop per peer."""
+    """D side: hosts the rendezvous store, accepts pairs, runs one receive loop per peer.
+
+    ``join_token``: when set, only joins carrying it are accepted (compared in constant time).
+    Frames may announce at most ``config.max_payload_bytes``, cut to ``sink.max_payload_bytes``
+    when the sink has it (the most any reservation could take)."""
 
     def __init__(self, sink, host: str = "127.0.0.1", port: int = 0,
                  device: str | torch.device = "cpu", config: ChannelConfig | None = None,
-                 max_peers: int = 64) -> None:
+                 max_peers: int = 64, join_token: str = "") -> None:
         if max_peers < 1:
             raise ValueError(f"max_peers must be >= 1, got {max_peers}")
+        if not host:
+            raise ValueError("host must be the address to listen on (never all interfaces "
+                             "by default)")
         self.sink = sink
         self.config = config or ChannelConfig()
         self.host = host
@@ -176,11 +242,15 @@ class TransferEndpoint(KVReceiver):
         self.max_peers = max_peers
         self._backend = resolve_backend(self.config.backend, self.device)
         self._wire = wire_device(self._backend, self.device)
-        self._store = TCPStore(host, port, is_master=True, wait_for_workers=False,
-                               timeout=datetime.timedelta(seconds=self.config.connect_timeout_s))
+        self.max_payload_bytes = min(self.config.max_payload_bytes,
+                                     getattr(sink, "max_payload_bytes", None) or 1 << 62)
+        self._join_token = join_token.encode()
+        self._store = _master_store(host, port, self.config.connect_timeout_s)
         self._address = f"{host}:{self._store.port}"
         self._lock = threading.Lock()
         self._peers: dict[int, tuple[str, threading.Thread]] = {}
+        self._seen_idx: set[int] = set()  # pair indices already answered (never reused)
+        self.num_bad_joins = 0  # joins dropped as malformed, refused for their token or index
         self._stop = threading.Event()
         self._listener = threading.Thread(target=self._listen, daemon=True,
                                           name=f"kv-listen-{self._address}")
@@ -223,14 +293,38 @@ class TransferEndpoint(KVReceiver):
             try:
                 if self._store.queue_len(_JOIN) == 0:
                     continue
-                idx_text, peer_id = self._store.queue_pop(_JOIN, block=False).decode().split(" ")
+                message = self._store.queue_pop(_JOIN, block=False)
             except dist.QueueEmptyError:
                 continue
             except Exception:
                 if not self._stop.is_set():
                     logger.exception("endpoint %s: listener error", self._address)
                 continue
-            self._accept(int(idx_text), peer_id)
+            try:
+                self._on_join(message)
+            except Exception:  # one bad join must never stop the listener
+                self.num_bad_joins += 1
+                logger.exception("endpoint %s: join %r failed", self._address, message[:64])
+
+    def _on_join(self, message: bytes) -> None:
+        try:
+            idx, peer_id, token = parse_join(message)
+        except (ValueError, UnicodeDecodeError) as exc:
+            self.num_bad_joins += 1
+            logger.warning("endpoint %s: dropped a malformed join (%s)", self._address, exc)
+            return
+        if idx in self._seen_idx or idx > self._store.add(_NEXT, 0):
+            self.num_bad_joins += 1
+            logger.warning("endpoint %s: dropped a join from %r with pair index %d (reused or "
+                           "never handed out)", self._address, peer_id, idx)
+            return
+        self._seen_idx.add(idx)
+        if self._join_token and not hmac.compare_digest(token.encode(), self._join_token):
+            self.num_bad_joins += 1
+            logger.warning("endpoint %s: refused %r: wrong join token", self._address, peer_id)
+            self._store.set(f"{_ACCEPT}{idx}", b"0")
+            return
+        self._accept(idx, peer_id)
 
     def _accept(self, idx: int, peer_id: str) -> None:
         with self._lock:
@@ -275,7 +369,7 @@ class TransferEndpoint(KVReceiver):
                 header_work = pg.recv([header_buf], 1, 0)
                 while True:
                     header_work.wait()
-                    header = decode_header(header_buf, self.config.max_payload_bytes)
+                    header = decode_header(header_buf, self.max_payload_bytes)
                     target = dispatcher.begin(header)
                     payload_work = finish = None
                     if header.payload_nbytes:
@@ -287,6 +381,8 @@ class TransferEndpoint(KVReceiver):
                     if payload_work is not None:
                         payload_work.wait()
                         finish()
+                        if target is None:
+                            dispatcher.release_scratch(_KEEP_SCRATCH_BYTES)
                     if header.kind == FrameKind.COMMIT and stream is not None:
                         stream.synchronize()  # every layer of the key is in place on commit
                     dispatcher.end(header, target)

@@ -1,0 +1,110 @@
+"""The KV rendezvous against hostile peers: it listens on its host only, malformed joins and
+wrong tokens leave it serving, and a frame announcing more than the pool ends only that pair
+(nothing allocated); the next peer transfers exactly and no reservation is left behind."""
+
+from __future__ import annotations
+
+import datetime
+
+import psutil
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from pdserve.kv_transfer import TorchDistConnector, TransferEndpoint, TransferError, TransferKey
+from pdserve.kv_transfer.base import FrameKind
+from pdserve.kv_transfer.framing import FrameHeader, encode_header
+from pdserve.kv_transfer.torch_dist import _JOIN, TorchDistSender, parse_join
+
+TOKEN = "cluster-secret"
+
+
+def _listening_addresses(port: int) -> set[str]:
+    return {c.laddr.ip for c in psutil.Process().net_connections("inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+def _store(address: str) -> TCPStore:
+    host, port = address.rsplit(":", 1)
+    return TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=5))
+
+
+def _transfer_works(kv, endpoint, sink, connector, key, dst_ids=(1, 2)) -> bool:
+    src = kv.make_pool(3)
+    sink.expect(key, list(dst_ids))
+    kv.send_request(connector.sender(endpoint.address), key, src, [5, 6][:len(dst_ids)])
+    done = sink.wait(lambda s: key in s.completed, 10)
+    return done and kv.blocks_equal(src, [5, 6][:len(dst_ids)], sink.caches, list(dst_ids))
+
+
+def test_parse_join_refuses_what_is_not_a_join():
+    assert parse_join(b"3 prefill-0 tok") == (3, "prefill-0", "tok")
+    assert parse_join(b"3 prefill-0") == (3, "prefill-0", "")
+    for bad in (b"", b"x prefill", b"-1 p", b"0 p", b"1", b"1 p t extra", b"\xff\xfe p",
+                b"1 " + b"p" * 200, b"9" * 600):
+        with pytest.raises((ValueError, UnicodeDecodeError)):
+            parse_join(bad)
+
+
+def test_store_listens_on_its_host_only(kv, no_thread_leak):
+    endpoint = TransferEndpoint(kv.RecordingSink(kv.make_pool(1)), "127.0.0.1",
+                                config=kv.FAST)
+    try:
+        port = int(endpoint.address.rsplit(":", 1)[1])
+        assert _listening_addresses(port) == {"127.0.0.1"}
+    finally:
+        endpoint.close()
+    with pytest.raises(ValueError, match="host"):
+        TransferEndpoint(kv.RecordingSink(kv.make_pool(1)), "", config=kv.FAST)
+
+
+def test_malformed_joins_and_wrong_tokens_leave_it_serving(kv, no_thread_leak):
+    sink = kv.RecordingSink(kv.make_pool(1))
+    endpoint = TransferEndpoint(sink, config=kv.FAST, join_token=TOKEN)
+    stranger = TorchDistConnector("stranger", config=kv.FAST, join_token="guess")
+    anonymous = TorchDistConnector("anonymous", config=kv.FAST)
+    friend = TorchDistConnector("prefill-0", config=kv.FAST, join_token=TOKEN)
+    try:
+        raw = _store(endpoint.address)
+        for junk in ("garbage", "abc prefill-x", "1 2 3 4", "99999 ghost " + TOKEN,
+                     "\u00e9" * 300, ""):
+            raw.queue_push(_JOIN, junk)
+        assert kv.wait_until(lambda: endpoint.num_bad_joins >= 5, 5)
+        for connector in (stranger, anonymous):
+            error = connector.sender(endpoint.address).send_abort(TransferKey(1, 1)).exception(10)
+            assert isinstance(error, TransferError) and "refused" in str(error)
+        assert _transfer_works(kv, endpoint, sink, friend, TransferKey(9, 1))
+        assert endpoint.peer_ids == ["prefill-0"]
+        assert sink.num_expected == 0
+    finally:
+        for connector in (stranger, anonymous, friend):
+            connector.close()
+        endpoint.close()
+
+
+def test_oversized_frame_ends_its_pair_and_the_next_peer_is_served(kv, no_thread_leak):
+    dst = kv.make_pool(2)
+    sink = kv.RecordingSink(dst)
+    endpoint = TransferEndpoint(sink, config=kv.FAST)
+    assert endpoint.max_payload_bytes == sink.max_payload_bytes  # the pool, not 16 GiB
+    victim = TransferKey(4, 1)
+    sink.expect(victim, [0, 1])  # a reservation the hostile peer aims at
+    hostile = TorchDistSender(endpoint.address, "hostile", "127.0.0.1", torch.device("cpu"),
+                              kv.FAST)
+    friend = TorchDistConnector("prefill-1", config=kv.FAST)
+    try:
+        hostile.send_layers(victim, 0, 1, torch.zeros(16, dtype=torch.uint8),
+                            num_blocks=2).result(10)  # a small honest-looking first frame
+        assert sink.wait(lambda s: victim in s.failed, 10)  # wrong size for its reservation
+        huge = FrameHeader(FrameKind.LAYERS, seq=2, key=victim, layer_start=0, layer_end=1,
+                           arg=2, payload_nbytes=16 << 30)  # 16 GiB announced, never sent
+        hostile._send_frame(encode_header(huge), None)
+        assert sink.wait(lambda s: any(peer == "hostile" for peer, _ in s.lost), 10)
+        assert kv.wait_until(lambda: endpoint.num_peers == 0, 5)
+        assert _transfer_works(kv, endpoint, sink, friend, TransferKey(5, 1), (2, 3))
+        assert sink.num_expected == 0  # nothing left reserved
+    finally:
+        hostile.close(1.0)
+        friend.close()
+        endpoint.close()
