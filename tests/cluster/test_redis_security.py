@@ -1,0 +1,36 @@
+"""The embedded redis-server: a generated password (never on its command line), loopback only,
+and URLs printed with the password hidden."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import redis
+
+from pdserve.cluster.redis_server import RedisServer, redact_url
+
+
+def test_embedded_redis_requires_its_generated_password():
+    with RedisServer() as server, RedisServer() as other:
+        assert server.password != other.password and len(server.password) >= 24
+        assert server.url.startswith("redis://:") and "@127.0.0.1:" in server.url
+        assert redis.Redis.from_url(server.url).ping()
+        for url in (f"redis://127.0.0.1:{server.port}/0",
+                    f"redis://:wrong@127.0.0.1:{server.port}/0"):
+            with pytest.raises(redis.exceptions.AuthenticationError):
+                redis.Redis.from_url(url).get("x")
+        child = psutil.Process(server.process.pid)
+        assert server.password not in " ".join(child.cmdline())
+        listening = {c.laddr.ip for c in child.net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN}
+        assert listening == {"127.0.0.1"}
+
+
+def test_a_given_password_and_redaction():
+    with RedisServer(password="given-pass") as server:
+        assert redis.Redis.from_url(server.url).ping()
+        assert redact_url(server.url) == f"redis://:***@127.0.0.1:{server.port}/0"
+    assert redact_url("redis://10.0.0.1:6379/0") == "redis://10.0.0.1:6379/0"
+    assert redact_url("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
+    with pytest.raises(ValueError, match="password"):
+        RedisServer(password="has space")
