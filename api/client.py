@@ -17,22 +17,30 @@ presence_penalty, frequency_penalty, seed, stop (str or list), stop_token_ids, i
 logprobs``; a keyword left as ``None`` is unset and takes the server's default. ``timeout``
 (seconds) becomes the gRPC deadline. Every failure is a ``PdserveError`` with the gRPC code.
 Leaving a ``generate_stream`` loop early cancels the call, which frees the request's KV.
+
+A server started with ``--api-key`` needs ``api_key=`` (sent as ``authorization: Bearer``
+metadata on every call); one with TLS needs ``tls=ClientTLS.from_files(ca=..., cert=...,
+key=...)``: ``ca`` verifies the server (None: the system roots), ``cert``/``key`` are this
+client's own certificate for mutual TLS.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.api import generation_pb2, generation_pb2_grpc
 
-__all__ = ["PdserveError", "Usage", "GenerateChunk", "GenerateResult", "ModelInfo",
-           "PdserveClient", "AsyncPdserveClient", "build_generate_request"]
+__all__ = ["PdserveError", "Usage", "GenerateChunk", "GenerateResult", "ModelInfo", "ClientTLS",
+           "PdserveClient", "AsyncPdserveClient", "build_generate_request", "open_channel",
+           "auth_metadata"]
 
 _HEALTH_POLL_S = 0.1
 
@@ -48,6 +56,43 @@ class PdserveError(Exception):
 
 def _error(exc: grpc.RpcError) -> PdserveError:
     return PdserveError(exc.code(), exc.details() or "")
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """TLS for a client channel, PEM bytes (see the module docstring)."""
+
+    root_certificates: bytes | None = None  # CA that signed the server's certificate
+    certificate_chain: bytes | None = None  # this client's certificate (mutual TLS)
+    private_key: bytes | None = None  # its private key
+
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise ValueError("a client certificate needs its key, and a key its certificate")
+
+    @classmethod
+    def from_files(cls, ca: str | os.PathLike | None = None, cert: str | os.PathLike | None = None,
+                   key: str | os.PathLike | None = None) -> ClientTLS:
+        read = lambda path: None if path is None else Path(path).read_bytes()
+        return cls(read(ca), read(cert), read(key))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key,
+                                            self.certificate_chain)
+
+
+def open_channel(target: str, tls: ClientTLS | None = None,
+                 options: Sequence[tuple[str, object]] = (), aio: bool = False):
+    """A blocking (or ``aio``) channel to ``target``: TLS when ``tls`` is given."""
+    grpc_module = grpc.aio if aio else grpc
+    if tls is None:
+        return grpc_module.insecure_channel(target, options=list(options))
+    return grpc_module.secure_channel(target, tls.credentials(), options=list(options))
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata that carries ``api_key`` (None without one)."""
+    return None if api_key is None else (("authorization", f"Bearer {api_key}"),)
 
 
 @dataclass(frozen=True)
@@ -95,9 +140,10 @@ def build_generate_request(
         presence_penalty: float | None = None, frequency_penalty: float | None = None,
         seed: int | None = None, stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
-        logprobs: int | None = None) -> generation_pb2.GenerateRequest:
+        logprobs: int | None = None, priority: int | None = None,
+        tenant: str = "") -> generation_pb2.GenerateRequest:
     """The request proto for a prompt and OpenAI-like sampling keywords (``None`` = unset)."""
-    request = generation_pb2.GenerateRequest(request_id=request_id or "")
+    request = generation_pb2.GenerateRequest(request_id=request_id or "", tenant=tenant or "")
     if isinstance(prompt, str):
         request.text = prompt
     else:
@@ -106,7 +152,8 @@ def build_generate_request(
     scalars = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
                "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
-               "seed": seed, "ignore_eos": ignore_eos, "logprobs": logprobs}
+               "seed": seed, "ignore_eos": ignore_eos, "logprobs": logprobs,
+               "priority": priority}
     for name, value in scalars.items():
         if value is not None:
             setattr(request.sampling, name, value)
@@ -173,9 +220,11 @@ class PdserveClient:
     """Blocking client; ``timeout`` is the default deadline in seconds for every call."""
 
     def __init__(self, target: str, *, timeout: float | None = None,
-                 options: Sequence[tuple[str, object]] = ()) -> None:
+                 options: Sequence[tuple[str, object]] = (), api_key: str | None = None,
+                 tls: ClientTLS | None = None) -> None:
         self._timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=list(options))
+        self._metadata = auth_metadata(api_key)
+        self._channel = open_channel(target, tls, options)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -204,7 +253,8 @@ class PdserveClient:
                         request_id: str = "", **sampling) -> Iterator[GenerateChunk]:
         """Yield chunks as the server streams them; breaking out of the loop cancels."""
         request = build_generate_request(prompt, request_id=request_id, **sampling)
-        call = self._stub.Generate(request, timeout=self._deadline(timeout))
+        call = self._stub.Generate(request, timeout=self._deadline(timeout),
+                                  metadata=self._metadata)
         try:
             for response in call:
                 yield _chunk(response)
@@ -216,7 +266,8 @@ class PdserveClient:
     def tokenize(self, text: str, *, timeout: float | None = None) -> list[int]:
         try:
             reply = self._stub.Tokenize(generation_pb2.TokenizeRequest(text=text),
-                                        timeout=self._deadline(timeout))
+                                        timeout=self._deadline(timeout),
+                                        metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
         return list(reply.token_ids)
@@ -224,7 +275,8 @@ class PdserveClient:
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         try:
             reply = self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(),
-                                            timeout=self._deadline(timeout))
+                                            timeout=self._deadline(timeout),
+                                            metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
         return _model_info(reply)
@@ -258,9 +310,11 @@ class AsyncPdserveClient:
     """asyncio client; create it inside the event loop that uses it."""
 
     def __init__(self, target: str, *, timeout: float | None = None,
-                 options: Sequence[tuple[str, object]] = ()) -> None:
+                 options: Sequence[tuple[str, object]] = (), api_key: str | None = None,
+                 tls: ClientTLS | None = None) -> None:
         self._timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target, options=list(options))
+        self._metadata = auth_metadata(api_key)
+        self._channel = open_channel(target, tls, options, aio=True)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -290,7 +344,8 @@ class AsyncPdserveClient:
                               **sampling) -> AsyncIterator[GenerateChunk]:
         """Yield chunks as the server streams them; leaving early cancels the call."""
         request = build_generate_request(prompt, request_id=request_id, **sampling)
-        call = self._stub.Generate(request, timeout=self._deadline(timeout))
+        call = self._stub.Generate(request, timeout=self._deadline(timeout),
+                                  metadata=self._metadata)
         try:
             async for response in call:
                 yield _chunk(response)
@@ -302,7 +357,8 @@ class AsyncPdserveClient:
     async def tokenize(self, text: str, *, timeout: float | None = None) -> list[int]:
         try:
             reply = await self._stub.Tokenize(generation_pb2.TokenizeRequest(text=text),
-                                              timeout=self._deadline(timeout))
+                                              timeout=self._deadline(timeout),
+                                              metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
         return list(reply.token_ids)
@@ -310,7 +366,8 @@ class AsyncPdserveClient:
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         try:
             reply = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(),
-                                                  timeout=self._deadline(timeout))
+                                                  timeout=self._deadline(timeout),
+                                                  metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _error(exc) from None
         return _model_info(reply)

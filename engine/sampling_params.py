@@ -73,6 +73,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end generation
     ignore_eos: bool = False  # keep going past the model's end-of-sequence ids
     logprobs: int | None = None  # return this many (0..20) top log-probabilities per token
+    priority: int = 0  # scheduling priority: lower runs earlier (ties by arrival), as vLLM
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1)
@@ -98,6 +99,7 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        self.priority = _check_int("priority", self.priority, low=-(2**31), high=2**31 - 1)
 
     @property
     def is_greedy(self) -> bool:

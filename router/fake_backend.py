@@ -78,8 +78,8 @@ class FakeBackend:
         return ids, "length"
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, deadline: float | None
-                       ) -> AsyncIterator[GenerationDelta]:
+                       params: SamplingParams, deadline: float | None,
+                       tenant: str | None = None) -> AsyncIterator[GenerationDelta]:
         with self._lock:
             self._started.append(request_id)
             self._running.add(request_id)

@@ -21,6 +21,11 @@ With ``admin=`` an ``AdminBackend``, the same server also serves ``pdserve.v1.Ad
 Health (``grpc.health.v1``) reports, for "" and "pdserve.v1.Generation", SERVING exactly when
 the backend is ready and ``set_serving(False)`` (draining) is not in force; a background task
 polls ``backend.is_ready()``.
+
+Security (``pdserve.router.auth``): with ``api_key`` every method but health needs metadata
+``authorization: Bearer KEY`` (UNAUTHENTICATED otherwise); with ``tls`` the port speaks TLS
+(mutual TLS when the config has a client CA); ``reflection=False`` leaves reflection out;
+``max_concurrent_rpcs`` bounds the calls in progress (RESOURCE_EXHAUSTED beyond).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.api import generation_pb2, generation_pb2_grpc
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admin_server import AdminBackend, add_admin_service
+from pdserve.router.auth import ApiKey, ApiKeyInterceptor, TLSConfig
 from pdserve.router.backend import GenerationBackend, GenerationDelta
 from pdserve.router.errors import (
     DeadlineExceededError,
@@ -54,6 +60,8 @@ from pdserve.router.validation import fit_to_context, validate_generate_request
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+TENANT_METADATA = "x-pdserve-tenant"  # metadata key naming the tenant when the field is empty
+MAX_TENANT_CHARS = 128
 _NO_DEADLINE_S = 1e8  # time_remaining() above this means the client set no deadline
 
 _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
@@ -100,6 +108,15 @@ async def _abort_with_status(context: grpc.aio.ServicerContext, exc: Exception,
     await context.abort(code, details)
 
 
+def tenant_of(request: generation_pb2.GenerateRequest,
+              context: grpc.aio.ServicerContext) -> str | None:
+    """The request's tenant: its ``tenant`` field, else ``x-pdserve-tenant`` metadata."""
+    tenant = request.tenant or dict(context.invocation_metadata() or ()).get(TENANT_METADATA, "")
+    if len(tenant) > MAX_TENANT_CHARS:
+        raise RequestValidationError("tenant", f"at most {MAX_TENANT_CHARS} characters")
+    return tenant or None
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Implements the three RPCs against a ``GenerationBackend``."""
 
@@ -142,14 +159,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
         self._active.add(request_id)
         try:
-            await self._stream(request_id, prompt_token_ids, params, deadline, context)
+            await self._stream(request_id, prompt_token_ids, params, deadline, context,
+                               tenant_of(request, context))
         finally:
             self._active.discard(request_id)
 
     async def _stream(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, deadline: float | None,
-                      context: grpc.aio.ServicerContext) -> None:
-        deltas = self._backend.generate(request_id, prompt_token_ids, params, deadline)
+                      context: grpc.aio.ServicerContext, tenant: str | None) -> None:
+        deltas = self._backend.generate(request_id, prompt_token_ids, params, deadline, tenant)
         finished = False
         num_generated = 0
         try:
@@ -241,9 +259,17 @@ class GenerationServer:
 
     def __init__(self, backend: GenerationBackend, *, health_poll_interval_s: float = 0.5,
                  max_message_bytes: int = 16 * 1024 * 1024, admin: AdminBackend | None = None,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, api_key: str | None = None,
+                 tls: TLSConfig | None = None, reflection: bool = True,
+                 max_concurrent_rpcs: int | None = None) -> None:
         if health_poll_interval_s <= 0:
             raise ValueError(f"health_poll_interval_s must be > 0, got {health_poll_interval_s}")
+        if max_concurrent_rpcs is not None and max_concurrent_rpcs < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1 or None, got {max_concurrent_rpcs}")
+        self._api_key = None if api_key is None else ApiKey(api_key)
+        self._tls = tls
+        self._reflection = reflection
+        self._max_concurrent_rpcs = max_concurrent_rpcs
         self._backend = backend
         self._poll_s = health_poll_interval_s
         self._max_message_bytes = max_message_bytes
@@ -286,11 +312,12 @@ class GenerationServer:
             raise RuntimeError("server already started")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        server = grpc.aio.server(options=[
+        interceptors = [] if self._api_key is None else [ApiKeyInterceptor(self._api_key)]
+        server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.so_reuseport", 0),  # a second server on a busy port must fail, not share it
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.max_send_message_length", self._max_message_bytes),
-        ])
+        ], maximum_concurrent_rpcs=self._max_concurrent_rpcs)
         generation_pb2_grpc.add_GenerationServicer_to_server(self._servicer, server)
         services = [SERVICE_NAME]
         if self._admin is not None:
@@ -298,12 +325,16 @@ class GenerationServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        reflection.enable_server_reflection(
-            (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), server)
+        if self._reflection:
+            reflection.enable_server_reflection(
+                (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME), server)
         address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else \
             f"{host}:{port}"
-        bound = server.add_insecure_port(address)
+        if self._tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, self._tls.grpc_credentials())
         if bound == 0:
             raise RuntimeError(f"could not bind {address}")
         await server.start()
@@ -311,7 +342,8 @@ class GenerationServer:
         self.port = bound
         await self._update_health()
         self._poller = asyncio.create_task(self._poll_health())
-        logger.info("pdserve gRPC listening on %s (bound port %d)", address, bound)
+        logger.info("pdserve gRPC listening on %s (bound port %d%s%s)", address, bound,
+                    ", TLS" if self._tls else "", ", API key" if self._api_key else "")
         return bound
 
     async def stop(self, grace: float | None = 5.0) -> None:

@@ -38,7 +38,8 @@ MAX_STOP_STRING_CHARS = 256  # characters per stop string
 
 # Optional scalar fields of pdserve.v1.SamplingParams, named as in SamplingParams.
 _SCALAR_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                  "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs")
+                  "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs",
+                  "priority")
 _ALL_FIELDS = frozenset(_SCALAR_FIELDS + ("stop", "stop_token_ids"))
 
 
