@@ -19,7 +19,7 @@ from __future__ import annotations
 import grpc
 
 from pdserve.api import admin_pb2, admin_pb2_grpc
-from pdserve.api.client import PdserveError
+from pdserve.api.client import ClientTLS, PdserveError, auth_metadata, open_channel
 
 __all__ = ["AdminClient", "worker_dict", "pool_dict", "state_name"]
 
@@ -53,10 +53,12 @@ class AdminClient:
     """``with AdminClient("host:port") as admin: admin.list_workers()``; ``timeout`` (seconds)
     is each call's deadline."""
 
-    def __init__(self, target: str, *, timeout: float | None = 10.0) -> None:
+    def __init__(self, target: str, *, timeout: float | None = 10.0, api_key: str | None = None,
+                 tls: ClientTLS | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target)
+        self._metadata = auth_metadata(api_key)  # a server with --api-key needs it
+        self._channel = open_channel(target, tls)
         self._stub = admin_pb2_grpc.AdminStub(self._channel)
 
     def __enter__(self) -> AdminClient:
@@ -70,7 +72,8 @@ class AdminClient:
 
     def _call(self, method: str, request):
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout)
+            return getattr(self._stub, method)(request, timeout=self.timeout,
+                                               metadata=self._metadata)
         except grpc.RpcError as exc:
             raise PdserveError(exc.code(), exc.details() or "") from None
 
