@@ -126,3 +126,25 @@ class FakeBackend:
 
     def is_ready(self) -> bool:
         return self.ready
+
+
+class FakePromptTools:
+    """``PromptTools`` for the FakeBackend: a chat is rendered as ``role: content`` lines plus
+    ``assistant:`` when asked, tokenized by the FakeBackend's one-character-per-id rule."""
+
+    has_chat_template = True
+
+    def __init__(self, backend: FakeBackend) -> None:
+        self._backend = backend
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        if messages[-1]["role"] == "assistant" and add_generation_prompt:
+            raise ValueError("the last message is the assistant's already")
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "assistant:"
+        vocab = self._backend.model.vocab_size
+        return [(ord(c) - FIRST_CHAR) % vocab for c in text]
+
+    def token_text(self, token_id: int) -> str:
+        return self._backend.decode([token_id])

@@ -3,8 +3,10 @@
 Two steps, because a text prompt must be tokenized (by the backend) in between:
 
 1. ``validate_generate_request(request, model)``: request id, input present and non-empty,
-   token ids inside the vocabulary, every sampling field (reusing ``SamplingParams``' own
-   checks, NaN and infinity included).
+   the prompt text's size (before any tokenizer sees it: at most
+   ``MAX_PROMPT_CHARS_PER_TOKEN`` characters per context token), token ids inside the
+   vocabulary (one vectorized check, no Python loop per id), every sampling field (reusing
+   ``SamplingParams``' own checks, NaN and infinity included), max_tokens below the context.
 2. ``fit_to_context(prompt_token_ids, validated, model)``: prompt + max_tokens within the
    model's context.
 
@@ -21,7 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from pdserve.api import generation_pb2
 from pdserve.engine.sampling_params import SamplingParams
@@ -29,12 +34,14 @@ from pdserve.router.backend import ModelSpec
 from pdserve.router.errors import RequestValidationError
 
 __all__ = ["RequestValidationError", "ValidatedRequest", "validate_generate_request",
-           "check_request_id", "sampling_params_from_proto", "fit_to_context"]
+           "check_request_id", "check_prompt_text", "check_token_ids", "check_stop_strings",
+           "check_max_tokens", "sampling_params_from_proto", "fit_to_context"]
 
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
 MAX_STOP_STRINGS = 32  # stop strings per request
 MAX_STOP_STRING_CHARS = 256  # characters per stop string
+MAX_PROMPT_CHARS_PER_TOKEN = 32  # a longer text can never fit the context (tokens average < 8)
 
 # Optional scalar fields of pdserve.v1.SamplingParams, named as in SamplingParams.
 _SCALAR_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -72,23 +79,55 @@ def check_request_id(request_id: str) -> None:
             "request_id", f"may hold only letters, digits and . _ : -, got {request_id!r}")
 
 
-def _check_token_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
-    for index, token_id in enumerate(token_ids):
-        if not 0 <= token_id < vocab_size:
-            raise RequestValidationError(
-                field, f"token id {token_id} at index {index} is outside the vocabulary "
-                f"[0, {vocab_size})")
+def check_prompt_text(field: str, text: str, model: ModelSpec) -> None:
+    """Raise unless ``text`` is short enough that it could fit the context once tokenized."""
+    limit = MAX_PROMPT_CHARS_PER_TOKEN * model.max_context_tokens
+    if len(text) > limit:
+        raise RequestValidationError(
+            field, f"prompt of {len(text)} characters can never fit the model's context of "
+            f"{model.max_context_tokens} tokens (at most {limit} characters)")
 
 
-def _check_stop_strings(stop: list[str]) -> None:
+def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    """Raise unless every id is an integer in [0, vocab_size); one vectorized pass."""
+    if len(token_ids) == 0:
+        return
+    try:
+        ids = np.asarray(token_ids, dtype=np.int64)
+    except (OverflowError, ValueError, TypeError):
+        raise RequestValidationError(field, "token ids must be integers in [0, "
+                                            f"{vocab_size})") from None
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        index = int(bad[0])
+        raise RequestValidationError(
+            field, f"token id {int(ids[index])} at index {index} is outside the vocabulary "
+            f"[0, {vocab_size})")
+
+
+_check_token_ids = check_token_ids
+
+
+def check_stop_strings(stop: list[str], field: str = "sampling.stop") -> None:
     if len(stop) > MAX_STOP_STRINGS:
         raise RequestValidationError(
-            "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+            field, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
     for text in stop:
         if len(text) > MAX_STOP_STRING_CHARS:
             raise RequestValidationError(
-                "sampling.stop", f"each stop string must be at most {MAX_STOP_STRING_CHARS} "
+                field, f"each stop string must be at most {MAX_STOP_STRING_CHARS} "
                 f"characters, got {len(text)}")
+
+
+_check_stop_strings = check_stop_strings
+
+
+def check_max_tokens(field: str, max_tokens: int, model: ModelSpec) -> None:
+    """Raise when ``max_tokens`` alone leaves no room for a prompt in the context."""
+    if max_tokens >= model.max_context_tokens:
+        raise RequestValidationError(
+            field, f"must be below the model's context of {model.max_context_tokens} tokens, "
+            f"got {max_tokens}")
 
 
 def sampling_params_from_proto(sampling: generation_pb2.SamplingParams,
@@ -122,6 +161,7 @@ def validate_generate_request(request: generation_pb2.GenerateRequest,
     if kind == "text":
         if not request.text:
             raise RequestValidationError("text", "must be non-empty")
+        check_prompt_text("text", request.text, model)
         prompt_text = request.text
     else:
         prompt_token_ids = list(request.token_ids.ids)
@@ -129,6 +169,8 @@ def validate_generate_request(request: generation_pb2.GenerateRequest,
             raise RequestValidationError("token_ids", "must hold at least one token id")
         _check_token_ids("token_ids", prompt_token_ids, model.vocab_size)
     params = sampling_params_from_proto(request.sampling, model.vocab_size)
+    if request.sampling.HasField("max_tokens"):
+        check_max_tokens("sampling.max_tokens", params.max_tokens, model)
     return ValidatedRequest(
         request_id=request.request_id, prompt_text=prompt_text,
         prompt_token_ids=prompt_token_ids, params=params,

@@ -1,0 +1,554 @@
+"""The OpenAI-compatible HTTP front door: FastAPI on uvicorn, on the router's event loop.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (200 while serving, else 503), ``GET /version``. With ``api_key`` every path but
+``/health`` and ``/version`` needs ``Authorization: Bearer KEY`` (401 otherwise), checked by
+the same :class:`pdserve.router.auth.ApiKey` as gRPC; with ``tls`` the port speaks HTTPS
+(mutual TLS when the config has a client CA). Bodies above ``max_body_bytes`` are 413 before
+they are parsed. The wire format (fields, chunks, error envelope) is
+``pdserve.router.openai_protocol``.
+
+Life of a generation (``_run``), the same steps as the gRPC servicer's:
+
+1. Validate in the handler: model name (404 when it is not the served one), unsupported
+   parameters (400), ``accepting()`` (503 while draining or not ready), sampling fields, the
+   prompt's size before tokenizing it; tokenize (completions) or render the chat template and
+   tokenize (chat, through ``tools``); check the context fits. Every failure is the OpenAI
+   error envelope, the parameter named.
+2. The response object runs the generation as its own asyncio task beside a task that waits
+   for the client to disconnect. The first delta is awaited before any byte is sent, so an
+   admission failure (429 queue full, 503 no workers, 504 deadline) is an HTTP status.
+3. ``stream: true``: SSE ``data: {json}`` chunks, then ``data: [DONE]``; with
+   ``stream_options.include_usage`` one more chunk before it with empty ``choices`` and the
+   usage (every other chunk says ``usage: null``). A failure after the first byte is a
+   ``data: {"error": ...}`` event and no ``[DONE]``. Otherwise one JSON object at the end.
+4. A disconnect cancels the generation task; whatever ends the stream early, its ``finally``
+   awaits ``backend.abort(request_id)`` (shielded) and closes the backend's iterator, which
+   frees the KV on both workers.
+
+The server must be started on the loop the backend lives on (the router actor's):
+:meth:`HttpServer.start` runs uvicorn there as a task, on a socket bound to exactly ``host``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError as BodyValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+import pdserve
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router import openai_protocol as oa
+from pdserve.router.auth import ApiKey, TLSConfig
+from pdserve.router.backend import GenerationBackend, GenerationDelta
+from pdserve.router.errors import DeadlineExceededError, NoWorkersError, RequestValidationError
+from pdserve.router.validation import (
+    ValidatedRequest,
+    check_max_tokens,
+    check_prompt_text,
+    check_token_ids,
+    fit_to_context,
+)
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/version"})  # served without the API key
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+class PromptTools(Protocol):
+    """What the HTTP front door needs of the model's tokenizer (the router actor's)."""
+
+    has_chat_template: bool  # False: chat is a 400, completions still serve
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Prompt token ids of a conversation (ValueError for one the template refuses)."""
+        ...
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, for logprobs."""
+        ...
+
+
+@dataclass
+class _Job:
+    """One validated generation, ready to run."""
+
+    chat: bool  # chat.completion objects (else text_completion)
+    request_id: str  # "cmpl-..." / "chatcmpl-...", also the backend's request id
+    model: str  # served model name, echoed in every object
+    created: int  # unix time of arrival
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deadline: float | None  # time.monotonic() instant, from the body's timeout
+    stream: bool
+    include_usage: bool
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
+
+
+async def _send_json(send, status: int, body: dict, headers: list | None = None) -> None:
+    data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _GenerationResponse(Response):
+    """Runs a job as its own task and cancels it when the client goes away (see module doc)."""
+
+    def __init__(self, server: HttpServer, job: _Job) -> None:
+        super().__init__()
+        self._server, self._job = server, job
+
+    async def __call__(self, scope, receive, send) -> None:
+        work = asyncio.ensure_future(self._server._run(self._job, send))
+        watch = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                logger.info("%s: client gone, aborting", self._job.request_id)
+                work.cancel()  # its finally aborts the request on the workers
+            try:
+                await asyncio.shield(work)
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                logger.exception("%s failed", self._job.request_id)
+
+
+class _Guard:
+    """ASGI middleware: API key (except OPEN_PATHS) and the body size bound, before parsing."""
+
+    class _TooLarge(Exception):
+        pass
+
+    def __init__(self, app, api_key: ApiKey | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS \
+                and not self.api_key.allows(headers.get(b"authorization")):
+            error = oa.OpenAIError(401, "missing or wrong API key: send 'Authorization: "
+                                        "Bearer <key>'", "authentication_error",
+                                   code="invalid_api_key")
+            return await _send_json(send, 401, error.body(), [(b"www-authenticate", b"Bearer")])
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_body_bytes:
+            return await self._too_large(send)
+        received = 0
+
+        async def bounded_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body_bytes:
+                raise self._TooLarge()
+            return message
+
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, tracking_send)
+        except self._TooLarge:
+            if not started:
+                await self._too_large(send)
+
+    async def _too_large(self, send) -> None:
+        error = oa.OpenAIError(413, f"request body larger than {self.max_body_bytes} bytes",
+                               code="request_too_large")
+        await _send_json(send, 413, error.body())
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the process that hosts it owns its signals."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family, _type, _proto, _name, sockaddr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(1024)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class HttpServer:
+    """The FastAPI app and its uvicorn server; create, ``start`` and ``stop`` it on one loop."""
+
+    def __init__(self, backend: GenerationBackend, *, model_root: str = "",
+                 tools: PromptTools | None = None,
+                 accepting: Callable[[], None] | None = None, api_key: str | None = None,
+                 tls: TLSConfig | None = None, max_body_bytes: int = 16 * 1024 * 1024,
+                 max_concurrency: int | None = None) -> None:
+        self._backend = backend
+        self._model_root = model_root  # /v1/models "root"
+        self._tools = tools  # chat template and token text; None: no chat, no logprob text
+        self._accepting = accepting or self._backend_ready  # raises NoWorkersError when not
+        self._tls = tls
+        self._max_concurrency = max_concurrency
+        self._started_at = oa.now()
+        self.app = self._build_app()
+        self.asgi = _Guard(self.app, None if api_key is None else ApiKey(api_key),
+                           max_body_bytes)
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
+        self.port: int | None = None  # bound port once started
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
+        """Bind exactly ``host``:``port`` and serve on the running loop; returns the port."""
+        if self._task is not None:
+            raise RuntimeError("server already started")
+        sock = _listening_socket(host, port)
+        config = uvicorn.Config(self.asgi, log_config=None, access_log=False, lifespan="off",
+                                http="h11", ws="none", server_header=False,
+                                limit_concurrency=self._max_concurrency,
+                                timeout_graceful_shutdown=5)
+        config.load()
+        if self._tls is not None:
+            config.ssl = self._tls.ssl_context()
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what failed
+                raise RuntimeError(f"HTTP server on {host}:{port} did not start")
+            await asyncio.sleep(0.01)
+        self.port = sock.getsockname()[1]
+        logger.info("pdserve HTTP listening on %s:%d%s", host, self.port,
+                    " (TLS)" if self._tls else "")
+        return self.port
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting, let requests finish for ``grace`` s, then cut them (which aborts)."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), grace + 1.0)
+        except asyncio.TimeoutError:
+            self._server.force_exit = True
+            await self._task
+        self._task = self._server = None
+        logger.info("pdserve HTTP server stopped")
+
+    def _backend_ready(self) -> None:
+        if not self._backend.is_ready():
+            raise NoWorkersError("backend is not ready")
+
+    # -- app ------------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="pdserve", version=pdserve.__version__, docs_url=None,
+                      redoc_url=None)
+
+        @app.exception_handler(oa.OpenAIError)
+        async def _openai_error(_request, exc: oa.OpenAIError):
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+        @app.exception_handler(BodyValidationError)
+        async def _body_error(_request, exc: BodyValidationError):
+            first = (exc.errors() or [{}])[0]
+            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+            param = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc).lstrip(".")
+            message = f"{param}: {first.get('msg', 'invalid request body')}" if param else \
+                first.get("msg", "invalid request body")
+            return JSONResponse(oa.OpenAIError(400, message, param=param or None).body(), 400)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(_request, exc: StarletteHTTPException):
+            code = "not_found" if exc.status_code == 404 else None
+            return JSONResponse(oa.OpenAIError(exc.status_code, str(exc.detail),
+                                               code=code).body(), exc.status_code)
+
+        @app.post("/v1/completions")
+        async def completions(body: oa.CompletionRequest):
+            return await self._guarded(self._completion_job(body), "prompt")
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: oa.ChatCompletionRequest):
+            return await self._guarded(self._chat_job(body), "messages")
+
+        @app.get("/v1/models")
+        async def models():
+            model = self._backend.model_info()
+            return oa.model_list(model.model_name, self._model_root, model.max_context_tokens,
+                                 self._started_at)
+
+        @app.get("/health")
+        async def health():
+            try:
+                self._accepting()
+            except NoWorkersError as exc:
+                raise oa.OpenAIError(503, str(exc), "service_unavailable") from None
+            return {}
+
+        @app.get("/version")
+        async def version():
+            return {"version": pdserve.__version__}
+
+        return app
+
+    async def _guarded(self, making, prompt_param: str) -> Response:
+        try:
+            return _GenerationResponse(self, await making)
+        except oa.OpenAIError:
+            raise
+        except Exception as exc:
+            error = oa.openai_error(exc, prompt_param)
+            if error.status >= 500 and not isinstance(exc, (NoWorkersError,
+                                                            DeadlineExceededError)):
+                logger.error("preparing a request failed", exc_info=exc)
+            raise error from None
+
+    def _check_model(self, name: str) -> None:
+        served = self._backend.model_info().model_name
+        if name not in (served, self._model_root):
+            raise oa.OpenAIError(404, f"the model {name!r} does not exist; this server serves "
+                                      f"{served!r}", param="model", code="model_not_found")
+
+    def _common(self, body) -> tuple[SamplingParams, bool]:
+        self._check_model(body.model)
+        oa.check_supported(body)
+        self._accepting()
+        model = self._backend.model_info()
+        params, given = oa.sampling_params(body, model.vocab_size)
+        if given:
+            check_max_tokens("max_completion_tokens" if getattr(body, "max_completion_tokens",
+                                                                None) is not None
+                             else "max_tokens", params.max_tokens, model)
+        return params, given
+
+    async def _completion_job(self, body: oa.CompletionRequest) -> _Job:
+        params, given = self._common(body)
+        model = self._backend.model_info()
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise RequestValidationError("prompt", f"one prompt per request, got "
+                                                       f"{len(prompt)}")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestValidationError("prompt", "must be non-empty")
+            check_prompt_text("prompt", prompt, model)
+            ids = list(await self._backend.tokenize(prompt))
+        else:
+            if not prompt:
+                raise RequestValidationError("prompt", "must hold at least one token id")
+            check_token_ids("prompt", prompt, model.vocab_size)
+            ids = list(prompt)
+        return self._job(False, "cmpl", body, ids, params, given)
+
+    async def _chat_job(self, body: oa.ChatCompletionRequest) -> _Job:
+        params, given = self._common(body)
+        model = self._backend.model_info()
+        if self._tools is None or not self._tools.has_chat_template:
+            raise oa.OpenAIError(400, f"the model {model.model_name!r} has no chat template "
+                                      "(tokenizer_config.json chat_template or "
+                                      "chat_template.jinja); use /v1/completions",
+                                 param="messages", code="no_chat_template")
+        messages = oa.chat_messages(body)
+        check_prompt_text("messages", "".join(m["content"] for m in messages), model)
+        try:
+            ids = await asyncio.to_thread(self._tools.render_chat, messages,
+                                          body.add_generation_prompt)
+        except ValueError as exc:
+            raise RequestValidationError("messages", f"the chat template refused the "
+                                                     f"conversation: {exc}") from None
+        if not given:  # chat generates up to the end of the context unless told otherwise
+            params = replace(params, max_tokens=max(1, model.max_context_tokens - len(ids)))
+        return self._job(True, "chatcmpl", body, ids, params, given)
+
+    def _job(self, chat: bool, prefix: str, body, ids: list[int], params: SamplingParams,
+             given: bool) -> _Job:
+        model = self._backend.model_info()
+        validated = ValidatedRequest("", None, ids, params, given)
+        params = fit_to_context(ids, validated, model)
+        deadline = None if body.timeout is None else time.monotonic() + body.timeout
+        return _Job(chat, f"{prefix}-{uuid.uuid4().hex}", model.model_name, oa.now(), ids,
+                    params, deadline, body.stream, body.include_usage)
+
+    # -- running --------------------------------------------------------------------------------
+    async def _run(self, job: _Job, send) -> None:
+        deltas = self._backend.generate(job.request_id, job.prompt_token_ids, job.params,
+                                        job.deadline)
+        state = {"done": False, "started": False}
+        try:
+            try:
+                first = await self._next(deltas, job.deadline)
+            except Exception as exc:  # admission failed: an HTTP status, no stream
+                await self._send_error(send, exc, state)
+                return
+            stream = self._stream(job, first, deltas, state)
+            try:
+                if job.stream:
+                    await send({"type": "http.response.start", "status": 200,
+                                "headers": _SSE_HEADERS})
+                    state["started"] = True
+                    async for event in stream:
+                        await send({"type": "http.response.body", "body": event,
+                                    "more_body": True})
+                    await send({"type": "http.response.body", "body": b""})
+                else:
+                    items = [item async for item in stream]  # one: the whole object
+                    await _send_json(send, 200, items[-1])
+            except Exception as exc:
+                await self._send_error(send, exc, state)
+            finally:
+                await stream.aclose()
+        finally:
+            if not state["done"]:
+                await asyncio.shield(self._abort(job.request_id))
+            await self._close(deltas)
+
+    async def _stream(self, job: _Job, first: GenerationDelta,
+                      deltas: AsyncIterator[GenerationDelta], state: dict) -> AsyncIterator:
+        """SSE events (streaming) or, last, the whole response object (not streaming)."""
+        texts: list[str] = []
+        logprobs: list = []
+        num_generated, offset = 0, 0
+        delta = first
+        if job.stream and job.chat:
+            yield _sse(oa.chat_chunk(job.request_id, job.model, job.created,
+                                     {"role": "assistant", "content": ""}, None, None,
+                                     job.include_usage))
+        while True:
+            if delta.finish_reason == "abort":
+                state["done"] = True
+                raise NoWorkersError("the request was aborted by the server")
+            state["done"] = delta.finish_reason is not None
+            num_generated += len(delta.token_ids)
+            lp = self._logprobs(job, delta, offset)
+            offset += len(delta.text)
+            if job.stream and (delta.text or delta.token_ids or state["done"]):
+                if job.chat:
+                    content = {"content": delta.text} if delta.text or delta.token_ids else {}
+                    yield _sse(oa.chat_chunk(job.request_id, job.model, job.created, content,
+                                             delta.finish_reason, lp, job.include_usage))
+                else:
+                    yield _sse(oa.completion_chunk(job.request_id, job.model, job.created,
+                                                   delta.text, delta.finish_reason, lp,
+                                                   job.include_usage))
+            elif not job.stream:
+                texts.append(delta.text)
+                if lp is not None:
+                    logprobs.append(lp)
+            if state["done"]:
+                break
+            delta = await self._next(deltas, job.deadline)
+        usage = oa.usage(len(job.prompt_token_ids), num_generated)
+        if job.stream:
+            if job.include_usage:
+                yield _sse(oa.usage_chunk(job.request_id, job.model, job.created, job.chat,
+                                          usage))
+            yield b"data: [DONE]\n\n"
+            return
+        merged = _merge_logprobs(logprobs, job.chat) if job.params.logprobs is not None \
+            else None
+        build = oa.chat_object if job.chat else oa.completion_object
+        yield build(job.request_id, job.model, job.created, "".join(texts),
+                    delta.finish_reason, merged, usage)
+
+    def _logprobs(self, job: _Job, delta: GenerationDelta, offset: int) -> dict | None:
+        if job.params.logprobs is None or delta.logprobs is None or not delta.token_ids:
+            return None
+        text = self._tools.token_text if self._tools is not None else str
+        if job.chat:
+            return oa.chat_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs, text)
+        return oa.completion_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs,
+                                      text, offset)
+
+    @staticmethod
+    async def _next(deltas: AsyncIterator[GenerationDelta],
+                    deadline: float | None) -> GenerationDelta:
+        try:
+            if deadline is None:
+                return await deltas.__anext__()
+            return await asyncio.wait_for(deltas.__anext__(),
+                                          max(0.0, deadline - time.monotonic()))
+        except StopAsyncIteration:
+            raise RuntimeError("backend ended the stream without a finish_reason") from None
+        except asyncio.TimeoutError as exc:
+            raise DeadlineExceededError("the request's deadline passed") from exc
+
+    async def _send_error(self, send, exc: Exception, state: dict) -> None:
+        error = oa.openai_error(exc)
+        if error.status == 500:
+            logger.error("generation failed", exc_info=exc)
+        else:
+            logger.info("generation refused: %s %s", error.status, error.message)
+        try:
+            if state["started"]:
+                await send({"type": "http.response.body", "body": _sse(error.body())})
+                await send({"type": "http.response.body", "body": b""})
+            else:
+                await _send_json(send, error.status, error.body())
+        except Exception as send_exc:  # noqa: BLE001 - the client is gone
+            logger.info("could not send the error: %s", send_exc)
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self._backend.abort(request_id)
+        except Exception:
+            logger.exception("backend abort of %r failed", request_id)
+
+    @staticmethod
+    async def _close(deltas) -> None:
+        close = getattr(deltas, "aclose", None)
+        if close is None:
+            return
+        try:
+            await close()
+        except Exception:
+            logger.exception("closing a backend stream failed")
+
+
+def _merge_logprobs(parts: list[dict], chat: bool) -> dict | None:
+    """Concatenate per-delta logprobs objects into one."""
+    if chat:
+        return {"content": [entry for part in parts for entry in part["content"]]}
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {key: [v for part in parts for v in part[key]] for key in keys}

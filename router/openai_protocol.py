@@ -1,0 +1,341 @@
+"""The OpenAI wire format the HTTP front door speaks: request bodies, response objects, errors.
+
+Requests are pydantic models (unknown fields are ignored, as OpenAI's SDKs send some pdserve
+does not use); :func:`sampling_params` turns one into ``SamplingParams`` with the same checks
+as the gRPC path and errors named by the OpenAI parameter (``param``). Fields OpenAI defines
+but pdserve cannot honour (``n`` > 1, ``echo``, ``suffix``, ``logit_bias``, ``tools``, a JSON
+``response_format``, non-text content parts) are a 400 naming the parameter, never silently
+dropped.
+
+pdserve's extras, accepted in the body (``extra_body`` in the ``openai`` package): ``top_k``,
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``priority`` and
+``timeout`` (seconds the request may take; past it the answer is 504).
+
+Responses are plain dicts built here, so the server and the tests read one definition.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.router.errors import (
+    DeadlineExceededError,
+    DuplicateRequestError,
+    NoWorkersError,
+    QueueFullError,
+    RequestTooLargeError,
+    RequestValidationError,
+)
+from pdserve.router.validation import check_stop_strings
+
+UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob too small to report
+FINISH_REASONS = {"stop": "stop", "length": "length"}  # pdserve's -> OpenAI's
+
+
+class OpenAIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # HTTP status
+        self.message = message
+        self.type = type_
+        self.param = param  # the request parameter at fault, when one is
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+# Router error -> (status, type, code); the first match wins.
+_HTTP_BY_ERROR: tuple[tuple[type[Exception], int, str, str | None], ...] = (
+    (RequestValidationError, 400, "invalid_request_error", None),
+    (QueueFullError, 429, "rate_limit_error", "queue_full"),
+    (RequestTooLargeError, 400, "invalid_request_error", "request_too_large"),
+    (NoWorkersError, 503, "service_unavailable", "no_workers"),
+    (DuplicateRequestError, 409, "invalid_request_error", "duplicate_request"),
+    (DeadlineExceededError, 504, "timeout", "deadline_exceeded"),
+)
+_PARAM_BY_FIELD = {"text": "prompt", "token_ids": "prompt", "input": "prompt",
+                   "sampling.max_tokens": "max_tokens", "sampling.logprobs": "logprobs"}
+
+
+def openai_error(exc: Exception, prompt_param: str = "prompt") -> OpenAIError:
+    """The OpenAI error an exception from validation or the backend is answered with."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    for error_type, status, type_, code in _HTTP_BY_ERROR:
+        if isinstance(exc, error_type):
+            param = None
+            if isinstance(exc, RequestValidationError):
+                param = _PARAM_BY_FIELD.get(exc.field, exc.field.removeprefix("sampling."))
+                param = prompt_param if param == "prompt" else param
+            return OpenAIError(status, str(exc), type_, param, code)
+    return OpenAIError(500, f"internal error ({type(exc).__name__})", "server_error")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False  # one more chunk before [DONE]: empty choices and the usage
+
+
+class _SamplingBody(BaseModel):
+    """What completions and chat share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str  # the served model's name (GET /v1/models)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = None  # only 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # refused unless empty
+    user: str | None = None  # accepted, unused
+    # pdserve extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    priority: int | None = None
+    timeout: float | None = Field(default=None, gt=0)  # seconds; past it: 504
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingBody):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # top log-probabilities per token (0..20)
+    echo: bool | None = None  # refused when true
+    suffix: str | None = None  # refused
+    best_of: int | None = None  # only 1
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingBody):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # preferred over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None  # refused
+    tool_choice: str | dict[str, Any] | None = None  # only "none"
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    add_generation_prompt: bool = True  # the template's assistant header (pdserve extra)
+
+
+def _refuse(param: str, message: str):
+    raise OpenAIError(400, message, param=param, code="unsupported")
+
+
+def check_supported(body: _SamplingBody) -> None:
+    """400 naming the parameter for what the request asks and pdserve cannot do."""
+    if body.n not in (None, 1):
+        _refuse("n", f"only n=1 is supported, got {body.n}")
+    if body.logit_bias:
+        _refuse("logit_bias", "logit_bias is not supported")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            _refuse("echo", "echo is not supported")
+        if body.suffix:
+            _refuse("suffix", "suffix is not supported")
+        if body.best_of not in (None, 1):
+            _refuse("best_of", f"only best_of=1 is supported, got {body.best_of}")
+    if isinstance(body, ChatCompletionRequest):
+        if body.tools:
+            _refuse("tools", "tool calling is not supported")
+        if body.tool_choice not in (None, "none"):
+            _refuse("tool_choice", "tool calling is not supported")
+        if body.response_format and body.response_format.get("type") not in (None, "text"):
+            _refuse("response_format", "only the text response format is supported")
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as chat templates read them: role and text content."""
+    out = []
+    for i, message in enumerate(body.messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    _refuse(f"messages[{i}].content", f"content parts of type {part.type!r} "
+                                                      "are not supported (text only)")
+                texts.append(part.text)
+            content = "".join(texts)
+        entry = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        out.append(entry)
+    return out
+
+
+def sampling_params(body: _SamplingBody, vocab_size: int) -> tuple[SamplingParams, bool]:
+    """(params, whether max_tokens was given); RequestValidationError names the parameter."""
+    chat = isinstance(body, ChatCompletionRequest)
+    max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None \
+        else body.max_tokens
+    max_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None \
+        else "max_tokens"
+    if chat:
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestValidationError("top_logprobs", "needs logprobs: true")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    check_stop_strings(stop, "stop")
+    values = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+              "top_k": body.top_k, "min_p": body.min_p,
+              "repetition_penalty": body.repetition_penalty,
+              "presence_penalty": body.presence_penalty,
+              "frequency_penalty": body.frequency_penalty, "seed": body.seed,
+              "ignore_eos": body.ignore_eos, "logprobs": logprobs, "priority": body.priority}
+    kwargs = {k: v for k, v in values.items() if v is not None}
+    try:
+        params = SamplingParams(stop=stop, stop_token_ids=list(body.stop_token_ids or []),
+                                **kwargs)
+    except ValueError as exc:
+        name = str(exc).split(" ", 1)[0]
+        param = {"max_tokens": max_param, "logprobs": "top_logprobs" if chat else "logprobs"
+                 }.get(name, name)
+        raise RequestValidationError(param, str(exc)) from exc
+    if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+        raise RequestValidationError("top_logprobs" if chat else "logprobs",
+                                     f"at most {MAX_LOGPROBS}")
+    return params, max_tokens is not None
+
+
+# -- responses ------------------------------------------------------------------------------
+def finish_reason(reason: str | None) -> str | None:
+    """pdserve's finish reason as OpenAI's (``abort`` never reaches here: it is an error)."""
+    return None if reason is None else FINISH_REASONS[reason]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _finite(logprob: float | None) -> float:
+    return logprob if logprob is not None and math.isfinite(logprob) else UNLIKELY_LOGPROB
+
+
+def _top(top: dict[int, float], num_top: int) -> list[tuple[int, float]]:
+    return sorted(top.items(), key=lambda item: -item[1])[:num_top]
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], num_top: int,
+                        token_text, offset: int) -> dict:
+    """The completions ``logprobs`` object for ``token_ids``; ``offset``: characters of text
+    already returned before them."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token_id, top in zip(token_ids, logprobs, strict=True):
+        text = token_text(token_id)
+        tokens.append(text)
+        token_logprobs.append(_finite(top.get(token_id)))
+        tops.append({token_text(t): _finite(lp) for t, lp in _top(top, num_top)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], num_top: int,
+                  token_text) -> dict:
+    """The chat ``logprobs`` object (``content``: one entry per token)."""
+    content = []
+    for token_id, top in zip(token_ids, logprobs, strict=True):
+        text = token_text(token_id)
+        content.append({
+            "token": text, "logprob": _finite(top.get(token_id)),
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [{"token": token_text(t), "logprob": _finite(lp),
+                              "bytes": list(token_text(t).encode("utf-8"))}
+                             for t, lp in _top(top, num_top)]})
+    return {"content": content}
+
+
+def completion_object(request_id: str, model: str, created: int, text: str,
+                      reason: str | None, logprobs: dict | None, usage_: dict) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                         "finish_reason": finish_reason(reason)}],
+            "usage": usage_}
+
+
+def chat_object(request_id: str, model: str, created: int, text: str, reason: str | None,
+                logprobs: dict | None, usage_: dict) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": logprobs, "finish_reason": finish_reason(reason)}],
+            "usage": usage_}
+
+
+def completion_chunk(request_id: str, model: str, created: int, text: str,
+                     reason: str | None, logprobs: dict | None, with_usage: bool) -> dict:
+    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+             "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                          "finish_reason": finish_reason(reason)}]}
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_chunk(request_id: str, model: str, created: int, delta: dict, reason: str | None,
+               logprobs: dict | None, with_usage: bool) -> dict:
+    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+             "model": model, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                          "finish_reason": finish_reason(reason)}]}
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(request_id: str, model: str, created: int, chat: bool, usage_: dict) -> dict:
+    """The one extra chunk ``stream_options.include_usage`` asks for: no choices, the usage."""
+    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [], "usage": usage_}
+
+
+def model_list(model_name: str, root: str, max_context_tokens: int, created: int) -> dict:
+    return {"object": "list", "data": [{
+        "id": model_name, "object": "model", "created": created, "owned_by": "pdserve",
+        "root": root, "parent": None, "max_model_len": max_context_tokens}]}
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,299 @@
+"""The OpenAI HTTP front door over real loopback HTTP (uvicorn) against the FakeBackend, with
+the official ``openai`` package and raw httpx: completions and chat, stream and not, the usage
+chunk rules, every error status in the OpenAI envelope, a mid-stream failure, a disconnect
+that aborts, the API key, and a fuzz of request bodies (never a 5xx, never a hang, nothing
+left running)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.errors import QueueFullError
+from pdserve.router.fake_backend import FakeBackend, FakePromptTools
+from pdserve.router.http_server import HttpServer
+from pdserve.testing import wait_for
+
+KEY = "http-test-key"
+MODEL = "fake-counter"
+
+
+class Loop:
+    """One event loop in a thread hosting the servers of this module."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+class MidStreamFailure(FakeBackend):
+    """Fails after its first delta."""
+
+    async def generate(self, request_id, prompt_token_ids, params, deadline):
+        inner = super().generate(request_id, prompt_token_ids, params, deadline)
+        try:
+            yield await inner.__anext__()
+            raise RuntimeError("worker exploded")
+        finally:
+            await inner.aclose()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = Loop()
+    yield loop
+    loop.close()
+
+
+def _start(loop: Loop, backend, **kwargs) -> tuple[HttpServer, str]:
+    server = loop.run(_make(backend, kwargs))
+    return server, f"http://127.0.0.1:{server.port}"
+
+
+async def _make(backend, kwargs) -> HttpServer:
+    server = HttpServer(backend, model_root="/models/fake", **kwargs)
+    await server.start("127.0.0.1", 0)
+    return server
+
+
+@pytest.fixture(scope="module")
+def served(loop):
+    backend = FakeBackend()
+    server, url = _start(loop, backend, tools=FakePromptTools(backend), api_key=KEY,
+                         max_body_bytes=64 * 1024)
+    yield backend, url
+    loop.run(server.stop(1.0))
+
+
+@pytest.fixture
+def fake(served):
+    backend, url = served
+    backend.ready, backend.fail_with, backend.token_delay_s = True, None, 0.0
+    yield backend, url
+    wait_for(lambda: backend.num_running == 0, 5, "no request left running")
+
+
+@pytest.fixture
+def client(fake):
+    return openai.OpenAI(base_url=fake[1] + "/v1", api_key=KEY, max_retries=0, timeout=10)
+
+
+def _post(url: str, path: str, body: dict, key: str | None = KEY, **kwargs) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url + path, json=body, headers=headers, timeout=10, **kwargs)
+
+
+def _events(response: httpx.Response) -> list:
+    out = []
+    for line in response.text.split("\n\n"):
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_completions_with_the_openai_client(fake, client):
+    backend, _ = fake
+    ids, reason = backend.expected_output([1, 2, 3], SamplingParams(max_tokens=5))
+    out = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=5)
+    assert out.choices[0].text == backend.decode(ids) and out.choices[0].finish_reason == reason
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 5)
+    assert out.id.startswith("cmpl-") and out.model == MODEL
+    text = client.completions.create(model=MODEL, prompt="BCD", max_tokens=3).choices[0].text
+    assert text == "EFG"  # the fake tokenizer: one id per character
+    chunks = list(client.completions.create(model=MODEL, prompt=[60], max_tokens=8,
+                                            stream=True, temperature=0))
+    assert "".join(c.choices[0].text for c in chunks) == backend.decode([61, 62, 63])
+    assert chunks[-1].choices[0].finish_reason == "stop"  # 63 is the fake eos
+
+
+def test_chat_with_the_openai_client(fake, client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    assert out.choices[0].message.role == "assistant" and out.object == "chat.completion"
+    assert len(out.choices[0].message.content) == 4 and out.usage.completion_tokens == 4
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                            stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == out.choices[0].message.content
+    assert [c.usage is not None for c in chunks].count(True) == 1 and chunks[-1].usage
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    logprobs = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                              logprobs=True, top_logprobs=2)
+    content = logprobs.choices[0].logprobs.content
+    assert len(content) == 2 and len(content[0].top_logprobs) == 2
+
+
+def test_usage_chunk_rules_on_the_wire(fake):
+    _, url = fake
+    body = {"model": MODEL, "prompt": [5], "max_tokens": 3, "stream": True}
+    plain = _events(_post(url, "/v1/completions", body))
+    assert plain[-1] == "[DONE]" and all("usage" not in e for e in plain[:-1])
+    with_usage = _events(_post(url, "/v1/completions",
+                               {**body, "stream_options": {"include_usage": True}}))
+    assert with_usage[-1] == "[DONE]"
+    chunks = with_usage[:-1]
+    assert [c["usage"] is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "GHI"
+    lp = _post(url, "/v1/completions", {"model": MODEL, "prompt": [5], "max_tokens": 2,
+                                        "logprobs": 2}).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["G", "H"] and lp["text_offset"] == [0, 1]
+    assert len(lp["top_logprobs"][0]) == 2
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": MODEL, "prompt": [1], "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": [1], "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": [1], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": [1], "max_tokens": 10_000}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": [999]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": []}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "A" * 20_000}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [1], "echo": True}, 400, "echo"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [1], "stop": ["x"] * 40}, 400, "stop"),
+    ({"model": "other", "prompt": [1]}, 404, "model"),
+])
+def test_bad_requests_get_the_error_envelope(fake, body, status, param):
+    response = _post(fake[1], "/v1/completions", body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and set(error) == {
+        "message", "type", "param", "code"}
+
+
+def test_statuses_from_the_backend(fake, client):
+    backend, url = fake
+    body = {"model": MODEL, "prompt": [1], "max_tokens": 2}
+    backend.fail_with = QueueFullError("queue full")
+    assert _post(url, "/v1/completions", body).status_code == 429
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=MODEL, prompt=[1], max_tokens=2)
+    backend.fail_with = None
+    backend.ready = False
+    for response in (_post(url, "/v1/completions", body), httpx.get(url + "/health")):
+        assert response.status_code == 503 and response.json()["error"]["message"]
+    backend.ready = True
+    backend.token_delay_s = 0.2
+    slow = _post(url, "/v1/completions", {**body, "max_tokens": 50, "timeout": 0.3})
+    assert slow.status_code == 504 and slow.json()["error"]["code"] == "deadline_exceeded"
+    too_big = _post(url, "/v1/completions", {**body, "prompt": "x" * 70_000})
+    assert too_big.status_code == 413
+
+
+def test_api_key_and_open_paths(fake):
+    _, url = fake
+    body = {"model": MODEL, "prompt": [1], "max_tokens": 1}
+    for key in (None, "wrong"):
+        response = _post(url, "/v1/completions", body, key=key)
+        assert response.status_code == 401 and response.json()["error"]["code"] == \
+            "invalid_api_key"
+        assert httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {key}"}
+                         ).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/version").json()["version"]
+    models = httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {KEY}"}).json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["root"] == "/models/fake"
+
+
+def test_mid_stream_failure_is_an_error_event_without_done(loop):
+    backend = MidStreamFailure()
+    server, url = _start(loop, backend)
+    try:
+        events = _events(_post(url, "/v1/completions", {"model": MODEL, "prompt": [1],
+                                                        "max_tokens": 5, "stream": True},
+                               key=None))
+        assert events[0]["choices"][0]["text"] == "C"
+        assert events[-1]["error"]["type"] == "server_error" and "[DONE]" not in events
+        failed = _post(url, "/v1/completions", {"model": MODEL, "prompt": [1],
+                                                "max_tokens": 5}, key=None)
+        assert failed.status_code == 500 and "worker exploded" not in failed.text
+    finally:
+        loop.run(server.stop(1.0))
+
+
+def test_no_chat_template_is_a_400_and_completions_still_serve(loop):
+    server, url = _start(loop, FakeBackend())  # no PromptTools: no template
+    try:
+        chat = _post(url, "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, key=None)
+        assert chat.status_code == 400 and chat.json()["error"]["code"] == "no_chat_template"
+        assert _post(url, "/v1/completions", {"model": MODEL, "prompt": [1], "max_tokens": 1},
+                     key=None).status_code == 200
+    finally:
+        loop.run(server.stop(1.0))
+
+
+def test_client_disconnect_aborts_the_request(fake):
+    backend, url = fake
+    backend.token_delay_s = 0.05
+    before = len(backend.aborted_ids)
+    with httpx.stream("POST", url + "/v1/completions", timeout=10,
+                      headers={"authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "prompt": [1], "max_tokens": 200, "stream": True,
+                            "ignore_eos": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # the first token arrived: hang up
+    wait_for(lambda: len(backend.aborted_ids) > before, 5, "the abort")
+    assert backend.aborted_ids[-1].startswith("cmpl-")
+    wait_for(lambda: backend.num_running == 0, 5, "the stream to stop")
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**12), st.floats(),
+                     st.text(max_size=8))
+_bodies = st.fixed_dictionaries({}, optional={
+    "model": st.sampled_from([MODEL, "other", ""]) | _scalars,
+    "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-3, 100), max_size=8),
+                        _scalars),
+    "messages": st.one_of(st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "bot"]),
+         "content": st.text(max_size=10) | _scalars}), max_size=3), _scalars),
+    "max_tokens": _scalars, "temperature": _scalars, "top_p": _scalars, "top_k": _scalars,
+    "n": _scalars, "stop": st.one_of(_scalars, st.lists(st.text(max_size=3), max_size=3)),
+    "stream": _scalars, "logprobs": _scalars, "top_logprobs": _scalars, "seed": _scalars,
+    "stream_options": st.one_of(_scalars, st.fixed_dictionaries({"include_usage": _scalars})),
+    "presence_penalty": _scalars, "stop_token_ids": st.lists(st.integers(-2, 70), max_size=3),
+    "timeout": _scalars, "min_p": _scalars, "repetition_penalty": _scalars,
+})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=_bodies, chat=st.booleans())
+def test_fuzzed_bodies_never_5xx_or_hang(served, body, chat):
+    backend, url = served
+    backend.ready, backend.fail_with, backend.token_delay_s = True, None, 0.0
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 64:
+        body["max_tokens"] = 64  # keep each example short; validation is what is fuzzed
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    response = httpx.post(url + path, headers={"authorization": f"Bearer {KEY}"},
+                          content=json.dumps(body, allow_nan=True), timeout=10)
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    wait_for(lambda: backend.num_running == 0, 5, "nothing left running")
