@@ -40,6 +40,7 @@ class WorkerRecord:
     ledger_json: str = "{}"  # MemoryLedger.to_dict() as JSON
     pid: int = 0  # the worker's process id (on its node)
     error: str = ""  # why the worker's engine loop died ("" while it runs): it takes no work
+    num_bounces: int = 0  # preemptions that handed a request back to the router (a counter)
 
     @classmethod
     def from_stats(cls, stats: WorkerStats, pid: int = 0) -> WorkerRecord:
@@ -48,7 +49,7 @@ class WorkerRecord:
                    stats.queued_tokens, stats.draining, 0.0, stats.used_blocks,
                    stats.cached_blocks, stats.num_preemptions, stats.prefix_hit_tokens,
                    stats.prefix_query_tokens, json.dumps(stats.ledger, sort_keys=True), pid,
-                   stats.error or "")
+                   stats.error or "", stats.num_bounces)
 
     def to_stats(self) -> WorkerStats:
         return WorkerStats(self.worker_id, self.role, self.total_blocks, self.free_blocks,
@@ -56,7 +57,7 @@ class WorkerRecord:
                            self.num_waiting, self.queued_tokens, self.num_preemptions,
                            self.prefix_hit_tokens, self.prefix_query_tokens,
                            json.loads(self.ledger_json or "{}"), self.transfer_address,
-                           self.draining, self.error or None)
+                           self.draining, self.error or None, self.num_bounces)
 
     def to_hash(self) -> dict[str, str]:
         return {f.name: str(int(v) if isinstance(v, bool) else v)

@@ -74,7 +74,7 @@ class DecodeWorker:
             raise ValueError("a decode worker's pool must be built with "
                              "enable_prefix_caching=False (use DecodeWorker.config_for)")
         self.worker_id = worker_id
-        self.engine = LLMEngine(parts, policy=DecodeOnlyPolicy())
+        self.engine = LLMEngine(parts, policy=DecodeOnlyPolicy(parts.config.scheduling_policy))
         self.lease_s = lease_s
         self.orphan_timeout_s = orphan_timeout_s
         self.sink = ReservedBlocksSink(parts.runner.kv_caches, on_complete=self._on_kv_complete,

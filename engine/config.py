@@ -40,6 +40,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # auto | torch | triton
     seed: int = 0  # seeds the random streams of requests that bring no seed
+    scheduling_policy: str = "fcfs"  # fcfs | priority (lower SamplingParams.priority first)
     prefix_cache_salt: str | None = None  # secret mixed into every prefix-cache block hash,
     # one per cluster (the launcher generates it); None: each engine draws its own
 
@@ -54,6 +55,9 @@ class EngineConfig:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, "
+                             f"got {self.scheduling_policy!r}")
         _positive_int("block_size", self.block_size)
         _positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive_int("memory_budget_bytes", self.memory_budget_bytes, allow_none=True)

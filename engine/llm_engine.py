@@ -117,7 +117,7 @@ class LLMEngine:
                             max_num_batched_tokens=cfg.max_num_batched_tokens,
                             max_model_len=parts.max_model_len,
                             enable_chunked_prefill=cfg.enable_chunked_prefill),
-            parts.block_manager, policy)
+            parts.block_manager, policy or SchedulingPolicy(cfg.scheduling_policy))
         self.sampler = Sampler()
         self._seed_source = random.Random(cfg.seed)
         self._sequences: dict[str, Sequence] = {}
@@ -252,9 +252,10 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         start = time.perf_counter()
         output = self.scheduler.schedule()
+        bounced = self._hand_back(output.bounced)
         if output.is_empty:
             self.last_step = StepStats()
-            return []
+            return bounced
         sampling = [item for item in output.scheduled if item.samples]
         batch = self.parts.runner.prepare(output.scheduled)
         forward_start = time.perf_counter()
@@ -264,6 +265,17 @@ class LLMEngine:
         deltas = self.sample_and_emit(sampling, logits)
         self.last_step = StepStats(output.num_batched_tokens, len(output.scheduled), forward_s,
                                    time.perf_counter() - start)
+        return bounced + deltas
+
+    def _hand_back(self, bounced: list[Sequence]) -> list[RequestDelta]:
+        """Final deltas of sequences the scheduler preempted by handing them back."""
+        deltas = []
+        for seq in bounced:
+            self.untrack(seq.request_id)
+            deltas.append(RequestDelta(seq.request_id, [], "", "abort", None,
+                                       seq.num_prompt_tokens, seq.num_output_tokens,
+                                       error="preempted: no free KV blocks on this worker",
+                                       attempt=seq.attempt, preempted=True))
         return deltas
 
     def sample_and_emit(self, sampling: list[ScheduledSequence],
@@ -324,4 +336,4 @@ def engine_stats(worker_id: str, role: str, engine: LLMEngine, num_reserved: int
         worker_id, role, bm.num_blocks, bm.num_allocatable_blocks, bm.num_used_blocks,
         bm.num_cached_blocks, sched.num_running, sched.num_waiting + num_reserved, queued,
         sched.num_preemptions, bm.num_prefix_hit_tokens, bm.num_prefix_query_tokens,
-        engine.parts.ledger.to_dict(), transfer_address)
+        engine.parts.ledger.to_dict(), transfer_address, num_bounces=sched.num_bounces)

@@ -39,6 +39,7 @@ class RequestDelta:
     error: str | None = None  # why an "abort" happened when the worker aborted on its own
     attempt: int = 1  # WorkRequest.attempt of the request this delta belongs to
     deadline_exceeded: bool = False  # the abort happened because the deadline passed
+    preempted: bool = False  # a decode worker handed it back for lack of blocks: place again
 
 
 @dataclass
@@ -87,3 +88,4 @@ class WorkerStats:
     transfer_address: str = ""  # decode workers: KV endpoint host:port
     draining: bool = False  # takes no new requests
     error: str | None = None  # set when the worker's engine loop died: it takes no work
+    num_bounces: int = 0  # preemptions that handed a request back to the router (a counter)

@@ -89,6 +89,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)  # batch order
     preempted: list[Sequence] = field(default_factory=list)  # preempted in this schedule()
+    bounced: list[Sequence] = field(default_factory=list)  # preempted and handed back (ended)
     num_batched_tokens: int = 0  # sum of num_new_tokens
 
     @property
@@ -120,7 +121,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted ones go to the front
         self.running: list[Sequence] = []  # admission order; the tail is preempted first
         self._seqs: dict[str, Sequence] = {}  # request_id -> every waiting or running seq
-        self.num_preemptions = 0  # preemptions since start
+        self.num_preemptions = 0  # preemptions since start, every kind
+        self.num_bounces = 0  # of which handed back to the router (decode role)
 
     # ---- counts -------------------------------------------------------------------------
 
@@ -226,36 +228,53 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget, short = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget, short, deferred = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not short:  # never admit while the running set is short of blocks
-            self._schedule_waiting(out, budget)
+            budget = self._schedule_waiting(out, budget)
+        for seq in deferred:  # prefills that let better waiting requests go first
+            if budget <= 0 or len(out.scheduled) >= self.config.max_num_seqs:
+                break
+            if seq.status == SequenceStatus.RUNNING:
+                budget -= self._schedule_one(seq, budget, out)[0]
         now = time.monotonic()
         for item in out.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
-        """Give running sequences their tokens; returns (budget left, went short of blocks)."""
-        cfg, short = self.config, False
+    def _schedule_running(self, out: SchedulerOutput,
+                          budget: int) -> tuple[int, bool, list[Sequence]]:
+        """Give running sequences their tokens; returns (budget left, went short of blocks,
+        the prefills deferred behind better waiting requests)."""
+        short, deferred = False, []
         for seq in self.policy.order_running(self.running):
-            if budget <= 0 or len(out.scheduled) >= cfg.max_num_seqs:
+            if budget <= 0 or len(out.scheduled) >= self.config.max_num_seqs:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = self.policy.num_new_tokens(seq, seq.num_computed_tokens, budget,
-                                           cfg.enable_chunked_prefill)
-            if n <= 0:
+            if self.policy.defers(seq, self.waiting):
+                deferred.append(seq)
                 continue
-            if not self.block_manager.can_allocate(seq, n):
-                short = True
-                n = self._make_room(seq, n, out)
-                if n == 0:
-                    continue
-            self.block_manager.allocate(seq, n)
-            out._add(seq, n)
-            budget -= n
-        return budget, short
+            used, went_short = self._schedule_one(seq, budget, out)
+            budget -= used
+            short = short or went_short
+        return budget, short, deferred
+
+    def _schedule_one(self, seq: Sequence, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
+        """Schedule running ``seq``'s next tokens; returns (tokens scheduled, went short)."""
+        n = self.policy.num_new_tokens(seq, seq.num_computed_tokens, budget,
+                                       self.config.enable_chunked_prefill)
+        if n <= 0:
+            return 0, False
+        short = False
+        if not self.block_manager.can_allocate(seq, n):
+            short = True
+            n = self._make_room(seq, n, out)
+            if n == 0:
+                return 0, short
+        self.block_manager.allocate(seq, n)
+        out._add(seq, n)
+        return n, short
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
         """Preempt newest unscheduled sequences until seq's n tokens fit.
@@ -283,17 +302,25 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         _remove(self.running, seq)
         self.block_manager.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.policy.preempt_kind == "bounce":  # ended here; the router places it again
+            self._drop(seq)
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            self.num_bounces += 1
+            out.bounced.append(seq)
+            logger.debug("bounced %s back to the router", seq.request_id)
+            return
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         logger.debug("preempted %s (recompute %d tokens)", seq.request_id, seq.num_tokens)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting sequences FCFS while seats, budget and blocks allow."""
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting sequences in the policy's order while seats, budget and blocks
+        allow; returns the budget left."""
         cfg, bm = self.config, self.block_manager
         while (budget > 0 and len(self.running) < cfg.max_num_seqs
                and len(out.scheduled) < cfg.max_num_seqs):
@@ -317,6 +344,7 @@ class Scheduler:
             self.running.append(seq)
             out._add(seq, n)
             budget -= n
+        return budget
 
     def update(self, output: SchedulerOutput) -> None:
         """After the model ran: advance progress, cache full blocks, free out-of-window blocks."""

@@ -1,12 +1,13 @@
 """Small policy objects that make the scheduler's ordering and admission decisions.
 
 The :class:`~pdserve.engine.scheduler.Scheduler` owns the queues and the block bookkeeping;
-a policy answers four questions, each a short pure function:
+a policy answers five questions, each a short pure function:
 
 1. ``order_running``: in which order do running sequences claim this step's token budget?
 2. ``num_new_tokens``: how many tokens does a sequence compute this step (0 = skip it)?
 3. ``pick_victim``: which running sequence is preempted when blocks run out?
 4. ``next_waiting``: which waiting sequence is admitted next?
+5. ``defers``: does a running prefill chunk yield this step to a better waiting request?
 
 plus two constants saying which entry points the role accepts (``add`` for prompts,
 ``add_running`` for sequences whose KV was computed elsewhere). A worker role picks its
@@ -19,22 +20,53 @@ from collections.abc import Sequence as SequenceOf
 
 from pdserve.engine.sequence import Sequence
 
+ORDERINGS = ("fcfs", "priority")
+
+
+def priority_key(seq: Sequence) -> tuple:
+    """Priority scheduling order: lower ``priority`` first, ties by arrival (vLLM's rule)."""
+    return seq.sampling_params.priority, seq.arrival_time
+
 
 class SchedulingPolicy:
-    """Colocated default: decodes first, then running prefill chunks, then FCFS admission.
+    """Colocated default: decodes first, then running prefill chunks, then admission.
 
-    Preemption takes the most recently admitted sequence (the tail of the running list).
+    ``ordering`` "fcfs": admission first come, first served; preemption takes the most
+    recently admitted sequence (the tail of the running list). "priority": admission, the
+    order inside decodes and inside prefills, and the victim all follow ``priority_key``
+    (lowest priority, newest, is preempted first), and a running prefill chunk of a request
+    whose priority is worse than a waiting one's yields the step's budget to it (``defers``),
+    so a long low-priority prompt never blocks a short high-priority one.
     """
 
     name = "colocated"
     accepts_prompts = True  # Scheduler.add takes new prompts
     accepts_running = True  # Scheduler.add_running takes already computed sequences
+    preempt_kind = "recompute"  # a victim recomputes here ("bounce": handed back instead)
+
+    def __init__(self, ordering: str = "fcfs") -> None:
+        if ordering not in ORDERINGS:
+            raise ValueError(f"scheduling_policy must be one of {ORDERINGS}, got {ordering!r}")
+        self.ordering = ordering
+
+    @property
+    def by_priority(self) -> bool:
+        return self.ordering == "priority"
 
     def order_running(self, running: SequenceOf[Sequence]) -> list[Sequence]:
         """Decodes (one token left to compute) first, then partial prefills; stable."""
         decodes = [s for s in running if s.num_uncomputed_tokens == 1]
         others = [s for s in running if s.num_uncomputed_tokens != 1]
+        if self.by_priority:
+            decodes.sort(key=priority_key)
+            others.sort(key=priority_key)
         return decodes + others
+
+    def defers(self, seq: Sequence, waiting: SequenceOf[Sequence]) -> bool:
+        """Should running prefill ``seq`` let a better waiting request go first this step?"""
+        if not self.by_priority or seq.num_uncomputed_tokens == 1 or not waiting:
+            return False
+        return min(priority_key(w) for w in waiting) < priority_key(seq)
 
     def num_new_tokens(self, seq: Sequence, num_computed_tokens: int, budget: int,
                        enable_chunked_prefill: bool) -> int:
@@ -47,12 +79,16 @@ class SchedulingPolicy:
         return budget if enable_chunked_prefill else 0
 
     def pick_victim(self, candidates: SequenceOf[Sequence]) -> Sequence:
-        """candidates: unscheduled running sequences in admission order; take the newest."""
+        """candidates: unscheduled running sequences in admission order."""
+        if self.by_priority:
+            return max(candidates, key=priority_key)
         return candidates[-1]
 
     def next_waiting(self, waiting: SequenceOf[Sequence]) -> Sequence | None:
-        """First come, first served; preempted sequences were put back at the front."""
-        return waiting[0] if waiting else None
+        """FCFS: the head (preempted sequences were put back at the front); priority: best."""
+        if not waiting:
+            return None
+        return min(waiting, key=priority_key) if self.by_priority else waiting[0]
 
 
 class PrefillOnlyPolicy(SchedulingPolicy):
@@ -77,9 +113,11 @@ class PrefillOnlyPolicy(SchedulingPolicy):
 class DecodeOnlyPolicy(SchedulingPolicy):
     """Decode worker: sequences arrive computed through ``add_running``.
 
-    A preempted sequence still recomputes its tokens here (waiting queue, chunked), so the
-    decode worker never loses a request for lack of blocks.
+    A preempted sequence is handed back (``preempt_kind = "bounce"``): its blocks are freed
+    and the worker tells the router, which re-prefills it on the prefill pool and reserves
+    again when room returns; a decode worker never runs a prefill.
     """
 
     name = "decode"
     accepts_prompts = False
+    preempt_kind = "bounce"

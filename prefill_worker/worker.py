@@ -79,7 +79,7 @@ class PrefillWorker:
         if layers_per_frame < 1:
             raise ValueError(f"layers_per_frame must be >= 1, got {layers_per_frame}")
         self.worker_id = worker_id
-        self.engine = LLMEngine(parts, policy=PrefillOnlyPolicy())
+        self.engine = LLMEngine(parts, policy=PrefillOnlyPolicy(parts.config.scheduling_policy))
         self.connector = connector
         self.overlap = overlap
         self.layers_per_frame = layers_per_frame

@@ -21,6 +21,9 @@ class RouterConfig:
     poll_timeout_s: float = 0.05  # long-poll wait of each decode worker poller
     stats_interval_s: float = 0.25  # worker stats refresh period
     prefix_memory_blocks: int = 8192  # prompt block hashes remembered per prefill worker
+    scheduling_policy: str = "fcfs"  # fcfs | priority: order of the waiting queue
+    priority_aging_s: float = 10.0  # a waiting request gains one priority level per this long
+    max_request_kv_fraction: float = 1.0  # most of a decode worker's KV one request may hold
 
     def __post_init__(self) -> None:
         for name in ("max_requests_in_flight", "max_tokens_in_flight", "max_attempts"):
@@ -32,5 +35,13 @@ class RouterConfig:
                      "poll_timeout_s", "stats_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, "
+                             f"got {self.scheduling_policy!r}")
+        if not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
+        if not 0 < self.max_request_kv_fraction <= 1:
+            raise ValueError(f"max_request_kv_fraction must be in (0, 1], "
+                             f"got {self.max_request_kv_fraction}")
         if self.reserve_wait_s is not None and not self.reserve_wait_s > 0:
             raise ValueError(f"reserve_wait_s must be > 0 or None, got {self.reserve_wait_s}")

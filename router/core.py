@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import OrderedDict, deque
@@ -38,6 +39,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pdserve.engine.messages import PrefillResult, RequestDelta, Reservation, WorkRequest
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.admission import AdmissionQueue
 from pdserve.router.backend import GenerationDelta, ModelSpec
 from pdserve.router.config import RouterConfig
 from pdserve.router.directory import WorkerDirectory
@@ -77,6 +79,7 @@ class Router:
         self._tokens_in_flight = 0
         self._was_ready = False
         self._room = asyncio.Event()  # set whenever a request leaves (blocks came back)
+        self._queue = AdmissionQueue(self.config.scheduling_policy, self.config.priority_aging_s)
         self._tasks: list[asyncio.Task] = []
         self.traces: deque[RequestTrace] = deque(maxlen=100_000)
 
@@ -140,8 +143,9 @@ class Router:
         return await asyncio.to_thread(self._tokenize, text)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       deadline: float | None) -> AsyncIterator[GenerationDelta]:
-        flight = self._admit(request_id, prompt_token_ids, params, deadline)
+                       deadline: float | None, tenant: str | None = None
+                       ) -> AsyncIterator[GenerationDelta]:
+        flight = self._admit(request_id, prompt_token_ids, params, deadline, tenant)
         finished = False
         try:
             async for delta in self._run(flight):
@@ -165,22 +169,46 @@ class Router:
 
     # -- admission ----------------------------------------------------------------------------
     def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               deadline: float | None) -> Flight:
+               deadline: float | None, tenant: str | None = None) -> Flight:
         if not self.is_ready() and not self._was_ready:
             raise NoWorkersError("no workers are ready to take requests")
         cfg, n = self.config, len(prompt_token_ids)
-        if len(self._flights) >= cfg.max_requests_in_flight:
-            raise QueueFullError(f"{len(self._flights)} requests in flight (the limit); retry")
-        if self._tokens_in_flight + n > cfg.max_tokens_in_flight:
-            raise QueueFullError(f"{self._tokens_in_flight} prompt tokens in flight; retry")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         flight = Flight(WorkRequest(request_id, list(prompt_token_ids), params, seed,
-                                    time.time()), deadline)
+                                    time.time()), deadline, tenant=tenant)
+        flight.queued_at = flight.arrival
+        self._check_kv_cap(flight)
+        if len(self._flights) >= cfg.max_requests_in_flight \
+                and not self._queue.shed_worst(self._queue.key(flight)):
+            raise QueueFullError(
+                f"{len(self._flights)} requests in flight (the limit) and none waiting ranks "
+                f"below this one; retry in {self._queue.retry_after_s():.0f} s",
+                retry_after_s=self._queue.retry_after_s())
+        if self._tokens_in_flight + n > cfg.max_tokens_in_flight:
+            raise QueueFullError(f"{self._tokens_in_flight} prompt tokens in flight; retry",
+                                 retry_after_s=self._queue.retry_after_s())
         flight.request.deadline = flight.wall_deadline()
         self._flights[request_id] = flight
         self._tokens_in_flight += n
         self.metrics.router_running.labels("router").set(len(self._flights))
         return flight
+
+    def _check_kv_cap(self, flight: Flight) -> None:
+        """Refuse a request that would hold more than ``max_request_kv_fraction`` of the
+        largest decode (or colocated) worker's KV blocks, before it evicts anyone."""
+        fraction = self.config.max_request_kv_fraction
+        pools = self._live("decode") or self._live("colocated")
+        if fraction >= 1 or not pools:
+            return
+        largest = max(pools, key=lambda w: w.stats.total_blocks).stats
+        block_size = int(largest.ledger.get("block_size", 16))
+        tokens = len(flight.request.prompt_token_ids) + flight.request.params.max_tokens
+        needed, allowed = -(-tokens // block_size), int(fraction * largest.total_blocks)
+        if needed > allowed:
+            raise RequestTooLargeError(
+                f"prompt + max_tokens ({tokens} tokens) needs {needed} KV blocks, more than "
+                f"max_request_kv_fraction {fraction:g} of a worker's {largest.total_blocks} "
+                f"blocks ({allowed}); shorten the prompt or max_tokens")
 
     def _release(self, flight: Flight) -> None:
         if self._flights.pop(flight.request_id, None) is not None:
@@ -224,6 +252,10 @@ class Router:
     def _count_failure(self, flight: Flight, failure: AttemptFailed) -> None:
         """Raise NoWorkersError when this failure spends the request's last attempt."""
         cfg = self.config
+        if failure.reason == "preempted":  # a full decode worker handed it back: not a fault
+            flight.num_bounces += 1
+            self.metrics.migrations.labels(failure.reason).inc()
+            return
         if not flight.output_ids:
             flight.num_retries += 1
             if flight.num_retries >= cfg.max_attempts:
@@ -283,6 +315,25 @@ class Router:
         the request (RequestTooLargeError once every worker says so); any other error is that
         worker's problem (its poller or the pool manager deals with it): skip it too.
         """
+        await self._take_turn(flight)
+        try:
+            return await self._place_now(flight, role, place_on)
+        finally:
+            self._queue.done(flight)
+
+    async def _take_turn(self, flight: Flight) -> None:
+        """Wait in the admission queue for this request's turn to place (see admission)."""
+        limit = self.config.reserve_wait_s
+        timeout = flight.budget(math.inf if limit is None else limit)
+        try:
+            await self._queue.turn(flight, None if timeout == math.inf else timeout)
+        except TimeoutError:
+            flight.budget(math.inf)  # DeadlineExceededError if the deadline went
+            raise QueueFullError(f"no turn to place within {limit:g} s; retry later",
+                                 retry_after_s=self._queue.retry_after_s()) from None
+
+    async def _place_now(self, flight: Flight, role: str,
+                         place_on: Callable[[Flight, WorkerLoad], Awaitable]):
         cfg = self.config
         started = time.monotonic()
         while True:
@@ -376,6 +427,8 @@ class Router:
                                        f"waiting for {flight.decode_id}'s next token")
             if isinstance(item, Exception):
                 raise item
+            if item.preempted:
+                raise AttemptFailed("preempted", f"{flight.decode_id}: {item.error}")
             if item.deadline_exceeded:
                 raise DeadlineExceededError(f"{flight.decode_id}: {item.error}")
             if item.error is not None:

@@ -37,6 +37,10 @@ class AdmissionError(RouterError):
 class QueueFullError(AdmissionError):
     """The admission queue is full (by requests or by tokens); the client may retry later."""
 
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # a hint: when a retry may find room (None: unknown)
+
 
 class RequestTooLargeError(AdmissionError):
     """The request needs more KV blocks than any worker has in total; retrying cannot help."""

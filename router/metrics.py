@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from pdserve.engine.messages import PrefillResult, WorkerStats
 
+PREEMPTION_KINDS = ("recompute", "bounce")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)
 
@@ -47,8 +48,10 @@ class RouterMetrics:
         self.usage = gauge("kv_cache_usage_ratio", "Used / total KV blocks")
         self.prefix_hits = gauge("prefix_cache_hits_total", "Prompt tokens served by the "
                                  "prefix cache (a counter kept by the worker)")
-        self.preemptions = gauge("preemptions_total", "Preemptions by recompute (a counter kept "
-                                 "by the worker)")
+        self.preemptions = Gauge("pdserve_preemptions_total", "Preemptions by kind: recompute "
+                                 "(redone on the worker) or bounce (a decode worker handed the "
+                                 "request back to be re-prefilled); a counter kept by the "
+                                 "worker", ("role", "worker", "kind"), registry=r)
         self.router_running = Gauge("pdserve_router_requests_in_flight", "Admitted requests",
                                     ("role",), registry=r)
         self.migrations = Counter("pdserve_request_migrations", "Requests moved to new workers "
@@ -61,7 +64,7 @@ class RouterMetrics:
                                        ("code",), registry=r)
         self._per_worker = (self.queue, self.prefill, self.transfer, self.transfer_bytes,
                             self.running, self.waiting, self.used_blocks, self.total_blocks,
-                            self.usage, self.prefix_hits, self.preemptions)
+                            self.usage, self.prefix_hits)
 
     def observe_prefill(self, worker_id: str, result: PrefillResult) -> None:
         labels = ("prefill", worker_id)
@@ -78,7 +81,9 @@ class RouterMetrics:
         self.total_blocks.labels(*labels).set(stats.total_blocks)
         self.usage.labels(*labels).set(stats.used_blocks / max(1, stats.total_blocks))
         self.prefix_hits.labels(*labels).set(stats.prefix_hit_tokens)
-        self.preemptions.labels(*labels).set(stats.num_preemptions)
+        self.preemptions.labels(*labels, "recompute").set(stats.num_preemptions
+                                                          - stats.num_bounces)
+        self.preemptions.labels(*labels, "bounce").set(stats.num_bounces)
 
     def remove_worker(self, role: str, worker_id: str) -> None:
         """Drop every per-worker series of a worker that left (dashboards forget it)."""
@@ -86,6 +91,11 @@ class RouterMetrics:
             try:
                 metric.remove(role, worker_id)
             except KeyError:  # that series was never observed
+                pass
+        for kind in PREEMPTION_KINDS:
+            try:
+                self.preemptions.remove(role, worker_id, kind)
+            except KeyError:
                 pass
 
     def start_http(self, port: int, host: str = "127.0.0.1"):

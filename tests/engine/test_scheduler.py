@@ -300,9 +300,13 @@ def test_decode_only_policy_continues_committed_sequences():
     seqs = [computed_elsewhere(sched.block_manager, f"r{i}", 9, max_tokens=6) for i in range(2)]
     for seq in seqs:
         sched.add_running(seq)
-    run_all(sched)  # 7 blocks for 2 x 14 tokens of KV: one is preempted and recomputed here
-    assert sched.num_preemptions >= 1
-    assert all(s.output_token_ids == [TOKEN] * 6 for s in seqs)
+    outs = run_all(sched)  # 7 blocks for 2 x 14 tokens of KV: one is handed back, not recomputed
+    bounced = [s for o in outs for s in o.bounced]
+    assert sched.num_bounces == sched.num_preemptions == len(bounced) == 1
+    assert bounced[0].status == SequenceStatus.FINISHED_ABORTED and not bounced[0].block_table
+    survivor = next(s for s in seqs if s is not bounced[0])
+    assert survivor.output_token_ids == [TOKEN] * 6
+    assert all(item.num_new_tokens == 1 for o in outs for item in o.scheduled)  # no prefill
 
 
 def test_running_sequences_beyond_max_num_seqs_take_turns():
