@@ -2,8 +2,9 @@
 
 A worker sizes its KV pool in ``engine.memory.plan_kv_pool`` from the budget, the weights and an
 analytic activation estimate. All three are known without loading a weight: the model config
-comes from ``config.json``, the weight bytes from the model built on the ``meta`` device (tied
-to the embedding where the safetensors headers have no ``lm_head.weight``, as the loader does),
+comes from ``config.json`` (or a GGUF's metadata), the weight bytes from the model built on the
+``meta`` device (tied to the embedding where the safetensors headers or the GGUF tensor table
+have no ``lm_head.weight``, as the loader does; GGUF weights count dequantized, as loaded),
 the activations from the same estimate. :func:`check_engine_fits` runs that plan and raises the
 worker's own :class:`MemoryBudgetError` (or the ValueError a worker would raise for a bad
 ``--max-model-len`` or ``--model``), so the user gets one message instead of a failed actor.
@@ -21,7 +22,6 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from pdserve.cluster.launcher import ClusterOptions
 from pdserve.engine import memory
@@ -29,7 +29,7 @@ from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
 from pdserve.engine.memory import MemoryBudgetError
 from pdserve.kernels import resolve_backend
 from pdserve.models import ModelConfig, build_model
-from pdserve.models.loader import find_weight_files
+from pdserve.models.loader import weight_tensor_names
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +37,7 @@ logger = logging.getLogger(__name__)
 def meta_weight_bytes(model_dir: Path, mc: ModelConfig, dtype: torch.dtype) -> int:
     """What ``engine.memory.weight_bytes`` will count for the loaded model, read from the
     safetensors headers and a ``meta``-device model (no weight is read)."""
-    names: set[str] = set()
-    for path in find_weight_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            names.update(f.keys())
+    names = weight_tensor_names(model_dir)  # safetensors headers or a GGUF's tensor table
     model = build_model(mc, dtype=dtype, device="meta")
     if "lm_head.weight" not in names:
         model.tie_weights()
@@ -67,7 +64,7 @@ def check_engine_fits(config: EngineConfig) -> int | None:
     if budget is None and device.type == "cpu":
         budget = DEFAULT_CPU_MEMORY_BUDGET
     if budget is None or config.num_kv_blocks is not None:
-        find_weight_files(model_dir)  # a folder without weights still fails here
+        weight_tensor_names(model_dir)  # a folder without weights still fails here
         return None
     weights = meta_weight_bytes(model_dir, mc, dtype)
     activations = memory.estimate_activation_bytes(mc, config, dtype, max_model_len,

@@ -24,7 +24,7 @@ def _positive_int(name: str, value, allow_none: bool = False) -> None:
 class EngineConfig:
     """Everything one engine (offline, colocated, prefill or decode worker) is built from."""
 
-    model: str  # Hugging Face checkpoint folder
+    model: str  # Hugging Face checkpoint folder, a .gguf file, or a folder holding one .gguf
     dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (CPU: fp32, CUDA: checkpoint)
     device: str = "auto"  # cpu | cuda | auto
     block_size: int = 16  # tokens per KV block

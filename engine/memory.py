@@ -39,6 +39,7 @@ class MemoryLedger:
     kv_bytes_per_token: int  # all layers, K and V, as stored (int8 layers count 1 byte)
     kv_dtype: str  # storage dtype of the pool ("int8" when quantized)
     num_kv_blocks_model_dtype: int  # blocks the same pool bytes would hold in the model dtype
+    weights_source: str = ""  # how the weights were stored when not as loaded (a GGUF's types)
 
     @property
     def kv_token_capacity(self) -> int:
@@ -49,7 +50,8 @@ class MemoryLedger:
         mib = lambda b: f"{b / (1 << 20):,.1f} MiB"  # noqa: E731
         return [
             ("budget", mib(self.budget_bytes)),
-            ("weights", mib(self.weight_bytes)),
+            ("weights", mib(self.weight_bytes) + (f" ({self.weights_source})"
+                                                  if self.weights_source else "")),
             ("activations (est. peak)", mib(self.activation_bytes)),
             ("safety margin", mib(self.margin_bytes)),
             ("KV pool", f"{mib(self.kv_pool_bytes)} = {self.num_kv_blocks} blocks x "
@@ -167,7 +169,8 @@ def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.
         activation_bytes=activations, kv_pool_bytes=num_blocks * per_block,
         num_kv_blocks=num_blocks, block_size=config.block_size,
         kv_bytes_per_token=per_block // config.block_size, kv_dtype=kv_dtype,
-        num_kv_blocks_model_dtype=num_blocks * per_block // model_dtype_block)
+        num_kv_blocks_model_dtype=num_blocks * per_block // model_dtype_block,
+        weights_source=getattr(model, "weights_source", ""))
 
 
 def allocate_kv_caches(mc, ledger: MemoryLedger, layer_dtypes, device: torch.device,

@@ -218,7 +218,13 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """Parse ``model_dir/config.json`` (+ generation_config.json when present)."""
+        """Parse ``model_dir/config.json`` (+ generation_config.json when present), or the
+        metadata of a GGUF file / a folder holding one (:mod:`pdserve.models.gguf`)."""
+        from pdserve.models.gguf import GGUFCheckpoint, find_gguf_file
+
+        gguf_file = find_gguf_file(model_dir)
+        if gguf_file is not None:
+            return GGUFCheckpoint(gguf_file).model_config
         model_dir = Path(model_dir)
         path = model_dir / "config.json"
         if not path.is_file():

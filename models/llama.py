@@ -185,6 +185,11 @@ class LlamaForCausalLM(nn.Module):
             self._cos_sin_cache = self._cos_sin_cache.to(device)
         return self._cos_sin_cache
 
+    def set_rope_freq_factors(self, freq_factors: torch.Tensor) -> None:
+        """Divide the RoPE frequencies by ``freq_factors`` (head_dim / 2,): how GGUF files
+        carry Llama 3.1 scaling."""
+        self._cos_sin_cache = cos_sin_cache_for(self.config, freq_factors=freq_factors)
+
     def tie_weights(self) -> None:
         """Make lm_head share the embedding matrix (tied or lm_head-less checkpoints)."""
         self.lm_head.weight = self.model.embed_tokens.weight

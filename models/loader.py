@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.models.config import ModelConfig
+from pdserve.models.gguf import GGUFCheckpoint, find_gguf_file, load_gguf_model
 from pdserve.models.llama import build_model
 
 logger = logging.getLogger(__name__)
@@ -113,24 +114,25 @@ def _inventory(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
     return found
 
 
-def check_tensors(config: ModelConfig,
-                  found: dict[str, tuple[Path, tuple[int, ...]]]) -> bool:
-    """Raise on any unexpected, missing or misshapen tensor; return whether to tie lm_head."""
+def check_tensors(config: ModelConfig, found: dict[str, tuple[Path, tuple[int, ...]]],
+                  source: str = "config.json") -> bool:
+    """Raise on any unexpected, missing or misshapen tensor; return whether to tie lm_head.
+    ``source`` names where the config came from in the messages."""
     expected = hf_tensor_shapes(config)
     unexpected = sorted(n for n in found if n not in expected and not n.endswith(_IGNORED_SUFFIXES))
     if unexpected:
         name = unexpected[0]
         raise ValueError(f"unexpected tensor {name!r} in {found[name][0].name} "
                          f"({len(unexpected)} unexpected in all: {unexpected[:5]}) for a "
-                         f"{config.model_type} model with this config.json")
+                         f"{config.model_type} model with this {source}")
     missing = sorted(n for n in expected if n not in found and n != "lm_head.weight")
     if missing:
         raise ValueError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all: "
-                         f"{missing[:5]}) in the checkpoint's safetensors files")
+                         f"{missing[:5]}) in the checkpoint's weight files")
     for name, (path, shape) in found.items():
         if name in expected and shape != expected[name]:
             raise ValueError(f"tensor {name!r} in {path.name} has shape {list(shape)}, but "
-                             f"config.json implies {list(expected[name])}")
+                             f"{source} implies {list(expected[name])}")
     tie = config.tie_word_embeddings or "lm_head.weight" not in found
     if tie and not config.tie_word_embeddings:
         logger.warning("checkpoint has no lm_head.weight; tying it to the embedding")
@@ -152,6 +154,13 @@ def _target(model: torch.nn.Module, config: ModelConfig,
     return model.get_parameter(".".join(parts)), offset
 
 
+def copy_tensor(model, config: ModelConfig, name: str, tensor: torch.Tensor) -> None:
+    """Copy HF tensor ``name`` into its (possibly fused) parameter of ``model``."""
+    param, offset = _target(model, config, name)
+    with torch.no_grad():
+        param[offset:offset + tensor.shape[0]].copy_(tensor)
+
+
 def _copy_weights(model, config: ModelConfig, found, tie: bool) -> None:
     by_file: dict[Path, list[str]] = {}
     for name, (path, _) in found.items():
@@ -161,18 +170,19 @@ def _copy_weights(model, config: ModelConfig, found, tie: bool) -> None:
     for path, names in by_file.items():
         with safe_open(path, framework="pt") as f:
             for name in names:
-                param, offset = _target(model, config, name)
-                tensor = f.get_tensor(name)
-                with torch.no_grad():
-                    param[offset:offset + tensor.shape[0]].copy_(tensor)
+                copy_tensor(model, config, name, f.get_tensor(name))
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> torch.nn.Module:
-    """Load a Hugging Face checkpoint folder; see the module docstring for the steps."""
+    """Load a Hugging Face checkpoint folder, or a GGUF file (or a folder holding one: see
+    :mod:`pdserve.models.gguf`); see the module docstring for the steps."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, "
                          f"got {dtype}")
+    gguf_file = find_gguf_file(model_dir)
+    if gguf_file is not None:
+        return load_gguf_model(gguf_file, dtype=dtype, device=device)
     start = time.perf_counter()
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -189,3 +199,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                 config.model_type, config.num_parameters() / 1e6, len(files),
                 time.perf_counter() - start)
     return model
+
+
+def weight_tensor_names(model_dir: str | Path) -> set[str]:
+    """Hugging Face names of the tensors a checkpoint holds, read from headers only (the
+    safetensors headers, or a GGUF file's tensor table); raises when there are no weights."""
+    gguf_file = find_gguf_file(model_dir)
+    if gguf_file is not None:
+        return set(GGUFCheckpoint(gguf_file).inventory())
+    names: set[str] = set()
+    for path in find_weight_files(Path(model_dir)):
+        with safe_open(path, framework="pt") as f:
+            names.update(f.keys())
+    return names

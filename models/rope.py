@@ -97,13 +97,19 @@ def inv_frequencies(head_dim: int, rope_theta: float, rope_scaling: dict | None 
 def build_cos_sin_cache(head_dim: int, max_positions: int, rope_theta: float,
                         rope_scaling: dict | None = None,
                         max_position_embeddings: int | None = None,
-                        device: torch.device | str | None = None) -> torch.Tensor:
-    """The ``(max_positions, head_dim)`` float32 ``[cos | sin]`` table for positions 0.. ."""
+                        device: torch.device | str | None = None,
+                        freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``(max_positions, head_dim)`` float32 ``[cos | sin]`` table for positions 0.. .
+
+    ``freq_factors`` (head_dim / 2,) divide the frequencies (a GGUF's ``rope_freqs`` tensor,
+    how llama.cpp stores Llama 3.1 scaling)."""
     if max_positions <= 0:
         raise ValueError(f"max_positions must be positive, got {max_positions}")
     with torch.device("cpu"):  # always computed on CPU in fp32, even under a meta context
         inv_freq, attention_scaling = inv_frequencies(
             head_dim, rope_theta, rope_scaling, max_position_embeddings or max_positions)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.to("cpu", torch.float32)
         positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # (max_positions, head_dim / 2)
         cache = torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling),
@@ -112,8 +118,9 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, rope_theta: float,
 
 
 def cos_sin_cache_for(config: ModelConfig, device: torch.device | str | None = None,
-                      max_positions: int | None = None) -> torch.Tensor:
+                      max_positions: int | None = None,
+                      freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     """The cache for ``config`` covering ``max_position_embeddings`` (or ``max_positions``)."""
     return build_cos_sin_cache(config.head_dim, max_positions or config.max_position_embeddings,
                                config.rope_theta, config.rope_scaling,
-                               config.max_position_embeddings, device)
+                               config.max_position_embeddings, device, freq_factors)

@@ -37,16 +37,24 @@ class Tokenizer:
     """Text <-> token ids for one checkpoint."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, eos_token_ids: Sequence[int] = (),
-                 bos_token_id: int | None = None, add_bos_token: bool | None = None):
+                 bos_token_id: int | None = None, add_bos_token: bool | None = None,
+                 chat_template: str | None = None):
         self._tok = tokenizer  # the tokenizers.Tokenizer doing the work
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)  # generation stops on these
         self.bos_token_id: int | None = bos_token_id  # prepended per the BOS policy
         self.add_bos_token: bool | None = add_bos_token  # None: the post-processor decides
+        self.chat_template: str | None = chat_template  # Jinja template, when the model has one
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Read ``tokenizer.json`` (+ tokenizer_config.json, generation_config.json,
-        config.json when present) from a checkpoint folder."""
+        config.json when present) from a checkpoint folder; from a GGUF file (or a folder
+        holding one) build it from the metadata (:mod:`pdserve.models.gguf_tokenizer`)."""
+        from pdserve.models.gguf import GGUFCheckpoint, find_gguf_file
+
+        gguf_file = find_gguf_file(model_dir)
+        if gguf_file is not None:
+            return GGUFCheckpoint(gguf_file).tokenizer()
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -70,7 +78,9 @@ class Tokenizer:
         add_bos = tok_cfg.get("add_bos_token")
         if add_bos is not None and not isinstance(add_bos, bool):
             raise ValueError(f"add_bos_token in {cfg_path} must be a bool, got {add_bos!r}")
-        return cls(tok, eos_token_ids=eos, bos_token_id=bos, add_bos_token=add_bos)
+        template = tok_cfg.get("chat_template")
+        return cls(tok, eos_token_ids=eos, bos_token_id=bos, add_bos_token=add_bos,
+                   chat_template=template if isinstance(template, str) else None)
 
     @property
     def vocab_size(self) -> int:
