@@ -69,6 +69,7 @@ class WorkerSpec:
     ttl_s: float = 5.0  # a record without heartbeat for this long disappears
     lease_s: float = 60.0  # decode: reservation lease
     log_level: str = "WARNING"  # logging level inside the actor process
+    join_token: str = ""  # KV rendezvous: decode endpoints accept only prefill peers holding it
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -108,9 +109,10 @@ def build_worker(spec: WorkerSpec):
         return ColocatedWorker(spec.worker_id, EngineParts.build(spec.config))
     if spec.role == "decode":
         parts = EngineParts.build(DecodeWorker.config_for(spec.config))
-        make = lambda sink: TransferEndpoint(sink, host, 0, device)  # noqa: E731
+        make = lambda sink: TransferEndpoint(sink, host, 0, device,  # noqa: E731
+                                             join_token=spec.join_token)
         return DecodeWorker(spec.worker_id, parts, make, lease_s=spec.lease_s)
-    connector = TorchDistConnector(spec.worker_id, host, device)
+    connector = TorchDistConnector(spec.worker_id, host, device, join_token=spec.join_token)
     return PrefillWorker(spec.worker_id, EngineParts.build(spec.config), connector)
 
 

@@ -63,10 +63,39 @@ def _add_serve(sub) -> None:
                    populate=_serve_settings)
 
 
+def _add_client_security(parser) -> None:
+    """--api-key and the TLS files of a client command."""
+    parser.add_argument("--api-key", default=None,
+                        help="the server's API key (default: $PDSERVE_API_KEY)")
+    parser.add_argument("--tls-ca", default=None, metavar="FILE",
+                        help="speak TLS, verifying the server with this PEM CA file")
+    parser.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help="this client's PEM certificate, for mutual TLS (with --tls-key)")
+    parser.add_argument("--tls-key", default=None, metavar="FILE",
+                        help="this client's PEM private key")
+
+
+def _client_security(prog: str, args) -> dict:
+    """{"api_key", "tls"} for a client from --api-key / --tls-* (one-line exit 2 when bad)."""
+    import os
+
+    from pdserve.api.client import ClientTLS
+
+    api_key = args.api_key or os.environ.get("PDSERVE_API_KEY") or None
+    tls = None
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        try:
+            tls = ClientTLS.from_files(args.tls_ca, args.tls_cert, args.tls_key)
+        except (OSError, ValueError) as exc:
+            _fail(prog, f"argument --tls-ca/--tls-cert/--tls-key: {exc}")
+    return {"api_key": api_key, "tls": tls}
+
+
 def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="stream a completion from a running server")
     gen.add_argument("prompt", help="prompt text")
     gen.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+    _add_client_security(gen)
     gen.add_argument("--max-tokens", type=int, default=None)
     gen.add_argument("--temperature", type=float, default=None, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=None)
@@ -105,6 +134,7 @@ def _add_status(sub) -> None:
     status.add_argument("--json", action="store_true",
                         help='print one JSON object: {"pools": {role: {...}}, "workers": [...]}')
     status.add_argument("--timeout", type=float, default=10.0, help="call deadline in seconds")
+    _add_client_security(status)
 
 
 def _add_drain(sub) -> None:
@@ -116,6 +146,7 @@ def _add_drain(sub) -> None:
                        metavar="SECONDS", help="return only once the worker has stopped (at "
                                                "most SECONDS, default 600)")
     drain.add_argument("--timeout", type=float, default=10.0, help="call deadline in seconds")
+    _add_client_security(drain)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,7 +199,8 @@ def _cmd_serve(args) -> int:
     from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
     from pdserve.cluster.preflight import user_error
 
-    options = _checked_options(args, ClusterOptions(), "pdserve serve")
+    options = _with_security(_checked_options(args, ClusterOptions(), "pdserve serve"),
+                             "pdserve serve")
     stop = threading.Event()
     _stop_on_signals(stop)
     cluster = EmbeddedCluster(options)
@@ -179,9 +211,13 @@ def _cmd_serve(args) -> int:
         cluster.start_router()
         cluster.start_workers()
         cluster.wait_ready(120)
+        from pdserve.cluster.redis_server import redact_url
+
+        http = f", OpenAI HTTP on {cluster.http_url}/v1" if cluster.http_url else ""
         print(f"pdserve: serving {cluster.model} with {_shape(options)} worker(s)\n"
-              f"pdserve: gRPC on {options.host}:{cluster.port}, metrics on "
-              f"{cluster.metrics_url}, Redis {cluster.redis_url}\n"
+              f"pdserve: gRPC on {options.host}:{cluster.port}{http}, metrics on "
+              f"{cluster.metrics_url}, Redis {redact_url(cluster.redis_url)}\n"
+              f"pdserve: {_security_line(options)}\n"
               f"pdserve: Ctrl-C or SIGTERM stops everything", file=sys.stderr, flush=True)
         while not stop.wait(1.0):
             pass
@@ -201,6 +237,37 @@ def _cmd_serve(args) -> int:
     return 0
 
 
+def _with_security(options, prog: str):
+    """``options`` with the API key from $PDSERVE_API_KEY when no --api-key was given, and
+    the TLS files checked readable (exit 2 naming the flag otherwise)."""
+    import os
+
+    from pdserve.router.auth import TLSConfig
+
+    key = os.environ.get("PDSERVE_API_KEY")
+    if options.api_key is None and key:
+        try:
+            options = dataclasses.replace(options, api_key=key)
+        except ValueError as exc:
+            _fail(prog, f"PDSERVE_API_KEY: {exc}")
+    try:
+        TLSConfig.from_files(options.tls_cert, options.tls_key, options.tls_client_ca)
+    except ValueError as exc:
+        flag = str(exc).split(":", 1)[0].split(" ", 1)[0].replace("_", "-")
+        _fail(prog, f"argument --{flag}: {exc}")
+    return options
+
+
+def _security_line(options) -> str:
+    parts = ["API key required" if options.api_key else "no API key (anyone who can reach "
+             "the port may call it)"]
+    if options.tls_cert:
+        parts.append("mutual TLS" if options.tls_client_ca else "TLS")
+    else:
+        parts.append("plaintext")
+    return ", ".join(parts)
+
+
 def _shape(options) -> str:
     if options.colocated:
         return f"{options.num_decode} colocated"
@@ -213,8 +280,9 @@ def _cmd_generate(args) -> int:
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, stop=args.stop,
                     ignore_eos=args.ignore_eos)
+    security = _client_security("pdserve generate", args)
     try:
-        with PdserveClient(args.target) as client:
+        with PdserveClient(args.target, **security) as client:
             finish = None
             for chunk in client.generate_stream(args.prompt, timeout=args.timeout, **sampling):
                 sys.stdout.write(chunk.text)
@@ -260,9 +328,9 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-def _admin_call(prog: str, target: str, timeout: float, fn):
-    """``fn(AdminClient)``; an unreachable server, an unknown worker or a bad target exits 2
-    with one line."""
+def _admin_call(prog: str, target: str, timeout: float, fn, security: dict | None = None):
+    """``fn(AdminClient)``; an unreachable server, an unknown worker, a wrong API key or a bad
+    target exits 2 with one line."""
     import grpc
 
     from pdserve.api.admin_client import AdminClient
@@ -272,13 +340,16 @@ def _admin_call(prog: str, target: str, timeout: float, fn):
     if not host or not port.isdigit():
         _fail(prog, f"argument --target: expected HOST:PORT, got {target!r}")
     try:
-        with AdminClient(target, timeout=timeout) as admin:
+        with AdminClient(target, timeout=timeout, **(security or {})) as admin:
             return fn(admin)
     except PdserveError as exc:
         if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             _fail(prog, f"cannot reach a pdserve router at {target}: {exc.details}")
         if exc.code == grpc.StatusCode.UNIMPLEMENTED:
             _fail(prog, f"the server at {target} has no pdserve.v1.Admin service")
+        if exc.code == grpc.StatusCode.UNAUTHENTICATED:
+            _fail(prog, f"the server at {target} wants an API key: pass --api-key (or set "
+                        "PDSERVE_API_KEY)")
         _fail(prog, exc.details or exc.code.name)
 
 
@@ -288,7 +359,8 @@ def _cmd_status(args) -> int:
     from pdserve.api.admin_client import pool_dict, worker_dict
 
     pools, workers = _admin_call("pdserve status", args.target, args.timeout,
-                                 lambda admin: (admin.get_pools(), admin.list_workers()))
+                                 lambda admin: (admin.get_pools(), admin.list_workers()),
+                                 _client_security("pdserve status", args))
     report = {"pools": {p.role: pool_dict(p) for p in pools},
               "workers": [worker_dict(w) for w in workers]}
     if args.json:
@@ -323,9 +395,11 @@ def _cmd_drain(args) -> int:
     import time
 
     prog = "pdserve drain"
+    security = _client_security(prog, args)
     worker = _admin_call(prog, args.target, args.timeout,
-                         lambda admin: admin.drain_worker(args.worker_id))
-    pools = _admin_call(prog, args.target, args.timeout, lambda admin: admin.get_pools())
+                         lambda admin: admin.drain_worker(args.worker_id), security)
+    pools = _admin_call(prog, args.target, args.timeout, lambda admin: admin.get_pools(),
+                        security)
     target = next((p.target for p in pools if p.role == worker.role), None)
     print(f"pdserve: draining {worker.worker_id}: it takes no new requests, finishes its "
           f"streams, then stops; {worker.role} pool target now {target}", file=sys.stderr)
@@ -333,7 +407,8 @@ def _cmd_drain(args) -> int:
         return 0
     deadline = time.monotonic() + args.wait
     while time.monotonic() < deadline:
-        workers = _admin_call(prog, args.target, args.timeout, lambda admin: admin.list_workers())
+        workers = _admin_call(prog, args.target, args.timeout,
+                              lambda admin: admin.list_workers(), security)
         if not any(w.worker_id == args.worker_id and w.state == worker.state for w in workers):
             print(f"pdserve: {args.worker_id} stopped", file=sys.stderr)
             return 0

@@ -23,8 +23,10 @@ local Ray's own processes) are listed by :meth:`started_pids`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -41,6 +43,7 @@ from pdserve.cluster.ray_env import init_ray
 from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.router_actor import ROUTER_NAME, RouterSpec, start_router_actor
 from pdserve.engine.config import EngineConfig
+from pdserve.router.auth import ApiKey, TLSConfig
 from pdserve.router.core import RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -54,9 +57,17 @@ class ClusterOptions:
     num_prefill: int = 1  # prefill worker actors (disaggregated mode)
     num_decode: int = 1  # decode worker actors, or colocated workers with ``colocated``
     colocated: bool = False  # one pool of workers doing both phases
-    host: str = "127.0.0.1"  # gRPC and metrics bind address
+    host: str = "127.0.0.1"  # gRPC, HTTP and metrics bind address (0.0.0.0: every interface)
     port: int = 50051  # gRPC port; 0 = any free port
     metrics_port: int | None = 9400  # Prometheus port; 0 = any free port, None = off
+    http_port: int | None = None  # OpenAI-compatible HTTP port; 0 = any free port, None = off
+    api_key: str | None = None  # clients must send "Authorization: Bearer KEY" (HTTP, gRPC
+    # and Admin; health stays open); default: $PDSERVE_API_KEY with pdserve serve
+    tls_cert: str | None = None  # PEM certificate chain file: gRPC and HTTP speak TLS
+    tls_key: str | None = None  # PEM private key file of tls_cert
+    tls_client_ca: str | None = None  # PEM CA file: clients need a certificate it signed (mTLS)
+    reflection: bool = True  # gRPC server reflection (grpcurl lists the services)
+    max_concurrent_rpcs: int | None = 4096  # gRPC calls (and HTTP connections) in progress
     ray_address: str | None = None  # join this Ray cluster instead of starting one
     redis_url: str | None = None  # use this Redis instead of starting a child
     engine: dict = field(default_factory=dict)  # EngineConfig overrides for every worker
@@ -81,6 +92,17 @@ class ClusterOptions:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.api_key is not None:
+            ApiKey(self.api_key)  # ValueError naming api_key
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
+        if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1 or none, got "
+                             f"{self.max_concurrent_rpcs}")
         if not 0 < self.heartbeat_s < self.ttl_s:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be > 0 and < ttl_s "
                              f"({self.ttl_s})")
@@ -101,6 +123,8 @@ class EmbeddedCluster:
         self.redis_url: str | None = None
         self.port: int | None = None  # bound gRPC port
         self.metrics_port: int | None = None  # bound metrics port
+        self.http_port: int | None = None  # bound HTTP port (None: off)
+        self._secret = secrets.token_hex(16)  # this cluster's: prefix-cache salt, join token
         self.router = None  # router actor handle
         self.workers: dict[str, object] = {}  # worker_id -> actor handle (live ones)
         self.worker_info: dict[str, dict] = {}  # worker_id -> {worker_id, role, pid, node_ip},
@@ -153,8 +177,14 @@ class EmbeddedCluster:
         else:
             self.model = str(opts.model)
 
+    def derived_secret(self, purpose: str) -> str:
+        """A secret of this cluster for one purpose ("prefix-cache", "kv-join"): workers of a
+        router started by this launcher share it; another cluster's differs."""
+        return hashlib.sha256(f"{self._secret}/{purpose}".encode()).hexdigest()[:32]
+
     def _engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, **self.options.engine)
+        engine = {"prefix_cache_salt": self.derived_secret("prefix-cache"), **self.options.engine}
+        return EngineConfig(model=self.model, **engine)
 
     def start_router(self, timeout: float = 60.0) -> None:
         """Start the router actor (or adopt a detached one of this cluster); wait until it
@@ -163,10 +193,14 @@ class EmbeddedCluster:
         spec = RouterSpec(self.model, self.redis_url, self.cluster_name, opts.host, opts.port,
                           opts.metrics_port, opts.engine.get("max_model_len"), None, opts.router,
                           ttl_s=opts.ttl_s, log_level=opts.log_level,
-                          pools=PoolSettings(tuple(self.worker_specs()), detached=True))
+                          pools=PoolSettings(tuple(self.worker_specs()), detached=True),
+                          http_port=opts.http_port, api_key=opts.api_key, tls=self.tls(),
+                          reflection=opts.reflection,
+                          max_concurrent_rpcs=opts.max_concurrent_rpcs)
         self.router = self._adoptable_router(timeout) or start_router_actor(spec, self.detached)
         info = self._ray.get(self.router.start.remote(), timeout=timeout)
         self.port, self.metrics_port = info["port"], info["metrics_port"]
+        self.http_port = info.get("http_port")
         self._router_pids.add(info["pid"])
 
     def _adoptable_router(self, timeout: float):
@@ -199,7 +233,8 @@ class EmbeddedCluster:
         # announces its node's address.
         transfer_host = "127.0.0.1" if opts.ray_address is None else ""
         return [WorkerSpec(role, role, config, self.redis_url, self.cluster_name, transfer_host,
-                           opts.heartbeat_s, opts.ttl_s, opts.lease_s, log_level=opts.log_level)
+                           opts.heartbeat_s, opts.ttl_s, opts.lease_s, log_level=opts.log_level,
+                           join_token=self.derived_secret("kv-join"))
                 for role in self.pool_targets()]
 
     def pool_targets(self) -> dict[str, int]:
@@ -252,12 +287,28 @@ class EmbeddedCluster:
                                                "pid": info.pid, "node_ip": info.node}
         return infos
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Block until health says SERVING (``PdserveError`` after ``timeout``)."""
-        from pdserve.api.client import PdserveClient
+    def tls(self) -> TLSConfig | None:
+        """The options' TLS files, read here (ValueError naming the setting)."""
+        opts = self.options
+        return TLSConfig.from_files(opts.tls_cert, opts.tls_key, opts.tls_client_ca)
 
-        with PdserveClient(self.target) as client:
-            client.wait_ready(timeout)
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until health says SERVING (``PdserveError`` after ``timeout``); with TLS the
+        router actor is asked instead (this process may hold no client certificate)."""
+        from pdserve.api.client import PdserveClient, PdserveError
+
+        if self.options.tls_cert is None:
+            with PdserveClient(self.target) as client:
+                client.wait_ready(timeout)
+            return
+        deadline = time.monotonic() + timeout
+        while not self._ray.get(self.router.is_serving.remote(), timeout=timeout):
+            if time.monotonic() > deadline:
+                import grpc
+
+                raise PdserveError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"server not SERVING after {timeout} s")
+            time.sleep(0.1)
 
     def __enter__(self) -> EmbeddedCluster:
         return self.start()
@@ -270,6 +321,14 @@ class EmbeddedCluster:
     def target(self) -> str:
         host = "127.0.0.1" if self.options.host in ("0.0.0.0", "") else self.options.host
         return f"{host}:{self.port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the OpenAI-compatible HTTP API (``.../v1`` is the client's base_url)."""
+        if self.http_port is None:
+            return None
+        scheme = "https" if self.options.tls_cert else "http"
+        return f"{scheme}://{self.target.rsplit(':', 1)[0]}:{self.http_port}"
 
     @property
     def metrics_url(self) -> str | None:

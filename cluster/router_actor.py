@@ -10,8 +10,11 @@ Lifecycle:
    builds the ``Router`` over a :class:`RedisDirectory`, starts the pool manager
    (``pdserve.cluster.pools``; it adopts the live workers Redis lists), the gRPC server
    (``grpc.aio`` on the actor's event loop; health NOT_SERVING until a prefill and a decode
-   worker, or a colocated one, are registered; ``pdserve.v1.Admin`` beside Generation) and the
-   metrics HTTP server; the bound ports go to Redis; returns them.
+   worker, or a colocated one, are registered; ``pdserve.v1.Admin`` beside Generation), the
+   OpenAI-compatible HTTP server when ``http_port`` is set (uvicorn on the same loop, over the
+   same ``Router``; chat through the checkpoint's template) and the metrics HTTP server; the
+   API key, TLS, reflection and concurrency settings apply to gRPC and HTTP alike; the bound
+   gRPC and metrics ports go to Redis; returns the ports.
 3. Requests flow; ``traces()`` and ``worker_stats()`` report what happened (the demo);
    ``set_pool_targets`` / ``pools`` / ``list_workers`` are the launcher's view of the pools.
 4. A restarted incarnation calls its own ``start()`` from the constructor and binds the ports
@@ -39,10 +42,12 @@ from pdserve.cluster.pool_store import PoolStore
 from pdserve.cluster.pools import PoolManager, PoolSettings
 from pdserve.cluster.registry import Registry
 from pdserve.router.admin_server import PoolInfo, WorkerInfo
+from pdserve.router.auth import TLSConfig
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import RequestTrace, Router, RouterConfig
 from pdserve.router.errors import RequestValidationError
 from pdserve.router.grpc_server import GenerationServer
+from pdserve.router.http_server import HttpServer
 from pdserve.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -69,6 +74,31 @@ class RouterSpec:
     pools: PoolSettings | None = None  # the pool manager's settings (None: no pool manager)
     bind_attempts: int = 20  # tries to bind the ports after a restart (the dead process may
     # still hold them for a moment); a first start tries once
+    http_port: int | None = None  # OpenAI-compatible HTTP port; 0 = any free port, None = off
+    api_key: str | None = None  # required on HTTP, gRPC Generation and Admin (not health)
+    tls: TLSConfig | None = None  # TLS (mutual with a client CA) for gRPC and HTTP
+    reflection: bool = True  # gRPC server reflection
+    max_concurrent_rpcs: int | None = None  # gRPC calls / HTTP connections in progress, at most
+
+
+class ModelPromptTools:
+    """``PromptTools`` (pdserve.router.http_server) over the checkpoint's tokenizer."""
+
+    def __init__(self, tokenizer, model_dir: str) -> None:
+        from pdserve.models.chat_template import load_chat_template
+
+        self._tokenizer = tokenizer
+        self._template = load_chat_template(model_dir, tokenizer) if tokenizer else None
+        self.has_chat_template = self._template is not None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        text = self._template.render(messages, add_generation_prompt)
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        if self._tokenizer is None:
+            return str(token_id)
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def model_spec_for(model_dir: str, max_model_len: int | None = None,
@@ -98,6 +128,8 @@ class RouterActor:
         self.spec = spec
         self.router: Router | None = None
         self.server: GenerationServer | None = None
+        self.http: HttpServer | None = None
+        self._tools: ModelPromptTools | None = None
         self.directory: RedisDirectory | None = None
         self.pools: PoolManager | None = None
         self.admin: ClusterAdmin | None = None
@@ -132,6 +164,7 @@ class RouterActor:
                 raise RequestValidationError("text", "the model has no tokenizer; send token_ids")
             return tokenizer.encode(text)
 
+        self._tools = await asyncio.to_thread(ModelPromptTools, tokenizer, spec.model)
         registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
         store = PoolStore(spec.redis_url, spec.cluster)
         self.directory = RedisDirectory(registry, cluster_namespace(spec.cluster))
@@ -145,7 +178,8 @@ class RouterActor:
             self.admin = ClusterAdmin(self.pools)
         port, metrics_port = await self._serve(store, metrics)
         logger.info("router serving %s on %s:%d", model.model_name, spec.host, port)
-        return {"port": port, "metrics_port": metrics_port, "pid": os.getpid()}
+        return {"port": port, "metrics_port": metrics_port, "pid": os.getpid(),
+                "http_port": None if self.http is None else self.http.port}
 
     async def _serve(self, store: PoolStore, metrics: RouterMetrics) -> tuple[int, int | None]:
         """Bind gRPC and metrics (the ports a previous incarnation saved, when asked for any)."""
@@ -158,9 +192,19 @@ class RouterActor:
         attempts = spec.bind_attempts if self._reconstructed else 1
         for attempt in range(1, attempts + 1):
             try:
-                self.server = GenerationServer(self.router, admin=self.admin, metrics=metrics,
-                                               health_poll_interval_s=spec.health_poll_s)
+                self.server = GenerationServer(
+                    self.router, admin=self.admin, metrics=metrics,
+                    health_poll_interval_s=spec.health_poll_s, api_key=spec.api_key,
+                    tls=spec.tls, reflection=spec.reflection,
+                    max_concurrent_rpcs=spec.max_concurrent_rpcs)
                 port = await self.server.start(spec.host, port)
+                if spec.http_port is not None:
+                    self.http = HttpServer(self.router, model_root=spec.model,
+                                           tools=self._tools,
+                                           accepting=self.server.check_accepting,
+                                           api_key=spec.api_key, tls=spec.tls,
+                                           max_concurrency=spec.max_concurrent_rpcs)
+                    await self.http.start(spec.host, spec.http_port)
                 if metrics_port is not None:
                     self._metrics_server, _thread = metrics.start_http(metrics_port, spec.host)
                     metrics_port = self._metrics_server.server_port
@@ -171,6 +215,9 @@ class RouterActor:
                 logger.warning("binding %s:%s failed (%s); retrying", spec.host, port, exc)
                 if self.server is not None:
                     await self.server.stop(0)
+                if self.http is not None:
+                    await self.http.stop(0)
+                    self.http = None
                 await asyncio.sleep(0.5)
         await asyncio.to_thread(store.save_router, port, metrics_port)
         return port, metrics_port
@@ -213,6 +260,9 @@ class RouterActor:
         if self.pools is not None:
             await self.pools.stop()
             self.pools = None
+        if self.http is not None:
+            await self.http.stop(1.0)
+            self.http = None
         if self.server is not None:
             await self.server.stop(1.0)
             self.server = None

@@ -297,3 +297,39 @@ def test_fuzzed_bodies_never_5xx_or_hang(served, body, chat):
     if response.status_code >= 400:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     wait_for(lambda: backend.num_running == 0, 5, "nothing left running")
+
+
+def test_https_and_mutual_tls(loop, tmp_path):
+    import ssl
+
+    from pdserve.router.auth import TLSConfig
+    from pdserve.testing import make_test_certificates
+
+    certs = make_test_certificates(tmp_path)
+    body = {"model": MODEL, "prompt": [1], "max_tokens": 2}
+    tls = TLSConfig.from_files(certs["server_cert"], certs["server_key"])
+    server, _ = _start(loop, FakeBackend(), tls=tls)
+    url = f"https://127.0.0.1:{server.port}"
+    try:
+        response = httpx.post(url + "/v1/completions", json=body,
+                              verify=ssl.create_default_context(cafile=certs["ca"]))
+        assert response.json()["choices"][0]["text"] == "CD"
+        with pytest.raises(httpx.ConnectError):
+            httpx.post(url + "/v1/completions", json=body)  # the system roots do not know it
+    finally:
+        loop.run(server.stop(1.0))
+    mutual = TLSConfig.from_files(certs["server_cert"], certs["server_key"], certs["ca"])
+    server, _ = _start(loop, FakeBackend(), tls=mutual)
+    url = f"https://127.0.0.1:{server.port}"
+    try:
+        context = ssl.create_default_context(cafile=certs["ca"])
+        context.load_cert_chain(certs["client_cert"], certs["client_key"])
+        assert httpx.post(url + "/v1/completions", json=body, verify=context).status_code == 200
+        for cert in (None, ("stranger_cert", "stranger_key")):
+            context = ssl.create_default_context(cafile=certs["ca"])
+            if cert:
+                context.load_cert_chain(certs[cert[0]], certs[cert[1]])
+            with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+                httpx.post(url + "/v1/completions", json=body, verify=context).raise_for_status()
+    finally:
+        loop.run(server.stop(1.0))
