@@ -57,7 +57,7 @@ class AdmissionQueue:
         if self.policy == "fcfs":
             return (flight.arrival,)
         now = self._clock() if now is None else now
-        waited = now - flight.queued_at
+        waited = 0.0 if flight.queued_at is None else now - flight.queued_at
         level = math.floor(flight.request.params.priority - waited / self.aging_s)
         return level, self._served.get(flight.tenant or "", -math.inf), flight.arrival
 

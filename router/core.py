@@ -176,7 +176,6 @@ class Router:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         flight = Flight(WorkRequest(request_id, list(prompt_token_ids), params, seed,
                                     time.time()), deadline, tenant=tenant)
-        flight.queued_at = flight.arrival
         self._check_kv_cap(flight)
         if len(self._flights) >= cfg.max_requests_in_flight \
                 and not self._queue.shed_worst(self._queue.key(flight)):

@@ -77,7 +77,7 @@ class Flight:
     decode_id: str | None = None  # the worker streaming deltas (decode or colocated)
     trace: object | None = None  # RequestTrace, set once the first prefill returns
     tenant: str | None = None  # who sent it (fair turns inside a priority level)
-    queued_at: float = 0.0  # time.monotonic() it last entered the admission queue (aging)
+    queued_at: float | None = None  # time.monotonic() it last entered the admission queue
     num_bounces: int = 0  # attempts a full decode worker handed back (not failures)
     last_token_at: float | None = None
 
