@@ -1,0 +1,210 @@
+"""The OpenAI HTTP front door and the secure defaults on a real cluster (Ray + Redis + 1P1D),
+started with an API key and TLS: the official ``openai`` package for completions and chat,
+stream and not, greedy text equal to the offline engine, the usage chunk rules, the error
+envelope, a disconnect that frees every block, gRPC behind the same key, every listening
+socket on loopback, hostile joins to the decode worker's KV rendezvous, prefix-cache hits with
+the cluster's salted hashes."""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+import ssl
+
+import grpc
+import httpx
+import openai
+import psutil
+import pytest
+
+from pdserve.api.client import ClientTLS, PdserveClient, PdserveError
+from pdserve.testing import make_test_certificates
+
+pytestmark = pytest.mark.e2e
+
+KEY = "e2e-secret-key"
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+@pytest.fixture(scope="module")
+def chat_model(hf_checkpoint, tmp_path_factory):
+    """The e2e checkpoint plus a chat_template.jinja."""
+    folder = tmp_path_factory.mktemp("chat-model") / "qwen2-chat"
+    shutil.copytree(hf_checkpoint("qwen2", max_position_embeddings=2048), folder)
+    (folder / "chat_template.jinja").write_text(CHATML)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_test_certificates(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster, chat_model, certs):
+    cluster = start_cluster(chat_model, http_port=0, api_key=KEY, tls_cert=certs["server_cert"],
+                            tls_key=certs["server_key"])
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def verify(certs):
+    return ssl.create_default_context(cafile=certs["ca"])
+
+
+@pytest.fixture(scope="module")
+def client(cluster, verify):
+    http = httpx.Client(verify=verify, timeout=60)
+    yield openai.OpenAI(base_url=cluster.http_url + "/v1", api_key=KEY, http_client=http,
+                        max_retries=0)
+    http.close()
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+def _offline(model_dir, prompt_ids, max_tokens):
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=256)
+    out = llm.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                    ignore_eos=True), use_tqdm=False)[0]
+    return out.token_ids, out.text
+
+
+def test_models_and_greedy_completions_match_the_offline_engine(cluster, client, model_name,
+                                                               chat_model):
+    models = client.models.list().data
+    assert models[0].id == "qwen2-chat" and models[0].root == str(chat_model)
+    prompt = list(range(20, 45))
+    ids, text = _offline(chat_model, prompt, 12)
+    out = client.completions.create(model=model_name, prompt=prompt, max_tokens=12,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == text and out.usage.completion_tokens == len(ids) == 12
+    assert out.choices[0].finish_reason == "length" and out.usage.prompt_tokens == len(prompt)
+    chunks = list(client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_stream_and_not(client, model_name):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Say something."}]
+    whole = client.chat.completions.create(model=model_name, messages=messages, max_tokens=8,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 8 and whole.usage.prompt_tokens > 10
+    chunks = list(client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=8, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_error_envelope(cluster, client, model_name, verify):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name, prompt=[1, 2], temperature=-1)
+    assert err.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt=[1, 2])
+    wrong = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="wrong", max_retries=0,
+                          http_client=httpx.Client(verify=verify))
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    slow = httpx.post(cluster.http_url + "/v1/completions", verify=verify, timeout=30,
+                      headers={"authorization": f"Bearer {KEY}"},
+                      json={"model": model_name, "prompt": [3, 4, 5], "max_tokens": 400,
+                            "ignore_eos": True, "timeout": 0.001})
+    assert slow.status_code == 504, slow.text
+    assert slow.json()["error"]["code"] == "deadline_exceeded"
+    assert httpx.get(cluster.http_url + "/health", verify=verify).status_code == 200
+
+
+def test_disconnect_frees_every_block(cluster, model_name, verify, e2e):
+    with httpx.stream("POST", cluster.http_url + "/v1/completions", verify=verify, timeout=60,
+                      headers={"authorization": f"Bearer {KEY}"},
+                      json={"model": model_name, "prompt": list(range(30, 60)),
+                            "max_tokens": 400, "ignore_eos": True, "stream": True}) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                break  # first token: hang up mid-stream
+    assert e2e.wait_idle(cluster)
+
+
+def test_grpc_behind_the_same_key_and_tls(cluster, certs):
+    tls = ClientTLS.from_files(ca=certs["ca"])
+    with PdserveClient(cluster.target, timeout=30, tls=tls) as anonymous:
+        assert anonymous.health() == "SERVING"
+        with pytest.raises(PdserveError) as err:
+            anonymous.generate([1, 2, 3], max_tokens=2)
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+    with PdserveClient(cluster.target, timeout=30, tls=tls, api_key=KEY) as client:
+        assert len(client.generate([1, 2, 3], max_tokens=2, temperature=0).token_ids) == 2
+
+
+def _listening(pids: set[int]) -> list[tuple[int, str, str, int]]:
+    found = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            sockets = process.net_connections("inet")
+            name = process.name()
+        except psutil.Error:
+            continue
+        found += [(pid, name, c.laddr.ip, c.laddr.port) for c in sockets
+                  if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def test_every_listening_socket_is_on_loopback(cluster, model_name, client):
+    client.completions.create(model=model_name, prompt=list(range(5, 30)), max_tokens=2)
+    me = psutil.Process()
+    pids = cluster.started_pids() | {me.pid} | {p.pid for p in me.children(recursive=True)}
+    sockets = _listening(pids)
+    ports = {port for *_, port in sockets}
+    assert {cluster.port, cluster.http_port, cluster.metrics_port} <= ports
+    wide = [s for s in sockets if s[2] not in LOOPBACK]
+    assert not wide, f"sockets listening beyond loopback: {wide}"
+
+
+def test_hostile_joins_leave_the_decode_worker_serving(cluster, client, model_name, e2e):
+    from torch.distributed import TCPStore
+
+    from pdserve.kv_transfer.torch_dist import _JOIN
+
+    address = next(s.transfer_address for s in cluster.worker_stats().values()
+                   if s.role == "decode")
+    host, port = address.rsplit(":", 1)
+    raw = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                   timeout=datetime.timedelta(seconds=10))
+    for junk in ("garbage", "1", "x y z w", "999999 intruder", "7 intruder wrong-token"):
+        raw.queue_push(_JOIN, junk)
+    for _ in range(3):
+        out = client.completions.create(model=model_name, prompt=list(range(40, 70)),
+                                        max_tokens=4, temperature=0)
+        assert out.usage.completion_tokens == 4
+    assert e2e.wait_idle(cluster)
+
+
+def test_prefix_cache_hits_with_the_clusters_salted_hashes(cluster, client, model_name, e2e):
+    def hits() -> int:
+        return sum(s.prefix_hit_tokens for s in cluster.worker_stats().values()
+                   if s.role == "prefill")
+
+    before = hits()
+    shared = list(range(100, 164))  # 16 blocks of 4
+    for tail in ([1, 2], [3, 4]):
+        client.completions.create(model=model_name, prompt=shared + tail, max_tokens=2)
+    assert hits() - before >= 60
+    assert e2e.wait_idle(cluster)
