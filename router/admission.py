@@ -3,7 +3,9 @@
 Every admitted request waits here for its *turn* to be placed (a decode reservation or a
 colocated submit; also each new attempt after a failure or a bounce). One turn is held at a
 time; the turn holder may itself wait for KV room, so when the pool is full the queue, not
-the race between pollers, decides who gets the next free blocks.
+the race between pollers, decides who gets the next free blocks. A newcomer that ranks
+before the holder makes it yield (``outranked``; the router re-queues it, its waiting time
+kept), so the holder is always the best-ranked request.
 
 Order (``policy``):
 
@@ -37,7 +39,8 @@ class AdmissionQueue:
     """See the module docstring."""
 
     def __init__(self, policy: str = "fcfs", aging_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 wake: Callable[[], None] | None = None):
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
         if not aging_s > 0:
@@ -48,6 +51,8 @@ class AdmissionQueue:
         self._waiting: dict[str, tuple[Flight, asyncio.Future]] = {}  # request_id -> turn
         self._holder: str | None = None  # request id holding the turn
         self._served: dict[str, float] = {}  # tenant -> when it last got a turn
+        self._holder_flight: Flight | None = None
+        self._wake = wake  # called when the holder is outranked (it may be waiting for room)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -64,9 +69,12 @@ class AdmissionQueue:
     async def turn(self, flight: Flight, timeout: float | None) -> None:
         """Wait for ``flight``'s turn (at most ``timeout`` s); call :meth:`done` after."""
         future = asyncio.get_running_loop().create_future()
-        flight.queued_at = self._clock()
+        if flight.queued_at is None:  # kept across re-queues: aging counts the whole wait
+            flight.queued_at = self._clock()
         self._waiting[flight.request_id] = (flight, future)
         self._dispatch()
+        if self.outranked(self._holder_flight) and self._wake is not None:
+            self._wake()
         try:
             await asyncio.wait_for(asyncio.shield(future), timeout)
         except BaseException:
@@ -79,8 +87,16 @@ class AdmissionQueue:
     def done(self, flight: Flight) -> None:
         """``flight`` has finished placing (or gave up): the next one gets the turn."""
         if self._holder == flight.request_id:
-            self._holder = None
+            self._holder, self._holder_flight = None, None
             self._dispatch()
+
+    def outranked(self, flight: Flight | None) -> bool:
+        """Does a waiting request rank before ``flight`` (the holder)?"""
+        if flight is None or not self._waiting:
+            return False
+        now = self._clock()
+        best = min(self.key(f, now) for f, _ in self._waiting.values())
+        return best < self.key(flight, now)
 
     def shed_worst(self, newcomer_key: tuple) -> bool:
         """Fail the worst waiting request if ``newcomer_key`` ranks before it; True if so."""
@@ -108,6 +124,6 @@ class AdmissionQueue:
         request_id, (flight, future) = min(self._waiting.items(),
                                            key=lambda kv: self.key(kv[1][0], now))
         del self._waiting[request_id]
-        self._holder = request_id
+        self._holder, self._holder_flight = request_id, flight
         self._served[flight.tenant or ""] = now
         future.set_result(None)

@@ -60,6 +60,10 @@ __all__ = ["RequestTrace", "Router", "RouterConfig"]
 logger = logging.getLogger(__name__)
 
 
+class _Outranked(Exception):
+    """The request holding the placement turn yields it to a better one (see admission)."""
+
+
 class Router:
     """Implements the gRPC front door's GenerationBackend over worker handles."""
 
@@ -79,7 +83,8 @@ class Router:
         self._tokens_in_flight = 0
         self._was_ready = False
         self._room = asyncio.Event()  # set whenever a request leaves (blocks came back)
-        self._queue = AdmissionQueue(self.config.scheduling_policy, self.config.priority_aging_s)
+        self._queue = AdmissionQueue(self.config.scheduling_policy, self.config.priority_aging_s,
+                                     wake=self._room.set)
         self._tasks: list[asyncio.Task] = []
         self.traces: deque[RequestTrace] = deque(maxlen=100_000)
 
@@ -314,11 +319,17 @@ class Router:
         the request (RequestTooLargeError once every worker says so); any other error is that
         worker's problem (its poller or the pool manager deals with it): skip it too.
         """
-        await self._take_turn(flight)
         try:
-            return await self._place_now(flight, role, place_on)
+            while True:
+                await self._take_turn(flight)
+                try:
+                    return await self._place_now(flight, role, place_on)
+                except _Outranked:
+                    continue  # back in the queue behind a better request
+                finally:
+                    self._queue.done(flight)
         finally:
-            self._queue.done(flight)
+            flight.queued_at = None  # placed (or gone): the next attempt queues afresh
 
     async def _take_turn(self, flight: Flight) -> None:
         """Wait in the admission queue for this request's turn to place (see admission)."""
@@ -362,6 +373,8 @@ class Router:
             if candidates and cfg.reserve_wait_s is not None and waited > cfg.reserve_wait_s:
                 raise QueueFullError(f"no {role} worker had room for {waited:.0f} s; retry later")
             await self._wait_for_room(flight)
+            if self._queue.outranked(flight):
+                raise _Outranked
 
     async def _wait_for_room(self, flight: Flight) -> None:
         """Until a request leaves or the stats refresh, bounded by the deadline."""

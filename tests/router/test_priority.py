@@ -1,0 +1,152 @@
+"""Priority and overload through the real router and real workers in this process: bounce
+preemption keeps tokens identical and never prefills on the decode pool; a saturated pool
+serves by priority; the per-request KV cap refuses at admission."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster.local import build_local_workers
+from pdserve.engine.config import EngineConfig
+from pdserve.router.backend import ModelSpec
+from pdserve.router.core import Router, RouterConfig
+from pdserve.router.directory import StaticDirectory
+from pdserve.router.errors import RequestTooLargeError
+from pdserve.testing import async_wait_for
+
+ENGINE = dict(dtype="float32", block_size=4, max_num_batched_tokens=32)
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=40, temperature=0.9, seed=5, ignore_eos=True,
+                        frequency_penalty=0.2)
+
+
+def offline(model_dir, reqs) -> list[list[int]]:
+    llm = LLM(str(model_dir), **ENGINE, num_kv_blocks=512)
+    return [llm.generate([p], params, use_tqdm=False)[0].token_ids for p, params in reqs]
+
+
+async def serve(model_dir, decode_blocks: int, policy: str = "priority", **router):
+    config = EngineConfig(model=str(model_dir), **ENGINE, num_kv_blocks=decode_blocks,
+                          scheduling_policy=policy)
+    handles = build_local_workers(config, num_prefill=1, num_decode=1)
+    router = Router(ModelSpec("t", 256, 509), StaticDirectory(handles), tokenize=list,
+                    config=RouterConfig(stats_interval_s=0.05, scheduling_policy=policy,
+                                        **router))
+    await router.start()
+    return handles, router
+
+
+async def collect(router: Router, request_id: str, prompt, params, done: list[str]):
+    tokens = []
+    async for delta in router.generate(request_id, prompt, params, None):
+        tokens += delta.token_ids
+    done.append(request_id)
+    return tokens
+
+
+async def idle(handles) -> list[int]:
+    async def used():
+        counts = [(await h.stats()).used_blocks for h in handles]
+        return counts if not any(counts) else False
+    return await async_wait_for(used, 10, "every block back")
+
+
+def never_prefills(decode_worker) -> list[int]:
+    """Record the largest chunk the decode worker's scheduler ever schedules."""
+    sizes: list[int] = []
+    schedule = decode_worker.engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        sizes.extend(item.num_new_tokens for item in out.scheduled)
+        return out
+
+    decode_worker.engine.scheduler.schedule = recording
+    return sizes
+
+
+def test_bounce_preemption_keeps_tokens_and_never_prefills_on_decode(hf_checkpoint):
+    """6 requests of 10 + 40 tokens need 78 blocks; the decode pool has 30: running
+    sequences outgrow it and the lowest-priority ones are handed back and re-prefilled."""
+    model_dir = hf_checkpoint("llama")
+    reqs = [([(9 * i + j) % 300 + 3 for j in range(10)],
+             dataclasses.replace(SEEDED if i % 2 else GREEDY, priority=i % 3))
+            for i in range(6)]
+
+    async def main():
+        handles, router = await serve(model_dir, decode_blocks=30)
+        decode = next(h.worker for h in handles if h.role == "decode")
+        sizes = never_prefills(decode)
+        try:
+            done: list[str] = []
+            results = await asyncio.wait_for(asyncio.gather(
+                *(collect(router, f"r{i}", p, params, done)
+                  for i, (p, params) in enumerate(reqs))), 120)
+            bounces = decode.engine.scheduler.num_bounces
+            return results, sizes, bounces, await idle(handles), list(router.traces)
+        finally:
+            await router.stop()
+            for h in handles:
+                h.close()
+
+    results, sizes, bounces, used, traces = asyncio.run(main())
+    assert results == offline(model_dir, reqs)
+    assert bounces >= 1 and set(sizes) == {1}  # preempted, and only ever decoded
+    assert used == [0, 0]
+    assert not any(t.num_migrations for t in traces)  # a bounce is not a failure
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_a_saturated_pool_serves_by_policy(hf_checkpoint, policy):
+    """The decode pool (10 blocks) holds one request (30 + 4 tokens: 9 blocks) at a time:
+    after the first, the queue's order is the order requests finish in."""
+    model_dir = hf_checkpoint("llama")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        handles, router = await serve(model_dir, decode_blocks=10, policy=policy)
+        try:
+            done: list[str] = []
+            decode = next(h.worker for h in handles if h.role == "decode")
+            decode.loop.inject_fault("stall", 1.0)  # first holds the pool while others queue
+            first = asyncio.create_task(collect(router, "first", [3] * 30, params, done))
+            await async_wait_for(lambda: decode.loop.busy_since, 10, "first decoding")
+            tasks = [asyncio.create_task(collect(
+                router, f"p{priority}", [4 + priority] * 30,
+                dataclasses.replace(params, priority=priority), done))
+                for priority in (5, 1, 3)]  # arrive in this order
+            await asyncio.gather(first, *tasks)
+            return done, await idle(handles)
+        finally:
+            await router.stop()
+            for h in handles:
+                h.close()
+
+    done, used = asyncio.run(main())
+    expected = ["p1", "p3", "p5"] if policy == "priority" else ["p5", "p1", "p3"]
+    assert done == ["first", *expected] and used == [0, 0]
+
+
+def test_the_kv_cap_refuses_at_admission(hf_checkpoint):
+    model_dir = hf_checkpoint("llama")
+
+    async def main():
+        handles, router = await serve(model_dir, decode_blocks=40, max_request_kv_fraction=0.5)
+        try:
+            small = SamplingParams(max_tokens=8, temperature=0.0)
+            async for _ in router.generate("ok", [3] * 40, small, None):  # 12 blocks <= 20
+                pass
+            with pytest.raises(RequestTooLargeError, match="max_request_kv_fraction"):
+                await router.generate("big", [3] * 60, SamplingParams(max_tokens=40),
+                                      None).__anext__()  # 25 blocks > 20
+            return await idle(handles)
+        finally:
+            await router.stop()
+            for h in handles:
+                h.close()
+
+    assert asyncio.run(main()) == [0, 0]
