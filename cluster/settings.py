@@ -54,6 +54,7 @@ NOT_FLAGS: dict[tuple[str, str], str] = {
     ("cluster", "router"): "the router settings are flags of their own",
     ("cluster", "log_level"): "pdserve --log-level (before the command) sets it",
     ("engine", "prefix_cache_salt"): "a secret the launcher generates per cluster",
+    ("router", "scheduling_policy"): "--scheduling-policy sets it with the workers' (LINKED)",
 }
 # Values a str field accepts, where its config validates a fixed set.
 CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
@@ -61,6 +62,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("engine", "device"): ("auto", "cpu", "cuda"),
     ("engine", "kv_cache_dtype"): KV_CACHE_DTYPES,
     ("engine", "attention_backend"): BACKENDS,
+    ("engine", "scheduling_policy"): ("fcfs", "priority"),
 }
 # Help for fields whose source has no comment.
 FALLBACK_HELP: dict[tuple[str, str], str] = {
@@ -292,9 +294,18 @@ def overrides_from_args(args: argparse.Namespace) -> Overrides:
     return out
 
 
+# One flag, several configs: (section, field) of the flag -> the other (section, field) it sets.
+LINKED: dict[tuple[str, str], tuple[str, str]] = {
+    ("engine", "scheduling_policy"): ("router", "scheduling_policy"),  # both pools + router
+}
+
+
 def apply_overrides(base: ClusterOptions, overrides: Overrides) -> ClusterOptions:
     """``base`` with ``overrides`` applied; every config built once here, so a bad value raises
     :class:`SettingsError` naming its flags before anything starts."""
+    for (section, name), (to_section, to_name) in LINKED.items():
+        if name in getattr(overrides, section):
+            getattr(overrides, to_section).setdefault(to_name, getattr(overrides, section)[name])
     options = _built("cluster", lambda: dataclasses.replace(
         base, engine={**base.engine, **overrides.engine},
         router=_built("router", lambda: dataclasses.replace(base.router, **overrides.router)),

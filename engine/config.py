@@ -40,7 +40,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # auto | torch | triton
     seed: int = 0  # seeds the random streams of requests that bring no seed
-    scheduling_policy: str = "fcfs"  # fcfs | priority (lower SamplingParams.priority first)
+    scheduling_policy: str = "fcfs"  # fcfs | priority: lower SamplingParams.priority first in
+    # admission, prefill chunks and preemption (the router's waiting queue follows it too)
     prefix_cache_salt: str | None = None  # secret mixed into every prefix-cache block hash,
     # one per cluster (the launcher generates it); None: each engine draws its own
 

@@ -262,3 +262,12 @@ def test_memory_budget_too_small_exits_2_with_one_line(capsys, no_cluster, tiny_
         assert flag in line, flag
     assert "(1.0 MiB)" in line and re.search(r"need [\d.]+ MiB", line)
     assert int(re.search(r"--memory-budget-mib to at least (\d+)", line).group(1)) > 1
+
+
+def test_scheduling_policy_sets_the_pools_and_the_router():
+    from pdserve.cluster.launcher import ClusterOptions
+    from pdserve.cluster.settings import Overrides, apply_overrides
+
+    options = apply_overrides(ClusterOptions(), Overrides(engine={"scheduling_policy": "priority"}))
+    assert options.engine["scheduling_policy"] == "priority"
+    assert options.router.scheduling_policy == "priority"
