@@ -67,6 +67,11 @@ def check_cache(name: str, cache, device) -> None:
             check_tensor(f"{name}.{scale_name}", scale, ndim=2, dtypes=(torch.float32,),
                          device=device, shape=shape)
             check_contiguous(f"{name}.{scale_name}", scale)
+        for scale_name in ("k_token_scale", "v_token_scale"):
+            scale = getattr(cache, scale_name)
+            if scale is not None:  # shape and dtype checked by KVCacheLayer
+                check_tensor(f"{name}.{scale_name}", scale, device=device)
+                check_contiguous(f"{name}.{scale_name}", scale)
 
 
 def next_pow2(n: int) -> int:

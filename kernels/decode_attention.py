@@ -35,7 +35,7 @@ from pdserve.kernels._paged import (
     _attend_tile,
     _finish,
     _load_query,
-    _token_offsets,
+    _token_slots,
     dot_precision,
 )
 from pdserve.kernels.kv_layout import KVCacheLayer
@@ -46,12 +46,13 @@ MAX_SPLITS = 64  # bounds the partial buffers and the merge
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, kv_ptr, k_scale_ptr, v_scale_ptr, kt_ptr, vt_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_cache_kv, stride_cache_slot, stride_cache_h, stride_bt,
     qk_scale, group, head_dim, block_size, window, split_size, num_splits, ctx_bucket,
-    QUANTIZED: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    QUANTIZED: tl.constexpr, K_DYNAMIC: tl.constexpr, V_DYNAMIC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -82,14 +83,16 @@ def _decode_split_kernel(
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     bt_row = block_tables_ptr + seq * stride_bt
     k_head_ptr = kv_ptr + kv_head.to(tl.int64) * stride_cache_h
+    num_kv_heads = tl.num_programs(1)
     for n0 in tl.range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        tok_off = _token_offsets(bt_row, pos, valid, block_size, stride_cache_slot)
+        slots = _token_slots(bt_row, pos, valid, block_size)
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_head_ptr, stride_cache_kv, tok_off, offs_d,
-            valid[:, None] & d_mask[None, :], valid[None, :],
-            APPLY_MASK=True, PRECISION=PRECISION)
+            q, acc, m_i, l_i, k_head_ptr, stride_cache_kv, slots, stride_cache_slot, offs_d,
+            valid[:, None] & d_mask[None, :], valid[None, :], valid, kt_ptr + kv_head,
+            vt_ptr + kv_head, num_kv_heads, APPLY_MASK=True, PRECISION=PRECISION,
+            K_DYNAMIC=K_DYNAMIC, V_DYNAMIC=V_DYNAMIC)
     out = _finish(acc, l_i, v_scale_ptr, kv_head, offs_d, d_mask, head_dim, QUANTIZED=QUANTIZED)
 
     store_mask = g_mask[:, None] & d_mask[None, :]
@@ -144,8 +147,8 @@ _GPU_CONFIGS = [(64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 8, 2), (64, 8, 3), (32
 def _tuned_kernel():
     configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
                for n, w, s in _GPU_CONFIGS]
-    key = ["head_dim", "group", "block_size", "ctx_bucket", "QUANTIZED", "SINGLE_SPLIT",
-           "DOT_FP32"]
+    key = ["head_dim", "group", "block_size", "ctx_bucket", "QUANTIZED", "K_DYNAMIC",
+           "V_DYNAMIC", "SINGLE_SPLIT", "DOT_FP32"]
     return triton.autotune(configs=configs, key=key)(_decode_split_kernel)
 
 
@@ -221,15 +224,18 @@ def decode_attention(query: torch.Tensor, cache: KVCacheLayer, block_tables: tor
                                device=query.device)
     dot_fp32 = dot_in_fp32(query.dtype)
     scales = (cache.k_scale, cache.v_scale) if cache.is_quantized else (cache.kv, cache.kv)
+    token_scales = [cache.kv if t is None else t for t in (cache.k_token_scale,
+                                                           cache.v_token_scale)]
     kernel, meta = _kernel_and_meta()
     kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, cache.kv, scales[0], scales[1], block_tables, context_lens,
+        query, cache.kv, scales[0], scales[1], *token_scales, block_tables, context_lens,
         out, part_out, part_lse,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         cache.kv.stride(0), cache.kv.stride(2), cache.kv.stride(3), block_tables.stride(0),
         scale * LOG2E, group, head_dim, block_size, sliding_window or 0, split_size, num_splits,
         int(split_size > 256) + int(split_size > 2048),
-        QUANTIZED=cache.is_quantized, HAS_WINDOW=sliding_window is not None,
+        QUANTIZED=cache.is_quantized, K_DYNAMIC=cache.k_token_scale is not None,
+        V_DYNAMIC=cache.v_token_scale is not None, HAS_WINDOW=sliding_window is not None,
         SINGLE_SPLIT=single, DOT_FP32=dot_fp32, PRECISION=dot_precision(dot_fp32),
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=next_pow2(head_dim), **meta,
     )

@@ -2,7 +2,11 @@
 
 Reference: :func:`pdserve.kernels.reference.write_kv_ref`. When the pool is int8 the values are
 quantised on write exactly like :func:`~pdserve.kernels.reference.quantize_int8`:
-``round_half_even(clamp(x / scale, -127, 127))``. A negative slot is skipped (a padding token).
+``round_half_even(clamp(x / scale, -127, 127))``; a half with dynamic token scales
+(``k_token_scale`` / ``v_token_scale``) first divides by the channel scale, takes each head's
+``fp16(max(absmax / 127, 2**-14))`` as its token scale, stores it and quantises by it, like
+:func:`~pdserve.kernels.reference.quantize_int8_dynamic` (bit for bit). A negative slot is
+skipped (a padding token).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pdserve.kernels._launch import (
     check_tensor,
     next_pow2,
 )
-from pdserve.kernels.kv_layout import KVCacheLayer
+from pdserve.kernels.kv_layout import MIN_TOKEN_SCALE, KVCacheLayer
 
 # Adding then subtracting 1.5 * 2**23 rounds an fp32 of magnitude < 2**22 to the nearest
 # integer, ties to even (what torch.round does), with no libdevice call.
@@ -36,12 +40,26 @@ def _quantize(x, scale):
 
 
 @triton.jit
+def _quantize_half(x, scale, ts_ptr, slot, num_kv_heads, offs_h, h_mask, mask,
+                   DYNAMIC: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """int8 of one token's (H, D) ``x``; with ``DYNAMIC`` also stores its per-head scales."""
+    if DYNAMIC:
+        y = tl.div_rn(x, scale)
+        absmax = tl.max(tl.where(mask, tl.abs(y), 0.0), 1)  # (H,)
+        t = tl.maximum(tl.div_rn(absmax, 127.0), MIN_SCALE).to(tl.float16)
+        tl.store(ts_ptr + slot * num_kv_heads + offs_h, t, mask=h_mask)
+        return _quantize(y, t.to(tl.float32)[:, None])
+    return _quantize(x, scale)
+
+
+@triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, kv_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
+    key_ptr, value_ptr, kv_ptr, k_scale_ptr, v_scale_ptr, kt_ptr, vt_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cache_kv, stride_cache_slot, stride_cache_h,
     num_kv_heads, head_dim,
-    QUANTIZED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUANTIZED: tl.constexpr, K_DYNAMIC: tl.constexpr, V_DYNAMIC: tl.constexpr,
+    MIN_SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program per token: copies its (kv_heads, head_dim) K and V into its slot."""
     token = tl.program_id(0).to(tl.int64)
@@ -59,8 +77,13 @@ def _write_kv_kernel(
         scale_offs = offs_h[:, None] * head_dim + offs_d[None, :]
         k_scale = tl.load(k_scale_ptr + scale_offs, mask=mask, other=1.0)
         v_scale = tl.load(v_scale_ptr + scale_offs, mask=mask, other=1.0)
-        tl.store(dst, _quantize(k.to(tl.float32), k_scale), mask=mask)
-        tl.store(dst + stride_cache_kv, _quantize(v.to(tl.float32), v_scale), mask=mask)
+        h_mask = offs_h < heads
+        k_q = _quantize_half(k.to(tl.float32), k_scale, kt_ptr, slot, num_kv_heads, offs_h,
+                             h_mask, mask, DYNAMIC=K_DYNAMIC, MIN_SCALE=MIN_SCALE)
+        v_q = _quantize_half(v.to(tl.float32), v_scale, vt_ptr, slot, num_kv_heads, offs_h,
+                             h_mask, mask, DYNAMIC=V_DYNAMIC, MIN_SCALE=MIN_SCALE)
+        tl.store(dst, k_q, mask=mask)
+        tl.store(dst + stride_cache_kv, v_q, mask=mask)
     else:
         tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + stride_cache_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
@@ -90,11 +113,15 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: KVCacheLayer,
         key, value, cache.kv,
         cache.k_scale if cache.is_quantized else dummy,
         cache.v_scale if cache.is_quantized else dummy,
+        dummy if cache.k_token_scale is None else cache.k_token_scale,
+        dummy if cache.v_token_scale is None else cache.v_token_scale,
         slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cache.kv.stride(0), cache.kv.stride(2), cache.kv.stride(3),
         num_kv_heads, head_dim,
-        QUANTIZED=cache.is_quantized, BLOCK_H=next_pow2(num_kv_heads),
+        QUANTIZED=cache.is_quantized, K_DYNAMIC=cache.k_token_scale is not None,
+        V_DYNAMIC=cache.v_token_scale is not None, MIN_SCALE=MIN_TOKEN_SCALE,
+        BLOCK_H=next_pow2(num_kv_heads),
         BLOCK_D=next_pow2(head_dim),
         num_warps=4,
     )

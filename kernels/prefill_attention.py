@@ -35,7 +35,7 @@ from pdserve.kernels._paged import (
     _attend_tile,
     _finish,
     _load_query,
-    _token_offsets,
+    _token_slots,
     dot_precision,
 )
 from pdserve.kernels.kv_layout import KVCacheLayer
@@ -43,8 +43,9 @@ from pdserve.kernels.kv_layout import KVCacheLayer
 
 @triton.jit
 def _masked_range(acc, m_i, l_i, q, lo, hi, q_pos, bt_row, k_head_ptr, offs_d, d_mask,
-                  stride_cache_kv, stride_cache_slot, block_size, window,
-                  HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                  stride_cache_kv, stride_cache_slot, block_size, window, kt_head_ptr,
+                  vt_head_ptr, num_kv_heads, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+                  K_DYNAMIC: tl.constexpr, V_DYNAMIC: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key tiles [lo, hi) with the causal / window / length mask applied per score."""
     for n0 in tl.range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
@@ -52,10 +53,12 @@ def _masked_range(acc, m_i, l_i, q, lo, hi, q_pos, bt_row, k_head_ptr, offs_d, d
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
-        tok_off = _token_offsets(bt_row, pos, valid, block_size, stride_cache_slot)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, stride_cache_kv, tok_off,
-                                     offs_d, valid[:, None] & d_mask[None, :], visible,
-                                     APPLY_MASK=True, PRECISION=PRECISION)
+        slots = _token_slots(bt_row, pos, valid, block_size)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, stride_cache_kv, slots,
+                                     stride_cache_slot, offs_d, valid[:, None] & d_mask[None, :],
+                                     visible, valid, kt_head_ptr, vt_head_ptr, num_kv_heads,
+                                     APPLY_MASK=True, PRECISION=PRECISION,
+                                     K_DYNAMIC=K_DYNAMIC, V_DYNAMIC=V_DYNAMIC)
     return acc, m_i, l_i
 
 
@@ -76,12 +79,13 @@ def _key_ranges(first_pos, last_pos, window, HAS_WINDOW: tl.constexpr, BLOCK_N: 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kv_ptr, k_scale_ptr, v_scale_ptr, cu_seqlens_ptr, context_lens_ptr,
+    q_ptr, kv_ptr, k_scale_ptr, v_scale_ptr, kt_ptr, vt_ptr, cu_seqlens_ptr, context_lens_ptr,
     block_tables_ptr, out_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_kv, stride_cache_slot, stride_cache_h, stride_bt,
-    qk_scale, group, head_dim, block_size, window, q_bucket,
-    QUANTIZED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+    qk_scale, group, head_dim, block_size, window, q_bucket, num_kv_heads,
+    QUANTIZED: tl.constexpr, K_DYNAMIC: tl.constexpr, V_DYNAMIC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -114,22 +118,29 @@ def _prefill_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     bt_row = block_tables_ptr + seq * stride_bt
     k_head_ptr = kv_ptr + kv_head.to(tl.int64) * stride_cache_h
+    kt_head_ptr = kt_ptr + kv_head
+    vt_head_ptr = vt_ptr + kv_head
     kv_mask = d_mask[None, :]
     for n0 in tl.range(full_lo, full_hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        tok_off = _token_offsets(bt_row, pos, pos < full_hi, block_size, stride_cache_slot)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, stride_cache_kv, tok_off,
-                                     offs_d, kv_mask, kv_mask,
-                                     APPLY_MASK=False, PRECISION=PRECISION)
+        in_run = pos < full_hi
+        slots = _token_slots(bt_row, pos, in_run, block_size)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, stride_cache_kv, slots,
+                                     stride_cache_slot, offs_d, kv_mask, kv_mask, in_run,
+                                     kt_head_ptr, vt_head_ptr, num_kv_heads,
+                                     APPLY_MASK=False, PRECISION=PRECISION,
+                                     K_DYNAMIC=K_DYNAMIC, V_DYNAMIC=V_DYNAMIC)
     # The masked edges: before the fully visible run (window) and after it (diagonal).
     acc, m_i, l_i = _masked_range(
         acc, m_i, l_i, q, lo, tl.minimum(full_lo, hi), q_pos, bt_row, k_head_ptr,
         offs_d, d_mask, stride_cache_kv, stride_cache_slot, block_size, window,
-        HAS_WINDOW=HAS_WINDOW, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
+        kt_head_ptr, vt_head_ptr, num_kv_heads, HAS_WINDOW=HAS_WINDOW, PRECISION=PRECISION,
+        K_DYNAMIC=K_DYNAMIC, V_DYNAMIC=V_DYNAMIC, BLOCK_N=BLOCK_N)
     acc, m_i, l_i = _masked_range(
         acc, m_i, l_i, q, tl.maximum(full_hi, lo), hi, q_pos, bt_row, k_head_ptr,
         offs_d, d_mask, stride_cache_kv, stride_cache_slot, block_size, window,
-        HAS_WINDOW=HAS_WINDOW, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
+        kt_head_ptr, vt_head_ptr, num_kv_heads, HAS_WINDOW=HAS_WINDOW, PRECISION=PRECISION,
+        K_DYNAMIC=K_DYNAMIC, V_DYNAMIC=V_DYNAMIC, BLOCK_N=BLOCK_N)
 
     out = _finish(acc, l_i, v_scale_ptr, kv_head, offs_d, d_mask, head_dim, QUANTIZED=QUANTIZED)
     ptrs = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
@@ -174,7 +185,8 @@ _GPU_CONFIGS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3
 def _tuned_kernel():
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                for m, n, w, s in _GPU_CONFIGS]
-    key = ["head_dim", "group", "q_bucket", "QUANTIZED", "HAS_WINDOW", "DOT_FP32"]
+    key = ["head_dim", "group", "q_bucket", "QUANTIZED", "K_DYNAMIC", "V_DYNAMIC", "HAS_WINDOW",
+           "DOT_FP32"]
     return triton.autotune(configs=configs, key=key)(_prefill_kernel)
 
 
@@ -212,13 +224,17 @@ def prefill_attention(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q: to
     grid = lambda m: (triton.cdiv(max_query_len, m["BLOCK_M"]), num_seqs, num_heads)
     dot_fp32 = dot_in_fp32(query.dtype)
     scales = (cache.k_scale, cache.v_scale) if cache.is_quantized else (cache.kv, cache.kv)
+    token_scales = [cache.kv if t is None else t for t in (cache.k_token_scale,
+                                                           cache.v_token_scale)]
     kernel[grid](
-        query, cache.kv, scales[0], scales[1], cu_seqlens_q, context_lens, block_tables, out,
+        query, cache.kv, scales[0], scales[1], *token_scales, cu_seqlens_q, context_lens,
+        block_tables, out,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         cache.kv.stride(0), cache.kv.stride(2), cache.kv.stride(3), block_tables.stride(0),
         scale * LOG2E, num_heads // num_kv_heads, head_dim, block_size, sliding_window or 0,
-        int(max_query_len > 64) + int(max_query_len > 512),
-        QUANTIZED=cache.is_quantized, HAS_WINDOW=sliding_window is not None,
+        int(max_query_len > 64) + int(max_query_len > 512), num_kv_heads,
+        QUANTIZED=cache.is_quantized, K_DYNAMIC=cache.k_token_scale is not None,
+        V_DYNAMIC=cache.v_token_scale is not None, HAS_WINDOW=sliding_window is not None,
         DOT_FP32=dot_fp32, PRECISION=dot_precision(dot_fp32), BLOCK_D=next_pow2(head_dim),
         **meta,
     )

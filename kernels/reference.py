@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels.kv_layout import KVCacheLayer
+from pdserve.kernels.kv_layout import MIN_TOKEN_SCALE, TOKEN_SCALE_DTYPE, KVCacheLayer
 
 
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -13,10 +13,34 @@ def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8)
 
 
-def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def quantize_int8_dynamic(x: torch.Tensor,
+                          scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, kv_heads, head_dim) -> (int8, token scales (T, kv_heads) float16): per channel by
+    ``scale``, then per (token, head) so the largest channel maps to 127 (see kv_layout)."""
+    y = x.float() / scale
+    token_scale = (y.abs().amax(-1) / 127.0).clamp_(min=MIN_TOKEN_SCALE).to(TOKEN_SCALE_DTYPE)
+    return quantize_int8(y, token_scale.float()[..., None]), token_scale
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+               token_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """int8 ``x`` (..., kv_heads, head_dim) times its channel (and token) scales."""
     if scale is None:
         return x.to(dtype)
-    return (x.float() * scale).to(dtype)
+    out = x.float() * scale
+    if token_scale is not None:  # (..., kv_heads)
+        out = out * token_scale.float()[..., None]
+    return out.to(dtype)
+
+
+def _quantize_into(x: torch.Tensor, scale: torch.Tensor, token_scale: torch.Tensor | None,
+                   slot_mapping: torch.Tensor) -> torch.Tensor:
+    """int8 of ``x``; a dynamic half also scatters its token scales into ``token_scale``."""
+    if token_scale is None:
+        return quantize_int8(x, scale)
+    q, t = quantize_int8_dynamic(x, scale)
+    token_scale.view(-1, token_scale.shape[-1]).index_copy_(0, slot_mapping, t)
+    return q
 
 
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, cache: KVCacheLayer,
@@ -25,7 +49,8 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, cache: KVCacheLayer,
     k_flat = cache.k.view(-1, *cache.k.shape[2:])  # (num_slots, kv_heads, head_dim)
     v_flat = cache.v.view(-1, *cache.v.shape[2:])
     if cache.is_quantized:
-        key, value = quantize_int8(key, cache.k_scale), quantize_int8(value, cache.v_scale)
+        key = _quantize_into(key, cache.k_scale, cache.k_token_scale, slot_mapping)
+        value = _quantize_into(value, cache.v_scale, cache.v_token_scale, slot_mapping)
     k_flat.index_copy_(0, slot_mapping, key.to(k_flat.dtype))
     v_flat.index_copy_(0, slot_mapping, value.to(v_flat.dtype))
 
@@ -43,8 +68,10 @@ def _gather_context(cache: KVCacheLayer, block_tables: torch.Tensor, lo: torch.T
     pos = torch.minimum(torch.maximum(pos, lo[:, None]), hi[:, None] - 1).clamp_(min=0)
     slots = block_tables.long().gather(1, pos // bs) * bs + pos % bs  # (S, ctx)
     kv = cache.kv.flatten(1, 2)[:, slots]  # (2, S, ctx, kv_heads, hd)
-    return (dequantize(kv[0], cache.k_scale, torch.float32),
-            dequantize(kv[1], cache.v_scale, torch.float32))
+    k_t, v_t = (None if t is None else t.flatten(0, 1)[slots]  # (S, ctx, kv_heads)
+                for t in (cache.k_token_scale, cache.v_token_scale))
+    return (dequantize(kv[0], cache.k_scale, torch.float32, k_t),
+            dequantize(kv[1], cache.v_scale, torch.float32, v_t))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
@@ -195,3 +222,19 @@ def unpack_blocks_ref(buffer: torch.Tensor, caches: list[KVCacheLayer],
     """Scatter a :func:`pack_blocks_ref` buffer into ``block_ids`` of every layer in ``caches``."""
     for layer, cache in enumerate(caches):
         cache.kv.index_copy_(1, block_ids, buffer[layer])
+
+
+def pack_token_scales(caches: list[KVCacheLayer], block_ids: torch.Tensor) -> torch.Tensor:
+    """The dynamic token scales of ``block_ids`` in every layer: (num_layers, num_halves,
+    num_ids, block_size, kv_heads) float16 (halves: K then V, those the pool has). Plain torch
+    gathers: also the CUDA path (the scales are ~3 % of the blocks' bytes)."""
+    return torch.stack([torch.stack([t.index_select(0, block_ids) for t in c.token_scales])
+                        for c in caches])
+
+
+def unpack_token_scales(buffer: torch.Tensor, caches: list[KVCacheLayer],
+                        block_ids: torch.Tensor) -> None:
+    """Scatter a :func:`pack_token_scales` buffer into ``block_ids`` of every layer."""
+    for layer, cache in enumerate(caches):
+        for half, t in enumerate(cache.token_scales):
+            t.index_copy_(0, block_ids, buffer[layer, half])

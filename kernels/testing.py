@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels.kv_layout import KVCacheLayer
+from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE, KVCacheLayer
 from pdserve.kernels.reference import write_kv_ref
 
 INT8_POISON = -128
@@ -56,9 +56,11 @@ def random_scales(num_kv_heads: int, head_dim: int, gen: torch.Generator) -> tor
 def random_paged_batch(context_lens: list[int], q_lens: list[int], num_heads: int,
                        num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                        gen: torch.Generator, quantized: bool = False,
-                       spare_blocks: int = 3) -> PagedBatch:
+                       spare_blocks: int = 3, dynamic: str = "") -> PagedBatch:
     """Sequences with ``context_lens`` tokens in a shuffled pool; queries for the last
-    ``q_lens`` positions of each (``q_len <= context_len``). Tensors live on ``gen.device``."""
+    ``q_lens`` positions of each (``q_len <= context_len``). Tensors live on ``gen.device``.
+    ``dynamic`` ("k", "v", "kv") gives those halves of an int8 pool per-token scales (NaN
+    where no token was written)."""
     if len(context_lens) != len(q_lens) or not context_lens:
         raise ValueError("q_lens must have one entry per context_lens entry (at least one)")
     if any(q > c for q, c in zip(q_lens, context_lens, strict=True)):
@@ -70,7 +72,10 @@ def random_paged_batch(context_lens: list[int], q_lens: list[int], num_heads: in
                              dtype=torch.int8 if quantized else dtype, device=device))
     scales = (random_scales(num_kv_heads, head_dim, gen),
               random_scales(num_kv_heads, head_dim, gen)) if quantized else (None, None)
-    cache = KVCacheLayer(kv, *scales)
+    token_scales = [poison_(torch.empty(num_blocks, block_size, num_kv_heads,
+                                        dtype=TOKEN_SCALE_DTYPE, device=device))
+                    if quantized and half in dynamic else None for half in "kv"]
+    cache = KVCacheLayer(kv, *scales, *token_scales)
 
     # Block 0 is never handed out, so it stays poison behind every padding entry.
     order = torch.randperm(num_blocks - 1, generator=gen, device=device) + 1

@@ -122,3 +122,14 @@ def test_decode_random_configuration(gen, trial):
     ref = paged_decode_attention_ref(*args)
     assert torch.isfinite(out).all()
     assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype,dynamic,window,num_splits", [
+    (torch.float32, "kv", None, 3), (torch.bfloat16, "v", 7, 2), (torch.float32, "k", None, None),
+])
+def test_decode_with_dynamic_token_scales(gen, dtype, dynamic, window, num_splits):
+    """int8 pools whose K and/or V carry per-token scales (poisoned where unwritten)."""
+    context_lens = _lens(gen, 4, 70, [1, 17])
+    batch = random_paged_batch(context_lens, [1] * 4, 8, 2, 64, 8, dtype, gen, quantized=True,
+                               dynamic=dynamic)
+    _check(batch, 0.125, window, num_splits)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.kv_layout import KVCacheLayer
-from pdserve.kernels.reference import quantize_int8, write_kv_ref
+from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE, KVCacheLayer
+from pdserve.kernels.reference import dequantize, quantize_int8, write_kv_ref
 from pdserve.kernels.testing import poison_, random_scales
 
 pytestmark = pytest.mark.triton
@@ -90,3 +90,37 @@ def test_write_kv_rejects_bad_input(gen, field, bad):
     k, v, slots = bad(key, key.clone(), torch.arange(3))
     with pytest.raises(ValueError, match=field):
         write_kv(k, v, cache, slots)
+
+
+@pytest.mark.parametrize("dtype,dynamic,head_dim", [
+    (torch.float32, "kv", 64), (torch.bfloat16, "v", 128), (torch.float16, "k", 64),
+])
+def test_write_kv_dynamic_token_scales_bit_exact(gen, dtype, dynamic, head_dim):
+    """Per-token scales: int8 values and fp16 scales equal the reference bit for bit, the
+    unwritten slots keep their poison, and dequantizing recovers x to half a step."""
+    from pdserve.kernels.kv_write import write_kv
+
+    kv_heads, block_size, num_blocks, num_tokens = 3, 4, 5, 9
+    base = _pool(dtype, True, num_blocks, block_size, kv_heads, head_dim, gen)
+    scales = [poison_(torch.empty(num_blocks, block_size, kv_heads, dtype=TOKEN_SCALE_DTYPE))
+              if half in dynamic else None for half in "kv"]
+    cache = KVCacheLayer(base.kv, base.k_scale, base.v_scale, *scales)
+    expected = KVCacheLayer(cache.kv.clone(), cache.k_scale, cache.v_scale,
+                            *[None if t is None else t.clone() for t in scales])
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    key = (3.0 * torch.randn(num_tokens, kv_heads, head_dim, generator=gen)).to(dtype)
+    key[0, 0] = 0.0  # an all-zero row gets the smallest scale, not a division by zero
+    value = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    write_kv(key, value, cache, slots)
+    write_kv_ref(key, value, expected, slots)
+    assert torch.equal(cache.kv, expected.kv)
+    for got, want in zip(cache.token_scales, expected.token_scales, strict=True):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        assert int(got.isnan().logical_not().sum()) == num_tokens * kv_heads
+    if cache.k_token_scale is not None:  # nothing saturates: within half a step everywhere
+        k_t = cache.k_token_scale.reshape(-1, kv_heads)[slots]
+        back = dequantize(cache.k.reshape(-1, kv_heads, head_dim)[slots], cache.k_scale,
+                          torch.float32, k_t)
+        step = cache.k_scale * k_t.float()[..., None]
+        assert bool(((back - key.float()).abs() <= step * 0.501 + 1e-6).all())

@@ -130,3 +130,14 @@ def test_prefill_random_configuration(gen, trial):
     ref = paged_attention_ref(*args)
     assert torch.isfinite(out).all()
     assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype,dynamic,window", [
+    (torch.float32, "kv", None), (torch.bfloat16, "v", 5), (torch.float32, "k", 16),
+])
+def test_prefill_with_dynamic_token_scales(gen, dtype, dynamic, window):
+    """int8 pools whose K and/or V carry per-token scales (poisoned where unwritten)."""
+    context_lens, q_lens = _random_lens(gen, 8)
+    batch = random_paged_batch(context_lens, q_lens, 4, 2, 64, 8, dtype, gen, quantized=True,
+                               dynamic=dynamic)
+    _check(batch, 0.125, window)
