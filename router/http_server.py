@@ -33,10 +33,7 @@ The server must be started on the loop the backend lives on (the router actor's)
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -56,6 +53,14 @@ from pdserve.router import openai_protocol as oa
 from pdserve.router.auth import ApiKey, TLSConfig
 from pdserve.router.backend import GenerationBackend, GenerationDelta
 from pdserve.router.errors import DeadlineExceededError, NoWorkersError, RequestValidationError
+from pdserve.router.http_asgi import (
+    Guard,
+    QuietServer,
+    listening_socket,
+    send_json,
+    sse,
+    until_disconnect,
+)
 from pdserve.router.validation import (
     ValidatedRequest,
     check_max_tokens,
@@ -66,7 +71,6 @@ from pdserve.router.validation import (
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/version"})  # served without the API key
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
@@ -100,23 +104,6 @@ class _Job:
     include_usage: bool
 
 
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
-
-
-async def _send_json(send, status: int, body: dict, headers: list | None = None) -> None:
-    data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode()), *(headers or [])]})
-    await send({"type": "http.response.body", "body": data})
-
-
-async def _until_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 class _GenerationResponse(Response):
     """Runs a job as its own task and cancels it when the client goes away (see module doc)."""
 
@@ -126,7 +113,7 @@ class _GenerationResponse(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         work = asyncio.ensure_future(self._server._run(self._job, send))
-        watch = asyncio.ensure_future(_until_disconnect(receive))
+        watch = asyncio.ensure_future(until_disconnect(receive))
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -140,79 +127,6 @@ class _GenerationResponse(Response):
                 pass
             except Exception:
                 logger.exception("%s failed", self._job.request_id)
-
-
-class _Guard:
-    """ASGI middleware: API key (except OPEN_PATHS) and the body size bound, before parsing."""
-
-    class _TooLarge(Exception):
-        pass
-
-    def __init__(self, app, api_key: ApiKey | None, max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS \
-                and not self.api_key.allows(headers.get(b"authorization")):
-            error = oa.OpenAIError(401, "missing or wrong API key: send 'Authorization: "
-                                        "Bearer <key>'", "authentication_error",
-                                   code="invalid_api_key")
-            return await _send_json(send, 401, error.body(), [(b"www-authenticate", b"Bearer")])
-        length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.max_body_bytes:
-            return await self._too_large(send)
-        received = 0
-
-        async def bounded_receive():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_body_bytes:
-                raise self._TooLarge()
-            return message
-
-        started = False
-
-        async def tracking_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, bounded_receive, tracking_send)
-        except self._TooLarge:
-            if not started:
-                await self._too_large(send)
-
-    async def _too_large(self, send) -> None:
-        error = oa.OpenAIError(413, f"request body larger than {self.max_body_bytes} bytes",
-                               code="request_too_large")
-        await _send_json(send, 413, error.body())
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handlers: the process that hosts it owns its signals."""
-
-    def capture_signals(self):
-        return contextlib.nullcontext()
-
-
-def _listening_socket(host: str, port: int) -> socket.socket:
-    family, _type, _proto, _name, sockaddr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(1024)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 class HttpServer:
@@ -231,9 +145,9 @@ class HttpServer:
         self._max_concurrency = max_concurrency
         self._started_at = oa.now()
         self.app = self._build_app()
-        self.asgi = _Guard(self.app, None if api_key is None else ApiKey(api_key),
+        self.asgi = Guard(self.app, None if api_key is None else ApiKey(api_key),
                            max_body_bytes)
-        self._server: _Server | None = None
+        self._server: QuietServer | None = None
         self._task: asyncio.Task | None = None
         self.port: int | None = None  # bound port once started
 
@@ -242,7 +156,7 @@ class HttpServer:
         """Bind exactly ``host``:``port`` and serve on the running loop; returns the port."""
         if self._task is not None:
             raise RuntimeError("server already started")
-        sock = _listening_socket(host, port)
+        sock = listening_socket(host, port)
         config = uvicorn.Config(self.asgi, log_config=None, access_log=False, lifespan="off",
                                 http="h11", ws="none", server_header=False,
                                 limit_concurrency=self._max_concurrency,
@@ -250,7 +164,7 @@ class HttpServer:
         config.load()
         if self._tls is not None:
             config.ssl = self._tls.ssl_context()
-        self._server = _Server(config)
+        self._server = QuietServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():
@@ -434,7 +348,7 @@ class HttpServer:
                     await send({"type": "http.response.body", "body": b""})
                 else:
                     items = [item async for item in stream]  # one: the whole object
-                    await _send_json(send, 200, items[-1])
+                    await send_json(send, 200, items[-1])
             except Exception as exc:
                 await self._send_error(send, exc, state)
             finally:
@@ -452,7 +366,7 @@ class HttpServer:
         num_generated, offset = 0, 0
         delta = first
         if job.stream and job.chat:
-            yield _sse(oa.chat_chunk(job.request_id, job.model, job.created,
+            yield sse(oa.chat_chunk(job.request_id, job.model, job.created,
                                      {"role": "assistant", "content": ""}, None, None,
                                      job.include_usage))
         while True:
@@ -466,10 +380,10 @@ class HttpServer:
             if job.stream and (delta.text or delta.token_ids or state["done"]):
                 if job.chat:
                     content = {"content": delta.text} if delta.text or delta.token_ids else {}
-                    yield _sse(oa.chat_chunk(job.request_id, job.model, job.created, content,
+                    yield sse(oa.chat_chunk(job.request_id, job.model, job.created, content,
                                              delta.finish_reason, lp, job.include_usage))
                 else:
-                    yield _sse(oa.completion_chunk(job.request_id, job.model, job.created,
+                    yield sse(oa.completion_chunk(job.request_id, job.model, job.created,
                                                    delta.text, delta.finish_reason, lp,
                                                    job.include_usage))
             elif not job.stream:
@@ -482,7 +396,7 @@ class HttpServer:
         usage = oa.usage(len(job.prompt_token_ids), num_generated)
         if job.stream:
             if job.include_usage:
-                yield _sse(oa.usage_chunk(job.request_id, job.model, job.created, job.chat,
+                yield sse(oa.usage_chunk(job.request_id, job.model, job.created, job.chat,
                                           usage))
             yield b"data: [DONE]\n\n"
             return
@@ -522,10 +436,10 @@ class HttpServer:
             logger.info("generation refused: %s %s", error.status, error.message)
         try:
             if state["started"]:
-                await send({"type": "http.response.body", "body": _sse(error.body())})
+                await send({"type": "http.response.body", "body": sse(error.body())})
                 await send({"type": "http.response.body", "body": b""})
             else:
-                await _send_json(send, error.status, error.body())
+                await send_json(send, error.status, error.body())
         except Exception as send_exc:  # noqa: BLE001 - the client is gone
             logger.info("could not send the error: %s", send_exc)
 

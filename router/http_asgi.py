@@ -1,0 +1,106 @@
+"""The ASGI pieces under the HTTP front door (``pdserve.router.http_server``): raw response
+writers, the disconnect watch, the guard middleware (API key, body bound) and a uvicorn server
+that leaves the hosting process's signals alone, on a socket bound to exactly one host."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+
+import uvicorn
+
+from pdserve.router import openai_protocol as oa
+from pdserve.router.auth import ApiKey
+
+OPEN_PATHS = frozenset({"/health", "/version"})  # served without the API key
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
+
+
+async def send_json(send, status: int, body: dict, headers: list | None = None) -> None:
+    data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class Guard:
+    """ASGI middleware: API key (except OPEN_PATHS) and the body size bound, before parsing."""
+
+    class _TooLarge(Exception):
+        pass
+
+    def __init__(self, app, api_key: ApiKey | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS \
+                and not self.api_key.allows(headers.get(b"authorization")):
+            error = oa.OpenAIError(401, "missing or wrong API key: send 'Authorization: "
+                                        "Bearer <key>'", "authentication_error",
+                                   code="invalid_api_key")
+            return await send_json(send, 401, error.body(), [(b"www-authenticate", b"Bearer")])
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_body_bytes:
+            return await self._too_large(send)
+        received = 0
+
+        async def bounded_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body_bytes:
+                raise self._TooLarge()
+            return message
+
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, tracking_send)
+        except self._TooLarge:
+            if not started:
+                await self._too_large(send)
+
+    async def _too_large(self, send) -> None:
+        error = oa.OpenAIError(413, f"request body larger than {self.max_body_bytes} bytes",
+                               code="request_too_large")
+        await send_json(send, 413, error.body())
+
+
+class QuietServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the process that hosts it owns its signals."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    family, _type, _proto, _name, sockaddr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(1024)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
