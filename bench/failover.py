@@ -82,7 +82,8 @@ def reference_tokens(model_dir: str, requests: list[ChaosRequest], **engine) -> 
             for r in requests]
 
 
-async def _stream(client, request: ChaosRequest, record: StreamRecord, timeout: float) -> None:
+async def stream_one(client, request: ChaosRequest, record: StreamRecord, timeout: float) -> None:
+    """Stream one request into ``record`` (tokens, chunk times, status code on failure)."""
     from pdserve.api.client import PdserveError
 
     record.start = time.monotonic()
@@ -108,7 +109,7 @@ async def stream_all(target: str, requests: list[ChaosRequest],
     records = [StreamRecord(r.request_id) for r in requests]
     fault_at = None
     async with AsyncPdserveClient(target) as client:
-        tasks = [asyncio.create_task(_stream(client, r, rec, timeout))
+        tasks = [asyncio.create_task(stream_one(client, r, rec, timeout))
                  for r, rec in zip(requests, records, strict=True)]
         if fault is not None:
             while sum(len(r.token_ids) >= fault_after_tokens for r in records) \

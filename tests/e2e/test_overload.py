@@ -15,11 +15,14 @@ import pytest
 
 from pdserve.bench.failover import (
     ChaosRequest,
+    StreamRecord,
     reference_tokens,
     sigkill_busiest,
     stream_all,
+    stream_one,
 )
 from pdserve.router.core import RouterConfig
+from pdserve.testing import async_wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -86,6 +89,50 @@ def test_migration_limit_zero_fails_only_streams_on_the_killed_worker(start_clus
             if record.error is None:
                 assert record.token_ids == want
         cluster.wait_pools(120)
+        assert set(e2e.wait_idle(cluster).values()) == {0}
+    finally:
+        cluster.stop()
+
+
+async def big_first(target: str, big: ChaosRequest, normal: list[ChaosRequest]):
+    """The big request streams first; the normal ones arrive once it is decoding."""
+    from pdserve.api.client import AsyncPdserveClient
+
+    records = [StreamRecord(r.request_id) for r in [big, *normal]]
+    async with AsyncPdserveClient(target) as client:
+        tasks = [asyncio.create_task(stream_one(client, big, records[0], 120))]
+        await async_wait_for(lambda: records[0].token_ids, 60, "the big request decoding")
+        tasks += [asyncio.create_task(stream_one(client, r, rec, 120))
+                  for r, rec in zip(normal, records[1:], strict=True)]
+        await asyncio.gather(*tasks)
+    return records
+
+
+def test_the_storm_one_huge_context_cannot_starve_normal_requests(start_cluster, model_dir,
+                                                                  e2e):
+    """The seed's incident: one request whose context fills most of the decode pool beside a
+    stream of normal ones. With priority scheduling the big one (low priority) is bounced,
+    never recomputed on the decode pool; every normal request completes with the offline
+    tokens, and preemptions stay bounded (no eviction storm)."""
+    cluster = start_cluster(model_dir, num_prefill=1, num_decode=1,
+                            engine=dict(num_kv_blocks=96, scheduling_policy="priority"),
+                            router=RouterConfig(scheduling_policy="priority",
+                                                stats_interval_s=0.1))
+    try:
+        normal = [ChaosRequest(f"n{i}", [(13 * i + j) % 390 + 5 for j in range(16)],
+                               dict(max_tokens=24, temperature=0.0, ignore_eos=True))
+                  for i in range(12)]
+        big = ChaosRequest("big", [(3 * j) % 390 + 5 for j in range(250)],
+                           dict(max_tokens=90, temperature=0.0, ignore_eos=True, priority=5))
+        requests = [big, *normal]
+        expected = reference_tokens(str(model_dir), requests, block_size=4, num_kv_blocks=512)
+        records = asyncio.run(big_first(cluster.target, big, normal))
+        assert [r.error for r in records] == [None] * len(records)
+        assert [r.token_ids for r in records] == expected
+        stats = cluster.worker_stats()
+        decode = next(s for s in stats.values() if s.role == "decode")
+        assert decode.num_preemptions == decode.num_bounces  # never recomputed on decode
+        assert 1 <= decode.num_bounces <= 2 * len(requests)  # it bit, and stayed bounded
         assert set(e2e.wait_idle(cluster).values()) == {0}
     finally:
         cluster.stop()
