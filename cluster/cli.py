@@ -104,6 +104,8 @@ def _add_generate(sub) -> None:
     gen.add_argument("--stop", action="append", default=None,
                      help="stop string (repeat for several)")
     gen.add_argument("--ignore-eos", action="store_true", default=None)
+    gen.add_argument("--priority", type=int, default=None, help="lower runs earlier (default 0)")
+    gen.add_argument("--tenant", default="", help="who sends it (fair share between tenants)")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
 
 
@@ -279,7 +281,7 @@ def _cmd_generate(args) -> int:
 
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, stop=args.stop,
-                    ignore_eos=args.ignore_eos)
+                    ignore_eos=args.ignore_eos, priority=args.priority, tenant=args.tenant)
     security = _client_security("pdserve generate", args)
     try:
         with PdserveClient(args.target, **security) as client:
