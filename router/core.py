@@ -249,8 +249,9 @@ class Router:
             except AttemptFailed as failure:
                 await self._abort_attempt(flight)
                 self._count_failure(flight, failure)
-                logger.warning("%s: attempt %d failed (%s); moving it: %s", flight.request_id,
-                               flight.attempt, failure.reason, failure)
+                level = logging.INFO if failure.reason == "preempted" else logging.WARNING
+                logger.log(level, "%s: attempt %d failed (%s); moving it: %s",
+                           flight.request_id, flight.attempt, failure.reason, failure)
                 flight.next_attempt()
 
     def _count_failure(self, flight: Flight, failure: AttemptFailed) -> None:
