@@ -70,7 +70,7 @@ def check_engine_fits(config: EngineConfig) -> int | None:
     activations = memory.estimate_activation_bytes(mc, config, dtype, max_model_len,
                                                    attention_scratch=backend == "torch")
     layer_dtypes = memory.kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
-    per_block = memory.bytes_per_block(mc, config.block_size, layer_dtypes)
+    per_block = memory.kv_bytes_per_block(mc, config, layer_dtypes)
     return memory.blocks_in_budget(config, budget, weights, activations, per_block, max_model_len)
 
 

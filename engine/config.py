@@ -10,6 +10,8 @@ from pdserve.kernels import BACKENDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", "int8")
+KV_INT8_SCALES = ("static", "token", "kivi", "hybrid")  # engine/kv_quant.py describes each
+DEFAULT_KV_INT8_SCALES = "hybrid"  # chosen from python -m pdserve.bench.kv_int8 (docs/)
 DEFAULT_CPU_MEMORY_BUDGET = 4 << 30  # bytes for weights + KV pool + activations on a CPU worker
 
 
@@ -30,6 +32,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8
     kv_int8_keep_edge_layers: bool = True  # with int8: first and last layers stay in model dtype
+    kv_int8_scales: str = DEFAULT_KV_INT8_SCALES  # with int8: static | token | kivi | hybrid
+    # (per-channel calibrated, per-token dynamic, or both; see pdserve.engine.kv_quant)
     num_kv_blocks: int | None = None  # pin the pool size instead of deriving it from the budget
     memory_budget_bytes: int | None = None  # worker memory for weights + KV + activations
     memory_safety_margin: float = 0.05  # fraction of the budget kept free
@@ -53,6 +57,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.kv_int8_scales not in KV_INT8_SCALES:
+            raise ValueError(f"kv_int8_scales must be one of {KV_INT8_SCALES}, "
+                             f"got {self.kv_int8_scales!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, "
                              f"got {self.attention_backend!r}")

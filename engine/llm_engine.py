@@ -77,12 +77,14 @@ class EngineParts:
         except (FileNotFoundError, ValueError) as exc:
             logger.info("no tokenizer (%s): token-id prompts only, empty text", exc)
             tokenizer = None
-        scales = None
+        scales = scheme = None
         if config.kv_cache_dtype == "int8":
-            from pdserve.engine.kv_quant import calibrate_kv_scales
+            from pdserve.engine.kv_quant import INT8_SCHEMES, calibrate_kv_scales
 
-            scales = calibrate_kv_scales(model, mc, layer_dtypes, device, backend, tokenizer)
-        caches = allocate_kv_caches(mc, ledger, layer_dtypes, device, scales)
+            scheme = INT8_SCHEMES[config.kv_int8_scales]
+            scales = calibrate_kv_scales(model, mc, layer_dtypes, device, backend, tokenizer,
+                                         scheme=scheme)
+        caches = allocate_kv_caches(mc, ledger, layer_dtypes, device, scales, scheme)
         runner = ModelRunner(model, caches, config.block_size, device, backend)
         block_manager = BlockManager(ledger.num_kv_blocks, config.block_size,
                                      enable_prefix_caching=config.enable_prefix_caching,

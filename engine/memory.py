@@ -19,6 +19,7 @@ import torch
 
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
 from pdserve.kernels import KVCacheLayer
+from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -60,7 +61,7 @@ class MemoryLedger:
             ("KV capacity", f"{self.kv_token_capacity:,} tokens"),
         ] + ([("int8 KV gain", f"{self.num_kv_blocks / self.num_kv_blocks_model_dtype:.2f}x "
                                 f"blocks ({self.num_kv_blocks_model_dtype} in model dtype)")]
-             if self.kv_dtype == "int8" and self.num_kv_blocks_model_dtype else [])
+             if self.kv_dtype.startswith("int8") and self.num_kv_blocks_model_dtype else [])
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "kv_token_capacity": self.kv_token_capacity}
@@ -116,6 +117,17 @@ def bytes_per_block(mc, block_size: int, layer_dtypes) -> int:
                for d in layer_dtypes)
 
 
+def kv_bytes_per_block(mc, config: EngineConfig, layer_dtypes) -> int:
+    """One block over all layers as the pool stores it: K/V, plus the int8 layers' dynamic
+    token scales under ``config.kv_int8_scales``."""
+    from pdserve.engine.kv_quant import INT8_SCHEMES, token_scale_bytes_per_block
+
+    scales = token_scale_bytes_per_block(mc, config.block_size,
+                                         INT8_SCHEMES[config.kv_int8_scales])
+    num_int8 = sum(d == torch.int8 for d in layer_dtypes)
+    return bytes_per_block(mc, config.block_size, layer_dtypes) + num_int8 * scales
+
+
 class MemoryBudgetError(ValueError):
     """The memory budget leaves no room for the KV cache: a user error whose message names the
     settings that fix it as ``pdserve serve`` flags (``LLM`` / ``EngineConfig`` take the same
@@ -151,7 +163,7 @@ def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.
                  device: torch.device, max_model_len: int, backend: str) -> MemoryLedger:
     """Size the KV pool from the budget (or ``config.num_kv_blocks``) and return the ledger."""
     layer_dtypes = kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
-    per_block = bytes_per_block(mc, config.block_size, layer_dtypes)
+    per_block = kv_bytes_per_block(mc, config, layer_dtypes)
     budget = config.memory_budget_bytes or default_budget(device)
     margin = int(budget * config.memory_safety_margin)
     weights = weight_bytes(model)
@@ -162,7 +174,8 @@ def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.
     else:
         num_blocks = blocks_in_budget(config, budget, weights, activations, per_block,
                                       max_model_len)
-    kv_dtype = "int8" if config.kv_cache_dtype == "int8" else str(dtype).replace("torch.", "")
+    kv_dtype = (f"int8, {config.kv_int8_scales} scales" if config.kv_cache_dtype == "int8"
+                else str(dtype).replace("torch.", ""))
     model_dtype_block = bytes_per_block(mc, config.block_size, [dtype] * mc.num_hidden_layers)
     return MemoryLedger(
         budget_bytes=budget, margin_bytes=margin, weight_bytes=weights,
@@ -174,9 +187,10 @@ def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.
 
 
 def allocate_kv_caches(mc, ledger: MemoryLedger, layer_dtypes, device: torch.device,
-                       scales: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
-                       ) -> list[KVCacheLayer]:
-    """Zero-filled pools, one :class:`KVCacheLayer` per layer (int8 layers need ``scales``)."""
+                       scales: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+                       scheme=None) -> list[KVCacheLayer]:
+    """Zero-filled pools, one :class:`KVCacheLayer` per layer (int8 layers need ``scales``;
+    ``scheme``, an :class:`~pdserve.engine.kv_quant.Int8Scheme`, adds their token scales)."""
     shape = (2, ledger.num_kv_blocks, ledger.block_size, mc.num_key_value_heads, mc.head_dim)
     caches = []
     for layer, dtype in enumerate(layer_dtypes):
@@ -185,7 +199,10 @@ def allocate_kv_caches(mc, ledger: MemoryLedger, layer_dtypes, device: torch.dev
             if scales is None or scales[layer] is None:
                 raise ValueError(f"int8 KV layer {layer} needs calibrated scales")
             k_scale, v_scale = scales[layer]
-            caches.append(KVCacheLayer(kv, k_scale.to(device), v_scale.to(device)))
+            token = [torch.ones(shape[1:4], dtype=TOKEN_SCALE_DTYPE, device=device)
+                     if scheme is not None and dynamic else None
+                     for dynamic in ((scheme.k_token, scheme.v_token) if scheme else (0, 0))]
+            caches.append(KVCacheLayer(kv, k_scale.to(device), v_scale.to(device), *token))
         else:
             caches.append(KVCacheLayer(kv))
     return caches

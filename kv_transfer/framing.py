@@ -18,7 +18,9 @@ Header, ``HEADER_WORDS`` int64 values::
     13 header_sum      mix of words 0..12, so a damaged header is rejected, not misread
 
 The payload of a LAYERS frame is :func:`pack_layers` of the request's blocks viewed as bytes:
-(num_layers, 2, num_blocks, block_size, kv_heads, head_dim) in the cache dtype. No pickle.
+(num_layers, 2, num_blocks, block_size, kv_heads, head_dim) in the cache dtype, followed, for
+int8 layers with dynamic per-token scales, by those scales (num_layers, num_dynamic_halves,
+num_blocks, block_size, kv_heads) float16, so the scales travel with their blocks. No pickle.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels import KVCacheLayer, pack_blocks, unpack_blocks
+from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE
+from pdserve.kernels.reference import pack_token_scales, unpack_token_scales
 from pdserve.kv_transfer.base import FrameKind, FramingError, TransferKey
 
 MAGIC = 0x5044_4B56_4652_4D31  # "PDKVFRM1"
@@ -177,10 +181,23 @@ def pack_layers(caches: list[KVCacheLayer], block_ids: torch.Tensor, layer_start
     (num_layers, 2, num_blocks, block_size, kv_heads, head_dim), what ``send_layers`` takes.
 
     ``block_ids`` is an int64 tensor on the caches' device. Layers in the range must share
-    shape and dtype (they do in one pool)."""
+    shape and dtype (they do in one pool). With dynamic token scales the payload is flat uint8
+    (blocks, then scales: see the module docstring); send it with ``num_blocks``."""
     _check_range(caches, layer_start, layer_end)
-    packed = pack_blocks(caches[layer_start:layer_end], block_ids, backend=backend)
-    return packed.contiguous()
+    layers = caches[layer_start:layer_end]
+    packed = pack_blocks(layers, block_ids, backend=backend)
+    if not _token_scaled(layers):
+        return packed.contiguous()
+    scales = pack_token_scales(layers, block_ids)
+    return torch.cat([as_bytes(packed.contiguous()), as_bytes(scales.contiguous())])
+
+
+def _token_scaled(layers: list[KVCacheLayer]) -> bool:
+    """Whether the layers carry token scales (all alike, as frames group layers by kind)."""
+    kinds = {(c.k_token_scale is not None, c.v_token_scale is not None) for c in layers}
+    if len(kinds) != 1:
+        raise ValueError("layers in one frame must all have, or all lack, the same token scales")
+    return any(kinds.pop())
 
 
 def unpack_layers(payload: torch.Tensor, caches: list[KVCacheLayer], block_ids: torch.Tensor,
@@ -193,7 +210,14 @@ def unpack_layers(payload: torch.Tensor, caches: list[KVCacheLayer], block_ids: 
     if payload.numel() * payload.element_size() != expected:
         raise ValueError(f"payload has {payload.numel() * payload.element_size()} bytes, "
                          f"expected {expected} (payload)")
+    layers = caches[layer_start:layer_end]
+    flat = as_bytes(payload)
+    kv_nbytes = len(layers) * 2 * block_ids.numel() * first[0, 0].numel() * first.element_size()
     # (nbytes,) -> (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
-    shaped = as_bytes(payload).view(first.dtype).view(
+    shaped = flat[:kv_nbytes].view(first.dtype).view(
         layer_end - layer_start, 2, block_ids.numel(), *first.shape[2:])
-    unpack_blocks(shaped, caches[layer_start:layer_end], block_ids, backend=backend)
+    unpack_blocks(shaped, layers, block_ids, backend=backend)
+    if _token_scaled(layers):  # (num_layers, halves, num_blocks, block_size, kv_heads)
+        scales = flat[kv_nbytes:].view(TOKEN_SCALE_DTYPE).view(
+            len(layers), len(layers[0].token_scales), block_ids.numel(), *first.shape[2:4])
+        unpack_token_scales(scales, layers, block_ids)

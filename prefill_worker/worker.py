@@ -177,7 +177,8 @@ class PrefillWorker:
         for target, block_ids in shipments:
             payload = pack_layers(caches, block_ids, start, end)
             target.bytes_sent += payload.numel() * payload.element_size()
-            target.frames.append(target.sender.send_layers(target.key, start, end, payload))
+            target.frames.append(target.sender.send_layers(target.key, start, end, payload,
+                                                           num_blocks=block_ids.numel()))
 
     def _finish_prefill(self, item: ScheduledSequence, delta: RequestDelta,
                         sampled_at: float) -> None:

@@ -53,10 +53,13 @@ def test_token_zero_finishes_request(hf_checkpoint, make_pair):
     assert pair.used_blocks() == (0, 0)
 
 
-def test_int8_cache_disaggregated_equals_colocated(hf_checkpoint, make_pair, greedy):
+@pytest.mark.parametrize("scales", ["static", "kivi", "hybrid"])
+def test_int8_cache_disaggregated_equals_colocated(hf_checkpoint, make_pair, greedy, scales):
+    """Every layer int8 (the 2-layer model has no middle layer to keep edges around); dynamic
+    token scales travel in the frames with their blocks."""
     model_dir = hf_checkpoint("llama")
     prompts = prompts_for(2, [9, 21])
-    int8 = dict(kv_cache_dtype="int8", kv_int8_keep_edge_layers=True)
+    int8 = dict(kv_cache_dtype="int8", kv_int8_keep_edge_layers=False, kv_int8_scales=scales)
     expected = [o.token_ids for o in LLM(str(model_dir), dtype="float32", block_size=4,
                                          num_kv_blocks=128, **int8).generate(
                                              prompts, greedy, use_tqdm=False)]
