@@ -16,12 +16,14 @@ gRPC code (NOT_FOUND for an unknown worker, UNAVAILABLE when the router cannot b
 
 from __future__ import annotations
 
+import json
+
 import grpc
 
 from pdserve.api import admin_pb2, admin_pb2_grpc
 from pdserve.api.client import ClientTLS, PdserveError, auth_metadata, open_channel
 
-__all__ = ["AdminClient", "worker_dict", "pool_dict", "state_name"]
+__all__ = ["AdminClient", "worker_dict", "pool_dict", "state_name", "trace_dict"]
 
 
 def state_name(state: int) -> str:
@@ -39,7 +41,20 @@ def worker_dict(worker: admin_pb2.Worker) -> dict:
         "heartbeat_age_s": (round(worker.heartbeat_age_s, 3)
                             if worker.HasField("heartbeat_age_s") else None),
         "restarts": worker.restarts,
+        "compute_utilization": round(worker.compute_utilization, 4),
+        "bandwidth_utilization": round(worker.bandwidth_utilization, 4),
+        "busy_fraction": round(worker.busy_fraction, 4), "binding": worker.binding,
     }
+
+
+def trace_dict(trace: admin_pb2.RequestTrace) -> dict:
+    """One request's trace (seconds), keyed like ``pdserve.router.trace.RequestTrace``."""
+    return {"request_id": trace.request_id, "ttft": trace.ttft_s, "e2e": trace.e2e_s,
+            "queue": trace.queue_s, "prefill": trace.prefill_s, "transfer": trace.transfer_s,
+            "decode": trace.decode_s, "num_prompt_tokens": trace.prompt_tokens,
+            "num_output_tokens": trace.output_tokens,
+            "finish_reason": trace.finish_reason or None, "num_retries": trace.retries,
+            "num_migrations": trace.migrations}
 
 
 def pool_dict(pool: admin_pb2.Pool) -> dict:
@@ -88,3 +103,14 @@ class AdminClient:
 
     def set_pool_target(self, role: str, size: int) -> admin_pb2.Pool:
         return self._call("SetPoolTarget", admin_pb2.SetPoolTargetRequest(role=role, size=size))
+
+    def get_traces(self, request_ids: list[str] | None = None,
+                   limit: int = 0) -> list[admin_pb2.RequestTrace]:
+        """The router's traces of ``request_ids`` (those it still keeps), or its latest
+        ``limit`` (0: 1000)."""
+        request = admin_pb2.GetTracesRequest(request_ids=list(request_ids or ()), limit=limit)
+        return list(self._call("GetTraces", request).traces)
+
+    def get_config(self) -> dict:
+        """Each pool's engine settings and the router's (``GetConfig``)."""
+        return json.loads(self._call("GetConfig", admin_pb2.GetConfigRequest()).config_json)

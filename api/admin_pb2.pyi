@@ -21,7 +21,7 @@ WORKER_STATE_DRAINING: WorkerState
 WORKER_STATE_DEAD: WorkerState
 
 class Worker(_message.Message):
-    __slots__ = ("worker_id", "role", "node", "pid", "state", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts", "error")
+    __slots__ = ("worker_id", "role", "node", "pid", "state", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts", "error", "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding", "ledger_json")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,11 @@ class Worker(_message.Message):
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    BINDING_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_JSON_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     node: str
@@ -46,7 +51,64 @@ class Worker(_message.Message):
     heartbeat_age_s: float
     restarts: int
     error: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    compute_utilization: float
+    bandwidth_utilization: float
+    busy_fraction: float
+    binding: str
+    ledger_json: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., error: _Optional[str] = ..., compute_utilization: _Optional[float] = ..., bandwidth_utilization: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., binding: _Optional[str] = ..., ledger_json: _Optional[str] = ...) -> None: ...
+
+class RequestTrace(_message.Message):
+    __slots__ = ("request_id", "ttft_s", "e2e_s", "queue_s", "prefill_s", "transfer_s", "decode_s", "prompt_tokens", "output_tokens", "finish_reason", "retries", "migrations")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    E2E_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRIES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    ttft_s: float
+    e2e_s: float
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    decode_s: float
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: str
+    retries: int
+    migrations: int
+    def __init__(self, request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., retries: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
+
+class GetTracesRequest(_message.Message):
+    __slots__ = ("request_ids", "limit")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    limit: int
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class GetTracesResponse(_message.Message):
+    __slots__ = ("traces",)
+    TRACES_FIELD_NUMBER: _ClassVar[int]
+    traces: _containers.RepeatedCompositeFieldContainer[RequestTrace]
+    def __init__(self, traces: _Optional[_Iterable[_Union[RequestTrace, _Mapping]]] = ...) -> None: ...
+
+class GetConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetConfigResponse(_message.Message):
+    __slots__ = ("config_json",)
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    def __init__(self, config_json: _Optional[str] = ...) -> None: ...
 
 class Pool(_message.Message):
     __slots__ = ("role", "target", "actual", "ready", "starting", "draining", "restarts", "last_error")

@@ -54,6 +54,16 @@ class AdminStub:
                 request_serializer=pdserve_dot_api_dot_admin__pb2.SetPoolTargetRequest.SerializeToString,
                 response_deserializer=pdserve_dot_api_dot_admin__pb2.Pool.FromString,
                 _registered_method=True)
+        self.GetTraces = channel.unary_unary(
+                '/pdserve.v1.Admin/GetTraces',
+                request_serializer=pdserve_dot_api_dot_admin__pb2.GetTracesRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_admin__pb2.GetTracesResponse.FromString,
+                _registered_method=True)
+        self.GetConfig = channel.unary_unary(
+                '/pdserve.v1.Admin/GetConfig',
+                request_serializer=pdserve_dot_api_dot_admin__pb2.GetConfigRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_admin__pb2.GetConfigResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -90,6 +100,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTraces(self, request, context):
+        """Where finished requests' time went, as the router traced them (the latest it keeps, or
+        the ones named). `pdserve bench serve` reads its own requests' traces here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetConfig(self, request, context):
+        """What the server runs: each pool's engine settings and the router's, as JSON.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +137,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.SetPoolTarget,
                     request_deserializer=pdserve_dot_api_dot_admin__pb2.SetPoolTargetRequest.FromString,
                     response_serializer=pdserve_dot_api_dot_admin__pb2.Pool.SerializeToString,
+            ),
+            'GetTraces': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTraces,
+                    request_deserializer=pdserve_dot_api_dot_admin__pb2.GetTracesRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_admin__pb2.GetTracesResponse.SerializeToString,
+            ),
+            'GetConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetConfig,
+                    request_deserializer=pdserve_dot_api_dot_admin__pb2.GetConfigRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_admin__pb2.GetConfigResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +257,60 @@ class Admin:
             '/pdserve.v1.Admin/SetPoolTarget',
             pdserve_dot_api_dot_admin__pb2.SetPoolTargetRequest.SerializeToString,
             pdserve_dot_api_dot_admin__pb2.Pool.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTraces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/GetTraces',
+            pdserve_dot_api_dot_admin__pb2.GetTracesRequest.SerializeToString,
+            pdserve_dot_api_dot_admin__pb2.GetTracesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/GetConfig',
+            pdserve_dot_api_dot_admin__pb2.GetConfigRequest.SerializeToString,
+            pdserve_dot_api_dot_admin__pb2.GetConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,

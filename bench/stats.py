@@ -33,8 +33,16 @@ def format_table(header: list[str], rows: list[list]) -> str:
 
 
 def _fmt(value) -> str:
+    """Floats to 3 significant digits (whole numbers from 100 up, never an exponent there)."""
     if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.4g}"
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        size = abs(value)
+        if size >= 100:
+            return f"{value:,.0f}"
+        if size >= 1:
+            return f"{value:.{2 if size < 10 else 1}f}"
+        return f"{value:.3g}"
     return str(value)
 
 

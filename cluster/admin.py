@@ -2,18 +2,30 @@
 
 Implements ``pdserve.router.admin_server.AdminBackend`` in the router actor's process: workers
 are the pool manager's members (and the dead ones it removed recently), with load and
-heartbeat age from the registry; pools are the targets in Redis with the members counted.
+heartbeat age from the registry; pools are the targets in Redis with the members counted;
+traces are the router's, and the config is each pool's engine settings (secrets hidden) and
+the router's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
+from collections.abc import Callable, Iterable
 
 from pdserve.cluster.pool_plan import DEAD, DRAINING, READY, STARTING
 from pdserve.cluster.pools import Member, PoolManager
 from pdserve.cluster.registry import WorkerRecord
 from pdserve.router.admin_server import PoolInfo, UnknownWorkerError, WorkerDeadError, WorkerInfo
+from pdserve.router.trace import RequestTrace
+
+SECRET_FIELDS = ("prefix_cache_salt",)  # engine settings GetConfig never shows
+
+
+def _public(engine: dict) -> dict:
+    return {k: ("<secret>" if k in SECRET_FIELDS and v else v) for k, v in engine.items()}
 
 
 def worker_info(member: Member, record: WorkerRecord | None, now: float) -> WorkerInfo:
@@ -23,17 +35,42 @@ def worker_info(member: Member, record: WorkerRecord | None, now: float) -> Work
     if record is None:
         return WorkerInfo(rec.worker_id, rec.role, member.state, rec.node_ip, rec.pid,
                           restarts=rec.restarts, error=error)
+    util = record.to_stats().utilization
     return WorkerInfo(rec.worker_id, rec.role, member.state, rec.node_ip,
                       rec.pid or record.pid, record.num_running, record.num_waiting,
                       record.used_blocks, record.total_blocks,
-                      max(0.0, now - record.heartbeat_time), rec.restarts, error)
+                      max(0.0, now - record.heartbeat_time), rec.restarts, error,
+                      util.compute, util.bandwidth, util.busy_fraction, util.binding,
+                      json.loads(record.ledger_json or "{}"))
 
 
 class ClusterAdmin:
-    """``AdminBackend`` over a :class:`PoolManager`; see the module docstring."""
+    """``AdminBackend`` over a :class:`PoolManager`; see the module docstring. ``traces``
+    returns the router's finished-request traces (oldest first); ``router_config`` is what
+    ``GetConfig`` reports beside the pools' engine settings."""
 
-    def __init__(self, manager: PoolManager):
+    def __init__(self, manager: PoolManager,
+                 traces: Callable[[], Iterable[RequestTrace]] | None = None,
+                 router_config: object | None = None):
         self.manager = manager
+        self._traces = traces
+        self._router_config = router_config
+
+    async def traces(self, request_ids: list[str], limit: int) -> list[RequestTrace]:
+        kept = list(self._traces()) if self._traces is not None else []
+        if not request_ids:
+            return kept[-limit:]
+        wanted = set(request_ids)
+        return [t for t in kept if t.request_id in wanted]
+
+    async def config(self) -> dict:
+        targets = await asyncio.to_thread(self.manager.store.targets)
+        pools = {spec.role: {"target": targets.get(spec.role, 0),
+                             "engine": _public(dataclasses.asdict(spec.config))}
+                 for spec in self.manager.settings.templates}
+        router = (dataclasses.asdict(self._router_config)
+                  if dataclasses.is_dataclass(self._router_config) else {})
+        return {"pools": pools, "router": router}
 
     async def list_workers(self) -> list[WorkerInfo]:
         records = {r.worker_id: r for r in

@@ -135,6 +135,10 @@ def _add_status(sub) -> None:
     status.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
     status.add_argument("--json", action="store_true",
                         help='print one JSON object: {"pools": {role: {...}}, "workers": [...]}')
+    status.add_argument("--checklist", type=int, nargs="?", const=1000, default=0, metavar="N",
+                        help="also print where time and memory go: the phase share of the "
+                             "latest N requests' time (default 1000), utilisation per phase, "
+                             "each worker's memory composition")
     status.add_argument("--timeout", type=float, default=10.0, help="call deadline in seconds")
     _add_client_security(status)
 
@@ -380,10 +384,34 @@ def _cmd_status(args) -> int:
         age = w["heartbeat_age_s"]
         rows.append([w["worker_id"], w["role"], w["state"], w["node"] or "-", w["pid"] or "-",
                      w["running"], w["waiting"], f"{w['kv_used_blocks']}/{w['kv_total_blocks']}",
-                     "-" if age is None else f"{age:.1f}s", w["restarts"], raw.error or ""])
+                     f"{w['compute_utilization']:.1%}", f"{w['bandwidth_utilization']:.1%}",
+                     w["binding"] or "-", "-" if age is None else f"{age:.1f}s", w["restarts"],
+                     raw.error or ""])
     print(_table(["WORKER", "ROLE", "STATE", "NODE", "PID", "RUNNING", "WAITING", "KV BLOCKS",
-                  "HEARTBEAT", "RESTARTS", "ERROR"], rows))
+                  "COMPUTE", "BANDWIDTH", "BINDS", "HEARTBEAT", "RESTARTS", "ERROR"], rows))
+    if args.checklist:
+        from pdserve.cluster.checklist import format_checklist
+
+        traces = _admin_call("pdserve status", args.target, args.timeout,
+                             lambda admin: _latest_traces(admin, args.checklist),
+                             _client_security("pdserve status", args))
+        print()
+        print(format_checklist(traces, workers))
     return 0
+
+
+def _latest_traces(admin, limit: int) -> list | None:
+    """The router's latest ``limit`` traces; None from a server that keeps none."""
+    import grpc
+
+    from pdserve.api.client import PdserveError
+
+    try:
+        return admin.get_traces(limit=limit)
+    except PdserveError as exc:
+        if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+            return None
+        raise
 
 
 def _table(header: list[str], rows: list[list]) -> str:

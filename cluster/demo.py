@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.api.client import AsyncPdserveClient
+from pdserve.bench.phases import PHASES, phase_seconds
 from pdserve.bench.stats import format_table, summarize
 from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
 from pdserve.cluster.offline_demo import make_prompts
@@ -54,6 +55,7 @@ class DemoReport:
     traces: list = field(default_factory=list)  # the router's RequestTrace per request
     worker_stats: dict = field(default_factory=dict)  # worker_id -> WorkerStats
     sample: str = ""  # the first request's text
+    builtin_model: bool = True  # served the built-in tiny model (random weights)
 
 
 async def _one(client: AsyncPdserveClient, prompt: str, max_tokens: int, seed: int,
@@ -110,7 +112,8 @@ def run_demo(num_requests: int = 48, concurrency: int = 8, seed: int = 0,
                                             concurrency))
         wall = time.perf_counter() - start
         report = DemoReport(f"{shape} worker(s) on {cluster.model}", wall, concurrency,
-                            timings, cluster.traces(), cluster.worker_stats(), sample)
+                            timings, cluster.traces(), cluster.worker_stats(), sample,
+                            builtin_model=options.model is None)
     return report
 
 
@@ -130,9 +133,11 @@ def format_report(report: DemoReport) -> str:
         ("TTFT", [t.ttft for t in timings]),
         ("TPOT", [t.tpot for t in timings if t.tpot is not None]),
         ("e2e", [t.e2e for t in timings])])))
-    lines.append("\nwhere the time went, per request (router traces, ms)")
-    phases = [(name, [getattr(t, name) for t in traces])
-              for name in ("queue", "prefill", "transfer", "decode", "ttft", "e2e")]
+    lines.append("\nwhere the time went, per request (router traces, ms; router = the part of "
+                 "TTFT no worker timed: admission, placing, RPCs)")
+    split = [phase_seconds(t) for t in traces]
+    phases = [(name, [p[name] for p in split]) for name in PHASES]
+    phases += [(name, [getattr(t, name) for t in traces]) for name in ("ttft", "e2e")]
     rows = [[name, summarize(v)["mean"] * 1000, summarize(v)["p50"] * 1000,
              summarize(v)["p99"] * 1000] for name, v in phases]
     lines.append(format_table(["phase", "mean", "P50", "P99"], rows))
@@ -141,7 +146,8 @@ def format_report(report: DemoReport) -> str:
         ["worker", "role", "weights MiB", "activations MiB", "KV pool MiB", "KV blocks",
          "block size", "KV B/token", "KV tokens", "used blocks"],
         [_ledger_row(wid, s) for wid, s in sorted(report.worker_stats.items())]))
-    lines.append(f"\nsample output (random weights, gibberish): {report.sample[:80]!r}")
+    label = "random weights, gibberish" if report.builtin_model else "sampled, temperature 0.8"
+    lines.append(f"\nsample output ({label}): {report.sample[:80]!r}")
     return "\n".join(lines)
 
 

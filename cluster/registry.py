@@ -41,6 +41,11 @@ class WorkerRecord:
     pid: int = 0  # the worker's process id (on its node)
     error: str = ""  # why the worker's engine loop died ("" while it runs): it takes no work
     num_bounces: int = 0  # preemptions that handed a request back to the router (a counter)
+    flops_per_s: float = 0.0  # achieved model FLOPs per forward second (recent steps)
+    bytes_per_s: float = 0.0  # achieved weight + KV bytes per forward second (recent steps)
+    peak_flops_per_s: float = 0.0  # dense matmul rate measured on the worker's device
+    peak_bytes_per_s: float = 0.0  # copy bandwidth measured on the worker's device
+    busy_fraction: float = 0.0  # forward seconds / wall seconds (recent steps)
 
     @classmethod
     def from_stats(cls, stats: WorkerStats, pid: int = 0) -> WorkerRecord:
@@ -49,7 +54,8 @@ class WorkerRecord:
                    stats.queued_tokens, stats.draining, 0.0, stats.used_blocks,
                    stats.cached_blocks, stats.num_preemptions, stats.prefix_hit_tokens,
                    stats.prefix_query_tokens, json.dumps(stats.ledger, sort_keys=True), pid,
-                   stats.error or "", stats.num_bounces)
+                   stats.error or "", stats.num_bounces, stats.flops_per_s, stats.bytes_per_s,
+                   stats.peak_flops_per_s, stats.peak_bytes_per_s, stats.busy_fraction)
 
     def to_stats(self) -> WorkerStats:
         return WorkerStats(self.worker_id, self.role, self.total_blocks, self.free_blocks,
@@ -57,7 +63,11 @@ class WorkerRecord:
                            self.num_waiting, self.queued_tokens, self.num_preemptions,
                            self.prefix_hit_tokens, self.prefix_query_tokens,
                            json.loads(self.ledger_json or "{}"), self.transfer_address,
-                           self.draining, self.error or None, self.num_bounces)
+                           self.draining, self.error or None, self.num_bounces,
+                           flops_per_s=self.flops_per_s, bytes_per_s=self.bytes_per_s,
+                           peak_flops_per_s=self.peak_flops_per_s,
+                           peak_bytes_per_s=self.peak_bytes_per_s,
+                           busy_fraction=self.busy_fraction)
 
     def to_hash(self) -> dict[str, str]:
         return {f.name: str(int(v) if isinstance(v, bool) else v)

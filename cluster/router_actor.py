@@ -175,7 +175,8 @@ class RouterActor:
             self.pools = PoolManager(store, registry, spec.pools, cluster_namespace(spec.cluster),
                                      lambda role: metrics.worker_restarts.labels(role).inc())
             await self.pools.start()
-            self.admin = ClusterAdmin(self.pools)
+            self.admin = ClusterAdmin(self.pools, traces=lambda: self.router.traces,
+                                      router_config=spec.config)
         port, metrics_port = await self._serve(store, metrics)
         logger.info("router serving %s on %s:%d", model.model_name, spec.host, port)
         return {"port": port, "metrics_port": metrics_port, "pid": os.getpid(),

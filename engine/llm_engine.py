@@ -25,6 +25,7 @@ from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dtypes, plan_kv_pool
 from pdserve.engine.messages import RequestDelta, WorkerStats, WorkRequest
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.roofline import StepCost, Utilization, UtilizationMeter
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
@@ -86,6 +87,8 @@ class EngineParts:
                                          scheme=scheme)
         caches = allocate_kv_caches(mc, ledger, layer_dtypes, device, scales, scheme)
         runner = ModelRunner(model, caches, config.block_size, device, backend)
+        runner.meter = UtilizationMeter(
+            StepCost.for_model(mc, ledger.weight_bytes, ledger.kv_bytes_per_token), device, dtype)
         block_manager = BlockManager(ledger.num_kv_blocks, config.block_size,
                                      enable_prefix_caching=config.enable_prefix_caching,
                                      sliding_window=mc.sliding_window,
@@ -297,8 +300,12 @@ class LLMEngine:
     def append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
                      now: float) -> RequestDelta:
         seq.append_token(token_id)
+        timings = None
         if seq.first_token_time is None:
             seq.first_token_time = now
+            if seq.first_scheduled_time is not None:  # prefilled here: where TTFT went
+                timings = (seq.first_scheduled_time - seq.arrival_time,
+                           now - seq.first_scheduled_time)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
         text, stopped = "", False
@@ -312,10 +319,13 @@ class LLMEngine:
                 text += detok.flush()
             self.scheduler.finish(seq, status)
             self.untrack(seq.request_id)
-        return RequestDelta(seq.request_id, [token_id], text,
-                            status.finish_reason if status else None,
-                            [logprobs] if logprobs is not None else None,
-                            seq.num_prompt_tokens, seq.num_output_tokens, attempt=seq.attempt)
+        delta = RequestDelta(seq.request_id, [token_id], text,
+                             status.finish_reason if status else None,
+                             [logprobs] if logprobs is not None else None,
+                             seq.num_prompt_tokens, seq.num_output_tokens, attempt=seq.attempt)
+        if timings is not None:
+            delta.queue_time_s, delta.prefill_time_s = timings
+        return delta
 
     def stop_status(self, seq: Sequence, token_id: int, stop_string_hit: bool):
         params = seq.sampling_params
@@ -330,12 +340,18 @@ class LLMEngine:
 
 def engine_stats(worker_id: str, role: str, engine: LLMEngine, num_reserved: int = 0,
                  transfer_address: str = "") -> WorkerStats:
-    """A worker's load and memory as the router and the registry see them."""
+    """A worker's load and memory as the router and the registry see them, and what its
+    recent forward passes achieved against the device's measured peaks."""
     bm, sched = engine.parts.block_manager, engine.scheduler
+    meter = engine.parts.runner.meter
+    util = meter.snapshot() if meter is not None else Utilization()
     queued = sum(s.num_uncomputed_tokens for s in [*sched.waiting, *sched.running]
                  if s.num_computed_tokens < s.num_prompt_tokens)
     return WorkerStats(
         worker_id, role, bm.num_blocks, bm.num_allocatable_blocks, bm.num_used_blocks,
         bm.num_cached_blocks, sched.num_running, sched.num_waiting + num_reserved, queued,
         sched.num_preemptions, bm.num_prefix_hit_tokens, bm.num_prefix_query_tokens,
-        engine.parts.ledger.to_dict(), transfer_address, num_bounces=sched.num_bounces)
+        engine.parts.ledger.to_dict(), transfer_address, num_bounces=sched.num_bounces,
+        flops_per_s=util.flops_per_s, bytes_per_s=util.bytes_per_s,
+        peak_flops_per_s=util.peak_flops_per_s, peak_bytes_per_s=util.peak_bytes_per_s,
+        busy_fraction=util.busy_fraction)

@@ -40,6 +40,10 @@ class RequestDelta:
     attempt: int = 1  # WorkRequest.attempt of the request this delta belongs to
     deadline_exceeded: bool = False  # the abort happened because the deadline passed
     preempted: bool = False  # a decode worker handed it back for lack of blocks: place again
+    queue_time_s: float | None = None  # on the first token a worker prefilled itself: arrival
+    # at the worker -> first chunk scheduled (colocated traces; the prefill worker's are in
+    # PrefillResult)
+    prefill_time_s: float | None = None  # with queue_time_s: first chunk -> this token sampled
 
 
 @dataclass
@@ -89,3 +93,16 @@ class WorkerStats:
     draining: bool = False  # takes no new requests
     error: str | None = None  # set when the worker's engine loop died: it takes no work
     num_bounces: int = 0  # preemptions that handed a request back to the router (a counter)
+    flops_per_s: float = 0.0  # model FLOPs per forward second over the recent steps (achieved)
+    bytes_per_s: float = 0.0  # weight + KV bytes per forward second over the recent steps
+    peak_flops_per_s: float = 0.0  # dense matmul rate measured on the worker's device
+    peak_bytes_per_s: float = 0.0  # copy bandwidth measured on the worker's device
+    busy_fraction: float = 0.0  # forward seconds / wall seconds over the recent steps
+
+    @property
+    def utilization(self):
+        """:class:`~pdserve.engine.roofline.Utilization` of these figures (what binds now)."""
+        from pdserve.engine.roofline import Utilization
+
+        return Utilization(self.flops_per_s, self.bytes_per_s, self.peak_flops_per_s,
+                           self.peak_bytes_per_s, self.busy_fraction)

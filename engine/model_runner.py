@@ -7,11 +7,13 @@ states of the sequences whose chunk reaches their last token (they get a new tok
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.roofline import UtilizationMeter, attended_pairs
 from pdserve.engine.scheduler import ScheduledSequence
 from pdserve.kernels import KVCacheLayer
 from pdserve.models.attention import AttentionMetadata
@@ -25,6 +27,8 @@ class ModelInput:
     positions: torch.Tensor  # (num_tokens,) int64
     metadata: AttentionMetadata
     sample_indices: torch.Tensor  # (num_sampled,) int64: rows of the flat batch to sample from
+    num_attended: int = 0  # (query, key) pairs the step's attention computes (causal)
+    num_context: int = 0  # KV tokens the step reads: every sequence's context, new ones included
 
 
 class ModelRunner:
@@ -37,6 +41,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.backend = backend
+        self.meter: UtilizationMeter | None = None  # set by the engine: costs of each forward
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> ModelInput:
         input_ids: list[int] = []
@@ -77,7 +82,8 @@ class ModelRunner:
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=positions.to(dev), metadata=meta,
-            sample_indices=torch.tensor(sample_indices, dtype=torch.int64, device=dev))
+            sample_indices=torch.tensor(sample_indices, dtype=torch.int64, device=dev),
+            num_attended=attended_pairs(starts, q_lens), num_context=sum(starts) + len(input_ids))
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence],
@@ -89,8 +95,16 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ModelInput,
             after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """The model forward and logits of a prepared batch."""
+        """The model forward and logits of a prepared batch (timed into ``meter`` when set; on
+        CUDA that waits for the step, which sampling does next anyway)."""
+        start = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
                             after_layer=after_layer)
         # (num_tokens, hidden) -> (num_sampled, hidden): only rows that end a sequence's tokens
-        return self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
+        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
+        if self.meter is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.meter.record(len(batch.input_ids), batch.num_attended, batch.num_context,
+                              len(batch.sample_indices), time.perf_counter() - start)
+        return logits

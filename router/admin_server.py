@@ -7,13 +7,17 @@ Redis registry, so this module knows neither Ray nor Redis. Every RPC is one bac
 * ``ListWorkers`` -> ``list_workers()``; ``GetPools`` -> ``get_pools()``;
 * ``DrainWorker`` -> ``drain_worker(worker_id)``: NOT_FOUND for an unknown id
   (:class:`UnknownWorkerError`), FAILED_PRECONDITION for a dead one (:class:`WorkerDeadError`);
-* ``SetPoolTarget`` -> ``set_pool_target(role, size)``: INVALID_ARGUMENT on ``ValueError``.
+* ``SetPoolTarget`` -> ``set_pool_target(role, size)``: INVALID_ARGUMENT on ``ValueError``;
+* ``GetTraces`` -> ``traces(request_ids, limit)`` and ``GetConfig`` -> ``config()``, optional
+  (UNIMPLEMENTED for a backend without them).
 
 Anything else a backend raises is INTERNAL (logged with its traceback).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,6 +25,7 @@ from typing import Protocol
 import grpc
 
 from pdserve.api import admin_pb2, admin_pb2_grpc
+from pdserve.router.trace import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +59,11 @@ class WorkerInfo:
     heartbeat_age_s: float | None = None  # seconds since its last heartbeat (None: none yet)
     restarts: int = 0  # dead workers its pool slot replaced before it
     error: str = ""  # why it died, or its engine loop's error
+    compute_utilization: float = 0.0  # achieved FLOP/s / measured matmul peak (recent steps)
+    bandwidth_utilization: float = 0.0  # achieved bytes/s / measured copy bandwidth
+    busy_fraction: float = 0.0  # forward seconds / wall seconds (recent steps)
+    binding: str = ""  # "compute" | "bandwidth" | "idle" ("" unknown)
+    ledger: dict = dataclasses.field(default_factory=dict, hash=False)  # MemoryLedger.to_dict()
 
     def __post_init__(self) -> None:
         if self.state not in WORKER_STATES:
@@ -83,16 +93,32 @@ class AdminBackend(Protocol):
 
     async def set_pool_target(self, role: str, size: int) -> PoolInfo: ...
 
+    # Optional (UNIMPLEMENTED without them):
+    # async def traces(self, request_ids: list[str], limit: int) -> list[RequestTrace]
+    # async def config(self) -> dict  (JSON-serializable)
+
 
 def worker_pb(info: WorkerInfo) -> admin_pb2.Worker:
     worker = admin_pb2.Worker(
         worker_id=info.worker_id, role=info.role, node=info.node, pid=info.pid,
         state=_STATE_PB[info.state], running=info.running, waiting=info.waiting,
         kv_used_blocks=info.kv_used_blocks, kv_total_blocks=info.kv_total_blocks,
-        restarts=info.restarts, error=info.error)
+        restarts=info.restarts, error=info.error,
+        compute_utilization=info.compute_utilization,
+        bandwidth_utilization=info.bandwidth_utilization, busy_fraction=info.busy_fraction,
+        binding=info.binding, ledger_json=json.dumps(info.ledger, sort_keys=True))
     if info.heartbeat_age_s is not None:
         worker.heartbeat_age_s = info.heartbeat_age_s
     return worker
+
+
+def trace_pb(trace: RequestTrace) -> admin_pb2.RequestTrace:
+    return admin_pb2.RequestTrace(
+        request_id=trace.request_id, ttft_s=trace.ttft, e2e_s=trace.e2e, queue_s=trace.queue,
+        prefill_s=trace.prefill, transfer_s=trace.transfer, decode_s=trace.decode,
+        prompt_tokens=trace.num_prompt_tokens, output_tokens=trace.num_output_tokens,
+        finish_reason=trace.finish_reason or "", retries=trace.num_retries,
+        migrations=trace.num_migrations)
 
 
 def pool_pb(info: PoolInfo) -> admin_pb2.Pool:
@@ -152,6 +178,27 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         except Exception as exc:
             await _abort(context, exc, f"SetPoolTarget {request.role!r}")
         return pool_pb(pool)
+
+    async def GetTraces(self, request, context):
+        if not hasattr(self._backend, "traces"):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server keeps no traces")
+        try:
+            if request.limit < 0:
+                raise ValueError(f"limit must be >= 0, got {request.limit}")
+            traces = await self._backend.traces(list(request.request_ids),
+                                                int(request.limit) or 1000)
+        except Exception as exc:
+            await _abort(context, exc, "GetTraces")
+        return admin_pb2.GetTracesResponse(traces=[trace_pb(t) for t in traces])
+
+    async def GetConfig(self, request, context):
+        if not hasattr(self._backend, "config"):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server shares no config")
+        try:
+            config = await self._backend.config()
+        except Exception as exc:
+            await _abort(context, exc, "GetConfig")
+        return admin_pb2.GetConfigResponse(config_json=json.dumps(config, sort_keys=True))
 
 
 def add_admin_service(server: grpc.aio.Server, backend: AdminBackend) -> str:

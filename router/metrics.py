@@ -52,6 +52,11 @@ class RouterMetrics:
                                  "(redone on the worker) or bounce (a decode worker handed the "
                                  "request back to be re-prefilled); a counter kept by the "
                                  "worker", ("role", "worker", "kind"), registry=r)
+        self.compute_util = gauge("worker_compute_utilization", "Achieved model FLOP/s "
+                                  "while computing / the device's measured matmul peak")
+        self.bandwidth_util = gauge("worker_bandwidth_utilization", "Achieved weight + KV "
+                                    "bytes/s while computing / the device's measured copy "
+                                    "bandwidth")
         self.router_running = Gauge("pdserve_router_requests_in_flight", "Admitted requests",
                                     ("role",), registry=r)
         self.migrations = Counter("pdserve_request_migrations", "Requests moved to new workers "
@@ -64,7 +69,8 @@ class RouterMetrics:
                                        ("code",), registry=r)
         self._per_worker = (self.queue, self.prefill, self.transfer, self.transfer_bytes,
                             self.running, self.waiting, self.used_blocks, self.total_blocks,
-                            self.usage, self.prefix_hits)
+                            self.usage, self.prefix_hits, self.compute_util,
+                            self.bandwidth_util)
 
     def observe_prefill(self, worker_id: str, result: PrefillResult) -> None:
         labels = ("prefill", worker_id)
@@ -84,6 +90,9 @@ class RouterMetrics:
         self.preemptions.labels(*labels, "recompute").set(stats.num_preemptions
                                                           - stats.num_bounces)
         self.preemptions.labels(*labels, "bounce").set(stats.num_bounces)
+        util = stats.utilization
+        self.compute_util.labels(*labels).set(util.compute)
+        self.bandwidth_util.labels(*labels).set(util.bandwidth)
 
     def remove_worker(self, role: str, worker_id: str) -> None:
         """Drop every per-worker series of a worker that left (dashboards forget it)."""

@@ -36,7 +36,7 @@ def observe(flight: Flight, delta: RequestDelta, metrics: RouterMetrics) -> Requ
     """Account one streamed delta (TTFT, ITL, counts); returns the trace when it finishes."""
     now, n = time.monotonic(), len(delta.new_token_ids)
     if flight.trace is None:
-        flight.trace = RequestTrace(flight.request_id, 0.0, 0.0)
+        flight.trace = _colocated_trace(flight, delta, metrics)
     trace = flight.trace
     if n and flight.last_token_at is None:
         trace.ttft = now - flight.arrival
@@ -56,4 +56,16 @@ def observe(flight: Flight, delta: RequestDelta, metrics: RouterMetrics) -> Requ
     trace.finish_reason = delta.finish_reason
     trace.num_retries, trace.num_migrations = flight.num_retries, flight.num_migrations
     metrics.e2e.labels("router").observe(trace.e2e)
+    return trace
+
+
+def _colocated_trace(flight: Flight, delta: RequestDelta, metrics: RouterMetrics) -> RequestTrace:
+    """The trace of a request no prefill worker returned: a colocated worker's first token
+    says how long the request queued there and how long its prefill took."""
+    trace = RequestTrace(flight.request_id, 0.0, 0.0)
+    if delta.queue_time_s is not None and delta.prefill_time_s is not None:
+        trace.queue, trace.prefill = delta.queue_time_s, delta.prefill_time_s
+        labels = ("colocated", flight.decode_id or "")
+        metrics.queue.labels(*labels).observe(trace.queue)
+        metrics.prefill.labels(*labels).observe(trace.prefill)
     return trace

@@ -16,7 +16,8 @@ from pdserve.router.fake_backend import FakeBackend
 from pdserve.router.grpc_server import GenerationServer
 
 WORKER_KEYS = {"worker_id", "role", "node", "pid", "state", "running", "waiting",
-               "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts"}
+               "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts",
+               "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding"}
 
 
 @pytest.fixture
@@ -24,7 +25,14 @@ def server():
     """(target, FakeAdmin) served from a background event loop."""
     admin = FakeAdmin([
         WorkerInfo("prefill-0", "prefill", "ready", "127.0.0.1", 101, 1, 2, 3, 64, 0.25),
-        WorkerInfo("decode-0", "decode", "ready", "127.0.0.1", 102, 4, 0, 10, 128, 0.5),
+        WorkerInfo("decode-0", "decode", "ready", "127.0.0.1", 102, 4, 0, 10, 128, 0.5,
+                   compute_utilization=0.05, bandwidth_utilization=0.4, busy_fraction=0.9,
+                   binding="bandwidth", ledger=dict(budget_bytes=512 << 20,
+                                                    weight_bytes=64 << 20,
+                                                    activation_bytes=32 << 20,
+                                                    kv_pool_bytes=390 << 20,
+                                                    margin_bytes=26 << 20, num_kv_blocks=780,
+                                                    block_size=16)),
         WorkerInfo("decode-2", "decode", "starting", restarts=1),
         WorkerInfo("decode-1", "decode", "dead", "127.0.0.1", 103, error="actor died"),
     ], {"prefill": 1, "decode": 2})
@@ -58,7 +66,9 @@ def test_status_json_is_one_object_with_pools_and_workers(server, capsys):
     assert by_id["decode-0"] == {"worker_id": "decode-0", "role": "decode", "node": "127.0.0.1",
                                  "pid": 102, "state": "ready", "running": 4, "waiting": 0,
                                  "kv_used_blocks": 10, "kv_total_blocks": 128,
-                                 "heartbeat_age_s": 0.5, "restarts": 0}
+                                 "heartbeat_age_s": 0.5, "restarts": 0,
+                                 "compute_utilization": 0.05, "bandwidth_utilization": 0.4,
+                                 "busy_fraction": 0.9, "binding": "bandwidth"}
     assert by_id["decode-2"]["state"] == "starting"
     assert by_id["decode-2"]["heartbeat_age_s"] is None
     assert by_id["decode-1"]["state"] == "dead"
@@ -74,8 +84,20 @@ def test_status_table_lists_pools_and_workers(server, capsys):
     assert lines[1].split() == ["decode", "2", "2", "1", "1", "0", "1"]
     row = next(line for line in lines if line.startswith("decode-0"))
     assert row.split() == ["decode-0", "decode", "ready", "127.0.0.1", "102", "4", "0",
-                           "10/128", "0.5s", "0"]
+                           "10/128", "5.0%", "40.0%", "bandwidth", "0.5s", "0"]
     assert "actor died" in next(line for line in lines if line.startswith("decode-1"))
+
+
+def test_status_checklist_prints_utilisation_and_memory(server, capsys):
+    target, _admin = server
+    assert main(["status", "--target", target, "--checklist"]) == 0
+    out = capsys.readouterr().out
+    assert "this server keeps no request traces" in out  # the fake backend keeps none
+    util = next(line for line in out.splitlines() if line.split()[:2] == ["decode", "1"])
+    assert util.split()[2:] == ["5.0%", "40.0%", "90%", "bandwidth"]
+    memory = next(line for line in out.splitlines()
+                  if line.startswith("decode-0") and "MiB" not in line and "(" in line)
+    assert "64 (12%)" in memory and "390 (76%)" in memory and "780 x 16" in memory
 
 
 def test_drain_marks_the_worker_and_lowers_its_target(server, capsys):

@@ -1,0 +1,42 @@
+"""Where requests' time went: the per-phase split of router traces.
+
+A trace (``pdserve.router.trace.RequestTrace``, or the dict ``api.admin_client.trace_dict``
+makes of one) holds ``queue``, ``prefill``, ``transfer`` (disaggregated only) and ``decode``
+seconds, with ``ttft`` and ``e2e``. The rest of TTFT, ``router``, is what no worker timed:
+admission and placing (the router's waiting queue, the decode reservation), RPCs and polling.
+So queue + prefill + transfer + router = TTFT and TTFT + decode = e2e for every request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pdserve.bench.stats import percentile
+
+PHASES = ("queue", "prefill", "transfer", "router", "decode")
+
+
+def as_dict(trace) -> dict:
+    return dataclasses.asdict(trace) if dataclasses.is_dataclass(trace) else dict(trace)
+
+
+def phase_seconds(trace) -> dict[str, float]:
+    """phase -> seconds of one trace (see the module docstring)."""
+    t = as_dict(trace)
+    worker = t["queue"] + t["prefill"] + t["transfer"]
+    return {"queue": t["queue"], "prefill": t["prefill"], "transfer": t["transfer"],
+            "router": max(0.0, t["ttft"] - worker), "decode": t["decode"]}
+
+
+def phase_split(traces) -> dict[str, dict[str, float]]:
+    """phase -> {"mean_ms", "p50_ms", "p99_ms", "share"} over ``traces``; ``share`` is the
+    phase's part of the summed end-to-end time."""
+    per = [phase_seconds(t) for t in traces]
+    total = sum(sum(p.values()) for p in per) or float("nan")
+    out = {}
+    for phase in PHASES:
+        values = [p[phase] for p in per]
+        out[phase] = {"mean_ms": 1e3 * sum(values) / len(values) if values else float("nan"),
+                      "p50_ms": 1e3 * percentile(values, 50),
+                      "p99_ms": 1e3 * percentile(values, 99), "share": sum(values) / total}
+    return out
