@@ -1,9 +1,11 @@
 """Held-out text for ``python -m pdserve.bench.kv_int8`` (none of it is calibration text).
 
-Passages of different kinds: the openings of Dickens' *A Tale of Two Cities* (1859) and
-Melville's *Moby-Dick* (1851), the Preamble and Article I, Section 1 of the U.S. Constitution
-(1787), all public domain, and passages written for pdserve: a news-style report, a dialogue,
-a C function, a recipe and a JSON record.
+Passages of different kinds: the openings of Dickens' *A Tale of Two Cities* (1859),
+Melville's *Moby-Dick* (1851), Carroll's *Alice's Adventures in Wonderland* (1865) and Conan
+Doyle's *A Scandal in Bohemia* (1891), the Preamble and Article I, Section 1 of the U.S.
+Constitution (1787) and the second paragraph of the Declaration of Independence (1776), all
+public domain, and passages written for pdserve: a news-style report, a dialogue, a C function,
+a recipe, a JSON record, a how-to, a Python test and an encyclopedia-style paragraph.
 """
 
 from __future__ import annotations
@@ -65,4 +67,45 @@ EVAL_TEXTS: tuple[str, ...] = (
     '"computing"], "notes": "Wrote what is often called the first published algorithm for a '
     'machine, for Babbage\'s Analytical Engine, in 1843.", "works": [{"year": 1843, "title": '
     '"Sketch of the Analytical Engine, with notes"}], "active": false, "score": 9.75}\n',
+    "Alice was beginning to get very tired of sitting by her sister on the bank, and of having "
+    "nothing to do: once or twice she had peeped into the book her sister was reading, but it "
+    "had no pictures or conversations in it, \"and what is the use of a book,\" thought Alice "
+    "\"without pictures or conversations?\"\nSo she was considering in her own mind (as well as "
+    "she could, for the hot day made her feel very sleepy and stupid), whether the pleasure of "
+    "making a daisy-chain would be worth the trouble of getting up and picking the daisies, "
+    "when suddenly a White Rabbit with pink eyes ran close by her.\nThere was nothing so very "
+    "remarkable in that; nor did Alice think it so very much out of the way to hear the Rabbit "
+    "say to itself, \"Oh dear! Oh dear! I shall be late!\"\n",
+    "To Sherlock Holmes she is always the woman. I have seldom heard him mention her under any "
+    "other name. In his eyes she eclipses and predominates the whole of her sex. It was not "
+    "that he felt any emotion akin to love for Irene Adler. All emotions, and that one "
+    "particularly, were abhorrent to his cold, precise but admirably balanced mind. He was, I "
+    "take it, the most perfect reasoning and observing machine that the world has seen, but as "
+    "a lover he would have placed himself in a false position.\n",
+    "We hold these truths to be self-evident, that all men are created equal, that they are "
+    "endowed by their Creator with certain unalienable Rights, that among these are Life, "
+    "Liberty and the pursuit of Happiness. That to secure these rights, Governments are "
+    "instituted among Men, deriving their just powers from the consent of the governed.\n",
+    "How to replace a bicycle inner tube. First, shift to the smallest rear cog and open the "
+    "brake's quick release. Remove the wheel and let out any remaining air. Push one tyre lever "
+    "under the bead opposite the valve, hook it to a spoke, and run a second lever around the "
+    "rim until one side of the tyre is free. Pull out the old tube and run your fingers slowly "
+    "around the inside of the tyre to find the thorn or glass that caused the puncture. Inflate "
+    "the new tube just enough to give it shape, insert the valve, tuck the tube in, and push the "
+    "bead back over the rim with your thumbs, starting at the valve. Inflate to the pressure "
+    "printed on the sidewall, usually between 4 and 7 bar for road tyres.\n",
+    "import pytest\n\n\ndef slugify(title: str) -> str:\n"
+    "    words = \"\".join(c if c.isalnum() else \" \" for c in title.lower()).split()\n"
+    "    return \"-\".join(words)\n\n\n"
+    "@pytest.mark.parametrize(\"title, expected\", [\n"
+    "    (\"Hello, World!\", \"hello-world\"),\n    (\"  Many   spaces \", \"many-spaces\"),\n"
+    "    (\"Version 2.0 released\", \"version-2-0-released\"),\n])\n"
+    "def test_slugify(title, expected):\n    assert slugify(title) == expected\n",
+    "The common swift (Apus apus) is a medium-sized bird that spends most of its life in the "
+    "air. It feeds on insects caught in flight, drinks by skimming the surface of lakes, and "
+    "can stay airborne for ten months at a time outside the breeding season. Adults are about "
+    "17 centimetres long with a wingspan of 40 to 44 centimetres, and are almost entirely "
+    "blackish brown apart from a pale throat. Swifts breed across Europe and Asia and winter in "
+    "sub-Saharan Africa; they nest in cavities in buildings and cliffs, returning to the same "
+    "site year after year.\n",
 )

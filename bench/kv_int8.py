@@ -77,6 +77,13 @@ def _stats(reference: list[torch.Tensor], logprobs: list[torch.Tensor],
     return kl / count, nll / count, agree / count
 
 
+def _row(name: str, edges: str, kl: float, nll: float, ref_nll: float, top1: float,
+         per_token: int, fp16: int) -> list[str]:
+    return [name, edges, f"{kl:.2e}", f"{nll:.4f}", f"{math.exp(nll):.2f}",
+            f"{100.0 * (nll - ref_nll) / ref_nll:+.3f}", f"{100.0 * top1:.2f}", str(per_token),
+            f"{fp16 / per_token:.2f}"]
+
+
 def _bytes_per_token_16bit(llm: LLM) -> int:
     """KV bytes per token of this cache's layout for a 16-bit model (the fp edge layers in
     16 bits), whatever dtype the benchmark runs in."""
@@ -86,7 +93,7 @@ def _bytes_per_token_16bit(llm: LLM) -> int:
 
 
 def compare(model_dir: str, max_len: int, schemes: list[str],
-            with_bf16: bool = True) -> tuple[list[list], int]:
+            with_bf16: bool = True) -> tuple[list[list[str]], int]:
     """Table rows: the model-dtype cache first, then every scheme x edge-layer setting."""
     common = dict(num_kv_blocks=-(-max_len // BLOCK_SIZE) + 1, block_size=BLOCK_SIZE,
                   max_model_len=None, enable_prefix_caching=False)
@@ -96,14 +103,13 @@ def compare(model_dir: str, max_len: int, schemes: list[str],
     reference = [teacher_forced_logprobs(base, ids) for ids in texts]
     ref_nll = _stats(reference, reference, texts)[1]
     fp16 = base.engine.parts.model_config.kv_bytes_per_token(torch.float16)
-    rows = [[f"{base.memory_ledger.kv_dtype} (reference)", "-", 0.0, ref_nll, math.exp(ref_nll),
-             0.0, 1.0, fp16, 1.0]]
+    rows = [_row(f"{base.memory_ledger.kv_dtype} (reference)", "-", 0.0, ref_nll, ref_nll, 1.0,
+                 fp16, fp16)]
     if with_bf16 and base.engine.parts.runner.model.dtype != torch.bfloat16:
         bf16 = LLM(model_dir, dtype="bfloat16", **common)
         kl, nll, top1 = _stats(reference, [teacher_forced_logprobs(bf16, ids).float()
                                            for ids in texts], texts)
-        rows.append(["bfloat16 weights + KV", "-", kl, nll, math.exp(nll),
-                     100.0 * (nll - ref_nll) / ref_nll, top1, fp16, 1.0])
+        rows.append(_row("bfloat16 weights + KV", "-", kl, nll, ref_nll, top1, fp16, fp16))
     for scheme in schemes:
         for keep_edges in (True, False):
             llm = LLM(model_dir, kv_cache_dtype="int8", kv_int8_scales=scheme,
@@ -111,9 +117,8 @@ def compare(model_dir: str, max_len: int, schemes: list[str],
             kl, nll, top1 = _stats(reference, [teacher_forced_logprobs(llm, ids)
                                                for ids in texts], texts)
             per_token = _bytes_per_token_16bit(llm)
-            rows.append([f"int8 {scheme}", "yes" if keep_edges else "no", kl, nll,
-                         math.exp(nll), 100.0 * (nll - ref_nll) / ref_nll, top1, per_token,
-                         fp16 / per_token])
+            rows.append(_row(f"int8 {scheme}", "yes" if keep_edges else "no", kl, nll, ref_nll,
+                             top1, per_token, fp16))
     return rows, sum(map(len, texts))
 
 
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                                with_bf16=not args.no_bf16)
     print(f"model {model_dir}: {len(EVAL_TEXTS)} held-out texts, {num_tokens} tokens, "
           "teacher-forced")
-    print(format_table(["KV cache", "fp edges", "KL", "NLL", "PPL", "dNLL %", "top-1",
+    print(format_table(["KV cache", "fp edges", "KL", "NLL", "PPL", "dNLL %", "top-1 %",
                         "B/token", "x fp16"], rows))
 
 

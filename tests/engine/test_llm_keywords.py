@@ -12,7 +12,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 # A valid value other than the default for every EngineConfig field but model.
 NON_DEFAULTS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_dtype="int8",
-                    kv_int8_keep_edge_layers=False, kv_int8_scales="kivi", num_kv_blocks=40,
+                    kv_int8_keep_edge_layers=True, kv_int8_scales="kivi", num_kv_blocks=40,
                     memory_budget_bytes=256 << 20, memory_safety_margin=0.1, max_num_seqs=4,
                     max_num_batched_tokens=64, max_model_len=64, enable_prefix_caching=False,
                     enable_chunked_prefill=False, attention_backend="torch", seed=7,
