@@ -1,0 +1,151 @@
+"""``pdserve plan`` on this machine: choose the hardware from the flags, and with ``--measure``
+run the real engine here and hold the plan against it.
+
+:func:`measure` builds the engine on the planned budget (the engine's own margin), then:
+
+1. KV blocks: the engine's allocated blocks against the planner's (they must be equal: both
+   go through ``engine.memory``'s per-block bytes and activation estimate);
+2. decode: ``batch`` requests at ``context`` tokens (capped to what a CPU does in seconds),
+   the median forward time of pure decode steps against the roofline prediction at the same
+   batch and context, and the whole step (scheduling, sampling, bookkeeping included);
+3. prefill: one ``PREFILL_TOKENS`` prompt in one step (median of three), forward time against
+   the prediction.
+
+Predictions use this machine's measured peaks (matmul rate in the serving dtype, copy
+bandwidth) at MFU 1 unless ``--mfu`` says otherwise: the peak is what this machine reaches on
+a large matmul, so what is left between prediction and measurement is the model's smaller
+shapes, attention, non-matmul work and per-step overhead.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from pdserve.bench.plan import (
+    PREFILL_TOKENS,
+    Hardware,
+    PlanRequest,
+    find_accelerator,
+    measured_hardware,
+    roofline_ms,
+)
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.roofline import StepCost
+
+GiB = 1 << 30
+MEASURE_BATCH = 16  # decode batch measured at most
+MEASURE_CONTEXT = 512  # decode context measured at most
+DECODE_STEPS = 8
+
+
+def choose_hardware(device: str | None, hbm_gib: float | None, hbm_gbps: float | None,
+                    tflops: float | None, dtype: torch.dtype) -> Hardware:
+    """The hardware the flags name (ValueError naming the flags when they conflict)."""
+    figures = (hbm_gib, hbm_gbps, tflops)
+    memory = None if hbm_gib is None else int(hbm_gib * GiB)
+    if device is not None and device.lower() in ("cpu", "cuda"):
+        if device.lower() == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: this machine has no CUDA device")
+        return measured_hardware(device.lower(), dtype, memory)
+    if device is not None:
+        hw = find_accelerator(device)
+        return Hardware(hw.name, memory or hw.memory_bytes,
+                        hbm_gbps * 1e9 if hbm_gbps else hw.bandwidth_bytes_per_s,
+                        tflops * 1e12 if tflops else hw.peak_flops_per_s, hw.source)
+    if all(f is not None for f in figures):
+        return Hardware("given", memory, hbm_gbps * 1e9, tflops * 1e12,
+                        "--hbm-gib/--hbm-gbps/--tflops")
+    if hbm_gbps is not None or tflops is not None:
+        raise ValueError("arguments --hbm-gib, --hbm-gbps, --tflops: give all three, or "
+                         "--device")
+    return measured_hardware("cuda" if torch.cuda.is_available() else "cpu", dtype, memory)
+
+
+def _engine(req: PlanRequest, hw: Hardware, margin: float):
+    from pdserve.engine.llm_engine import EngineParts, LLMEngine
+
+    config = EngineConfig(model=req.model, dtype=req.dtype, device=hw.device,
+                          kv_cache_dtype=req.kv_cache_dtype, block_size=req.block_size,
+                          max_model_len=req.max_model_len, memory_budget_bytes=hw.memory_bytes,
+                          memory_safety_margin=margin,
+                          max_num_batched_tokens=req.max_num_batched_tokens,
+                          max_num_seqs=req.max_num_seqs, enable_prefix_caching=False)
+    return LLMEngine(EngineParts.build(config))
+
+
+def _decode_forward(engine, batch: int, context: int) -> tuple[float, float]:
+    """Median (forward s, whole step s) of pure decode steps at ``batch`` x ``context``."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=DECODE_STEPS + 2, temperature=0.0, ignore_eos=True)
+    prompt_len = context - 1 - DECODE_STEPS // 2  # the median step runs at ``context``
+    vocab = engine.parts.model_config.vocab_size
+    for i in range(batch):
+        engine.add_request(f"d{i}", [(7 * i + j) % (vocab - 3) + 3 for j in range(prompt_len)],
+                           params)
+    sched = engine.scheduler
+    while any(s.num_output_tokens == 0 for s in [*sched.running, *sched.waiting]):
+        engine.step()
+    steps = []
+    for _ in range(DECODE_STEPS):
+        engine.step()
+        steps.append(engine.last_step)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return (statistics.median(s.forward_s for s in steps),
+            statistics.median(s.total_s for s in steps))
+
+
+def _prefill_forward(engine, tokens: int, repeats: int = 3) -> float:
+    from pdserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    vocab = engine.parts.model_config.vocab_size
+    times = []
+    for r in range(repeats + 1):  # the first warms up
+        engine.add_request(f"p{r}", [(11 * r + j) % (vocab - 3) + 3 for j in range(tokens)],
+                           params)
+        engine.step()
+        if r:
+            times.append(engine.last_step.forward_s)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return statistics.median(times)
+
+
+def measure(req: PlanRequest, hw: Hardware, plan: dict) -> dict:
+    """Steps 1-3 of the module docstring; ``plan`` is :func:`make_plan` of ``req`` on ``hw``
+    with the engine's margin. Returns the rows of predicted against measured."""
+    engine = _engine(req, hw, plan["margin_bytes"] / hw.memory_bytes if hw.memory_bytes else 0)
+    ledger = engine.parts.ledger
+    cost = StepCost.for_model(engine.parts.model_config, plan["weight_bytes"],
+                              plan["kv_bytes_per_token"])
+    batch = max(1, min(plan["max_batch"], MEASURE_BATCH, ledger.num_kv_blocks // max(
+        1, -(-min(plan["avg_context"], MEASURE_CONTEXT) // ledger.block_size))))
+    context = min(plan["avg_context"], MEASURE_CONTEXT, engine.parts.max_model_len - 1)
+    decode_pred = roofline_ms(*cost.decode(batch, context), hw, req.mfu)
+    decode_fwd, decode_total = _decode_forward(engine, batch, context)
+    tokens = min(PREFILL_TOKENS, engine.parts.max_model_len - 2, req.max_num_batched_tokens)
+    prefill_pred = roofline_ms(*cost.prefill(tokens), hw, req.mfu)
+    prefill_fwd = _prefill_forward(engine, tokens)
+    rows = [
+        {"what": "KV blocks for the budget", "predicted": plan["num_kv_blocks"],
+         "measured": ledger.num_kv_blocks, "unit": "blocks"},
+        {"what": "weights", "predicted": plan["weight_bytes"], "measured": ledger.weight_bytes,
+         "unit": "bytes"},
+        {"what": f"decode step forward, batch {batch} x {context} tokens",
+         "predicted": decode_pred["ms"], "measured": decode_fwd * 1e3, "unit": "ms",
+         "binding": decode_pred["binding"]},
+        {"what": f"decode step, whole (batch {batch})", "predicted": decode_pred["ms"],
+         "measured": decode_total * 1e3, "unit": "ms", "binding": decode_pred["binding"]},
+        {"what": f"prefill forward, {tokens} tokens", "predicted": prefill_pred["ms"],
+         "measured": prefill_fwd * 1e3, "unit": "ms", "binding": prefill_pred["binding"]},
+    ]
+    for row in rows:
+        row["measured_over_predicted"] = (row["measured"] / row["predicted"]
+                                          if row["predicted"] else None)
+    return {"rows": rows, "threads": torch.get_num_threads(),
+            "achieved_matmul_fraction_in_prefill": prefill_pred["compute_ms"] * req.mfu
+            / (prefill_fwd * 1e3)}
