@@ -2,8 +2,10 @@
 
 Lifecycle of a worker actor (``WorkerActor``, one plain worker per actor process):
 
-1. Created by name (``worker_id``) in the cluster's Ray namespace with ``num_cpus=0``; the
-   constructor limits torch to one thread, then builds the worker (prefill, decode or
+1. Created by name (``worker_id``) in the cluster's Ray namespace, asking Ray for the CPUs,
+   GPU and pool resource of its :class:`~pdserve.cluster.placement.WorkerResources`
+   (``pdserve.cluster.placement``); the constructor sets torch to that many threads (one when
+   it asks for no CPU), then builds the worker (prefill, decode or
    colocated) from a :class:`WorkerSpec` inside the actor process: model, KV pool, transfer
    endpoint (decode) or connector (prefill).
 2. ``ready()`` writes the first heartbeat to the Redis registry and starts the heartbeat task
@@ -37,6 +39,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.cluster.local import LocalHandle
+from pdserve.cluster.placement import WorkerResources, actor_resources
 from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import WorkRequest
@@ -46,8 +49,7 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "colocated")
 # Set in every worker process before any process group exists.
-WORKER_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "OMP_NUM_THREADS": "1",
-              "MKL_NUM_THREADS": "1"}
+WORKER_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
 
 
 def cluster_namespace(cluster: str) -> str:
@@ -70,6 +72,7 @@ class WorkerSpec:
     lease_s: float = 60.0  # decode: reservation lease
     log_level: str = "WARNING"  # logging level inside the actor process
     join_token: str = ""  # KV rendezvous: decode endpoints accept only prefill peers holding it
+    resources: WorkerResources = WorkerResources()  # what it asks Ray for, its torch threads
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -81,14 +84,16 @@ class WorkerSpec:
                              f"({self.ttl_s})")
 
 
-def limit_process_threads(log_level: str = "WARNING") -> None:
-    """One torch thread per worker process, so a 2-core machine stays responsive."""
+def limit_process_threads(log_level: str = "WARNING", num_threads: int = 1) -> None:
+    """``num_threads`` torch (and OpenMP/MKL) threads in this process and one inter-op
+    thread: a worker computes on the CPUs it asked Ray for, the router on one."""
     os.environ.update(WORKER_ENV)
+    os.environ.update({"OMP_NUM_THREADS": str(num_threads), "MKL_NUM_THREADS": str(num_threads)})
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(num_threads)
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set, or parallel work already ran
@@ -122,7 +127,7 @@ class WorkerActor(LocalHandle):
     :class:`LocalHandle`'s, run on the actor's event loop."""
 
     def __init__(self, spec: WorkerSpec):
-        limit_process_threads(spec.log_level)
+        limit_process_threads(spec.log_level, spec.resources.torch_threads)
         super().__init__(build_worker(spec))
         self.spec = spec
         self.registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
@@ -187,19 +192,25 @@ class WorkerActor(LocalHandle):
         await loop.run_in_executor(None, super().close)
 
 
-def worker_actor_options(spec: WorkerSpec, detached: bool = False) -> dict:
-    """Ray options for a worker actor: named, in the cluster namespace, no CPU reservation.
-    Never restarted by Ray: the pool manager replaces a dead worker under a new name.
-    ``detached``: it outlives the process that created it (the router actor)."""
-    return dict(name=spec.worker_id, namespace=cluster_namespace(spec.cluster), num_cpus=0,
+def worker_actor_options(spec: WorkerSpec, detached: bool = False,
+                         cluster_resources: dict[str, float] | None = None) -> dict:
+    """Ray options for a worker actor: named, in the cluster namespace, asking for its CPUs,
+    GPU and pool resource (``cluster_resources``: ``ray.cluster_resources()``, which decides
+    whether its pool has nodes of its own; see ``pdserve.cluster.placement``). Never restarted
+    by Ray: the pool manager replaces a dead worker under a new name. ``detached``: it
+    outlives the process that created it (the router actor)."""
+    return dict(name=spec.worker_id, namespace=cluster_namespace(spec.cluster),
                 max_restarts=0, max_concurrency=1000,
-                lifetime="detached" if detached else None)
+                lifetime="detached" if detached else None,
+                **actor_resources(spec.resources, spec.role, cluster_resources))
 
 
-def start_worker_actor(spec: WorkerSpec, detached: bool = False):
+def start_worker_actor(spec: WorkerSpec, detached: bool = False,
+                       cluster_resources: dict[str, float] | None = None):
     """Create the actor (asynchronously); call ``ready.remote()`` to wait for it. Only the
     pool manager (``pdserve.cluster.pools``) calls this in a cluster."""
-    return ray.remote(WorkerActor).options(**worker_actor_options(spec, detached)).remote(spec)
+    options = worker_actor_options(spec, detached, cluster_resources)
+    return ray.remote(WorkerActor).options(**options).remote(spec)
 
 
 class RayHandle:
