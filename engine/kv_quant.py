@@ -20,8 +20,8 @@ Static per-channel scales follow the outlier channels RoPE'd keys have, but satu
 value beyond the calibrated range; per-token scales never saturate but one large channel sets
 the step of all the others; ``kivi`` is KIVI's finding (keys per channel, values per token);
 ``hybrid`` divides by the calibrated channel scale first (balancing the channels) and then
-takes the token's own maximum (no saturation). The default is chosen from the measurements of
-``python -m pdserve.bench.kv_int8`` (see ``DEFAULT_KV_INT8_SCALES`` in engine/config.py).
+takes the token's own maximum (no saturation). The default, ``hybrid``, is chosen from the
+measurements of ``python -m pdserve.bench.kv_int8`` (docs/kv_int8.md).
 
 Calibration: the model runs once over real text only, :data:`CALIBRATION_TEXTS` (documented in
 :mod:`pdserve.engine.kv_calibration_text`) through the checkpoint's tokenizer, up to
