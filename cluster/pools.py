@@ -15,8 +15,9 @@ Every ``interval_s`` the manager reconciles:
 2. Decide: :func:`~pdserve.cluster.pool_plan.plan` turns (target, members) into actions,
    a pure function.
 3. Act: ``start`` (a new actor under a fresh id ``<role>-<n>``, detached so it outlives this
-   process), ``replace`` (kill the dead one, count a restart, start another), ``remove`` (a
-   dead worker whose slot is not refilled), ``drain`` (mark it draining in the registry: the
+   process, asking Ray for its CPUs, GPU and pool resource: ``pdserve.cluster.placement``),
+   ``replace`` (kill the dead one, count a restart, start another), ``remove`` (a dead
+   worker whose slot is not refilled), ``drain`` (mark it draining in the registry: the
    router stops routing to it), ``finish`` (a draining worker that reported no request in a
    heartbeat taken ``drain_grace_s`` after the drain began, or ``drain_timeout_s`` passed:
    close and kill it).
@@ -137,12 +138,15 @@ class PoolManager:
     """See the module docstring. Create, ``start`` and ``stop`` it inside one event loop."""
 
     def __init__(self, store: PoolStore, registry: Registry, settings: PoolSettings,
-                 namespace: str, on_restart: Callable[[str], None] | None = None):
+                 namespace: str, on_restart: Callable[[str], None] | None = None,
+                 on_reconcile: Callable[[PoolManager], None] | None = None):
         self.store = store
         self.registry = registry
         self.settings = settings
         self.namespace = namespace  # the cluster's Ray namespace (worker actor names)
         self._on_restart = on_restart  # called with the role of every replaced worker
+        self._on_reconcile = on_reconcile  # called with the manager after every reconcile
+        self.targets: dict[str, int] = {}  # role -> target, as the latest reconcile read them
         self.members: dict[str, Member] = {}
         self.dead: list[Member] = []  # removed dead workers, kept for dead_keep_s
         self.records: dict[str, WorkerRecord] = {}  # registry view of the latest reconcile
@@ -204,6 +208,7 @@ class PoolManager:
         targets = await asyncio.to_thread(self.store.targets)
         records = await asyncio.to_thread(self.registry.workers)
         self.records = {r.worker_id: r for r in records}
+        self.targets = targets
         await self._observe()
         async with self._lock:
             now = time.monotonic()
@@ -216,6 +221,8 @@ class PoolManager:
                     await self._apply(action)
         cutoff = time.time() - self.settings.dead_keep_s
         self.dead = [m for m in self.dead if (m.died_at or 0.0) > cutoff]
+        if self._on_reconcile is not None:
+            self._on_reconcile(self)
 
     async def _observe(self) -> None:
         members = list(self.members.values())
@@ -331,7 +338,8 @@ class PoolManager:
         spec = dataclasses.replace(self.settings.template(role), worker_id=worker_id)
         record = MemberRecord(worker_id, role, restarts, created_time=time.time())
         await asyncio.to_thread(self.store.save_member, record)  # before the actor: adoptable
-        actor = start_worker_actor(spec, self.settings.detached)
+        cluster = await asyncio.to_thread(ray.cluster_resources)  # nodes may have joined
+        actor = start_worker_actor(spec, self.settings.detached, cluster)
         member = Member(record, actor)
         member.ready = asyncio.ensure_future(self._ready(actor))
         self.members[worker_id] = member

@@ -1,0 +1,451 @@
+"""The autoscaler's decision: (metrics snapshot, controller state, config, now) -> targets.
+
+One controller, two loops: the prefill pool and the decode pool each grow and shrink by the
+signal of their own phase (DESIGN.md section 7). :func:`decide` is a pure function; the
+runner (``pdserve.cluster.autoscale_runner``) builds the :class:`MetricsSnapshot` in the
+router actor, calls it every tick and hands the new targets to the pool manager, which makes
+them true (a scale-down is a drain: the worker leaves routing, finishes its streams, exits).
+
+Signals, per pool of N workers (ready + starting: a starting worker counts as capacity):
+
+* prefill, up: queued prompt tokens per worker above ``prefill_queue_up_tokens``, or the
+  prefill pool's TTFT P90 over the window above ``ttft_slo_ms`` (its part of TTFT: queue +
+  compute + KV send at the worker, so time spent waiting for decode room, a decode signal,
+  never grows prefill);
+* decode, up: the mean decode load above ``decode_load_up`` (a worker's load is the larger of
+  its KV usage ratio and (running + waiting) / ``max_num_seqs``), or the ITL P90 over the
+  window above ``itl_slo_ms``;
+* down, either pool: the load spread over N-1 workers stays under the down thresholds, which
+  sit below the up ones: queued tokens / (N-1) under ``prefill_queue_down_tokens`` and the
+  prefill workers' busy fractions (forward time / wall time) summed / (N-1) under
+  ``prefill_busy_down`` (a queue is empty below saturation, the busy time is not), decode
+  load summed / (N-1) under ``decode_load_down``, and the latency P90 scaled by N/(N-1) under
+  ``down_slo_fraction`` x its SLO (no samples in the window: no latency; the scaling treats
+  latency as proportional to the load per worker, which overstates it where latency has a
+  fixed floor: a pool at light load may stay one worker larger, never one too small). After
+  a step down the new load is below the down threshold, so below the up one: no flapping.
+
+Rules: at most one step per pool per ``scale_interval_s``; up once an up signal has held for
+``scale_up_delay_s``, down once every signal has been low for ``scale_down_delay_s``; no step
+down within ``scale_down_grace_s`` of the pool's last step up; latency signals do not grow a
+pool while one of its workers is starting (the window still shows the smaller pool), and no
+pool grows on a signal before it has caught up with its target; ``min_*`` / ``max_*`` bound
+each pool and ``max_workers`` both together (when both want to grow and only one may, the
+larger signal / threshold goes first). A target outside [min, max] (an operator's) is brought
+back one step per interval.
+
+Predictive floor (``predictive``, off by default; Dynamo's planner formula): each pool is kept
+at least at ceil(arrival rate x mean length / per-worker capacity), prompt tokens for prefill,
+output tokens for decode. The capacity is the configured one or, when not given, the highest
+per-worker rate measured so far in a window whose P90 met the SLO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCALED_ROLES = ("prefill", "decode")
+UP, DOWN = "up", "down"
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """Autoscaler settings; ``pdserve serve --autoscale`` and ``--autoscale-config FILE``."""
+
+    enabled: bool = False  # scale the prefill and decode pools by their phase signals
+    min_prefill: int = 1  # prefill workers at least
+    max_prefill: int = 4  # prefill workers at most
+    min_decode: int = 1  # decode workers at least
+    max_decode: int = 4  # decode workers at most
+    max_workers: int | None = None  # prefill + decode workers at most (None: the two maxima)
+    scale_interval_s: float = 10.0  # one step per pool at most this often
+    scale_up_delay_s: float = 10.0  # an up signal must hold this long before a pool grows
+    scale_down_delay_s: float = 120.0  # every signal must stay low this long before it shrinks
+    scale_down_grace_s: float = 60.0  # no step down of a pool this soon after it grew
+    window_s: float = 30.0  # latency percentiles and token rates over this window
+    ttft_slo_ms: float = 1000.0  # prefill grows while its TTFT P90 is above this
+    itl_slo_ms: float = 100.0  # decode grows while the ITL P90 is above this
+    prefill_queue_up_tokens: int = 4096  # queued prompt tokens per prefill worker that grow it
+    prefill_queue_down_tokens: int = 512  # it shrinks only if queued / (N-1) stays under this
+    prefill_busy_down: float = 0.6  # ... and its busy fraction summed / (N-1) under this
+    decode_load_up: float = 0.9  # mean decode load (KV usage or running / max_num_seqs,
+    # the larger, per worker) that grows the decode pool
+    decode_load_down: float = 0.5  # it shrinks only if the load summed / (N-1) stays under this
+    down_slo_fraction: float = 0.8  # shrink only if P90 x N/(N-1) stays under this x the SLO
+    min_samples: int = 5  # latency samples a window needs before its P90 counts
+    predictive: bool = False  # also hold each pool at demand / per-worker capacity (Dynamo)
+    prefill_capacity_tokens_per_s: float | None = None  # prompt tokens/s one prefill worker
+    # serves within the TTFT SLO (None: the highest rate measured within it)
+    decode_capacity_tokens_per_s: float | None = None  # output tokens/s one decode worker
+    # serves within the ITL SLO (None: the highest rate measured within it)
+
+    def __post_init__(self) -> None:
+        for name in ("min_prefill", "min_decode", "min_samples"):
+            if getattr(self, name) < (0 if name != "min_samples" else 1):
+                raise ValueError(f"{name} must be >= {0 if name != 'min_samples' else 1}, "
+                                 f"got {getattr(self, name)}")
+        for role in SCALED_ROLES:
+            low, high = self.bounds(role)
+            if high < max(1, low):
+                raise ValueError(f"max_{role} ({high}) must be >= 1 and >= min_{role} ({low})")
+        if self.max_workers is not None and self.max_workers < self.min_prefill + self.min_decode:
+            raise ValueError(f"max_workers ({self.max_workers}) must be >= min_prefill + "
+                             f"min_decode ({self.min_prefill + self.min_decode})")
+        for name in ("scale_interval_s", "window_s", "ttft_slo_ms", "itl_slo_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("scale_up_delay_s", "scale_down_delay_s", "scale_down_grace_s",
+                     "prefill_queue_up_tokens", "prefill_queue_down_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prefill_queue_down_tokens > self.prefill_queue_up_tokens:
+            raise ValueError("prefill_queue_down_tokens must be <= prefill_queue_up_tokens")
+        if not 0 < self.prefill_busy_down <= 1:
+            raise ValueError(f"prefill_busy_down must be in (0, 1], got {self.prefill_busy_down}")
+        if not 0 < self.decode_load_down <= self.decode_load_up:
+            raise ValueError(f"need 0 < decode_load_down ({self.decode_load_down}) <= "
+                             f"decode_load_up ({self.decode_load_up})")
+        if not 0 < self.down_slo_fraction <= 1:
+            raise ValueError(f"down_slo_fraction must be in (0, 1], got {self.down_slo_fraction}")
+        for name in ("prefill_capacity_tokens_per_s", "decode_capacity_tokens_per_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or none, got {value}")
+
+    def bounds(self, role: str) -> tuple[int, int]:
+        """(min, max) workers of ``role``'s pool."""
+        return getattr(self, f"min_{role}"), getattr(self, f"max_{role}")
+
+    @property
+    def budget(self) -> int:
+        """Prefill + decode workers at most."""
+        return self.max_workers if self.max_workers is not None \
+            else self.max_prefill + self.max_decode
+
+
+# -- inputs ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerSignal:
+    """One ready (not draining) worker's load, from its latest heartbeat."""
+
+    worker_id: str
+    queued_tokens: int = 0  # prompt tokens not computed yet (prefill)
+    num_running: int = 0
+    num_waiting: int = 0  # queued requests, or reservations waiting for KV (decode)
+    kv_usage: float = 0.0  # used / total KV blocks
+    max_num_seqs: int = 256  # its engine's batch limit
+    busy_fraction: float = 0.0  # forward time / wall time over its last seconds
+
+    @property
+    def decode_load(self) -> float:
+        return max(self.kv_usage, (self.num_running + self.num_waiting) / self.max_num_seqs)
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """One pool as the runner observed it."""
+
+    role: str  # "prefill" | "decode"
+    target: int  # its target now
+    workers: tuple[WorkerSignal, ...] = ()  # ready, not draining
+    num_starting: int = 0
+    num_draining: int = 0
+    latency_p90_s: float | None = None  # prefill: its TTFT part; decode: ITL (None: no data)
+    num_samples: int = 0  # latency samples in the window
+    tokens_per_s: float = 0.0  # prompt tokens prefilled / output tokens streamed, per second
+
+    @property
+    def capacity(self) -> int:
+        """Workers that count as capacity: ready and starting."""
+        return len(self.workers) + self.num_starting
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """What the controller knows at one tick."""
+
+    pools: dict[str, PoolSnapshot]  # role -> pool, for the roles it scales
+    arrival_rate: float = 0.0  # requests per second over the window (prefilled)
+    mean_prompt_tokens: float = 0.0  # over the window
+    mean_output_tokens: float = 0.0  # output tokens streamed / requests, over the window
+
+
+# -- state and output -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class PoolState:
+    """What the controller remembers of one pool between ticks."""
+
+    hot_since: float | None = None  # an up signal has held since
+    cold_since: float | None = None  # every signal has been low since
+    last_step_at: float | None = None
+    last_up_at: float | None = None
+    measured_capacity: float = 0.0  # highest per-worker tokens/s seen within the SLO
+    last_step: str = ""  # the latest step's log line
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    pools: dict[str, PoolState] = field(default_factory=dict)
+
+    def pool(self, role: str) -> PoolState:
+        return self.pools.get(role, PoolState())
+
+
+@dataclass(frozen=True)
+class Signal:
+    """One signal against its threshold."""
+
+    name: str  # "queue" | "ttft" | "kv_load" | "itl" | "min" | "max" | "predictive" | "idle"
+    value: float
+    threshold: float
+
+    @property
+    def severity(self) -> float:
+        return self.value / self.threshold if self.threshold else math.inf
+
+
+@dataclass(frozen=True)
+class ScaleStep:
+    """One decision: a pool's target moves by one."""
+
+    role: str
+    from_size: int
+    to_size: int
+    reason: str  # the signal's name (the metric's ``reason`` label)
+    value: float  # the signal's value
+    threshold: float  # what it was compared with
+    held_s: float = 0.0  # how long it had held
+
+    @property
+    def direction(self) -> str:
+        return UP if self.to_size > self.from_size else DOWN
+
+    def line(self) -> str:
+        """The one log line of this decision."""
+        cmp = ">" if self.direction == UP else "<"
+        return (f"autoscale {self.role} {self.from_size} -> {self.to_size} ({self.direction}): "
+                f"{self.reason} {self.value:.4g} {cmp} {self.threshold:.4g}"
+                + (f", held {self.held_s:.1f} s" if self.held_s else ""))
+
+
+@dataclass(frozen=True)
+class Decision:
+    targets: dict[str, int]  # role -> target after this tick (unchanged where no step)
+    state: ControllerState
+    steps: tuple[ScaleStep, ...] = ()
+
+
+# -- signals ----------------------------------------------------------------------------------
+def _slo_s(config: AutoscaleConfig, role: str) -> float:
+    return (config.ttft_slo_ms if role == "prefill" else config.itl_slo_ms) / 1000.0
+
+
+def _latency_known(pool: PoolSnapshot, config: AutoscaleConfig) -> bool:
+    return pool.latency_p90_s is not None and pool.num_samples >= config.min_samples
+
+
+def up_signals(pool: PoolSnapshot, config: AutoscaleConfig) -> list[Signal]:
+    """The signals of ``pool`` above their up thresholds."""
+    n = max(1, pool.capacity)
+    out = []
+    if pool.role == "prefill":
+        queued = sum(w.queued_tokens for w in pool.workers) / n
+        if queued > config.prefill_queue_up_tokens:
+            out.append(Signal("queue", queued, config.prefill_queue_up_tokens))
+        latency_name = "ttft"
+    else:
+        load = sum(w.decode_load for w in pool.workers) / n
+        if load > config.decode_load_up:
+            out.append(Signal("kv_load", load, config.decode_load_up))
+        latency_name = "itl"
+    slo = _slo_s(config, pool.role)
+    if pool.num_starting == 0 and _latency_known(pool, config) and pool.latency_p90_s > slo:
+        out.append(Signal(latency_name, pool.latency_p90_s, slo))
+    return out
+
+
+def down_blockers(pool: PoolSnapshot, config: AutoscaleConfig) -> list[Signal]:
+    """The signals that say N-1 workers would not hold ``pool``'s load (each with the value
+    projected on N-1 workers); empty when a step down is safe."""
+    n = pool.capacity
+    if n <= 1:
+        return [Signal("capacity", n, 2)]
+    out = []
+    if pool.role == "prefill":
+        queued = sum(w.queued_tokens for w in pool.workers) / (n - 1)
+        if queued >= config.prefill_queue_down_tokens and queued > 0:
+            out.append(Signal("queue", queued, config.prefill_queue_down_tokens))
+        busy = sum(w.busy_fraction for w in pool.workers) / (n - 1)
+        if busy >= config.prefill_busy_down:
+            out.append(Signal("busy", busy, config.prefill_busy_down))
+        latency_name = "ttft"
+    else:
+        load = sum(w.decode_load for w in pool.workers) / (n - 1)
+        if load >= config.decode_load_down:
+            out.append(Signal("kv_load", load, config.decode_load_down))
+        latency_name = "itl"
+    if pool.latency_p90_s is not None and pool.num_samples > 0:
+        projected = pool.latency_p90_s * n / (n - 1)
+        limit = config.down_slo_fraction * _slo_s(config, pool.role)
+        if projected >= limit:
+            out.append(Signal(latency_name, projected, limit))
+    return out
+
+
+def _idle_signal(pool: PoolSnapshot, config: AutoscaleConfig) -> Signal:
+    """What a step down reports: the projected load on N-1 workers against its threshold."""
+    n = max(2, pool.capacity)
+    if pool.role == "prefill":
+        value = sum(w.queued_tokens for w in pool.workers) / (n - 1)
+        return Signal("idle", value, config.prefill_queue_down_tokens)
+    value = sum(w.decode_load for w in pool.workers) / (n - 1)
+    return Signal("idle", value, config.decode_load_down)
+
+
+def _measure(pool: PoolSnapshot, state: PoolState, config: AutoscaleConfig) -> float:
+    """The highest per-worker token rate seen within the SLO, this tick included."""
+    ready = len(pool.workers)
+    if ready and _latency_known(pool, config) and pool.latency_p90_s <= _slo_s(config,
+                                                                              pool.role):
+        return max(state.measured_capacity, pool.tokens_per_s / ready)
+    return state.measured_capacity
+
+
+def predictive_floor(role: str, snapshot: MetricsSnapshot, capacity: float) -> int | None:
+    """Dynamo's replicas = ceil(rate x mean length / per-worker tokens/s), or None."""
+    if capacity <= 0 or snapshot.arrival_rate <= 0:
+        return None
+    length = snapshot.mean_prompt_tokens if role == "prefill" else snapshot.mean_output_tokens
+    return max(1, math.ceil(snapshot.arrival_rate * length / capacity - 1e-9))
+
+
+# -- the decision -----------------------------------------------------------------------------
+@dataclass
+class _Want:
+    role: str
+    to_size: int
+    signal: Signal
+    held_s: float = 0.0
+
+
+def _pool_want(pool: PoolSnapshot, state: PoolState, config: AutoscaleConfig, now: float,
+               floor: int | None) -> tuple[_Want | None, PoolState]:
+    """What one pool would do alone (before the budget), and its new timers."""
+    low, high = config.bounds(pool.role)
+    target = pool.target
+    ups = up_signals(pool, config)
+    blockers = down_blockers(pool, config)
+    hot_since = (state.hot_since if state.hot_since is not None else now) if ups else None
+    cold_since = (state.cold_since if state.cold_since is not None else now) \
+        if not blockers and not ups else None
+    state = dataclasses.replace(state, hot_since=hot_since, cold_since=cold_since)
+    if state.last_step_at is not None and now - state.last_step_at < config.scale_interval_s:
+        return None, state
+    if target < low:
+        return _Want(pool.role, target + 1, Signal("min", target, low)), state
+    if target > high:
+        return _Want(pool.role, target - 1, Signal("max", target, high)), state
+    caught_up = pool.capacity >= target
+    if floor is not None and floor > target and target < high and caught_up:
+        return _Want(pool.role, target + 1, Signal("predictive", floor, target)), state
+    if ups and target < high and caught_up and now - hot_since >= config.scale_up_delay_s:
+        strongest = max(ups, key=lambda s: s.severity)
+        return _Want(pool.role, target + 1, strongest, now - hot_since), state
+    in_grace = state.last_up_at is not None and now - state.last_up_at < config.scale_down_grace_s
+    above_floor = floor is None or target - 1 >= floor
+    if (cold_since is not None and target > low and not in_grace and above_floor
+            and pool.capacity <= target and now - cold_since >= config.scale_down_delay_s):
+        return _Want(pool.role, target - 1, _idle_signal(pool, config), now - cold_since), state
+    return None, state
+
+
+def decide(snapshot: MetricsSnapshot, state: ControllerState, config: AutoscaleConfig,
+           now: float) -> Decision:
+    """The targets after this tick (see the module docstring); pure."""
+    pools, wants = dict(state.pools), []
+    for role in SCALED_ROLES:
+        pool = snapshot.pools.get(role)
+        if pool is None:
+            continue
+        pool_state = state.pool(role)
+        measured = _measure(pool, pool_state, config)
+        pool_state = dataclasses.replace(pool_state, measured_capacity=measured)
+        floor = None
+        if config.predictive:
+            configured = getattr(config, f"{role}_capacity_tokens_per_s")
+            floor = predictive_floor(role, snapshot, configured or measured)
+        want, pools[role] = _pool_want(pool, pool_state, config, now, floor)
+        if want is not None:
+            wants.append(want)
+    targets = {role: pool.target for role, pool in snapshot.pools.items()}
+    steps = []
+    # Downs first (they free budget), then ups by severity while the budget allows.
+    wants.sort(key=lambda w: (w.to_size > targets[w.role], -w.signal.severity))
+    for want in wants:
+        growing = want.to_size > targets[want.role]
+        scaled = sum(targets.get(r, 0) for r in SCALED_ROLES)
+        if growing and want.signal.name != "min" and scaled + 1 > config.budget:
+            continue
+        step = ScaleStep(want.role, targets[want.role], want.to_size, want.signal.name,
+                         want.signal.value, want.signal.threshold, want.held_s)
+        targets[want.role] = want.to_size
+        steps.append(step)
+        pools[want.role] = dataclasses.replace(
+            pools[want.role], hot_since=None, cold_since=None, last_step_at=now,
+            last_up_at=now if growing else pools[want.role].last_up_at, last_step=step.line())
+    return Decision(targets, ControllerState(pools), tuple(steps))
+
+
+# -- the settings file ------------------------------------------------------------------------
+def config_file_values(path: str | Path) -> dict:
+    """:class:`AutoscaleConfig` field values from a YAML file (``--autoscale-config``).
+
+    Keys are the Helm chart's ``autoscale:`` values: the fields in camelCase (``minPrefill``,
+    ``ttftSloMs``, ``enabled``) or as written here (``min_prefill``); the mapping may sit under
+    a top-level ``autoscale:`` key, so a values file's section works as is. An unknown key or
+    a file that is not a mapping raises ValueError naming it."""
+    import yaml
+
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if isinstance(data, dict) and set(data) == {"autoscale"}:
+        data = data["autoscale"] or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of autoscale settings")
+    names = {f.name for f in dataclasses.fields(AutoscaleConfig)}
+    values = {}
+    for key, value in data.items():
+        name = re.sub(r"(?<!^)([A-Z])", r"_\1", str(key)).lower()
+        if name not in names:
+            raise ValueError(f"{path}: unknown autoscale setting {key!r} (known: "
+                             f"{', '.join(sorted(_camel(n) for n in names))})")
+        values[name] = _typed(name, value, path)
+    return values
+
+
+def _typed(name: str, value, path) -> object:
+    """``value`` as the field's type (int for int, float for float, bool for bool, or None
+    where allowed); ValueError naming the key otherwise."""
+    import typing
+
+    hint = typing.get_type_hints(AutoscaleConfig)[name]
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)] or [hint]
+    if value is None and type(None) in typing.get_args(hint):
+        return None
+    kind = kinds[0]
+    if kind is bool and isinstance(value, bool):
+        return value
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"{path}: {_camel(name)} must be {kind.__name__}, got {value!r}")
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
