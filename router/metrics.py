@@ -6,10 +6,21 @@ counters are set from the worker stats the router refreshes, and removed
 Fault counters: ``pdserve_request_migrations_total{reason}`` (the router core),
 ``pdserve_worker_restarts_total{role}`` (the pool manager, in the router's process) and
 ``pdserve_requests_failed_total{code}`` (the gRPC front door, by status code name).
+Pools (set by the pool manager's reconcile in the router's process):
+``pdserve_pool_target_workers{role}``, ``pdserve_pool_workers{role,state}`` and
+``pdserve_autoscaler_decisions_total{role,direction,reason}``.
+
+Besides the histograms the router keeps :class:`SlidingWindow` samples of what the
+autoscaler reads (percentiles and rates over its window): the router's TTFT, the ITL, the
+prefill pool's part of TTFT (queue + compute + KV send at the worker) and prompt tokens.
 ``start_http`` serves the text format on the metrics port.
 """
 
 from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -18,6 +29,48 @@ from pdserve.engine.messages import PrefillResult, WorkerStats
 PREEMPTION_KINDS = ("recompute", "bounce")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)
+
+
+class SlidingWindow:
+    """Timestamped samples (value, weight) of the last ``max_age_s`` seconds, at most
+    ``max_samples`` of them (the oldest go first): percentiles, counts and sums over any
+    window up to that age. Times are ``time.monotonic()`` unless given."""
+
+    def __init__(self, max_age_s: float = 600.0, max_samples: int = 50_000) -> None:
+        self.max_age_s = max_age_s
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=max_samples)
+
+    def add(self, value: float, weight: float = 1.0, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._samples.append((now, float(value), float(weight)))
+        while self._samples and self._samples[0][0] < now - self.max_age_s:
+            self._samples.popleft()
+
+    def _since(self, window_s: float, now: float | None) -> list[tuple[float, float, float]]:
+        start = (time.monotonic() if now is None else now) - window_s
+        times = [t for t, _, _ in self._samples]
+        return list(self._samples)[bisect.bisect_left(times, start):]
+
+    def quantile(self, q: float, window_s: float, now: float | None = None) -> float | None:
+        """The weighted ``q``-quantile (0..1) of the window's values; None when empty."""
+        samples = sorted((v, w) for _, v, w in self._since(window_s, now))
+        total = sum(w for _, w in samples)
+        if not samples or total <= 0:
+            return None
+        seen = 0.0
+        for value, weight in samples:
+            seen += weight
+            if seen >= q * total:
+                return value
+        return samples[-1][0]
+
+    def count(self, window_s: float, now: float | None = None) -> float:
+        """Sum of the weights in the window (samples, or tokens for the ITL)."""
+        return sum(w for _, _, w in self._since(window_s, now))
+
+    def total(self, window_s: float, now: float | None = None) -> float:
+        """Sum of value x weight in the window."""
+        return sum(v * w for _, v, w in self._since(window_s, now))
 
 
 class RouterMetrics:
@@ -67,13 +120,48 @@ class RouterMetrics:
         self.requests_failed = Counter("pdserve_requests_failed", "Generate calls that ended "
                                        "with an error, by gRPC status code name",
                                        ("code",), registry=r)
+        self.pool_target = Gauge("pdserve_pool_target_workers", "Target size of each pool",
+                                 ("role",), registry=r)
+        self.pool_workers = Gauge("pdserve_pool_workers", "Workers of each pool by state "
+                                  "(starting, ready, draining, dead)", ("role", "state"),
+                                  registry=r)
+        self.autoscaler_decisions = Counter("pdserve_autoscaler_decisions", "Pool target "
+                                            "steps by the autoscaler, by the signal that "
+                                            "moved it", ("role", "direction", "reason"),
+                                            registry=r)
+        # What the autoscaler reads (seconds; ITL weighted by tokens).
+        self.ttft_window = SlidingWindow()  # the router's TTFT
+        self.itl_window = SlidingWindow()  # gaps between streamed tokens
+        self.prefill_ttft_window = SlidingWindow()  # queue + prefill + KV send at the worker
+        self.prompt_window = SlidingWindow()  # prompt tokens per prefilled request
         self._per_worker = (self.queue, self.prefill, self.transfer, self.transfer_bytes,
                             self.running, self.waiting, self.used_blocks, self.total_blocks,
                             self.usage, self.prefix_hits, self.compute_util,
                             self.bandwidth_util)
 
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.labels("router").observe(seconds)
+        self.ttft_window.add(seconds)
+
+    def observe_itl(self, gap_s: float, num_tokens: int = 1) -> None:
+        """``num_tokens`` tokens arrived ``gap_s`` apart each."""
+        for _ in range(num_tokens):
+            self.itl.labels("router").observe(gap_s)
+        self.itl_window.add(gap_s, num_tokens)
+
+    def set_pools(self, targets: dict[str, int], workers: dict[tuple[str, str], int]) -> None:
+        """Pool gauges: role -> target, (role, state) -> workers (missing states count 0)."""
+        for role, target in targets.items():
+            self.pool_target.labels(role).set(target)
+        for role in {r for r, _ in workers} | set(targets):
+            for state in ("starting", "ready", "draining", "dead"):
+                self.pool_workers.labels(role, state).set(workers.get((role, state), 0))
+
     def observe_prefill(self, worker_id: str, result: PrefillResult) -> None:
         labels = ("prefill", worker_id)
+        self.prefill_ttft_window.add(result.queue_time_s + result.prefill_time_s
+                                     + result.transfer_time_s)
+        self.prompt_window.add(result.first.num_prompt_tokens)
         self.queue.labels(*labels).observe(result.queue_time_s)
         self.prefill.labels(*labels).observe(result.prefill_time_s)
         self.transfer.labels(*labels).observe(result.transfer_time_s)

@@ -40,11 +40,9 @@ def observe(flight: Flight, delta: RequestDelta, metrics: RouterMetrics) -> Requ
     trace = flight.trace
     if n and flight.last_token_at is None:
         trace.ttft = now - flight.arrival
-        metrics.ttft.labels("router").observe(trace.ttft)
+        metrics.observe_ttft(trace.ttft)
     elif n:
-        gap = (now - flight.last_token_at) / n
-        for _ in range(n):
-            metrics.itl.labels("router").observe(gap)
+        metrics.observe_itl((now - flight.last_token_at) / n, n)
     if n:
         flight.last_token_at = now
     trace.num_output_tokens = delta.num_output_tokens or trace.num_output_tokens + n
