@@ -69,19 +69,24 @@ class AutoscaleConfig:
     window_s: float = 30.0  # latency percentiles and token rates over this window
     ttft_slo_ms: float = 1000.0  # prefill grows while its TTFT P90 is above this
     itl_slo_ms: float = 100.0  # decode grows while the ITL P90 is above this
-    prefill_queue_up_tokens: int = 4096  # queued prompt tokens per prefill worker that grow it
-    prefill_queue_down_tokens: int = 512  # it shrinks only if queued / (N-1) stays under this
-    prefill_busy_down: float = 0.6  # ... and its busy fraction summed / (N-1) under this
-    decode_load_up: float = 0.9  # mean decode load (KV usage or running / max_num_seqs,
-    # the larger, per worker) that grows the decode pool
-    decode_load_down: float = 0.5  # it shrinks only if the load summed / (N-1) stays under this
-    down_slo_fraction: float = 0.8  # shrink only if P90 x N/(N-1) stays under this x the SLO
-    min_samples: int = 5  # latency samples a window needs before its P90 counts
+    prefill_queue_up_tokens: int = 4096  # queued prompt tokens per prefill worker that grow
+    # the prefill pool
+    prefill_queue_down_tokens: int = 512  # the prefill pool shrinks only while its queued
+    # prompt tokens / (N-1) stay under this
+    prefill_busy_down: float = 0.6  # the prefill pool shrinks only while its workers' busy
+    # fractions (forward time / wall time) summed / (N-1) stay under this
+    decode_load_up: float = 0.9  # mean decode load (per worker the larger of KV usage and
+    # running / max_num_seqs) that grows the decode pool
+    decode_load_down: float = 0.5  # the decode pool shrinks only while its load summed /
+    # (N-1) stays under this
+    down_slo_fraction: float = 0.8  # a pool shrinks only while its latency P90 x N/(N-1)
+    # stays under this fraction of its SLO
     predictive: bool = False  # also hold each pool at demand / per-worker capacity (Dynamo)
     prefill_capacity_tokens_per_s: float | None = None  # prompt tokens/s one prefill worker
     # serves within the TTFT SLO (None: the highest rate measured within it)
     decode_capacity_tokens_per_s: float | None = None  # output tokens/s one decode worker
     # serves within the ITL SLO (None: the highest rate measured within it)
+    min_samples: int = 5  # latency samples a window needs before its P90 counts
 
     def __post_init__(self) -> None:
         for name in ("min_prefill", "min_decode", "min_samples"):

@@ -32,11 +32,13 @@ import signal
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import psutil
 
 from pdserve.cluster.actors import WorkerSpec, cluster_namespace
+from pdserve.cluster.autoscaler import SCALED_ROLES, AutoscaleConfig
+from pdserve.cluster.placement import PLACEMENTS, resolve_device, worker_resources
 from pdserve.cluster.pool_store import PoolStore
 from pdserve.cluster.pools import PoolSettings, WorkerStartError
 from pdserve.cluster.ray_env import init_ray
@@ -78,7 +80,13 @@ class ClusterOptions:
     ttl_s: float = 5.0  # registry record TTL: a worker without heartbeat this long is gone
     lease_s: float = 60.0  # decode reservation lease: KV must arrive within it
     log_level: str = "WARNING"  # logging level inside actor processes
-    ray_num_cpus: int | None = None  # CPUs a local Ray advertises (None = all)
+    ray_num_cpus: int | None = None  # CPUs a local Ray advertises (None: this machine's cores,
+    # or what the pools ask for at their largest if that is more: they then share the cores)
+    worker_cpus: int = 1  # CPUs each worker asks Ray for; a CPU worker runs that many torch
+    # threads (0: asks for none and runs one)
+    pool_placement: str = "auto"  # auto: each pool on the nodes advertising its Ray resource
+    # pdserve_<role> when any does, else anywhere; require: only there; any: anywhere
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # pool autoscaler
     detached: bool | None = None  # the router actor outlives this process, so a later launcher
     # with the same cluster name and Redis adopts it and its pools (None: with --ray-address)
     detach_on_stop: bool = False  # stopping leaves a detached router and its pools running
@@ -108,6 +116,54 @@ class ClusterOptions:
                              f"({self.ttl_s})")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if self.worker_cpus < 0:
+            raise ValueError(f"worker_cpus must be >= 0, got {self.worker_cpus}")
+        if self.pool_placement not in PLACEMENTS:
+            raise ValueError(f"pool_placement must be one of {PLACEMENTS}, "
+                             f"got {self.pool_placement!r}")
+        if self.autoscale.enabled and self.colocated:
+            raise ValueError("autoscale scales prefill and decode pools: it needs "
+                             "disaggregated mode (not colocated)")
+        if self.autoscale.enabled and sum(self.initial_targets().values()) \
+                > self.autoscale.budget:
+            raise ValueError(f"num_prefill + num_decode ({self.num_prefill + self.num_decode}) "
+                             f"exceed the autoscaler's max_workers ({self.autoscale.budget})")
+
+    def initial_targets(self) -> dict[str, int]:
+        """role -> the pool size to start with (within the autoscaler's bounds when on)."""
+        if self.colocated:
+            return {"colocated": self.num_decode}
+        sizes = {"prefill": self.num_prefill, "decode": self.num_decode}
+        if self.autoscale.enabled:
+            for role in SCALED_ROLES:
+                low, high = self.autoscale.bounds(role)
+                sizes[role] = min(high, max(low, sizes[role]))
+        return sizes
+
+    def max_workers(self) -> int:
+        """Workers the pools may hold at once (the autoscaler's budget when on)."""
+        if self.autoscale.enabled:
+            return self.autoscale.budget
+        return sum(self.initial_targets().values())
+
+    def local_ray_cpus(self, cores: int | None = None) -> int:
+        """CPUs a local Ray (no ``ray_address``) advertises: ``ray_num_cpus``, or the
+        machine's ``cores`` raised to what the pools ask for at their largest. ValueError when
+        an explicit ``ray_num_cpus`` cannot hold them (workers would wait forever)."""
+        needed = self.worker_cpus * self.max_workers()
+        if self.ray_num_cpus is not None:
+            if self.ray_num_cpus < needed:
+                raise ValueError(
+                    f"ray_num_cpus ({self.ray_num_cpus}) cannot hold {self.max_workers()} "
+                    f"workers asking {self.worker_cpus} CPU(s) each (worker_cpus): raise "
+                    f"ray_num_cpus to {needed}, or lower worker_cpus")
+            return self.ray_num_cpus
+        cores = cores or os.cpu_count() or 1
+        if needed > cores:
+            logger.warning("%d workers x %d CPU(s) (--worker-cpus) on %d cores: the local Ray "
+                           "advertises %d CPUs and the workers share the cores",
+                           self.max_workers(), self.worker_cpus, cores, needed)
+        return max(cores, needed)
 
 
 class EmbeddedCluster:
@@ -159,7 +215,8 @@ class EmbeddedCluster:
         before = _child_pids()
         if self._owns_ray:  # short: Ray's socket paths live under it
             self._ray_temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")
-        self._ray = init_ray(opts.ray_address, self._ray_temp_dir, opts.ray_num_cpus)
+        num_cpus = opts.local_ray_cpus() if self._owns_ray else opts.ray_num_cpus
+        self._ray = init_ray(opts.ray_address, self._ray_temp_dir, num_cpus)
         if self._owns_ray:
             self._ray_pids = _child_pids() - before
         if opts.redis_url:
@@ -196,7 +253,8 @@ class EmbeddedCluster:
                           pools=PoolSettings(tuple(self.worker_specs()), detached=True),
                           http_port=opts.http_port, api_key=opts.api_key, tls=self.tls(),
                           reflection=opts.reflection,
-                          max_concurrent_rpcs=opts.max_concurrent_rpcs)
+                          max_concurrent_rpcs=opts.max_concurrent_rpcs,
+                          autoscale=opts.autoscale if opts.autoscale.enabled else None)
         self.router = self._adoptable_router(timeout) or start_router_actor(spec, self.detached)
         info = self._ray.get(self.router.start.remote(), timeout=timeout)
         self.port, self.metrics_port = info["port"], info["metrics_port"]
@@ -232,17 +290,20 @@ class EmbeddedCluster:
         # Loopback for a local Ray; on a joined (maybe multi-node) cluster each worker
         # announces its node's address.
         transfer_host = "127.0.0.1" if opts.ray_address is None else ""
+        # The device every worker uses, decided once here (pdserve.cluster.placement): a CUDA
+        # worker asks Ray for its GPU, so it can see one.
+        cluster = self._ray.cluster_resources() if self._ray is not None else {}
+        device = resolve_device(config.device, cluster)
+        config = replace(config, device=device)
+        resources = worker_resources(device, opts.worker_cpus, opts.pool_placement)
         return [WorkerSpec(role, role, config, self.redis_url, self.cluster_name, transfer_host,
                            opts.heartbeat_s, opts.ttl_s, opts.lease_s, log_level=opts.log_level,
-                           join_token=self.derived_secret("kv-join"))
+                           join_token=self.derived_secret("kv-join"), resources=resources)
                 for role in self.pool_targets()]
 
     def pool_targets(self) -> dict[str, int]:
-        """role -> the pool size the options ask for."""
-        opts = self.options
-        if opts.colocated:
-            return {"colocated": opts.num_decode}
-        return {"prefill": opts.num_prefill, "decode": opts.num_decode}
+        """role -> the pool size the options ask for (to start with, when autoscaled)."""
+        return self.options.initial_targets()
 
     def start_workers(self, timeout: float = 180.0) -> None:
         """Set the pool targets (the router's pool manager starts the workers), then wait

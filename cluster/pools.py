@@ -395,6 +395,14 @@ class PoolManager:
         self.members.pop(member.worker_id, None)
         logger.info("worker %s drained and stopped", member.worker_id)
 
+    def counts(self) -> dict[tuple[str, str], int]:
+        """(role, state) -> members in that state (the dead ones removed lately included)."""
+        out: dict[tuple[str, str], int] = {}
+        for member in [*self.members.values(), *self.dead]:
+            key = (member.role, member.state)
+            out[key] = out.get(key, 0) + 1
+        return out
+
     # -- operator actions (the Admin service) ---------------------------------------------
     async def drain(self, worker_id: str) -> Member:
         """Drain one worker and lower its pool's target by one (idempotent)."""

@@ -75,11 +75,18 @@ def check_engine_fits(config: EngineConfig) -> int | None:
 
 
 def check_cluster(options: ClusterOptions, model_dir: str) -> None:
-    """:func:`check_engine_fits` for the workers ``options`` describes, unless they run on a
-    joined Ray cluster (their devices are not this machine's)."""
+    """:func:`check_engine_fits` for the workers ``options`` describes, and that a local Ray
+    can hold the pools at their largest (``ClusterOptions.local_ray_cpus``), unless they run
+    on a joined Ray cluster (their devices are not this machine's)."""
     if options.ray_address:
         logger.info("--ray-address: the memory budget is checked by the workers themselves")
         return
+    from pdserve.cluster.settings import SettingsError, name_flags
+
+    try:
+        options.local_ray_cpus()
+    except ValueError as exc:
+        raise SettingsError(name_flags("cluster", str(exc))) from None
     check_engine_fits(EngineConfig(model=model_dir, **options.engine))
 
 

@@ -8,7 +8,9 @@ Lifecycle:
    cluster, so it outlives the ``pdserve serve`` that created it).
 2. ``start()`` (idempotent) reads the model's limits and tokenizer from the checkpoint folder,
    builds the ``Router`` over a :class:`RedisDirectory`, starts the pool manager
-   (``pdserve.cluster.pools``; it adopts the live workers Redis lists), the gRPC server
+   (``pdserve.cluster.pools``; it adopts the live workers Redis lists) and, with
+   ``autoscale`` enabled, the autoscaler that moves its targets
+   (``pdserve.cluster.autoscale_runner``), the gRPC server
    (``grpc.aio`` on the actor's event loop; health NOT_SERVING until a prefill and a decode
    worker, or a colocated one, are registered; ``pdserve.v1.Admin`` beside Generation), the
    OpenAI-compatible HTTP server when ``http_port`` is set (uvicorn on the same loop, over the
@@ -38,6 +40,8 @@ import ray
 
 from pdserve.cluster.actors import RedisDirectory, cluster_namespace, limit_process_threads
 from pdserve.cluster.admin import ClusterAdmin
+from pdserve.cluster.autoscale_runner import AutoscaleRunner
+from pdserve.cluster.autoscaler import AutoscaleConfig
 from pdserve.cluster.pool_store import PoolStore
 from pdserve.cluster.pools import PoolManager, PoolSettings
 from pdserve.cluster.registry import Registry
@@ -79,6 +83,8 @@ class RouterSpec:
     tls: TLSConfig | None = None  # TLS (mutual with a client CA) for gRPC and HTTP
     reflection: bool = True  # gRPC server reflection
     max_concurrent_rpcs: int | None = None  # gRPC calls / HTTP connections in progress, at most
+    autoscale: AutoscaleConfig | None = None  # the autoscaler (needs pools; None or not
+    # enabled: fixed targets)
 
 
 class ModelPromptTools:
@@ -132,6 +138,7 @@ class RouterActor:
         self._tools: ModelPromptTools | None = None
         self.directory: RedisDirectory | None = None
         self.pools: PoolManager | None = None
+        self.autoscaler: AutoscaleRunner | None = None
         self.admin: ClusterAdmin | None = None
         self._metrics_server = None
         self._info: dict | None = None  # start()'s answer once serving
@@ -173,8 +180,12 @@ class RouterActor:
         await self.router.start()
         if spec.pools is not None:
             self.pools = PoolManager(store, registry, spec.pools, cluster_namespace(spec.cluster),
-                                     lambda role: metrics.worker_restarts.labels(role).inc())
+                                     lambda role: metrics.worker_restarts.labels(role).inc(),
+                                     lambda m: metrics.set_pools(m.targets, m.counts()))
             await self.pools.start()
+            if spec.autoscale is not None and spec.autoscale.enabled:
+                self.autoscaler = AutoscaleRunner(spec.autoscale, self.pools, metrics)
+                await self.autoscaler.start()
             self.admin = ClusterAdmin(self.pools, traces=lambda: self.router.traces,
                                       router_config=spec.config)
         port, metrics_port = await self._serve(store, metrics)
@@ -258,6 +269,9 @@ class RouterActor:
         return [s for s in results if not isinstance(s, BaseException)]
 
     async def stop(self) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
+            self.autoscaler = None
         if self.pools is not None:
             await self.pools.stop()
             self.pools = None

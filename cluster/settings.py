@@ -34,7 +34,9 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.cluster.autoscaler import AutoscaleConfig, config_file_values
 from pdserve.cluster.launcher import ClusterOptions
+from pdserve.cluster.placement import PLACEMENTS
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, DTYPES, KV_CACHE_DTYPES, EngineConfig
 from pdserve.kernels import BACKENDS
 from pdserve.router.core import RouterConfig
@@ -46,12 +48,16 @@ SECTIONS: dict[str, tuple[type, str]] = {
     "engine": (EngineConfig, "engine settings (EngineConfig; every worker)"),
     "router": (RouterConfig, "router settings (RouterConfig)"),
     "cluster": (ClusterOptions, "cluster settings (ClusterOptions)"),
+    "autoscale": (AutoscaleConfig, "autoscaler settings (AutoscaleConfig; --autoscale turns it "
+                                   "on; --autoscale-config FILE reads them from YAML, flags "
+                                   "override the file)"),
 }
 # (section, field) that get no generated flag, and why
 NOT_FLAGS: dict[tuple[str, str], str] = {
     ("engine", "model"): "ClusterOptions.model is --model",
     ("cluster", "engine"): "the engine settings are flags of their own",
     ("cluster", "router"): "the router settings are flags of their own",
+    ("cluster", "autoscale"): "the autoscaler settings are flags of their own",
     ("cluster", "log_level"): "pdserve --log-level (before the command) sets it",
     ("engine", "prefix_cache_salt"): "a secret the launcher generates per cluster",
     ("router", "scheduling_policy"): "--scheduling-policy sets it with the workers' (LINKED)",
@@ -63,6 +69,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("engine", "kv_cache_dtype"): KV_CACHE_DTYPES,
     ("engine", "attention_backend"): BACKENDS,
     ("engine", "scheduling_policy"): ("fcfs", "priority"),
+    ("cluster", "pool_placement"): PLACEMENTS,
 }
 # Help for fields whose source has no comment.
 FALLBACK_HELP: dict[tuple[str, str], str] = {
@@ -103,6 +110,14 @@ RENAMES: dict[tuple[str, str], Rename] = {
     ("cluster", "num_prefill"): Rename("--prefill"),
     ("cluster", "num_decode"): Rename("--decode"),
     ("cluster", "ttl_s"): Rename("--registry-ttl-s"),
+    ("autoscale", "enabled"): Rename("--autoscale"),
+    ("autoscale", "window_s"): Rename("--autoscale-window-s"),
+    ("autoscale", "min_samples"): Rename("--autoscale-min-samples"),
+    ("autoscale", "predictive"): Rename("--autoscale-predictive"),
+    ("autoscale", "prefill_capacity_tokens_per_s"): Rename("--prefill-capacity-tokens-per-s",
+                                                           unit="tokens/s"),
+    ("autoscale", "decode_capacity_tokens_per_s"): Rename("--decode-capacity-tokens-per-s",
+                                                          unit="tokens/s"),
 }
 
 
@@ -231,7 +246,7 @@ def all_settings() -> list[Setting]:
 def _base_value(setting: Setting, base: ClusterOptions):
     if setting.section == "engine":
         return base.engine.get(setting.name, setting.default)
-    owner = base.router if setting.section == "router" else base
+    owner = {"router": base.router, "autoscale": base.autoscale}.get(setting.section, base)
     return getattr(owner, setting.name, setting.default)
 
 
@@ -245,6 +260,11 @@ def add_setting_flags(parser: argparse.ArgumentParser, base: ClusterOptions) -> 
         flags = {s.name: s.flag for s in settings if s.section == section}
         for s in (s for s in settings if s.section == section):
             _add_flag(groups[section], s, _base_value(s, base), flags)
+    groups["autoscale"].add_argument(
+        "--autoscale-config", dest="autoscale_config", metavar="FILE", default=argparse.SUPPRESS,
+        help="YAML file of autoscaler settings: the Helm chart's autoscale values (camelCase, "
+             "e.g. minPrefill, ttftSloMs; snake_case works too), optionally under an "
+             "autoscale: key")
 
 
 def _add_flag(group, s: Setting, default, flags: dict[str, str]) -> None:
@@ -282,15 +302,23 @@ class Overrides:
     engine: dict = dataclasses.field(default_factory=dict)
     router: dict = dataclasses.field(default_factory=dict)
     cluster: dict = dataclasses.field(default_factory=dict)
+    autoscale: dict = dataclasses.field(default_factory=dict)
 
 
 def overrides_from_args(args: argparse.Namespace) -> Overrides:
-    """Only the flags present on the command line."""
+    """Only the flags present on the command line (and the ``--autoscale-config`` file's
+    values, under the flags)."""
     out = Overrides()
     for dest, value in vars(args).items():
         section, sep, name = dest.partition(":")
         if sep and section in SECTIONS:
             getattr(out, section)[name] = value
+    path = getattr(args, "autoscale_config", None)
+    if path is not None:
+        try:
+            out.autoscale = {**config_file_values(path), **out.autoscale}
+        except (OSError, ValueError) as exc:
+            raise SettingsError(f"argument --autoscale-config: {exc}") from None
     return out
 
 
@@ -309,6 +337,8 @@ def apply_overrides(base: ClusterOptions, overrides: Overrides) -> ClusterOption
     options = _built("cluster", lambda: dataclasses.replace(
         base, engine={**base.engine, **overrides.engine},
         router=_built("router", lambda: dataclasses.replace(base.router, **overrides.router)),
+        autoscale=_built("autoscale", lambda: dataclasses.replace(base.autoscale,
+                                                                  **overrides.autoscale)),
         **overrides.cluster))
     _built("engine", lambda: engine_config(options))
     return options

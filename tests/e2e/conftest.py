@@ -33,7 +33,9 @@ def ray_session():
     from pdserve.cluster.ray_env import init_ray
 
     temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")
-    ray = init_ray(temp_dir=temp_dir, num_cpus=2)
+    # Logical CPUs: the e2e pools (each worker asks for one, --worker-cpus) share this
+    # machine's two cores on purpose, as an embedded cluster's local Ray lets them.
+    ray = init_ray(temp_dir=temp_dir, num_cpus=16)
     yield ray
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
