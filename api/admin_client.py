@@ -44,7 +44,19 @@ def worker_dict(worker: admin_pb2.Worker) -> dict:
         "compute_utilization": round(worker.compute_utilization, 4),
         "bandwidth_utilization": round(worker.bandwidth_utilization, 4),
         "busy_fraction": round(worker.busy_fraction, 4), "binding": worker.binding,
+        "device": _ledger(worker).get("device", ""),
+        "torch_threads": _ledger(worker).get("num_threads", 0),
     }
+
+
+def _ledger(worker: admin_pb2.Worker) -> dict:
+    """The worker's memory ledger ({} before its first heartbeat)."""
+    import json
+
+    try:
+        return json.loads(worker.ledger_json or "{}")
+    except ValueError:
+        return {}
 
 
 def trace_dict(trace: admin_pb2.RequestTrace) -> dict:

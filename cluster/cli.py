@@ -410,11 +410,13 @@ def _cmd_status(args) -> int:
     for w, raw in zip(report["workers"], workers, strict=True):
         age = w["heartbeat_age_s"]
         rows.append([w["worker_id"], w["role"], w["state"], w["node"] or "-", w["pid"] or "-",
-                     w["running"], w["waiting"], f"{w['kv_used_blocks']}/{w['kv_total_blocks']}",
+                     _device(w), w["running"], w["waiting"],
+                     f"{w['kv_used_blocks']}/{w['kv_total_blocks']}",
                      f"{w['compute_utilization']:.1%}", f"{w['bandwidth_utilization']:.1%}",
                      w["binding"] or "-", "-" if age is None else f"{age:.1f}s", w["restarts"],
                      raw.error or ""])
-    print(_table(["WORKER", "ROLE", "STATE", "NODE", "PID", "RUNNING", "WAITING", "KV BLOCKS",
+    print(_table(["WORKER", "ROLE", "STATE", "NODE", "PID", "DEVICE", "RUNNING", "WAITING",
+                  "KV BLOCKS",
                   "COMPUTE", "BANDWIDTH", "BINDS", "HEARTBEAT", "RESTARTS", "ERROR"], rows))
     if args.checklist:
         from pdserve.cluster.checklist import format_checklist
@@ -425,6 +427,14 @@ def _cmd_status(args) -> int:
         print()
         print(format_checklist(traces, workers))
     return 0
+
+
+def _device(worker: dict) -> str:
+    """"cpu x2" (torch threads) or the GPU, as the worker's ledger says; "-" before it."""
+    device = worker["device"]
+    if not device:
+        return "-"
+    return f"{device} x{worker['torch_threads']}" if device == "cpu" else device
 
 
 def _latest_traces(admin, limit: int) -> list | None:

@@ -41,6 +41,8 @@ class MemoryLedger:
     kv_dtype: str  # storage dtype of the pool ("int8" when quantized)
     num_kv_blocks_model_dtype: int  # blocks the same pool bytes would hold in the model dtype
     weights_source: str = ""  # how the weights were stored when not as loaded (a GGUF's types)
+    device: str = ""  # where the worker computes: "cpu", or "cuda:0 (its name)"
+    num_threads: int = 0  # torch intra-op threads of the process
 
     @property
     def kv_token_capacity(self) -> int:
@@ -50,6 +52,7 @@ class MemoryLedger:
         """(label, value) rows for printing."""
         mib = lambda b: f"{b / (1 << 20):,.1f} MiB"  # noqa: E731
         return [
+            ("device", f"{self.device}, {self.num_threads} torch thread(s)"),
             ("budget", mib(self.budget_bytes)),
             ("weights", mib(self.weight_bytes) + (f" ({self.weights_source})"
                                                   if self.weights_source else "")),
@@ -183,7 +186,16 @@ def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.
         num_kv_blocks=num_blocks, block_size=config.block_size,
         kv_bytes_per_token=per_block // config.block_size, kv_dtype=kv_dtype,
         num_kv_blocks_model_dtype=num_blocks * per_block // model_dtype_block,
-        weights_source=getattr(model, "weights_source", ""))
+        weights_source=getattr(model, "weights_source", ""), device=device_label(device),
+        num_threads=torch.get_num_threads())
+
+
+def device_label(device: torch.device) -> str:
+    """"cpu", or "cuda:0 (NVIDIA H100 80GB HBM3)": the device a worker really computes on."""
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
 def allocate_kv_caches(mc, ledger: MemoryLedger, layer_dtypes, device: torch.device,

@@ -17,7 +17,8 @@ from pdserve.router.grpc_server import GenerationServer
 
 WORKER_KEYS = {"worker_id", "role", "node", "pid", "state", "running", "waiting",
                "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts",
-               "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding"}
+               "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding",
+               "device", "torch_threads"}
 
 
 @pytest.fixture
@@ -32,7 +33,8 @@ def server():
                                                     activation_bytes=32 << 20,
                                                     kv_pool_bytes=390 << 20,
                                                     margin_bytes=26 << 20, num_kv_blocks=780,
-                                                    block_size=16)),
+                                                    block_size=16, device="cpu",
+                                                    num_threads=2)),
         WorkerInfo("decode-2", "decode", "starting", restarts=1),
         WorkerInfo("decode-1", "decode", "dead", "127.0.0.1", 103, error="actor died"),
     ], {"prefill": 1, "decode": 2})
@@ -68,7 +70,8 @@ def test_status_json_is_one_object_with_pools_and_workers(server, capsys):
                                  "kv_used_blocks": 10, "kv_total_blocks": 128,
                                  "heartbeat_age_s": 0.5, "restarts": 0,
                                  "compute_utilization": 0.05, "bandwidth_utilization": 0.4,
-                                 "busy_fraction": 0.9, "binding": "bandwidth"}
+                                 "busy_fraction": 0.9, "binding": "bandwidth", "device": "cpu",
+                                 "torch_threads": 2}
     assert by_id["decode-2"]["state"] == "starting"
     assert by_id["decode-2"]["heartbeat_age_s"] is None
     assert by_id["decode-1"]["state"] == "dead"
@@ -83,7 +86,8 @@ def test_status_table_lists_pools_and_workers(server, capsys):
                                 "RESTARTS"]
     assert lines[1].split() == ["decode", "2", "2", "1", "1", "0", "1"]
     row = next(line for line in lines if line.startswith("decode-0"))
-    assert row.split() == ["decode-0", "decode", "ready", "127.0.0.1", "102", "4", "0",
+    assert row.split() == ["decode-0", "decode", "ready", "127.0.0.1", "102", "cpu", "x2", "4",
+                           "0",
                            "10/128", "5.0%", "40.0%", "bandwidth", "0.5s", "0"]
     assert "actor died" in next(line for line in lines if line.startswith("decode-1"))
 
