@@ -74,6 +74,10 @@ def add_workload_flags(parser) -> None:
 
 def add_serve_flags(parser) -> None:
     parser.add_argument("--target", default="127.0.0.1:50051", help="server gRPC HOST:PORT")
+    parser.add_argument("--base-url", default=None, metavar="URL",
+                        help="send the traffic to the OpenAI HTTP API here (e.g. "
+                             "http://127.0.0.1:8000); --target still gives the model info and "
+                             "the Admin reports")
     parser.add_argument("--wait-ready-s", type=float, default=0.0, metavar="S",
                         help="wait this long for the server to be SERVING")
     parser.add_argument("--request-rate", type=float, default=math.inf,
@@ -91,7 +95,7 @@ def shape_from_args(args, base: SyntheticShape = SyntheticShape()) -> SyntheticS
 def serve_options(args, security: dict) -> ServeOptions:
     """ValueError naming the field for a bad combination."""
     return ServeOptions(
-        target=args.target, wait_ready_s=args.wait_ready_s,
+        target=args.target, base_url=args.base_url, wait_ready_s=args.wait_ready_s,
         num_prompts=args.num_prompts or 200, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
         dataset=args.dataset, dataset_path=args.dataset_path, shape=shape_from_args(args),

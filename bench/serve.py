@@ -2,7 +2,8 @@
 
 1. Wait for health SERVING (``wait_ready_s``), read the model's context and vocabulary.
 2. Build the trace (:mod:`pdserve.bench.workload`): prompts and output lengths, arrival times
-   (``request_rate``, ``burstiness``), and send each request at its time over gRPC, at most
+   (``request_rate``, ``burstiness``), and send each request at its time over gRPC (or the
+   OpenAI HTTP API with ``base_url``: :mod:`pdserve.bench.http_client`), at most
    ``max_concurrency`` in flight (a request's clock starts when it is sent, as in vLLM), with
    a progress bar. Each is sent greedy with ``ignore_eos``, so it generates ``output_len``.
 3. Meanwhile sample the workers (Admin ``ListWorkers``) once a second: what binds each one.
@@ -23,7 +24,9 @@ with one token left out; E2EL = send -> last chunk. A request is "good" when it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+import functools
 import logging
 import math
 import time
@@ -50,7 +53,8 @@ GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 class ServeOptions:
     """What ``pdserve bench serve`` is asked for (its flags)."""
 
-    target: str = "127.0.0.1:50051"  # gRPC HOST:PORT
+    target: str = "127.0.0.1:50051"  # gRPC HOST:PORT (model info and Admin reports too)
+    base_url: str | None = None  # send the traffic over OpenAI HTTP here instead of gRPC
     wait_ready_s: float = 0.0  # wait this long for health SERVING (0: check once)
     num_prompts: int = 200
     request_rate: float = math.inf  # requests/s; inf sends all at once
@@ -67,6 +71,7 @@ class ServeOptions:
     api_key: str | None = None
     tls: object | None = None  # api.client.ClientTLS
     disable_tqdm: bool = False
+    progress_desc: str = "requests"  # the progress bar's label
 
     def __post_init__(self) -> None:
         bad = set(self.goodput) - set(GOODPUT_METRICS)
@@ -149,10 +154,11 @@ async def send_one(client, request: BenchRequest, request_id: str, t0: float,
     return out
 
 
-async def send_all(client, requests: list[BenchRequest], arrivals: list[float], run_id: str,
+async def send_all(send, requests: list[BenchRequest], arrivals: list[float], run_id: str,
                    max_concurrency: int | None, timeout: float,
                    progress=None) -> tuple[list[RequestOutcome], float]:
-    """Send each request at its arrival time; returns (outcomes in trace order, duration)."""
+    """Send each request at its arrival time with ``send(request, request_id, t0, timeout)``;
+    returns (outcomes in trace order, duration)."""
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     t0 = time.perf_counter()
 
@@ -160,10 +166,10 @@ async def send_all(client, requests: list[BenchRequest], arrivals: list[float], 
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
         rid = f"{run_id}-{request.index}"
         if gate is None:
-            out = await send_one(client, request, rid, t0, timeout)
+            out = await send(request, rid, t0, timeout)
         else:
             async with gate:
-                out = await send_one(client, request, rid, t0, timeout)
+                out = await send(request, rid, t0, timeout)
         if progress is not None:
             progress.update(1)
         return out
@@ -311,11 +317,13 @@ async def _benchmark(opts: ServeOptions) -> dict:
         if not opts.disable_tqdm:
             from tqdm import tqdm
 
-            progress = tqdm(total=len(requests), desc="requests", unit="req")
+            progress = tqdm(total=len(requests), desc=opts.progress_desc, unit="req")
         try:
             sampler.start()
-            outcomes, duration = await send_all(client, requests, arrivals, run_id,
-                                                opts.max_concurrency, opts.timeout_s, progress)
+            async with _transport(opts, client, info.model_name) as send:
+                outcomes, duration = await send_all(send, requests, arrivals, run_id,
+                                                    opts.max_concurrency, opts.timeout_s,
+                                                    progress)
             await sampler.stop()
             side = await asyncio.to_thread(server_side, admin, [o.request_id for o in outcomes],
                                            sampler.summary())
@@ -324,7 +332,7 @@ async def _benchmark(opts: ServeOptions) -> dict:
                 progress.close()
             admin.close()
     result = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "pdserve",
-              "target": opts.target, "model_id": info.model_name,
+              "target": opts.target, "base_url": opts.base_url, "model_id": info.model_name,
               "num_prompts": opts.num_prompts, "request_rate": opts.request_rate,
               "burstiness": opts.burstiness, "max_concurrency": opts.max_concurrency,
               "dataset": opts.dataset, "seed": opts.seed, "goodput": dict(opts.goodput),
@@ -333,6 +341,18 @@ async def _benchmark(opts: ServeOptions) -> dict:
                                   opts.metric_percentiles))
     result.update(side)
     return result
+
+
+@contextlib.asynccontextmanager
+async def _transport(opts: ServeOptions, client, model_name: str):
+    """``send(request, request_id, t0, timeout)`` over gRPC, or over HTTP with ``base_url``."""
+    if opts.base_url is None:
+        yield functools.partial(send_one, client)
+        return
+    from pdserve.bench.http_client import HttpCompletions
+
+    async with HttpCompletions(opts.base_url, model_name, opts.api_key) as http:
+        yield http.send
 
 
 def run_serve(opts: ServeOptions) -> dict:

@@ -58,9 +58,19 @@ class DemoReport:
     builtin_model: bool = True  # served the built-in tiny model (random weights)
 
 
+async def fit_to_context(client: AsyncPdserveClient, prompt: str, max_tokens: int,
+                         context: int) -> tuple[list[int], int]:
+    """The prompt's ids and max_tokens cut to fit the served model's context (any checkpoint:
+    outputs to at most half of it, the prompt to the rest)."""
+    max_tokens = max(1, min(max_tokens, context // 2))
+    ids = await client.tokenize(prompt)
+    return ids[:max(1, context - max_tokens)], max_tokens
+
+
 async def _one(client: AsyncPdserveClient, prompt: str, max_tokens: int, seed: int,
-               gate: asyncio.Semaphore, progress) -> tuple[ClientTiming, str]:
+               gate: asyncio.Semaphore, progress, context: int) -> tuple[ClientTiming, str]:
     async with gate:
+        prompt, max_tokens = await fit_to_context(client, prompt, max_tokens, context)
         start = time.perf_counter()
         ttft, n, texts = None, 0, []
         async for chunk in client.generate_stream(prompt, max_tokens=max_tokens,
@@ -83,8 +93,9 @@ async def drive(target: str, prompts: list[str], output_lens: list[int],
     gate = asyncio.Semaphore(concurrency)
     with tqdm(total=len(prompts), desc="requests", unit="req") as progress:
         async with AsyncPdserveClient(target) as client:
+            context = (await client.model_info(timeout=30)).max_context_tokens
             done = await asyncio.gather(*(
-                _one(client, p, m, i, gate, progress)
+                _one(client, p, m, i, gate, progress, context)
                 for i, (p, m) in enumerate(zip(prompts, output_lens, strict=True))))
     return [t for t, _ in done], done[0][1] if done else ""
 

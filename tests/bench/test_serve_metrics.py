@@ -139,15 +139,16 @@ def test_compare_scoring_and_plots(tmp_path):
     rng = random.Random(0)
     runs = {"disaggregated": {r: _fake_run(r, 1.0, rng) for r in (1.0, 2.0, 4.0)},
             "colocated": {r: _fake_run(r, 2.0, rng) for r in (1.0, 2.0, 4.0)}}
-    slos = derive_slos(runs)
-    assert slos["ttft"] == pytest.approx(3 * runs["disaggregated"][1.0]["median_ttft_ms"])
+    derived = derive_slos(runs)  # the better mode at the lowest rate: TTFT x 3, TPOT x 2
+    assert derived["ttft"] == pytest.approx(3 * runs["disaggregated"][1.0]["median_ttft_ms"])
+    assert derived["tpot"] == pytest.approx(2 * runs["disaggregated"][1.0]["median_tpot_ms"])
+    slos = {"ttft": 1000.0, "tpot": 25.0}  # TPOT is 10 ms x rate x slowness here
     scored = score(runs, slos)
     att = {m: [scored["table"][m][r]["slo_attainment"] for r in (1.0, 2.0, 4.0)]
            for m in runs}
-    assert att["disaggregated"][0] == 1.0 and att["colocated"][-1] == 0.0
-    best = scored["best_rate"]
-    assert best["disaggregated"] >= best["colocated"]
-    assert scored["ratio"] == best["disaggregated"] / best["colocated"]
+    assert att == {"disaggregated": [1.0, 1.0, 0.0], "colocated": [1.0, 0.0, 0.0]}
+    assert scored["best_rate"] == {"disaggregated": 2.0, "colocated": 1.0}
+    assert scored["ratio"] == 2.0
     doc = {**scored, "slos_ms": slos, "slos_derived": True, "attainment_target": 0.9}
     assert "highest rate at >= 90% SLO attainment" in format_compare(doc)
     paths = write_plots(doc, tmp_path / "plots")

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def disagg(start_cluster, tiny_dir):
-    cluster = start_cluster(tiny_dir)
+    cluster = start_cluster(tiny_dir, http_port=0)
     yield cluster
     cluster.stop()
 
@@ -47,6 +47,19 @@ def test_bench_serve_result_from_a_real_cluster(disagg, tmp_path, capsys):
     pools = result["server_config"]["pools"]
     assert pools["decode"]["engine"]["block_size"] == 4
     assert pools["prefill"]["engine"]["prefix_cache_salt"] == "<secret>"
+
+
+def test_bench_serve_over_openai_http(disagg, tmp_path):
+    from pdserve.bench.serve import ServeOptions, run_serve
+    from pdserve.bench.workload import SyntheticShape
+
+    result = run_serve(ServeOptions(target=disagg.target, base_url=disagg.http_url,
+                                    num_prompts=4, shape=SyntheticShape(12, 5),
+                                    disable_tqdm=True, seed=4))
+    assert result["completed"] == 4 and result["failed"] == 0, result["errors"]
+    assert result["total_output_tokens"] == sum(result["output_lens"]) > 4
+    assert result["num_traces"] == 4  # the response ids are the router's request ids
+    assert result["mean_ttft_ms"] > 0 and result["base_url"] == disagg.http_url
 
 
 def test_workers_say_what_binds_them_while_serving(disagg, e2e):

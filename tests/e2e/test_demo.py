@@ -23,3 +23,17 @@ def test_demo_reports_latencies_time_split_and_ledger(ray_session, redis_url, ti
     for word in ("TTFT", "TPOT", "P99", "queue", "prefill", "transfer", "decode",
                  "weights MiB", "KV B/token", "prefill-0", "decode-0"):
         assert word in text
+
+
+def test_demo_on_any_checkpoint_colocated_says_where_ttft_went(ray_session, redis_url,
+                                                               hf_checkpoint):
+    model = hf_checkpoint("qwen2", max_position_embeddings=128)  # prompts must be cut to fit
+    options = ClusterOptions(model=str(model), colocated=True, num_decode=1, port=0,
+                             metrics_port=None, redis_url=redis_url,
+                             engine=dict(block_size=4, num_kv_blocks=256,
+                                         max_num_batched_tokens=64))
+    report = run_demo(num_requests=4, concurrency=2, seed=2, options=options)
+    assert len(report.timings) == 4 and not report.builtin_model
+    assert all(t.prefill > 0 and t.queue + t.prefill <= t.ttft for t in report.traces)
+    text = format_report(report)
+    assert "colocated-0" in text and "random weights" not in text
