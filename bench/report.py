@@ -112,8 +112,8 @@ def format_compare(doc: dict) -> str:
         rows.append(row)
     slos = ", ".join(f"{k} <= {v:.0f} ms" for k, v in doc["slos_ms"].items())
     target = doc["attainment_target"]
-    lines = [f"SLOs: {slos}" + (" (derived: 3 x the better mode's median at the lowest rate)"
-                                if doc["slos_derived"] else ""),
+    lines = [f"SLOs: {slos}" + (" (derived from the better mode's medians at the lowest rate:"
+                                " TTFT x 3, TPOT x 2)" if doc["slos_derived"] else ""),
              "(ms; goodput in req/s; attain = requests meeting every SLO / sent)",
              format_table(header, rows), ""]
     for m in modes:
