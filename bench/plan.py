@@ -79,7 +79,7 @@ def measured_hardware(device: str, dtype: torch.dtype, memory_bytes: int | None 
     (:func:`pdserve.engine.roofline.measure_peaks`); memory as the engine's default budget."""
     from pdserve.engine.roofline import measure_peaks
 
-    flops, bandwidth = measure_peaks(device, dtype)
+    flops, bandwidth = measure_peaks(device, dtype, thorough=True)
     if memory_bytes is None:
         memory_bytes = (memory.default_budget(torch.device(device)) if device == "cuda"
                         else DEFAULT_CPU_MEMORY_BUDGET)

@@ -5,9 +5,11 @@ run the real engine here and hold the plan against it.
 
 1. KV blocks: the engine's allocated blocks against the planner's (they must be equal: both
    go through ``engine.memory``'s per-block bytes and activation estimate);
-2. decode: ``batch`` requests at ``context`` tokens (capped to what a CPU does in seconds),
-   the median forward time of pure decode steps against the roofline prediction at the same
-   batch and context, and the whole step (scheduling, sampling, bookkeeping included);
+2. decode: one short sequence (the step is the weights streaming through), then ``batch``
+   requests at ``context`` tokens (capped to what a CPU does in seconds): the median forward
+   time of pure decode steps against the roofline at the same batch and context, both at the
+   measured copy bandwidth and at what a one-row ``linear`` streams here (on CPUs far less),
+   and the whole step (scheduling, sampling, bookkeeping included);
 3. prefill: one ``PREFILL_TOKENS`` prompt in one step (median of three), forward time against
    the prediction.
 
@@ -19,6 +21,7 @@ shapes, attention, non-matmul work and per-step overhead.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import torch
@@ -37,6 +40,7 @@ from pdserve.engine.roofline import StepCost
 GiB = 1 << 30
 MEASURE_BATCH = 16  # decode batch measured at most
 MEASURE_CONTEXT = 512  # decode context measured at most
+SHORT_CONTEXT = 16  # the weights-only decode row: one sequence this long
 DECODE_STEPS = 8
 
 
@@ -117,35 +121,51 @@ def _prefill_forward(engine, tokens: int, repeats: int = 3) -> float:
 
 def measure(req: PlanRequest, hw: Hardware, plan: dict) -> dict:
     """Steps 1-3 of the module docstring; ``plan`` is :func:`make_plan` of ``req`` on ``hw``
-    with the engine's margin. Returns the rows of predicted against measured."""
+    with the engine's margin. Returns the rows of predicted against measured: ``predicted`` at
+    the copy bandwidth, ``predicted_gemv`` at what a one-row ``linear`` streams here."""
+    from pdserve.engine.roofline import gemv_bandwidth
+
     engine = _engine(req, hw, plan["margin_bytes"] / hw.memory_bytes if hw.memory_bytes else 0)
-    ledger = engine.parts.ledger
+    ledger, runner = engine.parts.ledger, engine.parts.runner
+    gemv = gemv_bandwidth(hw.device, runner.model.dtype)
+    at_gemv = dataclasses.replace(hw, bandwidth_bytes_per_s=gemv)
     cost = StepCost.for_model(engine.parts.model_config, plan["weight_bytes"],
                               plan["kv_bytes_per_token"])
-    batch = max(1, min(plan["max_batch"], MEASURE_BATCH, ledger.num_kv_blocks // max(
-        1, -(-min(plan["avg_context"], MEASURE_CONTEXT) // ledger.block_size))))
     context = min(plan["avg_context"], MEASURE_CONTEXT, engine.parts.max_model_len - 1)
-    decode_pred = roofline_ms(*cost.decode(batch, context), hw, req.mfu)
-    decode_fwd, decode_total = _decode_forward(engine, batch, context)
+    batch = max(1, min(plan["max_batch"], MEASURE_BATCH,
+                       ledger.num_kv_blocks // -(-context // ledger.block_size)))
     tokens = min(PREFILL_TOKENS, engine.parts.max_model_len - 2, req.max_num_batched_tokens)
+    rows = [_row("KV blocks for the budget", plan["num_kv_blocks"], None,
+                 ledger.num_kv_blocks, "blocks"),
+            _row("weights", plan["weight_bytes"], None, ledger.weight_bytes, "bytes")]
+    for b, c, label in ((1, SHORT_CONTEXT, "weights stream"), (batch, context, "")):
+        step = cost.decode(b, c)
+        forward, whole = _decode_forward(engine, b, c)
+        what = f"decode forward, batch {b} x {c} tokens" + (f" ({label})" if label else "")
+        rows.append(_row(what, roofline_ms(*step, hw, req.mfu), roofline_ms(*step, at_gemv,
+                                                                              req.mfu),
+                         forward * 1e3, "ms"))
+    rows.append(_row(f"decode step, whole (batch {batch})", rows[-1]["predicted"],
+                     rows[-1]["predicted_gemv"], whole * 1e3, "ms"))
     prefill_pred = roofline_ms(*cost.prefill(tokens), hw, req.mfu)
     prefill_fwd = _prefill_forward(engine, tokens)
-    rows = [
-        {"what": "KV blocks for the budget", "predicted": plan["num_kv_blocks"],
-         "measured": ledger.num_kv_blocks, "unit": "blocks"},
-        {"what": "weights", "predicted": plan["weight_bytes"], "measured": ledger.weight_bytes,
-         "unit": "bytes"},
-        {"what": f"decode step forward, batch {batch} x {context} tokens",
-         "predicted": decode_pred["ms"], "measured": decode_fwd * 1e3, "unit": "ms",
-         "binding": decode_pred["binding"]},
-        {"what": f"decode step, whole (batch {batch})", "predicted": decode_pred["ms"],
-         "measured": decode_total * 1e3, "unit": "ms", "binding": decode_pred["binding"]},
-        {"what": f"prefill forward, {tokens} tokens", "predicted": prefill_pred["ms"],
-         "measured": prefill_fwd * 1e3, "unit": "ms", "binding": prefill_pred["binding"]},
-    ]
-    for row in rows:
-        row["measured_over_predicted"] = (row["measured"] / row["predicted"]
-                                          if row["predicted"] else None)
-    return {"rows": rows, "threads": torch.get_num_threads(),
-            "achieved_matmul_fraction_in_prefill": prefill_pred["compute_ms"] * req.mfu
-            / (prefill_fwd * 1e3)}
+    rows.append(_row(f"prefill forward, {tokens} tokens", prefill_pred, None,
+                     prefill_fwd * 1e3, "ms"))
+    return {"rows": rows, "threads": torch.get_num_threads(), "gemv_bytes_per_s": gemv,
+            "copy_bytes_per_s": hw.bandwidth_bytes_per_s, "matmul_flops_per_s":
+            hw.peak_flops_per_s, "achieved_matmul_fraction_in_prefill":
+            prefill_pred["compute_ms"] * req.mfu / (prefill_fwd * 1e3)}
+
+
+def _row(what: str, predicted, predicted_gemv, measured: float, unit: str) -> dict:
+    """``predicted``: a number or a :func:`roofline_ms` dict (then its binding is kept)."""
+    row = {"what": what, "unit": unit, "measured": measured}
+    for key, value in (("predicted", predicted), ("predicted_gemv", predicted_gemv)):
+        if isinstance(value, dict):
+            row[key] = value["ms"]
+            row.setdefault("binding", value["binding"])
+        else:
+            row[key] = value
+    row["measured_over_predicted"] = (measured / row["predicted"] if row["predicted"]
+                                      else None)
+    return row

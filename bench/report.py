@@ -162,10 +162,17 @@ def format_plan(plan: dict) -> str:
 
 
 def format_measure(measured: dict) -> str:
-    rows = [[r["what"], r["predicted"], r["measured"],
-             "-" if r["measured_over_predicted"] is None else r["measured_over_predicted"],
-             r.get("binding", "")] for r in measured["rows"]]
-    return (format_table(["", "predicted", "measured", "measured / predicted", "binding"], rows)
-            + f"\n(torch threads {measured['threads']}; prefill reached "
-              f"{measured['achieved_matmul_fraction_in_prefill']:.0%} of the measured matmul "
-              "rate)")
+    rows = []
+    for r in measured["rows"]:
+        gemv = r.get("predicted_gemv")
+        rows.append([r["what"], r["predicted"], "-" if gemv is None else gemv, r["measured"],
+                     "-" if r["measured_over_predicted"] is None
+                     else r["measured_over_predicted"],
+                     "-" if gemv is None else r["measured"] / gemv, r.get("binding", "")])
+    return (format_table(["", "predicted", "at GEMV bw", "measured", "/ predicted",
+                          "/ at GEMV bw", "binding"], rows)
+            + f"\n(torch threads {measured['threads']}; measured: matmul "
+              f"{measured['matmul_flops_per_s'] / 1e9:,.0f} GFLOP/s, copy "
+              f"{measured['copy_bytes_per_s'] / 1e9:,.1f} GB/s, one-row linear "
+              f"{measured['gemv_bytes_per_s'] / 1e9:,.1f} GB/s; prefill reached "
+              f"{measured['achieved_matmul_fraction_in_prefill']:.0%} of the matmul rate)")

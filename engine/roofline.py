@@ -24,12 +24,15 @@ dense matmul rate and copy bandwidth once per process (the "measured peak" both 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 IDLE = "idle"
 COMPUTE = "compute"
@@ -123,6 +126,18 @@ class UtilizationMeter:
         self.window_s = window_s
         self._steps: deque[tuple[float, int, int, float]] = deque()  # (end, flops, bytes, s)
         self._lock = threading.Lock()
+        self._peaks: tuple[float, float] | None = None
+
+    def peaks(self) -> tuple[float, float]:
+        """:func:`measure_peaks` of the meter's device, once; (0, 0) when it cannot be measured
+        (a device without room for the probes: utilisation then reads 0)."""
+        if self._peaks is None:
+            try:
+                self._peaks = measure_peaks(self.device.type, self.dtype)
+            except (RuntimeError, MemoryError) as exc:  # torch.cuda.OutOfMemoryError included
+                logger.warning("cannot measure the device's peaks (%s): utilisation is 0", exc)
+                self._peaks = (0.0, 0.0)
+        return self._peaks
 
     def record(self, num_tokens: int, attended: int, num_context: int, num_sampled: int,
                seconds: float, now: float | None = None) -> None:
@@ -145,7 +160,7 @@ class UtilizationMeter:
         with self._lock:
             self._trim(now)
             steps = list(self._steps)
-        peak_flops, peak_bytes = peaks or measure_peaks(self.device.type, self.dtype)
+        peak_flops, peak_bytes = peaks or self.peaks()
         seconds = sum(s[3] for s in steps)
         if not steps or seconds <= 0:
             return Utilization(peak_flops_per_s=peak_flops, peak_bytes_per_s=peak_bytes)
@@ -168,7 +183,7 @@ def _best_seconds(fn, repeats: int, sync) -> float:
 
 def matmul_rate(device: str, dtype: torch.dtype, n: int | None = None, repeats: int = 3) -> float:
     """FLOP/s of an ``n`` x ``n`` x ``n`` matmul in ``dtype`` (best of ``repeats``)."""
-    n = n or (8192 if device == "cuda" else 1024)
+    n = n or (4096 if device == "cuda" else 1024)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -176,16 +191,36 @@ def matmul_rate(device: str, dtype: torch.dtype, n: int | None = None, repeats: 
 
 
 def copy_bandwidth(device: str, nbytes: int | None = None, repeats: int = 3) -> float:
-    """Bytes/s moved (read + write) by a device-local copy of ``nbytes`` (best of ``repeats``)."""
-    nbytes = nbytes or ((1 << 30) if device == "cuda" else (64 << 20))
+    """Bytes/s moved (read + write) by a device-local copy of ``nbytes`` (best of ``repeats``;
+    the default is larger than CPU caches)."""
+    nbytes = nbytes or (256 << 20)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), repeats, sync)
 
 
+def gemv_bandwidth(device: str, dtype: torch.dtype, nbytes: int | None = None,
+                   repeats: int = 3) -> float:
+    """Weight bytes/s a one-row ``linear`` streams (the decode step's own kernel at batch 1):
+    on CPUs far below the copy bandwidth, on GPUs close to it."""
+    nbytes = nbytes or ((1 << 30) if device == "cuda" else (256 << 20))
+    cols = 4096
+    element = torch.empty((), dtype=dtype).element_size()
+    weight = torch.randn(nbytes // (cols * element), cols, device=device).to(dtype)
+    x = torch.randn(1, cols, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    seconds = _best_seconds(lambda: torch.nn.functional.linear(x, weight), repeats, sync)
+    return weight.numel() * element / seconds
+
+
 @functools.lru_cache(maxsize=8)
-def measure_peaks(device: str, dtype: torch.dtype) -> tuple[float, float]:
-    """(matmul FLOP/s in ``dtype``, copy bytes/s) of this process's ``device``, measured once."""
+def measure_peaks(device: str, dtype: torch.dtype, thorough: bool = False
+                  ) -> tuple[float, float]:
+    """(matmul FLOP/s in ``dtype``, copy bytes/s) of this process's ``device``, measured once
+    (``thorough``: a larger matmul, more repeats; the planner's, not every worker's)."""
     with torch.inference_mode():
+        if thorough:
+            return (matmul_rate(device, dtype, 8192 if device == "cuda" else 2048, 5),
+                    copy_bandwidth(device, (1 << 30) if device == "cuda" else None, 5))
         return matmul_rate(device, dtype), copy_bandwidth(device)
