@@ -19,11 +19,12 @@ Signals, per pool of N workers (ready + starting: a starting worker counts as ca
   sit below the up ones: queued tokens / (N-1) under ``prefill_queue_down_tokens`` and the
   prefill workers' busy fractions (forward time / wall time) summed / (N-1) under
   ``prefill_busy_down`` (a queue is empty below saturation, the busy time is not), decode
-  load summed / (N-1) under ``decode_load_down``, and the latency P90 scaled by N/(N-1) under
-  ``down_slo_fraction`` x its SLO (no samples in the window: no latency; the scaling treats
-  latency as proportional to the load per worker, which overstates it where latency has a
-  fixed floor: a pool at light load may stay one worker larger, never one too small). After
-  a step down the new load is below the down threshold, so below the up one: no flapping.
+  load summed / (N-1) under ``decode_load_down``, and the latency P90 projected on N-1
+  workers under ``down_slo_fraction`` x its SLO (no samples in the window: no latency). The
+  projection is the latency's floor (the lowest P90 the pool has shown: what no load adds)
+  plus the rest scaled by N/(N-1), the rest taken as proportional to the load per worker.
+  After a step down the new load is below the down threshold, so below the up one: no
+  flapping.
 
 Rules: at most one step per pool per ``scale_interval_s``; up once an up signal has held for
 ``scale_up_delay_s``, down once every signal has been low for ``scale_down_delay_s``; no step
@@ -79,8 +80,8 @@ class AutoscaleConfig:
     # running / max_num_seqs) that grows the decode pool
     decode_load_down: float = 0.5  # the decode pool shrinks only while its load summed /
     # (N-1) stays under this
-    down_slo_fraction: float = 0.8  # a pool shrinks only while its latency P90 x N/(N-1)
-    # stays under this fraction of its SLO
+    down_slo_fraction: float = 0.8  # a pool shrinks only while its latency P90 projected on
+    # N-1 workers stays under this fraction of its SLO
     predictive: bool = False  # also hold each pool at demand / per-worker capacity (Dynamo)
     prefill_capacity_tokens_per_s: float | None = None  # prompt tokens/s one prefill worker
     # serves within the TTFT SLO (None: the highest rate measured within it)
@@ -189,6 +190,7 @@ class PoolState:
     last_step_at: float | None = None
     last_up_at: float | None = None
     measured_capacity: float = 0.0  # highest per-worker tokens/s seen within the SLO
+    latency_floor_s: float | None = None  # lowest latency P90 seen (a full window's)
     last_step: str = ""  # the latest step's log line
 
 
@@ -273,9 +275,11 @@ def up_signals(pool: PoolSnapshot, config: AutoscaleConfig) -> list[Signal]:
     return out
 
 
-def down_blockers(pool: PoolSnapshot, config: AutoscaleConfig) -> list[Signal]:
+def down_blockers(pool: PoolSnapshot, config: AutoscaleConfig,
+                  latency_floor_s: float | None = None) -> list[Signal]:
     """The signals that say N-1 workers would not hold ``pool``'s load (each with the value
-    projected on N-1 workers); empty when a step down is safe."""
+    projected on N-1 workers); empty when a step down is safe. ``latency_floor_s``: the
+    lowest latency P90 the pool has shown (the part of latency no load adds)."""
     n = pool.capacity
     if n <= 1:
         return [Signal("capacity", n, 2)]
@@ -294,7 +298,8 @@ def down_blockers(pool: PoolSnapshot, config: AutoscaleConfig) -> list[Signal]:
             out.append(Signal("kv_load", load, config.decode_load_down))
         latency_name = "itl"
     if pool.latency_p90_s is not None and pool.num_samples > 0:
-        projected = pool.latency_p90_s * n / (n - 1)
+        floor = min(pool.latency_p90_s, latency_floor_s or 0.0)
+        projected = floor + (pool.latency_p90_s - floor) * n / (n - 1)
         limit = config.down_slo_fraction * _slo_s(config, pool.role)
         if projected >= limit:
             out.append(Signal(latency_name, projected, limit))
@@ -343,7 +348,7 @@ def _pool_want(pool: PoolSnapshot, state: PoolState, config: AutoscaleConfig, no
     low, high = config.bounds(pool.role)
     target = pool.target
     ups = up_signals(pool, config)
-    blockers = down_blockers(pool, config)
+    blockers = down_blockers(pool, config, state.latency_floor_s)
     hot_since = (state.hot_since if state.hot_since is not None else now) if ups else None
     cold_since = (state.cold_since if state.cold_since is not None else now) \
         if not blockers and not ups else None
@@ -378,7 +383,11 @@ def decide(snapshot: MetricsSnapshot, state: ControllerState, config: AutoscaleC
             continue
         pool_state = state.pool(role)
         measured = _measure(pool, pool_state, config)
-        pool_state = dataclasses.replace(pool_state, measured_capacity=measured)
+        lowest = pool_state.latency_floor_s
+        if _latency_known(pool, config):
+            lowest = pool.latency_p90_s if lowest is None else min(lowest, pool.latency_p90_s)
+        pool_state = dataclasses.replace(pool_state, measured_capacity=measured,
+                                         latency_floor_s=lowest)
         floor = None
         if config.predictive:
             configured = getattr(config, f"{role}_capacity_tokens_per_s")

@@ -51,7 +51,7 @@ class FluidCluster:
     config: AutoscaleConfig = CONFIG
     prefill_rate: float = 4000.0
     slots: int = 32
-    itl0: float = 0.01
+    itl0: float = 0.02
     kv_tokens: int = 32 * 600
     targets: dict = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     ready: dict = field(default_factory=lambda: {"prefill": 1, "decode": 1})
@@ -260,11 +260,17 @@ def test_a_scale_down_is_refused_while_n_minus_1_workers_would_be_saturated():
 
 
 def test_a_scale_down_is_refused_while_the_latency_on_n_minus_1_would_break_the_slo():
-    # ITL 25 ms on 2 workers -> 50 ms projected on 1, above 0.8 x 50 ms.
-    pools = {"decode": decode_pool([0.1, 0.1], itl=0.025, samples=100)}
-    assert run_ticks(pools, 1000)[0] == []
-    pools = {"decode": decode_pool([0.1, 0.1], itl=0.015, samples=100)}
-    assert len(run_ticks(pools, 1000)[0]) == 1
+    # The pool once showed 10 ms ITL (its floor); 27 ms now on 2 workers projects to
+    # 10 + 17 x 2 = 44 ms on 1, not under 0.8 x 50 ms.
+    light = {"decode": decode_pool([0.1, 0.1], itl=0.010, samples=100)}
+    state = decide(MetricsSnapshot(light), ControllerState(), CONFIG, 0.0).state
+    assert state.pool("decode").latency_floor_s == 0.010
+    loaded = {"decode": decode_pool([0.1, 0.1], itl=0.027, samples=100)}
+    assert run_ticks(loaded, 1000, state=state)[0] == []
+    assert run_ticks({"decode": decode_pool([0.1, 0.1], itl=0.020, samples=100)}, 1000,
+                     state=state)[0] != []  # 10 + 10 x 2 = 30 ms: fine
+    # A latency that is all floor (no load adds to it) does not block: 27 ms stays 27 ms.
+    assert len(run_ticks(loaded, 1000)[0]) == 1
 
 
 def test_an_up_signal_must_hold_for_the_delay_and_a_starting_worker_counts_as_capacity():
