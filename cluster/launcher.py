@@ -84,6 +84,8 @@ class ClusterOptions:
     # or what the pools ask for at their largest if that is more: they then share the cores)
     worker_cpus: int = 1  # CPUs each worker asks Ray for; a CPU worker runs that many torch
     # threads (0: asks for none and runs one)
+    worker_gpus: float = 1.0  # GPUs each CUDA worker asks Ray for (0.5: two share one GPU,
+    # each with its own --memory-budget-mib)
     pool_placement: str = "auto"  # auto: each pool on the nodes advertising its Ray resource
     # pdserve_<role> when any does, else anywhere; require: only there; any: anywhere
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # pool autoscaler
@@ -118,6 +120,8 @@ class ClusterOptions:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
         if self.worker_cpus < 0:
             raise ValueError(f"worker_cpus must be >= 0, got {self.worker_cpus}")
+        if not 0 < self.worker_gpus <= 1:
+            raise ValueError(f"worker_gpus must be in (0, 1], got {self.worker_gpus}")
         if self.pool_placement not in PLACEMENTS:
             raise ValueError(f"pool_placement must be one of {PLACEMENTS}, "
                              f"got {self.pool_placement!r}")
@@ -164,6 +168,18 @@ class ClusterOptions:
                            "advertises %d CPUs and the workers share the cores",
                            self.max_workers(), self.worker_cpus, cores, needed)
         return max(cores, needed)
+
+    def check_local_gpus(self, gpus: int) -> None:
+        """ValueError when a local Ray's ``gpus`` cannot hold the CUDA pools at their largest
+        (a worker that finds no GPU would wait forever)."""
+        needed = self.worker_gpus * self.max_workers()
+        if needed > gpus + 1e-9:
+            share = max(0.01, gpus / self.max_workers())
+            raise ValueError(
+                f"{self.max_workers()} workers asking {self.worker_gpus:g} GPU each "
+                f"(worker_gpus) need {needed:g} GPUs and this machine has {gpus}: lower "
+                f"worker_gpus to {share:.2g} (workers share a GPU; give each a "
+                f"memory_budget_bytes), or run fewer workers")
 
 
 class EmbeddedCluster:
@@ -294,8 +310,11 @@ class EmbeddedCluster:
         # worker asks Ray for its GPU, so it can see one.
         cluster = self._ray.cluster_resources() if self._ray is not None else {}
         device = resolve_device(config.device, cluster)
+        if device == "cuda" and self._owns_ray:
+            opts.check_local_gpus(int(cluster.get("GPU", 0)))
         config = replace(config, device=device)
-        resources = worker_resources(device, opts.worker_cpus, opts.pool_placement)
+        resources = worker_resources(device, opts.worker_cpus, opts.pool_placement,
+                                     opts.worker_gpus)
         return [WorkerSpec(role, role, config, self.redis_url, self.cluster_name, transfer_host,
                            opts.heartbeat_s, opts.ttl_s, opts.lease_s, log_level=opts.log_level,
                            join_token=self.derived_secret("kv-join"), resources=resources)

@@ -2,8 +2,10 @@
 
 A worker asks Ray for what it uses:
 
-* **a GPU on CUDA** (``num_gpus=1``). Ray makes visible to an actor only the GPUs it asked
-  for, so a worker that asked for none would see no device and serve on CPU without a word.
+* **a GPU on CUDA** (``num_gpus=1``; ``--worker-gpus 0.5`` lets two workers share one, each
+  then needs its own ``--memory-budget-mib``). Ray makes visible to an actor only the GPUs it
+  asked for, so a worker that asked for none would see no device and serve on CPU without a
+  word.
   The launcher resolves ``--device auto`` once per cluster: CUDA when the Ray cluster has a
   ``GPU`` resource, else CPU; the resolved device is written into every worker's engine
   config, so a CUDA worker that finds no GPU fails instead of falling back.
@@ -68,11 +70,15 @@ def resolve_device(device: str, cluster_resources: dict[str, float]) -> str:
     return device
 
 
-def worker_resources(device: str, worker_cpus: int, placement: str = "auto") -> WorkerResources:
+def worker_resources(device: str, worker_cpus: int, placement: str = "auto",
+                     worker_gpus: float = 1.0) -> WorkerResources:
     """What each worker asks for on ``device`` ("cpu" | "cuda", already resolved)."""
     if worker_cpus < 0:
         raise ValueError(f"worker_cpus must be >= 0, got {worker_cpus}")
-    return WorkerResources(num_cpus=float(worker_cpus), num_gpus=1.0 if device == "cuda" else 0.0,
+    if not 0 < worker_gpus <= 1:
+        raise ValueError(f"worker_gpus must be in (0, 1], got {worker_gpus}")
+    return WorkerResources(num_cpus=float(worker_cpus),
+                           num_gpus=worker_gpus if device == "cuda" else 0.0,
                            torch_threads=max(1, worker_cpus), placement=placement)
 
 

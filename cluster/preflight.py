@@ -83,11 +83,14 @@ def check_cluster(options: ClusterOptions, model_dir: str) -> None:
         return
     from pdserve.cluster.settings import SettingsError, name_flags
 
+    config = EngineConfig(model=model_dir, **options.engine)
     try:
         options.local_ray_cpus()
+        if config.device != "cpu" and torch.cuda.is_available():  # CUDA workers, one GPU each
+            options.check_local_gpus(torch.cuda.device_count())
     except ValueError as exc:
         raise SettingsError(name_flags("cluster", str(exc))) from None
-    check_engine_fits(EngineConfig(model=model_dir, **options.engine))
+    check_engine_fits(config)
 
 
 _WORKER_ERROR = re.compile(r"MemoryBudgetError: (.*)")

@@ -57,3 +57,17 @@ def test_the_actor_options_carry_the_resources():
     assert options["name"] == "decode-3" and options["lifetime"] == "detached"
     with pytest.raises(ValueError, match="pool_placement"):
         WorkerResources(placement="nodes")
+
+
+def test_cuda_pools_larger_than_the_local_gpus_fail_with_the_fix_named():
+    from pdserve.cluster.launcher import ClusterOptions
+
+    ClusterOptions(num_prefill=1, num_decode=1).check_local_gpus(2)  # one GPU each
+    with pytest.raises(ValueError, match=r"need 2 GPUs and this machine has 1: lower "
+                                         r"worker_gpus to 0.5"):
+        ClusterOptions(num_prefill=1, num_decode=1).check_local_gpus(1)
+    ClusterOptions(num_prefill=1, num_decode=1, worker_gpus=0.5).check_local_gpus(1)
+    assert worker_resources("cuda", 1, worker_gpus=0.5).num_gpus == 0.5
+    assert worker_resources("cpu", 1, worker_gpus=0.5).num_gpus == 0.0
+    with pytest.raises(ValueError, match="worker_gpus"):
+        ClusterOptions(worker_gpus=0.0)
