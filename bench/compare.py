@@ -1,16 +1,18 @@
 """``pdserve bench compare``: disaggregated (1 prefill + 1 decode) against colocated (2
 workers) on the same machine, the same model, the same seeded trace, at a sweep of rates.
 
-1. For each mode, start the embedded cluster (two workers either way), send a short warm-up,
-   then run ``pdserve bench serve`` (:mod:`pdserve.bench.serve`) once per rate: the same
+1. Start both embedded clusters (two workers each) in one Ray, warm each up, then for each
+   rate run ``pdserve bench serve`` (:mod:`pdserve.bench.serve`) on one and then the other
+   (the order alternating per rate, so the machine's noise hits both modes alike): the same
    prompts and output lengths each time, arrivals of the same seeded gamma process scaled to
-   the rate.
+   the rate. Only one cluster has traffic at a time; the idle one's workers sleep.
 2. SLOs: the ``goodput`` given, else derived after the sweep from the lowest rate (nearly
    unloaded): TTFT SLO = 3 x the better mode's median TTFT there, TPOT SLO = 2 x its median
    TPOT. Each request is good when it meets both; attainment = good / sent.
 3. Report per mode the highest swept rate whose attainment is >= 90 % and the ratio
    disaggregated / colocated, and write ``compare.json`` and the plots
-   (:mod:`pdserve.bench.plots`) into the output folder.
+   (:mod:`pdserve.bench.plots`) into the output folder. ``from_result`` re-scores a saved
+   ``compare.json`` (other SLOs) and redraws its plots without running anything.
 
 The default workload makes prefill interference real: long prompts (mean 768 tokens) beside
 long outputs (mean 128) on a random Llama big enough that a prompt chunk costs many decode
@@ -24,6 +26,7 @@ their share from the same two.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import shutil
@@ -64,6 +67,7 @@ class CompareOptions:
     max_num_batched_tokens: int = 512
     output_dir: str = "pdserve-compare"
     disable_tqdm: bool = True
+    from_result: str | None = None  # a compare.json to re-score and re-plot instead of running
 
     def __post_init__(self) -> None:
         if not self.rates or any(not r > 0 for r in self.rates):
@@ -110,8 +114,10 @@ def cluster_options(mode: str, model: str, opts: CompareOptions):
                   enable_prefix_caching=False)
     shape = (dict(num_prefill=1, num_decode=1) if mode == "disaggregated"
              else dict(colocated=True, num_decode=2))
+    # worker_cpus=0: both clusters share one Ray whose CPUs would otherwise all go to the
+    # first; every worker still runs one torch thread.
     return ClusterOptions(model=model, port=0, metrics_port=None, engine=engine,
-                          router=RouterConfig(stats_interval_s=0.25), **shape)
+                          router=RouterConfig(stats_interval_s=0.25), worker_cpus=0, **shape)
 
 
 def serve_options(target: str, opts: CompareOptions, rate: float, num_prompts: int,
@@ -123,21 +129,28 @@ def serve_options(target: str, opts: CompareOptions, rate: float, num_prompts: i
                         disable_tqdm=opts.disable_tqdm, progress_desc=progress_desc)
 
 
-def run_mode(mode: str, model: str, opts: CompareOptions) -> dict[float, dict]:
-    """rate -> the bench serve result of ``mode``'s cluster (step 1)."""
+def run_modes(model: str, opts: CompareOptions) -> dict[str, dict[float, dict]]:
+    """mode -> rate -> the bench serve result (step 1): both clusters up at once, the rates
+    interleaved (which mode goes first alternates), so the machine's noise hits both alike."""
     from pdserve.cluster.launcher import EmbeddedCluster
 
-    results = {}
-    with EmbeddedCluster(cluster_options(mode, model, opts)) as cluster:
-        cluster.wait_ready(120)
-        warm = replace(serve_options(cluster.target, opts, math.inf, 2, f"{mode} warm-up"),
-                       seed=opts.seed + 1)
-        run_serve(warm)
-        for rate in opts.rates:
-            logger.info("%s: rate %g req/s", mode, rate)
-            results[rate] = run_serve(serve_options(cluster.target, opts, rate,
-                                                    opts.num_prompts, f"{mode} {rate:g} req/s"))
-    return results
+    runs: dict[str, dict[float, dict]] = {mode: {} for mode in MODES}
+    with contextlib.ExitStack() as stack:
+        clusters = {}
+        for mode in MODES:  # the first starts Ray (and stops it last), the second joins it
+            cluster = EmbeddedCluster(cluster_options(mode, model, opts))
+            stack.callback(cluster.stop)
+            cluster.start()
+            cluster.wait_ready(120)
+            clusters[mode] = cluster
+            run_serve(replace(serve_options(cluster.target, opts, math.inf, 2,
+                                            f"{mode} warm-up"), seed=opts.seed + 1))
+        for i, rate in enumerate(opts.rates):
+            for mode in (MODES if i % 2 == 0 else MODES[::-1]):
+                logger.info("%s: rate %g req/s", mode, rate)
+                runs[mode][rate] = run_serve(serve_options(
+                    clusters[mode].target, opts, rate, opts.num_prompts, f"{mode} {rate:g} req/s"))
+    return runs
 
 
 def outcomes_of(result: dict) -> list[RequestOutcome]:
@@ -165,6 +178,7 @@ def score(runs: dict[str, dict[float, dict]], slos: dict[str, float]) -> dict:
             scored = compute_metrics(outcomes_of(result), result["duration"], slos)
             table[mode][rate] = {
                 "p99_ttft_ms": result["p99_ttft_ms"], "p99_tpot_ms": result["p99_tpot_ms"],
+                "p99_itl_ms": result["p99_itl_ms"],
                 "median_ttft_ms": result["median_ttft_ms"],
                 "median_tpot_ms": result["median_tpot_ms"],
                 "request_throughput": result["request_throughput"],
@@ -178,21 +192,37 @@ def score(runs: dict[str, dict[float, dict]], slos: dict[str, float]) -> dict:
             "ratio": d / c if d is not None and c else None}
 
 
-def run_compare(opts: CompareOptions) -> dict:
-    """Steps 1-3; returns the compare document (also written to ``output_dir``)."""
-    from pdserve.bench.plots import write_plots
-    from pdserve.bench.report import dump_json
+def load_runs(path: str) -> dict[str, dict[float, dict]]:
+    """The per-mode, per-rate results of a saved compare.json."""
+    import json
 
+    doc = json.loads(Path(path).read_text())
+    return {mode: {float(rate): result for rate, result in doc["runs"][mode].items()}
+            for mode in MODES if mode in doc["runs"]}
+
+
+def _run_fresh(opts: CompareOptions) -> dict[str, dict[float, dict]]:
     tmp = None
     model = opts.model
     if model is None:
         tmp = tempfile.mkdtemp(prefix="pdserve-compare-")
         model = str(write_random_llama(Path(tmp) / "llama", opts.seed))
     try:
-        runs = {mode: run_mode(mode, model, opts) for mode in MODES}
+        return run_modes(model, opts)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_compare(opts: CompareOptions) -> dict:
+    """Steps 1-3; returns the compare document (also written to ``output_dir``)."""
+    from pdserve.bench.plots import write_plots
+    from pdserve.bench.report import dump_json
+
+    if opts.from_result:
+        runs = load_runs(opts.from_result)
+    else:
+        runs = _run_fresh(opts)
     slos = dict(opts.goodput) or derive_slos(runs)
     scored = score(runs, slos)
     doc = {"options": {**asdict(opts), "model": opts.model or f"random Llama {COMPARE_MODEL}"},

@@ -44,7 +44,8 @@ def _float_list(text: str) -> tuple[float, ...]:
 
 
 def add_workload_flags(parser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=None, help="requests to send")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="requests to send (default: 200; compare: 16 per rate)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and arrivals")
     parser.add_argument("--burstiness", type=float, default=1.0,
                         help="gamma shape of the gaps between arrivals (1 = Poisson)")
@@ -115,6 +116,9 @@ def add_compare_flags(parser) -> None:
                         help="per worker (default 512)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens per engine step (default 512: prefill chunks interleave)")
+    parser.add_argument("--from-result", default=None, metavar="COMPARE.json",
+                        help="re-score a saved compare.json (e.g. with other --goodput SLOs) "
+                             "and redraw its plots, running nothing")
     add_workload_flags(parser)
 
 

@@ -99,12 +99,14 @@ def format_compare(doc: dict) -> str:
     attainment per mode, and their ratio)."""
     table, modes = doc["table"], list(doc["table"])
     rates = sorted({r for m in modes for r in table[m]}, key=float)
-    header = ["rate"] + [f"{m[:6]} {col}" for col in ("P99 TTFT", "P99 TPOT", "goodput",
-                                                      "attain") for m in modes]
+    cols = {"p99_ttft_ms": "P99 TTFT", "p99_tpot_ms": "P99 TPOT", "p99_itl_ms": "P99 ITL",
+            "request_goodput": "goodput", "slo_attainment": "attain"}
+    short = {"disaggregated": "disagg", "colocated": "coloc"}
+    header = ["rate"] + [f"{short.get(m, m)} {col}" for col in cols.values() for m in modes]
     rows = []
     for r in rates:
         row = [f"{float(r):g}"]
-        for key in ("p99_ttft_ms", "p99_tpot_ms", "request_goodput", "slo_attainment"):
+        for key in cols:
             for m in modes:
                 value = table[m].get(r, {}).get(key)
                 row.append(f"{value:.0%}" if key == "slo_attainment" and value is not None

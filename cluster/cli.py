@@ -161,7 +161,7 @@ def _add_bench(sub) -> None:
 
     bench = sub.add_parser("bench", help="load benchmarks: serve (a running server), compare "
                                          "(disaggregated vs colocated)")
-    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,compare}")
     serve = kinds.add_parser("serve", help="send a seeded trace to a running server; vLLM's "
                                            "bench serve result keys plus the phase split")
     add_serve_flags(serve)
@@ -524,12 +524,19 @@ def _cmd_bench_compare(args) -> int:
             max_concurrency=args.max_concurrency, shape=shape_from_args(args, COMPARE_SHAPE),
             dataset=args.dataset, dataset_path=args.dataset_path,
             goodput=dict(args.goodput or ()), output_dir=args.output_dir,
-            disable_tqdm=args.disable_tqdm, **given)
+            disable_tqdm=args.disable_tqdm, from_result=args.from_result, **given)
     except ValueError as exc:
         _fail(prog, str(exc))
-    print(f"pdserve bench compare: {len(options.rates)} rates x {options.num_prompts} requests, "
-          "disaggregated (1 prefill + 1 decode) then colocated (2 workers)...", flush=True)
-    doc = run_compare(options)
+    if options.from_result is None:
+        print(f"pdserve bench compare: {len(options.rates)} rates x {options.num_prompts} "
+              "requests, disaggregated (1 prefill + 1 decode) and colocated (2 workers), "
+              "interleaved...", flush=True)
+    try:
+        doc = run_compare(options)
+    except (OSError, KeyError, ValueError) as exc:
+        if options.from_result is None:
+            raise
+        _fail(prog, f"argument --from-result: cannot read {options.from_result}: {exc}")
     print(format_compare(doc))
     print(f"\nwrote {options.output_dir}/compare.json and " + ", ".join(
         p.rsplit("/", 1)[-1] for p in doc["plots"]))

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from pdserve.bench.compare import derive_slos, score
+from pdserve.bench.compare import CompareOptions, derive_slos, run_compare, score
 from pdserve.bench.plots import write_plots
 from pdserve.bench.report import dump_json, format_compare, format_serve
 from pdserve.bench.serve import RequestOutcome, ServeOptions, compute_metrics
@@ -157,3 +157,17 @@ def test_compare_scoring_and_plots(tmp_path):
     for p in paths:
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_compare_rescores_a_saved_result(tmp_path):
+    rng = random.Random(1)
+    runs = {"disaggregated": {r: _fake_run(r, 1.0, rng) for r in (1.0, 2.0, 4.0)},
+            "colocated": {r: _fake_run(r, 2.0, rng) for r in (1.0, 2.0, 4.0)}}
+    dump_json({"runs": {m: {str(r): res for r, res in by.items()} for m, by in runs.items()}},
+              str(tmp_path / "saved.json"))
+    doc = run_compare(CompareOptions(from_result=str(tmp_path / "saved.json"),
+                                     goodput={"ttft": 1000.0, "tpot": 25.0},
+                                     output_dir=str(tmp_path / "out")))
+    assert doc["best_rate"] == {"disaggregated": 2.0, "colocated": 1.0} and doc["ratio"] == 2
+    assert not doc["slos_derived"] and (tmp_path / "out" / "compare.json").is_file()
+    assert len(doc["plots"]) == 4
