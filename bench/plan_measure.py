@@ -14,9 +14,10 @@ run the real engine here and hold the plan against it.
    the prediction.
 
 Predictions use this machine's measured peaks (matmul rate in the serving dtype, copy
-bandwidth) at MFU 1 unless ``--mfu`` says otherwise: the peak is what this machine reaches on
-a large matmul, so what is left between prediction and measurement is the model's smaller
-shapes, attention, non-matmul work and per-step overhead.
+bandwidth; each the best of the planner's probe and one more after the engine ran, since other
+work on the machine makes a probe read low) at MFU 1 unless ``--mfu`` says otherwise: the peak
+is what this machine reaches on a large matmul, so what is left between prediction and
+measurement is the model's smaller shapes, attention, non-matmul work and per-step overhead.
 """
 
 from __future__ import annotations
@@ -127,34 +128,47 @@ def measure(req: PlanRequest, hw: Hardware, plan: dict) -> dict:
 
     engine = _engine(req, hw, plan["margin_bytes"] / hw.memory_bytes if hw.memory_bytes else 0)
     ledger, runner = engine.parts.ledger, engine.parts.runner
-    gemv = gemv_bandwidth(hw.device, runner.model.dtype)
-    at_gemv = dataclasses.replace(hw, bandwidth_bytes_per_s=gemv)
     cost = StepCost.for_model(engine.parts.model_config, plan["weight_bytes"],
                               plan["kv_bytes_per_token"])
     context = min(plan["avg_context"], MEASURE_CONTEXT, engine.parts.max_model_len - 1)
     batch = max(1, min(plan["max_batch"], MEASURE_BATCH,
                        ledger.num_kv_blocks // -(-context // ledger.block_size)))
     tokens = min(PREFILL_TOKENS, engine.parts.max_model_len - 2, req.max_num_batched_tokens)
+    shapes = ((1, SHORT_CONTEXT, "weights stream"), (batch, context, ""))
+    decodes = [_decode_forward(engine, b, c) for b, c, _ in shapes]
+    prefill_fwd = _prefill_forward(engine, tokens)
+    hw = _probe_again(hw, runner.model.dtype)  # a probe on a busy machine reads low: best of 2
+    at_gemv = dataclasses.replace(hw, bandwidth_bytes_per_s=gemv_bandwidth(
+        hw.device, runner.model.dtype))
     rows = [_row("KV blocks for the budget", plan["num_kv_blocks"], None,
                  ledger.num_kv_blocks, "blocks"),
             _row("weights", plan["weight_bytes"], None, ledger.weight_bytes, "bytes")]
-    for b, c, label in ((1, SHORT_CONTEXT, "weights stream"), (batch, context, "")):
+    for (b, c, label), (forward, _whole) in zip(shapes, decodes, strict=True):
         step = cost.decode(b, c)
-        forward, whole = _decode_forward(engine, b, c)
         what = f"decode forward, batch {b} x {c} tokens" + (f" ({label})" if label else "")
-        rows.append(_row(what, roofline_ms(*step, hw, req.mfu), roofline_ms(*step, at_gemv,
-                                                                              req.mfu),
-                         forward * 1e3, "ms"))
+        rows.append(_row(what, roofline_ms(*step, hw, req.mfu),
+                         roofline_ms(*step, at_gemv, req.mfu), forward * 1e3, "ms"))
     rows.append(_row(f"decode step, whole (batch {batch})", rows[-1]["predicted"],
-                     rows[-1]["predicted_gemv"], whole * 1e3, "ms"))
+                     rows[-1]["predicted_gemv"], decodes[-1][1] * 1e3, "ms"))
     prefill_pred = roofline_ms(*cost.prefill(tokens), hw, req.mfu)
-    prefill_fwd = _prefill_forward(engine, tokens)
     rows.append(_row(f"prefill forward, {tokens} tokens", prefill_pred, None,
                      prefill_fwd * 1e3, "ms"))
+    gemv = at_gemv.bandwidth_bytes_per_s
     return {"rows": rows, "threads": torch.get_num_threads(), "gemv_bytes_per_s": gemv,
             "copy_bytes_per_s": hw.bandwidth_bytes_per_s, "matmul_flops_per_s":
             hw.peak_flops_per_s, "achieved_matmul_fraction_in_prefill":
             prefill_pred["compute_ms"] * req.mfu / (prefill_fwd * 1e3)}
+
+
+def _probe_again(hw: Hardware, dtype: torch.dtype) -> Hardware:
+    """``hw`` with its matmul rate and copy bandwidth the best of its probe and a new one."""
+    from pdserve.engine.roofline import copy_bandwidth, matmul_rate
+
+    gpu = hw.device == "cuda"
+    flops = matmul_rate(hw.device, dtype, 8192 if gpu else 2048, 5)
+    copy = copy_bandwidth(hw.device, (1 << 30) if gpu else None, 5)
+    return dataclasses.replace(hw, peak_flops_per_s=max(hw.peak_flops_per_s, flops),
+                               bandwidth_bytes_per_s=max(hw.bandwidth_bytes_per_s, copy))
 
 
 def _row(what: str, predicted, predicted_gemv, measured: float, unit: str) -> dict:

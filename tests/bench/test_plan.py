@@ -133,3 +133,15 @@ def test_plan_user_errors_exit_2(tmp_path, capsys, argv, message):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_measure_holds_the_plan_against_this_machine(tiny_dir, capsys):
+    assert main(["plan", "--model", str(tiny_dir), "--device", "cpu", "--hbm-gib", "0.25",
+                 "--avg-context", "64", "--measure", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    rows = {r["what"].split(",")[0]: r for r in plan["measured"]["rows"]}
+    assert rows["KV blocks for the budget"]["measured"] == plan["num_kv_blocks"] > 0
+    assert rows["weights"]["measured"] == plan["weight_bytes"]
+    assert plan["margin_bytes"] == int(0.25 * GiB * 0.05)  # --measure plans the engine's margin
+    for name in ("decode forward", "decode step", "prefill forward"):
+        assert rows[name]["measured"] > 0 and rows[name]["predicted"] > 0
