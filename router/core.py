@@ -352,20 +352,22 @@ class Router:
             too_large: list[ValueError] = []
             for load in candidates:
                 worker_id = load.stats.worker_id
+                # Before the call: a colocated worker streams as soon as it has the request,
+                # and its first delta must already find this attempt's worker.
+                flight.decode_id = worker_id
                 try:
-                    answer = await place_on(flight, load)
+                    return await place_on(flight, load)
                 except NoCapacity:
-                    continue
+                    pass
                 except DeadlineExceededError:
+                    flight.decode_id = None
                     raise
                 except ValueError as exc:
                     too_large.append(exc)
-                    continue
                 except Exception as exc:  # noqa: BLE001 - that worker's problem, not the request's
                     self._suspect(worker_id, f"{role} call failed: {exc}")
-                    continue
-                flight.decode_id = worker_id
-                return answer
+                    self._abort_later(worker_id, flight.request_id)  # it may hold it anyway
+                flight.decode_id = None
             waited = time.monotonic() - started
             if candidates and len(too_large) == len(candidates):
                 raise RequestTooLargeError(str(too_large[0]))
@@ -477,8 +479,12 @@ class Router:
         while len(self._orphans) > 4096:
             self._orphans.popitem(last=False)
         logger.info("aborting %s on %s: no request of this router", request_id, worker_id)
-        self._tasks.append(asyncio.create_task(self._abort_on(worker_id, request_id)))
+        self._abort_later(worker_id, request_id)
+
+    def _abort_later(self, worker_id: str, request_id: str) -> None:
+        """Abort in the background (the caller does not wait on that worker)."""
         self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.create_task(self._abort_on(worker_id, request_id)))
 
     def _suspect(self, worker_id: str, why: str) -> None:
         """A call on the worker failed: route nothing new to it until the directory next

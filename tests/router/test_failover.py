@@ -295,3 +295,27 @@ def test_transitions_outside_the_table_are_refused():
     with pytest.raises(RuntimeError, match="ADMITTED -> DECODING"):
         flight.move_to(Phase.DECODING)
     assert all(Phase.DONE in TRANSITIONS[p] for p in Phase if p != Phase.DONE)
+
+
+def test_deltas_that_beat_the_submit_reply_are_not_lost(hf_checkpoint):
+    """A colocated worker may stream a whole short request before its submit call returns
+    (slow reply here): every token must still reach the client."""
+    model_dir = hf_checkpoint("llama")
+    reqs = requests(3)
+
+    async def main():
+        async with Cluster(model_dir, colocated=True, num_decode=1) as c:
+            inner = c.handles[0].inner
+            submit = inner.submit
+
+            async def slow_reply(request):
+                await submit(request)
+                await asyncio.sleep(0.3)  # the worker finishes meanwhile
+
+            inner.submit = slow_reply
+            results = await asyncio.wait_for(asyncio.gather(
+                *(c.one(i, p, params) for i, (p, params) in enumerate(reqs))), 60)
+            return results, await idle_blocks(c.handles)
+
+    results, used = asyncio.run(main())
+    assert results == offline(model_dir, reqs) and used == [0]
