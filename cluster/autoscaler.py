@@ -15,8 +15,9 @@ Signals, per pool of N workers (ready + starting: a starting worker counts as ca
 * decode, up: the mean decode load above ``decode_load_up`` (a worker's load is the larger of
   its KV usage ratio and (running + waiting) / ``max_num_seqs``), or the ITL P90 over the
   window above ``itl_slo_ms``;
-* down, either pool: the load spread over N-1 workers stays under the down thresholds, which
-  sit below the up ones: queued tokens / (N-1) under ``prefill_queue_down_tokens`` and the
+* down, either pool: the load spread over N-1 workers (averaged over the window, so a load
+  that flickers between heartbeats counts for its mean) stays under the down thresholds,
+  which sit below the up ones: queued tokens / (N-1) under ``prefill_queue_down_tokens`` and the
   prefill workers' busy fractions (forward time / wall time) summed / (N-1) under
   ``prefill_busy_down`` (a queue is empty below saturation, the busy time is not), decode
   load summed / (N-1) under ``decode_load_down``, and the latency P90 projected on N-1
@@ -182,6 +183,31 @@ class MetricsSnapshot:
 
 # -- state and output -----------------------------------------------------------------------
 @dataclass(frozen=True)
+class LoadAverage:
+    """A pool's load summed over its workers, averaged over about ``window_s`` (exponentially
+    weighted): what a step down is judged on, so a load that flickers between heartbeats
+    (one sequence now, none the next) counts for its mean, not its peaks."""
+
+    queued_tokens: float = 0.0  # prefill: queued prompt tokens
+    busy: float = 0.0  # prefill: busy fractions
+    decode_load: float = 0.0  # decode: per-worker loads
+    at: float = 0.0  # the time of the latest sample
+
+    @staticmethod
+    def of(pool: PoolSnapshot, now: float) -> LoadAverage:
+        w = pool.workers
+        return LoadAverage(sum(x.queued_tokens for x in w), sum(x.busy_fraction for x in w),
+                           sum(x.decode_load for x in w), now)
+
+    def updated(self, pool: PoolSnapshot, now: float, window_s: float) -> LoadAverage:
+        new = LoadAverage.of(pool, now)
+        a = 1.0 - math.exp(-max(0.0, now - self.at) / window_s)
+        return LoadAverage(self.queued_tokens + a * (new.queued_tokens - self.queued_tokens),
+                           self.busy + a * (new.busy - self.busy),
+                           self.decode_load + a * (new.decode_load - self.decode_load), now)
+
+
+@dataclass(frozen=True)
 class PoolState:
     """What the controller remembers of one pool between ticks."""
 
@@ -191,6 +217,7 @@ class PoolState:
     last_up_at: float | None = None
     measured_capacity: float = 0.0  # highest per-worker tokens/s seen within the SLO
     latency_floor_s: float | None = None  # lowest latency P90 seen (a full window's)
+    load: LoadAverage | None = None  # the pool's load averaged over the window
     last_step: str = ""  # the latest step's log line
 
 
@@ -276,26 +303,29 @@ def up_signals(pool: PoolSnapshot, config: AutoscaleConfig) -> list[Signal]:
 
 
 def down_blockers(pool: PoolSnapshot, config: AutoscaleConfig,
-                  latency_floor_s: float | None = None) -> list[Signal]:
+                  latency_floor_s: float | None = None,
+                  load: LoadAverage | None = None) -> list[Signal]:
     """The signals that say N-1 workers would not hold ``pool``'s load (each with the value
     projected on N-1 workers); empty when a step down is safe. ``latency_floor_s``: the
-    lowest latency P90 the pool has shown (the part of latency no load adds)."""
+    lowest latency P90 the pool has shown (the part of latency no load adds); ``load``: the
+    pool's load averaged over the window (default: this snapshot's)."""
     n = pool.capacity
     if n <= 1:
         return [Signal("capacity", n, 2)]
+    load = load or LoadAverage.of(pool, 0.0)
     out = []
     if pool.role == "prefill":
-        queued = sum(w.queued_tokens for w in pool.workers) / (n - 1)
+        queued = load.queued_tokens / (n - 1)
         if queued >= config.prefill_queue_down_tokens and queued > 0:
             out.append(Signal("queue", queued, config.prefill_queue_down_tokens))
-        busy = sum(w.busy_fraction for w in pool.workers) / (n - 1)
+        busy = load.busy / (n - 1)
         if busy >= config.prefill_busy_down:
             out.append(Signal("busy", busy, config.prefill_busy_down))
         latency_name = "ttft"
     else:
-        load = sum(w.decode_load for w in pool.workers) / (n - 1)
-        if load >= config.decode_load_down:
-            out.append(Signal("kv_load", load, config.decode_load_down))
+        spread = load.decode_load / (n - 1)
+        if spread >= config.decode_load_down:
+            out.append(Signal("kv_load", spread, config.decode_load_down))
         latency_name = "itl"
     if pool.latency_p90_s is not None and pool.num_samples > 0:
         floor = min(pool.latency_p90_s, latency_floor_s or 0.0)
@@ -306,14 +336,12 @@ def down_blockers(pool: PoolSnapshot, config: AutoscaleConfig,
     return out
 
 
-def _idle_signal(pool: PoolSnapshot, config: AutoscaleConfig) -> Signal:
+def _idle_signal(pool: PoolSnapshot, config: AutoscaleConfig, load: LoadAverage) -> Signal:
     """What a step down reports: the projected load on N-1 workers against its threshold."""
     n = max(2, pool.capacity)
     if pool.role == "prefill":
-        value = sum(w.queued_tokens for w in pool.workers) / (n - 1)
-        return Signal("idle", value, config.prefill_queue_down_tokens)
-    value = sum(w.decode_load for w in pool.workers) / (n - 1)
-    return Signal("idle", value, config.decode_load_down)
+        return Signal("idle", load.busy / (n - 1), config.prefill_busy_down)
+    return Signal("idle", load.decode_load / (n - 1), config.decode_load_down)
 
 
 def _measure(pool: PoolSnapshot, state: PoolState, config: AutoscaleConfig) -> float:
@@ -348,11 +376,13 @@ def _pool_want(pool: PoolSnapshot, state: PoolState, config: AutoscaleConfig, no
     low, high = config.bounds(pool.role)
     target = pool.target
     ups = up_signals(pool, config)
-    blockers = down_blockers(pool, config, state.latency_floor_s)
+    load = state.load.updated(pool, now, config.window_s) if state.load is not None \
+        else LoadAverage.of(pool, now)
+    blockers = down_blockers(pool, config, state.latency_floor_s, load)
     hot_since = (state.hot_since if state.hot_since is not None else now) if ups else None
     cold_since = (state.cold_since if state.cold_since is not None else now) \
         if not blockers and not ups else None
-    state = dataclasses.replace(state, hot_since=hot_since, cold_since=cold_since)
+    state = dataclasses.replace(state, hot_since=hot_since, cold_since=cold_since, load=load)
     if state.last_step_at is not None and now - state.last_step_at < config.scale_interval_s:
         return None, state
     if target < low:
@@ -369,7 +399,8 @@ def _pool_want(pool: PoolSnapshot, state: PoolState, config: AutoscaleConfig, no
     above_floor = floor is None or target - 1 >= floor
     if (cold_since is not None and target > low and not in_grace and above_floor
             and pool.capacity <= target and now - cold_since >= config.scale_down_delay_s):
-        return _Want(pool.role, target - 1, _idle_signal(pool, config), now - cold_since), state
+        return _Want(pool.role, target - 1, _idle_signal(pool, config, load),
+                     now - cold_since), state
     return None, state
 
 

@@ -259,6 +259,24 @@ def test_a_scale_down_is_refused_while_n_minus_1_workers_would_be_saturated():
         [("decode", 2, 1, "idle")]
 
 
+def test_a_flickering_light_load_is_judged_by_its_mean_and_the_pool_shrinks():
+    # Two decode workers with one slot each; a sequence runs one tick in three: every third
+    # heartbeat shows a full worker (load 1.0), the mean is 1/3 < 0.5 on one worker.
+    config = dataclasses.replace(CONFIG, max_decode=2)
+    state, steps = ControllerState(), []
+    for t in range(600):
+        busy = t % 3 == 0
+        pool = PoolSnapshot("decode", 2, (WorkerSignal("d0", num_running=int(busy),
+                                                       max_num_seqs=1),
+                                          WorkerSignal("d1", max_num_seqs=1)))
+        decision = decide(MetricsSnapshot({"decode": pool}), state, config, float(t))
+        state, steps = decision.state, steps + list(decision.steps)
+        if steps:
+            break
+    assert [(s.from_size, s.to_size) for s in steps] == [(2, 1)]
+    assert steps[0].value == pytest.approx(1 / 3, abs=0.1)
+
+
 def test_a_scale_down_is_refused_while_the_latency_on_n_minus_1_would_break_the_slo():
     # The pool once showed 10 ms ITL (its floor); 27 ms now on 2 workers projects to
     # 10 + 17 x 2 = 44 ms on 1, not under 0.8 x 50 ms.
