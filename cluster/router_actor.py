@@ -21,7 +21,8 @@ Lifecycle:
    ``set_pool_targets`` / ``pools`` / ``list_workers`` are the launcher's view of the pools.
 4. A restarted incarnation calls its own ``start()`` from the constructor and binds the ports
    the previous one saved in Redis, so clients reconnect to the same address; only the streams
-   that were open on the dead process failed.
+   that were open on the dead process failed. If it is not serving within
+   ``restart_serving_s`` (its start failed or hung), it exits and Ray starts another.
 5. ``stop()`` stops the pool manager (the workers keep running for the launcher to remove),
    reports NOT_SERVING, stops the gRPC server (in-flight calls are cancelled, which aborts
    their KV on the workers) and the router; the launcher then kills the actor.
@@ -32,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +81,8 @@ class RouterSpec:
     pools: PoolSettings | None = None  # the pool manager's settings (None: no pool manager)
     bind_attempts: int = 20  # tries to bind the ports after a restart (the dead process may
     # still hold them for a moment); a first start tries once
+    restart_serving_s: float = 45.0  # a restarted router not serving by then exits, and Ray
+    # starts it again (a restart that failed or hung never leaves the port dark for good)
     http_port: int | None = None  # OpenAI-compatible HTTP port; 0 = any free port, None = off
     api_key: str | None = None  # required on HTTP, gRPC Generation and Admin (not health)
     tls: TLSConfig | None = None  # TLS (mutual with a client CA) for gRPC and HTTP
@@ -151,6 +156,15 @@ class RouterActor:
         if reconstructed:
             logger.warning("router restarted by Ray: serving again")
             self._restart = context.current_actor.start.remote()  # runs once __init__ returns
+            threading.Thread(target=self._exit_unless_serving, args=(spec.restart_serving_s,),
+                             name="restart-watchdog", daemon=True).start()
+
+    def _exit_unless_serving(self, timeout_s: float) -> None:
+        time.sleep(timeout_s)
+        if self._info is None:
+            logger.error("restarted router not serving after %.0f s; exiting so that Ray "
+                         "starts it again", timeout_s)
+            os._exit(1)
 
     async def start(self) -> dict:
         """Serve (idempotent); returns {"port", "metrics_port", "pid"}."""
