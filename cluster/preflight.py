@@ -26,8 +26,8 @@ import torch
 from pdserve.cluster.launcher import ClusterOptions
 from pdserve.engine import memory
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
+from pdserve.engine.llm_engine import ResolvedModel
 from pdserve.engine.memory import MemoryBudgetError
-from pdserve.kernels import resolve_backend
 from pdserve.models import ModelConfig, build_model
 from pdserve.models.loader import weight_tensor_names
 
@@ -52,14 +52,9 @@ def check_engine_fits(config: EngineConfig) -> int | None:
     ``ValueError`` for a context longer than the model's, ``FileNotFoundError`` for a folder
     with no checkpoint."""
     model_dir = Path(config.model)
-    mc = ModelConfig.from_dir(model_dir)
-    device = config.resolve_device()
-    dtype = config.resolve_dtype(getattr(mc, "torch_dtype", None), device)
-    backend = resolve_backend(config.attention_backend, device)
-    max_model_len = config.max_model_len or mc.max_position_embeddings
-    if max_model_len > mc.max_position_embeddings:
-        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
-                         f"max_position_embeddings ({mc.max_position_embeddings})")
+    resolved = ResolvedModel.of(config)
+    mc, device, dtype = resolved.model_config, resolved.device, resolved.dtype
+    backend, max_model_len = resolved.backend, resolved.max_model_len
     budget = config.memory_budget_bytes
     if budget is None and device.type == "cpu":
         budget = DEFAULT_CPU_MEMORY_BUDGET

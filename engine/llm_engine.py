@@ -47,6 +47,29 @@ class StepStats:
     total_s: float = 0.0  # whole step: scheduling, forward, sampling, bookkeeping
 
 
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What an engine config means on this machine, before any weight is read."""
+
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype  # the dtype weights and activations run in
+    backend: str  # attention kernels: "torch" | "triton"
+    max_model_len: int  # the context limit in force
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> ResolvedModel:
+        mc = ModelConfig.from_dir(config.model)
+        device = config.resolve_device()
+        dtype = config.resolve_dtype(getattr(mc, "torch_dtype", None), device)
+        max_model_len = config.max_model_len or mc.max_position_embeddings
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({mc.max_position_embeddings})")
+        return cls(mc, device, dtype, resolve_backend(config.attention_backend, device),
+                   max_model_len)
+
+
 @dataclass
 class EngineParts:
     """The components an engine or a worker is composed of."""
@@ -62,14 +85,9 @@ class EngineParts:
 
     @classmethod
     def build(cls, config: EngineConfig) -> EngineParts:
-        mc = ModelConfig.from_dir(config.model)
-        device = config.resolve_device()
-        dtype = config.resolve_dtype(getattr(mc, "torch_dtype", None), device)
-        backend = resolve_backend(config.attention_backend, device)
-        max_model_len = config.max_model_len or mc.max_position_embeddings
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({mc.max_position_embeddings})")
+        resolved = ResolvedModel.of(config)
+        mc, device, dtype = resolved.model_config, resolved.device, resolved.dtype
+        backend, max_model_len = resolved.backend, resolved.max_model_len
         model = load_model(config.model, dtype=dtype, device=device)
         ledger = plan_kv_pool(mc, config, model, dtype, device, max_model_len, backend)
         layer_dtypes = kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
