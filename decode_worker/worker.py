@@ -40,17 +40,13 @@ from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.llm_engine import EngineParts, LLMEngine, engine_stats
+from pdserve.engine.llm_engine import EngineParts, LLMEngine, NoCapacityError, engine_stats
 from pdserve.engine.messages import RequestDelta, Reservation, WorkerStats, WorkRequest
 from pdserve.engine.scheduling_policy import DecodeOnlyPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.kv_transfer import KVReceiver, ReservedBlocksSink, TransferError, TransferKey
 
 logger = logging.getLogger(__name__)
-
-
-class NoCapacityError(RuntimeError):
-    """The decode worker has no free blocks for this request right now (try another)."""
 
 
 @dataclass
@@ -125,12 +121,10 @@ class DecodeWorker:
         if request.request_id in self._reserved:
             raise ValueError(f"request_id {request.request_id!r} is already reserved")
         seq = self.engine.sequence_for(request)
-        bm = self.engine.parts.block_manager
-        if not bm.can_allocate(seq, seq.num_tokens):
-            raise NoCapacityError(f"decode worker {self.worker_id} has "
-                                  f"{bm.num_allocatable_blocks} free blocks, request needs "
-                                  f"{bm.blocks_needed(seq, seq.num_tokens)}")
-        bm.allocate(seq, seq.num_tokens)
+        try:
+            self.engine.reserve_blocks(seq)
+        except NoCapacityError as exc:
+            raise NoCapacityError(f"decode worker {self.worker_id}: {exc}") from None
         seq.status = SequenceStatus.WAITING_FOR_KV
         key = TransferKey(next(self._transfer_ids), self.epoch)
         self.sink.expect(key, list(seq.block_table))
@@ -145,7 +139,7 @@ class DecodeWorker:
         if entry is not None:
             self._by_key.pop(entry.key, None)
             self.sink.forget(entry.key)
-            self.engine.parts.block_manager.free(entry.seq)
+            self.engine.release_blocks(entry.seq)
             entry.seq.status = SequenceStatus.FINISHED_ABORTED
         return entry
 
@@ -183,24 +177,14 @@ class DecodeWorker:
             return
         self._by_key[key] = request_id  # until it runs, a failure releases it as reserved
         try:
-            self._start_running(self._reserved[request_id].seq, first_token_id)
+            # token 0 was streamed by the prefill worker: its delta is not sent again
+            self.engine.start_running(self._reserved[request_id].seq, first_token_id)
         except Exception as exc:  # noqa: BLE001 - the request learns why; nothing leaks
             logger.exception("commit of %s failed", request_id)
-            self.engine.untrack(request_id)
-            self.engine.scheduler.abort(request_id)
             self._fail(request_id, f"commit failed: {exc!r}")
             return
         self._by_key.pop(key, None)
         self._reserved.pop(request_id)
-
-    def _start_running(self, seq: Sequence, first_token_id: int) -> None:
-        seq.num_computed_tokens = seq.num_tokens
-        self.engine.track(seq)
-        # Token 0 was streamed by the prefill worker; run it through the same stop rules and
-        # detokenizer state here so later deltas continue exactly where it left off.
-        self.engine.append_token(seq, first_token_id, None, time.monotonic())
-        if not seq.is_finished:
-            self.engine.scheduler.add_running(seq)
 
     def _tick(self) -> None:
         now = time.time()

@@ -1,13 +1,22 @@
 """The engine: ``add_request`` / ``step`` / ``abort`` over a scheduler, a model runner, a
-sampler and a detokenizer per request. Prefill-only and decode-only workers reuse its parts.
+sampler and a detokenizer per request.
 
-Step:
+:meth:`LLMEngine.step` is the one step every worker runs (offline, colocated, prefill, decode);
+a role differs only in its :class:`~pdserve.engine.scheduling_policy.SchedulingPolicy` (what is
+scheduled) and its :class:`StepHooks` (what happens around the forward: a prefill worker ships
+KV layers while the forward runs and hands finished prompts off). Step:
+
 1. ``scheduler.schedule()`` picks sequences and how many tokens each computes;
-2. ``runner.execute()`` runs them as one flat batch and returns logits of the sequences whose
-   chunk reaches their last token;
+2. ``hooks.before_forward`` sees the sequences that sample this step (and may return a per-layer
+   callback), ``runner.run()`` runs the flat batch and returns logits of the sequences whose
+   chunk reaches their last token, then ``hooks.after_forward``;
 3. ``scheduler.update()`` advances ``num_computed_tokens`` and caches full blocks;
 4. the sampler draws one token per such sequence; stop checks and detokenization follow;
-   finished sequences free their blocks through ``scheduler.finish``.
+   finished sequences free their blocks through ``scheduler.finish``; ``hooks.after_sample``
+   decides which deltas the step returns.
+
+Workers never reach into the parts: what they need of the engine is a method here
+(``hand_off``, ``reserve_blocks``, ``release_blocks``, ``start_running``, ``kv_caches``).
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +45,10 @@ from pdserve.kernels import resolve_backend
 from pdserve.models import ModelConfig, Tokenizer, load_model
 
 logger = logging.getLogger(__name__)
+
+
+class NoCapacityError(RuntimeError):
+    """The pool has no free blocks for this request right now (try another worker)."""
 
 
 @dataclass
@@ -129,11 +143,30 @@ def sampling_row(seq: Sequence) -> SamplingRow:
                        seq.output_token_ids if penalized else [])
 
 
+class StepHooks:
+    """What a worker role adds around the one step; the default adds nothing."""
+
+    def before_forward(self, sampling: list[ScheduledSequence]) -> Callable[[int], None] | None:
+        """Called before the forward with the sequences that sample this step; may return
+        ``after_layer(i)``, called as soon as layer ``i``'s K/V are written."""
+        return None
+
+    def after_forward(self) -> None:
+        """Called once the forward (and its logits) are done, before sampling."""
+
+    def after_sample(self, sampling: list[ScheduledSequence],
+                     deltas: list[RequestDelta]) -> list[RequestDelta]:
+        """Called with one delta per sampling sequence; returns the deltas the step emits."""
+        return deltas
+
+
 class LLMEngine:
     """Colocated continuous batching with chunked prefill (the baseline every mode is held to)."""
 
-    def __init__(self, parts: EngineParts, policy: SchedulingPolicy | None = None):
+    def __init__(self, parts: EngineParts, policy: SchedulingPolicy | None = None,
+                 hooks: StepHooks | None = None):
         self.parts = parts
+        self.hooks = hooks or StepHooks()
         cfg = parts.config
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
@@ -254,6 +287,51 @@ class LLMEngine:
         self._detokenizers.pop(request_id, None)
         return self._sequences.pop(request_id, None)
 
+    def hand_off(self, seq: Sequence) -> None:
+        """A prefill worker's prompt is done and its KV packed (copies): it leaves this engine,
+        its blocks go back to the pool (full ones stay in the prefix cache)."""
+        self.scheduler.hand_off(seq)
+        self.parts.block_manager.free(seq)
+        self.untrack(seq.request_id)
+
+    def reserve_blocks(self, seq: Sequence) -> None:
+        """Allocate blocks for every token of untracked ``seq`` (a decode reservation);
+        NoCapacityError when the pool has no room for it now."""
+        bm = self.parts.block_manager
+        if not bm.can_allocate(seq, seq.num_tokens):
+            raise NoCapacityError(f"{bm.num_allocatable_blocks} free KV blocks, request "
+                                  f"{seq.request_id} needs {bm.blocks_needed(seq, seq.num_tokens)}")
+        bm.allocate(seq, seq.num_tokens)
+
+    def release_blocks(self, seq: Sequence) -> None:
+        """Free the blocks of an untracked ``seq`` (a reservation that ends before it runs)."""
+        self.parts.block_manager.free(seq)
+
+    def start_running(self, seq: Sequence, first_token_id: int) -> RequestDelta:
+        """Join ``seq``, whose KV fills its reserved blocks, with its token 0 sampled elsewhere:
+        the token runs through the same stop rules and detokenizer here, so later deltas
+        continue exactly where the prefill worker left off. Returns token 0's delta."""
+        seq.num_computed_tokens = seq.num_tokens
+        self.track(seq)
+        try:
+            delta = self.append_token(seq, first_token_id, None, time.monotonic())
+            if not seq.is_finished:
+                self.scheduler.add_running(seq)
+        except Exception:
+            self.untrack(seq.request_id)
+            self.scheduler.abort(seq.request_id)
+            raise
+        return delta
+
+    @property
+    def kv_caches(self) -> list:
+        """The KV pool, one entry per layer (what a prefill worker packs and ships)."""
+        return self.parts.runner.kv_caches
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.runner.device
+
     def abort(self, request_id: str) -> RequestDelta | None:
         """Idempotent: frees the request's blocks; returns its final delta if it was live."""
         seq = self.untrack(request_id)
@@ -281,11 +359,13 @@ class LLMEngine:
             return bounced
         sampling = [item for item in output.scheduled if item.samples]
         batch = self.parts.runner.prepare(output.scheduled)
+        after_layer = self.hooks.before_forward(sampling)
         forward_start = time.perf_counter()
-        logits = self.parts.runner.run(batch)
+        logits = self.parts.runner.run(batch, after_layer)
         forward_s = time.perf_counter() - forward_start
+        self.hooks.after_forward()
         self.scheduler.update(output)
-        deltas = self.sample_and_emit(sampling, logits)
+        deltas = self.hooks.after_sample(sampling, self.sample_and_emit(sampling, logits))
         self.last_step = StepStats(output.num_batched_tokens, len(output.scheduled), forward_s,
                                    time.perf_counter() - start)
         return bounced + deltas

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.engine_loop import EngineDeadError, EngineLoop
-from pdserve.engine.llm_engine import EngineParts, LLMEngine, engine_stats
+from pdserve.engine.llm_engine import EngineParts, LLMEngine, StepHooks, engine_stats
 from pdserve.engine.messages import (
     PrefillResult,
     RequestDelta,
@@ -69,8 +69,9 @@ class _Target:
         return TransferKey(self.reservation.transfer_id, self.reservation.epoch)
 
 
-class PrefillWorker:
-    """See the module docstring for the lifecycle."""
+class PrefillWorker(StepHooks):
+    """See the module docstring for the lifecycle. It runs the engine's one step; its
+    :class:`StepHooks` methods ship the KV of the prompts each step completes."""
 
     role = "prefill"
 
@@ -79,14 +80,17 @@ class PrefillWorker:
         if layers_per_frame < 1:
             raise ValueError(f"layers_per_frame must be >= 1, got {layers_per_frame}")
         self.worker_id = worker_id
-        self.engine = LLMEngine(parts, policy=PrefillOnlyPolicy(parts.config.scheduling_policy))
+        self.engine = LLMEngine(parts, policy=PrefillOnlyPolicy(parts.config.scheduling_policy),
+                                hooks=self)
         self.connector = connector
         self.overlap = overlap
         self.layers_per_frame = layers_per_frame
         self.frames = frame_ranges(parts.runner.kv_caches, layers_per_frame)
         self._frame_ending = {end - 1: (start, end) for start, end in self.frames}
         self._targets: dict[str, _Target] = {}
-        self.loop = EngineLoop(f"prefill-{worker_id}", self._step,
+        self._shipments: list[tuple[_Target, torch.Tensor]] = []  # this step's, in sampling order
+        self._sampled_at = 0.0
+        self.loop = EngineLoop(f"prefill-{worker_id}", self.engine.step,
                                self.engine.has_unfinished_requests, tick=self._tick,
                                stats=self._stats, on_death=self._fail_everything).start()
 
@@ -138,43 +142,40 @@ class PrefillWorker:
             if not target.result.done():
                 target.result.set_exception(EngineDeadError(error))
 
-    def _step(self) -> list[RequestDelta]:
-        output = self.engine.scheduler.schedule()
-        if output.is_empty:
-            return []
-        finishing = [item for item in output.scheduled if item.samples]
-        shipments = self._open_shipments(finishing)
-        after_layer = self._layer_sender(shipments) if self.overlap and shipments else None
-        logits = self.engine.parts.runner.execute(output.scheduled, after_layer)
-        if not self.overlap:
-            for start, end in self.frames:
-                self._send_layers(shipments, start, end)
-        self.engine.scheduler.update(output)
-        sampled_at = time.monotonic()
-        deltas = self.engine.sample_and_emit(finishing, logits)
-        for item, delta in zip(finishing, deltas, strict=True):
-            self._finish_prefill(item, delta, sampled_at)
-        return []
+    # -- StepHooks: the engine's one step calls these around its forward ----------------------
+    def before_forward(self, sampling: list[ScheduledSequence]):
+        """Open the shipments of the prompts that complete this step; with ``overlap``, each
+        frame of layers ships as soon as the forward has written it."""
+        self._shipments = [(self._targets[item.seq.request_id], self._block_ids(item.seq))
+                           for item in sampling]
+        if not (self.overlap and self._shipments):
+            return None
 
-    def _open_shipments(self, finishing: list[ScheduledSequence]):
-        """(target, block ids tensor) for every request whose prompt completes this step."""
-        shipments = []
-        device = self.engine.parts.runner.device
-        for item in finishing:
-            target = self._targets[item.seq.request_id]
-            ids = [0 if b is None else b for b in item.seq.block_table]  # None: out of window
-            shipments.append((target, torch.tensor(ids, dtype=torch.int64, device=device)))
-        return shipments
-
-    def _layer_sender(self, shipments):
         def after_layer(layer: int) -> None:
             if layer in self._frame_ending:
-                self._send_layers(shipments, *self._frame_ending[layer])
+                self._send_layers(*self._frame_ending[layer])
         return after_layer
 
-    def _send_layers(self, shipments, start: int, end: int) -> None:
-        caches = self.engine.parts.runner.kv_caches
-        for target, block_ids in shipments:
+    def after_forward(self) -> None:
+        if not self.overlap:
+            for start, end in self.frames:
+                self._send_layers(start, end)
+        self._sampled_at = time.monotonic()
+
+    def after_sample(self, sampling: list[ScheduledSequence],
+                     deltas: list[RequestDelta]) -> list[RequestDelta]:
+        for item, delta in zip(sampling, deltas, strict=True):
+            self._finish_prefill(item, delta, self._sampled_at)
+        self._shipments = []
+        return []  # token 0 reaches the router in the PrefillResult, not as a delta
+
+    def _block_ids(self, seq) -> torch.Tensor:
+        ids = [0 if b is None else b for b in seq.block_table]  # None: out of the window
+        return torch.tensor(ids, dtype=torch.int64, device=self.engine.device)
+
+    def _send_layers(self, start: int, end: int) -> None:
+        caches = self.engine.kv_caches
+        for target, block_ids in self._shipments:
             payload = pack_layers(caches, block_ids, start, end)
             target.bytes_sent += payload.numel() * payload.element_size()
             target.frames.append(target.sender.send_layers(target.key, start, end, payload,
@@ -187,9 +188,7 @@ class PrefillWorker:
         if seq.is_finished:  # token 0 ended the request: D's reservation is not needed
             target.frames.append(target.sender.send_abort(target.key))
         else:
-            self.engine.scheduler.hand_off(seq)
-            self.engine.parts.block_manager.free(seq)  # payloads are copies: cache/free now
-            self.engine.untrack(seq.request_id)
+            self.engine.hand_off(seq)  # payloads are copies: its blocks are free now
             target.frames.append(target.sender.send_commit(target.key, delta.new_token_ids[0]))
         timings = (seq.first_scheduled_time - target.arrival,
                    sampled_at - seq.first_scheduled_time)

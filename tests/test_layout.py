@@ -54,3 +54,22 @@ def test_no_bare_package_imports():
            if ".venv" not in p.parts
            for n in imported_modules(p) if n.split(".")[0] in folders]
     assert not bad, "\n".join(bad)
+
+
+ENGINE_INTERNALS = {"parts", "scheduler", "sampler", "runner", "block_manager"}
+WORKER_PACKAGES = ("prefill_worker", "decode_worker")
+
+
+@pytest.mark.parametrize("package", WORKER_PACKAGES)
+def test_workers_run_the_engine_step_without_touching_its_internals(package):
+    """Every worker runs LLMEngine.step (its role lives in the policy and StepHooks): no
+    worker module reads ``engine.parts`` / ``engine.scheduler`` / ... or steps on its own."""
+    offenders = []
+    for path in sorted((ROOT / package).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "engine"):
+                offenders.append(f"{path.name}:{node.lineno} engine.{node.attr}")
+            if isinstance(node, ast.FunctionDef) and node.name in ("step", "_step"):
+                offenders.append(f"{path.name}:{node.lineno} defines {node.name}()")
+    assert not offenders, offenders

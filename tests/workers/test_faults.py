@@ -81,10 +81,11 @@ def test_a_commit_that_raises_fails_its_request_and_frees_its_blocks(hf_checkpoi
                                                                      monkeypatch):
     pair = make_pair(hf_checkpoint("llama"))
 
-    def broken(seq, first_token_id):
+    def broken(seq):
         raise RuntimeError("injected commit failure")
 
-    monkeypatch.setattr(pair.decode, "_start_running", broken)
+    # token 0 is appended, then joining the batch fails: the engine must undo both
+    monkeypatch.setattr(pair.decode.engine.scheduler, "add_running", broken)
     req = WorkRequest("c", [3, 4, 5, 6, 7], GREEDY, seed=1, arrival_time=time.time())
     pair.prefill.prefill(req, pair.decode.reserve(req).result(5)).result(10)
     deltas = drain_until(pair.decode, bool)
