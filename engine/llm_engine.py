@@ -386,18 +386,22 @@ class LLMEngine:
         """Sample one token per sequence in ``sampling``, apply stop rules, emit deltas."""
         if not sampling:
             return []
-        rows = [sampling_row(s.seq) for s in sampling]
-        sampled = self.sampler(logits, rows)
+        seqs = [item.seq for item in sampling]
+        if Sampler.is_plain_greedy([seq.sampling_params for seq in seqs]):
+            token_ids, logprobs = logits.argmax(dim=1).tolist(), [None] * len(seqs)
+        else:
+            sampled = self.sampler(logits, [sampling_row(seq) for seq in seqs])
+            token_ids, logprobs = sampled.token_ids, sampled.logprobs
         now = time.monotonic()
-        deltas = []
-        for item, token_id, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs,
-                                            strict=True):
-            deltas.append(self.append_token(item.seq, token_id, logprobs, now))
-        return deltas
+        return [self.append_token(seq, token_id, entry, now)
+                for seq, token_id, entry in zip(seqs, token_ids, logprobs, strict=True)]
 
     def append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
                      now: float) -> RequestDelta:
-        seq.append_token(token_id)
+        """Append ``token_id`` to ``seq``, detokenize it, apply the stop rules (finishing the
+        request when one holds) and return its delta. Runs once per sequence per step: keep
+        it lean."""
+        seq.token_ids.append(token_id)
         timings = None
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -411,7 +415,8 @@ class LLMEngine:
         if detok is not None:
             piece = detok.append(token_id)
             text, stopped = piece.text, piece.stopped
-        status = self.stop_status(seq, token_id, stopped)
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        status = self.stop_status(seq, token_id, stopped, num_output)
         if status is not None:
             if detok is not None:  # held-back text is final now ("" after a stop string)
                 text += detok.flush()
@@ -420,18 +425,19 @@ class LLMEngine:
         delta = RequestDelta(seq.request_id, [token_id], text,
                              status.finish_reason if status else None,
                              [logprobs] if logprobs is not None else None,
-                             seq.num_prompt_tokens, seq.num_output_tokens, attempt=seq.attempt)
+                             seq.num_prompt_tokens, num_output, attempt=seq.attempt)
         if timings is not None:
             delta.queue_time_s, delta.prefill_time_s = timings
         return delta
 
-    def stop_status(self, seq: Sequence, token_id: int, stop_string_hit: bool):
+    def stop_status(self, seq: Sequence, token_id: int, stop_string_hit: bool,
+                    num_output: int) -> SequenceStatus | None:
         params = seq.sampling_params
-        if stop_string_hit or token_id in params.stop_token_ids:
+        if stop_string_hit or (params.stop_token_ids and token_id in params.stop_token_ids):
             return SequenceStatus.FINISHED_STOPPED
         if not params.ignore_eos and token_id in self.parts.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.parts.max_model_len:
+        if num_output >= params.max_tokens or len(seq.token_ids) >= self.parts.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.input_batch import DecodeBatch
 from pdserve.engine.roofline import UtilizationMeter, attended_pairs
 from pdserve.engine.scheduler import ScheduledSequence
 from pdserve.kernels import KVCacheLayer
@@ -42,8 +43,50 @@ class ModelRunner:
         self.device = device
         self.backend = backend
         self.meter: UtilizationMeter | None = None  # set by the engine: costs of each forward
+        # a sliding window frees blocks in place (None entries): such models skip the fast path
+        self.sliding_window = getattr(getattr(model, "config", None), "sliding_window", None)
+        self.decode_batch = DecodeBatch(device)
+        self._aranged = torch.arange(0, device=device)
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> ModelInput:
+        """The flat batch of ``scheduled``: pure decode steps update the persistent
+        :class:`DecodeBatch`; any other step is built from scratch (and resets it)."""
+        if self.sliding_window is None and all(item.is_decode for item in scheduled):
+            return self._prepare_decodes([item.seq for item in scheduled])
+        self.decode_batch.reset()
+        return self._prepare_general(scheduled)
+
+    def _prepare_decodes(self, seqs: list) -> ModelInput:
+        """One token per sequence (its last), every one sampled: a handful of tensor ops."""
+        dev, bs, n = self.device, self.block_size, len(seqs)
+        block_tables = self.decode_batch.block_tables(seqs)
+        starts = [seq.num_computed_tokens for seq in seqs]
+        positions = torch.tensor(starts, dtype=torch.int64, device=dev)
+        block = block_tables.gather(1, (positions // bs)[:, None]).squeeze(1)
+        rows = self._arange(n + 1)
+        meta = AttentionMetadata(
+            slot_mapping=block.to(torch.int64) * bs + positions % bs,
+            cu_seqlens_q=rows.to(torch.int32),
+            context_lens=(positions + 1).to(torch.int32),
+            block_tables=block_tables,
+            max_query_len=1,
+            max_context_len=max(starts) + 1,
+            backend=self.backend,
+        )
+        num_context = sum(starts) + n
+        return ModelInput(
+            input_ids=torch.tensor([seq.token_ids[-1] for seq in seqs], dtype=torch.int64,
+                                   device=dev),
+            positions=positions, metadata=meta, sample_indices=rows[:n],
+            num_attended=num_context, num_context=num_context)
+
+    def _arange(self, n: int) -> torch.Tensor:
+        """0..n-1 on the device (int64), cut from one cached tensor."""
+        if self._aranged.numel() < n:
+            self._aranged = torch.arange(max(n, 2 * self._aranged.numel()), device=self.device)
+        return self._aranged[:n]
+
+    def _prepare_general(self, scheduled: list[ScheduledSequence]) -> ModelInput:
         input_ids: list[int] = []
         starts: list[int] = []  # first position computed this step, per sequence
         q_lens: list[int] = []

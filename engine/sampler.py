@@ -304,6 +304,14 @@ def _gather_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
 class Sampler:
     """Stateless: ``sampler(logits, rows)`` samples one token per row (see the module docstring)."""
 
+    @staticmethod
+    def is_plain_greedy(params: list[SamplingParams]) -> bool:
+        """Every row greedy with no penalty and no logprobs: the tokens are exactly
+        ``logits.argmax(dim=1)`` and no :class:`SamplingRow` needs to be built."""
+        return all(p.temperature < GREEDY_TEMPERATURE and p.logprobs is None
+                   and p.repetition_penalty == 1.0 and not p.presence_penalty
+                   and not p.frequency_penalty for p in params)
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be (num_rows={len(rows)}, vocab), "

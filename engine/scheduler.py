@@ -69,18 +69,24 @@ class SchedulerConfig:
                              f"off, or a long prompt could never be scheduled")
 
 
-@dataclass
 class ScheduledSequence:
-    """One sequence's share of a step."""
+    """One sequence's share of a step (a plain slotted class: one is made per sequence per
+    step, so construction stays cheap)."""
 
-    seq: Sequence  # the sequence, its block table already covers the new tokens
-    num_new_tokens: int  # computes seq.token_ids[start : start + num_new_tokens]
-    start: int = field(init=False)  # seq.num_computed_tokens when scheduled (first position)
-    samples: bool = field(init=False)  # the chunk reaches the end of token_ids: sample a token
+    __slots__ = ("seq", "num_new_tokens", "start", "samples", "is_decode")
 
-    def __post_init__(self) -> None:
-        self.start = self.seq.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens >= self.seq.num_tokens
+    def __init__(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seq = seq  # the sequence, its block table already covers the new tokens
+        self.num_new_tokens = num_new_tokens  # computes token_ids[start : start + num_new]
+        self.start = seq.num_computed_tokens  # first position computed this step
+        # the chunk reaches the end of token_ids: sample a token
+        self.samples = self.start + num_new_tokens >= len(seq.token_ids)
+        # computes one token, the sequence's last, and samples the next
+        self.is_decode = num_new_tokens == 1 and self.samples
+
+    def __repr__(self) -> str:
+        return (f"ScheduledSequence({self.seq.request_id!r}, start={self.start}, "
+                f"num_new_tokens={self.num_new_tokens})")
 
 
 @dataclass
@@ -266,6 +272,9 @@ class Scheduler:
                                        self.config.enable_chunked_prefill)
         if n <= 0:
             return 0, False
+        if seq.num_computed_tokens + n <= len(seq.block_table) * self.block_manager.block_size:
+            out._add(seq, n)  # the table already covers the tokens (most decode steps)
+            return n, False
         short = False
         if not self.block_manager.can_allocate(seq, n):
             short = True
@@ -349,13 +358,18 @@ class Scheduler:
     def update(self, output: SchedulerOutput) -> None:
         """After the model ran: advance progress, cache full blocks, free out-of-window blocks."""
         bm = self.block_manager
+        bs = bm.block_size
+        # only a block filled by this step gets hashed; only a window frees blocks
+        caching, windowed = bm.enable_prefix_caching, bm.sliding_window is not None
         for item in output.scheduled:
             seq = item.seq
-            if seq.is_finished:  # finished or aborted between schedule and update
+            if seq.status.is_finished:  # finished or aborted between schedule and update
                 continue
-            seq.num_computed_tokens = item.start + item.num_new_tokens
-            if seq.num_computed_tokens > seq.num_tokens:
-                raise RuntimeError(f"{seq.request_id}: computed {seq.num_computed_tokens} of "
+            computed = seq.num_computed_tokens = item.start + item.num_new_tokens
+            if computed > len(seq.token_ids):
+                raise RuntimeError(f"{seq.request_id}: computed {computed} of "
                                    f"{seq.num_tokens} tokens")
-            bm.cache_computed_blocks(seq)
-            bm.free_out_of_window(seq)
+            if caching and computed // bs > item.start // bs:
+                bm.cache_computed_blocks(seq)
+            if windowed:
+                bm.free_out_of_window(seq)

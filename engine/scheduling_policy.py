@@ -55,8 +55,9 @@ class SchedulingPolicy:
 
     def order_running(self, running: SequenceOf[Sequence]) -> list[Sequence]:
         """Decodes (one token left to compute) first, then partial prefills; stable."""
-        decodes = [s for s in running if s.num_uncomputed_tokens == 1]
-        others = [s for s in running if s.num_uncomputed_tokens != 1]
+        decodes, others = [], []
+        for s in running:  # (inlined: this runs for every sequence every step)
+            (decodes if len(s.token_ids) - s.num_computed_tokens == 1 else others).append(s)
         if self.by_priority:
             decodes.sort(key=priority_key)
             others.sort(key=priority_key)
