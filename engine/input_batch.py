@@ -24,6 +24,7 @@ The fast path's tensors are checked against the general path's in
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -36,56 +37,62 @@ class DecodeBatch:
     """Persistent block tables of the last pure decode step (see the module docstring)."""
 
     device: torch.device
-    seqs: list[Sequence] = field(default_factory=list)  # one per row
-    keys: list[tuple[int, int]] = field(default_factory=list)  # (id(seq), id(its table))
+    seqs: list[Sequence] = field(default_factory=list)  # one per row (held: ids stay unique)
+    tables: list[list] = field(default_factory=list)  # the seq.block_table copied into the row
     num_blocks: list[int] = field(default_factory=list)  # table entries already in the row
-    tables: torch.Tensor = field(init=False)  # (rows, width) int32 on ``device``
+    tensor: torch.Tensor = field(init=False)  # (rows, width) int32 on ``device``
 
     def __post_init__(self) -> None:
-        self.tables = torch.zeros(0, 1, dtype=torch.int32, device=self.device)
+        self.tensor = torch.zeros(0, 1, dtype=torch.int32, device=self.device)
 
     def reset(self) -> None:
-        self.seqs, self.keys, self.num_blocks = [], [], []
+        self.seqs, self.tables, self.num_blocks = [], [], []
 
     def block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         """(len(seqs), width) int32 block tables of ``seqs`` in order, updated by diffs."""
-        keys = [(id(seq), id(seq.block_table)) for seq in seqs]
-        if keys != self.keys:
-            self._rebase(seqs, keys)
-        rows, cols, blocks = [], [], []  # the new entries of tables that grew
+        if len(seqs) != len(self.seqs) or any(map(operator.is_not, seqs, self.seqs)):
+            self._rebase(seqs)
+        rows, cols, blocks = [], [], []  # the entries to write: tables that grew or changed
         for i, seq in enumerate(seqs):
-            n, known = len(seq.block_table), self.num_blocks[i]
-            if n != known:
-                rows.extend([i] * (n - known))
-                cols.extend(range(known, n))
-                blocks.extend(seq.block_table[known:n])
-                self.num_blocks[i] = n
+            table = seq.block_table
+            known = self.num_blocks[i]
+            if table is not self.tables[i]:  # replaced (freed, then admitted again)
+                self.tables[i], known = table, 0
+            if len(table) != known:
+                rows.extend([i] * (len(table) - known))
+                cols.extend(range(known, len(table)))
+                blocks.extend(table[known:])
+                self.num_blocks[i] = len(table)
         if rows:
-            if max(cols) >= self.tables.shape[1]:
-                width = self.tables.shape[1]
-                self.tables = torch.nn.functional.pad(self.tables, (0, max(cols) + 1 - width))
-            index = torch.tensor([rows, cols], dtype=torch.int64, device=self.device)
-            self.tables[index[0], index[1]] = torch.tensor(blocks, dtype=torch.int32,
-                                                           device=self.device)
-        return self.tables
+            self._write(rows, cols, blocks)
+        return self.tensor
 
-    def _rebase(self, seqs: list[Sequence], keys: list[tuple[int, int]]) -> None:
+    def _write(self, rows: list[int], cols: list[int], blocks: list[int]) -> None:
+        width = max(cols) + 1
+        if width > self.tensor.shape[1]:
+            self.tensor = torch.nn.functional.pad(self.tensor, (0, width - self.tensor.shape[1]))
+        index = torch.tensor([rows, cols], dtype=torch.int64, device=self.device)
+        self.tensor[index[0], index[1]] = torch.tensor(blocks, dtype=torch.int32,
+                                                       device=self.device)
+
+    def _rebase(self, seqs: list[Sequence]) -> None:
         """Keep the rows of the sequences that stayed in order (a prefix of ``seqs`` once the
         rows that left are dropped); the sequences after them get fresh, empty rows."""
-        row_of = {key: i for i, key in enumerate(self.keys)}
+        row_of = {id(seq): i for i, seq in enumerate(self.seqs)}
         kept: list[int] = []
-        for key in keys:
-            i = row_of.get(key)
+        for seq in seqs:
+            i = row_of.get(id(seq))
             if i is None or (kept and i < kept[-1]):
                 break
             kept.append(i)
-        if len(kept) < len(self.keys):
+        if len(kept) < len(self.seqs):
             index = torch.tensor(kept, dtype=torch.int64, device=self.device)
-            self.tables = self.tables.index_select(0, index)
+            self.tensor = self.tensor.index_select(0, index)
         extra = len(seqs) - len(kept)
         if extra:
-            fresh = torch.zeros(extra, self.tables.shape[1], dtype=torch.int32,
+            fresh = torch.zeros(extra, self.tensor.shape[1], dtype=torch.int32,
                                 device=self.device)
-            self.tables = torch.cat([self.tables, fresh]) if kept else fresh
+            self.tensor = torch.cat([self.tensor, fresh]) if kept else fresh
+        self.seqs = list(seqs)
+        self.tables = [self.tables[i] for i in kept] + [None] * extra
         self.num_blocks = [self.num_blocks[i] for i in kept] + [0] * extra
-        self.seqs, self.keys = list(seqs), keys

@@ -46,7 +46,7 @@ class ModelRunner:
         # a sliding window frees blocks in place (None entries): such models skip the fast path
         self.sliding_window = getattr(getattr(model, "config", None), "sliding_window", None)
         self.decode_batch = DecodeBatch(device)
-        self._aranged = torch.arange(0, device=device)
+        self._aranged = self._aranged32 = torch.arange(0, device=device)
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> ModelInput:
         """The flat batch of ``scheduled``: pure decode steps update the persistent
@@ -61,12 +61,15 @@ class ModelRunner:
         dev, bs, n = self.device, self.block_size, len(seqs)
         block_tables = self.decode_batch.block_tables(seqs)
         starts = [seq.num_computed_tokens for seq in seqs]
-        positions = torch.tensor(starts, dtype=torch.int64, device=dev)
-        block = block_tables.gather(1, (positions // bs)[:, None]).squeeze(1)
-        rows = self._arange(n + 1)
+        # one host -> device copy: row 0 the tokens, row 1 their positions
+        ids_pos = torch.tensor([[seq.token_ids[-1] for seq in seqs], starts], dtype=torch.int64,
+                               device=dev)
+        positions = ids_pos[1]
+        block = block_tables.gather(1, positions.div(bs, rounding_mode="floor")[:, None])
+        rows, rows32 = self._arange(n + 1)
         meta = AttentionMetadata(
-            slot_mapping=block.to(torch.int64) * bs + positions % bs,
-            cu_seqlens_q=rows.to(torch.int32),
+            slot_mapping=block.view(-1).long().mul_(bs).add_(positions % bs),
+            cu_seqlens_q=rows32,
             context_lens=(positions + 1).to(torch.int32),
             block_tables=block_tables,
             max_query_len=1,
@@ -74,17 +77,16 @@ class ModelRunner:
             backend=self.backend,
         )
         num_context = sum(starts) + n
-        return ModelInput(
-            input_ids=torch.tensor([seq.token_ids[-1] for seq in seqs], dtype=torch.int64,
-                                   device=dev),
-            positions=positions, metadata=meta, sample_indices=rows[:n],
-            num_attended=num_context, num_context=num_context)
+        return ModelInput(input_ids=ids_pos[0], positions=positions, metadata=meta,
+                          sample_indices=rows[:n], num_attended=num_context,
+                          num_context=num_context)
 
-    def _arange(self, n: int) -> torch.Tensor:
-        """0..n-1 on the device (int64), cut from one cached tensor."""
+    def _arange(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """0..n-1 on the device, int64 and int32, cut from cached tensors."""
         if self._aranged.numel() < n:
             self._aranged = torch.arange(max(n, 2 * self._aranged.numel()), device=self.device)
-        return self._aranged[:n]
+            self._aranged32 = self._aranged.to(torch.int32)
+        return self._aranged[:n], self._aranged32[:n]
 
     def _prepare_general(self, scheduled: list[ScheduledSequence]) -> ModelInput:
         input_ids: list[int] = []

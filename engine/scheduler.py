@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
@@ -73,9 +74,10 @@ class ScheduledSequence:
     """One sequence's share of a step (a plain slotted class: one is made per sequence per
     step, so construction stays cheap)."""
 
-    __slots__ = ("seq", "num_new_tokens", "start", "samples", "is_decode")
+    __slots__ = ("seq", "num_new_tokens", "start", "samples", "is_decode", "num_lookahead",
+                 "draft_token_ids")
 
-    def __init__(self, seq: Sequence, num_new_tokens: int) -> None:
+    def __init__(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> None:
         self.seq = seq  # the sequence, its block table already covers the new tokens
         self.num_new_tokens = num_new_tokens  # computes token_ids[start : start + num_new]
         self.start = seq.num_computed_tokens  # first position computed this step
@@ -83,6 +85,10 @@ class ScheduledSequence:
         self.samples = self.start + num_new_tokens >= len(seq.token_ids)
         # computes one token, the sequence's last, and samples the next
         self.is_decode = num_new_tokens == 1 and self.samples
+        # speculative decoding: KV slots allocated past the new tokens for drafts, and the
+        # drafts proposed into them (at most num_lookahead; verified in this step's forward)
+        self.num_lookahead = num_lookahead
+        self.draft_token_ids: list[int] | tuple = ()
 
     def __repr__(self) -> str:
         return (f"ScheduledSequence({self.seq.request_id!r}, start={self.start}, "
@@ -96,15 +102,15 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)  # batch order
     preempted: list[Sequence] = field(default_factory=list)  # preempted in this schedule()
     bounced: list[Sequence] = field(default_factory=list)  # preempted and handed back (ended)
-    num_batched_tokens: int = 0  # sum of num_new_tokens
+    num_batched_tokens: int = 0  # sum of num_new_tokens (and draft slots)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    def _add(self, seq: Sequence, num_new_tokens: int) -> None:
-        self.scheduled.append(ScheduledSequence(seq, num_new_tokens))
-        self.num_batched_tokens += num_new_tokens
+    def _add(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> None:
+        self.scheduled.append(ScheduledSequence(seq, num_new_tokens, num_lookahead))
+        self.num_batched_tokens += num_new_tokens + num_lookahead
 
 
 def _remove(items: list[Sequence] | deque[Sequence], seq: Sequence) -> bool:
@@ -129,6 +135,8 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}  # request_id -> every waiting or running seq
         self.num_preemptions = 0  # preemptions since start, every kind
         self.num_bounces = 0  # of which handed back to the router (decode role)
+        # speculative decoding (set by the engine): draft slots a decode may get this step
+        self.lookahead: Callable[[Sequence], int] | None = None
 
     # ---- counts -------------------------------------------------------------------------
 
@@ -253,10 +261,21 @@ class Scheduler:
         """Give running sequences their tokens; returns (budget left, went short of blocks,
         the prefills deferred behind better waiting requests)."""
         short, deferred = False, []
+        scheduled, max_num_seqs = out.scheduled, self.config.max_num_seqs
+        fast, block_size = self.policy.decodes_take_one_token, self.block_manager.block_size
+        fast = fast and self.lookahead is None  # speculating decodes take draft slots too
         for seq in self.policy.order_running(self.running):
-            if budget <= 0 or len(out.scheduled) >= self.config.max_num_seqs:
+            if budget <= 0 or len(scheduled) >= max_num_seqs:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            computed = seq.num_computed_tokens
+            if (fast and len(seq.token_ids) - computed == 1
+                    and computed < len(seq.block_table) * block_size):
+                # a decode whose last block has room (most sequences, most steps)
+                scheduled.append(ScheduledSequence(seq, 1))
+                out.num_batched_tokens += 1
+                budget -= 1
                 continue
             if self.policy.defers(seq, self.waiting):
                 deferred.append(seq)
@@ -272,6 +291,8 @@ class Scheduler:
                                        self.config.enable_chunked_prefill)
         if n <= 0:
             return 0, False
+        if self.lookahead is not None and n == 1 and seq.num_uncomputed_tokens == 1:
+            return self._schedule_speculative(seq, budget, out)
         if seq.num_computed_tokens + n <= len(seq.block_table) * self.block_manager.block_size:
             out._add(seq, n)  # the table already covers the tokens (most decode steps)
             return n, False
@@ -284,6 +305,19 @@ class Scheduler:
         self.block_manager.allocate(seq, n)
         out._add(seq, n)
         return n, short
+
+    def _schedule_speculative(self, seq: Sequence, budget: int,
+                              out: SchedulerOutput) -> tuple[int, bool]:
+        """A decode that may speculate: its one token as any decode (preempting if it must),
+        then up to ``lookahead(seq)`` draft slots from the budget and free blocks only."""
+        bm = self.block_manager
+        short = not bm.can_allocate(seq, 1)
+        if short and self._make_room(seq, 1, out) == 0:
+            return 0, short
+        k = max(0, min(self.lookahead(seq), budget - 1, bm.num_allocatable_tokens(seq) - 1))
+        bm.allocate(seq, 1 + k)
+        out._add(seq, 1, k)
+        return 1 + k, short
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
         """Preempt newest unscheduled sequences until seq's n tokens fit.
@@ -322,6 +356,7 @@ class Scheduler:
             return
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
+        seq.num_draft_computed_tokens = 0  # speculative decoding: the draft's KV went too
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
