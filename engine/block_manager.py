@@ -13,7 +13,9 @@ Invariants (``check_invariants`` raises ``RuntimeError`` on a violation):
 
 - ``num_free_blocks + num_cached_blocks + num_used_blocks == num_blocks`` at all times.
 - A block table only grows (append-only) until ``free`` clears it; with a sliding window an
-  entry becomes ``None`` once its block is out of every future query's window.
+  entry becomes ``None`` once its block is out of every future query's window. The one
+  exception is ``trim``: speculative decoding gives back the tail blocks it allocated for
+  drafts the target rejected (never hashed: they lie past ``num_computed_tokens``).
 - ``free`` releases a table in reverse order, tails first, so the LRU end of the cache holds
   chain tails and the heads of shared prefixes survive longest.
 - A hash maps to one block; a block carries at most one hash. A block's hash is the salted
@@ -254,6 +256,18 @@ class BlockManager:
                 self._release(block_id)
         seq.block_table = []
         self._chains.pop(seq.request_id, None)
+
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Release seq's tail blocks past the ones ``num_tokens`` tokens need (slots of rejected
+        speculative drafts); returns how many were released."""
+        keep = -(-num_tokens // self._block_size)
+        num_freed = 0
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            if block_id is not None:
+                self._release(block_id)
+                num_freed += 1
+        return num_freed
 
     def free_out_of_window(self, seq: Sequence) -> int:
         """Free blocks no future query of seq can see; their entries become None."""

@@ -49,6 +49,10 @@ class EngineConfig:
     # admission, prefill chunks and preemption (the router's waiting queue follows it too)
     prefix_cache_salt: str | None = None  # secret mixed into every prefix-cache block hash,
     # one per cluster (the launcher generates it); None: each engine draws its own
+    speculative_config: dict | None = None  # speculative decoding on decode and colocated
+    # workers, vLLM's keys: {"method": "draft_model", "model": DIR, "num_speculative_tokens": K}
+    # or {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
+    # "prompt_lookup_min": M} (docs/speculative_decoding.md)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -67,6 +71,10 @@ class EngineConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, "
                              f"got {self.scheduling_policy!r}")
+        if self.speculative_config is not None:  # keys and ranges (the draft is checked at build)
+            from pdserve.engine.spec_decode import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)
         _positive_int("block_size", self.block_size)
         _positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive_int("memory_budget_bytes", self.memory_budget_bytes, allow_none=True)

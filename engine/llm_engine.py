@@ -31,7 +31,6 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dtypes, plan_kv_pool
 from pdserve.engine.messages import RequestDelta, WorkerStats, WorkRequest
 from pdserve.engine.model_runner import ModelRunner
@@ -41,6 +40,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from pdserve.engine.scheduling_policy import SchedulingPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.text_stage import TextStage
 from pdserve.kernels import resolve_backend
 from pdserve.models import ModelConfig, Tokenizer, load_model
 
@@ -164,7 +164,9 @@ class LLMEngine:
     """Colocated continuous batching with chunked prefill (the baseline every mode is held to)."""
 
     def __init__(self, parts: EngineParts, policy: SchedulingPolicy | None = None,
-                 hooks: StepHooks | None = None):
+                 hooks: StepHooks | None = None, defer_text: bool = True):
+        """``defer_text``: the text of requests without stop strings is made by
+        :meth:`render` when their deltas are read, not in the step (``TextStage``)."""
         self.parts = parts
         self.hooks = hooks or StepHooks()
         cfg = parts.config
@@ -177,7 +179,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self._seed_source = random.Random(cfg.seed)
         self._sequences: dict[str, Sequence] = {}
-        self._detokenizers: dict[str, Detokenizer] = {}
+        self.text = TextStage(parts.tokenizer, defer=defer_text)
         self.last_step = StepStats()
 
     @classmethod
@@ -256,12 +258,12 @@ class LLMEngine:
         """Start detokenizing and stop-checking ``seq``'s output (resumed outputs replayed, so
         text and stop-string hold-back continue where the previous worker left them)."""
         self._sequences[seq.request_id] = seq
-        if self.parts.tokenizer is not None:
-            detok = Detokenizer(self.parts.tokenizer, seq.prompt_token_ids,
-                                stop=seq.sampling_params.stop)
-            for token_id in seq.output_token_ids:
-                detok.append(token_id)
-            self._detokenizers[seq.request_id] = detok
+        self.text.track(seq)
+
+    def render(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
+        """Fill in the deferred text of ``deltas`` (any thread; once per delta, in the order
+        the steps made them). Every reader of a step's deltas calls it."""
+        return self.text.render(deltas)
 
     def expire(self, now: float) -> list[RequestDelta]:
         """Abort every tracked request whose deadline (``time.time()``) has passed."""
@@ -283,9 +285,12 @@ class LLMEngine:
         return deltas
 
     def untrack(self, request_id: str) -> Sequence | None:
-        """Stop following a request (it left this engine: handed off or aborted elsewhere)."""
-        self._detokenizers.pop(request_id, None)
-        return self._sequences.pop(request_id, None)
+        """Stop following a request (it left this engine: handed off or aborted elsewhere);
+        its text state goes too."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is not None:
+            self.text.drop(request_id, seq.attempt)
+        return seq
 
     def hand_off(self, seq: Sequence) -> None:
         """A prefill worker's prompt is done and its KV packed (copies): it leaves this engine,
@@ -314,7 +319,8 @@ class LLMEngine:
         seq.num_computed_tokens = seq.num_tokens
         self.track(seq)
         try:
-            delta = self.append_token(seq, first_token_id, None, time.monotonic())
+            delta = self.render([self.append_token(seq, first_token_id, None,
+                                                   time.monotonic())])[0]
             if not seq.is_finished:
                 self.scheduler.add_running(seq)
         except Exception:
@@ -374,7 +380,8 @@ class LLMEngine:
         """Final deltas of sequences the scheduler preempted by handing them back."""
         deltas = []
         for seq in bounced:
-            self.untrack(seq.request_id)
+            self._sequences.pop(seq.request_id, None)  # its final delta closes its text
+            self.text.finish(seq.request_id)
             deltas.append(RequestDelta(seq.request_id, [], "", "abort", None,
                                        seq.num_prompt_tokens, seq.num_output_tokens,
                                        error="preempted: no free KV blocks on this worker",
@@ -410,18 +417,13 @@ class LLMEngine:
                            now - seq.first_scheduled_time)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
-        text, stopped = "", False
-        detok = self._detokenizers.get(seq.request_id)
-        if detok is not None:
-            piece = detok.append(token_id)
-            text, stopped = piece.text, piece.stopped
+        text, stopped = self.text.append(seq.request_id, token_id)
         num_output = len(seq.token_ids) - seq.num_prompt_tokens
         status = self.stop_status(seq, token_id, stopped, num_output)
         if status is not None:
-            if detok is not None:  # held-back text is final now ("" after a stop string)
-                text += detok.flush()
+            text += self.text.finish(seq.request_id)  # held back text ("" after a stop)
             self.scheduler.finish(seq, status)
-            self.untrack(seq.request_id)
+            self._sequences.pop(seq.request_id, None)  # its final delta closes its text
         delta = RequestDelta(seq.request_id, [token_id], text,
                              status.finish_reason if status else None,
                              [logprobs] if logprobs is not None else None,

@@ -43,6 +43,8 @@ class MemoryLedger:
     weights_source: str = ""  # how the weights were stored when not as loaded (a GGUF's types)
     device: str = ""  # where the worker computes: "cpu", or "cuda:0 (its name)"
     num_threads: int = 0  # torch intra-op threads of the process
+    draft_bytes: int = 0  # speculative decoding: the draft model's weights + its KV pool (as
+    # many blocks as the target's), inside the budget
 
     @property
     def kv_token_capacity(self) -> int:
@@ -64,7 +66,8 @@ class MemoryLedger:
             ("KV capacity", f"{self.kv_token_capacity:,} tokens"),
         ] + ([("int8 KV gain", f"{self.num_kv_blocks / self.num_kv_blocks_model_dtype:.2f}x "
                                 f"blocks ({self.num_kv_blocks_model_dtype} in model dtype)")]
-             if self.kv_dtype.startswith("int8") and self.num_kv_blocks_model_dtype else [])
+             if self.kv_dtype.startswith("int8") and self.num_kv_blocks_model_dtype else []) \
+            + ([("draft model (weights + KV)", mib(self.draft_bytes))] if self.draft_bytes else [])
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "kv_token_capacity": self.kv_token_capacity}
@@ -162,6 +165,20 @@ def blocks_in_budget(config: EngineConfig, budget: int, weights: int, activation
         "budget.")
 
 
+def draft_footprint(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(weight bytes, KV bytes per block) of the speculative draft model; (0, 0) without one.
+    Weights are counted from the draft's config (it is loaded after the pool is sized)."""
+    spec = config.speculative_config
+    if not spec or spec.get("method", "draft_model" if "model" in spec else None) != "draft_model":
+        return 0, 0
+    from pdserve.models import ModelConfig
+
+    mc = ModelConfig.from_dir(spec["model"])
+    elt = torch.finfo(dtype).bits // 8
+    return (mc.num_parameters() * elt,
+            bytes_per_block(mc, config.block_size, [dtype] * mc.num_hidden_layers))
+
+
 def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype,
                  device: torch.device, max_model_len: int, backend: str) -> MemoryLedger:
     """Size the KV pool from the budget (or ``config.num_kv_blocks``) and return the ledger."""
@@ -172,11 +189,12 @@ def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.
     weights = weight_bytes(model)
     activations = estimate_activation_bytes(mc, config, dtype, max_model_len,
                                             attention_scratch=backend == "torch")
+    draft_weights, draft_per_block = draft_footprint(config, dtype)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:
-        num_blocks = blocks_in_budget(config, budget, weights, activations, per_block,
-                                      max_model_len)
+        num_blocks = blocks_in_budget(config, budget, weights + draft_weights, activations,
+                                      per_block + draft_per_block, max_model_len)
     kv_dtype = (f"int8, {config.kv_int8_scales} scales" if config.kv_cache_dtype == "int8"
                 else str(dtype).replace("torch.", ""))
     model_dtype_block = bytes_per_block(mc, config.block_size, [dtype] * mc.num_hidden_layers)
@@ -187,7 +205,8 @@ def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.
         kv_bytes_per_token=per_block // config.block_size, kv_dtype=kv_dtype,
         num_kv_blocks_model_dtype=num_blocks * per_block // model_dtype_block,
         weights_source=getattr(model, "weights_source", ""), device=device_label(device),
-        num_threads=torch.get_num_threads())
+        num_threads=torch.get_num_threads(),
+        draft_bytes=draft_weights + num_blocks * draft_per_block)
 
 
 def device_label(device: torch.device) -> str:

@@ -98,6 +98,9 @@ class WorkerStats:
     peak_flops_per_s: float = 0.0  # dense matmul rate measured on the worker's device
     peak_bytes_per_s: float = 0.0  # copy bandwidth measured on the worker's device
     busy_fraction: float = 0.0  # forward seconds / wall seconds over the recent steps
+    spec_num_drafts: int = 0  # speculative decoding counters: sequence-steps that verified drafts
+    spec_num_draft_tokens: int = 0  # drafts proposed and verified
+    spec_num_accepted_tokens: int = 0  # drafts the target accepted
 
     @property
     def utilization(self):

@@ -51,7 +51,9 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSequence]) -> ModelInput:
         """The flat batch of ``scheduled``: pure decode steps update the persistent
         :class:`DecodeBatch`; any other step is built from scratch (and resets it)."""
-        if self.sliding_window is None and all(item.is_decode for item in scheduled):
+        # (a sequence with speculative drafts brings several tokens: the general path)
+        if self.sliding_window is None and all(item.is_decode and not item.draft_token_ids
+                                               for item in scheduled):
             return self._prepare_decodes([item.seq for item in scheduled])
         self.decode_batch.reset()
         return self._prepare_general(scheduled)
@@ -97,11 +99,13 @@ class ModelRunner:
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start:start + item.num_new_tokens])
+            drafts = item.draft_token_ids  # speculative decoding: verified after the new token
+            input_ids.extend(drafts)
             starts.append(start)
-            q_lens.append(item.num_new_tokens)
+            q_lens.append(item.num_new_tokens + len(drafts))
             tables.append([0 if b is None else b for b in seq.block_table])
-            if item.samples:
-                sample_indices.append(len(input_ids) - 1)
+            if item.samples:  # the last new token's row, then one per draft
+                sample_indices.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
         dev, bs = self.device, self.block_size
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)

@@ -43,6 +43,7 @@ class SchedulingPolicy:
     accepts_prompts = True  # Scheduler.add takes new prompts
     accepts_running = True  # Scheduler.add_running takes already computed sequences
     preempt_kind = "recompute"  # a victim recomputes here ("bounce": handed back instead)
+    speculates = True  # decodes may take speculative drafts (EngineConfig.speculative_config)
     # A decode (one token left) computes it whenever budget is left and never defers; the
     # scheduler then takes its fast path without asking num_new_tokens / defers.
     decodes_take_one_token = True
@@ -104,6 +105,7 @@ class PrefillOnlyPolicy(SchedulingPolicy):
 
     name = "prefill"
     accepts_running = False
+    speculates = False  # samples token 0 only: a speculative_config is ignored here
     decodes_take_one_token = False  # a prompt's last token is computed once, never decoded
 
     def num_new_tokens(self, seq: Sequence, num_computed_tokens: int, budget: int,

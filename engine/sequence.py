@@ -55,6 +55,8 @@ class Sequence:
     deadline: float | None = None  # time.time() after which the engine drops it
     num_resumed_tokens: int = 0  # outputs streamed by an earlier worker (a migrated request)
     attempt: int = 1  # the router's attempt epoch, echoed in this sequence's deltas
+    num_draft_computed_tokens: int = 0  # speculative decoding: tokens whose KV the draft model
+    # holds (in the draft's pool, same block table); preemption resets it
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

@@ -105,6 +105,14 @@ class RouterMetrics:
                                  "(redone on the worker) or bounce (a decode worker handed the "
                                  "request back to be re-prefilled); a counter kept by the "
                                  "worker", ("role", "worker", "kind"), registry=r)
+        # speculative decoding (vLLM's names), counters kept by the decode / colocated worker
+        self.spec_drafts = gauge("spec_decode_num_drafts_total", "Sequence-steps that verified "
+                                 "speculative drafts (a counter kept by the worker)")
+        self.spec_draft_tokens = gauge("spec_decode_num_draft_tokens_total", "Draft tokens "
+                                       "proposed and verified (a counter kept by the worker)")
+        self.spec_accepted_tokens = gauge("spec_decode_num_accepted_tokens_total", "Draft "
+                                          "tokens the target accepted (a counter kept by the "
+                                          "worker)")
         self.compute_util = gauge("worker_compute_utilization", "Achieved model FLOP/s "
                                   "while computing / the device's measured matmul peak")
         self.bandwidth_util = gauge("worker_bandwidth_utilization", "Achieved weight + KV "
@@ -137,7 +145,8 @@ class RouterMetrics:
         self._per_worker = (self.queue, self.prefill, self.transfer, self.transfer_bytes,
                             self.running, self.waiting, self.used_blocks, self.total_blocks,
                             self.usage, self.prefix_hits, self.compute_util,
-                            self.bandwidth_util)
+                            self.bandwidth_util, self.spec_drafts, self.spec_draft_tokens,
+                            self.spec_accepted_tokens)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.labels("router").observe(seconds)
@@ -178,6 +187,10 @@ class RouterMetrics:
         self.preemptions.labels(*labels, "recompute").set(stats.num_preemptions
                                                           - stats.num_bounces)
         self.preemptions.labels(*labels, "bounce").set(stats.num_bounces)
+        if stats.spec_num_drafts:
+            self.spec_drafts.labels(*labels).set(stats.spec_num_drafts)
+            self.spec_draft_tokens.labels(*labels).set(stats.spec_num_draft_tokens)
+            self.spec_accepted_tokens.labels(*labels).set(stats.spec_num_accepted_tokens)
         util = stats.utilization
         self.compute_util.labels(*labels).set(util.compute)
         self.bandwidth_util.labels(*labels).set(util.bandwidth)

@@ -1,0 +1,435 @@
+"""Speculative decoding on decode and colocated workers: propose k tokens cheaply, verify them in
+one target forward, keep the longest prefix the target agrees with.
+
+Configuration (vLLM's keys): ``EngineConfig.speculative_config`` /
+``LLM(..., speculative_config=...)`` / ``pdserve serve --speculative-config JSON``::
+
+    {"method": "draft_model", "model": DIR, "num_speculative_tokens": K}
+    {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}
+
+A step with speculation (:meth:`LLMEngine.step` drives it):
+
+1. ``schedule()``: a running decode gets its one token plus ``num_lookahead`` draft slots
+   (:meth:`Speculator.num_lookahead`: at most K, never past ``max_tokens`` or the context, only
+   from free blocks and the token budget: drafts never preempt anything). Prefill chunks and
+   sequences with no room get none and run as before in the same batch.
+2. :meth:`Speculator.propose` fills ``item.draft_token_ids`` (at most ``num_lookahead``).
+3. The runner appends the drafts after each sequence's new token and returns logits at every
+   one of its k + 1 positions; one target forward verifies every speculating sequence of the
+   mixed batch (the paged attention kernels take several query tokens per sequence).
+4. :meth:`Speculator.emit` verifies (:mod:`pdserve.engine.rejection_sampler`), appends the
+   accepted tokens one by one through the engine's stop / detokenizer path (stopping at the
+   first that finishes the request), then rolls back: ``num_computed_tokens`` covers only the
+   tokens whose KV is valid (the accepted drafts) and the blocks past the sequence's tokens are
+   freed (``BlockManager.trim``).
+
+Proposers. :class:`NgramProposer` (prompt lookup): the most recent earlier occurrence of the
+last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) proposes the tokens
+that followed it; its q is one-hot. :class:`DraftModelProposer`: a small model of the same
+vocabulary, loaded with the same loader, with its own KV pool of the SAME number of blocks and
+block size as the target's, so the target's block tables index it directly and the target's
+block manager allocates for both.
+
+Draft KV (the choice): the draft computes its KV lazily, from the sequence's token ids, the
+first time a sequence speculates and then catches up whatever it lacks at each proposal
+(``Sequence.num_draft_computed_tokens`` tracks it; preemption resets it). One mechanism serves
+every mode: on a decode worker the KV transferred is the target's only, and nothing about the
+draft crosses the wire; offline and colocated the draft's prompt pass happens on the first
+decode step instead of beside the target's prefill chunks (the same tokens, in chunks of at most
+``max_num_batched_tokens``). With a sliding window, blocks the window already freed are skipped
+(the draft starts at the oldest block still held): its proposals there are approximations, which
+can cost acceptance but never correctness, since only the target decides what is emitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.engine.messages import RequestDelta
+from pdserve.engine.rejection_sampler import (
+    DRAFT_STREAM,
+    DraftedRows,
+    Verified,
+    process_rows,
+    stream_uniform,
+    verify,
+)
+from pdserve.engine.sampler import SamplingRow, inverse_cdf_draw
+from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
+from pdserve.engine.sequence import Sequence
+from pdserve.models.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("draft_model", "ngram")
+MAX_SPECULATIVE_TOKENS = 16
+_KEYS = {"draft_model": ("method", "model", "num_speculative_tokens"),
+         "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")}
+_DEFAULT_LOOKUP = 5  # vLLM's n when neither prompt_lookup_max nor prompt_lookup_min is given
+
+
+def _int_in(name: str, value, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"speculative_config.{name} must be an integer in [{low}, {high}], "
+                         f"got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """A validated ``speculative_config``."""
+
+    method: str  # "draft_model" | "ngram"
+    num_speculative_tokens: int  # K: drafts per sequence per step, 1..16
+    model: str | None = None  # draft_model: the draft's checkpoint (same vocabulary)
+    prompt_lookup_max: int = _DEFAULT_LOOKUP  # ngram: longest suffix looked up
+    prompt_lookup_min: int = _DEFAULT_LOOKUP  # ngram: shortest suffix looked up
+
+    @classmethod
+    def from_dict(cls, d: dict, target_model_config=None,
+                  max_model_len: int | None = None) -> SpeculativeConfig:
+        """ValueError naming the field when ``d`` is malformed; with ``target_model_config``
+        the draft's vocabulary (and context, with ``max_model_len``) is checked against it."""
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {d!r}")
+        method = d.get("method", "draft_model" if "model" in d else None)
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, "
+                             f"got {d.get('method')!r}")
+        unknown = sorted(set(d) - set(_KEYS[method]))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {', '.join(unknown)} for "
+                             f"method {method!r}; valid keys: {', '.join(_KEYS[method])}")
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        k = _int_in("num_speculative_tokens", d["num_speculative_tokens"], 1,
+                    MAX_SPECULATIVE_TOKENS)
+        if method == "ngram":
+            high = d.get("prompt_lookup_max", d.get("prompt_lookup_min", _DEFAULT_LOOKUP))
+            low = d.get("prompt_lookup_min", high)
+            _int_in("prompt_lookup_max", high, 1, 1 << 20)
+            _int_in("prompt_lookup_min", low, 1, high if isinstance(high, int) else 1)
+            return cls(method, k, prompt_lookup_max=high, prompt_lookup_min=low)
+        model = d.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"speculative_config.model must be the draft's checkpoint folder, "
+                             f"got {model!r}")
+        if target_model_config is not None:
+            _check_draft(model, target_model_config, max_model_len)
+        return cls(method, k, model=model)
+
+
+def _check_draft(model: str, target, max_model_len: int | None) -> None:
+    from pdserve.models import ModelConfig
+
+    draft = ModelConfig.from_dir(model)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config.model: the draft's vocab_size ({draft.vocab_size}) "
+                         f"must equal the target's vocab_size ({target.vocab_size})")
+    if max_model_len is not None and draft.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
+                         f"({draft.max_position_embeddings}) is below max_model_len "
+                         f"({max_model_len})")
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since the engine started (the names of vLLM's metrics)."""
+
+    num_drafts: int = 0  # sequence-steps that verified at least one draft
+    num_draft_tokens: int = 0  # drafts proposed and verified
+    num_accepted_tokens: int = 0  # drafts the target accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed drafts (0 before any)."""
+        return self.num_accepted_tokens / max(1, self.num_draft_tokens)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per speculating step: accepted drafts + the target's own token."""
+        return (self.num_accepted_tokens + self.num_drafts) / max(1, self.num_drafts)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "acceptance_rate": self.acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length}
+
+
+def _penalized(seq: Sequence) -> bool:
+    p = seq.sampling_params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def drafted_rows(seq: Sequence, drafts: list[int], num_rows: int) -> list[SamplingRow]:
+    """Sampling rows at output positions P .. P + num_rows - 1, row j's history extended by
+    ``drafts[:j]`` (only when a penalty reads it)."""
+    p, position = seq.sampling_params, seq.num_output_tokens
+    if not _penalized(seq):
+        return [SamplingRow(p, seq.seed, position + j, [], []) for j in range(num_rows)]
+    prompt, output = seq.prompt_token_ids, seq.output_token_ids
+    return [SamplingRow(p, seq.seed, position + j, prompt, output + drafts[:j])
+            for j in range(num_rows)]
+
+
+# -- proposers ----------------------------------------------------------------------------------
+
+class NgramProposer:
+    """Prompt lookup (see the module docstring); stateless but for a one-step memo."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.n_max, self.n_min = config.prompt_lookup_max, config.prompt_lookup_min
+        self._memo: dict[str, tuple[int, list[int]]] = {}  # request_id -> (num_tokens, drafts)
+
+    def lookup(self, token_ids: list[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens that followed the most recent earlier occurrence of the
+        longest suffix (n_max .. n_min tokens) that occurred before."""
+        arr = np.asarray(token_ids)
+        length = len(arr)
+        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
+            # windows starting at 0 .. length - 1 - n: each is followed by a token
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:length - 1], n)
+            hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return [int(t) for t in arr[start:start + limit]]
+        return []
+
+    def max_drafts(self, seq: Sequence, limit: int) -> int:
+        drafts = self.lookup(seq.token_ids, limit)
+        self._memo[seq.request_id] = (seq.num_tokens, drafts)
+        return len(drafts)
+
+    def propose(self, seqs: list[Sequence], limits: list[int]):
+        out = []
+        for seq, limit in zip(seqs, limits, strict=True):
+            num_tokens, drafts = self._memo.pop(seq.request_id, (-1, []))
+            if num_tokens != seq.num_tokens:
+                drafts = self.lookup(seq.token_ids, limit)
+            out.append((drafts[:limit], None))
+        self._memo.clear()
+        return out
+
+
+@dataclass
+class _Chunk:
+    """Tokens one sequence feeds the draft in one forward."""
+
+    token_ids: list[int]
+    start: int  # position of token_ids[0]
+    block_table: list[int | None]
+
+
+class DraftModelProposer:
+    """A small draft model over its own KV pool indexed by the target's block tables."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int,
+                 device: torch.device, backend: str, max_chunk_tokens: int):
+        self.model, self.kv_caches = model, kv_caches
+        self.block_size, self.device, self.backend = block_size, device, backend
+        self.max_chunk_tokens = max_chunk_tokens  # catch-up forwards are at most this long
+
+    @classmethod
+    def build(cls, config: SpeculativeConfig, parts) -> DraftModelProposer:
+        from pdserve.engine.memory import allocate_kv_caches
+        from pdserve.models import ModelConfig, load_model
+
+        runner = parts.runner
+        dtype = next(runner.model.parameters()).dtype
+        mc = ModelConfig.from_dir(config.model)
+        model = load_model(config.model, dtype=dtype, device=runner.device)
+        caches = allocate_kv_caches(mc, parts.ledger, [dtype] * mc.num_hidden_layers,
+                                    runner.device)
+        logger.info("draft model %s: %d layers, %d KV blocks beside the target's", config.model,
+                    mc.num_hidden_layers, parts.ledger.num_kv_blocks)
+        return cls(model, caches, parts.config.block_size, runner.device, runner.backend,
+                   parts.config.max_num_batched_tokens)
+
+    def max_drafts(self, seq: Sequence, limit: int) -> int:
+        return limit
+
+    def _start(self, seq: Sequence) -> int:
+        """First position whose draft KV is missing (the oldest block still held, at least)."""
+        table = seq.block_table
+        first = next((i for i, b in enumerate(table) if b is not None), len(table))
+        return max(min(seq.num_draft_computed_tokens, seq.num_computed_tokens),
+                   first * self.block_size)
+
+    def propose(self, seqs: list[Sequence], limits: list[int]):
+        """Up to ``limits[i]`` drafts per sequence and their processed weights (None for
+        greedy requests: q one-hot). k forwards: the first also catches the draft's KV up."""
+        starts = [self._start(seq) for seq in seqs]
+        for i, seq in enumerate(seqs):  # long catch-ups (first speculation) in bounded chunks
+            while seq.num_tokens - starts[i] > self.max_chunk_tokens:
+                end = starts[i] + self.max_chunk_tokens
+                self._forward([_Chunk(seq.token_ids[starts[i]:end], starts[i], seq.block_table)],
+                              with_logits=False)
+                starts[i] = end
+        drafts: list[list[int]] = [[] for _ in seqs]
+        weights: list[list[torch.Tensor]] = [[] for _ in seqs]
+        chunks = [_Chunk(seq.token_ids[s:], s, seq.block_table)
+                  for seq, s in zip(seqs, starts, strict=True)]
+        active = list(range(len(seqs)))
+        for j in range(max(limits)):
+            logits = self._forward(chunks, with_logits=True)  # (len(active), vocab)
+            rows = [drafted_rows(seqs[i], drafts[i], j + 1)[j] for i in active]
+            _, w = process_rows(logits, rows)
+            u = torch.tensor([stream_uniform(r.seed, r.position, DRAFT_STREAM) for r in rows],
+                             dtype=torch.float64, device=w.device)
+            tokens = inverse_cdf_draw(w, u).tolist()
+            for row, i in enumerate(active):
+                drafts[i].append(tokens[row])
+                weights[i].append(w[row])
+            active = [i for i in active if len(drafts[i]) < limits[i]]
+            chunks = [_Chunk([drafts[i][-1]], seqs[i].num_tokens + j, seqs[i].block_table)
+                      for i in active]
+        for seq, k in zip(seqs, limits, strict=True):
+            seq.num_draft_computed_tokens = seq.num_tokens + k - 1  # d_k itself never ran
+        return [(d, None if seq.sampling_params.temperature < GREEDY_TEMPERATURE
+                 else torch.stack(w)) for seq, d, w in zip(seqs, drafts, weights, strict=True)]
+
+    @torch.inference_mode()
+    def _forward(self, chunks: list[_Chunk], with_logits: bool) -> torch.Tensor | None:
+        """One draft forward over ``chunks``; logits (fp32) of each chunk's last token."""
+        input_ids, positions, slots, q_lens, context_lens, tables = [], [], [], [], [], []
+        bs = self.block_size
+        for c in chunks:
+            table = [0 if b is None else b for b in c.block_table]
+            input_ids.extend(c.token_ids)
+            span = range(c.start, c.start + len(c.token_ids))
+            positions.extend(span)
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            q_lens.append(len(c.token_ids))
+            context_lens.append(span.stop)
+            tables.append(table)
+        dev = self.device
+        width = max(len(t) for t in tables)
+        cu = np.concatenate([[0], np.cumsum(q_lens)])
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                      dtype=torch.int32, device=dev),
+            max_query_len=max(q_lens), max_context_len=max(context_lens), backend=self.backend)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                            torch.tensor(positions, dtype=torch.int64, device=dev),
+                            self.kv_caches, meta)
+        if not with_logits:
+            return None
+        last = torch.tensor(cu[1:] - 1, dtype=torch.int64, device=dev)
+        return self.model.compute_logits(hidden.index_select(0, last))
+
+
+# -- the engine's side --------------------------------------------------------------------------
+
+def merge_deltas(parts: list[RequestDelta]) -> RequestDelta:
+    """One delta for the tokens one sequence emitted this step (the last one's status)."""
+    if len(parts) == 1:
+        return parts[0]
+    logprobs = None if any(d.logprobs is None for d in parts) else \
+        [entry for d in parts for entry in d.logprobs]
+    return dataclasses.replace(parts[-1], new_token_ids=[t for d in parts for t in d.new_token_ids],
+                               text="".join(d.text for d in parts), logprobs=logprobs)
+
+
+class Speculator:
+    """What speculation adds to one engine: lookahead sizes, proposals, verification, rollback."""
+
+    def __init__(self, config: SpeculativeConfig, proposer, block_manager, max_model_len: int):
+        self.config = config
+        self.proposer = proposer
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats()
+        self._draft_weights: dict[int, torch.Tensor | None] = {}  # id(item) -> q, this step
+
+    @classmethod
+    def build(cls, parts) -> Speculator | None:
+        """None when ``parts.config.speculative_config`` is unset."""
+        if parts.config.speculative_config is None:
+            return None
+        config = SpeculativeConfig.from_dict(parts.config.speculative_config, parts.model_config,
+                                             parts.max_model_len)
+        proposer = (NgramProposer(config) if config.method == "ngram"
+                    else DraftModelProposer.build(config, parts))
+        return cls(config, proposer, parts.block_manager, parts.max_model_len)
+
+    def num_lookahead(self, seq: Sequence) -> int:
+        """Draft slots the scheduler may give decode ``seq``: K, cut so that k + 1 emitted
+        tokens stay within ``max_tokens`` and the context (and, for n-grams, to the match)."""
+        limit = min(self.config.num_speculative_tokens,
+                    seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1)
+        return self.proposer.max_drafts(seq, limit) if limit > 0 else 0
+
+    def propose(self, scheduled) -> None:
+        """Fill ``draft_token_ids`` of the items the scheduler gave draft slots."""
+        items = [item for item in scheduled if item.num_lookahead > 0]
+        if not items:
+            return
+        proposals = self.proposer.propose([item.seq for item in items],
+                                          [item.num_lookahead for item in items])
+        for item, (drafts, weights) in zip(items, proposals, strict=True):
+            if drafts:
+                item.draft_token_ids = drafts
+                self._draft_weights[id(item)] = weights
+
+    def emit(self, engine, sampling, logits: torch.Tensor) -> list[RequestDelta]:
+        """The deltas of ``sampling`` (one per sequence, in order) from ``logits`` (one row per
+        plain sequence, k + 1 per speculating one): plain rows through the engine's sampler,
+        speculating ones verified, their accepted tokens appended, their rejected slots freed."""
+        if not self._draft_weights:
+            return engine.sample_and_emit(sampling, logits)
+        plain, plain_rows, spec, spec_rows = [], [], [], []
+        row = 0
+        for i, item in enumerate(sampling):
+            n = 1 + len(item.draft_token_ids)
+            (spec if item.draft_token_ids else plain).append(i)
+            (spec_rows if item.draft_token_ids else plain_rows).extend(range(row, row + n))
+            row += n
+        deltas: list[RequestDelta | None] = [None] * len(sampling)
+        drafted = [DraftedRows(drafted_rows(sampling[i].seq, list(sampling[i].draft_token_ids),
+                                            1 + len(sampling[i].draft_token_ids)),
+                               list(sampling[i].draft_token_ids),
+                               self._draft_weights.pop(id(sampling[i]))) for i in spec]
+        self._draft_weights.clear()
+        verified = verify(logits[spec_rows], drafted)
+        if plain:
+            for i, delta in zip(plain, engine.sample_and_emit(
+                    [sampling[i] for i in plain], logits[plain_rows]), strict=True):
+                deltas[i] = delta
+        now = time.monotonic()
+        for i, v in zip(spec, verified, strict=True):
+            deltas[i] = self._emit_verified(engine, sampling[i], v, now)
+        return deltas
+
+    def _emit_verified(self, engine, item, v: Verified, now: float) -> RequestDelta:
+        seq = item.seq
+        parts = []
+        for token_id, logprobs in zip(v.token_ids, v.logprobs, strict=True):
+            parts.append(engine.append_token(seq, token_id, logprobs, now))
+            if seq.is_finished:
+                break
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += len(item.draft_token_ids)
+        self.stats.num_accepted_tokens += v.num_accepted
+        if not seq.is_finished:
+            self.roll_back(seq)
+        return merge_deltas(parts)
+
+    def roll_back(self, seq: Sequence) -> None:
+        """After appending: the accepted drafts' KV is valid, the last token's is not computed
+        yet; blocks past the sequence's tokens (rejected slots) go back to the pool."""
+        bm = self.block_manager
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens,
+                                            seq.num_computed_tokens)
+        bm.cache_computed_blocks(seq)
+        bm.free_out_of_window(seq)
+        bm.trim(seq, seq.num_tokens)
