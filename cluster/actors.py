@@ -130,6 +130,7 @@ class WorkerActor(LocalHandle):
         limit_process_threads(spec.log_level, spec.resources.torch_threads)
         super().__init__(build_worker(spec))
         self.spec = spec
+        self.mailboxes = DeltaMailboxes()  # each router's deltas (``--routers N``)
         self.registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="registry")
         self._heartbeat: asyncio.Task | None = None
@@ -170,6 +171,25 @@ class WorkerActor(LocalHandle):
                 await self._beat()
             except Exception as exc:  # noqa: BLE001 - Redis or the engine may recover
                 logger.warning("%s: heartbeat failed: %s", self.spec.worker_id, exc)
+
+    # -- the handle protocol, per router ---------------------------------------------------------
+    async def reserve(self, request: WorkRequest, router: str = ""):
+        self.mailboxes.own(request.request_id, router)
+        return await super().reserve(request)
+
+    async def submit(self, request: WorkRequest, router: str = "") -> None:
+        self.mailboxes.own(request.request_id, router)
+        await super().submit(request)
+
+    async def poll(self, timeout: float, router: str = ""):
+        """The deltas of ``router``'s requests, in the order the worker made them: those
+        another router's poll drained first, else what the worker produces within
+        ``timeout`` (after what other polls drained meanwhile: drains run one at a time)."""
+        mine = self.mailboxes.take(router)
+        if mine:
+            return mine
+        fresh = await super().poll(timeout)
+        return self.mailboxes.take(router) + self.mailboxes.sort(fresh, router)
 
     # -- management ---------------------------------------------------------------------------
     async def set_draining(self, draining: bool = True) -> None:
@@ -213,13 +233,44 @@ def start_worker_actor(spec: WorkerSpec, detached: bool = False,
     return ray.remote(WorkerActor).options(**options).remote(spec)
 
 
-class RayHandle:
-    """The router's handle protocol over a worker actor (see ``pdserve.router.handles``)."""
+class DeltaMailboxes:
+    """A worker's deltas sorted by the router that reserved or submitted their request, so
+    that several routers polling one worker (``--routers N``) each get only their own. A
+    delta of a request no router claimed goes to the router whose poll drained it."""
 
-    def __init__(self, actor, worker_id: str, role: str):
+    def __init__(self) -> None:
+        self._owners: dict[str, str] = {}  # request_id -> router name, until its last delta
+        self._boxes: dict[str, list] = {}  # router name -> deltas drained by another's poll
+
+    def own(self, request_id: str, router: str) -> None:
+        self._owners[request_id] = router
+
+    def take(self, router: str) -> list:
+        return self._boxes.pop(router, [])
+
+    def sort(self, deltas: list, router: str) -> list:
+        """``router``'s share of freshly drained ``deltas``; the rest wait in their boxes."""
+        mine = []
+        for delta in deltas:
+            owner = self._owners.get(delta.request_id, router)
+            if delta.finish_reason is not None:
+                self._owners.pop(delta.request_id, None)
+            if owner == router:
+                mine.append(delta)
+            else:
+                self._boxes.setdefault(owner, []).append(delta)
+        return mine
+
+
+class RayHandle:
+    """The router's handle protocol over a worker actor (see ``pdserve.router.handles``);
+    ``router``: the name of the router actor holding it (its deltas are its own)."""
+
+    def __init__(self, actor, worker_id: str, role: str, router: str = ""):
         self.actor = actor
         self.worker_id = worker_id
         self.role = role
+        self.router = router
         self.dead_at: float | None = None  # time.time() of the first call that found it dead
 
     async def _call(self, method: str, *args):
@@ -242,7 +293,7 @@ class RayHandle:
         await self._call("abort", request_id)
 
     async def reserve(self, request: WorkRequest):
-        return await self._call("reserve", request)
+        return await self._call("reserve", request, self.router)
 
     async def renew(self, request_id: str):
         return await self._call("renew", request_id)
@@ -251,10 +302,10 @@ class RayHandle:
         return await self._call("prefill", request, reservation)
 
     async def submit(self, request: WorkRequest) -> None:
-        await self._call("submit", request)
+        await self._call("submit", request, self.router)
 
     async def poll(self, timeout: float):
-        return await self._call("poll", timeout)
+        return await self._call("poll", timeout, self.router)
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -264,9 +315,10 @@ def _cause(exc: BaseException) -> BaseException:
 class RedisDirectory:
     """WorkerDirectory over the Redis registry: live records + cached actor handles by name."""
 
-    def __init__(self, registry: Registry, namespace: str):
+    def __init__(self, registry: Registry, namespace: str, router: str = ""):
         self.registry = registry
         self.namespace = namespace
+        self.router = router  # the router actor's name, given to every handle
         self._handles: dict[str, RayHandle] = {}
         # worker_id -> (heartbeat_time, stats): the same object until a newer heartbeat, so
         # the router keeps counting what it sent since (WorkerLoad.refresh)
@@ -301,7 +353,7 @@ class RedisDirectory:
         except ValueError:
             logger.info("worker %s is registered but has no live actor", record.worker_id)
             return None
-        return RayHandle(actor, record.worker_id, record.role)
+        return RayHandle(actor, record.worker_id, record.role, self.router)
 
     def handles(self) -> list[RayHandle]:
         """The live handles seen so far."""

@@ -271,8 +271,9 @@ def _cmd_serve(args) -> int:
 
 
 def _with_security(options, prog: str):
-    """``options`` with the API key from $PDSERVE_API_KEY when no --api-key was given, and
-    the TLS files checked readable (exit 2 naming the flag otherwise)."""
+    """``options`` with the API key from $PDSERVE_API_KEY when no --api-key was given (and the
+    Redis URL from $PDSERVE_REDIS_URL when no --redis-url was), and the TLS files checked
+    readable (exit 2 naming the flag otherwise)."""
     import os
 
     from pdserve.router.auth import TLSConfig
@@ -283,6 +284,9 @@ def _with_security(options, prog: str):
             options = dataclasses.replace(options, api_key=key)
         except ValueError as exc:
             _fail(prog, f"PDSERVE_API_KEY: {exc}")
+    redis_url = os.environ.get("PDSERVE_REDIS_URL")
+    if options.redis_url is None and redis_url:
+        options = dataclasses.replace(options, redis_url=redis_url)
     try:
         TLSConfig.from_files(options.tls_cert, options.tls_key, options.tls_client_ca)
     except ValueError as exc:

@@ -38,12 +38,23 @@ import psutil
 
 from pdserve.cluster.actors import WorkerSpec, cluster_namespace
 from pdserve.cluster.autoscaler import SCALED_ROLES, AutoscaleConfig
-from pdserve.cluster.placement import PLACEMENTS, resolve_device, worker_resources
+from pdserve.cluster.placement import (
+    PLACEMENTS,
+    WorkerResources,
+    actor_resources,
+    resolve_device,
+    worker_resources,
+)
 from pdserve.cluster.pool_store import PoolStore
 from pdserve.cluster.pools import PoolSettings, WorkerStartError
 from pdserve.cluster.ray_env import init_ray
 from pdserve.cluster.redis_server import RedisServer
-from pdserve.cluster.router_actor import ROUTER_NAME, RouterSpec, start_router_actor
+from pdserve.cluster.router_actor import (
+    RouterSpec,
+    is_router_name,
+    router_name,
+    start_router_actor,
+)
 from pdserve.engine.config import EngineConfig
 from pdserve.router.auth import ApiKey, TLSConfig
 from pdserve.router.core import RouterConfig
@@ -71,11 +82,14 @@ class ClusterOptions:
     reflection: bool = True  # gRPC server reflection (grpcurl lists the services)
     max_concurrent_rpcs: int | None = 4096  # gRPC calls (and HTTP connections) in progress
     ray_address: str | None = None  # join this Ray cluster instead of starting one
-    redis_url: str | None = None  # use this Redis instead of starting a child
+    redis_url: str | None = None  # use this Redis instead of starting a child; default:
+    # $PDSERVE_REDIS_URL with pdserve serve (a URL with a password stays off the command line)
     engine: dict = field(default_factory=dict)  # EngineConfig overrides for every worker
     router: RouterConfig = field(default_factory=RouterConfig)
     cluster_name: str = ""  # registry prefix / Ray namespace suffix; "" = a fresh one, or
     # "default" when detached (so the next launcher finds the running cluster)
+    num_routers: int = 1  # router actors serving the same pools through Redis (the first one
+    # runs them), placed by the Ray resource pdserve_router as the pools are by theirs
     heartbeat_s: float = 1.0  # worker registry heartbeat period
     ttl_s: float = 5.0  # registry record TTL: a worker without heartbeat this long is gone
     lease_s: float = 60.0  # decode reservation lease: KV must arrive within it
@@ -116,6 +130,8 @@ class ClusterOptions:
         if not 0 < self.heartbeat_s < self.ttl_s:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be > 0 and < ttl_s "
                              f"({self.ttl_s})")
+        if self.num_routers < 1:
+            raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
         if self.worker_cpus < 0:
@@ -197,7 +213,9 @@ class EmbeddedCluster:
         self.metrics_port: int | None = None  # bound metrics port
         self.http_port: int | None = None  # bound HTTP port (None: off)
         self._secret = secrets.token_hex(16)  # this cluster's: prefix-cache salt, join token
-        self.router = None  # router actor handle
+        self.router = None  # the first router actor's handle (it runs the pools)
+        self.routers: list = []  # every router actor's handle, the first one first
+        self.ports: list[int] = []  # each router's bound gRPC port, in that order
         self.workers: dict[str, object] = {}  # worker_id -> actor handle (live ones)
         self.worker_info: dict[str, dict] = {}  # worker_id -> {worker_id, role, pid, node_ip},
         # every worker seen (refresh_workers), so stop can check each process is gone
@@ -260,29 +278,45 @@ class EmbeddedCluster:
         return EngineConfig(model=self.model, **engine)
 
     def start_router(self, timeout: float = 60.0) -> None:
-        """Start the router actor (or adopt a detached one of this cluster); wait until it
-        serves (NOT_SERVING until the pools have workers)."""
+        """Start the router actors (or adopt detached ones of this cluster); wait until they
+        serve (NOT_SERVING until the pools have workers). The first runs the pool manager."""
         opts = self.options
-        spec = RouterSpec(self.model, self.redis_url, self.cluster_name, opts.host, opts.port,
+        # Routers are placed as the pools are (--pool-placement), by pdserve_router.
+        placed = actor_resources(WorkerResources(placement=opts.pool_placement), "router",
+                                 self._ray.cluster_resources())["resources"]
+        for index in range(opts.num_routers):
+            spec = self._router_spec(index, placed)
+            router = self._adoptable_router(spec.name, timeout) or start_router_actor(
+                spec, self.detached)
+            self.routers.append(router)
+        infos = self._ray.get([r.start.remote() for r in self.routers], timeout=timeout)
+        self.router = self.routers[0]
+        self.ports = [info["port"] for info in infos]
+        self.port, self.metrics_port = infos[0]["port"], infos[0]["metrics_port"]
+        self.http_port = infos[0].get("http_port")
+        self._router_pids.update(info["pid"] for info in infos)
+
+    def _router_spec(self, index: int, resources: dict) -> RouterSpec:
+        """Router ``index``'s spec: the first one runs the pools (and the autoscaler)."""
+        opts = self.options
+        first = index == 0
+        return RouterSpec(self.model, self.redis_url, self.cluster_name, opts.host, opts.port,
                           opts.metrics_port, opts.engine.get("max_model_len"), None, opts.router,
                           ttl_s=opts.ttl_s, log_level=opts.log_level,
-                          pools=PoolSettings(tuple(self.worker_specs()), detached=True),
+                          pools=(PoolSettings(tuple(self.worker_specs()), detached=True)
+                                 if first else None),
                           http_port=opts.http_port, api_key=opts.api_key, tls=self.tls(),
                           reflection=opts.reflection,
                           max_concurrent_rpcs=opts.max_concurrent_rpcs,
-                          autoscale=opts.autoscale if opts.autoscale.enabled else None)
-        self.router = self._adoptable_router(timeout) or start_router_actor(spec, self.detached)
-        info = self._ray.get(self.router.start.remote(), timeout=timeout)
-        self.port, self.metrics_port = info["port"], info["metrics_port"]
-        self.http_port = info.get("http_port")
-        self._router_pids.add(info["pid"])
+                          autoscale=opts.autoscale if opts.autoscale.enabled and first else None,
+                          name=router_name(index), resources=resources)
 
-    def _adoptable_router(self, timeout: float):
-        """A live router actor of this cluster name using our Redis, or None (one using
-        another Redis is stale: it and its workers are removed)."""
+    def _adoptable_router(self, name: str, timeout: float):
+        """A live router actor ``name`` of this cluster name using our Redis, or None (one
+        using another Redis is stale: it and its workers are removed)."""
         namespace = cluster_namespace(self.cluster_name)
         try:
-            router = self._ray.get_actor(ROUTER_NAME, namespace=namespace)
+            router = self._ray.get_actor(name, namespace=namespace)
         except ValueError:
             return None
         try:
@@ -373,16 +407,19 @@ class EmbeddedCluster:
         return TLSConfig.from_files(opts.tls_cert, opts.tls_key, opts.tls_client_ca)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Block until health says SERVING (``PdserveError`` after ``timeout``); with TLS the
-        router actor is asked instead (this process may hold no client certificate)."""
+        """Block until health says SERVING (``PdserveError`` after ``timeout``); with TLS, or
+        on a joined cluster (the routers may run on other nodes), or with several routers,
+        the router actors are asked instead (this process may hold no client certificate)."""
         from pdserve.api.client import PdserveClient, PdserveError
 
-        if self.options.tls_cert is None:
+        opts = self.options
+        if opts.tls_cert is None and opts.ray_address is None and len(self.routers) <= 1:
             with PdserveClient(self.target) as client:
                 client.wait_ready(timeout)
             return
         deadline = time.monotonic() + timeout
-        while not self._ray.get(self.router.is_serving.remote(), timeout=timeout):
+        while not all(self._ray.get([r.is_serving.remote() for r in self.routers],
+                                    timeout=timeout)):
             if time.monotonic() > deadline:
                 import grpc
 
@@ -401,6 +438,12 @@ class EmbeddedCluster:
     def target(self) -> str:
         host = "127.0.0.1" if self.options.host in ("0.0.0.0", "") else self.options.host
         return f"{host}:{self.port}"
+
+    @property
+    def targets(self) -> list[str]:
+        """Every router's gRPC address (``target`` is the first's); on one machine."""
+        host = self.target.rsplit(":", 1)[0]
+        return [f"{host}:{port}" for port in self.ports]
 
     @property
     def http_url(self) -> str | None:
@@ -461,8 +504,8 @@ class EmbeddedCluster:
         """Every worker pid the pool manager recorded, and the router's current pid."""
         if self.store is not None:
             self._worker_pids.update(pid for _node, pid in _quiet_value(self.store.pids, set()))
-        if self.router is not None and self._ray is not None:
-            info = _quiet_value(lambda: self._ray.get(self.router.info.remote(), timeout=10),
+        for router in self.routers if self._ray is not None else []:
+            info = _quiet_value(lambda r=router: self._ray.get(r.info.remote(), timeout=10),
                                 None)
             if info is not None:
                 self._router_pids.add(info["pid"])
@@ -506,7 +549,7 @@ class EmbeddedCluster:
         namespace = cluster_namespace(self.cluster_name)
         found = []
         for entry in self._ray.util.list_named_actors(all_namespaces=True):
-            if entry["namespace"] == namespace and entry["name"] != ROUTER_NAME:
+            if entry["namespace"] == namespace and not is_router_name(entry["name"]):
                 actor = _quiet_value(lambda e=entry: self._ray.get_actor(e["name"],
                                                                          namespace=namespace),
                                      None)
@@ -516,16 +559,17 @@ class EmbeddedCluster:
 
     def _stop_actors(self, timeout: float) -> None:
         ray = self._ray
-        if self.router is not None:  # first: its pool manager must not replace what goes now
-            _quietly(lambda: ray.get(self.router.stop.remote(), timeout=timeout), "router stop")
+        # Routers first: a pool manager must not replace what goes now.
+        for router in self.routers:
+            _quietly(lambda r=router: ray.get(r.stop.remote(), timeout=timeout), "router stop")
         workers = self._named_workers()
         closing = [a.close.remote() for a in workers]
         _quietly(lambda: ray.wait(closing, num_returns=len(closing), timeout=timeout),
                  "worker close")
-        for actor in [*workers, self.router]:
-            if actor is not None:
-                _quietly(lambda actor=actor: ray.kill(actor, no_restart=True), "actor kill")
+        for actor in [*workers, *self.routers]:
+            _quietly(lambda actor=actor: ray.kill(actor, no_restart=True), "actor kill")
         self.workers.clear()
+        self.routers.clear()
         self.router = None
 
 

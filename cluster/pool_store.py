@@ -11,7 +11,8 @@ under ``pdserve:<cluster>:worker:`` beside them):
   started and has not removed, so a restarted manager adopts them by name;
 * ``pids`` -> set of ``node_ip:pid`` of every worker started (stop checks they are gone);
 * ``router`` -> hash with the router's bound ``port`` and ``metrics_port``: a router restarted
-  by Ray binds the same ports.
+  by Ray binds the same ports (each further router ``router-<i>`` of ``--routers N`` has its
+  own hash under its name).
 """
 
 from __future__ import annotations
@@ -121,14 +122,14 @@ class PoolStore:
         return out
 
     # -- the router ---------------------------------------------------------------------------
-    def save_router(self, port: int, metrics_port: int | None) -> None:
+    def save_router(self, port: int, metrics_port: int | None, name: str = "router") -> None:
         mapping = {"port": port, "metrics_port": "" if metrics_port is None else metrics_port}
-        self.client.hset(self.prefix + "router", mapping=mapping)
+        self.client.hset(self.prefix + name, mapping=mapping)
 
-    def router_ports(self) -> tuple[int | None, int | None]:
-        """(port, metrics_port) a previous router bound, None where unknown."""
+    def router_ports(self, name: str = "router") -> tuple[int | None, int | None]:
+        """(port, metrics_port) a previous router ``name`` bound, None where unknown."""
         raw = {k.decode(): v.decode() for k, v in
-               self.client.hgetall(self.prefix + "router").items()}
+               self.client.hgetall(self.prefix + name).items()}
         port, metrics = raw.get("port"), raw.get("metrics_port")
         return (int(port) if port else None, int(metrics) if metrics else None)
 

@@ -6,6 +6,11 @@ Lifecycle:
 1. Created by name ("router") in the cluster's Ray namespace with ``num_cpus=0`` and
    ``max_restarts=-1``: if its process dies, Ray starts it again (detached on a long-lived
    cluster, so it outlives the ``pdserve serve`` that created it).
+   With ``--routers N`` there are N router actors, ``router`` and ``router-1`` ...; only
+   ``router`` runs the pool manager (and the autoscaler and Admin); the others serve the same
+   pools from the same registry in Redis. Each asks Ray for one unit of ``pdserve_router``
+   as a worker asks for its pool's resource (``--pool-placement``): on nodes advertising one
+   unit each, every router has a node of its own (one router pod each on Kubernetes).
 2. ``start()`` (idempotent) reads the model's limits and tokenizer from the checkpoint folder,
    builds the ``Router`` over a :class:`RedisDirectory`, starts the pool manager
    (``pdserve.cluster.pools``; it adopts the live workers Redis lists) and, with
@@ -90,6 +95,10 @@ class RouterSpec:
     max_concurrent_rpcs: int | None = None  # gRPC calls / HTTP connections in progress, at most
     autoscale: AutoscaleConfig | None = None  # the autoscaler (needs pools; None or not
     # enabled: fixed targets)
+    name: str = ROUTER_NAME  # the actor's name; "router" runs the pools, "router-<i>" serve
+    # beside it
+    resources: dict = field(default_factory=dict)  # Ray custom resources it asks for
+    # ({"pdserve_router": 1} where nodes advertise it)
 
 
 class ModelPromptTools:
@@ -188,7 +197,7 @@ class RouterActor:
         self._tools = await asyncio.to_thread(ModelPromptTools, tokenizer, spec.model)
         registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
         store = PoolStore(spec.redis_url, spec.cluster)
-        self.directory = RedisDirectory(registry, cluster_namespace(spec.cluster))
+        self.directory = RedisDirectory(registry, cluster_namespace(spec.cluster), spec.name)
         metrics = RouterMetrics()
         self.router = Router(model, self.directory, tokenize, spec.config, metrics)
         await self.router.start()
@@ -210,7 +219,7 @@ class RouterActor:
     async def _serve(self, store: PoolStore, metrics: RouterMetrics) -> tuple[int, int | None]:
         """Bind gRPC and metrics (the ports a previous incarnation saved, when asked for any)."""
         spec = self.spec
-        saved_port, saved_metrics = await asyncio.to_thread(store.router_ports)
+        saved_port, saved_metrics = await asyncio.to_thread(store.router_ports, spec.name)
         port = spec.port or saved_port or 0
         metrics_port = spec.metrics_port
         if metrics_port == 0 and saved_metrics is not None:
@@ -245,7 +254,7 @@ class RouterActor:
                     await self.http.stop(0)
                     self.http = None
                 await asyncio.sleep(0.5)
-        await asyncio.to_thread(store.save_router, port, metrics_port)
+        await asyncio.to_thread(store.save_router, port, metrics_port, spec.name)
         return port, metrics_port
 
     async def info(self) -> dict:
@@ -307,5 +316,16 @@ def start_router_actor(spec: RouterSpec, detached: bool = False):
     """Create the router actor (asynchronously); call ``start.remote()`` to serve. Ray
     restarts it whenever its process dies; ``detached``: it outlives this process."""
     return ray.remote(RouterActor).options(
-        name=ROUTER_NAME, namespace=cluster_namespace(spec.cluster), num_cpus=0, max_restarts=-1,
-        max_concurrency=1000, lifetime="detached" if detached else None).remote(spec)
+        name=spec.name, namespace=cluster_namespace(spec.cluster), num_cpus=0,
+        resources=spec.resources, max_restarts=-1, max_concurrency=1000,
+        lifetime="detached" if detached else None).remote(spec)
+
+
+def router_name(index: int) -> str:
+    """The actor name of router ``index`` of ``--routers N``: "router", "router-1", ..."""
+    return ROUTER_NAME if index == 0 else f"{ROUTER_NAME}-{index}"
+
+
+def is_router_name(name: str) -> bool:
+    return name == ROUTER_NAME or (name.startswith(ROUTER_NAME + "-")
+                                   and name[len(ROUTER_NAME) + 1:].isdigit())

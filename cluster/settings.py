@@ -110,6 +110,7 @@ RENAMES: dict[tuple[str, str], Rename] = {
     ("cluster", "num_prefill"): Rename("--prefill"),
     ("cluster", "num_decode"): Rename("--decode"),
     ("cluster", "ttl_s"): Rename("--registry-ttl-s"),
+    ("cluster", "num_routers"): Rename("--routers"),
     ("autoscale", "enabled"): Rename("--autoscale"),
     ("autoscale", "window_s"): Rename("--autoscale-window-s"),
     ("autoscale", "min_samples"): Rename("--autoscale-min-samples"),
