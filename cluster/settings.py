@@ -7,7 +7,8 @@ serve`` and ``pdserve demo``:
 1. Name: the field in kebab case (``max_num_batched_tokens`` -> ``--max-num-batched-tokens``,
    which is also vLLM's name for every engine setting both have), except :data:`RENAMES`.
 2. Type from the annotation: ``int``, ``float``, ``str`` (with :data:`CHOICES` where the config
-   validates a fixed set), ``bool`` as ``--x`` / ``--no-x``; ``X | None`` also takes ``none``.
+   validates a fixed set), ``bool`` as ``--x`` / ``--no-x``, ``dict`` as a JSON object
+   (``--speculative-config '{"method": "ngram", ...}'``); ``X | None`` also takes ``none``.
 3. Help: the field's comment in the dataclass source (trailing, with its continuation lines,
    or the comment lines above it) and the default the command starts from.
 4. Default ``argparse.SUPPRESS``: only the flags a user passes reach the configs, so each
@@ -26,6 +27,7 @@ import ast
 import dataclasses
 import inspect
 import io
+import json
 import re
 import textwrap
 import tokenize
@@ -148,7 +150,8 @@ class Setting:
         """Flag text -> field value (argparse calls it; ValueError = invalid value)."""
         if self.optional and text.lower() == "none":
             return None
-        value = (self.rename.parse if self.rename and self.rename.parse else self.kind)(text)
+        parse = _json_object if self.kind is dict else self.kind
+        value = (self.rename.parse if self.rename and self.rename.parse else parse)(text)
         if self.rename and self.rename.to_field:
             value = self.rename.to_field(value)
         return value
@@ -206,7 +209,7 @@ def _kind(annotation) -> tuple[type, bool]:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         optional = len(args) < len(typing.get_args(annotation))
         annotation = args[0] if len(args) == 1 else annotation
-    if annotation not in (int, float, str, bool):
+    if annotation not in (int, float, str, bool, dict):
         raise TypeError(f"no flag type for {annotation!r}")
     return annotation, optional
 
@@ -283,7 +286,8 @@ def _named(parse: Callable[[str], object], s: Setting) -> Callable[[str], object
     def typed(text: str):
         return parse(text)
 
-    name = (s.rename.parse.__name__ if s.rename and s.rename.parse else s.kind.__name__)
+    name = (s.rename.parse.__name__ if s.rename and s.rename.parse
+            else "JSON object" if s.kind is dict else s.kind.__name__)
     typed.__name__ = f"{name} (or none)" if s.optional else name
     return typed
 
@@ -293,7 +297,15 @@ def _metavar(s: Setting) -> str:
         return s.rename.unit.upper()
     if s.kind is float and s.name.endswith("_s"):
         return "SECONDS"
-    return {int: "N", float: "X", str: s.name.upper()}[s.kind]
+    return {int: "N", float: "X", str: s.name.upper(), dict: "JSON"}[s.kind]
+
+
+def _json_object(text: str) -> dict:
+    """A ``dict`` field's flag: a JSON object (ValueError otherwise)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(text)
+    return value
 
 
 @dataclass

@@ -47,12 +47,12 @@ class EngineConfig:
     seed: int = 0  # seeds the random streams of requests that bring no seed
     scheduling_policy: str = "fcfs"  # fcfs | priority: lower SamplingParams.priority first in
     # admission, prefill chunks and preemption (the router's waiting queue follows it too)
+    speculative_config: dict | None = None  # speculative decoding on decode and colocated
+    # workers, vLLM's keys: {"method": "draft_model", "model": DIR, "num_speculative_tokens":
+    # K} or {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
+    # "prompt_lookup_min": M} (docs/speculative_decoding.md); None: off
     prefix_cache_salt: str | None = None  # secret mixed into every prefix-cache block hash,
     # one per cluster (the launcher generates it); None: each engine draws its own
-    speculative_config: dict | None = None  # speculative decoding on decode and colocated
-    # workers, vLLM's keys: {"method": "draft_model", "model": DIR, "num_speculative_tokens": K}
-    # or {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
-    # "prompt_lookup_min": M} (docs/speculative_decoding.md)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
