@@ -38,7 +38,7 @@ class ColocatedWorker:
         return self.loop.call(self._abort, request_id)
 
     def poll(self, timeout: float | None = None) -> list[RequestDelta]:
-        return self.loop.outbox.drain(timeout)
+        return self.engine.render(self.loop.outbox.drain(timeout))  # text made here
 
     def stats(self) -> Future:
         return self.loop.call(self._stats)

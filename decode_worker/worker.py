@@ -106,7 +106,7 @@ class DecodeWorker:
 
     def poll(self, timeout: float | None = None) -> list[RequestDelta]:
         """Deltas produced since the last poll (blocks up to ``timeout`` when none)."""
-        return self.loop.outbox.drain(timeout)
+        return self.engine.render(self.loop.outbox.drain(timeout))  # text made here
 
     def stats(self) -> Future:
         return self.loop.call(self._stats)

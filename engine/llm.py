@@ -99,7 +99,7 @@ class LLM:
             while pending:
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine went idle with requests unfinished")
-                deltas = self.engine.step()
+                deltas = self.engine.render(self.engine.step())
                 now = time.monotonic()
                 for delta in deltas:
                     out = outputs[delta.request_id]

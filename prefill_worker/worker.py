@@ -81,7 +81,7 @@ class PrefillWorker(StepHooks):
             raise ValueError(f"layers_per_frame must be >= 1, got {layers_per_frame}")
         self.worker_id = worker_id
         self.engine = LLMEngine(parts, policy=PrefillOnlyPolicy(parts.config.scheduling_policy),
-                                hooks=self)
+                                hooks=self, defer_text=False)  # token 0's text, now
         self.connector = connector
         self.overlap = overlap
         self.layers_per_frame = layers_per_frame
