@@ -19,7 +19,8 @@ Semantics, applied per row in this order (Hugging Face / vLLM / OpenAI conventio
    - min-p (0 = off): keep tokens with ``p >= min_p * p_max`` (a ratio, so renormalizing first
      changes nothing). The order top-k, top-p, min-p is Hugging Face's.
 5. The draw is an inverse-CDF draw from the filtered distribution with ONE uniform per row,
-   ``u = draw_uniform(seed, position)`` (a splitmix64 hash of the request's seed and the output
+   ``u = draw_uniform(seed, position)`` (``draw_uniforms`` computes the batch's as tensor ops,
+   bit for bit the same) (a splitmix64 hash of the request's seed and the output
    position): the token is the first whose cumulative probability (in token id order) exceeds
    ``u``. It depends only on (seed, position, the row's logits): not on the other rows, the row
    index or which process samples it (the prefill worker draws position 0, the decode worker the
@@ -93,6 +94,34 @@ def draw_uniform(seed: int, position: int) -> float:
     """
     mixed = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
     return (mixed >> 11) * 2.0**-53
+
+
+def _as_int64(value: int) -> int:
+    """The 64-bit pattern of ``value`` as a signed int64 (what a torch int64 tensor holds)."""
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors read as uint64 (``>>`` on int64 is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_splitmix64` on an int64 tensor: int64 add and multiply wrap mod 2**64."""
+    x = x + _as_int64(0x9E3779B97F4A7C15)
+    x = (x ^ _shift_right(x, 30)) * _as_int64(0xBF58476D1CE4E5B9)
+    x = (x ^ _shift_right(x, 27)) * _as_int64(0x94D049BB133111EB)
+    return x ^ _shift_right(x, 31)
+
+
+def draw_uniforms(seeds: list[int], positions: list[int], device=None) -> torch.Tensor:
+    """(rows,) float64: ``draw_uniform(seeds[i], positions[i])`` for every row, bit for bit,
+    computed as tensor ops (one host copy) instead of a Python hash per row."""
+    keys = torch.tensor([[_as_int64(s) for s in seeds], [_as_int64(p) for p in positions]],
+                        dtype=torch.int64, device=device)
+    mixed = _splitmix64_tensor(_splitmix64_tensor(keys[0]) ^ keys[1])
+    return _shift_right(mixed, 11).to(torch.float64) * 2.0**-53
 
 
 def _flat_ids(rows: list[int], id_lists: list[list[int]], vocab: int, device,
@@ -339,19 +368,19 @@ class Sampler:
     def _sample(logits: torch.Tensor, rows: list[SamplingRow],
                 indices: list[int]) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=dev)
+        # the rows' parameters in one host copy each: (temperature, top_p, min_p) and top_k
+        floats = torch.tensor([(r.params.temperature, r.params.top_p, r.params.min_p)
+                               for r in rows], dtype=logits.dtype, device=dev)
+        temps, top_p, min_p = floats[:, 0], floats[:, 1], floats[:, 2]
         if len(indices) == logits.shape[0]:
             scaled = logits / temps[:, None]  # (num_sampled, vocab), a fresh tensor
         else:
             scaled = logits.index_select(0, torch.tensor(indices, device=dev)).div_(temps[:, None])
         weights = softmax_weights(scaled)
-        top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.int64, device=dev)
-        top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=dev)
-        min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=dev)
         if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in rows):
+            top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.int64, device=dev)
             weights = filter_weights(weights, top_k, top_p, min_p)
-        uniforms = torch.tensor([draw_uniform(r.seed, r.position) for r in rows],
-                                dtype=torch.float64, device=dev)
+        uniforms = draw_uniforms([r.seed for r in rows], [r.position for r in rows], dev)
         return inverse_cdf_draw(weights, uniforms)
 
     @staticmethod

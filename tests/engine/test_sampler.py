@@ -14,6 +14,7 @@ from pdserve.engine.sampler import (
     Sampler,
     SamplingRow,
     draw_uniform,
+    draw_uniforms,
     filter_weights,
     inverse_cdf_draw,
     softmax_weights,
@@ -266,6 +267,17 @@ def test_draw_uniform_is_a_fixed_function():
 
 PINNED_UNIFORMS = [0.6524484863740322, 0.36818951565166946, 0.03401170130434639,
                    0.10134950925237729]
+
+
+def test_draw_uniforms_equal_draw_uniform_bit_for_bit():
+    """The batch's uniforms come from tensor ops; they must be the scalar hash exactly."""
+    rng = random.Random(3)
+    seeds = [0, 1, -1, 2**63 - 1, -(2**63), 2**64 - 1, 2**70 + 5]
+    seeds += [rng.randrange(-(2**63), 2**64) for _ in range(500)]
+    positions = [rng.randrange(0, 2**40) for _ in seeds]
+    vector = draw_uniforms(seeds, positions).tolist()
+    assert vector == [draw_uniform(s, p) for s, p in zip(seeds, positions, strict=True)]
+    assert all(0.0 <= u < 1.0 for u in vector)
 
 
 def test_inverse_cdf_never_draws_zero_weight_tokens():
