@@ -9,19 +9,29 @@ Fixtures:
   workers' (to observe NOT_SERVING). Stop it yourself (module fixtures do, in teardown).
 * ``e2e``: helpers (:class:`Helpers`): prompts, the offline reference, waiting on stats,
   ``wait_for(predicate, timeout, what)``: the one way tests poll for a condition.
+* ``ray_node_processes``: :class:`RayNodes`, a multi-node Ray cluster as local processes
+  (``RayNodes(tmp_dir)``; stop it with ``stop()``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import secrets
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
-from pdserve.cluster.redis_server import RedisServer
+from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster, is_running
+from pdserve.cluster.redis_server import RedisServer, free_port
 from pdserve.testing import wait_for
 
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=32)
@@ -163,3 +173,88 @@ def model_dir(hf_checkpoint):
 @pytest.fixture(scope="session")
 def e2e() -> Helpers:
     return Helpers()
+
+
+HERE = Path(__file__).parent
+RAY = [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
+NODE_START_S = 120.0  # bound on one Ray node coming up
+
+
+class RayNodes:
+    """A head and joined nodes as local processes (``ray start --block``), stopped by pid.
+    ``RAY`` runs a head; ``join_command`` a node that joins it over loopback (ray_node.py)."""
+
+    def __init__(self, tmp: str):
+        self.tmp = tmp
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        # One token for every process of this cluster (the head turns token auth on).
+        self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
+                    "RAY_AUTH_TOKEN": secrets.token_hex(16),
+                    "RAY_raylet_start_wait_time_s": "120"}
+        self.nodes: dict[str, subprocess.Popen] = {}  # name -> its `ray start` process
+        self._seen: set[int] = set()  # every process of theirs seen, for the teardown
+
+    def start(self, name: str, command: list[str]) -> subprocess.Popen:
+        log = Path(self.tmp, f"{name}.log")
+        common = ["--block", "--node-ip-address", "127.0.0.1", "--disable-usage-stats",
+                  "--dashboard-agent-listen-port", str(free_port())]
+        proc = subprocess.Popen([*command, *common], env=self.env, stdout=log.open("w"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.nodes[name] = proc
+        deadline = time.monotonic() + NODE_START_S
+        while "Ray runtime started" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"Ray node {name} did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        self.remember()
+        return proc
+
+    def head(self) -> None:
+        self.start("head", [*RAY, "start", "--head", "--port", str(self.port), "--num-cpus",
+                            "0", "--include-dashboard", "false", "--temp-dir",
+                            str(Path(self.tmp, "ray"))])
+
+    def join_command(self) -> list[str]:
+        """``ray start`` for a node joining over loopback (add ``--address`` and the rest)."""
+        return [sys.executable, str(HERE / "ray_node.py"), "start"]
+
+    def join(self, name: str, resources: dict) -> None:
+        self.start(name, [*self.join_command(), "--address", self.address, "--num-cpus", "1",
+                          "--resources", json.dumps(resources)])
+
+    def remember(self) -> None:
+        for proc in self.nodes.values():
+            try:
+                self._seen |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                pass
+
+    def tree(self, name: str) -> set[int]:
+        """Every live process under node ``name``'s ``ray start``."""
+        return {p.pid for p in psutil.Process(self.nodes[name].pid).children(recursive=True)}
+
+    def stop(self) -> None:
+        """SIGTERM every node (its ``ray start --block`` stops its own processes), then
+        SIGKILL whatever of theirs is left."""
+        self.remember()
+        for proc in reversed(list(self.nodes.values())):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.nodes.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for pid in self._seen:
+            if is_running(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+@pytest.fixture(scope="session")
+def ray_node_processes() -> type[RayNodes]:
+    return RayNodes

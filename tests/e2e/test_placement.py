@@ -11,107 +11,24 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-from pathlib import Path
 
-import psutil
 import pytest
 
 from pdserve.cluster.launcher import is_running
+from pdserve.cluster.redis_server import free_port
 
 pytestmark = pytest.mark.e2e
 
-HERE = Path(__file__).parent
-RAY = [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
-START_S = 120.0  # bound on one Ray node, or the served cluster, coming up
+START_S = 120.0  # bound on the served cluster coming up
 MAX_TOKENS = 16
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RayNodes:
-    """A head and joined nodes as local processes (``ray start --block``), stopped by pid."""
-
-    def __init__(self, tmp: str):
-        self.tmp = tmp
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        # One token for every process of this cluster (the head turns token auth on).
-        self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
-                    "RAY_AUTH_TOKEN": secrets.token_hex(16),
-                    "RAY_raylet_start_wait_time_s": "120"}
-        self.nodes: dict[str, subprocess.Popen] = {}  # name -> its `ray start` process
-        self._seen: set[int] = set()  # every process of theirs seen, for the teardown
-
-    def start(self, name: str, command: list[str]) -> subprocess.Popen:
-        log = Path(self.tmp, f"{name}.log")
-        common = ["--block", "--node-ip-address", "127.0.0.1", "--disable-usage-stats",
-                  "--dashboard-agent-listen-port", str(free_port())]
-        proc = subprocess.Popen([*command, *common], env=self.env, stdout=log.open("w"),
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        self.nodes[name] = proc
-        deadline = time.monotonic() + START_S
-        while "Ray runtime started" not in log.read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"Ray node {name} did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        self.remember()
-        return proc
-
-    def head(self) -> None:
-        self.start("head", [*RAY, "start", "--head", "--port", str(self.port), "--num-cpus",
-                            "0", "--include-dashboard", "false", "--temp-dir",
-                            str(Path(self.tmp, "ray"))])
-
-    def join(self, name: str, resources: dict) -> None:
-        self.start(name, [sys.executable, str(HERE / "ray_node.py"), "start", "--address",
-                          self.address, "--num-cpus", "1", "--resources",
-                          json.dumps(resources)])
-
-    def remember(self) -> None:
-        for proc in self.nodes.values():
-            try:
-                self._seen |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-            except psutil.NoSuchProcess:
-                pass
-
-    def tree(self, name: str) -> set[int]:
-        """Every live process under node ``name``'s ``ray start``."""
-        return {p.pid for p in psutil.Process(self.nodes[name].pid).children(recursive=True)}
-
-    def stop(self) -> None:
-        """SIGTERM every node (its ``ray start --block`` stops its own processes), then
-        SIGKILL whatever of theirs is left."""
-        self.remember()
-        for proc in reversed(list(self.nodes.values())):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.nodes.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in self._seen:
-            if is_running(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-
-def ray_view(nodes: RayNodes) -> dict:
+def ray_view(nodes) -> dict:
     """{"nodes": [resources of each live node], "actors": [named actors]}, asked by a new
     driver process (this one may hold the test session's own Ray)."""
     code = (f"import json, ray; ray.init(address={nodes.address!r}, logging_level=40); "
@@ -124,9 +41,9 @@ def ray_view(nodes: RayNodes) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ray_nodes():
+def ray_nodes(ray_node_processes):
     tmp = tempfile.mkdtemp(prefix="pdnodes-", dir="/tmp")  # short: Ray's socket paths
-    nodes = RayNodes(tmp)
+    nodes = ray_node_processes(tmp)
     try:
         nodes.head()
         nodes.join("prefill-node", {"pdserve_prefill": 1})

@@ -1,0 +1,270 @@
+"""The Helm chart, without a Kubernetes API server: Helm's linter (strict) and renderer for
+every values file under helm/pdserve/ci/, every core object validated against the pinned
+Kubernetes schema (strict), the RayCluster against KubeRay's CRD schema, and assertions on
+what the objects say (helm-unittest style). The chart smoke run (tests/e2e/
+test_chart_smoke.py) then runs the rendered commands on this machine."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "pdserve"
+KUBERNETES = "1.31.0"  # the Kubernetes version the objects are validated against
+CI_FILES = sorted(p.name.removesuffix("-values.yaml") for p in (CHART / "ci").glob("*.yaml"))
+NOT_CORE = ("ray.io/", "monitoring.coreos.com/")  # validated against their own CRDs
+
+
+def pod_specs(rendered) -> dict[str, dict]:
+    """component -> pod spec, for every pod the release runs (RayCluster groups included)."""
+    specs = {}
+    for obj in rendered.objects:
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            specs[obj["metadata"]["name"]] = obj["spec"]["template"]["spec"]
+        elif obj["kind"] == "RayCluster":
+            specs["ray-head"] = obj["spec"]["headGroupSpec"]["template"]["spec"]
+            for group in obj["spec"]["workerGroupSpecs"]:
+                specs[group["groupName"]] = group["template"]["spec"]
+    return specs
+
+
+def containers(spec: dict) -> list[dict]:
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def group(rendered, name: str) -> dict:
+    cluster = rendered.one("RayCluster")
+    return next(g for g in cluster["spec"]["workerGroupSpecs"] if g["groupName"] == name)
+
+
+def controller_args(rendered) -> list[str]:
+    return rendered.one("Deployment", "-controller")["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+
+
+@pytest.mark.parametrize("name", CI_FILES)
+def test_lint_strict(name, values_files):
+    import helm_python
+
+    report = helm_python.lint(str(CHART), values_files[name], strict=True,
+                              kube_version=f"v{KUBERNETES}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], report
+
+
+@pytest.mark.parametrize("name", CI_FILES)
+def test_core_objects_validate_strictly(name, values_files, render):
+    import kubernetes_validate
+
+    rendered = render(values_files[name])
+    core = [o for o in rendered.objects if not o["apiVersion"].startswith(NOT_CORE)]
+    assert {"Deployment", "Service", "Secret", "PodDisruptionBudget"} <= {o["kind"]
+                                                                          for o in core}
+    for obj in core:
+        kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+
+
+@pytest.mark.parametrize("name", CI_FILES)
+def test_raycluster_validates_against_kuberay_crd(name, values_files, render, kuberay_schema):
+    import jsonschema
+
+    cluster = render(values_files[name]).one("RayCluster")
+    assert cluster["apiVersion"] == "ray.io/v1"
+    jsonschema.validate(cluster, kuberay_schema)
+
+
+@pytest.fixture(scope="module")
+def kuberay_schema(kuberay_crd) -> dict:
+    """The CRD's v1 schema (read once: the file is large)."""
+    crd = yaml.load(kuberay_crd.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return _strict(version["schema"]["openAPIV3Schema"])
+
+
+def _strict(schema):
+    """The CRD's schema with unknown fields refused (what the API server prunes), so a
+    misspelt field fails here instead of vanishing."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out \
+                and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+        if out.get("x-kubernetes-int-or-string"):
+            out.pop("type", None)
+            out.setdefault("anyOf", [{"type": "integer"}, {"type": "string"}])
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+def test_raycluster_shape(render):
+    cluster = render().one("RayCluster")
+    head = cluster["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"  # no worker or router on the head
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"prefill", "decode", "router"}
+    for role in ("prefill", "decode", "router"):
+        params = groups[role]["rayStartParams"]
+        resources = json.loads(shlex.split(params["resources"])[0])  # as bash hands it to Ray
+        assert resources == {f"pdserve_{role}": 1}
+    gcs = cluster["spec"]["gcsFaultToleranceOptions"]
+    assert gcs["redisAddress"] == "pd-pdserve-redis:6379"
+    assert gcs["redisPassword"]["valueFrom"]["secretKeyRef"]["name"] == "pd-pdserve-redis"
+
+
+def test_replicas_and_resources_follow_values(render):
+    values = {"prefill": {"replicas": 3, "minReplicas": 2, "maxReplicas": 5,
+                          "resources": {"limits": {"cpu": "3", "memory": "5Gi"}}},
+              "decode": {"replicas": 2, "minReplicas": 1, "maxReplicas": 7},
+              "router": {"replicas": 2}, "workerCpus": 2}
+    rendered = render(values)
+    prefill, decode, router = (group(rendered, n) for n in ("prefill", "decode", "router"))
+    assert (prefill["replicas"], prefill["minReplicas"], prefill["maxReplicas"]) == (3, 2, 5)
+    assert (decode["replicas"], decode["minReplicas"], decode["maxReplicas"]) == (2, 1, 7)
+    assert router["replicas"] == router["minReplicas"] == router["maxReplicas"] == 2
+    assert prefill["template"]["spec"]["containers"][0]["resources"] == {
+        "limits": {"cpu": "3", "memory": "5Gi"}, "requests": {"cpu": "1", "memory": "4Gi"}}
+    assert prefill["rayStartParams"]["num-cpus"] == "2"
+    args = " ".join(controller_args(rendered))
+    for flags in ("--prefill 3", "--decode 2", "--routers 2", "--worker-cpus 2",
+                  "--pool-placement require"):
+        assert flags in args
+
+
+def test_gpu_values_give_gpu_limits_and_workers_that_ask_ray_for_them(values_files, render):
+    rendered = render(values_files["gpu"])
+    for role in ("prefill", "decode"):
+        g = group(rendered, role)
+        limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == 1
+        assert g["rayStartParams"]["num-gpus"] == "1"  # the pod's Ray node has the GPU
+        assert g["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    args = controller_args(rendered)
+    assert args[args.index("--device") + 1] == "cuda"  # so each worker asks Ray for one
+    assert "num-gpus" not in group(rendered, "router")["rayStartParams"]
+    assert "--device" not in controller_args(render())
+
+
+def test_engine_args_merge_and_pdserve_accepts_the_controller_flags(values_files, render):
+    from pdserve.cluster.cli import build_parser
+    from pdserve.cluster.launcher import ClusterOptions
+    from pdserve.cluster.settings import options_from_args
+
+    args = controller_args(render(values_files["gpu"]))
+    assert args[0] == "serve"
+    parsed = build_parser().parse_args(args)
+    options = options_from_args(parsed, ClusterOptions())
+    assert options.engine == {"dtype": "bfloat16", "max_num_batched_tokens": 8192,
+                              "kv_cache_dtype": "int8", "device": "cuda"}
+    assert (options.num_prefill, options.num_decode, options.num_routers) == (1, 2, 1)
+    assert options.ray_address == "ray://pd-pdserve-head-svc:10001"
+    assert (options.host, options.port, options.http_port, options.metrics_port) == (
+        "0.0.0.0", 50051, 8000, 9400)
+
+
+def test_autoscaling_values_are_a_file_pdserve_reads(values_files, render, tmp_path):
+    from pdserve.cluster.autoscaler import config_file_values
+
+    rendered = render(values_files["autoscaling"])
+    text = rendered.one("ConfigMap", "-autoscale")["data"]["autoscale.yaml"]
+    (tmp_path / "autoscale.yaml").write_text(text)
+    values = config_file_values(tmp_path / "autoscale.yaml")
+    assert values["enabled"] is True and values["predictive"] is True
+    assert (values["min_prefill"], values["max_prefill"]) == (1, 3)
+    assert (values["min_decode"], values["max_decode"]) == (1, 6)
+    assert values["ttft_slo_ms"] == 500
+    args = controller_args(rendered)
+    assert args[args.index("--autoscale-config") + 1] == "/etc/pdserve/autoscale.yaml"
+    assert rendered.one("RayCluster")["spec"]["enableInTreeAutoscaling"] is True
+    assert rendered.one("ServiceMonitor")["spec"]["endpoints"][0]["port"] == "metrics"
+    assert not render().of("ConfigMap") and not render().of("ServiceMonitor")
+
+
+def test_external_redis(values_files, render):
+    rendered = render(values_files["external-redis"])
+    assert not rendered.of("StatefulSet")
+    assert {s["metadata"]["name"] for s in rendered.of("Secret")} == {"pd-pdserve-ray-token"}
+    env = {e["name"]: e for e in rendered.one("Deployment", "-controller")["spec"]["template"][
+        "spec"]["containers"][0]["env"]}
+    assert env["PDSERVE_REDIS_URL"]["value"] == \
+        "redis://:$(REDIS_PASSWORD)@redis-master.data.svc:6379/2"
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "shared-redis", "key": "redis-password"}
+    assert env["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "pdserve-api-key"
+    gcs = rendered.one("RayCluster")["spec"]["gcsFaultToleranceOptions"]
+    assert gcs["redisAddress"] == "redis-master.data.svc:6379"
+
+
+@pytest.mark.parametrize("name", CI_FILES)
+def test_no_literal_secret_in_any_env(name, values_files, render):
+    rendered = render(values_files[name])
+    secrets = {base64.b64decode(v).decode() for s in rendered.of("Secret")
+               for v in s.get("data", {}).values()}
+    text = yaml.safe_dump(rendered.objects)
+    for obj in rendered.objects:
+        if obj["kind"] != "Secret":
+            assert not any(secret in yaml.safe_dump(obj) for secret in secrets), obj["kind"]
+    for spec in pod_specs(rendered).values():
+        for container in containers(spec):
+            for env in container.get("env", []):
+                if re.search(r"PASSWORD|TOKEN|KEY", env["name"]):
+                    assert "valueFrom" in env, (container["name"], env["name"])
+                if "value" in env:
+                    assert "$(" in env["value"] or not re.search(r"://:[^$]", env["value"])
+    assert "stringData" not in text
+
+
+@pytest.mark.parametrize("name", CI_FILES)
+def test_every_container_is_non_root_with_probes(name, values_files, render):
+    for component, spec in pod_specs(render(values_files[name])).items():
+        assert spec["securityContext"]["runAsNonRoot"] is True, component
+        assert spec["securityContext"]["runAsUser"] > 0, component
+        for container in containers(spec):
+            context = container["securityContext"]
+            assert context["runAsNonRoot"] is True, (component, container["name"])
+            assert context["allowPrivilegeEscalation"] is False, component
+            assert context["capabilities"]["drop"] == ["ALL"], component
+        for container in spec["containers"]:
+            assert "readinessProbe" in container and "livenessProbe" in container, component
+
+
+def test_router_service_and_grpc_health(render, values_files):
+    rendered = render()
+    service = rendered.one("Service", "-router")
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        "grpc": 50051, "http": 8000, "metrics": 9400}
+    router = group(rendered, "router")
+    labels = router["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    container = router["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["grpc"]["port"] == 50051
+    assert {p["name"] for p in container["ports"]} == {"grpc", "http", "metrics"}
+    two = render(values_files["two-routers"])
+    assert two.one("Service", "-router")["spec"]["type"] == "LoadBalancer"
+    assert group(two, "router")["replicas"] == 2
+    assert "--routers" in controller_args(two) and "2" in controller_args(two)
+    pdbs = {p["metadata"]["name"] for p in rendered.of("PodDisruptionBudget")}
+    assert pdbs == {"pd-pdserve-prefill", "pd-pdserve-decode", "pd-pdserve-router"}
+    assert len(rendered.of("NetworkPolicy")) == 2
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"prefill": {"engineArgs": {"dtype": "float16"}},
+      "decode": {"engineArgs": {"dtype": "bfloat16"}}}, "differ"),
+    ({"prefill": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "nvidia.com/gpu"),
+    ({"prefill": {"replicas": 0}}, "replicas"),
+    ({"router": {"servce": {}}}, "servce"),
+    ({"redis": {"enabled": False}}, "url"),
+])
+def test_bad_values_fail_with_a_message(values, message):
+    import helm_python
+
+    with pytest.raises(helm_python.HelmError, match=message):
+        helm_python.Chart.load(str(CHART)).render(values, name="pd", namespace="serving")
