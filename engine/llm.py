@@ -67,6 +67,12 @@ class LLM:
     def memory_ledger(self):
         return self.engine.parts.ledger
 
+    def spec_decode_stats(self) -> dict | None:
+        """Speculative decoding since this LLM started: num_drafts, num_draft_tokens,
+        num_accepted_tokens, acceptance_rate, mean_acceptance_length (None when off)."""
+        speculator = self.engine.speculator
+        return None if speculator is None else speculator.stats.to_dict()
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs in input order."""
