@@ -205,6 +205,16 @@ class BlockManager:
         if num_full > num_hashed:
             self._chains[seq.request_id] = (num_full, parent)
 
+    def withhold_last_block(self) -> int:
+        """Take the highest block id out of the pool for good (before any allocation) and
+        return it: a scratch block nothing is ever stored in (CUDA graphs' padding rows)."""
+        block_id = self._num_blocks - 1
+        if len(self._free) != self._num_blocks or block_id < 1:
+            raise RuntimeError("withhold_last_block needs an untouched pool of >= 2 blocks")
+        self._free.remove(block_id)
+        self._num_blocks -= 1
+        return block_id
+
     # ---- allocation ---------------------------------------------------------------------
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:

@@ -31,6 +31,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dtypes, plan_kv_pool
 from pdserve.engine.messages import RequestDelta, WorkerStats, WorkRequest
 from pdserve.engine.model_runner import ModelRunner
@@ -40,6 +41,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from pdserve.engine.scheduling_policy import SchedulingPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.spec_decode import Speculator
 from pdserve.engine.text_stage import TextStage
 from pdserve.kernels import resolve_backend
 from pdserve.models import ModelConfig, Tokenizer, load_model
@@ -126,8 +128,20 @@ class EngineParts:
                                      sliding_window=mc.sliding_window,
                                      hash_salt=_salt_bytes(config.prefix_cache_salt))
         logger.info("engine ready: %s", ", ".join(f"{k} {v}" for k, v in ledger.rows()))
-        return cls(config, mc, tokenizer, runner, block_manager, ledger, max_model_len,
-                   tuple(mc.eos_token_ids))
+        parts = cls(config, mc, tokenizer, runner, block_manager, ledger, max_model_len,
+                    tuple(mc.eos_token_ids))
+        if device.type == "cuda" and backend == "triton" and not config.enforce_eager:
+            parts.capture_decode_graphs()
+        return parts
+
+    def capture_decode_graphs(self, capture=cuda_capture) -> None:
+        """Replay pure decode steps from CUDA graphs (engine/cuda_graphs.py); one block of the
+        pool becomes the padding rows' scratch. ``capture``: how (tests pass eager_capture)."""
+        runner = self.runner
+        scratch = self.block_manager.withhold_last_block()
+        runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, self.config.block_size,
+                                     runner.device, runner.backend, self.max_model_len,
+                                     self.config.max_num_seqs, scratch, capture=capture)
 
 
 def _salt_bytes(salt: str | None) -> bytes | None:
@@ -181,6 +195,10 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self.text = TextStage(parts.tokenizer, defer=defer_text)
         self.last_step = StepStats()
+        # speculative decoding (engine/spec_decode.py): decode and colocated roles only
+        self.speculator = Speculator.build(parts) if self.scheduler.policy.speculates else None
+        if self.speculator is not None:
+            self.scheduler.lookahead = self.speculator.num_lookahead
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -364,6 +382,8 @@ class LLMEngine:
             self.last_step = StepStats()
             return bounced
         sampling = [item for item in output.scheduled if item.samples]
+        if self.speculator is not None:  # drafts ride in the batch after each decode's token
+            self.speculator.propose(output.scheduled)
         batch = self.parts.runner.prepare(output.scheduled)
         after_layer = self.hooks.before_forward(sampling)
         forward_start = time.perf_counter()
@@ -371,7 +391,11 @@ class LLMEngine:
         forward_s = time.perf_counter() - forward_start
         self.hooks.after_forward()
         self.scheduler.update(output)
-        deltas = self.hooks.after_sample(sampling, self.sample_and_emit(sampling, logits))
+        if self.speculator is None:
+            deltas = self.sample_and_emit(sampling, logits)
+        else:  # verify drafts, append the accepted tokens, roll rejected slots back
+            deltas = self.speculator.emit(self, sampling, logits)
+        deltas = self.hooks.after_sample(sampling, deltas)
         self.last_step = StepStats(output.num_batched_tokens, len(output.scheduled), forward_s,
                                    time.perf_counter() - start)
         return bounced + deltas
@@ -460,4 +484,13 @@ def engine_stats(worker_id: str, role: str, engine: LLMEngine, num_reserved: int
         engine.parts.ledger.to_dict(), transfer_address, num_bounces=sched.num_bounces,
         flops_per_s=util.flops_per_s, bytes_per_s=util.bytes_per_s,
         peak_flops_per_s=util.peak_flops_per_s, peak_bytes_per_s=util.peak_bytes_per_s,
-        busy_fraction=util.busy_fraction)
+        busy_fraction=util.busy_fraction, **spec_stats(engine))
+
+
+def spec_stats(engine: LLMEngine) -> dict:
+    """The speculative-decoding counters as WorkerStats fields (zeros without speculation)."""
+    if engine.speculator is None:
+        return {}
+    s = engine.speculator.stats
+    return dict(spec_num_drafts=s.num_drafts, spec_num_draft_tokens=s.num_draft_tokens,
+                spec_num_accepted_tokens=s.num_accepted_tokens)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.input_batch import DecodeBatch
 from pdserve.engine.roofline import UtilizationMeter, attended_pairs
 from pdserve.engine.scheduler import ScheduledSequence
@@ -43,6 +44,8 @@ class ModelRunner:
         self.device = device
         self.backend = backend
         self.meter: UtilizationMeter | None = None  # set by the engine: costs of each forward
+        # captured decode forwards on CUDA (EngineParts.capture_decode_graphs)
+        self.graphs: DecodeGraphs | None = None
         # a sliding window frees blocks in place (None entries): such models skip the fast path
         self.sliding_window = getattr(getattr(model, "config", None), "sliding_window", None)
         self.decode_batch = DecodeBatch(device)
@@ -147,10 +150,15 @@ class ModelRunner:
         """The model forward and logits of a prepared batch (timed into ``meter`` when set; on
         CUDA that waits for the step, which sampling does next anyway)."""
         start = time.perf_counter()
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
-                            after_layer=after_layer)
-        # (num_tokens, hidden) -> (num_sampled, hidden): only rows that end a sequence's tokens
-        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
+        if (self.graphs is not None and after_layer is None
+                and len(batch.sample_indices) == len(batch.input_ids)
+                and self.graphs.fits(batch.input_ids, batch.metadata)):
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.metadata)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
+                                batch.metadata, after_layer=after_layer)
+            # (num_tokens, hidden) -> (num_sampled, hidden): rows that end a sequence's tokens
+            logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
         if self.meter is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

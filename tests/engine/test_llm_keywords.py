@@ -16,7 +16,7 @@ NON_DEFAULTS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_dtype=
                     memory_budget_bytes=256 << 20, memory_safety_margin=0.1, max_num_seqs=4,
                     max_num_batched_tokens=64, max_model_len=64, enable_prefix_caching=False,
                     enable_chunked_prefill=False, attention_backend="torch", seed=7,
-                    scheduling_policy="priority", prefix_cache_salt="salt",
+                    scheduling_policy="priority", prefix_cache_salt="salt", enforce_eager=True,
                     speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                         "prompt_lookup_max": 3, "prompt_lookup_min": 1})
 
