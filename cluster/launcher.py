@@ -132,6 +132,12 @@ class ClusterOptions:
                              f"({self.ttl_s})")
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
+        fixed = [p for p in (self.port, self.metrics_port, self.http_port) if p]
+        if self.num_routers > 1 and self.ray_address is None and fixed:
+            raise ValueError(f"num_routers ({self.num_routers}) on one local node would bind "
+                             f"port {fixed[0]} twice: give port, metrics_port and http_port 0 "
+                             f"(any free port) or none, or join a cluster whose nodes advertise "
+                             f"pdserve_router (ray_address)")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
         if self.worker_cpus < 0:
