@@ -419,7 +419,8 @@ class LLMEngine:
             return []
         seqs = [item.seq for item in sampling]
         if Sampler.is_plain_greedy([seq.sampling_params for seq in seqs]):
-            token_ids, logprobs = logits.argmax(dim=1).tolist(), [None] * len(seqs)
+            # max(dim).indices: the first maximum, as argmax, and cheaper on CPU
+            token_ids, logprobs = logits.max(dim=1).indices.tolist(), [None] * len(seqs)
         else:
             sampled = self.sampler(logits, [sampling_row(seq) for seq in seqs])
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
