@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"threads {torch.get_num_threads()}, target {config['num_hidden_layers']} layers, "
               f"hidden {config['hidden_size']}, K = {args.num_speculative_tokens}\n")
         print(run(model, draft, config["vocab_size"], [1, 16], 16 if args.quick else 32,
-                  12 if args.quick else 32, args.num_speculative_tokens, draft_layers))
+                  12 if args.quick else 24, args.num_speculative_tokens, draft_layers))
 
 
 if __name__ == "__main__":
