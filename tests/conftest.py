@@ -192,3 +192,32 @@ def hf_model():
         return loaded[path]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """``hf_greedy(model_or_dir, prompts, max_tokens)``: the reference greedy tokens of every
+    prompt from Hugging Face transformers with its own KV cache and no eos handling
+    (``generate``'s min_new_tokens would mask eos logits and change the argmax). A folder is
+    loaded in fp32 with transformers' default attention."""
+
+    def run(model_or_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        model = model_or_dir
+        if not isinstance(model, torch.nn.Module):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32)
+            model.eval()
+        outs = []
+        with torch.no_grad():
+            for prompt in prompts:
+                ids, past, generated = torch.tensor([prompt]), None, []
+                for _ in range(max_tokens):
+                    out = model(input_ids=ids, past_key_values=past, use_cache=True)
+                    past = out.past_key_values
+                    generated.append(int(out.logits[0, -1].argmax()))
+                    ids = torch.tensor([[generated[-1]]])
+                outs.append(generated)
+        return outs
+
+    return run

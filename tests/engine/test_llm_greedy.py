@@ -5,30 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from pdserve import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
-
-
-def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Reference: greedy decoding with the HF model and its own KV cache, no eos handling
-    (``generate``'s min_new_tokens would mask eos logits and change the argmax)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids, past, generated = torch.tensor([prompt]), None, []
-            for _ in range(max_tokens):
-                out = model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                token = int(out.logits[0, -1].argmax())
-                generated.append(token)
-                ids = torch.tensor([[token]])
-            outs.append(generated)
-    return outs
 
 
 def random_prompts(seed: int, vocab: int, lengths: list[int]) -> list[list[int]]:
@@ -51,7 +31,7 @@ def run_engine(model_dir, prompts, max_tokens, **engine_kwargs):
     return llm, [o.token_ids for o in outs]
 
 
-def test_greedy_matches_hf_every_family(hf_checkpoint, family_params):
+def test_greedy_matches_hf_every_family(hf_checkpoint, family_params, hf_greedy):
     for family, overrides in family_params:
         model_dir = hf_checkpoint(family, **overrides)
         vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
@@ -61,7 +41,7 @@ def test_greedy_matches_hf_every_family(hf_checkpoint, family_params):
         assert_no_leak(llm)
 
 
-def test_chunked_prefill_small_budget(hf_checkpoint):
+def test_chunked_prefill_small_budget(hf_checkpoint, hf_greedy):
     model_dir = hf_checkpoint("llama")
     prompts = random_prompts(2, 200, [30, 5, 21])
     llm, ours = run_engine(model_dir, prompts, 8, block_size=4, num_kv_blocks=64,
@@ -70,7 +50,7 @@ def test_chunked_prefill_small_budget(hf_checkpoint):
     assert_no_leak(llm)
 
 
-def test_prefix_cache_hits_shared_system_prompt(hf_checkpoint):
+def test_prefix_cache_hits_shared_system_prompt(hf_checkpoint, hf_greedy):
     model_dir = hf_checkpoint("qwen2")
     system = random_prompts(3, 200, [24])[0]
     tails = random_prompts(4, 200, [3, 6, 9])
@@ -84,7 +64,7 @@ def test_prefix_cache_hits_shared_system_prompt(hf_checkpoint):
     assert_no_leak(llm)
 
 
-def test_preemption_with_tiny_pool(hf_checkpoint):
+def test_preemption_with_tiny_pool(hf_checkpoint, hf_greedy):
     model_dir = hf_checkpoint("llama")
     prompts = random_prompts(5, 200, [10, 12, 14, 9])
     llm, ours = run_engine(model_dir, prompts, 20, block_size=4, num_kv_blocks=16)
@@ -93,7 +73,7 @@ def test_preemption_with_tiny_pool(hf_checkpoint):
     assert_no_leak(llm)
 
 
-def test_sliding_window_past_the_window(hf_checkpoint):
+def test_sliding_window_past_the_window(hf_checkpoint, hf_greedy):
     model_dir = hf_checkpoint("mistral")
     window = transformers.AutoConfig.from_pretrained(model_dir).sliding_window
     prompts = random_prompts(6, 200, [window * 2 + 3, 5])

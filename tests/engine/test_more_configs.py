@@ -3,7 +3,6 @@ other rope scalings, biases, explicit head_dim, tied or untied heads, a bf16 che
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
@@ -32,16 +31,8 @@ CASES = {
 }
 
 
-def _hf_greedy():
-    spec = importlib.util.spec_from_file_location(
-        "greedy_helpers", __file__.replace("test_more_configs.py", "test_llm_greedy.py"))
-    helpers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(helpers)
-    return helpers.hf_greedy
-
-
 @pytest.mark.parametrize("name", list(CASES))
-def test_greedy_matches_hf(tmp_path, name):
+def test_greedy_matches_hf(tmp_path, name, hf_greedy):
     config_class, extra = CASES[name]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**BASE, **extra})
@@ -58,5 +49,5 @@ def test_greedy_matches_hf(tmp_path, name):
               max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert ours == _hf_greedy()(tmp_path, prompts, 12)
+    assert ours == hf_greedy(tmp_path, prompts, 12)
     assert llm.engine.parts.block_manager.num_used_blocks == 0

@@ -33,20 +33,6 @@ def draft_config(hf_checkpoint, family: str, overrides: dict, k: int = 3) -> dic
     return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
 
 
-def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids, past, generated = torch.tensor([prompt]), None, []
-            for _ in range(max_tokens):
-                out = model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                generated.append(int(out.logits[0, -1].argmax()))
-                ids = torch.tensor([[generated[-1]]])
-            outs.append(generated)
-    return outs
-
-
 def mixed_prompts(seed: int, vocab: int) -> list[list[int]]:
     """Random prompts plus repetitive ones (n-gram lookup finds matches in them)."""
     rng = random.Random(seed)
@@ -74,7 +60,8 @@ def run(model_dir, prompts, spec, **kwargs):
     return llm, [o.token_ids for o in outs]
 
 
-def test_greedy_matches_hf_every_family_each_method(hf_checkpoint, family_params, hf_model):
+def test_greedy_matches_hf_every_family_each_method(hf_checkpoint, family_params, hf_model,
+                                                    hf_greedy):
     """Prefill chunks (budget 16) share steps with speculating decodes and with requests too
     close to max_tokens to speculate."""
     for family, overrides in family_params:
@@ -100,7 +87,7 @@ def test_target_as_its_own_draft_accepts_everything(hf_checkpoint):
     assert stats["mean_acceptance_length"] > 3.0
 
 
-def test_preemption_with_speculation_tiny_pool(hf_checkpoint, hf_model):
+def test_preemption_with_speculation_tiny_pool(hf_checkpoint, hf_model, hf_greedy):
     model_dir = hf_checkpoint("llama")
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (10, 12, 14, 9)]
@@ -384,7 +371,7 @@ def test_draft_memory_is_in_the_ledger(hf_checkpoint):
 
 
 @pytest.mark.triton
-def test_triton_backend_verifies_drafts(hf_checkpoint, hf_model):
+def test_triton_backend_verifies_drafts(hf_checkpoint, hf_model, hf_greedy):
     """The Triton kernels (interpreter on CPU) take the k + 1 query tokens per sequence of a
     verification batch: greedy still equals HF."""
     import sys

@@ -3,7 +3,6 @@ through chunked prefill and a prefix-cache hit."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 
@@ -14,11 +13,7 @@ from pdserve import LLM, SamplingParams
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
 
-def test_triton_backend_greedy_equals_hf(hf_checkpoint):
-    spec = importlib.util.spec_from_file_location(
-        "greedy_helpers", __file__.replace("test_triton_engine.py", "test_llm_greedy.py"))
-    helpers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(helpers)
+def test_triton_backend_greedy_equals_hf(hf_checkpoint, hf_greedy):
     model_dir = hf_checkpoint("llama")
     rng = random.Random(7)
     system = [rng.randrange(1, 200) for _ in range(12)]
@@ -29,7 +24,7 @@ def test_triton_backend_greedy_equals_hf(hf_checkpoint):
     first = llm.generate(prompts[:1], params, use_tqdm=False)  # 15 tokens in chunks of 8
     second = llm.generate(prompts[1:], params, use_tqdm=False)  # 12 cached tokens
     assert second[0].num_cached_tokens == 12
-    assert [first[0].token_ids, second[0].token_ids] == helpers.hf_greedy(model_dir, prompts, 4)
+    assert [first[0].token_ids, second[0].token_ids] == hf_greedy(model_dir, prompts, 4)
     assert llm.engine.parts.block_manager.num_used_blocks == 0
     for module in ("prefill_attention", "decode_attention", "kv_write", "norm"):
         assert f"pdserve.kernels.{module}" in sys.modules  # the Triton path really ran

@@ -8,7 +8,6 @@ import random
 import time
 
 import pytest
-import torch
 
 from pdserve import SamplingParams
 from pdserve.decode_worker.colocated import ColocatedWorker
@@ -32,15 +31,6 @@ def prompts_for(seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 17, 9)] + [[7, 8, 9] * 6]
 
 
-def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    ids, generated = list(prompt), []
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            generated.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-            ids.append(generated[-1])
-    return generated
-
-
 def colocated_generate(worker: ColocatedWorker, prompts, params, timeout: float = 60.0):
     """Every prompt at once (one mixed batch); returns the tokens of each."""
     tokens = {f"c{i}": [] for i in range(len(prompts))}
@@ -58,13 +48,14 @@ def colocated_generate(worker: ColocatedWorker, prompts, params, timeout: float 
 
 
 def test_decode_and_colocated_workers_greedy_equal_hf(hf_checkpoint, family_params, hf_model,
-                                                      make_pair):
+                                                      make_pair, hf_greedy):
     prompts = prompts_for(0)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     for family, overrides in family_params:
         model_dir = hf_checkpoint(family, **overrides)
         model = hf_model(model_dir)
-        expected = [hf_greedy(model, p, m) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
+        expected = [t[:m] for t, m in zip(hf_greedy(model, prompts, max(MAX_TOKENS)),
+                                           MAX_TOKENS, strict=True)]
         for spec in specs(hf_checkpoint, family, overrides):
             label = f"{family} {overrides} {spec['method']}"
             pair = make_pair(model_dir, speculative_config=spec)
