@@ -62,27 +62,29 @@ class ModelRunner:
         return self._prepare_general(scheduled)
 
     def _prepare_decodes(self, seqs: list) -> ModelInput:
-        """One token per sequence (its last), every one sampled: a handful of tensor ops."""
-        dev, bs, n = self.device, self.block_size, len(seqs)
+        """One token per sequence (its last), every one sampled: one pass over the sequences
+        and one host -> device copy (tokens, positions, slots, context lengths)."""
+        bs, n = self.block_size, len(seqs)
         block_tables = self.decode_batch.block_tables(seqs)
-        starts = [seq.num_computed_tokens for seq in seqs]
-        # one host -> device copy: row 0 the tokens, row 1 their positions
-        ids_pos = torch.tensor([[seq.token_ids[-1] for seq in seqs], starts], dtype=torch.int64,
-                               device=dev)
-        positions = ids_pos[1]
-        block = block_tables.gather(1, positions.div(bs, rounding_mode="floor")[:, None])
+        ids, starts, slots = [], [], []
+        for seq in seqs:
+            p = seq.num_computed_tokens
+            ids.append(seq.token_ids[-1])
+            starts.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+        host = torch.tensor([ids, starts, slots], dtype=torch.int64, device=self.device)
         rows, rows32 = self._arange(n + 1)
         meta = AttentionMetadata(
-            slot_mapping=block.view(-1).long().mul_(bs).add_(positions % bs),
+            slot_mapping=host[2],
             cu_seqlens_q=rows32,
-            context_lens=(positions + 1).to(torch.int32),
+            context_lens=host[1].to(torch.int32).add_(1),
             block_tables=block_tables,
             max_query_len=1,
             max_context_len=max(starts) + 1,
             backend=self.backend,
         )
         num_context = sum(starts) + n
-        return ModelInput(input_ids=ids_pos[0], positions=positions, metadata=meta,
+        return ModelInput(input_ids=host[0], positions=host[1], metadata=meta,
                           sample_indices=rows[:n], num_attended=num_context,
                           num_context=num_context)
 
