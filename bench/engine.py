@@ -22,7 +22,8 @@ import torch
 from pdserve.bench.stats import format_table, lognormal_lengths
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import LLM
-from pdserve.engine.llm_engine import EngineParts, LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.parts import EngineParts
 from pdserve.engine.sampling_params import SamplingParams
 
 LLAMA_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,

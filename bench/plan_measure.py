@@ -69,7 +69,8 @@ def choose_hardware(device: str | None, hbm_gib: float | None, hbm_gbps: float |
 
 
 def _engine(req: PlanRequest, hw: Hardware, margin: float):
-    from pdserve.engine.llm_engine import EngineParts, LLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.parts import EngineParts
 
     config = EngineConfig(model=req.model, dtype=req.dtype, device=hw.device,
                           kv_cache_dtype=req.kv_cache_dtype, block_size=req.block_size,

@@ -104,7 +104,7 @@ def build_worker(spec: WorkerSpec):
     """The plain worker a spec describes (in the calling process)."""
     from pdserve.decode_worker.colocated import ColocatedWorker
     from pdserve.decode_worker.worker import DecodeWorker
-    from pdserve.engine.llm_engine import EngineParts
+    from pdserve.engine.parts import EngineParts
     from pdserve.kv_transfer import TorchDistConnector, TransferEndpoint
     from pdserve.prefill_worker.worker import PrefillWorker
 

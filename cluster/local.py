@@ -61,7 +61,7 @@ def build_local_workers(config, num_prefill: int = 1, num_decode: int = 1,
     faults) or "torch" (gloo/NCCL pairs over loopback, as between processes)."""
     from pdserve.decode_worker.colocated import ColocatedWorker
     from pdserve.decode_worker.worker import DecodeWorker
-    from pdserve.engine.llm_engine import EngineParts
+    from pdserve.engine.parts import EngineParts
     from pdserve.kv_transfer import (
         InProcConnector,
         InProcEndpoint,

@@ -26,8 +26,8 @@ import torch
 from pdserve.cluster.launcher import ClusterOptions
 from pdserve.engine import memory
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
-from pdserve.engine.llm_engine import ResolvedModel
 from pdserve.engine.memory import MemoryBudgetError
+from pdserve.engine.parts import ResolvedModel
 from pdserve.models import ModelConfig, build_model
 from pdserve.models.loader import weight_tensor_names
 

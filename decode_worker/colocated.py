@@ -15,8 +15,9 @@ import time
 from concurrent.futures import Future
 
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.llm_engine import EngineParts, LLMEngine, engine_stats
+from pdserve.engine.llm_engine import LLMEngine, engine_stats
 from pdserve.engine.messages import RequestDelta, WorkerStats, WorkRequest
+from pdserve.engine.parts import EngineParts
 
 
 class ColocatedWorker:

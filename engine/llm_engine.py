@@ -1,41 +1,40 @@
-"""The engine: ``add_request`` / ``step`` / ``abort`` over a scheduler, a model runner, a
-sampler and a detokenizer per request.
+"""The engine: ``add_request`` / ``step`` / ``abort`` over the parts of ``engine/parts.py``
+(model runner, KV pool, block manager, tokenizer), a scheduler, a sampler and a text stage.
 
 :meth:`LLMEngine.step` is the one step every worker runs (offline, colocated, prefill, decode);
 a role differs only in its :class:`~pdserve.engine.scheduling_policy.SchedulingPolicy` (what is
 scheduled) and its :class:`StepHooks` (what happens around the forward: a prefill worker ships
 KV layers while the forward runs and hands finished prompts off). Step:
 
-1. ``scheduler.schedule()`` picks sequences and how many tokens each computes;
+1. ``scheduler.schedule()`` picks sequences and how many tokens each computes (plus draft slots
+   for speculating decodes, whose drafts the speculator then proposes);
 2. ``hooks.before_forward`` sees the sequences that sample this step (and may return a per-layer
    callback), ``runner.run()`` runs the flat batch and returns logits of the sequences whose
    chunk reaches their last token, then ``hooks.after_forward``;
 3. ``scheduler.update()`` advances ``num_computed_tokens`` and caches full blocks;
-4. the sampler draws one token per such sequence; stop checks and detokenization follow;
-   finished sequences free their blocks through ``scheduler.finish``; ``hooks.after_sample``
-   decides which deltas the step returns.
+4. the sampler draws one token per such sequence (the speculator verifies drafts instead); stop
+   checks follow, and finished sequences free their blocks through ``scheduler.finish``;
+   ``hooks.after_sample`` decides which deltas the step returns. Text is made in the step only
+   for requests with stop strings; the others' when their deltas are read (:meth:`render`).
 
 Workers never reach into the parts: what they need of the engine is a method here
-(``hand_off``, ``reserve_blocks``, ``release_blocks``, ``start_running``, ``kv_caches``).
+(``hand_off``, ``reserve_blocks``, ``release_blocks``, ``start_running``, ``render``,
+``kv_caches``). docs/engine-step.md has the whole picture.
 """
-
 from __future__ import annotations
 
 import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cuda_graphs import DecodeGraphs, cuda_capture
-from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dtypes, plan_kv_pool
 from pdserve.engine.messages import RequestDelta, WorkerStats, WorkRequest
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.roofline import StepCost, Utilization, UtilizationMeter
+from pdserve.engine.parts import EngineParts
+from pdserve.engine.roofline import Utilization
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
@@ -43,8 +42,6 @@ from pdserve.engine.scheduling_policy import SchedulingPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.spec_decode import Speculator
 from pdserve.engine.text_stage import TextStage
-from pdserve.kernels import resolve_backend
-from pdserve.models import ModelConfig, Tokenizer, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -61,91 +58,6 @@ class StepStats:
     num_seqs: int = 0  # sequences in the batch
     forward_s: float = 0.0  # model forward incl. logits
     total_s: float = 0.0  # whole step: scheduling, forward, sampling, bookkeeping
-
-
-@dataclass(frozen=True)
-class ResolvedModel:
-    """What an engine config means on this machine, before any weight is read."""
-
-    model_config: ModelConfig
-    device: torch.device
-    dtype: torch.dtype  # the dtype weights and activations run in
-    backend: str  # attention kernels: "torch" | "triton"
-    max_model_len: int  # the context limit in force
-
-    @classmethod
-    def of(cls, config: EngineConfig) -> ResolvedModel:
-        mc = ModelConfig.from_dir(config.model)
-        device = config.resolve_device()
-        dtype = config.resolve_dtype(getattr(mc, "torch_dtype", None), device)
-        max_model_len = config.max_model_len or mc.max_position_embeddings
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({mc.max_position_embeddings})")
-        return cls(mc, device, dtype, resolve_backend(config.attention_backend, device),
-                   max_model_len)
-
-
-@dataclass
-class EngineParts:
-    """The components an engine or a worker is composed of."""
-
-    config: EngineConfig
-    model_config: ModelConfig
-    tokenizer: Tokenizer | None
-    runner: ModelRunner
-    block_manager: BlockManager
-    ledger: MemoryLedger
-    max_model_len: int
-    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-
-    @classmethod
-    def build(cls, config: EngineConfig) -> EngineParts:
-        resolved = ResolvedModel.of(config)
-        mc, device, dtype = resolved.model_config, resolved.device, resolved.dtype
-        backend, max_model_len = resolved.backend, resolved.max_model_len
-        model = load_model(config.model, dtype=dtype, device=device)
-        ledger = plan_kv_pool(mc, config, model, dtype, device, max_model_len, backend)
-        layer_dtypes = kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
-        try:
-            tokenizer = Tokenizer.from_dir(config.model)
-        except (FileNotFoundError, ValueError) as exc:
-            logger.info("no tokenizer (%s): token-id prompts only, empty text", exc)
-            tokenizer = None
-        scales = scheme = None
-        if config.kv_cache_dtype == "int8":
-            from pdserve.engine.kv_quant import INT8_SCHEMES, calibrate_kv_scales
-
-            scheme = INT8_SCHEMES[config.kv_int8_scales]
-            scales = calibrate_kv_scales(model, mc, layer_dtypes, device, backend, tokenizer,
-                                         scheme=scheme)
-        caches = allocate_kv_caches(mc, ledger, layer_dtypes, device, scales, scheme)
-        runner = ModelRunner(model, caches, config.block_size, device, backend)
-        runner.meter = UtilizationMeter(
-            StepCost.for_model(mc, ledger.weight_bytes, ledger.kv_bytes_per_token), device, dtype)
-        block_manager = BlockManager(ledger.num_kv_blocks, config.block_size,
-                                     enable_prefix_caching=config.enable_prefix_caching,
-                                     sliding_window=mc.sliding_window,
-                                     hash_salt=_salt_bytes(config.prefix_cache_salt))
-        logger.info("engine ready: %s", ", ".join(f"{k} {v}" for k, v in ledger.rows()))
-        parts = cls(config, mc, tokenizer, runner, block_manager, ledger, max_model_len,
-                    tuple(mc.eos_token_ids))
-        if device.type == "cuda" and backend == "triton" and not config.enforce_eager:
-            parts.capture_decode_graphs()
-        return parts
-
-    def capture_decode_graphs(self, capture=cuda_capture) -> None:
-        """Replay pure decode steps from CUDA graphs (engine/cuda_graphs.py); one block of the
-        pool becomes the padding rows' scratch. ``capture``: how (tests pass eager_capture)."""
-        runner = self.runner
-        scratch = self.block_manager.withhold_last_block()
-        runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, self.config.block_size,
-                                     runner.device, runner.backend, self.max_model_len,
-                                     self.config.max_num_seqs, scratch, capture=capture)
-
-
-def _salt_bytes(salt: str | None) -> bytes | None:
-    return None if salt is None else salt.encode()
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:

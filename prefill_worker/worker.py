@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.engine_loop import EngineDeadError, EngineLoop
-from pdserve.engine.llm_engine import EngineParts, LLMEngine, StepHooks, engine_stats
+from pdserve.engine.llm_engine import LLMEngine, StepHooks, engine_stats
 from pdserve.engine.messages import (
     PrefillResult,
     RequestDelta,
@@ -42,6 +42,7 @@ from pdserve.engine.messages import (
     WorkerStats,
     WorkRequest,
 )
+from pdserve.engine.parts import EngineParts
 from pdserve.engine.scheduler import ScheduledSequence
 from pdserve.engine.scheduling_policy import PrefillOnlyPolicy
 from pdserve.kv_transfer import KVConnector, KVSender, TransferError, TransferKey, pack_layers

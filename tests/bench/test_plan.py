@@ -84,7 +84,7 @@ def test_gqa_int8_kv_and_worker_counts(tmp_path):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_planner_blocks_equal_engine_blocks(tiny_dir, kv_cache_dtype):
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.llm_engine import EngineParts
+    from pdserve.engine.parts import EngineParts
 
     budget = 96 << 20
     engine = EngineParts.build(EngineConfig(model=str(tiny_dir), dtype="float32", block_size=8,

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import EngineParts, LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.parts import EngineParts
 from pdserve.engine.sampling_params import SamplingParams
 
 

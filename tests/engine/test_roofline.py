@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import EngineParts, LLMEngine, engine_stats
+from pdserve.engine.llm_engine import LLMEngine, engine_stats
+from pdserve.engine.parts import EngineParts
 from pdserve.engine.roofline import (
     BANDWIDTH,
     COMPUTE,

@@ -11,8 +11,8 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.decode_worker.colocated import ColocatedWorker
-from pdserve.engine.llm_engine import EngineParts
 from pdserve.engine.messages import WorkRequest
+from pdserve.engine.parts import EngineParts
 
 from .conftest import engine_config
 
