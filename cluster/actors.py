@@ -118,7 +118,8 @@ def build_worker(spec: WorkerSpec):
                                              join_token=spec.join_token)
         return DecodeWorker(spec.worker_id, parts, make, lease_s=spec.lease_s)
     connector = TorchDistConnector(spec.worker_id, host, device, join_token=spec.join_token)
-    return PrefillWorker(spec.worker_id, EngineParts.build(spec.config), connector)
+    return PrefillWorker(spec.worker_id, EngineParts.build(PrefillWorker.config_for(spec.config)),
+                         connector)
 
 
 class WorkerActor(LocalHandle):

@@ -88,6 +88,7 @@ def build_local_workers(config, num_prefill: int = 1, num_decode: int = 1,
         name = f"prefill-{i}"
         connector = (InProcConnector(hub, name, fault_plan=fault_plan) if transport == "inproc"
                      else TorchDistConnector(name))
-        handles.append(LocalHandle(PrefillWorker(name, EngineParts.build(config), connector,
+        parts = EngineParts.build(PrefillWorker.config_for(config))
+        handles.append(LocalHandle(PrefillWorker(name, parts, connector,
                                                  **(prefill_kwargs or {}))))
     return handles

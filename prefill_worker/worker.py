@@ -26,6 +26,7 @@ samples the next output position, which is the new token 0 of that attempt.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineDeadError, EngineLoop
 from pdserve.engine.llm_engine import LLMEngine, StepHooks, engine_stats
 from pdserve.engine.messages import (
@@ -75,6 +77,12 @@ class PrefillWorker(StepHooks):
     :class:`StepHooks` methods ship the KV of the prompts each step completes."""
 
     role = "prefill"
+
+    @staticmethod
+    def config_for(config: EngineConfig) -> EngineConfig:
+        """A prefill worker never decodes: no decode CUDA graphs, no speculative draft (so
+        its pool budget keeps no room for one)."""
+        return dataclasses.replace(config, enforce_eager=True, speculative_config=None)
 
     def __init__(self, worker_id: str, parts: EngineParts, connector: KVConnector,
                  overlap: bool = True, layers_per_frame: int = 1):

@@ -34,7 +34,8 @@ class Pair:
                                    lambda sink: InProcEndpoint(self.hub, f"d-{name}", sink),
                                    lease_s=lease_s)
         self.prefill = PrefillWorker(
-            f"p-{name}", EngineParts.build(engine_config(model_dir, **cfg)),
+            f"p-{name}", EngineParts.build(PrefillWorker.config_for(engine_config(model_dir,
+                                                                                 **cfg))),
             InProcConnector(self.hub, f"p-{name}", fault_plan=fault_plan),
             **(prefill_kwargs or {}))
 

@@ -67,6 +67,7 @@ def test_decode_and_colocated_workers_greedy_equal_hf(hf_checkpoint, family_para
             assert decode.spec_num_drafts > 0, label
             assert pair.prefill.stats().result(10).spec_num_drafts == 0  # it never speculates
             assert pair.prefill.engine.speculator is None
+            assert pair.prefill.engine.parts.ledger.draft_bytes == 0  # no room kept for it
             pair.close()
             worker = ColocatedWorker(f"c-{family}", EngineParts.build(
                 engine_config(model_dir, speculative_config=spec)))
