@@ -187,8 +187,11 @@ class NgramProposer:
         self._memo: dict[str, tuple[int, list[int]]] = {}  # request_id -> (num_tokens, drafts)
 
     def lookup(self, token_ids: list[int], limit: int) -> list[int]:
-        """Up to ``limit`` tokens that followed the most recent earlier occurrence of the
-        longest suffix (n_max .. n_min tokens) that occurred before."""
+        """``limit`` tokens predicted from the most recent earlier occurrence of the longest
+        suffix (n_max .. n_min tokens) that occurred before: the tokens that followed it, and
+        past the end of the sequence the same span again (the text from the occurrence to now
+        taken as a cycle, so a loop of one or two tokens still yields ``limit`` drafts; vLLM
+        stops at the end)."""
         arr = np.asarray(token_ids)
         length = len(arr)
         for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
@@ -197,7 +200,8 @@ class NgramProposer:
             hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return [int(t) for t in arr[start:start + limit]]
+                period = length - start  # >= 1: windows end before the last token
+                return [int(arr[start + j % period]) for j in range(limit)]
         return []
 
     def max_drafts(self, seq: Sequence, limit: int) -> int:

@@ -331,7 +331,8 @@ def test_ngram_lookup_prefers_longest_most_recent_match():
     assert proposer.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 2, 3], 3) == [7, 8, 2]  # n=2, latest
     assert proposer.lookup([4, 1, 2, 3, 5, 6, 0, 2, 3], 2) == [5, 6]  # n=3 none, n=2 "2 3"
     assert proposer.lookup([1, 2, 3], 3) == []
-    assert proposer.lookup([7, 7], 4) == [7]
+    assert proposer.lookup([7, 7], 4) == [7, 7, 7, 7]  # a loop continues past the end
+    assert proposer.lookup([5, 1, 2, 1, 2], 3) == [1, 2, 1]  # "1 2" at 1: the span "1 2" again
 
 
 def test_counters_reach_worker_stats_and_prometheus(hf_checkpoint):
