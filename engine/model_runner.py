@@ -22,6 +22,17 @@ from pdserve.models.attention import AttentionMetadata
 
 
 @dataclass
+class Chunk:
+    """Tokens one sequence computes in a step, at positions ``start ..``, into the KV slots its
+    block table maps them to; the rows of the last ``num_sampled`` tokens get logits."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int | None]
+    num_sampled: int = 0
+
+
+@dataclass
 class ModelInput:
     """One step's flat batch."""
 
@@ -96,21 +107,27 @@ class ModelRunner:
         return self._aranged[:n], self._aranged32[:n]
 
     def _prepare_general(self, scheduled: list[ScheduledSequence]) -> ModelInput:
-        input_ids: list[int] = []
-        starts: list[int] = []  # first position computed this step, per sequence
-        q_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_indices: list[int] = []  # flat row of each sampling sequence's last token
+        """Any step: each sequence's new tokens (then its drafts, when speculating); the rows
+        of the last new token and of every draft are sampled."""
+        chunks = []
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:start + item.num_new_tokens])
             drafts = item.draft_token_ids  # speculative decoding: verified after the new token
-            input_ids.extend(drafts)
-            starts.append(start)
-            q_lens.append(item.num_new_tokens + len(drafts))
-            tables.append([0 if b is None else b for b in seq.block_table])
-            if item.samples:  # the last new token's row, then one per draft
-                sample_indices.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
+            chunks.append(Chunk([*seq.token_ids[start:start + item.num_new_tokens], *drafts],
+                                start, seq.block_table,
+                                1 + len(drafts) if item.samples else 0))
+        return self.prepare_chunks(chunks)
+
+    def prepare_chunks(self, chunks: list[Chunk]) -> ModelInput:
+        """The flat batch of ``chunks`` (a speculative draft model prepares its own with it)."""
+        input_ids: list[int] = []
+        starts = [c.start for c in chunks]  # first position computed this step, per sequence
+        q_lens = [len(c.token_ids) for c in chunks]
+        tables = [[0 if b is None else b for b in c.block_table] for c in chunks]
+        sample_indices: list[int] = []  # flat rows whose logits are returned, in order
+        for c in chunks:
+            input_ids.extend(c.token_ids)
+            sample_indices.extend(range(len(input_ids) - c.num_sampled, len(input_ids)))
         dev, bs = self.device, self.block_size
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)

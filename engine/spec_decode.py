@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.messages import RequestDelta
+from pdserve.engine.model_runner import Chunk, ModelRunner
 from pdserve.engine.rejection_sampler import (
     DRAFT_STREAM,
     DraftedRows,
@@ -63,7 +64,6 @@ from pdserve.engine.rejection_sampler import (
 from pdserve.engine.sampler import SamplingRow, inverse_cdf_draw
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 from pdserve.engine.sequence import Sequence
-from pdserve.models.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -220,22 +220,12 @@ class NgramProposer:
         return out
 
 
-@dataclass
-class _Chunk:
-    """Tokens one sequence feeds the draft in one forward."""
-
-    token_ids: list[int]
-    start: int  # position of token_ids[0]
-    block_table: list[int | None]
-
-
 class DraftModelProposer:
     """A small draft model over its own KV pool indexed by the target's block tables."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int,
-                 device: torch.device, backend: str, max_chunk_tokens: int):
-        self.model, self.kv_caches = model, kv_caches
-        self.block_size, self.device, self.backend = block_size, device, backend
+    def __init__(self, runner: ModelRunner, max_chunk_tokens: int):
+        self.runner = runner  # the draft model over its own KV pool (no meter, no graphs)
+        self.block_size = runner.block_size
         self.max_chunk_tokens = max_chunk_tokens  # catch-up forwards are at most this long
 
     @classmethod
@@ -251,8 +241,8 @@ class DraftModelProposer:
                                     runner.device)
         logger.info("draft model %s: %d layers, %d KV blocks beside the target's", config.model,
                     mc.num_hidden_layers, parts.ledger.num_kv_blocks)
-        return cls(model, caches, parts.config.block_size, runner.device, runner.backend,
-                   parts.config.max_num_batched_tokens)
+        return cls(ModelRunner(model, caches, parts.config.block_size, runner.device,
+                               runner.backend), parts.config.max_num_batched_tokens)
 
     def max_drafts(self, seq: Sequence, limit: int) -> int:
         return limit
@@ -271,12 +261,12 @@ class DraftModelProposer:
         for i, seq in enumerate(seqs):  # long catch-ups (first speculation) in bounded chunks
             while seq.num_tokens - starts[i] > self.max_chunk_tokens:
                 end = starts[i] + self.max_chunk_tokens
-                self._forward([_Chunk(seq.token_ids[starts[i]:end], starts[i], seq.block_table)],
+                self._forward([Chunk(seq.token_ids[starts[i]:end], starts[i], seq.block_table)],
                               with_logits=False)
                 starts[i] = end
         drafts: list[list[int]] = [[] for _ in seqs]
         weights: list[list[torch.Tensor]] = [[] for _ in seqs]
-        chunks = [_Chunk(seq.token_ids[s:], s, seq.block_table)
+        chunks = [Chunk(seq.token_ids[s:], s, seq.block_table)
                   for seq, s in zip(seqs, starts, strict=True)]
         active = list(range(len(seqs)))
         for j in range(max(limits)):
@@ -290,44 +280,19 @@ class DraftModelProposer:
                 drafts[i].append(tokens[row])
                 weights[i].append(w[row])
             active = [i for i in active if len(drafts[i]) < limits[i]]
-            chunks = [_Chunk([drafts[i][-1]], seqs[i].num_tokens + j, seqs[i].block_table)
+            chunks = [Chunk([drafts[i][-1]], seqs[i].num_tokens + j, seqs[i].block_table)
                       for i in active]
         for seq, k in zip(seqs, limits, strict=True):
             seq.num_draft_computed_tokens = seq.num_tokens + k - 1  # d_k itself never ran
         return [(d, None if seq.sampling_params.temperature < GREEDY_TEMPERATURE
                  else torch.stack(w)) for seq, d, w in zip(seqs, drafts, weights, strict=True)]
 
-    @torch.inference_mode()
-    def _forward(self, chunks: list[_Chunk], with_logits: bool) -> torch.Tensor | None:
+    def _forward(self, chunks: list[Chunk], with_logits: bool) -> torch.Tensor | None:
         """One draft forward over ``chunks``; logits (fp32) of each chunk's last token."""
-        input_ids, positions, slots, q_lens, context_lens, tables = [], [], [], [], [], []
-        bs = self.block_size
-        for c in chunks:
-            table = [0 if b is None else b for b in c.block_table]
-            input_ids.extend(c.token_ids)
-            span = range(c.start, c.start + len(c.token_ids))
-            positions.extend(span)
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
-            q_lens.append(len(c.token_ids))
-            context_lens.append(span.stop)
-            tables.append(table)
-        dev = self.device
-        width = max(len(t) for t in tables)
-        cu = np.concatenate([[0], np.cumsum(q_lens)])
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                      dtype=torch.int32, device=dev),
-            max_query_len=max(q_lens), max_context_len=max(context_lens), backend=self.backend)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                            torch.tensor(positions, dtype=torch.int64, device=dev),
-                            self.kv_caches, meta)
-        if not with_logits:
-            return None
-        last = torch.tensor(cu[1:] - 1, dtype=torch.int64, device=dev)
-        return self.model.compute_logits(hidden.index_select(0, last))
+        for chunk in chunks:
+            chunk.num_sampled = 1 if with_logits else 0
+        logits = self.runner.run(self.runner.prepare_chunks(chunks))
+        return logits if with_logits else None
 
 
 # -- the engine's side --------------------------------------------------------------------------
