@@ -46,6 +46,9 @@ class WorkerRecord:
     peak_flops_per_s: float = 0.0  # dense matmul rate measured on the worker's device
     peak_bytes_per_s: float = 0.0  # copy bandwidth measured on the worker's device
     busy_fraction: float = 0.0  # forward seconds / wall seconds (recent steps)
+    spec_num_drafts: int = 0  # speculative decoding: sequence-steps that verified drafts
+    spec_num_draft_tokens: int = 0  # drafts proposed and verified (a counter)
+    spec_num_accepted_tokens: int = 0  # drafts the target accepted (a counter)
 
     @classmethod
     def from_stats(cls, stats: WorkerStats, pid: int = 0) -> WorkerRecord:
@@ -55,7 +58,9 @@ class WorkerRecord:
                    stats.cached_blocks, stats.num_preemptions, stats.prefix_hit_tokens,
                    stats.prefix_query_tokens, json.dumps(stats.ledger, sort_keys=True), pid,
                    stats.error or "", stats.num_bounces, stats.flops_per_s, stats.bytes_per_s,
-                   stats.peak_flops_per_s, stats.peak_bytes_per_s, stats.busy_fraction)
+                   stats.peak_flops_per_s, stats.peak_bytes_per_s, stats.busy_fraction,
+                   stats.spec_num_drafts, stats.spec_num_draft_tokens,
+                   stats.spec_num_accepted_tokens)
 
     def to_stats(self) -> WorkerStats:
         return WorkerStats(self.worker_id, self.role, self.total_blocks, self.free_blocks,
@@ -67,7 +72,10 @@ class WorkerRecord:
                            flops_per_s=self.flops_per_s, bytes_per_s=self.bytes_per_s,
                            peak_flops_per_s=self.peak_flops_per_s,
                            peak_bytes_per_s=self.peak_bytes_per_s,
-                           busy_fraction=self.busy_fraction)
+                           busy_fraction=self.busy_fraction,
+                           spec_num_drafts=self.spec_num_drafts,
+                           spec_num_draft_tokens=self.spec_num_draft_tokens,
+                           spec_num_accepted_tokens=self.spec_num_accepted_tokens)
 
     def to_hash(self) -> dict[str, str]:
         return {f.name: str(int(v) if isinstance(v, bool) else v)

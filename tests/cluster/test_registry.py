@@ -55,6 +55,24 @@ def test_stats_roundtrip_through_redis(redis_url):
     assert record.to_stats() == stats
 
 
+def test_every_stats_field_survives_the_registry(redis_url):
+    """A WorkerStats field the record forgets is silently zero for the router and its metrics
+    (it happened to the speculative-decoding counters): every field gets a non-default value."""
+    import dataclasses
+
+    from pdserve.engine.messages import WorkerStats
+
+    values = {}
+    for i, f in enumerate(dataclasses.fields(WorkerStats)):
+        kind = {"int": 100 + i, "float": 0.5 + i, "bool": True, "dict": {"kv_dtype": "int8"}}
+        values[f.name] = kind.get(str(f.type).split(" ")[0], f"value-{i}")
+    stats = WorkerStats(**values)
+    reg = Registry(redis_url, cluster=uuid.uuid4().hex)
+    reg.heartbeat(WorkerRecord.from_stats(stats, pid=7))
+    [record] = reg.workers()
+    assert record.to_stats() == stats
+
+
 def test_heartbeat_never_overwrites_draining(redis_url):
     reg = Registry(redis_url, cluster=uuid.uuid4().hex)
     reg.heartbeat(WorkerRecord("p1", "prefill"))
