@@ -72,13 +72,17 @@ def _context_slots(block_tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tenso
 
 def _gather_context(cache: KVCacheLayer, slots: torch.Tensor):
     """Each sequence's K and V at ``slots`` (S, ctx): (S, ctx, kv_heads, hd) fp32."""
-    flat = slots.view(-1)  # index_select: the same gather, ~3x faster than [:, slots] on CPU
-    kv = cache.kv.flatten(1, 2).index_select(1, flat).view(2, *slots.shape, *cache.kv.shape[3:])
-    k_t, v_t = (None if t is None
-                else t.flatten(0, 1).index_select(0, flat).view(*slots.shape, t.shape[-1])
-                for t in (cache.k_token_scale, cache.v_token_scale))  # (S, ctx, kv_heads)
-    return (dequantize(kv[0], cache.k_scale, torch.float32, k_t),
-            dequantize(kv[1], cache.v_scale, torch.float32, v_t))
+    flat = slots.view(-1)
+
+    def rows(pool: torch.Tensor) -> torch.Tensor:  # (blocks, block_size, *row) -> (S, ctx, *row)
+        # a row gather on a 2-D view: the same values as pool[slots], 1-4x faster on CPU
+        table = pool.reshape(pool.shape[0] * pool.shape[1], -1)
+        return table.index_select(0, flat).view(*slots.shape, *pool.shape[2:])
+
+    k_t, v_t = (None if t is None else rows(t)  # (S, ctx, kv_heads)
+                for t in (cache.k_token_scale, cache.v_token_scale))
+    return (dequantize(rows(cache.kv[0]), cache.k_scale, torch.float32, k_t),
+            dequantize(rows(cache.kv[1]), cache.v_scale, torch.float32, v_t))
 
 
 class _DecodePlan:
