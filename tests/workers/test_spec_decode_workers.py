@@ -32,10 +32,14 @@ def prompts_for(seed: int) -> list[list[int]]:
 
 
 def colocated_generate(worker: ColocatedWorker, prompts, params, timeout: float = 60.0):
-    """Every prompt at once (one mixed batch); returns the tokens of each."""
+    """Every prompt at once (one mixed batch); returns the tokens of each. The requests are
+    added in one call on the loop thread, so every run steps the same batches (one submit at a
+    time would let the loop step between them, and the batch shapes, hence float rounding near
+    a tie, would vary from run to run)."""
     tokens = {f"c{i}": [] for i in range(len(prompts))}
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        worker.submit(WorkRequest(f"c{i}", prompt, p, seed=i, arrival_time=time.time())).result(10)
+    requests = [WorkRequest(f"c{i}", prompt, p, seed=i, arrival_time=time.time())
+                for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))]
+    worker.loop.call(lambda: [worker.engine.add_work(r) for r in requests]).result(10)
     pending, deadline = set(tokens), time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
         for delta in worker.poll(0.2):
