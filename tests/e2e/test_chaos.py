@@ -40,9 +40,14 @@ def back_to_baseline(cluster, e2e) -> None:
     assert set(e2e.wait_idle(cluster).values()) == {0}
 
 
-def run_chaos(cluster, model_dir, prefix: str, fault, **traffic):
+# Streams long enough to be mid-decode when a fault meant for running requests lands: on the
+# tiny model a 96-token request can finish in the ~0.1 s between the trigger and the fault.
+LONG = dict(min_tokens=192, max_tokens=256)
+
+
+def run_chaos(cluster, model_dir, prefix: str, fault, tokens: dict | None = None, **traffic):
     cluster.refresh_workers()
-    requests = chaos_requests(16, seed=sum(map(ord, prefix)), prefix=prefix)
+    requests = chaos_requests(16, seed=sum(map(ord, prefix)), prefix=prefix, **(tokens or {}))
     expected = reference_tokens(str(model_dir), requests, **REFERENCE_ENGINE)
     records, _ = asyncio.run(stream_all(cluster.target, requests, fault, **traffic))
     traces = {t.request_id: t for t in cluster.traces()}
@@ -51,7 +56,7 @@ def run_chaos(cluster, model_dir, prefix: str, fault, **traffic):
 
 def test_decode_worker_sigkilled_mid_stream(cluster, model_dir, e2e):
     records, expected, traces = run_chaos(cluster, model_dir, "kill-d",
-                                          sigkill_busiest(cluster, "decode"))
+                                          sigkill_busiest(cluster, "decode"), tokens=LONG)
     assert [r.error for r in records] == [None] * len(records)
     assert [r.token_ids for r in records] == expected
     assert any(t.num_migrations for t in traces)  # the kill landed on running streams
@@ -82,7 +87,7 @@ def test_engine_loop_raising_is_replaced_and_its_requests_move(cluster, model_di
         victims.append(busiest(cluster, "decode"))
         cluster._ray.get(cluster.workers[victims[0]].inject_fault.remote("raise"), timeout=30)
 
-    records, expected, traces = run_chaos(cluster, model_dir, "raise", crash)
+    records, expected, traces = run_chaos(cluster, model_dir, "raise", crash, tokens=LONG)
     assert [r.token_ids for r in records] == expected
     assert any(t.num_migrations for t in traces)
     e2e.wait_for(lambda: victims[0] not in {w.worker_id for w in cluster.refresh_workers()
