@@ -165,7 +165,7 @@ def cluster_options(args, num_prefill: int, num_decode: int,
                     slos: dict[str, float] | None = None):
     """One setup's ClusterOptions; with ``slos``, autoscaled 1..2 per pool against them."""
     from pdserve.cluster.autoscaler import AutoscaleConfig
-    from pdserve.cluster.launcher import ClusterOptions
+    from pdserve.cluster.options import ClusterOptions
     from pdserve.router.core import RouterConfig
 
     engine = dict(dtype="float32", memory_budget_bytes=512 << 20, max_num_seqs=args.max_num_seqs,

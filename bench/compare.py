@@ -104,7 +104,7 @@ def write_random_llama(path: Path, seed: int = 0, **overrides) -> Path:
 
 
 def cluster_options(mode: str, model: str, opts: CompareOptions):
-    from pdserve.cluster.launcher import ClusterOptions
+    from pdserve.cluster.options import ClusterOptions
     from pdserve.router.core import RouterConfig
 
     # No prefix cache: every rate replays the same prompts, which would otherwise be cached

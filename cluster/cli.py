@@ -52,7 +52,7 @@ def _fail(prog: str, message: str):
 
 
 def _serve_settings(parser: argparse.ArgumentParser) -> None:
-    from pdserve.cluster.launcher import ClusterOptions
+    from pdserve.cluster.options import ClusterOptions
     from pdserve.cluster.settings import add_setting_flags
 
     add_setting_flags(parser, ClusterOptions())

@@ -32,14 +32,13 @@ import signal
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import psutil
 
 from pdserve.cluster.actors import WorkerSpec, cluster_namespace
-from pdserve.cluster.autoscaler import SCALED_ROLES, AutoscaleConfig
+from pdserve.cluster.options import ClusterOptions
 from pdserve.cluster.placement import (
-    PLACEMENTS,
     WorkerResources,
     actor_resources,
     resolve_device,
@@ -56,152 +55,9 @@ from pdserve.cluster.router_actor import (
     start_router_actor,
 )
 from pdserve.engine.config import EngineConfig
-from pdserve.router.auth import ApiKey, TLSConfig
-from pdserve.router.core import RouterConfig
+from pdserve.router.auth import TLSConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ClusterOptions:
-    """What ``pdserve serve`` is asked for (DESIGN.md section 4), plus test knobs."""
-
-    model: str | None = None  # checkpoint folder; None = the built-in tiny model
-    num_prefill: int = 1  # prefill worker actors (disaggregated mode)
-    num_decode: int = 1  # decode worker actors, or colocated workers with ``colocated``
-    colocated: bool = False  # one pool of workers doing both phases
-    host: str = "127.0.0.1"  # gRPC, HTTP and metrics bind address (0.0.0.0: every interface)
-    port: int = 50051  # gRPC port; 0 = any free port
-    metrics_port: int | None = 9400  # Prometheus port; 0 = any free port, None = off
-    http_port: int | None = None  # OpenAI-compatible HTTP port; 0 = any free port, None = off
-    api_key: str | None = None  # clients must send "Authorization: Bearer KEY" (HTTP, gRPC
-    # and Admin; health stays open); default: $PDSERVE_API_KEY with pdserve serve
-    tls_cert: str | None = None  # PEM certificate chain file: gRPC and HTTP speak TLS
-    tls_key: str | None = None  # PEM private key file of tls_cert
-    tls_client_ca: str | None = None  # PEM CA file: clients need a certificate it signed (mTLS)
-    reflection: bool = True  # gRPC server reflection (grpcurl lists the services)
-    max_concurrent_rpcs: int | None = 4096  # gRPC calls (and HTTP connections) in progress
-    ray_address: str | None = None  # join this Ray cluster instead of starting one
-    redis_url: str | None = None  # use this Redis instead of starting a child; default:
-    # $PDSERVE_REDIS_URL with pdserve serve (a URL with a password stays off the command line)
-    engine: dict = field(default_factory=dict)  # EngineConfig overrides for every worker
-    router: RouterConfig = field(default_factory=RouterConfig)
-    cluster_name: str = ""  # registry prefix / Ray namespace suffix; "" = a fresh one, or
-    # "default" when detached (so the next launcher finds the running cluster)
-    num_routers: int = 1  # router actors serving the same pools through Redis (the first one
-    # runs them), placed by the Ray resource pdserve_router as the pools are by theirs
-    heartbeat_s: float = 1.0  # worker registry heartbeat period
-    ttl_s: float = 5.0  # registry record TTL: a worker without heartbeat this long is gone
-    lease_s: float = 60.0  # decode reservation lease: KV must arrive within it
-    log_level: str = "WARNING"  # logging level inside actor processes
-    ray_num_cpus: int | None = None  # CPUs a local Ray advertises (None: this machine's cores,
-    # or what the pools ask for at their largest if that is more: they then share the cores)
-    worker_cpus: int = 1  # CPUs each worker asks Ray for; a CPU worker runs that many torch
-    # threads (0: asks for none and runs one)
-    worker_gpus: float = 1.0  # GPUs each CUDA worker asks Ray for (0.5: two share one GPU,
-    # each with its own --memory-budget-mib)
-    pool_placement: str = "auto"  # auto: each pool on the nodes advertising its Ray resource
-    # pdserve_<role> when any does, else anywhere; require: only there; any: anywhere
-    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # pool autoscaler
-    detached: bool | None = None  # the router actor outlives this process, so a later launcher
-    # with the same cluster name and Redis adopts it and its pools (None: with --ray-address)
-    detach_on_stop: bool = False  # stopping leaves a detached router and its pools running
-
-    def __post_init__(self) -> None:
-        if self.num_decode < 1:
-            raise ValueError(f"num_decode must be >= 1, got {self.num_decode}")
-        if not self.colocated and self.num_prefill < 1:
-            raise ValueError(f"num_prefill must be >= 1, got {self.num_prefill}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if self.http_port is not None and not 0 <= self.http_port < 65536:
-            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
-        if self.api_key is not None:
-            ApiKey(self.api_key)  # ValueError naming api_key
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key must be given together")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
-        if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
-            raise ValueError(f"max_concurrent_rpcs must be >= 1 or none, got "
-                             f"{self.max_concurrent_rpcs}")
-        if not 0 < self.heartbeat_s < self.ttl_s:
-            raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be > 0 and < ttl_s "
-                             f"({self.ttl_s})")
-        if self.num_routers < 1:
-            raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
-        fixed = [p for p in (self.port, self.metrics_port, self.http_port) if p]
-        if self.num_routers > 1 and self.ray_address is None and fixed:
-            raise ValueError(f"num_routers ({self.num_routers}) on one local node would bind "
-                             f"port {fixed[0]} twice: give port, metrics_port and http_port 0 "
-                             f"(any free port) or none, or join a cluster whose nodes advertise "
-                             f"pdserve_router (ray_address)")
-        if self.lease_s <= 0:
-            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
-        if self.worker_cpus < 0:
-            raise ValueError(f"worker_cpus must be >= 0, got {self.worker_cpus}")
-        if not 0 < self.worker_gpus <= 1:
-            raise ValueError(f"worker_gpus must be in (0, 1], got {self.worker_gpus}")
-        if self.pool_placement not in PLACEMENTS:
-            raise ValueError(f"pool_placement must be one of {PLACEMENTS}, "
-                             f"got {self.pool_placement!r}")
-        if self.autoscale.enabled and self.colocated:
-            raise ValueError("autoscale scales prefill and decode pools: it needs "
-                             "disaggregated mode (not colocated)")
-        if self.autoscale.enabled and sum(self.initial_targets().values()) \
-                > self.autoscale.budget:
-            raise ValueError(f"num_prefill + num_decode ({self.num_prefill + self.num_decode}) "
-                             f"exceed the autoscaler's max_workers ({self.autoscale.budget})")
-
-    def initial_targets(self) -> dict[str, int]:
-        """role -> the pool size to start with (within the autoscaler's bounds when on)."""
-        if self.colocated:
-            return {"colocated": self.num_decode}
-        sizes = {"prefill": self.num_prefill, "decode": self.num_decode}
-        if self.autoscale.enabled:
-            for role in SCALED_ROLES:
-                low, high = self.autoscale.bounds(role)
-                sizes[role] = min(high, max(low, sizes[role]))
-        return sizes
-
-    def max_workers(self) -> int:
-        """Workers the pools may hold at once (the autoscaler's budget when on)."""
-        if self.autoscale.enabled:
-            return self.autoscale.budget
-        return sum(self.initial_targets().values())
-
-    def local_ray_cpus(self, cores: int | None = None) -> int:
-        """CPUs a local Ray (no ``ray_address``) advertises: ``ray_num_cpus``, or the
-        machine's ``cores`` raised to what the pools ask for at their largest. ValueError when
-        an explicit ``ray_num_cpus`` cannot hold them (workers would wait forever)."""
-        needed = self.worker_cpus * self.max_workers()
-        if self.ray_num_cpus is not None:
-            if self.ray_num_cpus < needed:
-                raise ValueError(
-                    f"ray_num_cpus ({self.ray_num_cpus}) cannot hold {self.max_workers()} "
-                    f"workers asking {self.worker_cpus} CPU(s) each (worker_cpus): raise "
-                    f"ray_num_cpus to {needed}, or lower worker_cpus")
-            return self.ray_num_cpus
-        cores = cores or os.cpu_count() or 1
-        if needed > cores:
-            logger.warning("%d workers x %d CPU(s) (--worker-cpus) on %d cores: the local Ray "
-                           "advertises %d CPUs and the workers share the cores",
-                           self.max_workers(), self.worker_cpus, cores, needed)
-        return max(cores, needed)
-
-    def check_local_gpus(self, gpus: int) -> None:
-        """ValueError when a local Ray's ``gpus`` cannot hold the CUDA pools at their largest
-        (a worker that finds no GPU would wait forever)."""
-        needed = self.worker_gpus * self.max_workers()
-        if needed > gpus + 1e-9:
-            share = max(0.01, gpus / self.max_workers())
-            raise ValueError(
-                f"{self.max_workers()} workers asking {self.worker_gpus:g} GPU each "
-                f"(worker_gpus) need {needed:g} GPUs and this machine has {gpus}: lower "
-                f"worker_gpus to {share:.2g} (workers share a GPU; give each a "
-                f"memory_budget_bytes), or run fewer workers")
 
 
 class EmbeddedCluster:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.cluster.launcher import ClusterOptions
+from pdserve.cluster.options import ClusterOptions
 from pdserve.engine import memory
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
 from pdserve.engine.memory import MemoryBudgetError

@@ -154,7 +154,7 @@ def test_gpu_values_give_gpu_limits_and_workers_that_ask_ray_for_them(values_fil
 
 def test_engine_args_merge_and_pdserve_accepts_the_controller_flags(values_files, render):
     from pdserve.cluster.cli import build_parser
-    from pdserve.cluster.launcher import ClusterOptions
+    from pdserve.cluster.options import ClusterOptions
     from pdserve.cluster.settings import options_from_args
 
     args = controller_args(render(values_files["gpu"]))

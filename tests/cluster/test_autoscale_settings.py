@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.cluster import settings
 from pdserve.cluster.cli import build_parser
-from pdserve.cluster.launcher import ClusterOptions
+from pdserve.cluster.options import ClusterOptions
 
 
 def _options(*argv: str) -> ClusterOptions:

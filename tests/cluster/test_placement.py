@@ -60,7 +60,7 @@ def test_the_actor_options_carry_the_resources():
 
 
 def test_cuda_pools_larger_than_the_local_gpus_fail_with_the_fix_named():
-    from pdserve.cluster.launcher import ClusterOptions
+    from pdserve.cluster.options import ClusterOptions
 
     ClusterOptions(num_prefill=1, num_decode=1).check_local_gpus(2)  # one GPU each
     with pytest.raises(ValueError, match=r"need 2 GPUs and this machine has 1: lower "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.launcher import ClusterOptions
+from pdserve.cluster.options import ClusterOptions
 from pdserve.cluster.settings import Overrides, SettingsError, apply_overrides
 
 
