@@ -5,9 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "pdserve"
+# How long joining an existing cluster keeps retrying: on Kubernetes the controller can start
+# before the Ray head (or its client server) is ready.
+CONNECT_TIMEOUT_S = 120.0
 
 
 def set_loopback_env() -> None:
@@ -27,8 +31,7 @@ def init_ray(address: str | None = None, temp_dir: str | None = None,
     if ray.is_initialized():
         return ray
     if address:
-        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
-        return ray
+        return _join(ray, address)
     # Ray's socket paths must stay short: keep its temp dir directly under /tmp.
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="pdray-", dir="/tmp")
     ray.init(namespace=NAMESPACE, include_dashboard=False, _temp_dir=temp_dir,
@@ -36,3 +39,23 @@ def init_ray(address: str | None = None, temp_dir: str | None = None,
              configure_logging=False)
     logger.info("local Ray started, temp dir %s", temp_dir)
     return ray
+
+
+def _join(ray, address: str, timeout_s: float = CONNECT_TIMEOUT_S, pause_s: float = 5.0):
+    """``ray.init(address)``, retried while the connection fails (a ``ray://`` client server
+    that is starting, or whose per-client server failed to start) until ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
+            return ray
+        except ConnectionError as exc:
+            if time.monotonic() + pause_s > deadline:
+                raise ConnectionError(
+                    f"could not join the Ray cluster at {address} for {timeout_s:.0f} s: "
+                    f"{exc}. Check that the Ray head is running and reachable (its client "
+                    f"server's logs are ray_client_server*.err in the head's session "
+                    f"logs)") from exc
+            logger.warning("joining Ray at %s failed (%s); retrying in %.0f s",
+                           address, str(exc).strip().splitlines()[-1][:200], pause_s)
+            time.sleep(pause_s)

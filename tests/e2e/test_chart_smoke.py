@@ -169,7 +169,7 @@ def test_chart_smoke_run(rendered, ray_node_processes, model_dir, e2e, tmp_path)
         log = tmp_path / "controller.log"
         e2e.wait_for(lambda: "Ctrl-C" in log.read_text() or serve.poll() is not None,
                      START_S, "the controller's pdserve serve to report serving")
-        assert serve.poll() is None, log.read_text()[-4000:]
+        assert serve.poll() is None, log.read_text()[-4000:] + ray_client_logs(nodes.tmp)
 
         prompts = e2e.prompts(seed=5, n=2)
         outs = e2e.generate_all(target, prompts, MAX_TOKENS)
@@ -186,6 +186,13 @@ def test_chart_smoke_run(rendered, ray_node_processes, model_dir, e2e, tmp_path)
             os.killpg(redis.pid, signal.SIGKILL)
             redis.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ray_client_logs(tmp: str) -> str:
+    """The head's Ray client server logs (the proxy and each client's own server), which say
+    why a ``ray://`` connection failed."""
+    logs = sorted(Path(tmp, "ray").glob("session_*/logs/ray_client_server*"))
+    return "".join(f"\n--- {p.name}:\n{p.read_text()[-3000:]}" for p in logs)
 
 
 def controller_arg(container: dict, flag: str) -> str:
