@@ -78,12 +78,21 @@ def rms_norm(x, weight, eps: float, residual=None, backend: str = "auto"):
     return ref.rms_norm_ref(x, weight, eps, residual)
 
 
-def rotary(q, k, positions, cos_sin_cache, backend: str = "auto"):
+def rope_table(positions, cos_sin_cache, backend: str = "auto"):
+    """What :func:`rotary` can reuse across a forward's layers for these ``positions`` (the
+    torch path's cos/sin rows; ``None`` for Triton, whose kernel reads the cache itself)."""
+    if resolve_backend(backend, positions.device) == "triton":
+        return None
+    return ref.rope_table_ref(positions, cos_sin_cache)
+
+
+def rotary(q, k, positions, cos_sin_cache, backend: str = "auto", table=None):
+    """Rotate-half RoPE of q and k; ``table``: :func:`rope_table` of ``positions``."""
     if resolve_backend(backend, q.device) == "triton":
         # Not "rotary": importing pdserve.kernels.rotary would rebind this package's
         # ``rotary`` attribute to the submodule.
         return _triton("rotary_embedding").rotary(q, k, positions, cos_sin_cache)
-    return ref.rotary_ref(q, k, positions, cos_sin_cache)
+    return ref.rotary_ref(q, k, positions, cos_sin_cache, table)
 
 
 def silu_and_mul(x, backend: str = "auto"):

@@ -70,9 +70,28 @@ def _context_slots(block_tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tenso
     return block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
 
 
-def _gather_context(cache: KVCacheLayer, slots: torch.Tensor):
-    """Each sequence's K and V at ``slots`` (S, ctx): (S, ctx, kv_heads, hd) fp32."""
+def _joint_rows(cache: KVCacheLayer) -> bool:
+    """K and V of ``cache`` gather as rows of one 2-D view (V's rows after all of K's)."""
+    return not cache.is_quantized and cache.kv.is_contiguous()
+
+
+def _joint_index(cache: KVCacheLayer, slots: torch.Tensor) -> torch.Tensor:
+    """The row index of ``slots`` (S, ctx) in both halves of ``cache``: (2 * S * ctx,)."""
     flat = slots.view(-1)
+    return torch.cat((flat, flat + cache.num_blocks * cache.block_size))
+
+
+def _gather_context(cache: KVCacheLayer, slots: torch.Tensor,
+                    joint: torch.Tensor | None = None):
+    """Each sequence's K and V at ``slots`` (S, ctx): (S, ctx, kv_heads, hd) fp32. ``joint``:
+    :func:`_joint_index` of ``slots``, when the caller has it for every layer."""
+    flat = slots.view(-1)
+    if _joint_rows(cache):  # one row gather for K and V: fewer ops than two
+        index = joint if joint is not None else _joint_index(cache, slots)
+        row = cache.kv.shape[3:]  # (kv_heads, head_dim)
+        kv = cache.kv.view(-1, row[0] * row[1]).index_select(0, index)
+        kv = kv.view(2, *slots.shape, *row).float()
+        return kv[0], kv[1]
 
     def rows(pool: torch.Tensor) -> torch.Tensor:  # (blocks, block_size, *row) -> (S, ctx, *row)
         # a row gather on a 2-D view: the same values as pool[slots], 1-4x faster on CPU
@@ -86,7 +105,8 @@ def _gather_context(cache: KVCacheLayer, slots: torch.Tensor):
 
 
 class _DecodePlan:
-    """The slots and the visibility mask of one decode batch, shared by every layer of a step.
+    """The slots (and their joint K/V row index) and the additive visibility mask of one decode
+    batch, shared by every layer of a step.
 
     Every layer of a forward passes the same ``block_tables`` and ``context_lens`` tensors, so
     the plan is computed once per step. It is reused only for those very tensor objects at the
@@ -100,23 +120,32 @@ class _DecodePlan:
 
     @classmethod
     def of(cls, block_tables: torch.Tensor, context_lens: torch.Tensor,
-           sliding_window: int | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+           sliding_window: int | None, cache: KVCacheLayer) -> tuple:
+        """(slots (S, ctx), joint row index or None, additive mask (S, 1, 1, ctx))."""
         # inference tensors track no version: their plans are never reused
         reusable = not (block_tables.is_inference() or context_lens.is_inference())
-        key = ((block_tables._version, context_lens._version, sliding_window, block_size)
-               if reusable else None)
+        key = ((block_tables._version, context_lens._version, sliding_window, cache.block_size,
+                cache.num_blocks, _joint_rows(cache)) if reusable else None)
         held = getattr(cls._local, "plan", None)
         if (reusable and held is not None and held[0] is block_tables
                 and held[1] is context_lens and held[2] == key):
             return held[3]
-        max_ctx = int(context_lens.max())
-        last = context_lens.long()[:, None] - 1  # (S, 1)
-        visible = _visible(last, max_ctx, sliding_window)  # (S, 1, ctx)
-        lo = (last[:, 0] - sliding_window + 1 if sliding_window is not None
-              else torch.zeros_like(last[:, 0]))
-        plan = (_context_slots(block_tables, lo, last[:, 0] + 1, max_ctx, block_size), visible)
+        plan = cls._build(block_tables, context_lens, sliding_window, cache)
         cls._local.plan = (block_tables, context_lens, key, plan) if reusable else None
         return plan
+
+    @staticmethod
+    def _build(block_tables: torch.Tensor, context_lens: torch.Tensor,
+               sliding_window: int | None, cache: KVCacheLayer) -> tuple:
+        max_ctx = int(context_lens.max())
+        last = context_lens.long()[:, None] - 1  # (S, 1)
+        # as an additive mask (0 or -inf): SDPA converts a bool mask per call, i.e. per layer
+        hidden = ~_visible(last, max_ctx, sliding_window)  # (S, 1, ctx)
+        mask = torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, -torch.inf)
+        lo = (last[:, 0] - sliding_window + 1 if sliding_window is not None
+              else torch.zeros_like(last[:, 0]))
+        slots = _context_slots(block_tables, lo, last[:, 0] + 1, max_ctx, cache.block_size)
+        return slots, _joint_index(cache, slots) if _joint_rows(cache) else None, mask[:, None]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
@@ -206,12 +235,15 @@ def paged_decode_attention_ref(query: torch.Tensor, cache: KVCacheLayer, block_t
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return query.new_empty(query.shape)
-    slots, visible = _DecodePlan.of(block_tables, context_lens, sliding_window,
-                                    cache.block_size)
-    k, v = _gather_context(cache, slots)
-    q = query.float()[:, :, None]  # (S, heads, 1, hd)
-    out = _attend(q, k, v, visible, scale)  # (S, heads, 1, hd)
-    return out[:, :, 0].to(query.dtype)
+    slots, joint, mask = _DecodePlan.of(block_tables, context_lens, sliding_window, cache)
+    k, v = _gather_context(cache, slots, joint)
+    # GQA folded: a kv head's query heads are that head's queries (S, kv_heads, group, hd), so
+    # K and V are never repeated per query head (head h reads kv head h // group)
+    num_kv_heads = k.shape[2]
+    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -226,15 +258,28 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, residual)
 
 
-def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE. q: (T, H, D), k: (T, KH, D), cos_sin_cache: (max_pos, D) = [cos | sin]."""
+def rope_table_ref(positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of ``positions`` as (T, 1, D) fp32, each half repeated across the head: what
+    :func:`rotary_ref` multiplies by. A model computes it once per forward for every layer."""
     cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)  # (T, D/2) each
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
+
+
+def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE. q: (T, H, D), k: (T, KH, D), cos_sin_cache: (max_pos, D) = [cos | sin];
+    ``table``: :func:`rope_table_ref` of these positions, when the caller already has it.
+
+    ``x * cos + (-x2, x1) * sin`` is ``(x1 cos - x2 sin, x2 cos + x1 sin)`` to the bit: the
+    negation is exact and ``a - b`` is ``a + (-b)``."""
+    cos, sin = table if table is not None else rope_table_ref(positions, cos_sin_cache)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
     return rotate(q), rotate(k)
 

@@ -89,7 +89,8 @@ class SelfAttention(nn.Module):
         return norm(flat, backend=backend).view(num_tokens, num_heads, head_dim)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cache: KVCacheLayer,
-                meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, rope: tuple) -> torch.Tensor:
+        """``rope``: (cos_sin_cache, its rope_table for ``positions``), shared by the layers."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # (T, q_size + 2 * kv_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -99,7 +100,7 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q = self._head_norm(self.q_norm, q, meta.backend)
             k = self._head_norm(self.k_norm, k, meta.backend)
-        q, k = kernels.rotary(q, k, positions, cos_sin_cache, backend=meta.backend)
+        q, k = kernels.rotary(q, k, positions, rope[0], backend=meta.backend, table=rope[1])
         out = self.attn(q, k, v, cache, meta)  # (T, heads, head_dim)
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, hidden)
 
@@ -128,14 +129,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions, hidden, residual, cache, meta, cos_sin_cache):
+    def forward(self, positions, hidden, residual, cache, meta, rope):
         backend = meta.backend
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden, backend=backend)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, backend=backend)
-        hidden = self.self_attn(positions, hidden, cache, meta, cos_sin_cache)
+        hidden = self.self_attn(positions, hidden, cache, meta, rope)
         hidden, residual = self.post_attention_layernorm(hidden, residual, backend=backend)
         return self.mlp(hidden, backend), residual
 
@@ -208,10 +209,11 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {self.num_layers}")
         cos_sin = self.cos_sin_cache(input_ids.device)
+        rope = (cos_sin, kernels.rope_table(positions, cos_sin, backend=meta.backend))
         hidden = F.embedding(input_ids, self.model.embed_tokens.weight)  # (T, hidden)
         residual = None
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            hidden, residual = layer(positions, hidden, residual, cache, meta, cos_sin)
+            hidden, residual = layer(positions, hidden, residual, cache, meta, rope)
             if after_layer is not None:
                 after_layer(i)
         hidden, _ = self.model.norm(hidden, residual, backend=meta.backend)  # >= 1 layer

@@ -138,6 +138,24 @@ def test_rotary_ref_is_a_complex_rotation(gen):
         torch.testing.assert_close(rx, torch.cat([z.real, z.imag], -1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_ref_is_the_two_term_formula_to_the_bit(gen, dtype):
+    """``x * cos + (-x2, x1) * sin`` (one table per forward) equals Hugging Face's
+    ``(x1 cos - x2 sin, x2 cos + x1 sin)`` exactly, with the table or without."""
+    q, k = (torch.randn(5, h, 8, generator=gen).to(dtype) for h in (4, 2))
+    theta = torch.rand(12, 4, generator=gen) * 6
+    cache = torch.cat([theta.cos(), theta.sin()], -1)
+    pos = torch.tensor([0, 11, 3, 3, 7])
+    table = ref.rope_table_ref(pos, cache)
+    cos, sin = cache[pos].chunk(2, -1)
+    cos, sin = cos[:, None], sin[:, None]
+    for x, with_table, without in zip((q, k), ref.rotary_ref(q, k, pos, cache, table),
+                                      ref.rotary_ref(q, k, pos, cache), strict=True):
+        x1, x2 = x.float().chunk(2, -1)
+        want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).to(dtype)
+        assert torch.equal(with_table, want) and torch.equal(without, want)
+
+
 def test_silu_and_mul_ref_formula(gen):
     x = torch.randn(3, 10, generator=gen)
     torch.testing.assert_close(ref.silu_and_mul_ref(x), x[:, :5] * torch.sigmoid(x[:, :5])
