@@ -137,15 +137,21 @@ class _DecodePlan:
     @staticmethod
     def _build(block_tables: torch.Tensor, context_lens: torch.Tensor,
                sliding_window: int | None, cache: KVCacheLayer) -> tuple:
-        max_ctx = int(context_lens.max())
-        last = context_lens.long()[:, None] - 1  # (S, 1)
-        # as an additive mask (0 or -inf): SDPA converts a bool mask per call, i.e. per layer
-        hidden = ~_visible(last, max_ctx, sliding_window)  # (S, 1, ctx)
-        mask = torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, -torch.inf)
-        lo = (last[:, 0] - sliding_window + 1 if sliding_window is not None
-              else torch.zeros_like(last[:, 0]))
-        slots = _context_slots(block_tables, lo, last[:, 0] + 1, max_ctx, cache.block_size)
-        return slots, _joint_index(cache, slots) if _joint_rows(cache) else None, mask[:, None]
+        """The plan in few ops (it runs once per step): positions clamped into each sequence's
+        visible keys (see :func:`_context_slots`), their slots, and the additive mask."""
+        bs = cache.block_size
+        pos = torch.arange(int(context_lens.max()), device=context_lens.device)  # (ctx,)
+        last = context_lens[:, None].long() - 1  # (S, 1): the query's position
+        visible = pos <= last  # (S, ctx)
+        clamped = torch.minimum(pos, last)
+        if sliding_window is not None:
+            first = last - sliding_window + 1
+            visible &= pos >= first
+            clamped = torch.maximum(clamped, first)
+        # int32 tables gather as they are; the arithmetic then widens to int64
+        slots = block_tables.gather(1, clamped // bs) * bs + clamped % bs
+        mask = torch.where(visible, 0.0, -torch.inf)[:, None, None]  # (S, 1, 1, ctx)
+        return slots, _joint_index(cache, slots) if _joint_rows(cache) else None, mask
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
