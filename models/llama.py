@@ -12,6 +12,10 @@ Parameter layout (the loader maps Hugging Face names onto it):
 
 Every norm, rotary and activation goes through :mod:`pdserve.kernels` with
 ``backend=meta.backend``; attention goes through :class:`pdserve.models.attention.Attention`.
+
+Submodules are called through ``.forward``: these modules never carry hooks, and skipping
+``nn.Module.__call__`` takes 15 us (7 %) off a batch-1 decode forward of a 2-layer model on
+CPU, where the forward is bound by per-call overhead.
 """
 
 from __future__ import annotations
@@ -86,13 +90,13 @@ class SelfAttention(nn.Module):
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor, backend: str) -> torch.Tensor:
         num_tokens, num_heads, head_dim = x.shape
         flat = x.reshape(num_tokens * num_heads, head_dim)  # (T * heads, head_dim)
-        return norm(flat, backend=backend).view(num_tokens, num_heads, head_dim)
+        return norm.forward(flat, backend=backend).view(num_tokens, num_heads, head_dim)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cache: KVCacheLayer,
                 meta: AttentionMetadata, rope: tuple) -> torch.Tensor:
         """``rope``: (cos_sin_cache, its rope_table for ``positions``), shared by the layers."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # (T, q_size + 2 * kv_size)
+        qkv = self.qkv_proj.forward(hidden)  # (T, q_size + 2 * kv_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # (T, heads, head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
@@ -101,8 +105,8 @@ class SelfAttention(nn.Module):
             q = self._head_norm(self.q_norm, q, meta.backend)
             k = self._head_norm(self.k_norm, k, meta.backend)
         q, k = kernels.rotary(q, k, positions, rope[0], backend=meta.backend, table=rope[1])
-        out = self.attn(q, k, v, cache, meta)  # (T, heads, head_dim)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, hidden)
+        out = self.attn.forward(q, k, v, cache, meta)  # (T, heads, head_dim)
+        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))  # (T, hidden)
 
 
 class MLP(nn.Module):
@@ -115,8 +119,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
 
     def forward(self, x: torch.Tensor, backend: str) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
-        return self.down_proj(kernels.silu_and_mul(gate_up, backend=backend))
+        gate_up = self.gate_up_proj.forward(x)  # (T, 2 * intermediate)
+        return self.down_proj.forward(kernels.silu_and_mul(gate_up, backend=backend))
 
 
 class DecoderLayer(nn.Module):
@@ -133,12 +137,12 @@ class DecoderLayer(nn.Module):
         backend = meta.backend
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden, backend=backend)
+            hidden = self.input_layernorm.forward(hidden, backend=backend)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, backend=backend)
-        hidden = self.self_attn(positions, hidden, cache, meta, rope)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, backend=backend)
-        return self.mlp(hidden, backend), residual
+            hidden, residual = self.input_layernorm.forward(hidden, residual, backend=backend)
+        hidden = self.self_attn.forward(positions, hidden, cache, meta, rope)
+        hidden, residual = self.post_attention_layernorm.forward(hidden, residual, backend=backend)
+        return self.mlp.forward(hidden, backend), residual
 
 
 class DecoderModel(nn.Module):
@@ -213,10 +217,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.model.embed_tokens.weight)  # (T, hidden)
         residual = None
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            hidden, residual = layer(positions, hidden, residual, cache, meta, rope)
+            hidden, residual = layer.forward(positions, hidden, residual, cache, meta, rope)
             if after_layer is not None:
                 after_layer(i)
-        hidden, _ = self.model.norm(hidden, residual, backend=meta.backend)  # >= 1 layer
+        hidden, _ = self.model.norm.forward(hidden, residual, backend=meta.backend)  # >= 1 layer
         return hidden
 
     @torch.inference_mode()
