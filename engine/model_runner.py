@@ -8,6 +8,7 @@ states of the sequences whose chunk reaches their last token (they get a new tok
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +45,19 @@ class ModelInput:
     num_context: int = 0  # KV tokens the step reads: every sequence's context, new ones included
 
 
+def host_tensor(values: array, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor of an ``array`` of ints ("q": int64, "i": int32) on ``device``: the
+    array's buffer becomes the tensor (3x faster than ``torch.tensor`` of a list), then one
+    copy when ``device`` is not the CPU. The tensor keeps ``values`` alive: do not change it."""
+    if not values:
+        return torch.empty(0, dtype=_ARRAY_DTYPES[values.typecode], device=device)
+    tensor = torch.frombuffer(values, dtype=_ARRAY_DTYPES[values.typecode])
+    return tensor if device.type == "cpu" else tensor.to(device)
+
+
+_ARRAY_DTYPES = {"q": torch.int64, "i": torch.int32}
+
+
 class ModelRunner:
     """Owns the model and its KV pools; knows nothing about scheduling policy."""
 
@@ -74,28 +88,31 @@ class ModelRunner:
 
     def _prepare_decodes(self, seqs: list) -> ModelInput:
         """One token per sequence (its last), every one sampled: one pass over the sequences
-        and one host -> device copy (tokens, positions, slots, context lengths)."""
+        and one host -> device copy (tokens, positions, slots; context lengths on the host)."""
         bs, n = self.block_size, len(seqs)
         block_tables = self.decode_batch.block_tables(seqs)
-        ids, starts, slots = [], [], []
-        for seq in seqs:
-            p = seq.num_computed_tokens
-            ids.append(seq.token_ids[-1])
-            starts.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-        host = torch.tensor([ids, starts, slots], dtype=torch.int64, device=self.device)
+        starts = [seq.num_computed_tokens for seq in seqs]
+        host = array("q", [seq.token_ids[-1] for seq in seqs])
+        host.extend(starts)
+        host.extend([seq.block_table[p // bs] * bs + p % bs
+                     for seq, p in zip(seqs, starts, strict=True)])
+        flat = host_tensor(host, self.device).view(3, n)
+        if self.device.type == "cpu":  # int32 straight from the host list: no tensor op
+            context_lens = host_tensor(array("i", [p + 1 for p in starts]), self.device)
+        else:  # one copy to the device, then the int32 lengths there
+            context_lens = flat[1].to(torch.int32).add_(1)
         rows, rows32 = self._arange(n + 1)
         meta = AttentionMetadata(
-            slot_mapping=host[2],
+            slot_mapping=flat[2],
             cu_seqlens_q=rows32,
-            context_lens=host[1].to(torch.int32).add_(1),
+            context_lens=context_lens,
             block_tables=block_tables,
             max_query_len=1,
             max_context_len=max(starts) + 1,
             backend=self.backend,
         )
         num_context = sum(starts) + n
-        return ModelInput(input_ids=host[0], positions=host[1], metadata=meta,
+        return ModelInput(input_ids=flat[0], positions=flat[1], metadata=meta,
                           sample_indices=rows[:n], num_attended=num_context,
                           num_context=num_context)
 
@@ -128,19 +145,19 @@ class ModelRunner:
         for c in chunks:
             input_ids.extend(c.token_ids)
             sample_indices.extend(range(len(input_ids) - c.num_sampled, len(input_ids)))
-        dev, bs = self.device, self.block_size
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+        dev, bs, cpu = self.device, self.block_size, torch.device("cpu")
+        q_lens_t = host_tensor(array("q", q_lens), cpu)
+        starts_t = host_tensor(array("q", starts), cpu)
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
         torch.cumsum(q_lens_t, 0, out=cu[1:])
         seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
         # (num_tokens,): absolute position of each new token inside its sequence
-        positions = torch.tensor(starts, dtype=torch.int64)[seq_of_token] \
-            + torch.arange(int(cu[-1])) - cu[:-1][seq_of_token]
+        positions = starts_t[seq_of_token] + torch.arange(int(cu[-1])) - cu[:-1][seq_of_token]
         width = max(len(t) for t in tables)
-        flat = [b for t in tables for b in (*t, *([0] * (width - len(t))))]
-        block_tables = torch.tensor(flat, dtype=torch.int64).view(len(tables), width)
+        flat = array("q", [b for t in tables for b in (*t, *([0] * (width - len(t))))])
+        block_tables = host_tensor(flat, cpu).view(len(tables), width)
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
-        context_lens = torch.tensor(starts, dtype=torch.int64) + q_lens_t
+        context_lens = starts_t + q_lens_t
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             cu_seqlens_q=cu.to(dev, torch.int32),
@@ -151,9 +168,9 @@ class ModelRunner:
             backend=self.backend,
         )
         return ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            input_ids=host_tensor(array("q", input_ids), dev),
             positions=positions.to(dev), metadata=meta,
-            sample_indices=torch.tensor(sample_indices, dtype=torch.int64, device=dev),
+            sample_indices=host_tensor(array("q", sample_indices), dev),
             num_attended=attended_pairs(starts, q_lens), num_context=sum(starts) + len(input_ids))
 
     @torch.inference_mode()

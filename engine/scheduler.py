@@ -264,17 +264,18 @@ class Scheduler:
         scheduled, max_num_seqs = out.scheduled, self.config.max_num_seqs
         fast, block_size = self.policy.decodes_take_one_token, self.block_manager.block_size
         fast = fast and self.lookahead is None  # speculating decodes take draft slots too
+        running, num_fast = SequenceStatus.RUNNING, 0  # (locals: this loop runs per sequence)
         for seq in self.policy.order_running(self.running):
             if budget <= 0 or len(scheduled) >= max_num_seqs:
                 break
-            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status != running:  # preempted earlier in this loop
                 continue
             computed = seq.num_computed_tokens
             if (fast and len(seq.token_ids) - computed == 1
                     and computed < len(seq.block_table) * block_size):
                 # a decode whose last block has room (most sequences, most steps)
                 scheduled.append(ScheduledSequence(seq, 1))
-                out.num_batched_tokens += 1
+                num_fast += 1
                 budget -= 1
                 continue
             if self.policy.defers(seq, self.waiting):
@@ -283,6 +284,7 @@ class Scheduler:
             used, went_short = self._schedule_one(seq, budget, out)
             budget -= used
             short = short or went_short
+        out.num_batched_tokens += num_fast
         return budget, short, deferred
 
     def _schedule_one(self, seq: Sequence, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
@@ -396,9 +398,10 @@ class Scheduler:
         bs = bm.block_size
         # only a block filled by this step gets hashed; only a window frees blocks
         caching, windowed = bm.enable_prefix_caching, bm.sliding_window is not None
+        finished = SequenceStatus.FINISHED_STOPPED  # (a local: this loop runs per sequence)
         for item in output.scheduled:
             seq = item.seq
-            if seq.status.is_finished:  # finished or aborted between schedule and update
+            if seq.status >= finished:  # finished or aborted between schedule and update
                 continue
             computed = seq.num_computed_tokens = item.start + item.num_new_tokens
             if computed > len(seq.token_ids):
