@@ -125,6 +125,14 @@ def test_rms_norm_ref_formula(gen):
     torch.testing.assert_close(resid, h)
 
 
+@pytest.mark.parametrize("size", [16, 64, 896, 4096])
+def test_rms_norm_ref_is_hugging_faces_formula_to_the_bit(gen, size):
+    x = torch.randn(7, size, generator=gen) * 3
+    w = torch.randn(size, generator=gen)
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.equal(ref.rms_norm_ref(x, w, 1e-6), want)
+
+
 def test_rotary_ref_is_a_complex_rotation(gen):
     """Rotate-half RoPE is multiplication of (x1 + i x2) by e^{i theta}."""
     q, k = torch.randn(4, 2, 8, generator=gen), torch.randn(4, 1, 8, generator=gen)
