@@ -269,10 +269,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rope_table_ref(positions: torch.Tensor,
                    cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of ``positions`` as (T, 1, D) fp32, each half repeated across the head: what
-    :func:`rotary_ref` multiplies by. A model computes it once per forward for every layer."""
+    """(cos, sin) of ``positions`` as (T, 1, D) fp32 across the whole head: ``(cos, cos)`` and
+    ``(-sin, sin)``, what :func:`rotary_ref` multiplies by. A model computes it once per
+    forward for every layer."""
     cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)  # (T, D/2) each
-    return torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
+    return torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]
 
 
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -281,14 +282,14 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """Rotate-half RoPE. q: (T, H, D), k: (T, KH, D), cos_sin_cache: (max_pos, D) = [cos | sin];
     ``table``: :func:`rope_table_ref` of these positions, when the caller already has it.
 
-    ``x * cos + (-x2, x1) * sin`` is ``(x1 cos - x2 sin, x2 cos + x1 sin)`` to the bit: the
-    negation is exact and ``a - b`` is ``a + (-b)``."""
+    ``x * (cos, cos) + (x2, x1) * (-sin, sin)`` is ``(x1 cos - x2 sin, x2 cos + x1 sin)`` to
+    the bit: negation is exact, commutes with the product, and ``a - b`` is ``a + (-b)``."""
     cos, sin = table if table is not None else rope_table_ref(positions, cos_sin_cache)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         x1, x2 = xf.chunk(2, dim=-1)
-        return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+        return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
 
     return rotate(q), rotate(k)
 
