@@ -12,6 +12,7 @@ import torch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, cuda_capture
+from pdserve.engine.host_memory import keep_freed_host_memory
 from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dtypes, plan_kv_pool
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.roofline import StepCost, UtilizationMeter
@@ -62,6 +63,8 @@ class EngineParts:
         resolved = ResolvedModel.of(config)
         mc, device, dtype = resolved.model_config, resolved.device, resolved.dtype
         backend, max_model_len = resolved.backend, resolved.max_model_len
+        if device.type == "cpu":
+            keep_freed_host_memory()
         model = load_model(config.model, dtype=dtype, device=device)
         ledger = plan_kv_pool(mc, config, model, dtype, device, max_model_len, backend)
         layer_dtypes = kv_layer_dtypes(mc.num_hidden_layers, dtype, config)

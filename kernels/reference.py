@@ -70,28 +70,9 @@ def _context_slots(block_tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tenso
     return block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
 
 
-def _joint_rows(cache: KVCacheLayer) -> bool:
-    """K and V of ``cache`` gather as rows of one 2-D view (V's rows after all of K's)."""
-    return not cache.is_quantized and cache.kv.is_contiguous()
-
-
-def _joint_index(cache: KVCacheLayer, slots: torch.Tensor) -> torch.Tensor:
-    """The row index of ``slots`` (S, ctx) in both halves of ``cache``: (2 * S * ctx,)."""
+def _gather_context(cache: KVCacheLayer, slots: torch.Tensor):
+    """Each sequence's K and V at ``slots`` (S, ctx): (S, ctx, kv_heads, hd) fp32."""
     flat = slots.view(-1)
-    return torch.cat((flat, flat + cache.num_blocks * cache.block_size))
-
-
-def _gather_context(cache: KVCacheLayer, slots: torch.Tensor,
-                    joint: torch.Tensor | None = None):
-    """Each sequence's K and V at ``slots`` (S, ctx): (S, ctx, kv_heads, hd) fp32. ``joint``:
-    :func:`_joint_index` of ``slots``, when the caller has it for every layer."""
-    flat = slots.view(-1)
-    if _joint_rows(cache):  # one row gather for K and V: fewer ops than two
-        index = joint if joint is not None else _joint_index(cache, slots)
-        row = cache.kv.shape[3:]  # (kv_heads, head_dim)
-        kv = cache.kv.view(-1, row[0] * row[1]).index_select(0, index)
-        kv = kv.view(2, *slots.shape, *row).float()
-        return kv[0], kv[1]
 
     def rows(pool: torch.Tensor) -> torch.Tensor:  # (blocks, block_size, *row) -> (S, ctx, *row)
         # a row gather on a 2-D view: the same values as pool[slots], 1-4x faster on CPU
@@ -105,8 +86,8 @@ def _gather_context(cache: KVCacheLayer, slots: torch.Tensor,
 
 
 class _DecodePlan:
-    """The slots (and their joint K/V row index) and the additive visibility mask of one decode
-    batch, shared by every layer of a step.
+    """The slots and the additive visibility mask of one decode batch, shared by every layer of
+    a step.
 
     Every layer of a forward passes the same ``block_tables`` and ``context_lens`` tensors, so
     the plan is computed once per step. It is reused only for those very tensor objects at the
@@ -121,11 +102,11 @@ class _DecodePlan:
     @classmethod
     def of(cls, block_tables: torch.Tensor, context_lens: torch.Tensor,
            sliding_window: int | None, cache: KVCacheLayer) -> tuple:
-        """(slots (S, ctx), joint row index or None, additive mask (S, 1, 1, ctx))."""
+        """(slots (S, ctx), additive mask (S, 1, 1, ctx))."""
         # inference tensors track no version: their plans are never reused
         reusable = not (block_tables.is_inference() or context_lens.is_inference())
-        key = ((block_tables._version, context_lens._version, sliding_window, cache.block_size,
-                cache.num_blocks, _joint_rows(cache)) if reusable else None)
+        key = ((block_tables._version, context_lens._version, sliding_window, cache.block_size)
+               if reusable else None)
         held = getattr(cls._local, "plan", None)
         if (reusable and held is not None and held[0] is block_tables
                 and held[1] is context_lens and held[2] == key):
@@ -151,7 +132,7 @@ class _DecodePlan:
         # int32 tables gather as they are; the arithmetic then widens to int64
         slots = block_tables.gather(1, clamped // bs) * bs + clamped % bs
         mask = torch.where(visible, 0.0, -torch.inf)[:, None, None]  # (S, 1, 1, ctx)
-        return slots, _joint_index(cache, slots) if _joint_rows(cache) else None, mask
+        return slots, mask
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
@@ -241,8 +222,8 @@ def paged_decode_attention_ref(query: torch.Tensor, cache: KVCacheLayer, block_t
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return query.new_empty(query.shape)
-    slots, joint, mask = _DecodePlan.of(block_tables, context_lens, sliding_window, cache)
-    k, v = _gather_context(cache, slots, joint)
+    slots, mask = _DecodePlan.of(block_tables, context_lens, sliding_window, cache)
+    k, v = _gather_context(cache, slots)
     # GQA folded: a kv head's query heads are that head's queries (S, kv_heads, group, hd), so
     # K and V are never repeated per query head (head h reads kv head h // group)
     num_kv_heads = k.shape[2]
