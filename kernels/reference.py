@@ -224,13 +224,10 @@ def paged_decode_attention_ref(query: torch.Tensor, cache: KVCacheLayer, block_t
         return query.new_empty(query.shape)
     slots, mask = _DecodePlan.of(block_tables, context_lens, sliding_window, cache)
     k, v = _gather_context(cache, slots)
-    # GQA folded: a kv head's query heads are that head's queries (S, kv_heads, group, hd), so
-    # K and V are never repeated per query head (head h reads kv head h // group)
-    num_kv_heads = k.shape[2]
-    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    q = query.float()[:, :, None]  # (S, heads, 1, hd)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
-    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[:, :, 0].to(query.dtype)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
