@@ -123,25 +123,35 @@ class Helpers:
 
     @staticmethod
     def cancel_then_deadline(target: str):
-        """Cancel one stream after its first chunk, then let a deadline expire mid-stream;
-        returns (the deadline's status code, the chunks that arrived before it)."""
+        """Cancel one stream mid-stream, then let a deadline expire mid-stream; returns (the
+        deadline's status code, the chunks that arrived before it). The deadline is set from
+        the first stream's speed (its first chunk's latency, then tokens per second), so it
+        falls about a quarter of the way into the second stream on any machine."""
         import asyncio
+        import time
 
         from pdserve.api.client import AsyncPdserveClient, PdserveError
 
         async def main():
             async with AsyncPdserveClient(target) as client:
+                start = time.monotonic()
                 stream = client.generate_stream([5, 6, 7, 8] * 5, max_tokens=1000,
                                                 temperature=0.0, ignore_eos=True, timeout=60)
+                tokens, first = 0, None
                 async for chunk in stream:
                     assert chunk.token_ids
-                    break  # cancel mid-stream
+                    first = first or time.monotonic()
+                    tokens += len(chunk.token_ids)
+                    if tokens >= 64:
+                        break  # cancel mid-stream
                 await stream.aclose()
+                per_token = (time.monotonic() - first) / max(tokens - 1, 1)
+                deadline = 2 * (first - start) + 500 * per_token  # of up to 2000 tokens
                 got = []
                 try:
                     async for chunk in client.generate_stream([9, 10, 11], max_tokens=2000,
                                                               temperature=0.0, ignore_eos=True,
-                                                              timeout=1.5):
+                                                              timeout=deadline):
                         got.append(chunk)
                 except PdserveError as err:
                     return err.code, got
