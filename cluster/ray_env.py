@@ -56,6 +56,7 @@ def _join(ray, address: str, timeout_s: float = CONNECT_TIMEOUT_S, pause_s: floa
                     f"{exc}. Check that the Ray head is running and reachable (its client "
                     f"server's logs are ray_client_server*.err in the head's session "
                     f"logs)") from exc
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
             logger.warning("joining Ray at %s failed (%s); retrying in %.0f s",
-                           address, str(exc).strip().splitlines()[-1][:200], pause_s)
+                           address, why, pause_s)
             time.sleep(pause_s)

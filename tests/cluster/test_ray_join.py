@@ -18,8 +18,8 @@ class FlakyRay:
     def init(self, **kwargs):
         self.calls += 1
         assert kwargs["address"] == "ray://head:10001"
-        if self.calls <= self.failures:
-            raise ConnectionAbortedError("Starting Ray client server failed.")
+        if self.calls <= self.failures:  # the first failure says nothing, the others why
+            raise ConnectionAbortedError("Starting Ray client server failed." * (self.calls > 1))
 
 
 def test_join_retries_until_the_connection_holds():
