@@ -1,0 +1,157 @@
+"""The operator commands of ``pdserve``: ``status`` and ``drain``, clients of a running
+router's ``pdserve.v1.Admin`` service."""
+
+from __future__ import annotations
+
+import sys
+
+from pdserve.cluster.cli_common import add_client_security, client_security, fail
+
+
+def add_status(sub) -> None:
+    status = sub.add_parser("status", help="pools (target and actual size) and workers of a "
+                                           "running server")
+    status.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+    status.add_argument("--json", action="store_true",
+                        help='print one JSON object: {"pools": {role: {...}}, "workers": [...]}')
+    status.add_argument("--checklist", type=int, nargs="?", const=1000, default=0, metavar="N",
+                        help="also print where time and memory go: the phase share of the "
+                             "latest N requests' time (default 1000), utilisation per phase, "
+                             "each worker's memory composition")
+    status.add_argument("--timeout", type=float, default=10.0, help="call deadline in seconds")
+    add_client_security(status)
+
+
+def add_drain(sub) -> None:
+    drain = sub.add_parser("drain", help="take a worker out of routing, let it finish its "
+                                         "streams, then stop it (its pool target drops by one)")
+    drain.add_argument("worker_id", help="as `pdserve status` lists it, e.g. decode-1")
+    drain.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+    drain.add_argument("--wait", type=float, nargs="?", const=600.0, default=None,
+                       metavar="SECONDS", help="return only once the worker has stopped (at "
+                                               "most SECONDS, default 600)")
+    drain.add_argument("--timeout", type=float, default=10.0, help="call deadline in seconds")
+    add_client_security(drain)
+
+
+def _admin_call(prog: str, target: str, timeout: float, fn, security: dict | None = None):
+    """``fn(AdminClient)``; an unreachable server, an unknown worker, a wrong API key or a bad
+    target exits 2 with one line."""
+    import grpc
+
+    from pdserve.api.admin_client import AdminClient
+    from pdserve.api.client import PdserveError
+
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        fail(prog, f"argument --target: expected HOST:PORT, got {target!r}")
+    try:
+        with AdminClient(target, timeout=timeout, **(security or {})) as admin:
+            return fn(admin)
+    except PdserveError as exc:
+        if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            fail(prog, f"cannot reach a pdserve router at {target}: {exc.details}")
+        if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+            fail(prog, f"the server at {target} has no pdserve.v1.Admin service")
+        if exc.code == grpc.StatusCode.UNAUTHENTICATED:
+            fail(prog, f"the server at {target} wants an API key: pass --api-key (or set "
+                        "PDSERVE_API_KEY)")
+        fail(prog, exc.details or exc.code.name)
+
+
+def cmd_status(args) -> int:
+    import json
+
+    from pdserve.api.admin_client import pool_dict, worker_dict
+
+    pools, workers = _admin_call("pdserve status", args.target, args.timeout,
+                                 lambda admin: (admin.get_pools(), admin.list_workers()),
+                                 client_security("pdserve status", args))
+    report = {"pools": {p.role: pool_dict(p) for p in pools},
+              "workers": [worker_dict(w) for w in workers]}
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+        return 0
+    print(_table(["POOL", "TARGET", "ACTUAL", "READY", "STARTING", "DRAINING", "RESTARTS"],
+                 [[role, p["target"], p["actual"], p["ready"], p["starting"], p["draining"],
+                   p["restarts"]] for role, p in report["pools"].items()]))
+    for role, p in report["pools"].items():
+        if p["last_error"]:
+            print(f"{role}: last failed start: {p['last_error']}")
+    print()
+    rows = []
+    for w, raw in zip(report["workers"], workers, strict=True):
+        age = w["heartbeat_age_s"]
+        rows.append([w["worker_id"], w["role"], w["state"], w["node"] or "-", w["pid"] or "-",
+                     _device(w), w["running"], w["waiting"],
+                     f"{w['kv_used_blocks']}/{w['kv_total_blocks']}",
+                     f"{w['compute_utilization']:.1%}", f"{w['bandwidth_utilization']:.1%}",
+                     w["binding"] or "-", "-" if age is None else f"{age:.1f}s", w["restarts"],
+                     raw.error or ""])
+    print(_table(["WORKER", "ROLE", "STATE", "NODE", "PID", "DEVICE", "RUNNING", "WAITING",
+                  "KV BLOCKS",
+                  "COMPUTE", "BANDWIDTH", "BINDS", "HEARTBEAT", "RESTARTS", "ERROR"], rows))
+    if args.checklist:
+        from pdserve.cluster.checklist import format_checklist
+
+        traces = _admin_call("pdserve status", args.target, args.timeout,
+                             lambda admin: _latest_traces(admin, args.checklist),
+                             client_security("pdserve status", args))
+        print()
+        print(format_checklist(traces, workers))
+    return 0
+
+
+def _device(worker: dict) -> str:
+    """"cpu x2" (torch threads) or the GPU, as the worker's ledger says; "-" before it."""
+    device = worker["device"]
+    if not device:
+        return "-"
+    return f"{device} x{worker['torch_threads']}" if device == "cpu" else device
+
+
+def _latest_traces(admin, limit: int) -> list | None:
+    """The router's latest ``limit`` traces; None from a server that keeps none."""
+    import grpc
+
+    from pdserve.api.client import PdserveError
+
+    try:
+        return admin.get_traces(limit=limit)
+    except PdserveError as exc:
+        if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+            return None
+        raise
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    cells = [header, *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in cells)
+
+
+def cmd_drain(args) -> int:
+    import time
+
+    prog = "pdserve drain"
+    security = client_security(prog, args)
+    worker = _admin_call(prog, args.target, args.timeout,
+                         lambda admin: admin.drain_worker(args.worker_id), security)
+    pools = _admin_call(prog, args.target, args.timeout, lambda admin: admin.get_pools(),
+                        security)
+    target = next((p.target for p in pools if p.role == worker.role), None)
+    print(f"pdserve: draining {worker.worker_id}: it takes no new requests, finishes its "
+          f"streams, then stops; {worker.role} pool target now {target}", file=sys.stderr)
+    if args.wait is None:
+        return 0
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        workers = _admin_call(prog, args.target, args.timeout,
+                              lambda admin: admin.list_workers(), security)
+        if not any(w.worker_id == args.worker_id and w.state == worker.state for w in workers):
+            print(f"pdserve: {args.worker_id} stopped", file=sys.stderr)
+            return 0
+        time.sleep(0.5)
+    fail(prog, f"{args.worker_id} still draining after {args.wait:.0f} s "
+                "(it stops once its last stream ends)")

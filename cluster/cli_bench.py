@@ -1,0 +1,155 @@
+"""The benchmark commands of ``pdserve``: ``bench serve`` and ``bench compare`` (load
+benchmarks) and ``plan`` (the capacity planner)."""
+
+from __future__ import annotations
+
+import sys
+
+from pdserve.cluster.cli_common import add_client_security, client_security, fail
+
+
+def add_bench(sub) -> None:
+    from pdserve.bench.flags import add_compare_flags, add_serve_flags
+
+    bench = sub.add_parser("bench", help="load benchmarks: serve (a running server), compare "
+                                         "(disaggregated vs colocated)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,compare}")
+    serve = kinds.add_parser("serve", help="send a seeded trace to a running server; vLLM's "
+                                           "bench serve result keys plus the phase split")
+    add_serve_flags(serve)
+    add_client_security(serve)
+    compare = kinds.add_parser("compare", help="disaggregated (1P+1D) vs colocated (2 workers) "
+                                               "on the embedded cluster at a sweep of rates; "
+                                               "JSON and PNG plots")
+    add_compare_flags(compare)
+
+
+def add_plan(sub) -> None:
+    from pdserve.bench.flags import add_plan_flags
+
+    plan = sub.add_parser("plan", help="capacity plan from config.json: KV bytes, max batch, "
+                                       "roofline step times, binding resource, worker counts")
+    add_plan_flags(plan)
+
+
+def cmd_bench(args) -> int:
+    return {"serve": _cmd_bench_serve, "compare": _cmd_bench_compare}[args.bench_command](args)
+
+
+def _cmd_bench_serve(args) -> int:
+    from pdserve.api.client import PdserveError
+    from pdserve.bench.flags import serve_options
+    from pdserve.bench.report import dump_json, format_serve
+    from pdserve.bench.serve import run_serve
+
+    prog = "pdserve bench serve"
+    try:
+        options = serve_options(args, client_security(prog, args))
+        result = run_serve(options)
+    except PdserveError as exc:
+        fail(prog, f"the server at {args.target} did not serve: {exc.details or exc.code.name}")
+    except (OSError, ValueError) as exc:
+        fail(prog, str(exc))
+    print(format_serve(result))
+    if args.save_result:
+        dump_json(result, args.save_result)
+        print(f"pdserve: result written to {args.save_result}", file=sys.stderr)
+    return 0
+
+
+def _cmd_bench_compare(args) -> int:
+    from pdserve.bench.compare import COMPARE_SHAPE, CompareOptions, run_compare
+    from pdserve.bench.flags import shape_from_args
+    from pdserve.bench.report import format_compare
+
+    prog = "pdserve bench compare"
+    given = {k: v for k, v in dict(
+        rates=args.rates, num_prompts=args.num_prompts, memory_budget_mib=args.memory_budget_mib,
+        max_num_batched_tokens=args.max_num_batched_tokens).items() if v is not None}
+    try:
+        options = CompareOptions(
+            model=args.model, seed=args.seed, burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency, shape=shape_from_args(args, COMPARE_SHAPE),
+            dataset=args.dataset, dataset_path=args.dataset_path,
+            goodput=dict(args.goodput or ()), output_dir=args.output_dir,
+            disable_tqdm=args.disable_tqdm, from_result=args.from_result, **given)
+    except ValueError as exc:
+        fail(prog, str(exc))
+    if options.from_result is None:
+        print(f"pdserve bench compare: {len(options.rates)} rates x {options.num_prompts} "
+              "requests, disaggregated (1 prefill + 1 decode) and colocated (2 workers), "
+              "interleaved...", flush=True)
+    try:
+        doc = run_compare(options)
+    except (OSError, KeyError, ValueError) as exc:
+        if options.from_result is None:
+            raise
+        fail(prog, f"argument --from-result: cannot read {options.from_result}: {exc}")
+    print(format_compare(doc))
+    print(f"\nwrote {options.output_dir}/compare.json and " + ", ".join(
+        p.rsplit("/", 1)[-1] for p in doc["plots"]))
+    if args.save_result:
+        from pdserve.bench.report import dump_json
+
+        dump_json(doc, args.save_result)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    import json
+
+    from pdserve.bench.plan import DEFAULT_MFU, PlanRequest, make_plan
+    from pdserve.bench.plan_measure import choose_hardware, measure
+    from pdserve.bench.report import finite, format_measure, format_plan
+    from pdserve.engine.config import EngineConfig
+    from pdserve.models import ModelConfig, tiny_model_dir
+
+    prog = "pdserve plan"
+    model = args.model or str(tiny_model_dir())
+    margin = args.memory_safety_margin
+    if margin is None:  # the seed's arithmetic, or the engine's own margin when measuring
+        margin = EngineConfig(model="").memory_safety_margin if args.measure else 0.0
+    try:
+        mc = ModelConfig.from_dir(model)
+        reserve = args.activation_reserve_gib
+        req = PlanRequest(model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          kv_int8_keep_edge_layers=args.kv_int8_keep_edge_layers,
+                          block_size=args.block_size, max_model_len=args.max_model_len,
+                          avg_context=args.avg_context,
+                          activation_reserve_bytes=None if reserve is None
+                          else int(reserve * (1 << 30)), memory_safety_margin=margin,
+                          mfu=args.mfu or (1.0 if args.measure else DEFAULT_MFU),
+                          rate=args.rate, isl=args.isl, osl=args.osl)
+        device = (args.device or ("cuda" if _has_cuda() else "cpu")).lower()
+        if args.measure and device not in ("cpu", "cuda"):
+            raise ValueError("--measure profiles this machine: use --device cpu or cuda")
+        kind = "cpu" if device == "cpu" else "cuda"  # named accelerators are CUDA devices
+        dtype = req.engine_config(kind).resolve_dtype(mc.torch_dtype, _torch_device(kind))
+        hw = choose_hardware(args.device, args.hbm_gib, args.hbm_gbps, args.tflops, dtype)
+        plan = make_plan(req, hw, mc)
+    except FileNotFoundError as exc:
+        fail(prog, f"argument --model: {exc}")
+    except ValueError as exc:
+        fail(prog, str(exc))
+    measured = measure(req, hw, plan) if args.measure else None
+    if args.json:
+        print(json.dumps(finite({**plan, **({"measured": measured} if measured else {})}),
+                         sort_keys=True))
+        return 0
+    print(format_plan(plan))
+    if measured is not None:
+        print("\npredicted against measured on this machine")
+        print(format_measure(measured))
+    return 0
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _torch_device(kind: str):
+    import torch
+
+    return torch.device(kind)
