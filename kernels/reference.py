@@ -101,26 +101,25 @@ class _DecodePlan:
 
     @classmethod
     def of(cls, block_tables: torch.Tensor, context_lens: torch.Tensor,
-           sliding_window: int | None, cache: KVCacheLayer) -> tuple:
+           sliding_window: int | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots (S, ctx), additive mask (S, 1, 1, ctx))."""
         # inference tensors track no version: their plans are never reused
         reusable = not (block_tables.is_inference() or context_lens.is_inference())
-        key = ((block_tables._version, context_lens._version, sliding_window, cache.block_size)
+        key = ((block_tables._version, context_lens._version, sliding_window, block_size)
                if reusable else None)
         held = getattr(cls._local, "plan", None)
         if (reusable and held is not None and held[0] is block_tables
                 and held[1] is context_lens and held[2] == key):
             return held[3]
-        plan = cls._build(block_tables, context_lens, sliding_window, cache)
+        plan = cls._build(block_tables, context_lens, sliding_window, block_size)
         cls._local.plan = (block_tables, context_lens, key, plan) if reusable else None
         return plan
 
     @staticmethod
     def _build(block_tables: torch.Tensor, context_lens: torch.Tensor,
-               sliding_window: int | None, cache: KVCacheLayer) -> tuple:
+               sliding_window: int | None, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The plan in few ops (it runs once per step): positions clamped into each sequence's
         visible keys (see :func:`_context_slots`), their slots, and the additive mask."""
-        bs = cache.block_size
         pos = torch.arange(int(context_lens.max()), device=context_lens.device)  # (ctx,)
         last = context_lens[:, None].long() - 1  # (S, 1): the query's position
         visible = pos <= last  # (S, ctx)
@@ -222,7 +221,7 @@ def paged_decode_attention_ref(query: torch.Tensor, cache: KVCacheLayer, block_t
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return query.new_empty(query.shape)
-    slots, mask = _DecodePlan.of(block_tables, context_lens, sliding_window, cache)
+    slots, mask = _DecodePlan.of(block_tables, context_lens, sliding_window, cache.block_size)
     k, v = _gather_context(cache, slots)
     q = query.float()[:, :, None]  # (S, heads, 1, hd)
     out = torch.nn.functional.scaled_dot_product_attention(
