@@ -2,8 +2,10 @@
 loop made to raise, a step longer than the registry TTL, deadlines at a stalled prefill.
 
 One 2 prefill + 2 decode cluster serves the module; every test ends with the pools back at
-their targets and every live worker's blocks back to zero. Tokens are compared with the
-offline engine on the same requests (greedy and seeded sampling).
+their targets and every live worker's blocks back to zero. Every stream (greedy and seeded
+sampling) must be its request's draws at every position, which a lost or repeated token fails
+(``pdserve.draw_check``: up to float rounding, since a request's logits change in the last bits
+with the batch it shares).
 """
 
 from __future__ import annotations
@@ -16,15 +18,14 @@ import pytest
 from pdserve.bench.failover import (
     busiest,
     chaos_requests,
-    reference_tokens,
     sigkill_busiest,
     stream_all,
 )
+from pdserve.draw_check import draw_problems
 
 pytestmark = pytest.mark.e2e
 
 ENGINE = dict(num_kv_blocks=512)
-REFERENCE_ENGINE = dict(block_size=4, num_kv_blocks=2048)
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +49,16 @@ LONG = dict(min_tokens=192, max_tokens=256)
 def run_chaos(cluster, model_dir, prefix: str, fault, tokens: dict | None = None, **traffic):
     cluster.refresh_workers()
     requests = chaos_requests(16, seed=sum(map(ord, prefix)), prefix=prefix, **(tokens or {}))
-    expected = reference_tokens(str(model_dir), requests, **REFERENCE_ENGINE)
     records, _ = asyncio.run(stream_all(cluster.target, requests, fault, **traffic))
     traces = {t.request_id: t for t in cluster.traces()}
-    return records, expected, [traces.get(r.request_id) for r in requests]
+    assert [r.error for r in records] == [None] * len(records)
+    assert draw_problems(str(model_dir), requests, [r.token_ids for r in records]) == []
+    return records, [traces.get(r.request_id) for r in requests]
 
 
 def test_decode_worker_sigkilled_mid_stream(cluster, model_dir, e2e):
-    records, expected, traces = run_chaos(cluster, model_dir, "kill-d",
+    records, traces = run_chaos(cluster, model_dir, "kill-d",
                                           sigkill_busiest(cluster, "decode"), tokens=LONG)
-    assert [r.error for r in records] == [None] * len(records)
-    assert [r.token_ids for r in records] == expected
     assert any(t.num_migrations for t in traces)  # the kill landed on running streams
     back_to_baseline(cluster, e2e)
 
@@ -72,10 +72,8 @@ def test_prefill_worker_sigkilled_with_prompts_queued(cluster, model_dir, e2e):
         time.sleep(0.5)  # inside the 3 s stall: the prompts sit at the prefill workers
         sigkill_busiest(cluster, "prefill")()
 
-    records, expected, traces = run_chaos(cluster, model_dir, "kill-p", kill_after_queueing,
+    records, traces = run_chaos(cluster, model_dir, "kill-p", kill_after_queueing,
                                           fault_after_streams=0)
-    assert [r.error for r in records] == [None] * len(records)
-    assert [r.token_ids for r in records] == expected
     assert any(t.num_retries for t in traces)
     back_to_baseline(cluster, e2e)
 
@@ -87,8 +85,7 @@ def test_engine_loop_raising_is_replaced_and_its_requests_move(cluster, model_di
         victims.append(busiest(cluster, "decode"))
         cluster._ray.get(cluster.workers[victims[0]].inject_fault.remote("raise"), timeout=30)
 
-    records, expected, traces = run_chaos(cluster, model_dir, "raise", crash, tokens=LONG)
-    assert [r.token_ids for r in records] == expected
+    records, traces = run_chaos(cluster, model_dir, "raise", crash, tokens=LONG)
     assert any(t.num_migrations for t in traces)
     e2e.wait_for(lambda: victims[0] not in {w.worker_id for w in cluster.refresh_workers()
                                             if w.state != "dead"},
@@ -105,9 +102,8 @@ def test_step_longer_than_the_ttl_is_not_a_death(cluster, model_dir, e2e):
         for wid in [w for w in cluster.workers if w.startswith("decode")]:
             cluster.workers[wid].inject_fault.remote("stall", ttl + 1.5)
 
-    records, expected, traces = run_chaos(cluster, model_dir, "stall",
+    records, traces = run_chaos(cluster, model_dir, "stall",
                                           stall_every_decode_worker)
-    assert [r.token_ids for r in records] == expected
     assert not any(t.num_migrations or t.num_retries for t in traces)
     back_to_baseline(cluster, e2e)
     cluster.refresh_workers()
