@@ -23,47 +23,55 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.sampler import draw_uniforms, filter_weights, inverse_cdf_draw, softmax_weights
-from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
+from pdserve.engine.sampler import (
+    SamplingRow,
+    apply_penalties,
+    draw_uniforms,
+    filter_weights,
+    inverse_cdf_draw,
+    softmax_weights,
+)
+from pdserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
-SUPPORTED = {"max_tokens", "ignore_eos", "temperature", "top_p", "top_k", "min_p", "seed"}
 
-
-def draw_problems(model_dir: str, requests: Sequence, streams: Sequence[list[int]],
-                  tolerance: float = 1e-4) -> list[str]:
+def draw_problems(model_dir: str, requests: Sequence[tuple[list[int], SamplingParams | dict]],
+                  streams: Sequence[list[int]], tolerance: float = 1e-4) -> list[str]:
     """One line per stream whose tokens are not its request's draws (empty: all are).
 
-    ``requests`` have ``.request_id``, ``.prompt`` (token ids) and ``.sampling`` (SamplingParams
-    keywords among :data:`SUPPORTED`, with ``ignore_eos``: the stream has ``max_tokens`` tokens).
+    ``requests`` are (prompt token ids, SamplingParams or its keywords): ``ignore_eos`` (the
+    stream has ``max_tokens`` tokens), no stop strings or stop ids, and a seed unless greedy.
+    Penalties are applied as the sampler applies them.
     """
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     problems = []
-    for request, tokens in zip(requests, streams, strict=True):
-        problem = _stream_problem(model, request, tokens, tolerance)
+    for i, ((prompt, params), tokens) in enumerate(zip(requests, streams, strict=True)):
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
+        problem = _stream_problem(model, list(prompt), params, tokens, tolerance)
         if problem:
-            problems.append(f"{request.request_id}: {problem}")
+            problems.append(f"stream {i}: {problem}")
     return problems
 
 
-def _stream_problem(model, request, tokens: list[int], tolerance: float) -> str | None:
-    sampling = request.sampling
-    unknown = set(sampling) - SUPPORTED
-    greedy = sampling.get("temperature", 1.0) < GREEDY_TEMPERATURE
-    if unknown or not sampling.get("ignore_eos") or not (greedy or "seed" in sampling):
-        raise ValueError(f"draw_problems checks ignore_eos streams, seeded unless greedy, with "
-                         f"keys among {sorted(SUPPORTED)}; {request.request_id} has {sampling}")
-    if len(tokens) != sampling["max_tokens"]:
-        return f"{len(tokens)} tokens, expected max_tokens={sampling['max_tokens']}"
-    ids = torch.tensor([list(request.prompt) + tokens[:-1]])
+def _stream_problem(model, prompt: list[int], params: SamplingParams, tokens: list[int],
+                    tolerance: float) -> str | None:
+    greedy = params.temperature < GREEDY_TEMPERATURE
+    if not params.ignore_eos or params.stop or params.stop_token_ids or not (
+            greedy or params.seed is not None):
+        raise ValueError("draw_problems checks ignore_eos streams without stop strings or ids, "
+                         f"seeded unless greedy; got {params}")
+    if len(tokens) != params.max_tokens:
+        return f"{len(tokens)} tokens, expected max_tokens={params.max_tokens}"
     with torch.no_grad():
-        logits = model(ids).logits[0, len(request.prompt) - 1:].float()  # (len(tokens), vocab)
-    if greedy:
-        ok = _greedy_ok(logits, tokens, tolerance)
-    else:
-        ok = _sampled_ok(logits, tokens, sampling, tolerance)
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    rows = [SamplingRow(params, params.seed or 0, j, prompt, tokens[:j])
+            for j in range(len(tokens))]
+    logits = apply_penalties(logits.float(), rows)
+    ok = _greedy_ok(logits, tokens, tolerance) if greedy else \
+        _sampled_ok(logits, tokens, params, tolerance)
     bad = (~ok).nonzero()
     if len(bad):
         j = int(bad[0])
@@ -77,17 +85,16 @@ def _greedy_ok(logits: torch.Tensor, tokens: list[int], tolerance: float) -> tor
     return chosen >= top - tolerance * top.abs().clamp(min=1.0)
 
 
-def _sampled_ok(logits: torch.Tensor, tokens: list[int], sampling: dict,
+def _sampled_ok(logits: torch.Tensor, tokens: list[int], params: SamplingParams,
                 tolerance: float) -> torch.Tensor:
     rows = len(tokens)
-    weights = softmax_weights(logits / sampling["temperature"])
-    uniforms = draw_uniforms([sampling["seed"]] * rows, list(range(rows)))
-    top_k = torch.full((rows,), sampling.get("top_k", 0), dtype=torch.int64)
-    min_p = torch.full((rows,), float(sampling.get("min_p", 0.0)))
+    weights = softmax_weights(logits / params.temperature)
+    uniforms = draw_uniforms([params.seed] * rows, list(range(rows)))
+    top_k = torch.full((rows,), params.top_k, dtype=torch.int64)
+    min_p = torch.full((rows,), float(params.min_p))
     observed = torch.tensor(tokens)
     ok = torch.zeros(rows, dtype=torch.bool)
-    top_p = float(sampling.get("top_p", 1.0))
-    for p in {min(1.0, top_p + d) for d in (-tolerance, 0.0, tolerance)}:
+    for p in {min(1.0, params.top_p + d) for d in (-tolerance, 0.0, tolerance)}:
         filtered = filter_weights(weights.clone(), top_k, torch.full((rows,), p), min_p)
         for d in (-tolerance, 0.0, tolerance):
             ok |= inverse_cdf_draw(filtered, (uniforms + d).clamp(0.0, 1.0 - 2**-53)) == observed

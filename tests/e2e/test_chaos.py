@@ -52,7 +52,8 @@ def run_chaos(cluster, model_dir, prefix: str, fault, tokens: dict | None = None
     records, _ = asyncio.run(stream_all(cluster.target, requests, fault, **traffic))
     traces = {t.request_id: t for t in cluster.traces()}
     assert [r.error for r in records] == [None] * len(records)
-    assert draw_problems(str(model_dir), requests, [r.token_ids for r in records]) == []
+    assert draw_problems(str(model_dir), [(r.prompt, r.sampling) for r in requests],
+                         [r.token_ids for r in records]) == []
     return records, [traces.get(r.request_id) for r in requests]
 
 

@@ -84,7 +84,8 @@ def test_migration_limit_zero_fails_only_streams_on_the_killed_worker(start_clus
                                             sigkill_busiest(cluster, "decode")))
         failed = [r for r in records if r.error]
         assert failed and {r.error for r in failed} == {"UNAVAILABLE"}
-        served = [(q, r.token_ids) for q, r in zip(requests, records, strict=True) if not r.error]
+        served = [((q.prompt, q.sampling), r.token_ids)
+                  for q, r in zip(requests, records, strict=True) if not r.error]
         assert draw_problems(str(model_dir), *zip(*served, strict=True)) == []
         cluster.wait_pools(120)
         assert set(e2e.wait_idle(cluster).values()) == {0}

@@ -23,11 +23,14 @@ def workload(hf_checkpoint):
     model = str(hf_checkpoint("qwen2", max_position_embeddings=2048))
     requests = chaos_requests(16, seed=sum(map(ord, "raise")), prefix="raise", min_tokens=96,
                               max_tokens=128)
+    # one more, penalized: the check applies penalties as the sampler does
+    penalized = dataclasses.replace(requests[1], sampling={
+        **requests[1].sampling, "presence_penalty": 0.5, "repetition_penalty": 1.3})
+    pairs = [(r.prompt, SamplingParams(**r.sampling)) for r in [*requests, penalized]]
     llm = LLM(model, dtype="float32", block_size=4, num_kv_blocks=1024,
               max_num_batched_tokens=32)
-    together = llm.generate([r.prompt for r in requests],
-                            [SamplingParams(**r.sampling) for r in requests], use_tqdm=False)
-    return model, requests, [o.token_ids for o in together]
+    together = llm.generate([p for p, _ in pairs], [q for _, q in pairs], use_tqdm=False)
+    return model, pairs, [o.token_ids for o in together]
 
 
 def test_batched_streams_are_their_requests_draws(workload):
@@ -38,8 +41,8 @@ def test_batched_streams_are_their_requests_draws(workload):
 def test_a_stream_alone_is_its_draws(workload):
     model, requests, _ = workload
     llm = LLM(model, dtype="float32", block_size=16, num_kv_blocks=256)
-    alone = [llm.generate([r.prompt], SamplingParams(**r.sampling), use_tqdm=False)[0].token_ids
-             for r in requests[:4]]
+    alone = [llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+             for prompt, params in requests[:4]]
     assert draw_problems(model, requests[:4], alone) == []
 
 
@@ -52,15 +55,17 @@ def test_a_lost_or_repeated_token_is_caught(workload, index):
     lost = tokens[:j] + tokens[j + 1:] + [tokens[-1]]
     repeated = tokens[:j] + [tokens[j]] + tokens[j:-1]
     problems = draw_problems(model, [requests[index]] * 2, [lost, repeated])
-    assert len(problems) == 2 and all(p.startswith(requests[index].request_id) for p in problems)
+    assert [p.split(" is ")[0] for p in problems] == [f"stream 0: token {j} ({tokens[j + 1]})",
+                                                     f"stream 1: token {j + 1} ({tokens[j]})"]
 
 
-def test_a_draw_keyed_to_another_seed_or_a_short_stream_is_caught(workload):
+def test_another_seed_a_missing_penalty_or_a_short_stream_is_caught(workload):
     model, requests, streams = workload
-    sampled = requests[1]
-    other_seed = dataclasses.replace(sampled, sampling={**sampled.sampling, "seed": 7})
+    prompt, params = requests[1]
+    other_seed = (prompt, dataclasses.replace(params, seed=7))
+    unpenalized = (prompt, requests[1][1])  # the penalized request's stream, checked without
     short = streams[1][:-1]
-    problems = draw_problems(model, [other_seed, sampled], [streams[1], short])
-    assert problems[0].startswith(f"{sampled.request_id}: token ")
-    assert problems[1] == f"{sampled.request_id}: {len(short)} tokens, expected " \
-                          f"max_tokens={sampled.sampling['max_tokens']}"
+    problems = draw_problems(model, [other_seed, unpenalized, requests[1]],
+                             [streams[1], streams[-1], short])
+    assert all(p.startswith(f"stream {i}: token ") for i, p in enumerate(problems[:2]))
+    assert problems[2] == f"stream 2: {len(short)} tokens, expected max_tokens={params.max_tokens}"

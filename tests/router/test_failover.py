@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from pdserve import LLM, SamplingParams
+from pdserve import SamplingParams
 from pdserve.cluster.local import LocalHandle, build_local_workers
+from pdserve.draw_check import draw_problems
 from pdserve.engine.config import EngineConfig
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router, RouterConfig
@@ -79,9 +80,11 @@ def requests(n: int) -> list[tuple[list[int], SamplingParams]]:
     return out
 
 
-def offline(model_dir, reqs) -> list[list[int]]:
-    llm = LLM(str(model_dir), **{**ENGINE, "num_kv_blocks": 256})
-    return [llm.generate([p], params, use_tqdm=False)[0].token_ids for p, params in reqs]
+def assert_draws(model_dir, reqs, results) -> None:
+    """Every result is its request's draws (``pdserve.draw_check``: the offline tokens up to a
+    flip at a float-rounding boundary, since batching and re-prefill change the last bits)."""
+    assert [r for r in results if isinstance(r, Exception)] == []
+    assert draw_problems(str(model_dir), reqs, results) == []
 
 
 async def idle_blocks(handles) -> list[int]:
@@ -134,7 +137,7 @@ class Cluster:
 
 def run_with_fault(model_dir, fault, router_config=None, **build):
     """Send requests(8) at once; once two streams run on the first streaming worker, apply
-    ``fault(cluster, worker_id)``; return (results, expected, victims, survivors' blocks)."""
+    ``fault(cluster, worker_id)``; return (results, victims, survivors' blocks, cluster)."""
     reqs = requests(8)
 
     async def main():
@@ -154,7 +157,7 @@ def run_with_fault(model_dir, fault, router_config=None, **build):
             return results, victims, await idle_blocks(c.handles), c
 
     results, victims, used, c = asyncio.run(main())
-    return results, offline(model_dir, reqs), victims, used, c
+    return reqs, results, victims, used, c
 
 
 def kill(c: Cluster, worker_id: str) -> None:
@@ -168,32 +171,35 @@ def crash_loop(c: Cluster, worker_id: str) -> None:
 @pytest.mark.parametrize("fault", [kill, crash_loop], ids=["killed", "loop-raised"])
 def test_decode_failure_mid_stream_migrates_without_a_lost_token(hf_checkpoint, fault):
     model_dir = hf_checkpoint("llama")
-    results, expected, victims, used, c = run_with_fault(
+    reqs, results, victims, used, c = run_with_fault(
         model_dir, fault, num_prefill=1, num_decode=2)
-    assert results == expected
+    assert_draws(model_dir, reqs, results)
     assert victims and used == [0, 0]  # the surviving prefill and decode workers
     assert victims <= {t.request_id for t in c.router.traces if t.num_migrations}
 
 
 def test_colocated_worker_failure_migrates_to_another(hf_checkpoint):
     model_dir = hf_checkpoint("llama")
-    results, expected, victims, used, _ = run_with_fault(model_dir, crash_loop,
-                                                         colocated=True, num_decode=2)
-    assert results == expected and victims and used == [0]
+    reqs, results, victims, used, _ = run_with_fault(model_dir, crash_loop,
+                                                     colocated=True, num_decode=2)
+    assert_draws(model_dir, reqs, results)
+    assert victims and used == [0]
 
 
 def test_migration_limit_zero_fails_only_the_victims(hf_checkpoint):
     model_dir = hf_checkpoint("llama")
     config = RouterConfig(stats_interval_s=0.05, worker_wait_s=5.0, migration_limit=0)
-    results, expected, victims, used, c = run_with_fault(model_dir, kill, config,
-                                                         num_prefill=1, num_decode=2)
-    for i, (result, want) in enumerate(zip(results, expected, strict=True)):
+    reqs, results, victims, used, c = run_with_fault(model_dir, kill, config,
+                                                     num_prefill=1, num_decode=2)
+    for i, result in enumerate(results):
         if f"r{i}" in victims:  # were streaming from the killed worker
             assert isinstance(result, NoWorkersError) and "migration" in str(result)
         elif f"r{i}" not in c.touched:  # elsewhere: unaffected
-            assert result == want
+            assert not isinstance(result, Exception)
         else:  # placed on it but no token streamed yet: retried, or failed if it had
-            assert result == want or isinstance(result, NoWorkersError)
+            assert not isinstance(result, Exception) or isinstance(result, NoWorkersError)
+    served = [i for i, result in enumerate(results) if not isinstance(result, Exception)]
+    assert_draws(model_dir, [reqs[i] for i in served], [results[i] for i in served])
     assert used == [0, 0]
 
 
@@ -215,7 +221,7 @@ def test_prefill_worker_killed_before_commit_is_retried(hf_checkpoint):
             return results, await idle_blocks(c.handles)
 
     results, used = asyncio.run(main())
-    assert results == offline(model_dir, reqs)
+    assert_draws(model_dir, reqs, results)
     assert used == [0, 0]
 
 
@@ -252,7 +258,7 @@ def test_overload_waits_for_room_and_outlives_the_lease(hf_checkpoint):
             return results, await idle_blocks(c.handles)
 
     results, used = asyncio.run(main())
-    assert results == offline(model_dir, reqs)
+    assert_draws(model_dir, reqs, results)
     assert used == [0, 0]
 
 
@@ -269,7 +275,7 @@ def test_overload_colocated_completes_everything(hf_checkpoint):
             return results, await idle_blocks(c.handles)
 
     results, used = asyncio.run(main())
-    assert results == offline(model_dir, reqs)
+    assert_draws(model_dir, reqs, results)
     assert used == [0]
 
 def test_stale_attempt_deltas_are_dropped():
@@ -318,4 +324,5 @@ def test_deltas_that_beat_the_submit_reply_are_not_lost(hf_checkpoint):
             return results, await idle_blocks(c.handles)
 
     results, used = asyncio.run(main())
-    assert results == offline(model_dir, reqs) and used == [0]
+    assert_draws(model_dir, reqs, results)
+    assert used == [0]

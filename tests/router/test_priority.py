@@ -9,8 +9,9 @@ import dataclasses
 
 import pytest
 
-from pdserve import LLM, SamplingParams
+from pdserve import SamplingParams
 from pdserve.cluster.local import build_local_workers
+from pdserve.draw_check import draw_problems
 from pdserve.engine.config import EngineConfig
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router, RouterConfig
@@ -22,11 +23,6 @@ ENGINE = dict(dtype="float32", block_size=4, max_num_batched_tokens=32)
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=40, temperature=0.9, seed=5, ignore_eos=True,
                         frequency_penalty=0.2)
-
-
-def offline(model_dir, reqs) -> list[list[int]]:
-    llm = LLM(str(model_dir), **ENGINE, num_kv_blocks=512)
-    return [llm.generate([p], params, use_tqdm=False)[0].token_ids for p, params in reqs]
 
 
 async def serve(model_dir, decode_blocks: int, policy: str = "priority", **router):
@@ -94,7 +90,8 @@ def test_bounce_preemption_keeps_tokens_and_never_prefills_on_decode(hf_checkpoi
                 h.close()
 
     results, sizes, bounces, used, traces = asyncio.run(main())
-    assert results == offline(model_dir, reqs)
+    # the offline tokens, up to a flip at a rounding boundary (re-prefill changes last bits)
+    assert draw_problems(str(model_dir), reqs, results) == []
     assert bounces >= 1 and set(sizes) == {1}  # preempted, and only ever decoded
     assert used == [0, 0]
     assert not any(t.num_migrations for t in traces)  # a bounce is not a failure
