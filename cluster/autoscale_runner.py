@@ -26,9 +26,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from pdserve.cluster.autoscale_config import SCALED_ROLES, AutoscaleConfig
 from pdserve.cluster.autoscaler import (
-    SCALED_ROLES,
-    AutoscaleConfig,
     ControllerState,
     Decision,
     MetricsSnapshot,

@@ -9,7 +9,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from pdserve.cluster.autoscaler import SCALED_ROLES, AutoscaleConfig
+from pdserve.cluster.autoscale_config import SCALED_ROLES, AutoscaleConfig
 from pdserve.cluster.placement import (
     PLACEMENTS,
 )

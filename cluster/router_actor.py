@@ -48,8 +48,8 @@ import ray
 
 from pdserve.cluster.actors import RedisDirectory, cluster_namespace, limit_process_threads
 from pdserve.cluster.admin import ClusterAdmin
+from pdserve.cluster.autoscale_config import AutoscaleConfig
 from pdserve.cluster.autoscale_runner import AutoscaleRunner
-from pdserve.cluster.autoscaler import AutoscaleConfig
 from pdserve.cluster.pool_store import PoolStore
 from pdserve.cluster.pools import PoolManager, PoolSettings
 from pdserve.cluster.registry import Registry

@@ -36,7 +36,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.cluster.autoscaler import AutoscaleConfig, config_file_values
+from pdserve.cluster.autoscale_config import AutoscaleConfig, config_file_values
 from pdserve.cluster.options import ClusterOptions
 from pdserve.cluster.placement import PLACEMENTS
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, DTYPES, KV_CACHE_DTYPES, EngineConfig

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from pdserve.cluster.autoscale_config import AutoscaleConfig
 from pdserve.cluster.autoscale_runner import AutoscaleRunner
-from pdserve.cluster.autoscaler import AutoscaleConfig
 from pdserve.cluster.pool_plan import DRAINING, READY, STARTING
 from pdserve.cluster.pool_store import MemberRecord
 from pdserve.cluster.pools import Member

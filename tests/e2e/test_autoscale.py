@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from pdserve.cluster.autoscaler import AutoscaleConfig
+from pdserve.cluster.autoscale_config import AutoscaleConfig
 
 pytestmark = pytest.mark.e2e
 
