@@ -171,8 +171,26 @@ def batching_table(model_dir: Path, num_requests: int, mean_out: int, hf_batches
             runs[name].append(run())
     medians = {name: sorted(r)[len(r) // 2] for name, r in runs.items()}
     ours_rate = medians["pdserve continuous"]
-    return format_table(["system", "output tok/s", "pdserve / this"],
-                        [[name, rate, ours_rate / rate] for name, rate in medians.items()])
+    table = format_table(["system", "output tok/s", "pdserve / this"],
+                         [[name, rate, ours_rate / rate] for name, rate in medians.items()])
+    return f"{table}\n{step_profile(llm.engine, prompts, params)}"
+
+
+def step_profile(engine: LLMEngine, prompts, params) -> str:
+    """Where pdserve's run of the batching workload spends its steps (one more run, untimed
+    in the table): the long tail of output lengths leaves few sequences per decode step, so
+    the forward's fixed cost per step, not the per-sequence overhead, sets the rate."""
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"profile-{i}", prompt, p)
+    steps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps.append(engine.last_step)
+    decode = [s for s in steps if s.num_tokens == s.num_seqs]
+    total = sum(s.total_s for s in steps)
+    return (f"pdserve's steps: {len(steps)}, {len(decode)} of them pure decode with "
+            f"{sum(s.num_seqs for s in decode) / max(1, len(decode)):.1f} sequences on average; "
+            f"the forward is {sum(s.forward_s for s in steps) / total:.0%} of step time")
 
 
 def main(argv: list[str] | None = None) -> None:
