@@ -1,0 +1,24 @@
+"""``python -m pdserve.bench.engine --quick`` runs and prints its three sections (it never
+asserts timings)."""
+
+from __future__ import annotations
+
+import re
+
+from pdserve.bench import engine
+
+
+def test_engine_bench_quick_prints_every_section(capsys):
+    engine.main(["--quick"])
+    out = capsys.readouterr().out
+    for title in ("1. decode step vs memory roofline", "2. engine overhead per decode step",
+                  "3. continuous batching vs Hugging Face static batching"):
+        assert title in out, out
+    assert "pdserve continuous" in out and "HF generate static (batch 8)" in out, out
+    # the step profile of pdserve's own run: every request's tokens came out of some step
+    profile = re.search(r"pdserve's steps: (\d+), (\d+) of them pure decode with ([\d.]+) "
+                        r"sequences on average; the forward is (\d+)% of step time", out)
+    assert profile, out
+    steps, decode, mean_batch, forward = profile.groups()
+    assert 0 < int(decode) < int(steps) and 1.0 <= float(mean_batch) <= 16
+    assert 0 < int(forward) <= 100
