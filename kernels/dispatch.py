@@ -95,6 +95,16 @@ def rotary(q, k, positions, cos_sin_cache, backend: str = "auto", table=None):
     return ref.rotary_ref(q, k, positions, cos_sin_cache, table)
 
 
+def rotary_packed(qk, num_heads: int, positions, cos_sin_cache, backend: str = "auto",
+                  table=None):
+    """:func:`rotary` of q and k packed side by side as ``qk`` (T, heads + kv_heads, D);
+    returns (q, k)."""
+    if resolve_backend(backend, qk.device) == "triton":
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
+        return _triton("rotary_embedding").rotary(q, k, positions, cos_sin_cache)
+    return ref.rotary_packed_ref(qk, num_heads, positions, cos_sin_cache, table)
+
+
 def silu_and_mul(x, backend: str = "auto"):
     if resolve_backend(backend, x.device) == "triton":
         return _triton("activation").silu_and_mul(x)

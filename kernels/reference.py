@@ -238,9 +238,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         x = x + residual
         residual = x
-    h = x.float()
-    h = h * torch.rsqrt((h * h).sum(-1, keepdim=True) / h.shape[-1] + eps)
-    out = weight * h.to(x.dtype)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # one op, the same bits (tests/kernels); other dtypes round h to x.dtype first, as HF
+        out = torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+    else:
+        h = x.float()
+        h = h * torch.rsqrt((h * h).sum(-1, keepdim=True) / h.shape[-1] + eps)
+        out = weight * h.to(x.dtype)
     return out if residual is None else (out, residual)
 
 
@@ -262,13 +266,25 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     ``x * (cos, cos) + (x2, x1) * (-sin, sin)`` is ``(x1 cos - x2 sin, x2 cos + x1 sin)`` to
     the bit: negation is exact, commutes with the product, and ``a - b`` is ``a + (-b)``."""
     cos, sin = table if table is not None else rope_table_ref(positions, cos_sin_cache)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        x1, x2 = xf.chunk(2, dim=-1)
-        return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
 
-    return rotate(q), rotate(k)
+def rotary_packed_ref(qk: torch.Tensor, num_heads: int, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor,
+                      table: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary_ref` of q and k packed as ``qk`` (T, heads + kv_heads, D), as they lie
+    side by side in a fused qkv projection: one rotation for both (the same bits, half the
+    ops); returns (q, k) as views of the rotated buffer."""
+    cos, sin = table if table is not None else rope_table_ref(positions, cos_sin_cache)
+    rotated = _rotate(qk, cos, sin)
+    return rotated[:, :num_heads], rotated[:, num_heads:]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

@@ -95,16 +95,21 @@ class SelfAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cache: KVCacheLayer,
                 meta: AttentionMetadata, rope: tuple) -> torch.Tensor:
         """``rope``: (cos_sin_cache, its rope_table for ``positions``), shared by the layers."""
-        num_tokens = hidden.shape[0]
+        num_tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj.forward(hidden)  # (T, q_size + 2 * kv_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # (T, heads, head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, head_dim)
-        if self.q_norm is not None:
+        qk_size = self.q_size + self.kv_size
+        # (T, kv_heads, head_dim)
+        v = qkv[:, qk_size:].reshape(num_tokens, kv_heads, self.head_dim)
+        if self.q_norm is None:  # q and k side by side in qkv: rotated as one tensor
+            qk = qkv[:, :qk_size].reshape(num_tokens, heads + kv_heads, self.head_dim)
+            q, k = kernels.rotary_packed(qk, heads, positions, rope[0], backend=meta.backend,
+                                         table=rope[1])
+        else:
+            q = qkv[:, :self.q_size].reshape(num_tokens, heads, self.head_dim)
+            k = qkv[:, self.q_size:qk_size].reshape(num_tokens, kv_heads, self.head_dim)
             q = self._head_norm(self.q_norm, q, meta.backend)
             k = self._head_norm(self.k_norm, k, meta.backend)
-        q, k = kernels.rotary(q, k, positions, rope[0], backend=meta.backend, table=rope[1])
+            q, k = kernels.rotary(q, k, positions, rope[0], backend=meta.backend, table=rope[1])
         out = self.attn.forward(q, k, v, cache, meta)  # (T, heads, head_dim)
         return self.o_proj.forward(out.reshape(num_tokens, self.q_size))  # (T, hidden)
 

@@ -67,6 +67,18 @@ def test_rotary(gen, dtype, head_dim, heads, kv_heads):
     assert torch.equal(q, qkv[:, :heads])  # inputs untouched
 
 
+def test_rotary_packed_dispatches_to_the_kernel(gen):
+    from pdserve.kernels.dispatch import rotary_packed
+
+    qkv = torch.randn(3, 4 + 2 * 2, 16, generator=gen)
+    positions = torch.tensor([0, 5, 9])
+    cache = _cos_sin(16, 16, gen)
+    got = rotary_packed(qkv[:, :6], 4, positions, cache, backend="triton")
+    want = rotary_ref(qkv[:, :4], qkv[:, 4:6], positions, cache)
+    for out, ref in zip(got, want, strict=True):
+        _close(out, ref)
+
+
 @pytest.mark.parametrize("dtype,inter", [(torch.float32, 40), (torch.bfloat16, 1100)])
 def test_silu_and_mul(gen, dtype, inter):
     from pdserve.kernels.activation import silu_and_mul

@@ -125,12 +125,18 @@ def test_rms_norm_ref_formula(gen):
     torch.testing.assert_close(resid, h)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("size", [16, 64, 896, 4096])
-def test_rms_norm_ref_is_hugging_faces_formula_to_the_bit(gen, size):
-    x = torch.randn(7, size, generator=gen) * 3
-    w = torch.randn(size, generator=gen)
-    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+def test_rms_norm_ref_is_hugging_faces_formula_to_the_bit(gen, size, dtype):
+    """fp32 takes torch's fused ``rms_norm``; other dtypes round the normalised row first."""
+    x = (torch.randn(7, size, generator=gen) * 3).to(dtype)
+    w = torch.randn(size, generator=gen).to(dtype)
+    h = x.float()
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
     assert torch.equal(ref.rms_norm_ref(x, w, 1e-6), want)
+    r = torch.randn(7, size, generator=gen).to(dtype)
+    out, resid = ref.rms_norm_ref(x, w, 1e-6, r)
+    assert torch.equal(resid, x + r) and torch.equal(out, ref.rms_norm_ref(x + r, w, 1e-6))
 
 
 def test_rotary_ref_is_a_complex_rotation(gen):
@@ -168,3 +174,19 @@ def test_silu_and_mul_ref_formula(gen):
     x = torch.randn(3, 10, generator=gen)
     torch.testing.assert_close(ref.silu_and_mul_ref(x), x[:, :5] * torch.sigmoid(x[:, :5])
                                * x[:, 5:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_packed_ref_is_rotary_ref_to_the_bit(gen, dtype):
+    """q and k rotated as one packed tensor (the model's fused qkv) equal them rotated apart."""
+    qkv = torch.randn(5, 4 + 2 * 2, 8, generator=gen).to(dtype)
+    qk, q, k = qkv[:, :6], qkv[:, :4], qkv[:, 4:6]  # strided views, as the model has them
+    theta = torch.rand(12, 4, generator=gen) * 6
+    cache = torch.cat([theta.cos(), theta.sin()], -1)
+    pos = torch.tensor([0, 11, 3, 3, 7])
+    table = ref.rope_table_ref(pos, cache)
+    want_q, want_k = ref.rotary_ref(q, k, pos, cache, table)
+    got_q, got_k = ref.rotary_packed_ref(qk, 4, pos, cache, table)
+    assert got_q.shape == q.shape and got_k.shape == k.shape
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
