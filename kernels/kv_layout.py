@@ -72,6 +72,15 @@ class KVCacheLayer:
     def v(self) -> torch.Tensor:  # (num_blocks, block_size, num_kv_heads, head_dim)
         return self.kv[1]
 
+    def slot_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as (num_slots, kv_heads, head_dim) views, slot ``s`` = row ``s``: what
+        writes scatter into and gathers read (made once per ``kv`` tensor)."""
+        held = self.__dict__.get("_slot_rows")
+        if held is None or held[0] is not self.kv:
+            rows = self.kv.view(2, -1, *self.kv.shape[3:])
+            held = self.__dict__["_slot_rows"] = (self.kv, rows[0], rows[1])
+        return held[1], held[2]
+
     @property
     def is_quantized(self) -> bool:
         return self.kv.dtype == torch.int8

@@ -10,6 +10,12 @@ import torch
 from pdserve.kernels.kv_layout import MIN_TOKEN_SCALE, TOKEN_SCALE_DTYPE, KVCacheLayer
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without the call when it already is (a no-op ``to`` still costs a
+    dispatch, several per layer on a small-batch CPU forward)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(..., kv_heads, head_dim) -> int8 with per-(head, channel) ``scale``."""
     return torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8)
@@ -28,7 +34,7 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
                token_scale: torch.Tensor | None = None) -> torch.Tensor:
     """int8 ``x`` (..., kv_heads, head_dim) times its channel (and token) scales."""
     if scale is None:
-        return x.to(dtype)
+        return as_dtype(x, dtype)
     out = x.float() * scale
     if token_scale is not None:  # (..., kv_heads)
         out = out * token_scale.float()[..., None]
@@ -48,13 +54,12 @@ def _quantize_into(x: torch.Tensor, scale: torch.Tensor, token_scale: torch.Tens
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, cache: KVCacheLayer,
                  slot_mapping: torch.Tensor) -> None:
     """Scatter ``key``/``value`` (num_tokens, kv_heads, head_dim) into ``slot_mapping`` slots."""
-    k_flat = cache.k.view(-1, *cache.k.shape[2:])  # (num_slots, kv_heads, head_dim)
-    v_flat = cache.v.view(-1, *cache.v.shape[2:])
+    k_flat, v_flat = cache.slot_rows()  # (num_slots, kv_heads, head_dim) each
     if cache.is_quantized:
         key = _quantize_into(key, cache.k_scale, cache.k_token_scale, slot_mapping)
         value = _quantize_into(value, cache.v_scale, cache.v_token_scale, slot_mapping)
-    k_flat.index_copy_(0, slot_mapping, key.to(k_flat.dtype))
-    v_flat.index_copy_(0, slot_mapping, value.to(v_flat.dtype))
+    k_flat.index_copy_(0, slot_mapping, as_dtype(key, k_flat.dtype))
+    v_flat.index_copy_(0, slot_mapping, as_dtype(value, v_flat.dtype))
 
 
 def _context_slots(block_tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -74,15 +79,15 @@ def _gather_context(cache: KVCacheLayer, slots: torch.Tensor):
     """Each sequence's K and V at ``slots`` (S, ctx): (S, ctx, kv_heads, hd) fp32."""
     flat = slots.view(-1)
 
-    def rows(pool: torch.Tensor) -> torch.Tensor:  # (blocks, block_size, *row) -> (S, ctx, *row)
-        # a row gather on a 2-D view: the same values as pool[slots], 1-4x faster on CPU
-        table = pool.reshape(pool.shape[0] * pool.shape[1], -1)
-        return table.index_select(0, flat).view(*slots.shape, *pool.shape[2:])
+    def rows(table: torch.Tensor) -> torch.Tensor:  # (num_slots, *row) -> (S, ctx, *row)
+        # a row gather (index_select): the same values as pool[slots], 1-4x faster on CPU
+        return table.index_select(0, flat).view(*slots.shape, *table.shape[1:])
 
-    k_t, v_t = (None if t is None else rows(t)  # (S, ctx, kv_heads)
+    k_t, v_t = (None if t is None else rows(t.view(-1, t.shape[-1]))  # (S, ctx, kv_heads)
                 for t in (cache.k_token_scale, cache.v_token_scale))
-    return (dequantize(rows(cache.kv[0]), cache.k_scale, torch.float32, k_t),
-            dequantize(rows(cache.kv[1]), cache.v_scale, torch.float32, v_t))
+    k_rows, v_rows = cache.slot_rows()
+    return (dequantize(rows(k_rows), cache.k_scale, torch.float32, k_t),
+            dequantize(rows(v_rows), cache.v_scale, torch.float32, v_t))
 
 
 class _DecodePlan:
@@ -226,7 +231,7 @@ def paged_decode_attention_ref(query: torch.Tensor, cache: KVCacheLayer, block_t
     q = query.float()[:, :, None]  # (S, heads, 1, hd)
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[:, :, 0].to(query.dtype)
+    return as_dtype(out[:, :, 0], query.dtype)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -284,7 +289,7 @@ def rotary_packed_ref(qk: torch.Tensor, num_heads: int, positions: torch.Tensor,
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
+    return as_dtype(xf * cos + torch.cat((x2, x1), dim=-1) * sin, x.dtype)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
