@@ -35,7 +35,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RequestDelta, WorkerStats, WorkRequest
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.roofline import Utilization
-from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampler import Sampler, SamplingRow, greedy_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from pdserve.engine.scheduling_policy import SchedulingPolicy
@@ -331,8 +331,7 @@ class LLMEngine:
             return []
         seqs = [item.seq for item in sampling]
         if Sampler.is_plain_greedy([seq.sampling_params for seq in seqs]):
-            # max(dim).indices: the first maximum, as argmax, and cheaper on CPU
-            token_ids, logprobs = logits.max(dim=1).indices.tolist(), [None] * len(seqs)
+            token_ids, logprobs = greedy_tokens(logits), [None] * len(seqs)
         else:
             sampled = self.sampler(logits, [sampling_row(seq) for seq in seqs])
             token_ids, logprobs = sampled.token_ids, sampled.logprobs

@@ -330,6 +330,18 @@ def _gather_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
     return out
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The first maximum of each row, as ``logits.argmax(dim=1).tolist()``. On CPU it is
+    numpy's argmax over the same memory (a SIMD scan, 3-4x faster than torch's reduction at
+    batch 16-256; ties and NaN pick the first index, as torch does)."""
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS:
+        return logits.detach().numpy().argmax(axis=1).tolist()
+    return logits.max(dim=1).indices.tolist()
+
+
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+
+
 class Sampler:
     """Stateless: ``sampler(logits, rows)`` samples one token per row (see the module docstring)."""
 

@@ -310,3 +310,18 @@ def test_logprobs_are_log_softmax_of_processed_logits():
         for token, value in entry.items():
             assert value == pytest.approx(reference[token].item(), abs=1e-5)
     assert list(out.logprobs[1]) == [int(logits[1].argmax())]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_tokens_are_argmax_with_ties_and_nan_at_the_first_index(dtype):
+    from pdserve.engine.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(33, 517, generator=gen).to(dtype)
+    logits[1, [5, 9, 400]] = logits[1].max() + 1  # a three-way tie
+    logits[2, [7, 8]] = float("nan")
+    with torch.inference_mode():  # how the runner's logits come
+        frozen = logits.clone()
+    for x in (logits, frozen):
+        got = greedy_tokens(x)
+        assert got == x.argmax(dim=1).tolist() and got[1] == 5 and got[2] == 7
