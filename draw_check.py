@@ -14,7 +14,7 @@ they run the Hugging Face model once over prompt + tokens (teacher forcing) and 
 token against the draws the sampler would make there with the uniform and top-p moved by
 ``tolerance`` either way (greedy: within ``tolerance`` of the top logit). A lost, duplicated
 or reordered token, a draw keyed to the wrong position or seed, or a truncated stream fails
-the check; a flip at a rounding boundary does not.
+the check; a flip at a rounding boundary does not. It needs ``transformers`` (the test extra).
 """
 
 from __future__ import annotations
