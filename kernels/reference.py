@@ -238,13 +238,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
     """RMSNorm in fp32 (as Hugging Face does). With ``residual``: returns (norm(x + r), x + r).
 
-    ``(h * h).sum(-1) / n`` is Hugging Face's ``h.pow(2).mean(-1)`` to the bit (torch squares
-    by one multiply, and its CPU mean is that sum divided by n) in two ops fewer."""
+    fp32 is torch's fused ``rms_norm``, Hugging Face's formula to the bit. Other dtypes round
+    the normalised row to ``x.dtype`` before the weight, as Hugging Face does; there
+    ``(h * h).sum(-1) / n`` is its ``h.pow(2).mean(-1)`` to the bit (torch squares by one
+    multiply, and its CPU mean is that sum divided by n) in two ops fewer."""
     if residual is not None:
         x = x + residual
         residual = x
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        # one op, the same bits (tests/kernels); other dtypes round h to x.dtype first, as HF
         out = torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
     else:
         h = x.float()

@@ -98,8 +98,7 @@ class SelfAttention(nn.Module):
         num_tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj.forward(hidden)  # (T, q_size + 2 * kv_size)
         qk_size = self.q_size + self.kv_size
-        # (T, kv_heads, head_dim)
-        v = qkv[:, qk_size:].reshape(num_tokens, kv_heads, self.head_dim)
+        v = qkv[:, qk_size:].reshape(num_tokens, kv_heads, self.head_dim)  # (T, kv_heads, hd)
         if self.q_norm is None:  # q and k side by side in qkv: rotated as one tensor
             qk = qkv[:, :qk_size].reshape(num_tokens, heads + kv_heads, self.head_dim)
             q, k = kernels.rotary_packed(qk, heads, positions, rope[0], backend=meta.backend,
