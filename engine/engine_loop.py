@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from pdserve.engine.messages import RequestDelta, WorkerStats
+from pdserve.engine.messages import StepDeltas, WorkerStats, num_deltas
 
 logger = logging.getLogger(__name__)
 
@@ -49,28 +49,32 @@ class DeltaOutbox:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._items: list[RequestDelta] = []
+        self._items: StepDeltas = []
+        self._size = 0  # per-request deltas in _items (a TokenDeltas counts its requests)
         self._cond = threading.Condition()
         self.last_drain = time.monotonic()  # when a reader last drained (or creation)
 
-    def put_many(self, deltas: list[RequestDelta]) -> None:
+    def put_many(self, deltas: StepDeltas) -> None:
         if deltas:
             with self._cond:
                 self._items.extend(deltas)
+                self._size += num_deltas(deltas)
                 self._cond.notify_all()
 
-    def drain(self, timeout: float | None = None) -> list[RequestDelta]:
+    def drain(self, timeout: float | None = None) -> StepDeltas:
+        """What steps put since the last drain (compact deltas still compact: the reader
+        renders them)."""
         with self._cond:
             self.last_drain = time.monotonic()
             if not self._items and timeout:
                 self._cond.wait(timeout)
-            items, self._items = self._items, []
+            items, self._items, self._size = self._items, [], 0
             self.last_drain = time.monotonic()
             return items
 
     @property
     def is_full(self) -> bool:
-        return len(self._items) >= self.capacity
+        return self._size >= self.capacity
 
     def seconds_since_drain(self) -> float:
         return time.monotonic() - self.last_drain
@@ -85,7 +89,7 @@ class _Fault:
 class EngineLoop:
     """A thread that alternates between queued calls, ``tick()`` and ``step()``."""
 
-    def __init__(self, name: str, step: Callable[[], list[RequestDelta]],
+    def __init__(self, name: str, step: Callable[[], StepDeltas],
                  has_work: Callable[[], bool], *, tick: Callable[[], None] | None = None,
                  stats: Callable[[], WorkerStats] | None = None,
                  on_death: Callable[[str], None] | None = None, idle_wait_s: float = 0.05,

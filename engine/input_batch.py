@@ -1,98 +1,282 @@
-"""The decode batch kept across steps, so a step of pure decodes costs a few tensor ops.
+"""The decode batch kept across steps, so that a step of pure decodes costs a few array ops.
 
-A step in which every scheduled sequence computes exactly one token (its last) is a pure
-decode step. In continuous batching most steps are, and from one to the next the batch barely
-changes: each sequence gains one position, one in ``block_size`` steps gains a block, a few
-finish and a few join. :class:`DecodeBatch` keeps the batch's block tables in one persistent
-int32 tensor and updates it by those diffs:
+A step in which every scheduled sequence computes exactly one token (its last) and samples
+the next is a pure decode step. In continuous batching most steps are, and from one to the
+next the batch barely changes: each sequence gains one position, one in ``block_size`` steps
+gains a block, a few finish and a few join. :class:`DecodeRows` keeps the batch's state in
+numpy arrays, one row per sequence: block tables, positions, last tokens, and what the stop
+rules need (length limit, whether EOS ends it). Between two steps of the same rows the
+arrays are the state; each step updates them by diffs and mirrors what changes into the
+:class:`~pdserve.engine.sequence.Sequence` objects, which stay the source of truth for
+everything outside the step (aborts, preemption, migration, stats).
 
-- a sequence that stays keeps its row; rows of sequences that left are dropped by one
-  ``index_select`` (order kept, so the rows follow the scheduler's order);
-- a sequence whose block table grew gets only its new entries written;
-- a sequence that joined (or whose table was replaced: preempted and admitted again) gets a
-  fresh row.
+:meth:`DecodeRows.sync` rebuilds the rows for a new order of sequences, keeping what it can:
 
-The tokens and positions of the step are read from the sequences (one list each); the slot
-mapping, context lengths and sample rows are computed from the tensors. Anything but a pure
-decode step goes through :meth:`ModelRunner.prepare`'s general path and resets the batch, so
-the fast path never sees a state the general path made. Models with a sliding window always
-take the general path (their freed blocks become ``None`` entries in place).
+- a sequence that stays keeps its block-table row (rows of sequences that left are dropped by
+  one fancy index, order kept); entries its table gained since are written;
+- a sequence that joined, or whose table was replaced (preempted and admitted again), gets a
+  fresh row;
+- positions and last tokens are read again from the sequences (the general step may have
+  moved them).
 
-The fast path's tensors are checked against the general path's in
-``tests/engine/test_input_batch.py`` over random add / finish / preempt sequences.
+The rows are valid for the scheduler's ``running_version`` they were synced at; a step that
+goes through the general path resets that (:meth:`invalidate`). Arrays handed out in a
+:class:`~pdserve.engine.model_runner.ModelInput` are never written again except the block
+table's entries past what that step reads, so a recorded batch keeps its values.
+Models with a sliding window never use the rows (their freed blocks become ``None`` entries in
+place).
+
+``tests/engine/test_input_batch.py`` runs random arrivals, aborts and preemptions through an
+engine with the rows and one that rebuilds every batch: every step's tensors and tokens equal.
 """
 
 from __future__ import annotations
 
-import operator
-from dataclasses import dataclass, field
+from itertools import chain, repeat
+from operator import attrgetter
 
+import numpy as np
 import torch
 
+from pdserve.engine.sampler import takes_argmax
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 
 
-@dataclass
-class DecodeBatch:
-    """Persistent block tables of the last pure decode step (see the module docstring)."""
+def has_own_stop_rules(p: SamplingParams) -> bool:
+    """Stop strings, stop token ids or logprobs: the token goes through the per-token path."""
+    return bool(p.stop or p.stop_token_ids or p.logprobs is not None)
 
-    device: torch.device
-    seqs: list[Sequence] = field(default_factory=list)  # one per row (held: ids stay unique)
-    tables: list[list] = field(default_factory=list)  # the seq.block_table copied into the row
-    num_blocks: list[int] = field(default_factory=list)  # table entries already in the row
-    tensor: torch.Tensor = field(init=False)  # (rows, width) int32 on ``device``
 
-    def __post_init__(self) -> None:
-        self.tensor = torch.zeros(0, 1, dtype=torch.int32, device=self.device)
+# the rows of DecodeRows.state, one column per batch row
+(TOKENS, POSITIONS, SLOTS, NUM_BLOCKS, LAST_POSITIONS, NUM_PROMPT, NUM_OUTPUT, STOPS_ON_EOS,
+ PER_TOKEN, FIRST, GREEDY) = range(11)
+NUM_FIELDS = 11
 
-    def reset(self) -> None:
-        self.seqs, self.tables, self.num_blocks = [], [], []
+_BLOCK_TABLE, _TOKEN_IDS = attrgetter("block_table"), attrgetter("token_ids")
+_REQUEST_ID, _ATTEMPT = attrgetter("request_id"), attrgetter("attempt")
 
-    def block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        """(len(seqs), width) int32 block tables of ``seqs`` in order, updated by diffs."""
-        if len(seqs) != len(self.seqs) or any(map(operator.is_not, seqs, self.seqs)):
-            self._rebase(seqs)
-        rows, cols, blocks = [], [], []  # the entries to write: tables that grew or changed
-        for i, seq in enumerate(seqs):
-            table = seq.block_table
-            known = self.num_blocks[i]
-            if table is not self.tables[i]:  # replaced (freed, then admitted again)
-                self.tables[i], known = table, 0
-            if len(table) != known:
-                rows.extend([i] * (len(table) - known))
-                cols.extend(range(known, len(table)))
-                blocks.extend(table[known:])
-                self.num_blocks[i] = len(table)
-        if rows:
-            self._write(rows, cols, blocks)
-        return self.tensor
 
-    def _write(self, rows: list[int], cols: list[int], blocks: list[int]) -> None:
-        width = max(cols) + 1
-        if width > self.tensor.shape[1]:
-            self.tensor = torch.nn.functional.pad(self.tensor, (0, width - self.tensor.shape[1]))
-        index = torch.tensor([rows, cols], dtype=torch.int64, device=self.device)
-        self.tensor[index[0], index[1]] = torch.tensor(blocks, dtype=torch.int32,
-                                                       device=self.device)
+class DecodeRows:
+    """The rows of the running decode batch (see the module docstring)."""
 
-    def _rebase(self, seqs: list[Sequence]) -> None:
-        """Keep the rows of the sequences that stayed in order (a prefix of ``seqs`` once the
-        rows that left are dropped); the sequences after them get fresh, empty rows."""
-        row_of = {id(seq): i for i, seq in enumerate(self.seqs)}
-        kept: list[int] = []
-        for seq in seqs:
-            i = row_of.get(id(seq))
-            if i is None or (kept and i < kept[-1]):
-                break
-            kept.append(i)
-        if len(kept) < len(self.seqs):
-            index = torch.tensor(kept, dtype=torch.int64, device=self.device)
-            self.tensor = self.tensor.index_select(0, index)
-        extra = len(seqs) - len(kept)
-        if extra:
-            fresh = torch.zeros(extra, self.tensor.shape[1], dtype=torch.int32,
-                                device=self.device)
-            self.tensor = torch.cat([self.tensor, fresh]) if kept else fresh
-        self.seqs = list(seqs)
-        self.tables = [self.tables[i] for i in kept] + [None] * extra
-        self.num_blocks = [self.num_blocks[i] for i in kept] + [0] * extra
+    def __init__(self, block_size: int, max_model_len: int | None = None) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len  # the context limit (a row at it ends)
+        self.version = -1  # the scheduler's running_version these rows mirror (-1: none)
+        self.current = False  # the state matches the sequences (False after a general step)
+        self.seqs: list[Sequence] = []
+        # one int64 column per row: the step's tokens, positions (= num_computed_tokens) and
+        # KV slots (-1: the position starts a block the row does not have yet), then what
+        # the stop rules and the deltas need. A new array every step: a batch handed out
+        # keeps its values.
+        self.state = np.zeros((NUM_FIELDS, 0), np.int64)
+        self.context_lens = np.zeros(0, np.int32)  # positions + 1
+        self.max_context_len = self.num_context = 0  # max and sum of context_lens
+        self.needs_block: list[int] = []  # rows whose position starts a block not yet theirs
+        self.filled: list[int] = []  # after advance: rows whose step completed a block
+        self.tables = np.zeros((0, 8), np.int32)  # block tables; entries past num_blocks: 0
+        self.tables_tensor = torch.from_numpy(self.tables)  # the same memory
+        self.max_blocks = 0
+        self.any_eos = self.any_per_token = self.any_first = self.all_greedy = False
+        # per-row constants of the compact deltas (new lists on every sync: deltas hold them)
+        self.request_ids: list[str] = []
+        self.attempts: list[int] = []
+        self._token_lists: list[list[int]] = []  # each row's seq.token_ids
+        self._table_refs: list[list] = []  # the seq.block_table each row was filled from
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def host(self) -> np.ndarray:
+        """(3, rows) int64: the step's tokens, positions and slots (what the model reads)."""
+        return self.state[:SLOTS + 1]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.state[TOKENS]
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.state[POSITIONS]
+
+    @property
+    def num_prompt_tokens(self) -> np.ndarray:
+        return self.state[NUM_PROMPT]
+
+    @property
+    def num_output_tokens(self) -> np.ndarray:
+        """Each row's generated tokens (after :meth:`advance`: this step's included)."""
+        return self.state[NUM_OUTPUT]
+
+    def invalidate(self) -> None:
+        """The sequences moved outside the rows (a general step): sync before the next use."""
+        self.version, self.current = -1, False
+
+    # -- sync --------------------------------------------------------------------------------
+
+    def sync(self, seqs: list[Sequence], version: int | None = None) -> list[Sequence]:
+        """Make the rows those of ``seqs`` in order (each with one token left to compute).
+        With the scheduler's ``version`` the rows then mirror it; without (a general step
+        reads them once) they are stale right after. Returns the sequences that got fresh
+        rows (the others kept theirs)."""
+        seqs = list(seqs)
+        row_of = dict(zip(map(id, self.seqs), range(len(self.seqs)), strict=True))
+        old_rows = list(map(row_of.get, map(id, seqs), repeat(-1)))
+        tables = list(map(_BLOCK_TABLE, seqs))
+        refs = self._table_refs
+        for j, i in enumerate(old_rows):
+            if i >= 0 and tables[j] is not refs[i]:
+                old_rows[j] = -1  # its table was replaced (preempted, admitted again): fresh
+        old = np.asarray(old_rows, np.int64)
+        num_blocks = self._sync_tables(tables, old)
+        # a kept row's state still holds unless a general step moved it (or, with no
+        # version, is scheduling this step: it may have given rows blocks)
+        if not (self.current and version is not None):
+            old = np.full(len(seqs), -1, np.int64)
+        fresh = self._sync_state(seqs, old, num_blocks)
+        self.seqs, self._table_refs = seqs, tables
+        self._token_lists = list(map(_TOKEN_IDS, seqs))
+        self.request_ids = list(map(_REQUEST_ID, seqs))
+        self.attempts = list(map(_ATTEMPT, seqs))
+        if version is None:
+            self.invalidate()
+        else:
+            self.version, self.current = version, True
+        return fresh
+
+    def _sync_tables(self, tables: list[list], old: np.ndarray) -> np.ndarray:
+        """Block tables of the new rows: kept rows copied by one fancy index, then the entries
+        each table gained (a fresh row: all of them) written. Returns their lengths."""
+        lengths = np.fromiter(map(len, tables), np.int64, len(tables))
+        width = self.tables.shape[1]
+        while width < int(lengths.max(initial=0)):
+            width *= 2
+        new = np.zeros((len(tables), width), np.int32)
+        known = np.zeros(len(tables), np.int64)
+        kept = np.flatnonzero(old >= 0)
+        if len(kept):
+            new[kept, :self.tables.shape[1]] = self.tables[old[kept]]
+            known[kept] = self.state[NUM_BLOCKS, old[kept]]
+        known = np.minimum(known, lengths)
+        grown = np.flatnonzero(lengths != known)
+        if len(grown):  # every gained entry in one write
+            counts = lengths[grown] - known[grown]
+            starts = known[grown].tolist()
+            blocks = np.fromiter(chain.from_iterable(
+                tables[j][start:] for j, start in zip(grown.tolist(), starts, strict=True)),
+                np.int32, int(counts.sum()))
+            row = np.repeat(grown, counts)
+            first = np.repeat(np.cumsum(counts) - counts, counts)
+            column = np.arange(len(blocks)) - first + np.repeat(known[grown], counts)
+            new[row, column] = blocks
+        self._set_tables(new)
+        return lengths
+
+    def _set_tables(self, tables: np.ndarray) -> None:
+        self.tables, self.tables_tensor = tables, torch.from_numpy(tables)
+
+    def _sync_state(self, seqs: list[Sequence], old: np.ndarray,
+                    num_blocks: np.ndarray) -> list[Sequence]:
+        """Kept rows' state moves by one fancy index; fresh rows' is read from their
+        sequences; then what is derived from the whole batch. Returns the fresh ones."""
+        state = np.empty((NUM_FIELDS, len(seqs)), np.int64)
+        kept, fresh = np.flatnonzero(old >= 0), np.flatnonzero(old < 0)
+        if len(kept):
+            state[:, kept] = self.state[:, old[kept]]
+        fresh_seqs = [seqs[j] for j in fresh.tolist()]
+        if fresh_seqs:
+            state[:, fresh] = np.array(list(map(self._fresh_row, fresh_seqs)), np.int64).T
+        state[NUM_BLOCKS] = num_blocks
+        self.state = state
+        self._look_up_slots(fresh)
+        self.needs_block = np.flatnonzero(state[SLOTS] < 0).tolist()
+        positions = state[POSITIONS]
+        self.context_lens = (positions + 1).astype(np.int32)
+        self.max_context_len = int(positions.max(initial=-1)) + 1
+        self.num_context = int(positions.sum()) + len(seqs)
+        self.max_blocks = int(state[NUM_BLOCKS].max(initial=0))
+        self.any_eos = bool(state[STOPS_ON_EOS].any())
+        self.any_per_token = bool(state[PER_TOKEN].any())
+        self.any_first = bool(state[FIRST].any())
+        self.all_greedy = bool(state[GREEDY].all())
+        return fresh_seqs
+
+    def _fresh_row(self, seq: Sequence) -> tuple:
+        p = seq.sampling_params
+        limit = seq.num_prompt_tokens + p.max_tokens
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len)
+        return (seq.token_ids[-1], seq.num_computed_tokens, -1, len(seq.block_table),
+                limit - 1, seq.num_prompt_tokens, seq.num_output_tokens, not p.ignore_eos,
+                has_own_stop_rules(p), seq.first_token_time is None, takes_argmax(p))
+
+    def _look_up_slots(self, rows: np.ndarray) -> None:
+        """Slots of ``rows`` from their tables (-1 where the position's block is missing)."""
+        if not len(rows):
+            return
+        bs, state = self.block_size, self.state
+        positions = state[POSITIONS, rows]
+        has = positions < state[NUM_BLOCKS, rows] * bs
+        column = np.minimum(positions // bs, self.tables.shape[1] - 1)
+        slots = self.tables[rows, column].astype(np.int64) * bs + positions % bs
+        state[SLOTS, rows] = np.where(has, slots, -1)
+
+    # -- the steps ---------------------------------------------------------------------------
+
+    def blocks_added(self, rows: list[int]) -> None:
+        """Each of ``rows`` (from :attr:`needs_block`) was given its next block (the last entry
+        of its sequence's table)."""
+        if not rows:
+            return
+        index = np.asarray(rows, np.int64)
+        state, bs = self.state, self.block_size
+        columns = state[NUM_BLOCKS, index]
+        while int(columns.max()) >= self.tables.shape[1]:
+            self._set_tables(np.pad(self.tables, ((0, 0), (0, self.tables.shape[1]))))
+        blocks = np.array([self.seqs[row].block_table[-1] for row in rows], np.int64)
+        self.tables[index, columns] = blocks
+        state[NUM_BLOCKS, index] = columns + 1
+        self.max_blocks = max(self.max_blocks, int(columns.max()) + 1)
+        state[SLOTS, index] = blocks * bs + state[POSITIONS, index] % bs
+        self.needs_block = []
+
+    def advance(self, token_ids: list[int], tokens: np.ndarray) -> None:
+        """Every row computed its position and sampled ``token_ids[row]`` (``tokens``: the same
+        as an array): each sequence gets the token and one more computed token, and the rows
+        move to the next position (a row entering a new block looks its slot up, or waits in
+        :attr:`needs_block` for the scheduler to give it one)."""
+        list(map(list.append, self._token_lists, token_ids))
+        for seq in self.seqs:
+            seq.num_computed_tokens += 1
+        state = self.state.copy()
+        state[TOKENS] = tokens
+        state[POSITIONS:SLOTS + 1] += 1  # positions and slots, one op
+        state[NUM_OUTPUT] += 1
+        self.state = state
+        self.context_lens = self.context_lens + 1
+        self.max_context_len += 1
+        self.num_context += len(self.seqs)
+        filled = np.flatnonzero(state[POSITIONS] % self.block_size == 0)
+        self.filled = filled.tolist()  # (the rows whose new position starts a block)
+        if self.filled:
+            self._look_up_slots(filled)
+            self.needs_block = filled[state[SLOTS, filled] < 0].tolist()
+
+    def ending(self, eos_token_ids) -> np.ndarray:
+        """After :meth:`advance`: the rows whose token goes through the per-token stop rules:
+        those with their own (stop strings, stop ids, logprobs), those the token may end
+        (an EOS, max_tokens or the context limit) and those whose first token it is (once)."""
+        state = self.state
+        ending = state[POSITIONS] >= state[LAST_POSITIONS]
+        if self.any_per_token:
+            ending |= state[PER_TOKEN].astype(bool)
+        if self.any_first:  # (its first token: the delta says where its TTFT went)
+            ending |= state[FIRST].astype(bool)
+            state[FIRST] = 0
+            self.any_first = False
+        if self.any_eos:
+            for eos in eos_token_ids:  # (one or two ids: cheaper than np.isin)
+                ending |= (state[TOKENS] == eos) & state[STOPS_ON_EOS].astype(bool)
+        return np.flatnonzero(ending)

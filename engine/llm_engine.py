@@ -29,13 +29,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import RequestDelta, WorkerStats, WorkRequest
+from pdserve.engine.messages import (
+    RequestDelta,
+    StepDeltas,
+    TokenDeltas,
+    WorkerStats,
+    WorkRequest,
+)
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.roofline import Utilization
-from pdserve.engine.sampler import Sampler, SamplingRow, greedy_tokens
+from pdserve.engine.sampler import Sampler, SamplingRow, greedy_token_array, greedy_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from pdserve.engine.scheduling_policy import SchedulingPolicy
@@ -111,6 +118,11 @@ class LLMEngine:
         self.speculator = Speculator.build(parts) if self.scheduler.policy.speculates else None
         if self.speculator is not None:
             self.scheduler.lookahead = self.speculator.num_lookahead
+        # pure decode steps on the persistent rows (engine/input_batch.py): not with a sliding
+        # window (freed blocks change tables in place) nor hooks that watch every step.
+        # False: every step takes the general path (what the rows are tested against).
+        self.persistent_batch = (type(self.hooks) is StepHooks and self.speculator is None
+                                 and parts.runner.sliding_window is None)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -190,9 +202,10 @@ class LLMEngine:
         self._sequences[seq.request_id] = seq
         self.text.track(seq)
 
-    def render(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
-        """Fill in the deferred text of ``deltas`` (any thread; once per delta, in the order
-        the steps made them). Every reader of a step's deltas calls it."""
+    def render(self, deltas: StepDeltas) -> list[RequestDelta]:
+        """One RequestDelta per request per step, with the deferred text filled in (any
+        thread; once per delta, in the order the steps made them). Every reader of a step's
+        deltas calls it."""
         return self.text.render(deltas)
 
     def expire(self, now: float) -> list[RequestDelta]:
@@ -286,8 +299,11 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestDelta]:
+    def step(self) -> StepDeltas:
+        """One step; its deltas go through :meth:`render` before anyone reads them."""
         start = time.perf_counter()
+        if self.persistent_batch and self.scheduler.schedule_rows(self.parts.runner.rows):
+            return self._step_rows(start)
         output = self.scheduler.schedule()
         bounced = self._hand_back(output.bounced)
         if output.is_empty:
@@ -311,6 +327,55 @@ class LLMEngine:
         self.last_step = StepStats(output.num_batched_tokens, len(output.scheduled), forward_s,
                                    time.perf_counter() - start)
         return bounced + deltas
+
+    def _step_rows(self, start: float) -> StepDeltas:
+        """A pure decode step of every running sequence on the persistent rows (the same as
+        the general step, scheduled by ``Scheduler.schedule_rows``): array ops for the batch,
+        the sampling, the progress and the stop rules, one compact delta for the rows that
+        go on; a row that ends or has its own stop rules takes the per-token path."""
+        runner = self.parts.runner
+        rows = runner.rows
+        batch = runner.prepare_rows()
+        forward_start = time.perf_counter()
+        logits = runner.run(batch)
+        forward_s = time.perf_counter() - forward_start
+        if rows.all_greedy:
+            tokens, logprobs = greedy_token_array(logits), None
+            token_ids = tokens.tolist()
+        else:
+            sampled = self.sampler(logits, [sampling_row(seq) for seq in rows.seqs])
+            token_ids, logprobs = sampled.token_ids, sampled.logprobs
+            tokens = np.asarray(token_ids, np.int64)
+        rows.advance(token_ids, tokens)
+        self.scheduler.update_rows(rows)
+        deltas = self._emit_rows(rows, token_ids, logprobs)
+        self.last_step = StepStats(len(rows), len(rows), forward_s, time.perf_counter() - start)
+        return deltas
+
+    def _emit_rows(self, rows, token_ids: list[int], logprobs: list | None) -> StepDeltas:
+        """The deltas of a rows step (after ``rows.advance``): one compact delta for the rows
+        that go on, the per-token path for the others."""
+        if not self.text.defers:  # every token's text is made in the step
+            per_token = list(range(len(rows)))
+        else:
+            per_token = rows.ending(self.parts.eos_token_ids).tolist()
+        if not per_token:
+            deltas: StepDeltas = [TokenDeltas(rows.request_ids, token_ids, rows.attempts,
+                                              rows.num_prompt_tokens, rows.num_output_tokens)]
+        else:
+            go_on = np.ones(len(rows), bool)
+            go_on[per_token] = False
+            rest = np.flatnonzero(go_on)
+            keep = rest.tolist()
+            deltas = [TokenDeltas([rows.request_ids[i] for i in keep],
+                                  [token_ids[i] for i in keep], [rows.attempts[i] for i in keep],
+                                  rows.num_prompt_tokens[rest], rows.num_output_tokens[rest])
+                      ] if keep else []
+            now = time.monotonic()
+            deltas += [self._token_appended(rows.seqs[i], token_ids[i],
+                                            logprobs[i] if logprobs else None, now)
+                       for i in per_token]
+        return deltas
 
     def _hand_back(self, bounced: list[Sequence]) -> list[RequestDelta]:
         """Final deltas of sequences the scheduler preempted by handing them back."""
@@ -345,6 +410,11 @@ class LLMEngine:
         request when one holds) and return its delta. Runs once per sequence per step: keep
         it lean."""
         seq.token_ids.append(token_id)
+        return self._token_appended(seq, token_id, logprobs, now)
+
+    def _token_appended(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
+                        now: float) -> RequestDelta:
+        """:meth:`append_token` once ``token_id`` is the last of ``seq.token_ids``."""
         timings = None
         if seq.first_token_time is None:
             seq.first_token_time = now

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -44,6 +46,51 @@ class RequestDelta:
     # at the worker -> first chunk scheduled (colocated traces; the prefill worker's are in
     # PrefillResult)
     prefill_time_s: float | None = None  # with queue_time_s: first chunk -> this token sampled
+
+
+@dataclass
+class TokenDeltas:
+    """One new token for each of several requests, made by one pure decode step: the compact
+    form of their :class:`RequestDelta` (no text, no logprobs, none final), expanded where the
+    deltas are read (``LLMEngine.render``), so the step makes no object per request."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    attempts: list[int]
+    num_prompt_tokens: np.ndarray  # int64, one per request
+    num_output_tokens: np.ndarray  # int64: generated so far, this token included
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def expand(self) -> list[RequestDelta]:
+        return [RequestDelta(request_id, [token_id], "", None, None, num_prompt, num_output,
+                             attempt=attempt)
+                for request_id, token_id, attempt, num_prompt, num_output
+                in zip(self.request_ids, self.token_ids, self.attempts,
+                       self.num_prompt_tokens.tolist(), self.num_output_tokens.tolist(),
+                       strict=True)]
+
+
+StepDeltas = list[RequestDelta | TokenDeltas]  # what a step returns
+
+
+def expand_deltas(items: StepDeltas) -> list[RequestDelta]:
+    """One RequestDelta per request per step, in order (``items`` itself when none is compact)."""
+    if not any(isinstance(item, TokenDeltas) for item in items):
+        return items
+    out: list[RequestDelta] = []
+    for item in items:
+        if isinstance(item, TokenDeltas):
+            out.extend(item.expand())
+        else:
+            out.append(item)
+    return out
+
+
+def num_deltas(items: StepDeltas) -> int:
+    """How many per-request deltas ``items`` stands for."""
+    return sum(len(item) if isinstance(item, TokenDeltas) else 1 for item in items)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphs
-from pdserve.engine.input_batch import DecodeBatch
+from pdserve.engine.input_batch import DecodeRows
 from pdserve.engine.roofline import UtilizationMeter, attended_pairs
 from pdserve.engine.scheduler import ScheduledSequence
 from pdserve.kernels import KVCacheLayer
@@ -62,7 +62,7 @@ class ModelRunner:
     """Owns the model and its KV pools; knows nothing about scheduling policy."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCacheLayer], block_size: int,
-                 device: torch.device, backend: str):
+                 device: torch.device, backend: str, max_model_len: int | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -73,55 +73,52 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # a sliding window frees blocks in place (None entries): such models skip the fast path
         self.sliding_window = getattr(getattr(model, "config", None), "sliding_window", None)
-        self.decode_batch = DecodeBatch(device)
+        self.rows = DecodeRows(block_size, max_model_len)  # the persistent decode batch
         self._aranged = self._aranged32 = torch.arange(0, device=device)
+        self._aranged_n, self._aranged_pair = -1, (self._aranged, self._aranged32)
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> ModelInput:
-        """The flat batch of ``scheduled``: pure decode steps update the persistent
-        :class:`DecodeBatch`; any other step is built from scratch (and resets it)."""
+        """The flat batch of ``scheduled``: a pure decode step syncs the persistent
+        :class:`DecodeRows` and reads them; any other step is built from scratch."""
         # (a sequence with speculative drafts brings several tokens: the general path)
         if self.sliding_window is None and all(item.is_decode and not item.draft_token_ids
                                                for item in scheduled):
-            return self._prepare_decodes([item.seq for item in scheduled])
-        self.decode_batch.reset()
+            self.rows.sync([item.seq for item in scheduled])
+            return self.prepare_rows()
+        self.rows.invalidate()
         return self._prepare_general(scheduled)
 
-    def _prepare_decodes(self, seqs: list) -> ModelInput:
-        """One token per sequence (its last), every one sampled: one pass over the sequences
-        and one host -> device copy (tokens, positions, slots; context lengths on the host)."""
-        bs, n = self.block_size, len(seqs)
-        block_tables = self.decode_batch.block_tables(seqs)
-        starts = [seq.num_computed_tokens for seq in seqs]
-        host = array("q", [seq.token_ids[-1] for seq in seqs])
-        host.extend(starts)
-        host.extend([seq.block_table[p // bs] * bs + p % bs
-                     for seq, p in zip(seqs, starts, strict=True)])
-        flat = host_tensor(host, self.device).view(3, n)
-        if self.device.type == "cpu":  # int32 straight from the host list: no tensor op
-            context_lens = host_tensor(array("i", [p + 1 for p in starts]), self.device)
+    def prepare_rows(self) -> ModelInput:
+        """The batch of the decode rows as they stand: one token per row (its last), every
+        row sampled; one host -> device copy of tokens, positions and slots."""
+        rows, n = self.rows, len(self.rows)
+        host = torch.from_numpy(rows.host)
+        tables = rows.tables_tensor[:, :rows.max_blocks]
+        if self.device.type == "cpu":  # int32 lengths straight from the host array
+            context_lens = torch.from_numpy(rows.context_lens)
         else:  # one copy to the device, then the int32 lengths there
-            context_lens = flat[1].to(torch.int32).add_(1)
-        rows, rows32 = self._arange(n + 1)
-        meta = AttentionMetadata(
-            slot_mapping=flat[2],
-            cu_seqlens_q=rows32,
-            context_lens=context_lens,
-            block_tables=block_tables,
-            max_query_len=1,
-            max_context_len=max(starts) + 1,
-            backend=self.backend,
-        )
-        num_context = sum(starts) + n
-        return ModelInput(input_ids=flat[0], positions=flat[1], metadata=meta,
-                          sample_indices=rows[:n], num_attended=num_context,
-                          num_context=num_context)
+            host, tables = host.to(self.device), tables.to(self.device)
+            context_lens = host[1].to(torch.int32).add_(1)
+        input_ids, positions, slots = host.unbind(0)
+        sample_rows, cu_seqlens = self._arange(n)
+        meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu_seqlens,
+                                 context_lens=context_lens, block_tables=tables,
+                                 max_query_len=1, max_context_len=rows.max_context_len,
+                                 backend=self.backend)
+        return ModelInput(input_ids=input_ids, positions=positions, metadata=meta,
+                          sample_indices=sample_rows, num_attended=rows.num_context,
+                          num_context=rows.num_context)
 
     def _arange(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """0..n-1 on the device, int64 and int32, cut from cached tensors."""
-        if self._aranged.numel() < n:
-            self._aranged = torch.arange(max(n, 2 * self._aranged.numel()), device=self.device)
-            self._aranged32 = self._aranged.to(torch.int32)
-        return self._aranged[:n], self._aranged32[:n]
+        """(0..n-1 int64, 0..n int32) on the device, cut from cached tensors (the last pair
+        is kept: steps of one batch size reuse it)."""
+        if self._aranged_n != n:
+            if self._aranged.numel() < n + 1:
+                size = max(n + 1, 2 * self._aranged.numel())
+                self._aranged = torch.arange(size, device=self.device)
+                self._aranged32 = self._aranged.to(torch.int32)
+            self._aranged_n, self._aranged_pair = n, (self._aranged[:n], self._aranged32[:n + 1])
+        return self._aranged_pair
 
     def _prepare_general(self, scheduled: list[ScheduledSequence]) -> ModelInput:
         """Any step: each sequence's new tokens (then its drafts, when speculating); the rows

@@ -81,7 +81,7 @@ class EngineParts:
             scales = calibrate_kv_scales(model, mc, layer_dtypes, device, backend, tokenizer,
                                          scheme=scheme)
         caches = allocate_kv_caches(mc, ledger, layer_dtypes, device, scales, scheme)
-        runner = ModelRunner(model, caches, config.block_size, device, backend)
+        runner = ModelRunner(model, caches, config.block_size, device, backend, max_model_len)
         runner.meter = UtilizationMeter(
             StepCost.for_model(mc, ledger.weight_bytes, ledger.kv_bytes_per_token), device, dtype)
         block_manager = BlockManager(ledger.num_kv_blocks, config.block_size,

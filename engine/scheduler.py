@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.input_batch import DecodeRows
 from pdserve.engine.scheduling_policy import (
     DecodeOnlyPolicy,
     PrefillOnlyPolicy,
@@ -132,6 +133,7 @@ class Scheduler:
         self.policy = policy if policy is not None else SchedulingPolicy()
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted ones go to the front
         self.running: list[Sequence] = []  # admission order; the tail is preempted first
+        self.running_version = 0  # counts changes to ``running`` (DecodeRows mirror one)
         self._seqs: dict[str, Sequence] = {}  # request_id -> every waiting or running seq
         self.num_preemptions = 0  # preemptions since start, every kind
         self.num_bounces = 0  # of which handed back to the router (decode role)
@@ -204,13 +206,16 @@ class Scheduler:
         self._track(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self.running_version += 1
 
     def _drop(self, seq: Sequence) -> bool:
         """Forget seq (queues only, blocks untouched); False if it was not tracked."""
         if self._seqs.get(seq.request_id) is not seq:
             return False
         del self._seqs[seq.request_id]
-        if not _remove(self.running, seq):
+        if _remove(self.running, seq):
+            self.running_version += 1
+        else:
             _remove(self.waiting, seq)
         return True
 
@@ -346,6 +351,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         _remove(self.running, seq)
+        self.running_version += 1
         self.block_manager.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -388,9 +394,50 @@ class Scheduler:
             bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.running_version += 1
             out._add(seq, n)
             budget -= n
         return budget
+
+    def schedule_rows(self, rows: DecodeRows) -> bool:
+        """Schedule a pure decode step of every running sequence on the persistent ``rows``
+        when that is what :meth:`schedule` would do: nothing waits, the policy gives decodes
+        one token each, none speculates, every running sequence has one token left to
+        compute, and all fit the step's limits. Rows that reach a new block get it. False
+        when the step needs :meth:`schedule` (the rows are then stale)."""
+        if (not self.policy.decodes_take_one_token or self.lookahead is not None
+                or self.waiting or not self.running):
+            return False
+        if rows.version != self.running_version:
+            seqs = self.policy.order_running(self.running)
+            cfg = self.config
+            if len(seqs) > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
+                return False
+            fresh = rows.sync(seqs, self.running_version)  # kept rows are decodes already
+            if any(len(s.token_ids) - s.num_computed_tokens != 1 for s in fresh):
+                rows.invalidate()
+                return False
+            now = time.monotonic()
+            for seq in fresh:
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = now
+        bm = self.block_manager
+        added = []
+        for row in rows.needs_block:
+            seq = rows.seqs[row]
+            if not bm.can_allocate(seq, 1):  # preemption: the general schedule decides
+                rows.invalidate()
+                return False
+            bm.allocate(seq, 1)
+            added.append(row)
+        rows.blocks_added(added)
+        return True
+
+    def update_rows(self, rows: DecodeRows) -> None:
+        """After :meth:`DecodeRows.advance`: cache the blocks the step filled."""
+        if self.block_manager.enable_prefix_caching:
+            for row in rows.filled:
+                self.block_manager.cache_computed_blocks(rows.seqs[row])
 
     def update(self, output: SchedulerOutput) -> None:
         """After the model ran: advance progress, cache full blocks, free out-of-window blocks."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 
 from pdserve.engine.detokenizer import Detokenizer
-from pdserve.engine.messages import RequestDelta
+from pdserve.engine.messages import RequestDelta, StepDeltas, expand_deltas
 from pdserve.engine.sequence import Sequence
 
 
@@ -80,9 +80,17 @@ class TextStage:
         with self._lock:
             self._deferred.pop(_key(request_id, attempt), None)
 
-    def render(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
-        """Fill in the text of deferred requests' deltas, in order (any thread; returns
-        ``deltas``). Each delta must be rendered once, and a request's in the order made."""
+    @property
+    def defers(self) -> bool:
+        """Requests without stop strings get their text in :meth:`render`, not in the step."""
+        return self._defer or self._tokenizer is None
+
+    def render(self, deltas: StepDeltas) -> list[RequestDelta]:
+        """Expand compact deltas and fill in the text of deferred requests' deltas, in order
+        (any thread). Each delta must be rendered once, and a request's in the order made."""
+        deltas = expand_deltas(deltas)
+        if self._tokenizer is None:
+            return deltas
         with self._lock:
             for delta in deltas:
                 key = _key(delta.request_id, delta.attempt)

@@ -29,7 +29,7 @@ def _generate(engine: LLMEngine, prompts) -> dict[str, list[int]]:
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, GREEDY)
     while engine.has_unfinished_requests():
-        for delta in engine.step():
+        for delta in engine.render(engine.step()):
             out[delta.request_id] += delta.new_token_ids
     return out
 

@@ -1,9 +1,11 @@
-"""The persistent decode batch (engine/input_batch.py) equals a batch rebuilt every step.
+"""The persistent decode rows (engine/input_batch.py) equal a batch rebuilt every step.
 
 Random traffic (arrivals, aborts, finishes, and preemptions from a pool too small for the
-load) runs on two engines: one whose runner takes the persistent fast path for pure decode
-steps, one that rebuilds every batch with the general path. Every step's tensors and every
-request's tokens must be equal, and no block may leak.
+load) runs on two engines: one whose pure decode steps run on the persistent rows, one whose
+every step takes the general path and rebuilds its batch. The requests mix what the rows treat
+differently: greedy and seeded sampling, EOS on and off, stop strings, stop token ids,
+logprobs, penalties, max_tokens. Every step's tensors and every request's rendered deltas
+(tokens, text, finish reason, logprobs, counters) must be equal, and no block may leak.
 """
 
 from __future__ import annotations
@@ -25,20 +27,35 @@ def _engine(tiny_dir, rebuild: bool) -> LLMEngine:
                                            enable_prefix_caching=True))
     engine = LLMEngine(parts)
     if rebuild:
+        engine.persistent_batch = False
         runner = parts.runner
         runner.prepare = runner._prepare_general  # the reference: no persistent state
     return engine
 
 
+def _params(rng: random.Random) -> SamplingParams:
+    """Mostly plain greedy (the rows' vectorised path), the rest each kind of exception."""
+    kind = rng.choice(["greedy"] * 4 + ["sampled", "eos", "stop", "stop_ids", "logprobs",
+                                        "penalty"])
+    extra = {"sampled": dict(temperature=0.9, top_p=0.9, seed=rng.randrange(1000)),
+             "eos": dict(ignore_eos=False),
+             "stop": dict(stop=["e"]),
+             "stop_ids": dict(stop_token_ids=[rng.randrange(1, 480) for _ in range(20)]),
+             "logprobs": dict(logprobs=2),
+             "penalty": dict(repetition_penalty=1.3)}.get(kind, {})
+    return SamplingParams(**{"max_tokens": rng.randrange(1, 40), "temperature": 0.0,
+                             "ignore_eos": True, **extra})
+
+
 def _traffic(rng: random.Random, num_steps: int) -> list[list[tuple]]:
-    """Per step, the events before it: ("add", id, prompt, max_tokens) or ("abort", id)."""
+    """Per step, the events before it: ("add", id, prompt, params) or ("abort", id)."""
     events, live = [], []
     for step in range(num_steps):
         now = []
         if rng.random() < 0.6:
             request_id = f"r{step}"
             prompt = [rng.randrange(1, 200) for _ in range(rng.randrange(1, 14))]
-            now.append(("add", request_id, prompt, rng.randrange(1, 40)))
+            now.append(("add", request_id, prompt, _params(rng)))
             live.append(request_id)
         if live and rng.random() < 0.08:
             now.append(("abort", live.pop(rng.randrange(len(live)))))
@@ -46,33 +63,39 @@ def _traffic(rng: random.Random, num_steps: int) -> list[list[tuple]]:
     return events
 
 
-def _run(engine: LLMEngine, events, batches: list | None) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    runner = engine.parts.runner
-    prepare = runner.prepare
+def _content(delta) -> tuple:
+    """A delta less its timings (which differ between two runs)."""
+    return (delta.new_token_ids, delta.text, delta.finish_reason, delta.logprobs,
+            delta.num_prompt_tokens, delta.num_output_tokens, delta.error, delta.attempt,
+            delta.preempted)
 
-    def recording(scheduled):
-        batch = prepare(scheduled)
+
+def _run(engine: LLMEngine, events, batches: list | None) -> dict[str, list]:
+    """Every request's rendered deltas (less timings), in order."""
+    deltas: dict[str, list] = {}
+    runner = engine.parts.runner
+    run = runner.run
+
+    def recording(batch, after_layer=None):
         if batches is not None:
             batches.append(batch)
-        return batch
+        return run(batch, after_layer)
 
-    runner.prepare = recording
+    runner.run = recording
     for now in events:
         for event in now:
             if event[0] == "add":
-                _, request_id, prompt, max_tokens = event
-                engine.add_request(request_id, prompt, SamplingParams(
-                    max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-                tokens[request_id] = []
+                _, request_id, prompt, params = event
+                engine.add_request(request_id, prompt, params)
+                deltas[request_id] = []
             else:
                 engine.abort(event[1])
-        for delta in engine.step():
-            tokens[delta.request_id].extend(delta.new_token_ids)
+        for delta in engine.render(engine.step()):
+            deltas[delta.request_id].append(_content(delta))
     while engine.has_unfinished_requests():
-        for delta in engine.step():
-            tokens[delta.request_id].extend(delta.new_token_ids)
-    return tokens
+        for delta in engine.render(engine.step()):
+            deltas[delta.request_id].append(_content(delta))
+    return deltas
 
 
 def _same_batch(a, b) -> None:
@@ -95,29 +118,85 @@ def _same_batch(a, b) -> None:
 def test_random_traffic_gives_the_same_batches_and_tokens_as_rebuilding(tiny_dir, seed):
     events = _traffic(random.Random(seed), 90)
     fast, rebuilt = _engine(tiny_dir, rebuild=False), _engine(tiny_dir, rebuild=True)
+    rows_steps = _count_rows_steps(fast)
     fast_batches, rebuilt_batches = [], []
-    fast_tokens = _run(fast, events, fast_batches)
-    assert fast_tokens == _run(rebuilt, events, rebuilt_batches)
+    fast_deltas = _run(fast, events, fast_batches)
+    assert fast_deltas == _run(rebuilt, events, rebuilt_batches)
     assert len(fast_batches) == len(rebuilt_batches)
     for a, b in zip(fast_batches, rebuilt_batches, strict=True):
         _same_batch(a, b)
     assert fast.scheduler.num_preemptions > 0  # the pool was short: preemption happened
-    assert sum(len(t) for t in fast_tokens.values()) > 100
+    assert sum(len(d[0]) for ds in fast_deltas.values() for d in ds) > 100
+    assert len(rows_steps) >= 20 and len(set(rows_steps)) >= 3  # the rows served steps of
+    # several batch sizes (rows joined and left between them)
+    finishes = {ds[-1][2] for ds in fast_deltas.values() if ds}  # (aborts: none)
+    assert {"stop", "length"} <= finishes
     for engine in (fast, rebuilt):
         bm = engine.parts.block_manager
         assert bm.num_used_blocks == 0
         bm.check_invariants()
 
 
-def test_the_fast_path_serves_pure_decode_steps(tiny_dir):
-    """Guards the test above: the persistent batch is what runs when every sequence decodes."""
+def _count_rows_steps(engine: LLMEngine) -> list[int]:
+    """The batch sizes of the steps that run on the persistent rows, as they happen."""
+    sizes: list[int] = []
+    runner = engine.parts.runner
+    prepare_rows = runner.prepare_rows
+    general = runner.prepare
+
+    def counted():
+        if not in_general:
+            sizes.append(len(runner.rows))
+        return prepare_rows()
+
+    in_general = []
+
+    def general_prepare(scheduled):  # its pure decode steps read the rows too: not counted
+        in_general.append(True)
+        try:
+            return general(scheduled)
+        finally:
+            in_general.pop()
+
+    runner.prepare_rows, runner.prepare = counted, general_prepare
+    return sizes
+
+
+def test_the_rows_serve_pure_decode_steps(tiny_dir):
+    """Guards the test above: the persistent rows are what runs when every sequence decodes,
+    through joins and finishes, and the compact deltas render to one delta per request."""
     engine = _engine(tiny_dir, rebuild=False)
-    calls = []
-    fast = engine.parts.runner._prepare_decodes
-    engine.parts.runner._prepare_decodes = lambda seqs: calls.append(len(seqs)) or fast(seqs)
+    sizes = _count_rows_steps(engine)
     for i in range(3):
-        engine.add_request(f"d{i}", [5, 6, 7 + i], SamplingParams(max_tokens=6, temperature=0.0,
+        engine.add_request(f"d{i}", [5, 6, 7 + i], SamplingParams(max_tokens=6 + i,
+                                                                   temperature=0.0,
                                                                    ignore_eos=True))
+    outputs: dict[str, list[int]] = {f"d{i}": [] for i in range(3)}
     while engine.has_unfinished_requests():
-        engine.step()
-    assert calls == [3] * 5  # one prefill step, then five pure decode steps
+        for delta in engine.render(engine.step()):
+            outputs[delta.request_id] += delta.new_token_ids
+    # one prefill step, then pure decode steps on the rows as requests finish one by one
+    assert sizes == [3] * 5 + [2, 1]
+    assert [len(outputs[f"d{i}"]) for i in range(3)] == [6, 7, 8]
+
+
+def test_a_decode_that_must_preempt_leaves_the_rows_for_the_general_step(tiny_dir):
+    """When a row needs a block and none is free, the general schedule preempts; the tokens
+    equal the reference engine's (the random traffic test covers this too, by chance)."""
+    def run(rebuild: bool) -> dict[str, list[int]]:
+        parts = EngineParts.build(EngineConfig(model=str(tiny_dir), block_size=4,
+                                               num_kv_blocks=6, max_num_seqs=4))
+        engine = LLMEngine(parts)
+        engine.persistent_batch = not rebuild
+        for i in range(3):
+            engine.add_request(f"p{i}", [3 + i, 4, 5], SamplingParams(
+                max_tokens=9, temperature=0.0, ignore_eos=True))
+        out: dict[str, list[int]] = {f"p{i}": [] for i in range(3)}
+        while engine.has_unfinished_requests():
+            for delta in engine.render(engine.step()):
+                out[delta.request_id] += delta.new_token_ids
+        assert engine.scheduler.num_preemptions > 0
+        assert parts.block_manager.num_used_blocks == 0
+        return out
+
+    assert run(rebuild=False) == run(rebuild=True)

@@ -80,7 +80,7 @@ def test_first_token_says_where_its_ttft_went(tiny_dir):
     engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
     deltas = []
     while engine.has_unfinished_requests():
-        deltas += [d for d in engine.step() if d.new_token_ids]
+        deltas += [d for d in engine.render(engine.step()) if d.new_token_ids]
     first, *rest = deltas
     assert first.queue_time_s is not None and first.queue_time_s >= 0
     assert first.prefill_time_s is not None and first.prefill_time_s > 0

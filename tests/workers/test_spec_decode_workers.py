@@ -99,7 +99,7 @@ def test_decode_worker_seeded_sampling_equals_offline(hf_checkpoint, make_pair, 
     llm.engine.add_request("x", prompt, params, seed=1234)  # the seed Pair.generate uses
     offline = []
     while llm.engine.has_unfinished_requests():
-        offline += [t for d in llm.engine.step() for t in d.new_token_ids]
+        offline += [t for d in llm.engine.render(llm.engine.step()) for t in d.new_token_ids]
     pair = make_pair(model_dir, speculative_config=spec)
     tokens, reason = pair.generate("s", prompt, params)
     assert reason == "length" and tokens == offline
