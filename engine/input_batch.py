@@ -192,16 +192,39 @@ class DecodeRows:
         self.state = state
         self._look_up_slots(fresh)
         self.needs_block = np.flatnonzero(state[SLOTS] < 0).tolist()
+        self.context_lens = (state[POSITIONS] + 1).astype(np.int32)
+        self._batch_totals()
+        return fresh_seqs
+
+    def drop(self, rows: list[int], version: int) -> None:
+        """Rows ``rows`` ended in the step just run, and that is all that changed in the
+        running set (now at ``version``): keep the others in order, by one fancy index."""
+        keep = np.ones(len(self.seqs), bool)
+        keep[rows] = False
+        self.state = state = self.state[:, keep]
+        self._set_tables(self.tables[keep])
+        self.context_lens = self.context_lens[keep]
+        lists = [self.seqs, self._table_refs, self._token_lists, self.request_ids, self.attempts]
+        for i, values in enumerate(lists):  # copies: handed-out deltas hold the old lists
+            values = lists[i] = values.copy()
+            for row in reversed(rows):
+                del values[row]
+        (self.seqs, self._table_refs, self._token_lists, self.request_ids,
+         self.attempts) = lists
+        self.needs_block = np.flatnonzero(state[SLOTS] < 0).tolist()
+        self._batch_totals()
+        self.version = version
+
+    def _batch_totals(self) -> None:
+        state = self.state
         positions = state[POSITIONS]
-        self.context_lens = (positions + 1).astype(np.int32)
         self.max_context_len = int(positions.max(initial=-1)) + 1
-        self.num_context = int(positions.sum()) + len(seqs)
+        self.num_context = int(positions.sum()) + len(positions)
         self.max_blocks = int(state[NUM_BLOCKS].max(initial=0))
         self.any_eos = bool(state[STOPS_ON_EOS].any())
         self.any_per_token = bool(state[PER_TOKEN].any())
         self.any_first = bool(state[FIRST].any())
         self.all_greedy = bool(state[GREEDY].all())
-        return fresh_seqs
 
     def _fresh_row(self, seq: Sequence) -> tuple:
         p = seq.sampling_params

@@ -17,6 +17,11 @@ KV layers while the forward runs and hands finished prompts off). Step:
    ``hooks.after_sample`` decides which deltas the step returns. Text is made in the step only
    for requests with stop strings; the others' when their deltas are read (:meth:`render`).
 
+A pure decode step of every running sequence (nothing waits, nothing speculates) runs on the
+runner's persistent :class:`~pdserve.engine.input_batch.DecodeRows` instead: the batch's state
+is kept in arrays and moved on by diffs, and the step returns one compact
+:class:`~pdserve.engine.messages.TokenDeltas` for the rows that go on (``render`` expands it).
+
 Workers never reach into the parts: what they need of the engine is a method here
 (``hand_off``, ``reserve_blocks``, ``release_blocks``, ``start_running``, ``render``,
 ``kv_caches``). docs/engine-step.md has the whole picture.
@@ -371,10 +376,14 @@ class LLMEngine:
                                   [token_ids[i] for i in keep], [rows.attempts[i] for i in keep],
                                   rows.num_prompt_tokens[rest], rows.num_output_tokens[rest])
                       ] if keep else []
+            version = self.scheduler.running_version
             now = time.monotonic()
             deltas += [self._token_appended(rows.seqs[i], token_ids[i],
                                             logprobs[i] if logprobs else None, now)
                        for i in per_token]
+            ended = [i for i in per_token if rows.seqs[i].is_finished]
+            if ended and rows.version == version == self.scheduler.running_version - len(ended):
+                rows.drop(ended, self.scheduler.running_version)  # only these left running
         return deltas
 
     def _hand_back(self, bounced: list[Sequence]) -> list[RequestDelta]:

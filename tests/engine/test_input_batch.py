@@ -164,9 +164,12 @@ def _count_rows_steps(engine: LLMEngine) -> list[int]:
 
 def test_the_rows_serve_pure_decode_steps(tiny_dir):
     """Guards the test above: the persistent rows are what runs when every sequence decodes,
-    through joins and finishes, and the compact deltas render to one delta per request."""
+    through finishes, and the compact deltas render to one delta per request."""
     engine = _engine(tiny_dir, rebuild=False)
     sizes = _count_rows_steps(engine)
+    rows, syncs = engine.parts.runner.rows, []
+    sync = rows.sync
+    rows.sync = lambda seqs, version=None: syncs.append(len(seqs)) or sync(seqs, version)
     for i in range(3):
         engine.add_request(f"d{i}", [5, 6, 7 + i], SamplingParams(max_tokens=6 + i,
                                                                    temperature=0.0,
@@ -177,6 +180,7 @@ def test_the_rows_serve_pure_decode_steps(tiny_dir):
             outputs[delta.request_id] += delta.new_token_ids
     # one prefill step, then pure decode steps on the rows as requests finish one by one
     assert sizes == [3] * 5 + [2, 1]
+    assert syncs == [3]  # a row that finished was dropped in its step: no sync after it
     assert [len(outputs[f"d{i}"]) for i in range(3)] == [6, 7, 8]
 
 
