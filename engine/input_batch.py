@@ -1,33 +1,36 @@
 """The decode batch kept across steps, so that a step of pure decodes costs a few array ops.
 
-A step in which every scheduled sequence computes exactly one token (its last) and samples
-the next is a pure decode step. In continuous batching most steps are, and from one to the
-next the batch barely changes: each sequence gains one position, one in ``block_size`` steps
-gains a block, a few finish and a few join. :class:`DecodeRows` keeps the batch's state in
-numpy arrays, one row per sequence: block tables, positions, last tokens, and what the stop
-rules need (length limit, whether EOS ends it). Between two steps of the same rows the
-arrays are the state; each step updates them by diffs and mirrors what changes into the
-:class:`~pdserve.engine.sequence.Sequence` objects, which stay the source of truth for
-everything outside the step (aborts, preemption, migration, stats).
+A step in which every running sequence computes exactly one token (its last) and samples the
+next is a pure decode step. In continuous batching most steps are, and from one to the next
+the batch barely changes: each sequence gains one position, one in ``block_size`` steps gains
+a block, a few finish and a few join. :class:`DecodeRows` keeps the batch's state in numpy
+arrays, one column per sequence in ``state`` (the step's tokens, positions and KV slots, then
+what the stop rules and the deltas need) and one row per sequence in ``tables`` (its block
+table). Each step moves them on by diffs and mirrors into the
+:class:`~pdserve.engine.sequence.Sequence` objects what changes there (a token appended, one
+more computed token), so those stay the source of truth outside the step (aborts,
+preemption, migration, stats).
 
-:meth:`DecodeRows.sync` rebuilds the rows for a new order of sequences, keeping what it can:
+The rows mirror the scheduler's ``running_version`` they were synced at (``version``) and are
+``current`` while no step but theirs has moved the sequences:
 
-- a sequence that stays keeps its block-table row (rows of sequences that left are dropped by
-  one fancy index, order kept); entries its table gained since are written;
-- a sequence that joined, or whose table was replaced (preempted and admitted again), gets a
-  fresh row;
-- positions and last tokens are read again from the sequences (the general step may have
-  moved them).
+- :meth:`DecodeRows.sync` rebuilds them for a new running set in its order: a sequence that
+  stayed keeps its table row and, when the rows are current, its state column (one fancy
+  index each); a sequence that joined, or whose table was replaced (preempted and admitted
+  again), gets a fresh column read from it;
+- :meth:`DecodeRows.drop` removes the rows that finished in the step just run, when that is
+  all that changed, so a finish costs no sync;
+- a general step makes them stale (:meth:`DecodeRows.invalidate`): the next sync reads every
+  column again.
 
-The rows are valid for the scheduler's ``running_version`` they were synced at; a step that
-goes through the general path resets that (:meth:`invalidate`). Arrays handed out in a
-:class:`~pdserve.engine.model_runner.ModelInput` are never written again except the block
-table's entries past what that step reads, so a recorded batch keeps its values.
-Models with a sliding window never use the rows (their freed blocks become ``None`` entries in
-place).
+Arrays handed out in a :class:`~pdserve.engine.model_runner.ModelInput` are never written
+again except the block table's entries past what that step reads, so a recorded batch keeps
+its values. Models with a sliding window never use the rows (their freed blocks become
+``None`` entries in place).
 
-``tests/engine/test_input_batch.py`` runs random arrivals, aborts and preemptions through an
-engine with the rows and one that rebuilds every batch: every step's tensors and tokens equal.
+``tests/engine/test_input_batch.py`` runs random traffic through an engine with the rows and
+one whose every step takes the general path: every forward's tensors and every rendered delta
+are equal.
 """
 
 from __future__ import annotations
