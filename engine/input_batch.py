@@ -36,7 +36,7 @@ are equal.
 from __future__ import annotations
 
 from itertools import chain, repeat
-from operator import attrgetter
+from operator import attrgetter, is_
 
 import numpy as np
 import torch
@@ -125,7 +125,11 @@ class DecodeRows:
         reads them once) they are stale right after. Returns the sequences that got fresh
         rows (the others kept theirs)."""
         seqs = list(seqs)
-        row_of = dict(zip(map(id, self.seqs), range(len(self.seqs)), strict=True))
+        n = len(self.seqs)
+        if (self.current and version is not None and len(seqs) > n
+                and all(map(is_, seqs, self.seqs))):  # rows joined after the others
+            return self._append(seqs[n:], version)
+        row_of = dict(zip(map(id, self.seqs), range(n), strict=True))
         old_rows = list(map(row_of.get, map(id, seqs), repeat(-1)))
         tables = list(map(_BLOCK_TABLE, seqs))
         refs = self._table_refs
@@ -148,6 +152,30 @@ class DecodeRows:
         else:
             self.version, self.current = version, True
         return fresh
+
+    def _append(self, joined: list[Sequence], version: int) -> list[Sequence]:
+        """:meth:`sync` when ``joined`` come after every current row (a decode worker's new
+        requests): the rows stay, the joined get fresh columns."""
+        n, tables = len(self.seqs), list(map(_BLOCK_TABLE, joined))
+        kept = np.concatenate([np.arange(n, dtype=np.int64), np.full(len(joined), -1, np.int64)])
+        num_blocks = self._sync_tables(self._table_refs + tables, kept)
+        state = np.empty((NUM_FIELDS, n + len(joined)), np.int64)
+        state[:, :n] = self.state
+        state[:, n:] = np.array(list(map(self._fresh_row, joined)), np.int64).T
+        state[NUM_BLOCKS] = num_blocks
+        self.state = state
+        self._look_up_slots(np.arange(n, n + len(joined)))
+        self.needs_block = np.flatnonzero(state[SLOTS] < 0).tolist()
+        self.context_lens = np.concatenate(
+            [self.context_lens, (state[POSITIONS, n:] + 1).astype(np.int32)])
+        self._batch_totals()
+        self.seqs = self.seqs + joined
+        self._table_refs = self._table_refs + tables
+        self._token_lists = self._token_lists + list(map(_TOKEN_IDS, joined))
+        self.request_ids = self.request_ids + list(map(_REQUEST_ID, joined))
+        self.attempts = self.attempts + list(map(_ATTEMPT, joined))
+        self.version = version
+        return joined
 
     def _sync_tables(self, tables: list[list], old: np.ndarray) -> np.ndarray:
         """Block tables of the new rows: kept rows copied by one fancy index, then the entries

@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import LLMEngine, NoCapacityError
+from pdserve.engine.messages import WorkRequest
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduling_policy import DecodeOnlyPolicy
 
 
 def _engine(tiny_dir, rebuild: bool) -> LLMEngine:
@@ -204,3 +206,64 @@ def test_a_decode_that_must_preempt_leaves_the_rows_for_the_general_step(tiny_di
         return out
 
     assert run(rebuild=False) == run(rebuild=True)
+
+
+def _decode_engine(tiny_dir, rows_on: bool) -> LLMEngine:
+    parts = EngineParts.build(EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=40,
+                                           max_num_seqs=12))
+    engine = LLMEngine(parts, policy=DecodeOnlyPolicy())
+    engine.persistent_batch = rows_on
+    return engine
+
+
+def _decode_traffic(engine: LLMEngine, seed: int, batches: list) -> dict[str, list]:
+    """A decode worker's life: requests join with their KV reserved and token 0 sampled
+    elsewhere (``start_running``), finish, get aborted; every delta's content, in order."""
+    rng = random.Random(seed)
+    out: dict[str, list] = {}
+    run = engine.parts.runner.run
+    engine.parts.runner.run = lambda batch, after_layer=None: (batches.append(batch)
+                                                                or run(batch, after_layer))
+    for step in range(70):
+        if step < 50 and rng.random() < 0.5:
+            request_id = f"j{step}"
+            request = WorkRequest(request_id, [rng.randrange(1, 200) for _ in range(
+                rng.randrange(1, 12))], _params(rng), seed=step, arrival_time=0.0)
+            seq = engine.sequence_for(request)
+            try:
+                engine.reserve_blocks(seq)
+            except NoCapacityError:
+                continue
+            out[request_id] = [_content(engine.start_running(seq, rng.randrange(1, 200)))]
+        live = [r for r in out if engine.scheduler.get(r) is not None]
+        if live and rng.random() < 0.05:
+            engine.abort(rng.choice(live))
+        for delta in engine.render(engine.step()):
+            out[delta.request_id].append(_content(delta))
+    while engine.has_unfinished_requests():
+        for delta in engine.render(engine.step()):
+            out[delta.request_id].append(_content(delta))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decode_worker_joins_and_finishes_give_the_same_batches_and_deltas(tiny_dir, seed):
+    rows_engine, reference = _decode_engine(tiny_dir, True), _decode_engine(tiny_dir, False)
+    syncs: list[int] = []
+    rows = rows_engine.parts.runner.rows
+    sync, append = rows.sync, rows._append
+    rows.sync = lambda seqs, version=None: syncs.append(len(seqs)) or sync(seqs, version)
+    appended: list[int] = []
+    rows._append = lambda joined, version: appended.append(len(joined)) or append(joined,
+                                                                                 version)
+    rows_batches, reference_batches = [], []
+    got = _decode_traffic(rows_engine, seed, rows_batches)
+    assert got == _decode_traffic(reference, seed, reference_batches)
+    assert len(rows_batches) == len(reference_batches) > 40
+    for a, b in zip(rows_batches, reference_batches, strict=True):
+        _same_batch(a, b)
+    assert appended and len(syncs) > len(appended)  # joins took the append path, aborts not
+    assert {"stop", "length"} <= {d[-1][2] for d in got.values()}
+    for engine in (rows_engine, reference):
+        assert engine.parts.block_manager.num_used_blocks == 0
+        engine.parts.block_manager.check_invariants()
