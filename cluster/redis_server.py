@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import random
 import secrets
 import shutil
 import signal
@@ -51,8 +52,24 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
+# Ports picked for another process to bind later come from below Linux's default ephemeral
+# range (32768-60999), which outgoing connections draw from: a port picked there can be taken
+# by any client socket (Ray opens hundreds) before its server binds it. Above Ray's worker
+# ports (10002-19999) and its client server's (23000 on).
+LISTEN_PORTS = range(24000, 32000)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
+    """A port nothing listens on now, for a server about to start."""
+    for _ in range(64):
+        port = random.choice(LISTEN_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # that range is crowded: any free port
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
