@@ -401,16 +401,17 @@ class Scheduler:
 
     def schedule_rows(self, rows: DecodeRows) -> bool:
         """Schedule a pure decode step of every running sequence on the persistent ``rows``
-        when that is what :meth:`schedule` would do: nothing waits, the policy gives decodes
-        one token each, none speculates, every running sequence has one token left to
-        compute, and all fit the step's limits. Rows that reach a new block get it. False
-        when the step needs :meth:`schedule` (the rows are then stale)."""
+        when that is what :meth:`schedule` would do: nothing waits (or every seat is taken),
+        the policy gives decodes one token each, none speculates, every running sequence has
+        one token left to compute, and all fit the step's limits. Rows that reach a new
+        block get it. False when the step needs :meth:`schedule` (the rows are then stale)."""
+        cfg = self.config
         if (not self.policy.decodes_take_one_token or self.lookahead is not None
-                or self.waiting or not self.running):
-            return False
+                or not self.running
+                or (self.waiting and len(self.running) < cfg.max_num_seqs)):
+            return False  # (with every seat taken, schedule() would admit no one either)
         if rows.version != self.running_version:
             seqs = self.policy.order_running(self.running)
-            cfg = self.config
             if len(seqs) > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
                 return False
             fresh = rows.sync(seqs, self.running_version)  # kept rows are decodes already

@@ -267,3 +267,30 @@ def test_decode_worker_joins_and_finishes_give_the_same_batches_and_deltas(tiny_
     for engine in (rows_engine, reference):
         assert engine.parts.block_manager.num_used_blocks == 0
         engine.parts.block_manager.check_invariants()
+
+
+def test_a_full_house_with_a_queue_still_decodes_on_the_rows(tiny_dir):
+    """Every seat taken and requests waiting: no admission can happen, so the step is a pure
+    decode step on the rows; the queue is admitted as seats free up, as the general path does."""
+    def run(rows_on: bool) -> tuple[dict[str, list], list[int]]:
+        parts = EngineParts.build(EngineConfig(model=str(tiny_dir), block_size=4,
+                                               num_kv_blocks=64, max_num_seqs=2))
+        engine = LLMEngine(parts)
+        engine.persistent_batch = rows_on
+        queued = []  # requests waiting at each step on the rows
+        schedule_rows = engine.scheduler.schedule_rows
+        engine.scheduler.schedule_rows = lambda rows: (
+            schedule_rows(rows) and (queued.append(len(engine.scheduler.waiting)) or True))
+        out: dict[str, list] = {}
+        for i in range(5):
+            engine.add_request(f"q{i}", [4 + i, 5, 6], SamplingParams(
+                max_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True))
+            out[f"q{i}"] = []
+        while engine.has_unfinished_requests():
+            for delta in engine.render(engine.step()):
+                out[delta.request_id].append(_content(delta))
+        return out, queued
+
+    got, queued = run(True)
+    assert got == run(False)[0]
+    assert sum(1 for n in queued if n > 0) >= 5  # decodes with a queue waiting ran on the rows
