@@ -239,6 +239,15 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take_block())
 
+    def append_block_each(self, seqs: list[Sequence]) -> bool:
+        """One more block at the end of each of ``seqs`` (decodes entering a new block), all
+        or none: False, with nothing taken, when fewer are allocatable."""
+        if len(seqs) > self.num_allocatable_blocks:
+            return False
+        for seq in seqs:
+            seq.block_table.append(self._take_block())
+        return True
+
     def _take_block(self) -> int:
         if self._free:
             block_id = self._free.popleft()

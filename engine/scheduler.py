@@ -422,16 +422,11 @@ class Scheduler:
             for seq in fresh:
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = now
-        bm = self.block_manager
-        added = []
-        for row in rows.needs_block:
-            seq = rows.seqs[row]
-            if not bm.can_allocate(seq, 1):  # preemption: the general schedule decides
-                rows.invalidate()
-                return False
-            bm.allocate(seq, 1)
-            added.append(row)
-        rows.blocks_added(added)
+        entering = rows.needs_block  # (each needs exactly one: its tables cover the rest)
+        if not self.block_manager.append_block_each([rows.seqs[row] for row in entering]):
+            rows.invalidate()  # the general schedule preempts
+            return False
+        rows.blocks_added(entering)
         return True
 
     def update_rows(self, rows: DecodeRows) -> None:
