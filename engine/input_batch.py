@@ -41,6 +41,7 @@ from operator import attrgetter, is_
 import numpy as np
 import torch
 
+from pdserve.engine.messages import TokenDeltas
 from pdserve.engine.sampler import takes_argmax
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
@@ -58,6 +59,7 @@ NUM_FIELDS = 11
 
 _BLOCK_TABLE, _TOKEN_IDS = attrgetter("block_table"), attrgetter("token_ids")
 _REQUEST_ID, _ATTEMPT = attrgetter("request_id"), attrgetter("attempt")
+_ROW_OBJECTS = ("seqs", "_table_refs", "_token_lists", "request_ids", "attempts")
 
 
 class DecodeRows:
@@ -124,58 +126,44 @@ class DecodeRows:
         With the scheduler's ``version`` the rows then mirror it; without (a general step
         reads them once) they are stale right after. Returns the sequences that got fresh
         rows (the others kept theirs)."""
-        seqs = list(seqs)
-        n = len(self.seqs)
-        if (self.current and version is not None and len(seqs) > n
-                and all(map(is_, seqs, self.seqs))):  # rows joined after the others
-            return self._append(seqs[n:], version)
-        row_of = dict(zip(map(id, self.seqs), range(n), strict=True))
-        old_rows = list(map(row_of.get, map(id, seqs), repeat(-1)))
+        seqs, n = list(seqs), len(self.seqs)
         tables = list(map(_BLOCK_TABLE, seqs))
-        refs = self._table_refs
-        for j, i in enumerate(old_rows):
-            if i >= 0 and tables[j] is not refs[i]:
-                old_rows[j] = -1  # its table was replaced (preempted, admitted again): fresh
-        old = np.asarray(old_rows, np.int64)
-        num_blocks = self._sync_tables(tables, old)
         # a kept row's state still holds unless a general step moved it (or, with no
         # version, is scheduling this step: it may have given rows blocks)
-        if not (self.current and version is not None):
-            old = np.full(len(seqs), -1, np.int64)
-        fresh = self._sync_state(seqs, old, num_blocks)
-        self.seqs, self._table_refs = seqs, tables
-        self._token_lists = list(map(_TOKEN_IDS, seqs))
-        self.request_ids = list(map(_REQUEST_ID, seqs))
-        self.attempts = list(map(_ATTEMPT, seqs))
+        keep_state = self.current and version is not None
+        if keep_state and len(seqs) > n and all(map(is_, seqs, self.seqs)):
+            # (a decode worker's joins: after every current row)
+            old = np.concatenate([np.arange(n, dtype=np.int64),
+                                  np.full(len(seqs) - n, -1, np.int64)])
+        else:
+            old = self._old_rows(seqs, tables)
+        num_blocks = self._sync_tables(tables, old)
+        fresh = self._sync_state(seqs, old if keep_state else np.full(len(seqs), -1, np.int64),
+                                 num_blocks)
+        self._set_seqs(seqs, tables)
         if version is None:
             self.invalidate()
         else:
             self.version, self.current = version, True
         return fresh
 
-    def _append(self, joined: list[Sequence], version: int) -> list[Sequence]:
-        """:meth:`sync` when ``joined`` come after every current row (a decode worker's new
-        requests): the rows stay, the joined get fresh columns."""
-        n, tables = len(self.seqs), list(map(_BLOCK_TABLE, joined))
-        kept = np.concatenate([np.arange(n, dtype=np.int64), np.full(len(joined), -1, np.int64)])
-        num_blocks = self._sync_tables(self._table_refs + tables, kept)
-        state = np.empty((NUM_FIELDS, n + len(joined)), np.int64)
-        state[:, :n] = self.state
-        state[:, n:] = np.array(list(map(self._fresh_row, joined)), np.int64).T
-        state[NUM_BLOCKS] = num_blocks
-        self.state = state
-        self._look_up_slots(np.arange(n, n + len(joined)))
-        self.needs_block = np.flatnonzero(state[SLOTS] < 0).tolist()
-        self.context_lens = np.concatenate(
-            [self.context_lens, (state[POSITIONS, n:] + 1).astype(np.int32)])
-        self._batch_totals()
-        self.seqs = self.seqs + joined
-        self._table_refs = self._table_refs + tables
-        self._token_lists = self._token_lists + list(map(_TOKEN_IDS, joined))
-        self.request_ids = self.request_ids + list(map(_REQUEST_ID, joined))
-        self.attempts = self.attempts + list(map(_ATTEMPT, joined))
-        self.version = version
-        return joined
+    def _old_rows(self, seqs: list[Sequence], tables: list[list]) -> np.ndarray:
+        """Each sequence's current row, or -1 (new, or its table was replaced: preempted and
+        admitted again)."""
+        row_of = dict(zip(map(id, self.seqs), range(len(self.seqs)), strict=True))
+        old_rows = list(map(row_of.get, map(id, seqs), repeat(-1)))
+        refs = self._table_refs
+        for j, i in enumerate(old_rows):
+            if i >= 0 and tables[j] is not refs[i]:
+                old_rows[j] = -1
+        return np.asarray(old_rows, np.int64)
+
+    def _set_seqs(self, seqs: list[Sequence], tables: list[list]) -> None:
+        """The per-row objects (new lists: handed-out deltas hold the old ones)."""
+        self.seqs, self._table_refs = seqs, tables
+        self._token_lists = list(map(_TOKEN_IDS, seqs))
+        self.request_ids = list(map(_REQUEST_ID, seqs))
+        self.attempts = list(map(_ATTEMPT, seqs))
 
     def _sync_tables(self, tables: list[list], old: np.ndarray) -> np.ndarray:
         """Block tables of the new rows: kept rows copied by one fancy index, then the entries
@@ -235,13 +223,11 @@ class DecodeRows:
         self.state = state = self.state[:, keep]
         self._set_tables(self.tables[keep])
         self.context_lens = self.context_lens[keep]
-        lists = [self.seqs, self._table_refs, self._token_lists, self.request_ids, self.attempts]
-        for i, values in enumerate(lists):  # copies: handed-out deltas hold the old lists
-            values = lists[i] = values.copy()
+        for name in _ROW_OBJECTS:  # copies: handed-out deltas hold the old lists
+            values = getattr(self, name).copy()
             for row in reversed(rows):
                 del values[row]
-        (self.seqs, self._table_refs, self._token_lists, self.request_ids,
-         self.attempts) = lists
+            setattr(self, name, values)
         self.needs_block = np.flatnonzero(state[SLOTS] < 0).tolist()
         self._batch_totals()
         self.version = version
@@ -318,18 +304,35 @@ class DecodeRows:
             self._look_up_slots(filled)
             self.needs_block = filled[state[SLOTS, filled] < 0].tolist()
 
+    def first_tokens_sent(self) -> None:
+        """Every row has had its first token (after a step's deltas)."""
+        if self.any_first:
+            self.state[FIRST] = 0
+            self.any_first = False
+
+    def compact_deltas(self, token_ids: list[int], skip: list[int]) -> TokenDeltas:
+        """After :meth:`advance`: the compact delta of every row but ``skip`` (ascending)."""
+        if not skip:
+            return TokenDeltas(self.request_ids, token_ids, self.attempts,
+                               self.num_prompt_tokens, self.num_output_tokens)
+        rest = np.ones(len(self.seqs), bool)
+        rest[skip] = False
+        index = np.flatnonzero(rest)
+        keep = index.tolist()
+        return TokenDeltas([self.request_ids[i] for i in keep], [token_ids[i] for i in keep],
+                           [self.attempts[i] for i in keep], self.num_prompt_tokens[index],
+                           self.num_output_tokens[index])
+
     def ending(self, eos_token_ids) -> np.ndarray:
         """After :meth:`advance`: the rows whose token goes through the per-token stop rules:
         those with their own (stop strings, stop ids, logprobs), those the token may end
-        (an EOS, max_tokens or the context limit) and those whose first token it is (once)."""
+        (an EOS, max_tokens or the context limit) and those whose first token it is."""
         state = self.state
         ending = state[POSITIONS] >= state[LAST_POSITIONS]
         if self.any_per_token:
             ending |= state[PER_TOKEN].astype(bool)
         if self.any_first:  # (its first token: the delta says where its TTFT went)
             ending |= state[FIRST].astype(bool)
-            state[FIRST] = 0
-            self.any_first = False
         if self.any_eos:
             for eos in eos_token_ids:  # (one or two ids: cheaper than np.isin)
                 ending |= (state[TOKENS] == eos) & state[STOPS_ON_EOS].astype(bool)

@@ -38,13 +38,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import (
-    RequestDelta,
-    StepDeltas,
-    TokenDeltas,
-    WorkerStats,
-    WorkRequest,
-)
+from pdserve.engine.messages import RequestDelta, StepDeltas, WorkerStats, WorkRequest
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.roofline import Utilization
 from pdserve.engine.sampler import Sampler, SamplingRow, greedy_token_array, greedy_tokens
@@ -359,31 +353,22 @@ class LLMEngine:
 
     def _emit_rows(self, rows, token_ids: list[int], logprobs: list | None) -> StepDeltas:
         """The deltas of a rows step (after ``rows.advance``): one compact delta for the rows
-        that go on, the per-token path for the others."""
+        that go on, the per-token path for the others; rows that ended are dropped."""
         if not self.text.defers:  # every token's text is made in the step
             per_token = list(range(len(rows)))
         else:
             per_token = rows.ending(self.parts.eos_token_ids).tolist()
-        if not per_token:
-            deltas: StepDeltas = [TokenDeltas(rows.request_ids, token_ids, rows.attempts,
-                                              rows.num_prompt_tokens, rows.num_output_tokens)]
-        else:
-            go_on = np.ones(len(rows), bool)
-            go_on[per_token] = False
-            rest = np.flatnonzero(go_on)
-            keep = rest.tolist()
-            deltas = [TokenDeltas([rows.request_ids[i] for i in keep],
-                                  [token_ids[i] for i in keep], [rows.attempts[i] for i in keep],
-                                  rows.num_prompt_tokens[rest], rows.num_output_tokens[rest])
-                      ] if keep else []
-            version = self.scheduler.running_version
-            now = time.monotonic()
+        compact = rows.compact_deltas(token_ids, per_token)
+        deltas: StepDeltas = [compact] if len(compact) else []
+        if per_token:
+            version, now = self.scheduler.running_version, time.monotonic()
             deltas += [self._token_appended(rows.seqs[i], token_ids[i],
                                             logprobs[i] if logprobs else None, now)
                        for i in per_token]
             ended = [i for i in per_token if rows.seqs[i].is_finished]
             if ended and rows.version == version == self.scheduler.running_version - len(ended):
                 rows.drop(ended, self.scheduler.running_version)  # only these left running
+        rows.first_tokens_sent()
         return deltas
 
     def _hand_back(self, bounced: list[Sequence]) -> list[RequestDelta]:

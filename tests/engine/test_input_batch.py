@@ -251,18 +251,17 @@ def test_decode_worker_joins_and_finishes_give_the_same_batches_and_deltas(tiny_
     rows_engine, reference = _decode_engine(tiny_dir, True), _decode_engine(tiny_dir, False)
     syncs: list[int] = []
     rows = rows_engine.parts.runner.rows
-    sync, append = rows.sync, rows._append
+    sync, old_rows = rows.sync, rows._old_rows
     rows.sync = lambda seqs, version=None: syncs.append(len(seqs)) or sync(seqs, version)
-    appended: list[int] = []
-    rows._append = lambda joined, version: appended.append(len(joined)) or append(joined,
-                                                                                 version)
+    mapped: list[int] = []  # syncs that mapped every sequence to its row (not an append)
+    rows._old_rows = lambda seqs, tables: mapped.append(len(seqs)) or old_rows(seqs, tables)
     rows_batches, reference_batches = [], []
     got = _decode_traffic(rows_engine, seed, rows_batches)
     assert got == _decode_traffic(reference, seed, reference_batches)
     assert len(rows_batches) == len(reference_batches) > 40
     for a, b in zip(rows_batches, reference_batches, strict=True):
         _same_batch(a, b)
-    assert appended and len(syncs) > len(appended)  # joins took the append path, aborts not
+    assert mapped and len(syncs) > len(mapped)  # joins took the append path, aborts not
     assert {"stop", "length"} <= {d[-1][2] for d in got.values()}
     for engine in (rows_engine, reference):
         assert engine.parts.block_manager.num_used_blocks == 0
