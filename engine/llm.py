@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestDelta
+from pdserve.engine.messages import TokenDeltas
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -35,6 +36,13 @@ class RequestOutput:
     @property
     def e2e_s(self) -> float | None:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    def add_token(self, token_id: int, text: str, now: float) -> None:
+        """One token of a compact delta (never the last, no logprobs)."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_ids.append(token_id)
+        self.text += text
 
     def add(self, delta: RequestDelta, now: float) -> None:
         if delta.new_token_ids and self.first_token_time is None:
@@ -105,9 +113,16 @@ class LLM:
             while pending:
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine went idle with requests unfinished")
-                deltas = self.engine.render(self.engine.step())
+                step = self.engine.step()
                 now = time.monotonic()
-                for delta in deltas:
+                for compact in [d for d in step if isinstance(d, TokenDeltas)]:
+                    # (no RequestDelta per token: none of these is final)
+                    for request_id, token_id, text in zip(
+                            compact.request_ids, compact.token_ids,
+                            self.engine.render_texts(compact), strict=True):
+                        outputs[request_id].add_token(token_id, text, now)
+                for delta in self.engine.render([d for d in step
+                                                 if not isinstance(d, TokenDeltas)]):
                     out = outputs[delta.request_id]
                     out.add(delta, now)
                     if delta.finish_reason is not None:

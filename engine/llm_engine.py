@@ -38,7 +38,13 @@ import numpy as np
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import RequestDelta, StepDeltas, WorkerStats, WorkRequest
+from pdserve.engine.messages import (
+    RequestDelta,
+    StepDeltas,
+    TokenDeltas,
+    WorkerStats,
+    WorkRequest,
+)
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.roofline import Utilization
 from pdserve.engine.sampler import Sampler, SamplingRow, greedy_token_array, greedy_tokens
@@ -206,6 +212,11 @@ class LLMEngine:
         thread; once per delta, in the order the steps made them). Every reader of a step's
         deltas calls it."""
         return self.text.render(deltas)
+
+    def render_texts(self, compact: TokenDeltas) -> list[str]:
+        """The text of each token of a compact delta, for a reader that takes its tokens as
+        they are (the offline LLM); the same text :meth:`render` would give them."""
+        return self.text.texts(compact)
 
     def expire(self, now: float) -> list[RequestDelta]:
         """Abort every tracked request whose deadline (``time.time()``) has passed."""

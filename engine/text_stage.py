@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 
 from pdserve.engine.detokenizer import Detokenizer
-from pdserve.engine.messages import RequestDelta, StepDeltas, expand_deltas
+from pdserve.engine.messages import RequestDelta, StepDeltas, TokenDeltas, expand_deltas
 from pdserve.engine.sequence import Sequence
 
 
@@ -103,6 +103,17 @@ class TextStage:
                     delta.text += detok.flush()
                     del self._deferred[key]
         return deltas
+
+    def texts(self, compact: TokenDeltas) -> list[str]:
+        """The text of each token of a compact delta, as :meth:`render` would make it (its
+        requests are deferred and none is final), without making a RequestDelta each."""
+        if self._tokenizer is None:
+            return [""] * len(compact)
+        with self._lock:
+            deferred = self._deferred
+            return [deferred[_key(request_id, attempt)].append(token_id).text
+                    for request_id, attempt, token_id in zip(
+                        compact.request_ids, compact.attempts, compact.token_ids, strict=True)]
 
     @property
     def num_deferred(self) -> int:

@@ -117,3 +117,25 @@ def test_offline_llm_text_equals_the_detokenizer(tiny_dir):
     out = llm.generate(["Hello there", "Another prompt here"], _params(), use_tqdm=False)
     for o in out:
         assert o.text == _expected_text(llm.engine.parts, o.prompt_token_ids, o.token_ids)
+
+
+def test_offline_llm_reads_compact_deltas_as_render_would(tiny_dir):
+    """The offline LLM takes the rows' compact deltas as they are (``render_texts``, no
+    RequestDelta per token): its outputs equal an engine's whose every step is general."""
+    from pdserve.engine.llm import LLM
+
+    prompts = ["Hello there", "Another prompt here", "A third"]
+    params = [_params(), SamplingParams(max_tokens=20, temperature=0.8, seed=3),
+              SamplingParams(max_tokens=15, temperature=0.0)]
+    llm, reference = LLM(str(tiny_dir), num_kv_blocks=256), LLM(str(tiny_dir), num_kv_blocks=256)
+    reference.engine.persistent_batch = False
+    calls = []
+    render_texts = llm.engine.render_texts
+    llm.engine.render_texts = lambda compact: calls.append(len(compact)) or render_texts(compact)
+
+    def outputs(engine_llm):
+        return [(o.token_ids, o.text, o.finish_reason, o.first_token_time is not None)
+                for o in engine_llm.generate(prompts, params, use_tqdm=False)]
+
+    assert outputs(llm) == outputs(reference)
+    assert sum(calls) > 20  # most tokens came compact
