@@ -15,9 +15,10 @@ import time
 from concurrent.futures import Future
 
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.llm_engine import LLMEngine, engine_stats
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.messages import RequestDelta, WorkerStats, WorkRequest
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.worker_stats import engine_stats
 
 
 class ColocatedWorker:

@@ -40,11 +40,12 @@ from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.llm_engine import LLMEngine, NoCapacityError, engine_stats
+from pdserve.engine.llm_engine import LLMEngine, NoCapacityError
 from pdserve.engine.messages import RequestDelta, Reservation, WorkerStats, WorkRequest
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.scheduling_policy import DecodeOnlyPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.worker_stats import engine_stats
 from pdserve.kv_transfer import KVReceiver, ReservedBlocksSink, TransferError, TransferKey
 
 logger = logging.getLogger(__name__)

@@ -99,14 +99,6 @@ class DecodeRows:
         return self.state[:SLOTS + 1]
 
     @property
-    def tokens(self) -> np.ndarray:
-        return self.state[TOKENS]
-
-    @property
-    def positions(self) -> np.ndarray:
-        return self.state[POSITIONS]
-
-    @property
     def num_prompt_tokens(self) -> np.ndarray:
         return self.state[NUM_PROMPT]
 

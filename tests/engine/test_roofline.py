@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine, engine_stats
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.roofline import (
     BANDWIDTH,
@@ -17,6 +17,7 @@ from pdserve.engine.roofline import (
     binding,
 )
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker_stats import engine_stats
 from pdserve.models import ModelConfig
 
 

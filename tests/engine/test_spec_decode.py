@@ -338,7 +338,7 @@ def test_ngram_lookup_prefers_longest_most_recent_match():
 def test_counters_reach_worker_stats_and_prometheus(hf_checkpoint):
     from prometheus_client import generate_latest
 
-    from pdserve.engine.llm_engine import engine_stats
+    from pdserve.engine.worker_stats import engine_stats
     from pdserve.router.metrics import RouterMetrics
 
     llm, _ = run(hf_checkpoint("llama"), mixed_prompts(4, 500), NGRAM)

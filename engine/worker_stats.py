@@ -1,0 +1,35 @@
+"""What a worker reports of its engine: load, memory, achieved rates, speculation counters."""
+
+from __future__ import annotations
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.messages import WorkerStats
+from pdserve.engine.roofline import Utilization
+
+
+def engine_stats(worker_id: str, role: str, engine: LLMEngine, num_reserved: int = 0,
+                 transfer_address: str = "") -> WorkerStats:
+    """A worker's load and memory as the router and the registry see them, and what its
+    recent forward passes achieved against the device's measured peaks."""
+    bm, sched = engine.parts.block_manager, engine.scheduler
+    meter = engine.parts.runner.meter
+    util = meter.snapshot() if meter is not None else Utilization()
+    queued = sum(s.num_uncomputed_tokens for s in [*sched.waiting, *sched.running]
+                 if s.num_computed_tokens < s.num_prompt_tokens)
+    return WorkerStats(
+        worker_id, role, bm.num_blocks, bm.num_allocatable_blocks, bm.num_used_blocks,
+        bm.num_cached_blocks, sched.num_running, sched.num_waiting + num_reserved, queued,
+        sched.num_preemptions, bm.num_prefix_hit_tokens, bm.num_prefix_query_tokens,
+        engine.parts.ledger.to_dict(), transfer_address, num_bounces=sched.num_bounces,
+        flops_per_s=util.flops_per_s, bytes_per_s=util.bytes_per_s,
+        peak_flops_per_s=util.peak_flops_per_s, peak_bytes_per_s=util.peak_bytes_per_s,
+        busy_fraction=util.busy_fraction, **spec_stats(engine))
+
+
+def spec_stats(engine: LLMEngine) -> dict:
+    """The speculative-decoding counters as WorkerStats fields (zeros without speculation)."""
+    if engine.speculator is None:
+        return {}
+    s = engine.speculator.stats
+    return dict(spec_num_drafts=s.num_drafts, spec_num_draft_tokens=s.num_draft_tokens,
+                spec_num_accepted_tokens=s.num_accepted_tokens)
