@@ -205,17 +205,26 @@ class Scheduler:
         self.check_fits(seq)
         self._track(seq)
         seq.status = SequenceStatus.RUNNING
+        self._join_running(seq)
+
+    def _join_running(self, seq: Sequence) -> None:
+        """Every change to ``running`` goes through here or :meth:`_leave_running`: the
+        version they count is what DecodeRows mirror."""
         self.running.append(seq)
         self.running_version += 1
+
+    def _leave_running(self, seq: Sequence) -> bool:
+        if not _remove(self.running, seq):
+            return False
+        self.running_version += 1
+        return True
 
     def _drop(self, seq: Sequence) -> bool:
         """Forget seq (queues only, blocks untouched); False if it was not tracked."""
         if self._seqs.get(seq.request_id) is not seq:
             return False
         del self._seqs[seq.request_id]
-        if _remove(self.running, seq):
-            self.running_version += 1
-        else:
+        if not self._leave_running(seq):
             _remove(self.waiting, seq)
         return True
 
@@ -350,8 +359,7 @@ class Scheduler:
         return n
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        _remove(self.running, seq)
-        self.running_version += 1
+        self._leave_running(seq)
         self.block_manager.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -393,8 +401,7 @@ class Scheduler:
             bm.match_prefix(seq)
             bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self.running_version += 1
+            self._join_running(seq)
             out._add(seq, n)
             budget -= n
         return budget
