@@ -6,7 +6,10 @@ In one run, on this machine:
    receive, scatter into blocks) for one request's KV;
 2. TTFT of disaggregated (1 prefill + 1 decode, gloo pairs) vs colocated (1 worker) at 128, 1k
    and 4k prompt tokens, with and without layer-wise overlap of sends and compute;
-3. streaming overhead per token: the gRPC server and client with a zero-compute backend.
+3. streaming overhead per token: the gRPC server and client with a zero-compute backend;
+4. shipping a decode step's deltas from a worker to the router (what a worker actor's ``poll``
+   returns, pickled as Ray pickles it): one RequestDelta per token against the compact form,
+   at batch 64 and 256 on the built-in tiny model (its tokenizer makes the text).
 Workers run in this process on their own threads (the serving path on CPU uses torch kernels).
 Both ends of the loopback channel share this machine's cores with the pack/scatter copies, so
 the "transport only" row isolates the framing and channel from those memory passes.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import pickle
 import statistics
 import tempfile
 import time
@@ -27,6 +31,9 @@ from pdserve.bench.engine import write_random_llama
 from pdserve.bench.stats import format_table
 from pdserve.cluster.local import build_local_workers
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.messages import expand_deltas
+from pdserve.engine.parts import EngineParts
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import measure_channel, measure_memcpy, measure_transfer
 from pdserve.router.backend import ModelSpec
@@ -130,6 +137,50 @@ async def _stream_overhead(num_tokens: int) -> float:
         await server.stop(0)
 
 
+def _decoding_engine(batch: int) -> LLMEngine:
+    """An engine on the built-in tiny model with ``batch`` requests past their first token."""
+    from pdserve.models import tiny_model_dir
+
+    engine = LLMEngine(EngineParts.build(EngineConfig(
+        model=str(tiny_model_dir()), num_kv_blocks=4096, max_num_seqs=batch,
+        max_num_batched_tokens=8192)))
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"req-{i}", [(7 * i + j) % 500 + 3 for j in range(20)], params)
+    sched = engine.scheduler
+    while sched.waiting or any(s.num_output_tokens == 0 for s in sched.running):
+        engine.render(engine.step())
+    return engine
+
+
+def shipping_table(batches: list[int], steps: int) -> str:
+    """Per token: the worker's side (render the text, pickle) and the router's (unpickle,
+    expand to RequestDelta), both forms on two engines stepped in turn."""
+    rows = []
+    for batch in batches:
+        engines = {"RequestDelta each": _decoding_engine(batch),
+                   "compact": _decoding_engine(batch)}
+        worker = dict.fromkeys(engines, 0.0)
+        router, size, tokens = dict(worker), dict(worker), dict(worker)
+        for _ in range(steps):
+            for name, engine in engines.items():
+                deltas = engine.step()
+                start = time.perf_counter()
+                rendered = (engine.render_compact(deltas) if name == "compact"
+                            else engine.render(deltas))
+                blob = pickle.dumps(rendered, protocol=5)
+                shipped = time.perf_counter()
+                tokens[name] += len(expand_deltas(pickle.loads(blob)))
+                router[name] += time.perf_counter() - shipped
+                worker[name] += shipped - start
+                size[name] += len(blob)
+        rows += [[batch, name, worker[name] / tokens[name] * 1e6,
+                  router[name] / tokens[name] * 1e6, size[name] / tokens[name]]
+                 for name in engines]
+    return format_table(["batch", "shipped as", "worker us/token", "router us/token",
+                         "bytes/token"], rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
@@ -145,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     per_token = asyncio.run(_stream_overhead(200 if args.quick else 2000))
     print(f"\n3. streaming overhead through gRPC (zero-compute backend): "
           f"{per_token * 1e6:.0f} us per token")
+    print("\n4. a decode step's deltas from worker to router (tiny model)")
+    print(shipping_table([16, 64] if args.quick else [64, 256], 8 if args.quick else 64))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from pdserve.cluster.local import LocalHandle
 from pdserve.cluster.placement import WorkerResources, actor_resources
 from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import WorkRequest
+from pdserve.engine.messages import StepDeltas, TokenDeltas, WorkRequest
 from pdserve.router.handles import NoCapacity
 
 logger = logging.getLogger(__name__)
@@ -249,18 +249,36 @@ class DeltaMailboxes:
     def take(self, router: str) -> list:
         return self._boxes.pop(router, [])
 
-    def sort(self, deltas: list, router: str) -> list:
-        """``router``'s share of freshly drained ``deltas``; the rest wait in their boxes."""
-        mine = []
+    def sort(self, deltas: StepDeltas, router: str) -> StepDeltas:
+        """``router``'s share of freshly drained ``deltas``; the rest wait in their boxes. A
+        compact delta is split by owner (kept whole when one router owns it all)."""
+        mine: StepDeltas = []
         for delta in deltas:
+            if isinstance(delta, TokenDeltas):
+                self._sort_compact(delta, router, mine)
+                continue
             owner = self._owners.get(delta.request_id, router)
             if delta.finish_reason is not None:
                 self._owners.pop(delta.request_id, None)
-            if owner == router:
-                mine.append(delta)
-            else:
-                self._boxes.setdefault(owner, []).append(delta)
+            self._put(owner, router, delta, mine)
         return mine
+
+    def _sort_compact(self, compact: TokenDeltas, router: str, mine: StepDeltas) -> None:
+        owners = [self._owners.get(request_id, router) for request_id in compact.request_ids]
+        if owners.count(owners[0]) == len(owners):
+            self._put(owners[0], router, compact, mine)
+            return
+        rows: dict[str, list[int]] = {}
+        for row, owner in enumerate(owners):
+            rows.setdefault(owner, []).append(row)
+        for owner, index in rows.items():
+            self._put(owner, router, compact.select(index), mine)
+
+    def _put(self, owner: str, router: str, delta, mine: StepDeltas) -> None:
+        if owner == router:
+            mine.append(delta)
+        else:
+            self._boxes.setdefault(owner, []).append(delta)
 
 
 class RayHandle:

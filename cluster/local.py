@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.decode_worker.worker import NoCapacityError
-from pdserve.engine.messages import WorkRequest
+from pdserve.engine.messages import StepDeltas, WorkRequest
 from pdserve.router.handles import NoCapacity
 
 
@@ -40,9 +41,12 @@ class LocalHandle:
     async def submit(self, request: WorkRequest) -> None:
         await asyncio.wrap_future(self.worker.submit(request))
 
-    async def poll(self, timeout: float):
+    async def poll(self, timeout: float) -> StepDeltas:
+        """The worker's deltas, a pure decode step's still compact (the router expands them:
+        one object to serialise per step when this handle is an actor's)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._poller, self.worker.poll, timeout)
+        return await loop.run_in_executor(self._poller, functools.partial(
+            self.worker.poll, timeout, compact=True))
 
     async def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
         """Test hook: the worker's next engine step raises or stalls (``EngineLoop``)."""

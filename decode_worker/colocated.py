@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.messages import RequestDelta, WorkerStats, WorkRequest
+from pdserve.engine.messages import StepDeltas, WorkerStats, WorkRequest
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.worker_stats import engine_stats
 
@@ -39,8 +39,12 @@ class ColocatedWorker:
     def abort(self, request_id: str) -> Future:
         return self.loop.call(self._abort, request_id)
 
-    def poll(self, timeout: float | None = None) -> list[RequestDelta]:
-        return self.engine.render(self.loop.outbox.drain(timeout))  # text made here
+    def poll(self, timeout: float | None = None, compact: bool = False) -> StepDeltas:
+        """Deltas produced since the last poll (blocks up to ``timeout`` when none), their text
+        made here; ``compact``: a pure decode step's go on as one TokenDeltas (what the
+        router's handle ships), else one RequestDelta each."""
+        deltas = self.loop.outbox.drain(timeout)
+        return self.engine.render_compact(deltas) if compact else self.engine.render(deltas)
 
     def stats(self) -> Future:
         return self.loop.call(self._stats)

@@ -41,7 +41,13 @@ from dataclasses import dataclass
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine, NoCapacityError
-from pdserve.engine.messages import RequestDelta, Reservation, WorkerStats, WorkRequest
+from pdserve.engine.messages import (
+    RequestDelta,
+    Reservation,
+    StepDeltas,
+    WorkerStats,
+    WorkRequest,
+)
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.scheduling_policy import DecodeOnlyPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -106,9 +112,12 @@ class DecodeWorker:
         """The latest published stats, without waiting for the engine loop."""
         return self.loop.snapshot()
 
-    def poll(self, timeout: float | None = None) -> list[RequestDelta]:
-        """Deltas produced since the last poll (blocks up to ``timeout`` when none)."""
-        return self.engine.render(self.loop.outbox.drain(timeout))  # text made here
+    def poll(self, timeout: float | None = None, compact: bool = False) -> StepDeltas:
+        """Deltas produced since the last poll (blocks up to ``timeout`` when none), their text
+        made here; ``compact``: a pure decode step's go on as one TokenDeltas (what the
+        router's handle ships), else one RequestDelta each."""
+        deltas = self.loop.outbox.drain(timeout)
+        return self.engine.render_compact(deltas) if compact else self.engine.render(deltas)
 
     def stats(self) -> Future:
         return self.loop.call(self._stats)

@@ -304,16 +304,13 @@ class DecodeRows:
 
     def compact_deltas(self, token_ids: list[int], skip: list[int]) -> TokenDeltas:
         """After :meth:`advance`: the compact delta of every row but ``skip`` (ascending)."""
+        every = TokenDeltas(self.request_ids, token_ids, self.attempts, self.num_prompt_tokens,
+                            self.num_output_tokens)
         if not skip:
-            return TokenDeltas(self.request_ids, token_ids, self.attempts,
-                               self.num_prompt_tokens, self.num_output_tokens)
+            return every
         rest = np.ones(len(self.seqs), bool)
         rest[skip] = False
-        index = np.flatnonzero(rest)
-        keep = index.tolist()
-        return TokenDeltas([self.request_ids[i] for i in keep], [token_ids[i] for i in keep],
-                           [self.attempts[i] for i in keep], self.num_prompt_tokens[index],
-                           self.num_output_tokens[index])
+        return every.select(np.flatnonzero(rest).tolist())
 
     def ending(self, eos_token_ids) -> np.ndarray:
         """After :meth:`advance`: the rows whose token goes through the per-token stop rules:

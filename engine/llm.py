@@ -115,14 +115,12 @@ class LLM:
                     raise RuntimeError("engine went idle with requests unfinished")
                 step = self.engine.step()
                 now = time.monotonic()
-                for compact in [d for d in step if isinstance(d, TokenDeltas)]:
-                    # (no RequestDelta per token: none of these is final)
-                    for request_id, token_id, text in zip(
-                            compact.request_ids, compact.token_ids,
-                            self.engine.render_texts(compact), strict=True):
-                        outputs[request_id].add_token(token_id, text, now)
-                for delta in self.engine.render([d for d in step
-                                                 if not isinstance(d, TokenDeltas)]):
+                for delta in self.engine.render_compact(step):
+                    if isinstance(delta, TokenDeltas):  # (none of these is final)
+                        for request_id, token_id, text in zip(
+                                delta.request_ids, delta.token_ids, delta.texts, strict=True):
+                            outputs[request_id].add_token(token_id, text, now)
+                        continue
                     out = outputs[delta.request_id]
                     out.add(delta, now)
                     if delta.finish_reason is not None:

@@ -41,7 +41,6 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import (
     RequestDelta,
     StepDeltas,
-    TokenDeltas,
     WorkRequest,
 )
 from pdserve.engine.parts import EngineParts
@@ -211,10 +210,11 @@ class LLMEngine:
         deltas calls it."""
         return self.text.render(deltas)
 
-    def render_texts(self, compact: TokenDeltas) -> list[str]:
-        """The text of each token of a compact delta, for a reader that takes its tokens as
-        they are (the offline LLM); the same text :meth:`render` would give them."""
-        return self.text.texts(compact)
+    def render_compact(self, deltas: StepDeltas) -> StepDeltas:
+        """:meth:`render` with compact deltas kept compact and their ``texts`` filled in:
+        what a worker ships to the router (one object per step for the rows that go on) and
+        what the offline LLM reads."""
+        return self.text.render_compact(deltas)
 
     def expire(self, now: float) -> list[RequestDelta]:
         """Abort every tracked request whose deadline (``time.time()``) has passed."""

@@ -51,25 +51,37 @@ class RequestDelta:
 @dataclass
 class TokenDeltas:
     """One new token for each of several requests, made by one pure decode step: the compact
-    form of their :class:`RequestDelta` (no text, no logprobs, none final), expanded where the
-    deltas are read (``LLMEngine.render``), so the step makes no object per request."""
+    form of their :class:`RequestDelta` (no logprobs, none final), expanded where the deltas
+    are read (``LLMEngine.render``), so the step makes no object per request. A worker ships
+    it compact to the router with ``texts`` filled (``LLMEngine.render_compact``): one
+    object to serialise per step instead of one per request."""
 
     request_ids: list[str]
     token_ids: list[int]
     attempts: list[int]
     num_prompt_tokens: np.ndarray  # int64, one per request
     num_output_tokens: np.ndarray  # int64: generated so far, this token included
+    texts: list[str] | None = None  # each token's text once rendered (None: not yet)
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
     def expand(self) -> list[RequestDelta]:
-        return [RequestDelta(request_id, [token_id], "", None, None, num_prompt, num_output,
+        texts = self.texts if self.texts is not None else [""] * len(self)
+        return [RequestDelta(request_id, [token_id], text, None, None, num_prompt, num_output,
                              attempt=attempt)
-                for request_id, token_id, attempt, num_prompt, num_output
+                for request_id, token_id, attempt, num_prompt, num_output, text
                 in zip(self.request_ids, self.token_ids, self.attempts,
                        self.num_prompt_tokens.tolist(), self.num_output_tokens.tolist(),
-                       strict=True)]
+                       texts, strict=True)]
+
+    def select(self, index: list[int]) -> TokenDeltas:
+        """The deltas of the requests at ``index`` (ascending), as one compact delta."""
+        texts = None if self.texts is None else [self.texts[i] for i in index]
+        return TokenDeltas([self.request_ids[i] for i in index],
+                           [self.token_ids[i] for i in index],
+                           [self.attempts[i] for i in index],
+                           self.num_prompt_tokens[index], self.num_output_tokens[index], texts)
 
 
 StepDeltas = list[RequestDelta | TokenDeltas]  # what a step returns

@@ -88,32 +88,37 @@ class TextStage:
     def render(self, deltas: StepDeltas) -> list[RequestDelta]:
         """Expand compact deltas and fill in the text of deferred requests' deltas, in order
         (any thread). Each delta must be rendered once, and a request's in the order made."""
-        deltas = expand_deltas(deltas)
-        if self._tokenizer is None:
-            return deltas
+        return expand_deltas(self.render_compact(deltas))
+
+    def render_compact(self, deltas: StepDeltas) -> StepDeltas:
+        """:meth:`render` with compact deltas kept compact, their ``texts`` filled in (all ""
+        without a tokenizer: nothing is deferred then)."""
         with self._lock:
-            for delta in deltas:
-                key = _key(delta.request_id, delta.attempt)
-                detok = self._deferred.get(key)
-                if detok is None:
-                    continue
-                for token_id in delta.new_token_ids:
-                    delta.text += detok.append(token_id).text
-                if delta.finish_reason is not None:
-                    delta.text += detok.flush()
-                    del self._deferred[key]
+            for item in deltas:
+                if isinstance(item, TokenDeltas):
+                    item.texts = self._texts(item)
+                else:
+                    self._render(item)
         return deltas
 
-    def texts(self, compact: TokenDeltas) -> list[str]:
-        """The text of each token of a compact delta, as :meth:`render` would make it (its
-        requests are deferred and none is final), without making a RequestDelta each."""
-        if self._tokenizer is None:
-            return [""] * len(compact)
-        with self._lock:
-            deferred = self._deferred
-            return [deferred[_key(request_id, attempt)].append(token_id).text
-                    for request_id, attempt, token_id in zip(
-                        compact.request_ids, compact.attempts, compact.token_ids, strict=True)]
+    def _texts(self, compact: TokenDeltas) -> list[str]:
+        """Each token's text (none of them is final); "" for a request aborted since."""
+        deferred = self._deferred
+        return [detok.append(token_id).text if detok is not None else ""
+                for detok, token_id in zip(
+                    map(deferred.get, zip(compact.request_ids, compact.attempts, strict=True)),
+                    compact.token_ids, strict=True)]
+
+    def _render(self, delta: RequestDelta) -> None:
+        key = _key(delta.request_id, delta.attempt)
+        detok = self._deferred.get(key)
+        if detok is None:
+            return
+        for token_id in delta.new_token_ids:
+            delta.text += detok.append(token_id).text
+        if delta.finish_reason is not None:
+            delta.text += detok.flush()
+            del self._deferred[key]
 
     @property
     def num_deferred(self) -> int:

@@ -37,7 +37,13 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from pdserve.engine.messages import PrefillResult, RequestDelta, Reservation, WorkRequest
+from pdserve.engine.messages import (
+    PrefillResult,
+    RequestDelta,
+    Reservation,
+    WorkRequest,
+    expand_deltas,
+)
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.backend import GenerationDelta, ModelSpec
@@ -461,7 +467,7 @@ class Router:
             except Exception as exc:  # noqa: BLE001 - the worker is gone
                 self._worker_lost(handle.worker_id, f"poll failed: {exc}")
                 return
-            for delta in deltas:
+            for delta in expand_deltas(deltas):
                 self._route(handle, delta)
 
     def _route(self, handle, delta: RequestDelta) -> None:

@@ -1,7 +1,9 @@
 """What the router needs from a worker, whatever hosts it (a Ray actor or this process).
 
 The router only ever talks to workers through these async handles; it never sees worker
-internals. Messages are the dataclasses of ``pdserve.engine.messages``.
+internals. Messages are the dataclasses of ``pdserve.engine.messages``; ``poll`` returns a
+pure decode step's deltas as one compact ``TokenDeltas`` (``expand_deltas`` makes one
+``RequestDelta`` per request of it).
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from typing import Protocol
 
 from pdserve.engine.messages import (
     PrefillResult,
-    RequestDelta,
     Reservation,
+    StepDeltas,
     WorkerStats,
     WorkRequest,
 )
@@ -33,7 +35,7 @@ class DecodeHandle(WorkerHandle, Protocol):
         """Extend the reservation's lease; its new deadline, or None if not reserved."""
         ...
 
-    async def poll(self, timeout: float) -> list[RequestDelta]: ...
+    async def poll(self, timeout: float) -> StepDeltas: ...
 
 
 class PrefillHandle(WorkerHandle, Protocol):
@@ -43,7 +45,7 @@ class PrefillHandle(WorkerHandle, Protocol):
 class ColocatedHandle(WorkerHandle, Protocol):
     async def submit(self, request: WorkRequest) -> None: ...
 
-    async def poll(self, timeout: float) -> list[RequestDelta]: ...
+    async def poll(self, timeout: float) -> StepDeltas: ...
 
 
 class NoCapacity(Exception):

@@ -14,7 +14,7 @@ import pytest
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.messages import expand_deltas
+from pdserve.engine.messages import TokenDeltas, expand_deltas
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -120,7 +120,7 @@ def test_offline_llm_text_equals_the_detokenizer(tiny_dir):
 
 
 def test_offline_llm_reads_compact_deltas_as_render_would(tiny_dir):
-    """The offline LLM takes the rows' compact deltas as they are (``render_texts``, no
+    """The offline LLM takes the rows' compact deltas as they are (``render_compact``, no
     RequestDelta per token): its outputs equal an engine's whose every step is general."""
     from pdserve.engine.llm import LLM
 
@@ -130,8 +130,9 @@ def test_offline_llm_reads_compact_deltas_as_render_would(tiny_dir):
     llm, reference = LLM(str(tiny_dir), num_kv_blocks=256), LLM(str(tiny_dir), num_kv_blocks=256)
     reference.engine.persistent_batch = False
     calls = []
-    render_texts = llm.engine.render_texts
-    llm.engine.render_texts = lambda compact: calls.append(len(compact)) or render_texts(compact)
+    render_compact = llm.engine.render_compact
+    llm.engine.render_compact = lambda step: calls.extend(
+        len(d) for d in step if isinstance(d, TokenDeltas)) or render_compact(step)
 
     def outputs(engine_llm):
         return [(o.token_ids, o.text, o.finish_reason, o.first_token_time is not None)

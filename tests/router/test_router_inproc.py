@@ -11,6 +11,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.api.client import AsyncPdserveClient, PdserveError
 from pdserve.cluster.local import build_local_workers
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.messages import TokenDeltas
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
@@ -177,3 +178,49 @@ def test_seeded_sampling_text_stop_and_logprobs_match_offline(hf_checkpoint, bui
     assert len(got.logprobs) == len(want.token_ids)
     assert got_stopped.text == want_stopped.text
     assert got_stopped.finish_reason == want_stopped.finish_reason
+
+
+@pytest.mark.parametrize("build", [dict(num_prefill=1, num_decode=1),
+                                   dict(colocated=True, num_decode=1)],
+                         ids=["1P1D", "colocated"])
+def test_compact_deltas_reach_the_client_as_offline_text(hf_checkpoint, build):
+    """Workers ship a pure decode step's deltas compact (one TokenDeltas, texts filled); the
+    router expands them: every request's tokens and text equal the offline LLM's."""
+    model_dir = hf_checkpoint("llama")
+    offline = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=96)
+    prompts = ["The quick brown fox", "Hello there, how are", "One two three four five"]
+    seeds = [None, 7, 8]
+    want = [offline.generate([p], SamplingParams(
+        max_tokens=14, ignore_eos=True, temperature=0.0 if s is None else 0.8, seed=s),
+        use_tqdm=False)[0] for p, s in zip(prompts, seeds, strict=True)]
+
+    async def main():
+        handles = build_local_workers(config_for(model_dir), **build)
+        compact = []
+        for handle in handles:
+            poll = handle.poll
+
+            async def spy(timeout, poll=poll):
+                deltas = await poll(timeout)
+                compact.extend(len(d) for d in deltas if isinstance(d, TokenDeltas))
+                return deltas
+            handle.poll = spy
+        router = Router(ModelSpec("t", 256, 509), StaticDirectory(handles),
+                        tokenize=offline.tokenizer.encode)
+        await router.start()
+        server = GenerationServer(router, health_poll_interval_s=0.05)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            async with AsyncPdserveClient(f"127.0.0.1:{port}") as client:
+                got = await asyncio.gather(*[client.generate(
+                    p, max_tokens=14, ignore_eos=True, seed=s,
+                    temperature=0.0 if s is None else 0.8)
+                    for p, s in zip(prompts, seeds, strict=True)])
+            return got, compact, used_blocks(handles)
+        finally:
+            await shutdown(handles, router, server)
+
+    got, compact, used = asyncio.run(main())
+    assert [(g.token_ids, g.text) for g in got] == [(w.token_ids, w.text) for w in want]
+    assert sum(compact) > 10  # most tokens came compact
+    assert used == [0] * len(used)
