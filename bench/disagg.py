@@ -181,6 +181,43 @@ def shipping_table(batches: list[int], steps: int) -> str:
                          "bytes/token"], rows)
 
 
+class _PlainDecoder:
+    """A tokenizer seen only through ``decode``: the detokenizer's Python path."""
+
+    def __init__(self, tokenizer) -> None:
+        self.decode = tokenizer.decode
+
+
+def detokenize_line(repeats: int = 5) -> str:
+    """Incremental detokenization per token, the DecodeStream path against the Python path,
+    on English text and on random ids (what a random-weight model emits: split characters)."""
+    import random
+
+    from pdserve.engine.detokenizer import Detokenizer
+    from pdserve.models import tiny_model_dir
+    from pdserve.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_model_dir())
+    text = tokenizer.encode("The quick brown fox jumps over the lazy dog, then rests. " * 20)
+    rng = random.Random(0)
+    noise = [rng.randrange(tokenizer.vocab_size) for _ in range(len(text))]
+
+    def per_token(decoder, ids: list[int]) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            detok = Detokenizer(decoder, ids[:5])
+            start = time.perf_counter()
+            for token_id in ids:
+                detok.append(token_id)
+            best = min(best, (time.perf_counter() - start) / len(ids))
+        return best * 1e6
+
+    cells = [f"{per_token(decoder, ids):.2f}" for decoder in (tokenizer, _PlainDecoder(tokenizer))
+             for ids in (text, noise)]
+    return (f"incremental detokenization, us per token (text / random ids): DecodeStream "
+            f"{cells[0]} / {cells[1]}, Python decodes {cells[2]} / {cells[3]}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
@@ -197,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n3. streaming overhead through gRPC (zero-compute backend): "
           f"{per_token * 1e6:.0f} us per token")
     print("\n4. a decode step's deltas from worker to router (tiny model)")
+    print(detokenize_line())
     print(shipping_table([16, 64] if args.quick else [64, 256], 8 if args.quick else 64))
 
 

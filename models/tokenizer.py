@@ -98,6 +98,11 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The ``tokenizers.Tokenizer`` doing the work (incremental decoding streams on it)."""
+        return self._tok
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for ``ids``; ids beyond the tokenizer's vocab are dropped."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

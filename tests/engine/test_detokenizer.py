@@ -216,3 +216,40 @@ def test_stop_checker_matches_char_by_char_reference_for_any_chunking(text, stop
     else:
         assert matched is not None and len(matched) == len(expected_stop)
         assert text[len(out):].startswith(matched)
+
+
+class PythonDecoder:
+    """The same tokenizer behind a plain ``decode``: the detokenizer's Python path."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _stream_both(tokenizer, prompt, ids, skip, flush_at):
+    runs = []
+    for decoder in (tokenizer, PythonDecoder(tokenizer)):
+        detok = IncrementalDetokenizer(decoder, prompt, skip_special_tokens=skip)
+        runs.append([detok.flush() if i in flush_at else detok.append(token_id)
+                     for i, token_id in enumerate(ids)] + [detok.flush(), detok.num_held_tokens])
+    return runs
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), skip=st.booleans())
+def test_rust_stream_gives_the_python_path_deltas(byte_tokenizer, metaspace_tokenizer, data, skip):
+    """Random ids (split characters, lone lead bytes past the hold limit, special tokens, ids
+    past the vocabulary, flushes midway): the DecodeStream path emits what the Python path
+    does, token for token."""
+    tokenizer = data.draw(st.sampled_from([byte_tokenizer, metaspace_tokenizer]))
+    vocab = tokenizer.get_vocab_size()
+    emoji = byte_tokenizer.encode("🦀漢").ids if tokenizer is byte_tokenizer else [1, 2]
+    token = st.one_of(st.integers(0, vocab + 2), st.sampled_from(emoji))
+    prompt = data.draw(st.lists(token, max_size=8))
+    ids = data.draw(st.lists(token, max_size=24))
+    flush_at = data.draw(st.sets(st.integers(0, 23), max_size=2))
+    assert IncrementalDetokenizer(tokenizer, [])._stream is not None  # the Rust path is used
+    fast, slow = _stream_both(tokenizer, prompt, ids, skip, flush_at)
+    assert fast == slow
