@@ -17,7 +17,8 @@ The rows mirror the scheduler's ``running_version`` they were synced at (``versi
 - :meth:`DecodeRows.sync` rebuilds them for a new running set in its order: a sequence that
   stayed keeps its table row and, when the rows are current, its state column (one fancy
   index each); a sequence that joined, or whose table was replaced (preempted and admitted
-  again), gets a fresh column read from it;
+  again), gets a fresh column read from it; when the only change is sequences joining after
+  every current row (a decode worker's steady state), the arrays just grow by their columns;
 - :meth:`DecodeRows.drop` removes the rows that finished in the step just run, when that is
   all that changed, so a finish costs no sync;
 - a general step makes them stale (:meth:`DecodeRows.invalidate`): the next sync reads every
@@ -124,20 +125,48 @@ class DecodeRows:
         # version, is scheduling this step: it may have given rows blocks)
         keep_state = self.current and version is not None
         if keep_state and len(seqs) > n and all(map(is_, seqs, self.seqs)):
-            # (a decode worker's joins: after every current row)
-            old = np.concatenate([np.arange(n, dtype=np.int64),
-                                  np.full(len(seqs) - n, -1, np.int64)])
+            fresh = self._append(seqs[n:], tables[n:])  # (a decode worker's joins)
         else:
             old = self._old_rows(seqs, tables)
-        num_blocks = self._sync_tables(tables, old)
-        fresh = self._sync_state(seqs, old if keep_state else np.full(len(seqs), -1, np.int64),
-                                 num_blocks)
+            num_blocks = self._sync_tables(tables, old)
+            fresh = self._sync_state(
+                seqs, old if keep_state else np.full(len(seqs), -1, np.int64), num_blocks)
         self._set_seqs(seqs, tables)
         if version is None:
             self.invalidate()
         else:
             self.version, self.current = version, True
         return fresh
+
+    def _append(self, seqs: list[Sequence], tables: list[list]) -> list[Sequence]:
+        """Fresh rows for ``seqs`` after every current row (which stay as they are): the
+        arrays grow by their columns and the batch totals by theirs."""
+        n, k = len(self.seqs), len(seqs)
+        lengths = [len(table) for table in tables]
+        width = self.tables.shape[1]
+        while width < max(lengths):
+            width *= 2
+        grown = np.zeros((n + k, width), np.int32)
+        grown[:n, :self.tables.shape[1]] = self.tables
+        for row, table in enumerate(tables, n):
+            grown[row, :len(table)] = table
+        self._set_tables(grown)
+        columns = np.array(list(map(self._fresh_row, seqs)), np.int64).T  # (fields, k)
+        self.state = state = np.concatenate([self.state, columns], axis=1)
+        fresh = np.arange(n, n + k)
+        self._look_up_slots(fresh)
+        self.needs_block = self.needs_block + [n + j for j in
+                                               np.flatnonzero(state[SLOTS, n:] < 0).tolist()]
+        positions = state[POSITIONS, n:]
+        self.context_lens = np.concatenate([self.context_lens, (positions + 1).astype(np.int32)])
+        self.max_context_len = max(self.max_context_len, int(positions.max()) + 1)
+        self.num_context += int(positions.sum()) + k
+        self.max_blocks = max(self.max_blocks, max(lengths))
+        self.any_eos |= bool(state[STOPS_ON_EOS, n:].any())
+        self.any_per_token |= bool(state[PER_TOKEN, n:].any())
+        self.any_first |= bool(state[FIRST, n:].any())
+        self.all_greedy &= bool(state[GREEDY, n:].all())
+        return seqs
 
     def _old_rows(self, seqs: list[Sequence], tables: list[list]) -> np.ndarray:
         """Each sequence's current row, or -1 (new, or its table was replaced: preempted and
