@@ -4,7 +4,7 @@ In one run:
 1. decode step time against the memory roofline (bytes read per step / read bandwidth measured
    now) on a random ~100M-parameter Llama at batch 1, 8, 64 in fp32 and bf16;
 2. engine overhead per step (everything outside the model forward) at batch 64 and 256 on a
-   tiny model;
+   tiny model, and what a request joining the decode rows costs;
 3. tokens/s of continuous batching against Hugging Face ``generate`` with static batches on the
    same requests with long-tailed output lengths.
 """
@@ -12,6 +12,7 @@ In one run:
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import tempfile
 import time
@@ -21,6 +22,7 @@ import torch
 
 from pdserve.bench.stats import format_table, lognormal_lengths
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.input_batch import DecodeRows
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
@@ -136,6 +138,30 @@ def overhead_table(model_dir: Path, batches: list[int], steps: int) -> str:
                          "median outside ms", "render ms (reader)"], rows)
 
 
+def join_sync_line(model_dir: Path, batch: int = 64, repeats: int = 300) -> str:
+    """What one request joining ``batch`` decode rows costs the rows' sync: appended after
+    them (a decode worker's join), mapped by identity (a join with a finish), read afresh."""
+    parts = EngineParts.build(EngineConfig(model=str(model_dir), num_kv_blocks=4096,
+                                           max_num_seqs=batch + 1))
+    engine = LLMEngine(parts)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i in range(batch + 1):
+        engine.add_request(f"j{i}", [(5 * i + j) % 500 + 1 for j in range(20)], params)
+    engine.step()  # every prompt in one step: each sequence has one token left
+    seqs = list(engine.scheduler.running)
+    base = DecodeRows(parts.block_manager.block_size)
+    base.sync(seqs[:batch], 1)
+    cases = {"appended": (seqs, 2), "mapped": ([*seqs[:batch - 1], seqs[batch]], 2),
+             "read afresh": (seqs, None)}
+    cells = []
+    for name, (new, version) in cases.items():
+        start = time.perf_counter()
+        for _ in range(repeats):
+            copy.copy(base).sync(new, version)
+        cells.append(f"{name} {(time.perf_counter() - start) / repeats * 1e6:.0f} us")
+    return f"one join to {batch} decode rows, the rows' sync: " + ", ".join(cells)
+
+
 def hf_static_tokens_per_s(model_dir: Path, prompts, max_tokens, batch_size: int) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -220,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
                              4 if args.quick else 16))
         print("\n2. engine overhead per decode step (tiny model)")
         print(overhead_table(tiny, [8, 64] if args.quick else [64, 256], 4 if args.quick else 64))
+        print(join_sync_line(tiny, 8 if args.quick else 64))
         print("\n3. continuous batching vs Hugging Face static batching (tiny model)")
         print(batching_table(tiny, 16 if args.quick else 64, 16 if args.quick else 64,
                              [8] if args.quick else [16, 64], 1 if args.quick else 3))
