@@ -107,7 +107,7 @@ class TextStage:
         deferred = self._deferred
         return [detok.append(token_id).text if detok is not None else ""
                 for detok, token_id in zip(
-                    map(deferred.get, zip(compact.request_ids, compact.attempts, strict=True)),
+                    map(deferred.get, map(_key, compact.request_ids, compact.attempts)),
                     compact.token_ids, strict=True)]
 
     def _render(self, delta: RequestDelta) -> None:
