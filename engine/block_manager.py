@@ -32,11 +32,14 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import OrderedDict, deque
+from operator import attrgetter
 
 from pdserve.engine.prefix_hash import ROOT_HASH, SALT_BYTES, chain_hash
 from pdserve.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+_BLOCK_TABLE = attrgetter("block_table")
 
 
 class BlockManager:
@@ -239,14 +242,15 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take_block())
 
-    def append_block_each(self, seqs: list[Sequence]) -> bool:
+    def append_block_each(self, seqs: list[Sequence]) -> list[int] | None:
         """One more block at the end of each of ``seqs`` (decodes entering a new block), all
-        or none: False, with nothing taken, when fewer are allocatable."""
+        or none: the blocks in order, or None, with nothing taken, when fewer are
+        allocatable."""
         if len(seqs) > self.num_allocatable_blocks:
-            return False
-        for seq in seqs:
-            seq.block_table.append(self._take_block())
-        return True
+            return None
+        blocks = [self._take_block() for _ in seqs]
+        list(map(list.append, map(_BLOCK_TABLE, seqs), blocks))
+        return blocks
 
     def _take_block(self) -> int:
         if self._free:

@@ -286,17 +286,15 @@ class DecodeRows:
 
     # -- the steps ---------------------------------------------------------------------------
 
-    def blocks_added(self, rows: list[int]) -> None:
-        """Each of ``rows`` (from :attr:`needs_block`) was given its next block (the last entry
-        of its sequence's table)."""
-        if not rows:
-            return
+    def blocks_added(self, rows: list[int], blocks: list[int]) -> None:
+        """Each of ``rows`` (from :attr:`needs_block`) was given its next block, ``blocks[i]``
+        for ``rows[i]`` (now the last entry of its sequence's table)."""
         index = np.asarray(rows, np.int64)
         state, bs = self.state, self.block_size
         columns = state[NUM_BLOCKS, index]
         while int(columns.max()) >= self.tables.shape[1]:
             self._set_tables(np.pad(self.tables, ((0, 0), (0, self.tables.shape[1]))))
-        blocks = np.array([self.seqs[row].block_table[-1] for row in rows], np.int64)
+        blocks = np.asarray(blocks, np.int64)
         self.tables[index, columns] = blocks
         state[NUM_BLOCKS, index] = columns + 1
         self.max_blocks = max(self.max_blocks, int(columns.max()) + 1)

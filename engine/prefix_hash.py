@@ -14,21 +14,24 @@ use these same two functions.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import sys
-from array import array
+import struct
 from collections.abc import Sequence
 
 ROOT_HASH = bytes(32)  # parent hash of a sequence's first block
 SALT_BYTES = 16  # length of a generated salt
 
 
+@functools.cache
+def _int64_packer(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}q")
+
+
 def chain_hash(parent_hash: bytes, token_ids: Sequence[int], salt: bytes) -> bytes:
     """The 32-byte hash of one full block of ``token_ids`` following ``parent_hash``."""
-    words = array("q", token_ids)  # OverflowError for an id outside int64
-    if sys.byteorder != "little":
-        words.byteswap()
-    return hashlib.sha256(salt + parent_hash + words.tobytes()).digest()
+    words = _int64_packer(len(token_ids)).pack(*token_ids)  # struct.error outside int64
+    return hashlib.sha256(salt + parent_hash + words).digest()
 
 
 def chained_block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes) -> list[bytes]:

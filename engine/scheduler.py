@@ -430,10 +430,12 @@ class Scheduler:
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = now
         entering = rows.needs_block  # (each needs exactly one: its tables cover the rest)
-        if not self.block_manager.append_block_each([rows.seqs[row] for row in entering]):
-            rows.invalidate()  # the general schedule preempts
-            return False
-        rows.blocks_added(entering)
+        if entering:
+            blocks = self.block_manager.append_block_each([rows.seqs[row] for row in entering])
+            if blocks is None:
+                rows.invalidate()  # the general schedule preempts
+                return False
+            rows.blocks_added(entering, blocks)
         return True
 
     def update_rows(self, rows: DecodeRows) -> None:

@@ -7,7 +7,9 @@ hold exactly the sequence's tokens, a sliding window must never free a key still
 
 from __future__ import annotations
 
+import hashlib
 import os
+import struct
 import subprocess
 import sys
 
@@ -23,6 +25,7 @@ from hypothesis.stateful import (
 )
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.prefix_hash import ROOT_HASH, chain_hash
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 
@@ -172,6 +175,29 @@ def test_chain_hash_is_the_same_in_every_process():
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                                 text=True, check=True).stdout)
     assert len(outs) == 1
+
+
+def test_chain_hash_is_sha256_of_salt_parent_and_little_endian_int64_ids():
+    ids = [0, 1, 2**40 + 7, 2**63 - 1]
+    words = b"".join(i.to_bytes(8, "little") for i in ids)
+    parent = bytes(range(32))
+    assert chain_hash(parent, ids, b"salt") == hashlib.sha256(b"salt" + parent + words).digest()
+    with pytest.raises(struct.error):
+        chain_hash(ROOT_HASH, [2**63], b"salt")
+
+
+def test_append_block_each_gives_every_sequence_one_block_or_none():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    seqs = [make_seq(f"r{i}", [1, 2]) for i in range(3)]
+    for seq in seqs:
+        bm.allocate(seq, 2)
+    assert bm.append_block_each(seqs[:2]) is None  # one block left: nothing taken
+    assert [len(seq.block_table) for seq in seqs] == [1, 1, 1]
+    blocks = bm.append_block_each(seqs[2:])
+    assert blocks == [seqs[2].block_table[-1]] and bm.num_free_blocks == 0
+    for seq in seqs:
+        bm.free(seq)
+    bm.check_invariants()
 
 
 def _cached_hashes(bm: BlockManager, token_ids: list[int]) -> list[bytes]:
