@@ -23,8 +23,9 @@ Per request, as ``Router.generate`` drives it (states and transitions: ``router.
 
 Every await on a worker is bounded by a timeout from the config and the request's deadline;
 the deadline also travels in ``WorkRequest`` so workers drop expired work themselves.
-A worker that leaves the registry stops receiving new requests, but streams on it go on until
-its poll fails (the process or its loop really died): liveness never depends on step time.
+Which workers there are, their load, their pollers and what losing one means live in
+``router.workers``: a worker that leaves the registry stops receiving new requests, but streams
+on it go on until its poll fails, so liveness never depends on step time.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from pdserve.engine.messages import (
     RequestDelta,
     Reservation,
     WorkRequest,
-    expand_deltas,
 )
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admission import AdmissionQueue
@@ -60,6 +60,7 @@ from pdserve.router.handles import NoCapacity
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import WorkerLoad, pick_prefill, rank_decode
 from pdserve.router.trace import RequestTrace, observe
+from pdserve.router.workers import Workers
 
 __all__ = ["RequestTrace", "Router", "RouterConfig"]
 
@@ -77,75 +78,34 @@ class Router:
                  tokenize: Callable[[str], list[int]], config: RouterConfig | None = None,
                  metrics: RouterMetrics | None = None):
         self.spec = spec
-        self.directory = directory
         self._tokenize = tokenize
         self.config = config or RouterConfig()
         self.metrics = metrics or RouterMetrics()
-        self._loads: dict[str, WorkerLoad] = {}  # workers that take new requests
-        self._handles: dict = {}  # every worker seen and not lost (streams may go on)
-        self._pollers: dict[str, asyncio.Task] = {}
+        self.workers = Workers(directory, self.config, self.metrics, self._route,
+                               self._fail_attempts_on)
         self._flights: dict[str, Flight] = {}
         self._orphans: OrderedDict[str, None] = OrderedDict()  # unknown ids already aborted
         self._tokens_in_flight = 0
-        self._was_ready = False
         self._room = asyncio.Event()  # set whenever a request leaves (blocks came back)
         self._queue = AdmissionQueue(self.config.scheduling_policy, self.config.priority_aging_s,
                                      wake=self._room.set)
-        self._tasks: list[asyncio.Task] = []
         self.traces: deque[RequestTrace] = deque(maxlen=100_000)
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
-        await self.refresh()
-        self._tasks.append(asyncio.create_task(self._refresh_loop()))
+        await self.workers.start()
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._pollers.values()]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *self._pollers.values(), return_exceptions=True)
-        self._tasks.clear()
-        self._pollers.clear()
-
-    async def refresh(self) -> None:
-        """Re-read membership and load; start pollers for new streaming workers."""
-        snapshot = await self.directory.snapshot()
-        seen = set()
-        for handle, stats in snapshot:
-            seen.add(stats.worker_id)
-            self._handles[stats.worker_id] = handle
-            load = self._loads.get(stats.worker_id)
-            if load is None:
-                self._loads[stats.worker_id] = WorkerLoad(stats)
-            else:
-                load.refresh(stats)
-            self.metrics.set_worker(stats)
-            if stats.role != "prefill" and stats.worker_id not in self._pollers:
-                self._pollers[stats.worker_id] = asyncio.create_task(self._poll(handle))
-        for worker_id in set(self._loads) - seen:  # no new work; its streams go on
-            logger.info("worker %s left the registry: no new requests go to it", worker_id)
-            self.metrics.remove_worker(self._loads.pop(worker_id).stats.role, worker_id)
-        self._was_ready = self._was_ready or self.is_ready()
-
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.stats_interval_s)
-            try:
-                await self.refresh()
-            except Exception:  # noqa: BLE001 - keep routing on the last known view
-                logger.exception("worker refresh failed")
-
-    def _live(self, role: str) -> list[WorkerLoad]:
-        return [w for w in self._loads.values() if w.stats.role == role
-                and not w.stats.draining and w.stats.error is None]
+        await self.workers.stop()
 
     @property
     def mode(self) -> str:
-        return "colocated" if self._live("colocated") and not self._live("decode") \
+        return "colocated" if self.workers.live("colocated") and not self.workers.live("decode") \
             else "disaggregated"
 
     # -- GenerationBackend --------------------------------------------------------------------
     def is_ready(self) -> bool:
-        return bool(self._live("colocated")) or bool(self._live("prefill") and self._live("decode"))
+        return self.workers.is_ready()
 
     def model_info(self) -> ModelSpec:
         return self.spec
@@ -181,7 +141,7 @@ class Router:
     # -- admission ----------------------------------------------------------------------------
     def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                deadline: float | None, tenant: str | None = None) -> Flight:
-        if not self.is_ready() and not self._was_ready:
+        if not self.is_ready() and not self.workers.was_ready:
             raise NoWorkersError("no workers are ready to take requests")
         cfg, n = self.config, len(prompt_token_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -207,7 +167,7 @@ class Router:
         """Refuse a request that would hold more than ``max_request_kv_fraction`` of the
         largest decode (or colocated) worker's KV blocks, before it evicts anyone."""
         fraction = self.config.max_request_kv_fraction
-        pools = self._live("decode") or self._live("colocated")
+        pools = self.workers.live("decode") or self.workers.live("colocated")
         if fraction >= 1 or not pools:
             return
         largest = max(pools, key=lambda w: w.stats.total_blocks).stats
@@ -230,16 +190,7 @@ class Router:
     async def _abort_attempt(self, flight: Flight) -> None:
         """Abort the current attempt on both of its workers (idempotent, bounded)."""
         ids = {flight.prefill_id, flight.decode_id} - {None}
-        await asyncio.gather(*(self._abort_on(w, flight.request_id) for w in ids))
-
-    async def _abort_on(self, worker_id: str, request_id: str) -> None:
-        handle = self._handles.get(worker_id)
-        if handle is None:
-            return
-        try:
-            await asyncio.wait_for(handle.abort(request_id), self.config.rpc_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - a dead worker frees everything anyway
-            logger.info("abort of %s on %s failed: %s", request_id, worker_id, exc)
+        await asyncio.gather(*(self.workers.abort_on(w, flight.request_id) for w in ids))
 
     # -- attempts -----------------------------------------------------------------------------
     async def _run(self, flight: Flight) -> AsyncIterator[RequestDelta]:
@@ -293,7 +244,7 @@ class Router:
             async for delta in self._drain(flight):
                 yield delta
         else:
-            await self._abort_on(flight.decode_id, flight.request_id)
+            await self.workers.abort_on(flight.decode_id, flight.request_id)
 
     async def _colocated(self, flight: Flight) -> AsyncIterator[RequestDelta]:
         await self._place(flight, "colocated", self._submit)
@@ -306,14 +257,14 @@ class Router:
         return await self._place(flight, "decode", self._reserve_on)
 
     async def _reserve_on(self, flight: Flight, load: WorkerLoad) -> Reservation:
-        handle = self._handles[load.stats.worker_id]
+        handle = self.workers.handles[load.stats.worker_id]
         reservation = await flight.bounded(lambda: handle.reserve(flight.request),
                                           self.config.rpc_timeout_s, "reserve")
         load.pending_blocks += reservation.num_blocks
         return reservation
 
     async def _submit(self, flight: Flight, load: WorkerLoad) -> None:
-        handle = self._handles[load.stats.worker_id]
+        handle = self.workers.handles[load.stats.worker_id]
         await flight.bounded(lambda: handle.submit(flight.request),
                             self.config.rpc_timeout_s, "submit")
         load.pending_tokens += len(flight.request.prompt_token_ids)
@@ -354,7 +305,7 @@ class Router:
         cfg = self.config
         started = time.monotonic()
         while True:
-            candidates = rank_decode(self._live(role))
+            candidates = rank_decode(self.workers.live(role))
             too_large: list[ValueError] = []
             for load in candidates:
                 worker_id = load.stats.worker_id
@@ -371,8 +322,8 @@ class Router:
                 except ValueError as exc:
                     too_large.append(exc)
                 except Exception as exc:  # noqa: BLE001 - that worker's problem, not the request's
-                    self._suspect(worker_id, f"{role} call failed: {exc}")
-                    self._abort_later(worker_id, flight.request_id)  # it may hold it anyway
+                    self.workers.suspect(worker_id, f"{role} call failed: {exc}")
+                    self.workers.abort_later(worker_id, flight.request_id)  # it may hold it anyway
                 flight.decode_id = None
             waited = time.monotonic() - started
             if candidates and len(too_large) == len(candidates):
@@ -396,7 +347,7 @@ class Router:
 
     async def _prefill(self, flight: Flight, reservation: Reservation) -> PrefillResult:
         load = await self._pick_prefill(flight)
-        handle = self._handles[load.stats.worker_id]
+        handle = self.workers.handles[load.stats.worker_id]
         renewing = asyncio.create_task(self._renew_lease(flight, reservation))
         try:
             return await flight.bounded(lambda: handle.prefill(flight.request,
@@ -405,7 +356,7 @@ class Router:
         except (AttemptFailed, DeadlineExceededError):
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the prefill moves the request
-            self._suspect(flight.prefill_id, f"prefill failed: {exc}")
+            self.workers.suspect(flight.prefill_id, f"prefill failed: {exc}")
             raise AttemptFailed("worker_failed", f"prefill on {flight.prefill_id} failed: "
                                 f"{exc}") from exc
         finally:
@@ -413,7 +364,7 @@ class Router:
 
     async def _pick_prefill(self, flight: Flight) -> WorkerLoad:
         started = time.monotonic()
-        while not (loads := self._live("prefill")):
+        while not (loads := self.workers.live("prefill")):
             if time.monotonic() - started > self.config.worker_wait_s:
                 raise AttemptFailed("worker_lost", "no prefill workers")
             await self._wait_for_room(flight)
@@ -428,7 +379,7 @@ class Router:
     async def _renew_lease(self, flight: Flight, reservation: Reservation) -> None:
         """Keep the reservation alive while the prefill call is pending (see module doc)."""
         period = max(0.05, (reservation.lease_deadline - time.time()) / 3)
-        handle = self._handles.get(reservation.worker_id)
+        handle = self.workers.handles.get(reservation.worker_id)
         while handle is not None:
             await asyncio.sleep(period)
             try:
@@ -458,18 +409,6 @@ class Router:
             if item.finish_reason is not None:
                 return
 
-    async def _poll(self, handle) -> None:
-        while True:
-            try:
-                deltas = await handle.poll(self.config.poll_timeout_s)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the worker is gone
-                self._worker_lost(handle.worker_id, f"poll failed: {exc}")
-                return
-            for delta in expand_deltas(deltas):
-                self._route(handle, delta)
-
     def _route(self, handle, delta: RequestDelta) -> None:
         flight = self._flights.get(delta.request_id)
         if flight is None:
@@ -485,28 +424,10 @@ class Router:
         while len(self._orphans) > 4096:
             self._orphans.popitem(last=False)
         logger.info("aborting %s on %s: no request of this router", request_id, worker_id)
-        self._abort_later(worker_id, request_id)
+        self.workers.abort_later(worker_id, request_id)
 
-    def _abort_later(self, worker_id: str, request_id: str) -> None:
-        """Abort in the background (the caller does not wait on that worker)."""
-        self._tasks = [t for t in self._tasks if not t.done()]
-        self._tasks.append(asyncio.create_task(self._abort_on(worker_id, request_id)))
-
-    def _suspect(self, worker_id: str, why: str) -> None:
-        """A call on the worker failed: route nothing new to it until the directory next
-        reports it (a dead one never comes back; a live one does at the next refresh)."""
-        logger.warning("worker %s: %s", worker_id, why)
-        self._loads.pop(worker_id, None)
-
-    def _worker_lost(self, worker_id: str, why: str) -> None:
-        logger.warning("worker %s lost: %s", worker_id, why)
-        load = self._loads.pop(worker_id, None)
-        self._handles.pop(worker_id, None)
-        if load is not None:
-            self.metrics.remove_worker(load.stats.role, worker_id)
-        poller = self._pollers.pop(worker_id, None)
-        if poller is not None and poller is not asyncio.current_task():
-            poller.cancel()
+    def _fail_attempts_on(self, worker_id: str, why: str) -> None:
+        """The worker was lost: every attempt streaming from it fails (and moves)."""
         for flight in self._flights.values():
             if flight.decode_id == worker_id and flight.phase in (Phase.PREFILLING,
                                                                   Phase.DECODING):

@@ -1,0 +1,131 @@
+"""The router's view of its workers: who is there and how loaded, whose streams it polls, and
+what a failed call or a lost worker means.
+
+Membership and load come from the directory (``refresh``, every ``stats_interval_s``). A
+worker that leaves the registry takes no new requests, but its streams go on until its poll
+fails: only a failed poll (the process or its engine loop really died) loses a worker, so
+liveness never depends on step time. A failed call on a worker (``suspect``) only keeps new
+work away from it until the directory next reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from pdserve.engine.messages import RequestDelta, expand_deltas
+from pdserve.router.config import RouterConfig
+from pdserve.router.directory import WorkerDirectory
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pairing import WorkerLoad
+
+logger = logging.getLogger(__name__)
+
+
+class Workers:
+    """The workers one router sees; deltas polled from them go to ``route(handle, delta)``
+    and a lost worker to ``lost(worker_id, why)``."""
+
+    def __init__(self, directory: WorkerDirectory, config: RouterConfig,
+                 metrics: RouterMetrics, route: Callable[[object, RequestDelta], None],
+                 lost: Callable[[str, str], None]):
+        self.directory = directory
+        self._config, self._metrics = config, metrics
+        self._route, self._lost = route, lost
+        self.loads: dict[str, WorkerLoad] = {}  # workers that take new requests
+        self.handles: dict = {}  # every worker seen and not lost (streams may go on)
+        self._pollers: dict[str, asyncio.Task] = {}
+        self._tasks: list[asyncio.Task] = []  # the refresh loop, background aborts
+        self.was_ready = False  # ready once: requests are admitted while workers come back
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._tasks.append(asyncio.create_task(self._refresh_loop()))
+
+    async def stop(self) -> None:
+        tasks = [*self._tasks, *self._pollers.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+        self._pollers.clear()
+
+    def live(self, role: str) -> list[WorkerLoad]:
+        return [w for w in self.loads.values() if w.stats.role == role
+                and not w.stats.draining and w.stats.error is None]
+
+    def is_ready(self) -> bool:
+        return bool(self.live("colocated")) or bool(self.live("prefill") and self.live("decode"))
+
+    async def refresh(self) -> None:
+        """Re-read membership and load; start pollers for new streaming workers."""
+        snapshot = await self.directory.snapshot()
+        seen = set()
+        for handle, stats in snapshot:
+            seen.add(stats.worker_id)
+            self.handles[stats.worker_id] = handle
+            load = self.loads.get(stats.worker_id)
+            if load is None:
+                self.loads[stats.worker_id] = WorkerLoad(stats)
+            else:
+                load.refresh(stats)
+            self._metrics.set_worker(stats)
+            if stats.role != "prefill" and stats.worker_id not in self._pollers:
+                self._pollers[stats.worker_id] = asyncio.create_task(self._poll(handle))
+        for worker_id in set(self.loads) - seen:  # no new work; its streams go on
+            logger.info("worker %s left the registry: no new requests go to it", worker_id)
+            self._metrics.remove_worker(self.loads.pop(worker_id).stats.role, worker_id)
+        self.was_ready = self.was_ready or self.is_ready()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.stats_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - keep routing on the last known view
+                logger.exception("worker refresh failed")
+
+    async def abort_on(self, worker_id: str, request_id: str) -> None:
+        """Abort ``request_id`` on the worker, bounded by ``rpc_timeout_s``; never raises."""
+        handle = self.handles.get(worker_id)
+        if handle is None:
+            return
+        try:
+            await asyncio.wait_for(handle.abort(request_id), self._config.rpc_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a dead worker frees everything anyway
+            logger.info("abort of %s on %s failed: %s", request_id, worker_id, exc)
+
+    def abort_later(self, worker_id: str, request_id: str) -> None:
+        """Abort in the background (the caller does not wait on that worker)."""
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.create_task(self.abort_on(worker_id, request_id)))
+
+    def suspect(self, worker_id: str, why: str) -> None:
+        """A call on the worker failed: route nothing new to it until the directory next
+        reports it (a dead one never comes back; a live one does at the next refresh)."""
+        logger.warning("worker %s: %s", worker_id, why)
+        self.loads.pop(worker_id, None)
+
+    async def _poll(self, handle) -> None:
+        while True:
+            try:
+                deltas = await handle.poll(self._config.poll_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the worker is gone
+                self._worker_lost(handle.worker_id, f"poll failed: {exc}")
+                return
+            for delta in expand_deltas(deltas):
+                self._route(handle, delta)
+
+    def _worker_lost(self, worker_id: str, why: str) -> None:
+        logger.warning("worker %s lost: %s", worker_id, why)
+        load = self.loads.pop(worker_id, None)
+        self.handles.pop(worker_id, None)
+        if load is not None:
+            self._metrics.remove_worker(load.stats.role, worker_id)
+        poller = self._pollers.pop(worker_id, None)
+        if poller is not None and poller is not asyncio.current_task():
+            poller.cancel()
+        self._lost(worker_id, why)
