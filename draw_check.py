@@ -26,12 +26,12 @@ import torch
 from pdserve.engine.sampler import (
     SamplingRow,
     apply_penalties,
-    draw_uniforms,
     filter_weights,
     inverse_cdf_draw,
     softmax_weights,
 )
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from pdserve.engine.seeded_uniforms import draw_uniforms
 
 
 def draw_problems(model_dir: str, requests: Sequence[tuple[list[int], SamplingParams | dict]],

@@ -42,12 +42,12 @@ from pdserve.engine.sampler import (
     _block_sums,
     _gather_logprobs,
     apply_penalties,
-    draw_uniform,
     filter_weights,
     inverse_cdf_draw,
     softmax_weights,
 )
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
+from pdserve.engine.seeded_uniforms import draw_uniform
 
 ACCEPT_STREAM = 0x5EC0_0001_A11C_E5ED  # u of the accept test at a position
 RESIDUAL_STREAM = 0x5EC0_0002_0E51_D0A1  # u of the draw from max(0, p - q)

@@ -19,10 +19,10 @@ Semantics, applied per row in this order (Hugging Face / vLLM / OpenAI conventio
    - min-p (0 = off): keep tokens with ``p >= min_p * p_max`` (a ratio, so renormalizing first
      changes nothing). The order top-k, top-p, min-p is Hugging Face's.
 5. The draw is an inverse-CDF draw from the filtered distribution with ONE uniform per row,
-   ``u = draw_uniform(seed, position)`` (``draw_uniforms`` computes the batch's as tensor ops,
-   bit for bit the same) (a splitmix64 hash of the request's seed and the output
-   position): the token is the first whose cumulative probability (in token id order) exceeds
-   ``u``. It depends only on (seed, position, the row's logits): not on the other rows, the row
+   ``u = draw_uniform(seed, position)``, a splitmix64 hash of the request's seed and the
+   output position (``engine.seeded_uniforms``; ``draw_uniforms`` makes a batch's): the
+   token is the first whose cumulative probability (in token id order) exceeds ``u``. It
+   depends only on (seed, position, the row's logits): not on the other rows, the row
    index or which process samples it (the prefill worker draws position 0, the decode worker the
    rest, possibly another one after failover). The CDF is summed in two levels (float64 over
    128-token block sums, then within the chosen block), so tokens of probability 0 (filtered)
@@ -52,10 +52,10 @@ import numpy as np
 import torch
 
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from pdserve.engine.seeded_uniforms import draw_uniforms
 
 logger = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
 _CDF_BLOCK = 128  # tokens per block of the two-level inverse CDF
 _LOW_BITS = 12  # float32 bits below the radix-select keys (2**-11 relative: near-ties)
 _HI_BUCKETS = 1024  # level-1 radix buckets: weights <= 1.0 have bits >> 20 <= 1016
@@ -79,50 +79,6 @@ class SamplerOutput:
 
     token_ids: list[int]  # the sampled token of each row
     logprobs: list[dict[int, float] | None]  # per row: {token_id: logprob}, None if not requested
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def draw_uniform(seed: int, position: int) -> float:
-    """The uniform in [0, 1) that picks the token at ``position`` of the stream ``seed``.
-
-    ``splitmix64(splitmix64(seed mod 2**64) xor (position mod 2**64))``, top 53 bits.
-    """
-    mixed = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
-    return (mixed >> 11) * 2.0**-53
-
-
-def _as_int64(value: int) -> int:
-    """The 64-bit pattern of ``value`` as a signed int64 (what a torch int64 tensor holds)."""
-    value &= _MASK64
-    return value - (1 << 64) if value >> 63 else value
-
-
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 tensors read as uint64 (``>>`` on int64 is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
-    """:func:`_splitmix64` on an int64 tensor: int64 add and multiply wrap mod 2**64."""
-    x = x + _as_int64(0x9E3779B97F4A7C15)
-    x = (x ^ _shift_right(x, 30)) * _as_int64(0xBF58476D1CE4E5B9)
-    x = (x ^ _shift_right(x, 27)) * _as_int64(0x94D049BB133111EB)
-    return x ^ _shift_right(x, 31)
-
-
-def draw_uniforms(seeds: list[int], positions: list[int], device=None) -> torch.Tensor:
-    """(rows,) float64: ``draw_uniform(seeds[i], positions[i])`` for every row, bit for bit,
-    computed as tensor ops (one host copy) instead of a Python hash per row."""
-    keys = torch.tensor([[_as_int64(s) for s in seeds], [_as_int64(p) for p in positions]],
-                        dtype=torch.int64, device=device)
-    mixed = _splitmix64_tensor(_splitmix64_tensor(keys[0]) ^ keys[1])
-    return _shift_right(mixed, 11).to(torch.float64) * 2.0**-53
 
 
 def _flat_ids(rows: list[int], id_lists: list[list[int]], vocab: int, device,

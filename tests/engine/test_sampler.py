@@ -13,13 +13,12 @@ import pdserve.engine.sampler as sampler_module
 from pdserve.engine.sampler import (
     Sampler,
     SamplingRow,
-    draw_uniform,
-    draw_uniforms,
     filter_weights,
     inverse_cdf_draw,
     softmax_weights,
 )
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.seeded_uniforms import draw_uniform, draw_uniforms
 
 LOGITS = torch.tensor([2.0, 0.5, -1.0, 3.1, 1.7, 0.0, -3.0, 2.6, 1.1, -0.4, 0.9, -2.2])
 
