@@ -35,7 +35,7 @@ from pdserve.engine import memory
 from pdserve.engine.config import KV_INT8_SCALES
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ScheduledSequence
+from pdserve.engine.schedule import ScheduledSequence
 from pdserve.engine.sequence import Sequence
 from pdserve.models import tiny_model_dir
 

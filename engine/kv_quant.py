@@ -42,7 +42,7 @@ import torch
 
 from pdserve.engine.kv_calibration_text import CALIBRATION_TEXTS
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ScheduledSequence
+from pdserve.engine.schedule import ScheduledSequence
 from pdserve.engine.sequence import Sequence
 from pdserve.kernels import KVCacheLayer
 from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE

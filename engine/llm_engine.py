@@ -46,7 +46,8 @@ from pdserve.engine.messages import (
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.sampler import Sampler, SamplingRow, greedy_token_array, greedy_tokens
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from pdserve.engine.schedule import ScheduledSequence, SchedulerConfig
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduling_policy import SchedulingPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.spec_decode import Speculator

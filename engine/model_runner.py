@@ -19,7 +19,7 @@ import torch
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.input_batch import DecodeRows
 from pdserve.engine.roofline import UtilizationMeter, attended_pairs
-from pdserve.engine.scheduler import ScheduledSequence
+from pdserve.engine.schedule import ScheduledSequence
 from pdserve.kernels import KVCacheLayer
 from pdserve.models.attention import AttentionMetadata
 

@@ -45,7 +45,7 @@ from pdserve.engine.messages import (
     WorkRequest,
 )
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.scheduler import ScheduledSequence
+from pdserve.engine.schedule import ScheduledSequence
 from pdserve.engine.scheduling_policy import PrefillOnlyPolicy
 from pdserve.engine.worker_stats import engine_stats
 from pdserve.kv_transfer import KVConnector, KVSender, TransferError, TransferKey, pack_layers

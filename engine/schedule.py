@@ -1,0 +1,81 @@
+"""What a schedule is made of: the scheduler's limits (:class:`SchedulerConfig`), one
+sequence's share of a step (:class:`ScheduledSequence`) and the step's whole batch
+(:class:`SchedulerOutput`), which the model runner, the speculator and the prefill worker's
+hooks read. ``engine.scheduler`` makes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.engine.sequence import Sequence
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Limits of one scheduler; validated on construction."""
+
+    max_num_seqs: int = 256  # sequences in one step at most
+    max_num_batched_tokens: int = 2048  # tokens in one step at most (chunked prefill budget)
+    max_model_len: int  # context limit (prompt + output)
+    enable_chunked_prefill: bool = True  # split long prompts over steps
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 2)
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be a bool, "
+                             f"got {self.enable_chunked_prefill!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                             f">= max_model_len ({self.max_model_len}) when chunked prefill is "
+                             f"off, or a long prompt could never be scheduled")
+
+
+class ScheduledSequence:
+    """One sequence's share of a step (a plain slotted class: one is made per sequence per
+    step, so construction stays cheap)."""
+
+    __slots__ = ("seq", "num_new_tokens", "start", "samples", "is_decode", "num_lookahead",
+                 "draft_token_ids")
+
+    def __init__(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> None:
+        self.seq = seq  # the sequence, its block table already covers the new tokens
+        self.num_new_tokens = num_new_tokens  # computes token_ids[start : start + num_new]
+        self.start = seq.num_computed_tokens  # first position computed this step
+        # the chunk reaches the end of token_ids: sample a token
+        self.samples = self.start + num_new_tokens >= len(seq.token_ids)
+        # computes one token, the sequence's last, and samples the next
+        self.is_decode = num_new_tokens == 1 and self.samples
+        # speculative decoding: KV slots allocated past the new tokens for drafts, and the
+        # drafts proposed into them (at most num_lookahead; verified in this step's forward)
+        self.num_lookahead = num_lookahead
+        self.draft_token_ids: list[int] | tuple = ()
+
+    def __repr__(self) -> str:
+        return (f"ScheduledSequence({self.seq.request_id!r}, start={self.start}, "
+                f"num_new_tokens={self.num_new_tokens})")
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner computes this step."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)  # batch order
+    preempted: list[Sequence] = field(default_factory=list)  # preempted in this schedule()
+    bounced: list[Sequence] = field(default_factory=list)  # preempted and handed back (ended)
+    num_batched_tokens: int = 0  # sum of num_new_tokens (and draft slots)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def _add(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> None:
+        self.scheduled.append(ScheduledSequence(seq, num_new_tokens, num_lookahead))
+        self.num_batched_tokens += num_new_tokens + num_lookahead
