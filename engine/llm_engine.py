@@ -3,8 +3,9 @@
 
 :meth:`LLMEngine.step` is the one step every worker runs (offline, colocated, prefill, decode);
 a role differs only in its :class:`~pdserve.engine.scheduling_policy.SchedulingPolicy` (what is
-scheduled) and its :class:`StepHooks` (what happens around the forward: a prefill worker ships
-KV layers while the forward runs and hands finished prompts off). Step:
+scheduled) and its :class:`~pdserve.engine.step_hooks.StepHooks` (what happens around the
+forward: a prefill worker ships KV layers while the forward runs and hands finished prompts
+off). Step:
 
 1. ``scheduler.schedule()`` picks sequences and how many tokens each computes (plus draft slots
    for speculating decodes, whose drafts the speculator then proposes);
@@ -31,8 +32,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,6 +50,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduling_policy import SchedulingPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.spec_decode import Speculator
+from pdserve.engine.step_hooks import StepHooks, StepStats
 from pdserve.engine.text_stage import TextStage
 
 logger = logging.getLogger(__name__)
@@ -60,16 +60,6 @@ class NoCapacityError(RuntimeError):
     """The pool has no free blocks for this request right now (try another worker)."""
 
 
-@dataclass
-class StepStats:
-    """Where one step's wall time went."""
-
-    num_tokens: int = 0  # tokens computed
-    num_seqs: int = 0  # sequences in the batch
-    forward_s: float = 0.0  # model forward incl. logits
-    total_s: float = 0.0  # whole step: scheduling, forward, sampling, bookkeeping
-
-
 def sampling_row(seq: Sequence) -> SamplingRow:
     """What the sampler needs of ``seq``; token history only when a penalty reads it."""
     p = seq.sampling_params
@@ -77,23 +67,6 @@ def sampling_row(seq: Sequence) -> SamplingRow:
     return SamplingRow(p, seq.seed, seq.num_output_tokens,
                        seq.prompt_token_ids if penalized else [],
                        seq.output_token_ids if penalized else [])
-
-
-class StepHooks:
-    """What a worker role adds around the one step; the default adds nothing."""
-
-    def before_forward(self, sampling: list[ScheduledSequence]) -> Callable[[int], None] | None:
-        """Called before the forward with the sequences that sample this step; may return
-        ``after_layer(i)``, called as soon as layer ``i``'s K/V are written."""
-        return None
-
-    def after_forward(self) -> None:
-        """Called once the forward (and its logits) are done, before sampling."""
-
-    def after_sample(self, sampling: list[ScheduledSequence],
-                     deltas: list[RequestDelta]) -> list[RequestDelta]:
-        """Called with one delta per sampling sequence; returns the deltas the step emits."""
-        return deltas
 
 
 class LLMEngine:

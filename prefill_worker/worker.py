@@ -36,7 +36,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineDeadError, EngineLoop
-from pdserve.engine.llm_engine import LLMEngine, StepHooks
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.messages import (
     PrefillResult,
     RequestDelta,
@@ -47,6 +47,7 @@ from pdserve.engine.messages import (
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.schedule import ScheduledSequence
 from pdserve.engine.scheduling_policy import PrefillOnlyPolicy
+from pdserve.engine.step_hooks import StepHooks
 from pdserve.engine.worker_stats import engine_stats
 from pdserve.kv_transfer import KVConnector, KVSender, TransferError, TransferKey, pack_layers
 
