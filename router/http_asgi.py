@@ -4,16 +4,24 @@ that leaves the hosting process's signals alone, on a socket bound to exactly on
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import socket
+from collections.abc import Awaitable, Callable
 
 import uvicorn
+from starlette.responses import Response
 
 from pdserve.router import openai_protocol as oa
 from pdserve.router.auth import ApiKey
 
+logger = logging.getLogger(__name__)
+
 OPEN_PATHS = frozenset({"/health", "/version"})  # served without the API key
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
+               (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 def sse(obj) -> bytes:
@@ -104,3 +112,30 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+class TaskResponse(Response):
+    """Writes the response with ``run(send)``, as its own task beside one that watches for the
+    client's disconnect; a disconnect cancels ``run`` (whose ``finally`` cleans up) and the
+    response waits for it to end."""
+
+    def __init__(self, run: Callable[[Callable], Awaitable[None]], name: str) -> None:
+        super().__init__()
+        self._run, self._name = run, name
+
+    async def __call__(self, scope, receive, send) -> None:
+        work = asyncio.ensure_future(self._run(send))
+        watch = asyncio.ensure_future(until_disconnect(receive))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                logger.info("%s: client gone, aborting", self._name)
+                work.cancel()
+            try:
+                await asyncio.shield(work)
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                logger.exception("%s failed", self._name)

@@ -54,12 +54,13 @@ from pdserve.router.auth import ApiKey, TLSConfig
 from pdserve.router.backend import GenerationBackend, GenerationDelta
 from pdserve.router.errors import DeadlineExceededError, NoWorkersError, RequestValidationError
 from pdserve.router.http_asgi import (
+    SSE_HEADERS,
     Guard,
     QuietServer,
+    TaskResponse,
     listening_socket,
     send_json,
     sse,
-    until_disconnect,
 )
 from pdserve.router.validation import (
     ValidatedRequest,
@@ -70,10 +71,6 @@ from pdserve.router.validation import (
 )
 
 logger = logging.getLogger(__name__)
-
-_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
-                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-
 
 class PromptTools(Protocol):
     """What the HTTP front door needs of the model's tokenizer (the router actor's)."""
@@ -102,31 +99,6 @@ class _Job:
     deadline: float | None  # time.monotonic() instant, from the body's timeout
     stream: bool
     include_usage: bool
-
-
-class _GenerationResponse(Response):
-    """Runs a job as its own task and cancels it when the client goes away (see module doc)."""
-
-    def __init__(self, server: HttpServer, job: _Job) -> None:
-        super().__init__()
-        self._server, self._job = server, job
-
-    async def __call__(self, scope, receive, send) -> None:
-        work = asyncio.ensure_future(self._server._run(self._job, send))
-        watch = asyncio.ensure_future(until_disconnect(receive))
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():
-                logger.info("%s: client gone, aborting", self._job.request_id)
-                work.cancel()  # its finally aborts the request on the workers
-            try:
-                await asyncio.shield(work)
-            except asyncio.CancelledError:
-                pass
-            except Exception:
-                logger.exception("%s failed", self._job.request_id)
 
 
 class HttpServer:
@@ -247,7 +219,8 @@ class HttpServer:
 
     async def _guarded(self, making, prompt_param: str) -> Response:
         try:
-            return _GenerationResponse(self, await making)
+            job = await making
+            return TaskResponse(lambda send: self._run(job, send), job.request_id)
         except oa.OpenAIError:
             raise
         except Exception as exc:
@@ -340,7 +313,7 @@ class HttpServer:
             try:
                 if job.stream:
                     await send({"type": "http.response.start", "status": 200,
-                                "headers": _SSE_HEADERS})
+                                "headers": SSE_HEADERS})
                     state["started"] = True
                     async for event in stream:
                         await send({"type": "http.response.body", "body": event,
@@ -400,7 +373,7 @@ class HttpServer:
                                           usage))
             yield b"data: [DONE]\n\n"
             return
-        merged = _merge_logprobs(logprobs, job.chat) if job.params.logprobs is not None \
+        merged = oa.merge_logprobs(logprobs, job.chat) if job.params.logprobs is not None \
             else None
         build = oa.chat_object if job.chat else oa.completion_object
         yield build(job.request_id, job.model, job.created, "".join(texts),
@@ -458,11 +431,3 @@ class HttpServer:
             await close()
         except Exception:
             logger.exception("closing a backend stream failed")
-
-
-def _merge_logprobs(parts: list[dict], chat: bool) -> dict | None:
-    """Concatenate per-delta logprobs objects into one."""
-    if chat:
-        return {"content": [entry for part in parts for entry in part["content"]]}
-    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-    return {key: [v for part in parts for v in part[key]] for key in keys}

@@ -339,3 +339,11 @@ def model_list(model_name: str, root: str, max_context_tokens: int, created: int
 
 def now() -> int:
     return int(time.time())
+
+
+def merge_logprobs(parts: list[dict], chat: bool) -> dict:
+    """Concatenate per-delta logprobs objects into one."""
+    if chat:
+        return {"content": [entry for part in parts for entry in part["content"]]}
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {key: [v for part in parts for v in part[key]] for key in keys}
