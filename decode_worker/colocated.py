@@ -14,14 +14,15 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
+from pdserve.decode_worker.streaming import StreamingWorker
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.messages import StepDeltas, WorkerStats, WorkRequest
+from pdserve.engine.messages import WorkerStats, WorkRequest
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.worker_stats import engine_stats
 
 
-class ColocatedWorker:
+class ColocatedWorker(StreamingWorker):
     role = "colocated"
 
     def __init__(self, worker_id: str, parts: EngineParts, orphan_timeout_s: float = 30.0):
@@ -38,20 +39,6 @@ class ColocatedWorker:
 
     def abort(self, request_id: str) -> Future:
         return self.loop.call(self._abort, request_id)
-
-    def poll(self, timeout: float | None = None, compact: bool = False) -> StepDeltas:
-        """Deltas produced since the last poll (blocks up to ``timeout`` when none), their text
-        made here; ``compact``: a pure decode step's go on as one TokenDeltas (what the
-        router's handle ships), else one RequestDelta each."""
-        deltas = self.loop.outbox.drain(timeout)
-        return self.engine.render_compact(deltas) if compact else self.engine.render(deltas)
-
-    def stats(self) -> Future:
-        return self.loop.call(self._stats)
-
-    def snapshot(self) -> WorkerStats:
-        """The latest published stats, without waiting for the engine loop."""
-        return self.loop.snapshot()
 
     def close(self) -> None:
         self.loop.stop()

@@ -38,13 +38,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from pdserve.decode_worker.streaming import StreamingWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine, NoCapacityError
 from pdserve.engine.messages import (
     RequestDelta,
     Reservation,
-    StepDeltas,
     WorkerStats,
     WorkRequest,
 )
@@ -66,7 +66,7 @@ class _Reserved:
     lease_deadline: float  # time.time()
 
 
-class DecodeWorker:
+class DecodeWorker(StreamingWorker):
     """See the module docstring for the lifecycle."""
 
     role = "decode"
@@ -107,20 +107,6 @@ class DecodeWorker:
 
     def abort(self, request_id: str) -> Future:
         return self.loop.call(self._abort, request_id)
-
-    def snapshot(self) -> WorkerStats:
-        """The latest published stats, without waiting for the engine loop."""
-        return self.loop.snapshot()
-
-    def poll(self, timeout: float | None = None, compact: bool = False) -> StepDeltas:
-        """Deltas produced since the last poll (blocks up to ``timeout`` when none), their text
-        made here; ``compact``: a pure decode step's go on as one TokenDeltas (what the
-        router's handle ships), else one RequestDelta each."""
-        deltas = self.loop.outbox.drain(timeout)
-        return self.engine.render_compact(deltas) if compact else self.engine.render(deltas)
-
-    def stats(self) -> Future:
-        return self.loop.call(self._stats)
 
     def close(self) -> None:
         self.endpoint.close()
