@@ -34,8 +34,6 @@ import time
 import uuid
 from dataclasses import replace
 
-import psutil
-
 from pdserve.cluster.actors import WorkerSpec, cluster_namespace
 from pdserve.cluster.options import ClusterOptions
 from pdserve.cluster.placement import (
@@ -46,6 +44,7 @@ from pdserve.cluster.placement import (
 )
 from pdserve.cluster.pool_store import PoolStore
 from pdserve.cluster.pools import PoolSettings, WorkerStartError
+from pdserve.cluster.processes import child_pids, quiet_value, quietly, wait_gone
 from pdserve.cluster.ray_env import init_ray
 from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.router_actor import (
@@ -108,13 +107,13 @@ class EmbeddedCluster:
 
         opts = self.options
         self._owns_ray = not ray.is_initialized() and not opts.ray_address
-        before = _child_pids()
+        before = child_pids()
         if self._owns_ray:  # short: Ray's socket paths live under it
             self._ray_temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")
         num_cpus = opts.local_ray_cpus() if self._owns_ray else opts.ray_num_cpus
         self._ray = init_ray(opts.ray_address, self._ray_temp_dir, num_cpus)
         if self._owns_ray:
-            self._ray_pids = _child_pids() - before
+            self._ray_pids = child_pids() - before
         if opts.redis_url:
             self.redis_url = opts.redis_url
         else:
@@ -193,7 +192,7 @@ class EmbeddedCluster:
         logger.warning("removing a stale router of cluster %s (Redis %s)", self.cluster_name,
                        info["redis_url"])
         for actor in [router, *self._named_workers()]:
-            _quietly(lambda actor=actor: self._ray.kill(actor, no_restart=True), "stale kill")
+            quietly(lambda actor=actor: self._ray.kill(actor, no_restart=True), "stale kill")
         return None
 
     def worker_specs(self) -> list[WorkerSpec]:
@@ -365,9 +364,9 @@ class EmbeddedCluster:
     def _learn_pids(self) -> None:
         """Every worker pid the pool manager recorded, and the router's current pid."""
         if self.store is not None:
-            self._worker_pids.update(pid for _node, pid in _quiet_value(self.store.pids, set()))
+            self._worker_pids.update(pid for _node, pid in quiet_value(self.store.pids, set()))
         for router in self.routers if self._ray is not None else []:
-            info = _quiet_value(lambda r=router: self._ray.get(r.info.remote(), timeout=10),
+            info = quiet_value(lambda r=router: self._ray.get(r.info.remote(), timeout=10),
                                 None)
             if info is not None:
                 self._router_pids.add(info["pid"])
@@ -391,7 +390,7 @@ class EmbeddedCluster:
                 self._stop_actors(timeout)
             if self._owns_ray:  # every child but Redis is Ray's now, and goes with it
                 redis = {self._redis.process.pid} if self._redis and self._redis.process else set()
-                self._ray_pids |= _child_pids() - redis
+                self._ray_pids |= child_pids() - redis
                 self._ray.shutdown()
                 logger.info("local Ray shut down")
         wait_gone(actor_pids | self._ray_pids, timeout)
@@ -399,7 +398,7 @@ class EmbeddedCluster:
             shutil.rmtree(self._ray_temp_dir, ignore_errors=True)
         if self.store is not None:
             if not keep:
-                _quietly(self.store.clear, "clearing the cluster's Redis keys")
+                quietly(self.store.clear, "clearing the cluster's Redis keys")
             self.store.close()
         if self._redis is not None:
             self._redis.stop()
@@ -412,7 +411,7 @@ class EmbeddedCluster:
         found = []
         for entry in self._ray.util.list_named_actors(all_namespaces=True):
             if entry["namespace"] == namespace and not is_router_name(entry["name"]):
-                actor = _quiet_value(lambda e=entry: self._ray.get_actor(e["name"],
+                actor = quiet_value(lambda e=entry: self._ray.get_actor(e["name"],
                                                                          namespace=namespace),
                                      None)
                 if actor is not None:
@@ -423,53 +422,13 @@ class EmbeddedCluster:
         ray = self._ray
         # Routers first: a pool manager must not replace what goes now.
         for router in self.routers:
-            _quietly(lambda r=router: ray.get(r.stop.remote(), timeout=timeout), "router stop")
+            quietly(lambda r=router: ray.get(r.stop.remote(), timeout=timeout), "router stop")
         workers = self._named_workers()
         closing = [a.close.remote() for a in workers]
-        _quietly(lambda: ray.wait(closing, num_returns=len(closing), timeout=timeout),
+        quietly(lambda: ray.wait(closing, num_returns=len(closing), timeout=timeout),
                  "worker close")
         for actor in [*workers, *self.routers]:
-            _quietly(lambda actor=actor: ray.kill(actor, no_restart=True), "actor kill")
+            quietly(lambda actor=actor: ray.kill(actor, no_restart=True), "actor kill")
         self.workers.clear()
         self.routers.clear()
         self.router = None
-
-
-def _quiet_value(fn, default):
-    """``fn()``, or ``default`` (logged) when it raises."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - best effort while observing or stopping
-        logger.warning("%s failed: %s", getattr(fn, "__name__", "call"), exc)
-        return default
-
-
-def _quietly(fn, what: str) -> None:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - stopping goes on whatever failed
-        logger.warning("%s failed: %s", what, exc)
-
-
-def _child_pids() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def wait_gone(pids: set[int], timeout: float) -> set[int]:
-    """Wait until none of ``pids`` runs (zombies count as gone); returns the survivors."""
-    deadline = time.monotonic() + timeout
-    alive = set(pids)
-    while alive and time.monotonic() < deadline:
-        alive = {pid for pid in alive if is_running(pid)}
-        if alive:
-            time.sleep(0.05)
-    if alive:
-        logger.warning("processes still running after stop: %s", sorted(alive))
-    return alive
-
-
-def is_running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

@@ -30,7 +30,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster, is_running
+from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
+from pdserve.cluster.processes import is_running
 from pdserve.cluster.redis_server import RedisServer, free_port
 from pdserve.testing import wait_for
 

@@ -17,7 +17,7 @@ import urllib.request
 import psutil
 import pytest
 
-from pdserve.cluster.launcher import wait_gone
+from pdserve.cluster.processes import wait_gone
 from pdserve.testing import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

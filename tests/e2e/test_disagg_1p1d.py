@@ -18,7 +18,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.api.client import AsyncPdserveClient, PdserveClient, PdserveError
-from pdserve.cluster.launcher import is_running
+from pdserve.cluster.processes import is_running
 from pdserve.router.grpc_server import SERVICE_NAME
 
 pytestmark = pytest.mark.e2e

@@ -35,7 +35,7 @@ def test_concurrent_greedy_equals_offline(cluster, model_dir, e2e):
 
 
 def test_shutdown_leaves_no_worker_processes(cluster):
-    from pdserve.cluster.launcher import is_running
+    from pdserve.cluster.processes import is_running
 
     pids = cluster.started_pids()
     assert len(pids) == 5  # router + 4 workers (Redis and Ray belong to the session)

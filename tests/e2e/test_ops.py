@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 
 from pdserve.api.client import AsyncPdserveClient, PdserveClient
-from pdserve.cluster.launcher import is_running
+from pdserve.cluster.processes import is_running
 
 pytestmark = pytest.mark.e2e
 

@@ -19,7 +19,7 @@ import tempfile
 
 import pytest
 
-from pdserve.cluster.launcher import is_running
+from pdserve.cluster.processes import is_running
 from pdserve.cluster.redis_server import free_port
 
 pytestmark = pytest.mark.e2e
