@@ -1,0 +1,105 @@
+"""Workers, the router's view of its workers: membership from the directory, one poller per
+streaming worker, and the difference between leaving the registry (no new requests, streams
+go on) and being lost (a failed poll). Handles here are scripted stand-ins (fault injection);
+tests/router/test_failover.py and the e2e tests run the same paths over real workers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from pdserve.engine.messages import RequestDelta, TokenDeltas, WorkerStats
+from pdserve.router.config import RouterConfig
+from pdserve.router.directory import StaticDirectory
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.workers import Workers
+
+
+class ScriptedHandle:
+    """A worker whose polls return what the test queues (an exception: the poll fails)."""
+
+    def __init__(self, worker_id: str, role: str):
+        self.worker_id, self.role = worker_id, role
+        self.polls: asyncio.Queue = asyncio.Queue()
+        self.aborted: list[str] = []
+
+    async def stats(self) -> WorkerStats:
+        return WorkerStats(self.worker_id, self.role, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0)
+
+    async def poll(self, timeout: float):
+        item = await self.polls.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _workers(handles):
+    routed, lost = [], []
+    workers = Workers(StaticDirectory(handles), RouterConfig(stats_interval_s=3600),
+                      RouterMetrics(), lambda handle, delta: routed.append((handle.worker_id,
+                                                                           delta)),
+                      lambda worker_id, why: lost.append((worker_id, why)))
+    return workers, routed, lost
+
+
+async def _settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_membership_streams_and_a_lost_worker():
+    async def scenario():
+        prefill, decode = ScriptedHandle("p0", "prefill"), ScriptedHandle("d0", "decode")
+        workers, routed, lost = _workers([prefill, decode])
+        assert not workers.is_ready() and not workers.was_ready
+        await workers.start()
+        assert workers.is_ready() and workers.was_ready
+        assert [w.stats.worker_id for w in workers.live("decode")] == ["d0"]
+
+        # a compact delta reaches route() as one RequestDelta per request
+        decode.polls.put_nowait([TokenDeltas(["a", "b"], [5, 6], [1, 1], np.array([3, 3]),
+                                             np.array([2, 2]))])
+        await _settle()
+        assert [(w, d.request_id, d.new_token_ids) for w, d in routed] == [
+            ("d0", "a", [5]), ("d0", "b", [6])]
+
+        # leaving the registry: no new requests, but the stream goes on
+        workers.directory.handles.remove(decode)
+        await workers.refresh()
+        assert workers.live("decode") == [] and not workers.is_ready()
+        assert workers.was_ready  # admitted while workers come back
+        decode.polls.put_nowait([RequestDelta("a", [7], "", attempt=1)])
+        await _settle()
+        assert routed[-1][1].new_token_ids == [7] and lost == []
+
+        # a failed poll loses the worker: its handle goes and the callback hears why
+        decode.polls.put_nowait(ConnectionError("actor died"))
+        await _settle()
+        assert lost == [("d0", "poll failed: actor died")]
+        assert "d0" not in workers.handles
+        await workers.abort_on("d0", "a")  # a lost worker is not called
+        assert decode.aborted == []
+        await workers.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_suspect_worker_takes_no_new_requests_until_the_next_refresh():
+    async def scenario():
+        decode = ScriptedHandle("d0", "colocated")
+        workers, _routed, lost = _workers([decode])
+        await workers.start()
+        workers.suspect("d0", "submit failed")
+        assert workers.live("colocated") == [] and "d0" in workers.handles
+        workers.abort_later("d0", "r1")
+        await _settle()
+        assert decode.aborted == ["r1"]
+        await workers.refresh()
+        assert [w.stats.worker_id for w in workers.live("colocated")] == ["d0"] and lost == []
+        await workers.stop()
+
+    asyncio.run(scenario())
