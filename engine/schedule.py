@@ -76,6 +76,7 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    def _add(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> None:
+    def add(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> None:
+        """Schedule ``num_new_tokens`` of ``seq`` (and ``num_lookahead`` draft slots)."""
         self.scheduled.append(ScheduledSequence(seq, num_new_tokens, num_lookahead))
         self.num_batched_tokens += num_new_tokens + num_lookahead

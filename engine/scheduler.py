@@ -240,7 +240,7 @@ class Scheduler:
         if self.lookahead is not None and n == 1 and seq.num_uncomputed_tokens == 1:
             return self._schedule_speculative(seq, budget, out)
         if seq.num_computed_tokens + n <= len(seq.block_table) * self.block_manager.block_size:
-            out._add(seq, n)  # the table already covers the tokens (most decode steps)
+            out.add(seq, n)  # the table already covers the tokens (most decode steps)
             return n, False
         short = False
         if not self.block_manager.can_allocate(seq, n):
@@ -249,7 +249,7 @@ class Scheduler:
             if n == 0:
                 return 0, short
         self.block_manager.allocate(seq, n)
-        out._add(seq, n)
+        out.add(seq, n)
         return n, short
 
     def _schedule_speculative(self, seq: Sequence, budget: int,
@@ -262,7 +262,7 @@ class Scheduler:
             return 0, short
         k = max(0, min(self.lookahead(seq), budget - 1, bm.num_allocatable_tokens(seq) - 1))
         bm.allocate(seq, 1 + k)
-        out._add(seq, 1, k)
+        out.add(seq, 1, k)
         return 1 + k, short
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
@@ -332,7 +332,7 @@ class Scheduler:
             bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             self._join_running(seq)
-            out._add(seq, n)
+            out.add(seq, n)
             budget -= n
         return budget
 
