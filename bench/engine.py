@@ -4,7 +4,8 @@ In one run:
 1. decode step time against the memory roofline (bytes read per step / read bandwidth measured
    now) on a random ~100M-parameter Llama at batch 1, 8, 64 in fp32 and bf16;
 2. engine overhead per step (everything outside the model forward) at batch 64 and 256 on a
-   tiny model, and what a request joining the decode rows costs;
+   tiny model, with prompts of one length and of spread lengths, and what a request joining
+   the decode rows costs;
 3. tokens/s of continuous batching against Hugging Face ``generate`` with static batches on the
    same requests with long-tailed output lengths.
 """
@@ -71,12 +72,15 @@ def _best_time(fn, repeats: int) -> float:
 
 
 def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int,
-                 render_s: list[float] | None = None) -> list:
+                 render_s: list[float] | None = None, spread: int = 1) -> list:
     """Run ``batch`` requests to decode and return StepStats of ``steps`` pure decode steps;
-    ``render_s`` gets the time of rendering each one's deltas (the reader's side)."""
+    request ``i``'s prompt has ``prompt_len + i % spread`` tokens (``spread`` 1: every row
+    enters a new block in the same step; the block size: a few rows do in every step).
+    ``render_s`` gets the time of rendering each step's deltas (the reader's side)."""
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"d{i}", [(7 * i + j) % 500 + 1 for j in range(prompt_len)], params)
+        engine.add_request(f"d{i}", [(7 * i + j) % 500 + 1
+                                     for j in range(prompt_len + i % spread)], params)
     sched = engine.scheduler
     while any(s.num_output_tokens == 0 for s in [*sched.running, *sched.waiting]):
         engine.step()
@@ -122,19 +126,26 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
 
 
 def overhead_table(model_dir: Path, batches: list[int], steps: int) -> str:
+    """Time outside the forward per pure decode step, with the prompts all of one length
+    (the rows enter their blocks in lockstep) and spread over a block's worth of lengths."""
+    shortest = 16  # prompt tokens
     rows = []
     parts = EngineParts.build(EngineConfig(model=str(model_dir), num_kv_blocks=8192,
                                            max_num_seqs=512, max_num_batched_tokens=8192))
+    block_size = parts.block_manager.block_size
     for batch in batches:
-        render_s: list[float] = []
-        stats = decode_steps(LLMEngine(parts), batch, 16, steps, render_s)
-        total = sum(s.total_s for s in stats)
-        forward = sum(s.forward_s for s in stats)
-        outside = sorted(s.total_s - s.forward_s for s in stats)
-        rows.append([batch, total / len(stats) * 1e3, (total - forward) / len(stats) * 1e3,
-                     f"{(total - forward) / total:.1%}", outside[len(outside) // 2] * 1e3,
-                     sum(render_s) / len(render_s) * 1e3])
-    return format_table(["batch", "step ms", "outside forward ms", "overhead",
+        for spread in (1, block_size):
+            render_s: list[float] = []
+            stats = decode_steps(LLMEngine(parts), batch, shortest, steps, render_s, spread)
+            total = sum(s.total_s for s in stats)
+            forward = sum(s.forward_s for s in stats)
+            outside = sorted(s.total_s - s.forward_s for s in stats)
+            lengths = f"{shortest}-{shortest + spread - 1}" if spread > 1 else str(shortest)
+            rows.append([batch, lengths,
+                         total / len(stats) * 1e3, (total - forward) / len(stats) * 1e3,
+                         f"{(total - forward) / total:.1%}", outside[len(outside) // 2] * 1e3,
+                         sum(render_s) / len(render_s) * 1e3])
+    return format_table(["batch", "prompt tokens", "step ms", "outside forward ms", "overhead",
                          "median outside ms", "render ms (reader)"], rows)
 
 

@@ -57,6 +57,10 @@ def has_own_stop_rules(p: SamplingParams) -> bool:
 (TOKENS, POSITIONS, SLOTS, NUM_BLOCKS, LAST_POSITIONS, NUM_PROMPT, NUM_OUTPUT, STOPS_ON_EOS,
  PER_TOKEN, FIRST, GREEDY) = range(11)
 NUM_FIELDS = 11
+# up to this many rows, a loop of scalar reads and writes beats numpy's fixed cost per call
+# (a few us each right after a forward): the rows that enter a block in one step of a batch
+# whose lengths are spread (batch / block_size of them)
+FEW_ROWS = 32
 
 _BLOCK_TABLE, _TOKEN_IDS = attrgetter("block_table"), attrgetter("token_ids")
 _REQUEST_ID, _ATTEMPT = attrgetter("request_id"), attrgetter("attempt")
@@ -153,10 +157,7 @@ class DecodeRows:
         self._set_tables(grown)
         columns = np.array(list(map(self._fresh_row, seqs)), np.int64).T  # (fields, k)
         self.state = state = np.concatenate([self.state, columns], axis=1)
-        fresh = np.arange(n, n + k)
-        self._look_up_slots(fresh)
-        self.needs_block = self.needs_block + [n + j for j in
-                                               np.flatnonzero(state[SLOTS, n:] < 0).tolist()]
+        self.needs_block = self.needs_block + self._look_up_slots(np.arange(n, n + k))
         positions = state[POSITIONS, n:]
         self.context_lens = np.concatenate([self.context_lens, (positions + 1).astype(np.int32)])
         self.max_context_len = max(self.max_context_len, int(positions.max()) + 1)
@@ -273,33 +274,66 @@ class DecodeRows:
                 limit - 1, seq.num_prompt_tokens, seq.num_output_tokens, not p.ignore_eos,
                 has_own_stop_rules(p), seq.first_token_time is None, takes_argmax(p))
 
-    def _look_up_slots(self, rows: np.ndarray) -> None:
-        """Slots of ``rows`` from their tables (-1 where the position's block is missing)."""
-        if not len(rows):
-            return
+    def _look_up_slots(self, rows: np.ndarray) -> list[int]:
+        """Slots of ``rows`` from their tables (-1 where the position's block is missing);
+        returns the rows whose block is missing."""
+        if len(rows) <= FEW_ROWS:
+            return self._look_up_slots_each(rows.tolist())
         bs, state = self.block_size, self.state
         positions = state[POSITIONS, rows]
         has = positions < state[NUM_BLOCKS, rows] * bs
         column = np.minimum(positions // bs, self.tables.shape[1] - 1)
         slots = self.tables[rows, column].astype(np.int64) * bs + positions % bs
         state[SLOTS, rows] = np.where(has, slots, -1)
+        return rows[~has].tolist()
+
+    def _look_up_slots_each(self, rows: list[int]) -> list[int]:
+        """:meth:`_look_up_slots` one row at a time (the few rows that enter a block in one
+        step of a batch whose lengths are spread)."""
+        bs, tables, state = self.block_size, self.tables, self.state
+        positions, num_blocks, slots = state[POSITIONS], state[NUM_BLOCKS], state[SLOTS]  # views
+        missing = []
+        for row in rows:
+            position = int(positions[row])
+            if position < num_blocks[row] * bs:
+                slots[row] = int(tables[row, position // bs]) * bs + position % bs
+            else:
+                slots[row] = -1
+                missing.append(row)
+        return missing
 
     # -- the steps ---------------------------------------------------------------------------
 
     def blocks_added(self, rows: list[int], blocks: list[int]) -> None:
         """Each of ``rows`` (from :attr:`needs_block`) was given its next block, ``blocks[i]``
         for ``rows[i]`` (now the last entry of its sequence's table)."""
-        index = np.asarray(rows, np.int64)
         state, bs = self.state, self.block_size
-        columns = state[NUM_BLOCKS, index]
-        while int(columns.max()) >= self.tables.shape[1]:
-            self._set_tables(np.pad(self.tables, ((0, 0), (0, self.tables.shape[1]))))
-        blocks = np.asarray(blocks, np.int64)
-        self.tables[index, columns] = blocks
-        state[NUM_BLOCKS, index] = columns + 1
-        self.max_blocks = max(self.max_blocks, int(columns.max()) + 1)
-        state[SLOTS, index] = blocks * bs + state[POSITIONS, index] % bs
+        num_blocks = state[NUM_BLOCKS]
+        if len(rows) <= FEW_ROWS:  # one at a time
+            positions, slots = state[POSITIONS], state[SLOTS]
+            for row, block in zip(rows, blocks, strict=True):
+                column = int(num_blocks[row])
+                self._widen_tables(column + 1)
+                self.tables[row, column] = block
+                num_blocks[row] = column + 1
+                slots[row] = block * bs + int(positions[row]) % bs
+                self.max_blocks = max(self.max_blocks, column + 1)
+        else:
+            index = np.asarray(rows, np.int64)
+            columns = num_blocks[index]
+            most = int(columns.max()) + 1
+            self._widen_tables(most)
+            block_ids = np.asarray(blocks, np.int64)
+            self.tables[index, columns] = block_ids
+            num_blocks[index] = columns + 1
+            state[SLOTS, index] = block_ids * bs + state[POSITIONS, index] % bs
+            self.max_blocks = max(self.max_blocks, most)
         self.needs_block = []
+
+    def _widen_tables(self, width: int) -> None:
+        """Double the tables' width until it is at least ``width`` (new entries 0)."""
+        while width > self.tables.shape[1]:
+            self._set_tables(np.pad(self.tables, ((0, 0), (0, self.tables.shape[1]))))
 
     def advance(self, token_ids: list[int], tokens: np.ndarray) -> None:
         """Every row computed its position and sampled ``token_ids[row]`` (``tokens``: the same
@@ -320,8 +354,7 @@ class DecodeRows:
         filled = np.flatnonzero(state[POSITIONS] % self.block_size == 0)
         self.filled = filled.tolist()  # (the rows whose new position starts a block)
         if self.filled:
-            self._look_up_slots(filled)
-            self.needs_block = filled[state[SLOTS, filled] < 0].tolist()
+            self.needs_block = self._look_up_slots(filled)
 
     def first_tokens_sent(self) -> None:
         """Every row has had its first token (after a step's deltas)."""

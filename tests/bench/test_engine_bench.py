@@ -14,6 +14,8 @@ def test_engine_bench_quick_prints_every_section(capsys):
     for title in ("1. decode step vs memory roofline", "2. engine overhead per decode step",
                   "3. continuous batching vs Hugging Face static batching"):
         assert title in out, out
+    for lengths in ("16", "16-31"):  # one prompt length, and a block's worth of lengths
+        assert re.search(rf"^\s*8\s+{lengths}\s+[\d.]+", out, re.M), out
     assert "pdserve continuous" in out and "HF generate static (batch 8)" in out, out
     assert re.search(r"one join to 8 decode rows, the rows' sync: appended \d+ us, "
                      r"mapped \d+ us, read afresh \d+ us", out), out

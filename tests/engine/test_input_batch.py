@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 
+from pdserve.engine import input_batch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, NoCapacityError
 from pdserve.engine.messages import WorkRequest
@@ -118,7 +119,19 @@ def _same_batch(a, b) -> None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_traffic_gives_the_same_batches_and_tokens_as_rebuilding(tiny_dir, seed):
-    events = _traffic(random.Random(seed), 90)
+    _assert_same_as_rebuilding(tiny_dir, _traffic(random.Random(seed), 90))
+
+
+@pytest.mark.parametrize("few_rows", [0, 1000])
+def test_array_ops_and_per_row_writes_for_rows_entering_blocks_each_match_rebuilding(
+        tiny_dir, monkeypatch, few_rows):
+    """The rows that enter a block in a step get their slots and blocks by array ops, or one
+    at a time when they are few (``FEW_ROWS``): each way alone gives the rebuilt batches."""
+    monkeypatch.setattr(input_batch, "FEW_ROWS", few_rows)
+    _assert_same_as_rebuilding(tiny_dir, _traffic(random.Random(3), 90))
+
+
+def _assert_same_as_rebuilding(tiny_dir, events) -> None:
     fast, rebuilt = _engine(tiny_dir, rebuild=False), _engine(tiny_dir, rebuild=True)
     rows_steps = _count_rows_steps(fast)
     fast_batches, rebuilt_batches = [], []
