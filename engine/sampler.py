@@ -334,12 +334,13 @@ class Sampler:
         temps = [r.params.temperature for r in rows]
         greedy = [i for i, t in enumerate(temps) if t < GREEDY_TEMPERATURE]
         sampled = [i for i, t in enumerate(temps) if t >= GREEDY_TEMPERATURE]
-        token_ids = torch.empty(len(rows), dtype=torch.int64, device=dev)
-        if len(greedy) == len(rows):
+        if not sampled:
             token_ids = logits.argmax(dim=1)
-        elif greedy:
+        elif not greedy:
+            token_ids = self._sample(logits, rows, sampled)
+        else:
+            token_ids = torch.empty(len(rows), dtype=torch.int64, device=dev)
             token_ids[greedy] = logits[greedy].argmax(dim=1)
-        if sampled:
             token_ids[sampled] = self._sample(logits, [rows[i] for i in sampled], sampled)
         return SamplerOutput(token_ids.tolist(), self._logprobs(logits, rows, token_ids))
 
