@@ -45,6 +45,7 @@ the float math.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -253,21 +254,30 @@ def filter_weights(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
 def inverse_cdf_draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """(rows,) token ids drawn by inverse CDF from nonnegative weights, one uniform per row."""
-    rows, vocab = weights.shape
+    vocab = weights.shape[1]
     block_mass = _block_sums(weights).to(torch.float64)  # (rows, num_blocks)
     block_cdf = torch.cumsum(block_mass, dim=1)
     # strictly below the total, so the chosen block has mass > 0
     target = uniforms.to(torch.float64) * block_cdf[:, -1] * (1.0 - 1e-12)
     block = torch.searchsorted(block_cdf, target[:, None], right=True)  # (rows, 1)
-    block = block.clamp(max=block_cdf.shape[1] - 1)
-    rest = target[:, None] - (block_cdf.gather(1, block) - block_mass.gather(1, block))
-    start = block * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=weights.device)  # (rows, block)
-    in_block = weights.gather(1, start.clamp(max=vocab - 1)) * (start < vocab)  # 0 past the end
+    block = block.clamp_(max=block_cdf.shape[1] - 1)
+    rest = target[:, None] - (block_cdf - block_mass).gather(1, block)  # mass before it
+    start = block * _CDF_BLOCK
+    index = start + _block_offsets(weights.device)  # (rows, block)
+    if vocab % _CDF_BLOCK:  # the last block runs past the vocabulary: 0 there
+        in_block = weights.gather(1, index.clamp(max=vocab - 1)) * (index < vocab)
+    else:
+        in_block = weights.gather(1, index)
     inner_cdf = torch.cumsum(in_block.to(torch.float64), dim=1)
     # keep the target strictly inside this block's mass so a zero-weight tail is unreachable
-    rest = torch.minimum(rest.clamp(min=0.0), inner_cdf[:, -1:] * (1.0 - 1e-12))
-    offset = torch.searchsorted(inner_cdf, rest, right=True).clamp(max=_CDF_BLOCK - 1)
-    return (block * _CDF_BLOCK + offset).squeeze(1)
+    rest = torch.minimum(rest.clamp_(min=0.0), inner_cdf[:, -1:] * (1.0 - 1e-12))
+    offset = torch.searchsorted(inner_cdf, rest, right=True).clamp_(max=_CDF_BLOCK - 1)
+    return (start + offset).squeeze(1)
+
+
+@functools.cache
+def _block_offsets(device: torch.device) -> torch.Tensor:
+    return torch.arange(_CDF_BLOCK, device=device)
 
 
 def _gather_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
