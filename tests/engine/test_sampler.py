@@ -16,6 +16,7 @@ from pdserve.engine.sampler import (
     filter_weights,
     inverse_cdf_draw,
     softmax_weights,
+    top_values,
 )
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.seeded_uniforms import draw_uniform, draw_uniforms
@@ -104,7 +105,8 @@ def test_a_wrong_distribution_is_detected():
 @pytest.mark.parametrize("seed", range(4))
 def test_filter_masks_equal_reference_on_random_rows(seed, path, monkeypatch):
     # top-p has two exact implementations: force each one on the same rows
-    monkeypatch.setattr(sampler_module, "_TOP_P_RANK_MAX", 10**9 if path == "topk" else -1)
+    monkeypatch.setattr(sampler_module, "_rank_limit",
+                        lambda weights: 10**9 if path == "topk" else -1)
     gen = torch.Generator().manual_seed(seed)
     rows, vocab = 24, 3000
     scale = torch.rand(rows, 1, generator=gen) * 6  # flat (scale ~ 0) to peaky rows
@@ -266,6 +268,21 @@ def test_draw_uniform_is_a_fixed_function():
 
 PINNED_UNIFORMS = [0.6524484863740322, 0.36818951565166946, 0.03401170130434639,
                    0.10134950925237729]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_top_values_are_torch_topk_values(dtype):
+    """On CPU the ranking takes numpy's sort or partition; the values must be topk's, ties,
+    zeros and strided rows included, on both sides of the vocabulary and k cut-offs."""
+    gen = torch.Generator().manual_seed(1)
+    for vocab in (1, 7, 1024, 1025, 5000):
+        x = ((torch.rand(9, vocab, generator=gen) * 20).floor() / 20).to(dtype)  # many ties
+        x[0] = 0.0
+        for k in sorted({1, 16, 63, 64, 256, vocab // 2, vocab} & set(range(1, vocab + 1))):
+            for rows in (x, x[::2], x.t().contiguous().t()):
+                expected = torch.topk(rows, k).values
+                got = top_values(rows, k)
+                assert got.dtype == dtype and torch.equal(got, expected), (vocab, k)
 
 
 def test_draw_uniforms_equal_draw_uniform_bit_for_bit():
