@@ -4,8 +4,8 @@ In one run:
 1. decode step time against the memory roofline (bytes read per step / read bandwidth measured
    now) on a random ~100M-parameter Llama at batch 1, 8, 64 in fp32 and bf16;
 2. engine overhead per step (everything outside the model forward) at batch 64 and 256 on a
-   tiny model, with prompts of one length and of spread lengths, and what a request joining
-   the decode rows costs;
+   tiny model, with prompts of one length and of spread lengths, greedy and sampled, and what
+   a request joining the decode rows costs;
 3. tokens/s of continuous batching against Hugging Face ``generate`` with static batches on the
    same requests with long-tailed output lengths.
 """
@@ -72,13 +72,16 @@ def _best_time(fn, repeats: int) -> float:
 
 
 def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int,
-                 render_s: list[float] | None = None, spread: int = 1) -> list:
+                 render_s: list[float] | None = None, spread: int = 1,
+                 sampling: dict | None = None) -> list:
     """Run ``batch`` requests to decode and return StepStats of ``steps`` pure decode steps;
     request ``i``'s prompt has ``prompt_len + i % spread`` tokens (``spread`` 1: every row
-    enters a new block in the same step; the block size: a few rows do in every step).
+    enters a new block in the same step; the block size: a few rows do in every step), and
+    it decodes greedily or with ``sampling`` (SamplingParams fields; seed ``i``).
     ``render_s`` gets the time of rendering each step's deltas (the reader's side)."""
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     for i in range(batch):
+        params = SamplingParams(max_tokens=steps + 4, ignore_eos=True,
+                                **(dict(sampling, seed=i) if sampling else {"temperature": 0.0}))
         engine.add_request(f"d{i}", [(7 * i + j) % 500 + 1
                                      for j in range(prompt_len + i % spread)], params)
     sched = engine.scheduler
@@ -125,28 +128,34 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
                          "x roofline", "gemv-roof ms", "x gemv-roof", "tok/s"], rows)
 
 
+SAMPLED = {"temperature 0.8": {"temperature": 0.8},
+           "temperature 0.8, top-p 0.95": {"temperature": 0.8, "top_p": 0.95}}
+
+
 def overhead_table(model_dir: Path, batches: list[int], steps: int) -> str:
-    """Time outside the forward per pure decode step, with the prompts all of one length
-    (the rows enter their blocks in lockstep) and spread over a block's worth of lengths."""
+    """Time outside the forward per pure decode step: greedy with the prompts all of one
+    length (the rows enter their blocks in lockstep) and spread over a block's worth of
+    lengths, then sampled (spread lengths, the first batch size)."""
     shortest = 16  # prompt tokens
-    rows = []
     parts = EngineParts.build(EngineConfig(model=str(model_dir), num_kv_blocks=8192,
                                            max_num_seqs=512, max_num_batched_tokens=8192))
     block_size = parts.block_manager.block_size
-    for batch in batches:
-        for spread in (1, block_size):
-            render_s: list[float] = []
-            stats = decode_steps(LLMEngine(parts), batch, shortest, steps, render_s, spread)
-            total = sum(s.total_s for s in stats)
-            forward = sum(s.forward_s for s in stats)
-            outside = sorted(s.total_s - s.forward_s for s in stats)
-            lengths = f"{shortest}-{shortest + spread - 1}" if spread > 1 else str(shortest)
-            rows.append([batch, lengths,
-                         total / len(stats) * 1e3, (total - forward) / len(stats) * 1e3,
-                         f"{(total - forward) / total:.1%}", outside[len(outside) // 2] * 1e3,
-                         sum(render_s) / len(render_s) * 1e3])
-    return format_table(["batch", "prompt tokens", "step ms", "outside forward ms", "overhead",
-                         "median outside ms", "render ms (reader)"], rows)
+    cases = [(batch, spread, "greedy", None) for batch in batches for spread in (1, block_size)]
+    cases += [(batches[0], block_size, name, kw) for name, kw in SAMPLED.items()]
+    rows = []
+    for batch, spread, name, sampling in cases:
+        render_s: list[float] = []
+        stats = decode_steps(LLMEngine(parts), batch, shortest, steps, render_s, spread,
+                             sampling)
+        total = sum(s.total_s for s in stats)
+        forward = sum(s.forward_s for s in stats)
+        outside = sorted(s.total_s - s.forward_s for s in stats)
+        lengths = f"{shortest}-{shortest + spread - 1}" if spread > 1 else str(shortest)
+        rows.append([batch, lengths, name, total / len(stats) * 1e3,
+                     (total - forward) / len(stats) * 1e3, f"{(total - forward) / total:.1%}",
+                     outside[len(outside) // 2] * 1e3, sum(render_s) / len(render_s) * 1e3])
+    return format_table(["batch", "prompt tokens", "decoding", "step ms", "outside forward ms",
+                         "overhead", "median outside ms", "render ms (reader)"], rows)
 
 
 def join_sync_line(model_dir: Path, batch: int = 64, repeats: int = 300) -> str:

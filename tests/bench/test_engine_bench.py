@@ -15,7 +15,9 @@ def test_engine_bench_quick_prints_every_section(capsys):
                   "3. continuous batching vs Hugging Face static batching"):
         assert title in out, out
     for lengths in ("16", "16-31"):  # one prompt length, and a block's worth of lengths
-        assert re.search(rf"^\s*8\s+{lengths}\s+[\d.]+", out, re.M), out
+        assert re.search(rf"^\s*8\s+{lengths}\s+greedy\s+[\d.]+", out, re.M), out
+    for decoding in engine.SAMPLED:
+        assert re.search(rf"^\s*8\s+16-31\s+{decoding}\s+[\d.]+", out, re.M), out
     assert "pdserve continuous" in out and "HF generate static (batch 8)" in out, out
     assert re.search(r"one join to 8 decode rows, the rows' sync: appended \d+ us, "
                      r"mapped \d+ us, read afresh \d+ us", out), out
