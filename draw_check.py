@@ -23,13 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.sampler import (
-    SamplingRow,
-    apply_penalties,
-    filter_weights,
-    inverse_cdf_draw,
-    softmax_weights,
-)
+from pdserve.engine.sampler import SamplingRow, apply_penalties, inverse_cdf_draw
+from pdserve.engine.sampling_filters import filter_weights, softmax_weights
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from pdserve.engine.seeded_uniforms import draw_uniforms
 

@@ -39,13 +39,11 @@ import torch
 
 from pdserve.engine.sampler import (
     SamplingRow,
-    _block_sums,
     _gather_logprobs,
     apply_penalties,
-    filter_weights,
     inverse_cdf_draw,
-    softmax_weights,
 )
+from pdserve.engine.sampling_filters import block_sums, filter_weights, softmax_weights
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 from pdserve.engine.seeded_uniforms import draw_uniform
 
@@ -97,7 +95,7 @@ def process_rows(logits: torch.Tensor,
 
 def normalized(weights: torch.Tensor) -> torch.Tensor:
     """Rows summing to 1 (fixed 128-token block sums, so a row's value is batch-independent)."""
-    return weights / _block_sums(weights).sum(dim=1, keepdim=True)
+    return weights / block_sums(weights).sum(dim=1, keepdim=True)
 
 
 @dataclass

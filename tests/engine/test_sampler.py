@@ -9,15 +9,9 @@ import random
 import pytest
 import torch
 
-import pdserve.engine.sampler as sampler_module
-from pdserve.engine.sampler import (
-    Sampler,
-    SamplingRow,
-    filter_weights,
-    inverse_cdf_draw,
-    softmax_weights,
-    top_values,
-)
+import pdserve.engine.sampling_filters as filters_module
+from pdserve.engine.sampler import Sampler, SamplingRow, inverse_cdf_draw
+from pdserve.engine.sampling_filters import filter_weights, softmax_weights, top_values
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.seeded_uniforms import draw_uniform, draw_uniforms
 
@@ -105,7 +99,7 @@ def test_a_wrong_distribution_is_detected():
 @pytest.mark.parametrize("seed", range(4))
 def test_filter_masks_equal_reference_on_random_rows(seed, path, monkeypatch):
     # top-p has two exact implementations: force each one on the same rows
-    monkeypatch.setattr(sampler_module, "_rank_limit",
+    monkeypatch.setattr(filters_module, "_rank_limit",
                         lambda weights: 10**9 if path == "topk" else -1)
     gen = torch.Generator().manual_seed(seed)
     rows, vocab = 24, 3000
