@@ -251,9 +251,11 @@ class Sampler:
         temps = [rows[i].params.temperature for i in wanted]
         temps = torch.tensor([t if t >= GREEDY_TEMPERATURE else 1.0 for t in temps],
                              dtype=logits.dtype, device=logits.device)
-        processed = logits[wanted] / temps[:, None]  # (num_wanted, vocab)
+        if len(wanted) < len(rows):  # (a copy of the rows: skipped when all want them)
+            logits, token_ids = logits[wanted], token_ids[wanted]
+        processed = logits / temps[:, None]  # (num_wanted, vocab)
         counts = [rows[i].params.logprobs for i in wanted]
-        entries = _gather_logprobs(processed, token_ids[wanted], counts)
+        entries = _gather_logprobs(processed, token_ids, counts)
         for i, entry in zip(wanted, entries, strict=True):
             out[i] = entry
         return out
