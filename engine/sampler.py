@@ -47,9 +47,9 @@ import torch
 
 from pdserve.engine.sampling_filters import (
     CDF_BLOCK,
-    NUMPY_FLOATS,
     block_sums,
     filter_weights,
+    numpy_viewable,
     softmax_weights,
 )
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
@@ -177,7 +177,7 @@ def greedy_token_array(logits: torch.Tensor) -> np.ndarray:
     """:func:`greedy_tokens` as an int64 array. On CPU it is numpy's argmax over the same
     memory (a SIMD scan, 3-4x faster than torch's reduction at batch 16-256; ties and NaN
     pick the first index, as torch does)."""
-    if logits.device.type == "cpu" and logits.dtype in NUMPY_FLOATS:
+    if numpy_viewable(logits):
         return logits.detach().numpy().argmax(axis=1)
     return logits.max(dim=1).indices.cpu().numpy()
 

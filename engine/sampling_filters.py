@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 CDF_BLOCK = 128  # tokens per block of the sums (and of the draw's two-level inverse CDF)
-NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)  # dtypes numpy can view
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)  # dtypes numpy can view
 _LOW_BITS = 12  # float32 bits below the radix-select keys (2**-11 relative: near-ties)
 _HI_BUCKETS = 1024  # level-1 radix buckets: weights <= 1.0 have bits >> 20 <= 1016
 _TOP_P_RANK_MAX = 256  # off CPU top-p ranks this many candidates; more: radix select
@@ -39,7 +39,7 @@ def block_sums(weights: torch.Tensor) -> torch.Tensor:
     return weights.view(rows, -1, CDF_BLOCK).sum(dim=2)  # (rows, num_blocks)
 
 
-def as_float(mask: torch.Tensor) -> torch.Tensor:
+def _as_float(mask: torch.Tensor) -> torch.Tensor:
     """bool -> float32 before multiplying: much faster on CPU than mixing dtypes in ``mul``."""
     return mask.to(torch.float32)
 
@@ -49,9 +49,10 @@ def softmax_weights(scaled: torch.Tensor) -> torch.Tensor:
     return scaled.sub_(scaled.amax(dim=1, keepdim=True)).exp_()
 
 
-def _ranks_on_host(x: torch.Tensor) -> bool:
-    """A CPU tensor numpy can view: :func:`top_values` ranks it with numpy."""
-    return x.device.type == "cpu" and x.dtype in NUMPY_FLOATS
+def numpy_viewable(x: torch.Tensor) -> bool:
+    """A CPU tensor of a dtype numpy can view without a copy (:func:`top_values` then ranks
+    it with numpy)."""
+    return x.device.type == "cpu" and x.dtype in _NUMPY_FLOATS
 
 
 def top_values(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -59,7 +60,7 @@ def top_values(x: torch.Tensor, k: int) -> torch.Tensor:
     numpy's vectorised sort (a small vocabulary) or partition then sort (large k) where they
     are faster: 20-30x for a 512-token vocabulary, 2x for k = 256 of 32k; the same values."""
     vocab = x.shape[1]
-    if (not _ranks_on_host(x) or not 0 < k <= vocab
+    if (not numpy_viewable(x) or not 0 < k <= vocab
             or (vocab > _SORT_VOCAB_MAX and k < _PARTITION_K_MIN)):
         return torch.topk(x, k).values
     rows = x.detach().numpy()
@@ -124,11 +125,11 @@ def _radix_top_p(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     high = key >> 8  # (rows, vocab) level-1 bucket
     bucket_hi, base = _boundary_bucket(_histogram(high, weights, _HI_BUCKETS),
                                        torch.zeros_like(target), target)
-    in_bucket = weights * as_float(high == bucket_hi[:, None])  # the rest weigh 0 at level 2
+    in_bucket = weights * _as_float(high == bucket_hi[:, None])  # the rest weigh 0 at level 2
     bucket_lo, base = _boundary_bucket(_histogram(key & 255, in_bucket, 256), base, target)
     chosen = key == ((bucket_hi << 8) | bucket_lo)[:, None]
     num_chosen = int(chosen.sum(1, dtype=torch.int32).max())
-    values = top_values(weights * as_float(chosen), num_chosen)  # (rows, k) desc
+    values = top_values(weights * _as_float(chosen), num_chosen)  # (rows, k) desc
     above = torch.cumsum(values, dim=1) - values + base[:, None]
     num_keep = ((above < target[:, None]) & (values > 0)).sum(1).clamp(min=1)
     return values.gather(1, (num_keep - 1)[:, None]).squeeze(1)
@@ -145,7 +146,7 @@ def _top_p_threshold(weights: torch.Tensor, top_k_thr: torch.Tensor,
     sub = weights if bool(active.all()) else weights[active]  # (num_active, vocab)
     k_thr = top_k_thr[active]
     if bool((k_thr > 0).any()):
-        sub = sub * as_float(sub >= k_thr[:, None])  # top-p sees what top-k left
+        sub = sub * _as_float(sub >= k_thr[:, None])  # top-p sees what top-k left
     mass = block_sums(sub).sum(dim=1)
     p = top_p[active]
     # Tokens below this bound hold < (1 - p) / 2 of the mass, so the kept set lies above it.
@@ -161,7 +162,7 @@ def _top_p_threshold(weights: torch.Tensor, top_k_thr: torch.Tensor,
 def _rank_limit(weights: torch.Tensor) -> int:
     """How many top-p candidates are ranked rather than radix-selected: all of them where
     :func:`top_values` sorts with numpy (3x faster than the radix select at 32k tokens)."""
-    if _ranks_on_host(weights):
+    if numpy_viewable(weights):
         return weights.shape[1]
     return _TOP_P_RANK_MAX
 
@@ -175,4 +176,4 @@ def filter_weights(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     thr_k = _top_k_threshold(weights, top_k)
     thr_p = _top_p_threshold(weights, thr_k, top_p)
     thr = torch.maximum(torch.maximum(thr_k, thr_p), min_p)
-    return weights.mul_(as_float(weights >= thr[:, None]))
+    return weights.mul_(_as_float(weights >= thr[:, None]))

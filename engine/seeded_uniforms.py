@@ -14,12 +14,13 @@ import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
+_GAMMA, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64
 
 
 def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + _GAMMA) & _MASK64
+    x = ((x ^ (x >> 30)) * _MUL1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MUL2) & _MASK64
     return x ^ (x >> 31)
 
 
@@ -33,14 +34,14 @@ def draw_uniform(seed: int, position: int) -> float:
 
 
 _U64 = np.uint64
-_GAMMA, _MUL1, _MUL2 = _U64(0x9E3779B97F4A7C15), _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
+_GAMMA64, _MUL1_64, _MUL2_64 = _U64(_GAMMA), _U64(_MUL1), _U64(_MUL2)
 
 
 def _splitmix64_array(x: np.ndarray) -> np.ndarray:
     """:func:`_splitmix64` on a uint64 array (its add and multiply wrap mod 2**64)."""
-    x = x + _GAMMA
-    x = (x ^ (x >> _U64(30))) * _MUL1
-    x = (x ^ (x >> _U64(27))) * _MUL2
+    x = x + _GAMMA64
+    x = (x ^ (x >> _U64(30))) * _MUL1_64
+    x = (x ^ (x >> _U64(27))) * _MUL2_64
     return x ^ (x >> _U64(31))
 
 
