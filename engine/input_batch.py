@@ -5,8 +5,8 @@ next is a pure decode step. In continuous batching most steps are, and from one 
 the batch barely changes: each sequence gains one position, one in ``block_size`` steps gains
 a block, a few finish and a few join. :class:`DecodeRows` keeps the batch's state in numpy
 arrays, one column per sequence in ``state`` (the step's tokens, positions and KV slots, then
-what the stop rules and the deltas need) and one row per sequence in ``tables`` (its block
-table). Each step moves them on by diffs and mirrors into the
+what the stop rules, the deltas and the sampler need) and one row per sequence in ``tables``
+(its block table). Each step moves them on by diffs and mirrors into the
 :class:`~pdserve.engine.sequence.Sequence` objects what changes there (a token appended, one
 more computed token), so those stay the source of truth outside the step (aborts,
 preemption, migration, stats).
@@ -36,6 +36,7 @@ are equal.
 
 from __future__ import annotations
 
+import struct
 from itertools import chain, repeat
 from operator import attrgetter, is_
 
@@ -43,8 +44,9 @@ import numpy as np
 import torch
 
 from pdserve.engine.messages import TokenDeltas
-from pdserve.engine.sampler import takes_argmax
+from pdserve.engine.sampler import SamplingBatch, SamplingRow, is_penalized, takes_argmax
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.seeded_uniforms import seed_key
 from pdserve.engine.sequence import Sequence
 
 
@@ -53,10 +55,12 @@ def has_own_stop_rules(p: SamplingParams) -> bool:
     return bool(p.stop or p.stop_token_ids or p.logprobs is not None)
 
 
-# the rows of DecodeRows.state, one column per batch row
+# the rows of DecodeRows.state, one column per batch row; the last three hold float64 bits
 (TOKENS, POSITIONS, SLOTS, NUM_BLOCKS, LAST_POSITIONS, NUM_PROMPT, NUM_OUTPUT, STOPS_ON_EOS,
- PER_TOKEN, FIRST, GREEDY) = range(11)
-NUM_FIELDS = 11
+ PER_TOKEN, FIRST, GREEDY, PENALIZED, TOP_K, LOGPROBS, SEED_KEY,
+ TEMPERATURE, TOP_P, MIN_P) = range(18)
+NUM_FIELDS = 18
+_FLOATS, _FLOAT_BITS = struct.Struct("<3d"), struct.Struct("<3q")
 # up to this many rows, a loop of scalar reads and writes beats numpy's fixed cost per call
 # (a few us each right after a forward): the rows that enter a block in one step of a batch
 # whose lengths are spread (batch / block_size of them)
@@ -89,6 +93,7 @@ class DecodeRows:
         self.tables_tensor = torch.from_numpy(self.tables)  # the same memory
         self.max_blocks = 0
         self.any_eos = self.any_per_token = self.any_first = self.all_greedy = False
+        self.any_penalized = False
         # per-row constants of the compact deltas (new lists on every sync: deltas hold them)
         self.request_ids: list[str] = []
         self.attempts: list[int] = []
@@ -167,6 +172,7 @@ class DecodeRows:
         self.any_per_token |= bool(state[PER_TOKEN, n:].any())
         self.any_first |= bool(state[FIRST, n:].any())
         self.all_greedy &= bool(state[GREEDY, n:].all())
+        self.any_penalized |= bool(state[PENALIZED, n:].any())
         return seqs
 
     def _old_rows(self, seqs: list[Sequence], tables: list[list]) -> np.ndarray:
@@ -264,15 +270,20 @@ class DecodeRows:
         self.any_per_token = bool(state[PER_TOKEN].any())
         self.any_first = bool(state[FIRST].any())
         self.all_greedy = bool(state[GREEDY].all())
+        self.any_penalized = bool(state[PENALIZED].any())
 
     def _fresh_row(self, seq: Sequence) -> tuple:
         p = seq.sampling_params
         limit = seq.num_prompt_tokens + p.max_tokens
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len)
+        key = seed_key(seq.seed)
         return (seq.token_ids[-1], seq.num_computed_tokens, -1, len(seq.block_table),
                 limit - 1, seq.num_prompt_tokens, seq.num_output_tokens, not p.ignore_eos,
-                has_own_stop_rules(p), seq.first_token_time is None, takes_argmax(p))
+                has_own_stop_rules(p), seq.first_token_time is None, takes_argmax(p),
+                is_penalized(p), p.top_k, -1 if p.logprobs is None else p.logprobs,
+                key - (1 << 64) if key >> 63 else key,  # (the uint64 key's int64 bits)
+                *_FLOAT_BITS.unpack(_FLOATS.pack(p.temperature, p.top_p, p.min_p)))
 
     def _look_up_slots(self, rows: np.ndarray) -> list[int]:
         """Slots of ``rows`` from their tables (-1 where the position's block is missing);
@@ -303,6 +314,14 @@ class DecodeRows:
         return missing
 
     # -- the steps ---------------------------------------------------------------------------
+
+    def sampling_batch(self, penalized: list[SamplingRow] | None = None) -> SamplingBatch:
+        """The rows' sampling inputs as views of their state (this step's: ``advance`` makes a
+        new state); ``penalized``: every row's SamplingRow, needed when :attr:`any_penalized`."""
+        state = self.state
+        return SamplingBatch(state[TEMPERATURE:MIN_P + 1].view(np.float64), state[TOP_K],
+                             state[LOGPROBS], state[SEED_KEY].view(np.uint64),
+                             state[NUM_OUTPUT], penalized)
 
     def blocks_added(self, rows: list[int], blocks: list[int]) -> None:
         """Each of ``rows`` (from :attr:`needs_block`) was given its next block, ``blocks[i]``

@@ -324,8 +324,9 @@ class LLMEngine:
         if rows.all_greedy:
             tokens, logprobs = greedy_token_array(logits), None
             token_ids = tokens.tolist()
-        else:
-            sampled = self.sampler(logits, [sampling_row(seq) for seq in rows.seqs])
+        else:  # the parameters are the rows' arrays; token histories only for penalties
+            penalized = list(map(sampling_row, rows.seqs)) if rows.any_penalized else None
+            sampled = self.sampler.sample(logits, rows.sampling_batch(penalized))
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
             tokens = np.asarray(token_ids, np.int64)
         rows.advance(token_ids, tokens)

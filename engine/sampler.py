@@ -20,7 +20,7 @@ Semantics, applied per row in this order (Hugging Face / vLLM / OpenAI conventio
      changes nothing). The order top-k, top-p, min-p is Hugging Face's.
 5. The draw is an inverse-CDF draw from the filtered distribution with ONE uniform per row,
    ``u = draw_uniform(seed, position)``, a splitmix64 hash of the request's seed and the
-   output position (``engine.seeded_uniforms``; ``draw_uniforms`` makes a batch's): the
+   output position (``engine.seeded_uniforms``; ``keyed_uniforms`` makes a batch's): the
    token is the first whose cumulative probability (in token id order) exceeds ``u``. It
    depends only on (seed, position, the row's logits): not on the other rows, the row
    index or which process samples it (the prefill worker draws position 0, the decode worker the
@@ -32,8 +32,9 @@ Logprobs (``params.logprobs = n``): ``log_softmax`` of the logits after penaltie
 (temperature 1 for greedy rows) and BEFORE top-k / top-p / min-p filtering (vLLM's
 "processed_logprobs"): the n most likely tokens plus the sampled one.
 
-Cost: no Python loop over rows except to gather parameters and key the uniforms; the filters
-(``engine.sampling_filters``) are thresholds per row on ``exp(logit - max)``.
+Cost: no Python loop over rows once their parameters are arrays (a :class:`SamplingBatch`,
+which the persistent decode rows keep across steps); the filters (``engine.sampling_filters``)
+are thresholds per row on ``exp(logit - max)``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from pdserve.engine.sampling_filters import (
     softmax_weights,
 )
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
-from pdserve.engine.seeded_uniforms import draw_uniforms
+from pdserve.engine.seeded_uniforms import keyed_uniforms, seed_key
 
 logger = logging.getLogger(__name__)
 
@@ -182,15 +183,49 @@ def greedy_token_array(logits: torch.Tensor) -> np.ndarray:
     return logits.max(dim=1).indices.cpu().numpy()
 
 
+def is_penalized(p: SamplingParams) -> bool:
+    """A penalty is set: the row's logits depend on its token history."""
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
 def takes_argmax(p: SamplingParams) -> bool:
     """Greedy with no penalty and no logprobs: the token is exactly the row's argmax."""
     return (p.temperature < GREEDY_TEMPERATURE and p.logprobs is None
-            and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty)
+            and not is_penalized(p))
+
+
+@dataclass
+class SamplingBatch:
+    """The sampler's inputs as arrays, one entry per row: built from SamplingRows
+    (:meth:`of`) or kept across steps by the persistent decode rows
+    (``DecodeRows.sampling_batch``). The sampler only reads them."""
+
+    floats: np.ndarray  # float64 (3, rows): temperature, top_p, min_p
+    top_k: np.ndarray  # int64 (rows,): 0 = off
+    logprobs: np.ndarray  # int64 (rows,): top log-probabilities wanted, -1 = none
+    seed_keys: np.ndarray  # uint64 (rows,): each seed's first hash round (seed_key)
+    positions: np.ndarray  # int64 (rows,): the output position each row samples
+    penalized: list[SamplingRow] | None = None  # every row, when some row has a penalty
+
+    def __len__(self) -> int:
+        return len(self.top_k)
+
+    @classmethod
+    def of(cls, rows: list[SamplingRow]) -> SamplingBatch:
+        params = [r.params for r in rows]
+        return cls(np.array([(p.temperature, p.top_p, p.min_p) for p in params],
+                            np.float64).reshape(-1, 3).T,
+                   np.array([p.top_k for p in params], np.int64),
+                   np.array([-1 if p.logprobs is None else p.logprobs for p in params],
+                            np.int64),
+                   np.array([seed_key(r.seed) for r in rows], np.uint64),
+                   np.array([r.position for r in rows], np.int64),
+                   rows if any(map(is_penalized, params)) else None)
 
 
 class Sampler:
-    """Stateless: ``sampler(logits, rows)`` samples one token per row (see the module docstring)."""
+    """Stateless: ``sampler(logits, rows)`` samples one token per row (see the module docstring);
+    ``sampler.sample(logits, batch)`` the same from a :class:`SamplingBatch`."""
 
     @staticmethod
     def is_plain_greedy(params: list[SamplingParams]) -> bool:
@@ -204,58 +239,62 @@ class Sampler:
                              f"got {tuple(logits.shape)}")
         if not rows:
             return SamplerOutput([], [])
+        return self.sample(logits, SamplingBatch.of(rows))
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """One token per row of ``batch`` (its logits: ``logits``, (len(batch), vocab))."""
         logits = logits.float()
-        dev = logits.device
-        if any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
-               or r.params.presence_penalty != 0.0 for r in rows):
-            logits = apply_penalties(logits, rows)
-        temps = [r.params.temperature for r in rows]
-        greedy = [i for i, t in enumerate(temps) if t < GREEDY_TEMPERATURE]
-        sampled = [i for i, t in enumerate(temps) if t >= GREEDY_TEMPERATURE]
-        if not sampled:
+        if batch.penalized is not None:
+            logits = apply_penalties(logits, batch.penalized)
+        is_greedy = batch.floats[0] < GREEDY_TEMPERATURE
+        if is_greedy.all():
             token_ids = logits.argmax(dim=1)
-        elif not greedy:
-            token_ids = self._sample(logits, rows, sampled)
+        elif not is_greedy.any():
+            token_ids = self._sample(logits, batch, None)
         else:
-            token_ids = torch.empty(len(rows), dtype=torch.int64, device=dev)
+            dev = logits.device
+            greedy = torch.from_numpy(np.flatnonzero(is_greedy)).to(dev)
+            sampled = np.flatnonzero(~is_greedy)
+            token_ids = torch.empty(len(batch), dtype=torch.int64, device=dev)
             token_ids[greedy] = logits[greedy].argmax(dim=1)
-            token_ids[sampled] = self._sample(logits, [rows[i] for i in sampled], sampled)
-        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, rows, token_ids))
+            token_ids[torch.from_numpy(sampled).to(dev)] = self._sample(logits, batch, sampled)
+        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, batch, token_ids))
 
     @staticmethod
-    def _sample(logits: torch.Tensor, rows: list[SamplingRow],
-                indices: list[int]) -> torch.Tensor:
+    def _sample(logits: torch.Tensor, batch: SamplingBatch,
+                index: np.ndarray | None) -> torch.Tensor:
+        """Draws of the sampled rows: all of them (``index`` None) or ``index``."""
         dev = logits.device
-        # the rows' parameters in one host copy each: (temperature, top_p, min_p) and top_k
-        floats = torch.tensor([(r.params.temperature, r.params.top_p, r.params.min_p)
-                               for r in rows], dtype=logits.dtype, device=dev)
-        temps, top_p, min_p = floats[:, 0], floats[:, 1], floats[:, 2]
-        if len(indices) == logits.shape[0]:
+        floats, top_k = batch.floats, batch.top_k
+        keys, positions = batch.seed_keys, batch.positions
+        if index is not None:
+            floats, top_k = floats[:, index], top_k[index]
+            keys, positions = keys[index], positions[index]
+        temps, top_p, min_p = torch.from_numpy(floats.astype(np.float32)).to(dev)
+        if index is None:
             scaled = logits / temps[:, None]  # (num_sampled, vocab), a fresh tensor
         else:
-            scaled = logits.index_select(0, torch.tensor(indices, device=dev)).div_(temps[:, None])
+            scaled = logits.index_select(0, torch.from_numpy(index).to(dev)).div_(temps[:, None])
         weights = softmax_weights(scaled)
-        if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in rows):
-            top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.int64, device=dev)
-            weights = filter_weights(weights, top_k, top_p, min_p)
-        uniforms = draw_uniforms([r.seed for r in rows], [r.position for r in rows], dev)
-        return inverse_cdf_draw(weights, uniforms)
+        if (top_k > 0).any() or (floats[1] < 1.0).any() or (floats[2] > 0.0).any():
+            weights = filter_weights(weights, torch.from_numpy(top_k).to(dev), top_p, min_p)
+        return inverse_cdf_draw(weights, keyed_uniforms(keys, positions, dev))
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, rows: list[SamplingRow],
+    def _logprobs(logits: torch.Tensor, batch: SamplingBatch,
                   token_ids: torch.Tensor) -> list[dict[int, float] | None]:
-        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        out: list[dict[int, float] | None] = [None] * len(rows)
-        if not wanted:
+        out: list[dict[int, float] | None] = [None] * len(batch)
+        wanted = np.flatnonzero(batch.logprobs >= 0)
+        if not len(wanted):
             return out
-        temps = [rows[i].params.temperature for i in wanted]
-        temps = torch.tensor([t if t >= GREEDY_TEMPERATURE else 1.0 for t in temps],
-                             dtype=logits.dtype, device=logits.device)
-        if len(wanted) < len(rows):  # (a copy of the rows: skipped when all want them)
-            logits, token_ids = logits[wanted], token_ids[wanted]
+        temps = batch.floats[0, wanted]
+        temps = torch.from_numpy(np.where(temps >= GREEDY_TEMPERATURE, temps, 1.0)
+                                 .astype(np.float32)).to(logits.device)
+        if len(wanted) < len(batch):  # (a copy of the rows: skipped when all want them)
+            index = torch.from_numpy(wanted).to(logits.device)
+            logits, token_ids = logits[index], token_ids[index]
         processed = logits / temps[:, None]  # (num_wanted, vocab)
-        counts = [rows[i].params.logprobs for i in wanted]
-        entries = _gather_logprobs(processed, token_ids, counts)
-        for i, entry in zip(wanted, entries, strict=True):
+        entries = _gather_logprobs(processed, token_ids, batch.logprobs[wanted].tolist())
+        for i, entry in zip(wanted.tolist(), entries, strict=True):
             out[i] = entry
         return out

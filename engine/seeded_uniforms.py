@@ -5,7 +5,8 @@ its row's logits, never on the batch it shares or the worker that samples it: th
 worker draws position 0, a decode worker the rest, another one after a migration. The uniform
 is ``splitmix64(splitmix64(seed mod 2**64) xor (position mod 2**64))``, top 53 bits.
 ``draw_uniform`` computes one in Python; ``draw_uniforms`` a batch's as numpy uint64 array ops
-(add and multiply wrap mod 2**64, right shifts are logical), bit for bit the same.
+(add and multiply wrap mod 2**64, right shifts are logical), bit for bit the same, and
+``keyed_uniforms`` the same from the seeds' first round (``seed_key``) kept across steps.
 """
 
 from __future__ import annotations
@@ -45,11 +46,22 @@ def _splitmix64_array(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _U64(31))
 
 
-def draw_uniforms(seeds: list[int], positions: list[int], device=None) -> torch.Tensor:
-    """(rows,) float64: ``draw_uniform(seeds[i], positions[i])`` for every row, bit for bit,
-    computed as uint64 array ops (a quarter of what int64 tensor ops cost at batch 64)
-    instead of a Python hash per row."""
-    keys = np.array([[s & _MASK64 for s in seeds], [p & _MASK64 for p in positions]], _U64)
-    mixed = _splitmix64_array(_splitmix64_array(keys[0]) ^ keys[1])
+def seed_key(seed: int) -> int:
+    """``splitmix64(seed mod 2**64)``: the first round of the hash, the same at every position
+    of the stream (the persistent decode rows keep it)."""
+    return _splitmix64(seed & _MASK64)
+
+
+def keyed_uniforms(keys: np.ndarray, positions: np.ndarray, device=None) -> torch.Tensor:
+    """(rows,) float64: the uniforms of uint64 seed ``keys`` (:func:`seed_key`) at nonnegative
+    int64 ``positions``, as uint64 array ops (a quarter of what int64 tensor ops cost at batch
+    64)."""
+    mixed = _splitmix64_array(keys ^ positions.astype(_U64))
     uniforms = torch.from_numpy((mixed >> _U64(11)).astype(np.float64) * 2.0**-53)
     return uniforms if device is None else uniforms.to(device)
+
+
+def draw_uniforms(seeds: list[int], positions: list[int], device=None) -> torch.Tensor:
+    """(rows,) float64: ``draw_uniform(seeds[i], positions[i])`` for every row, bit for bit."""
+    keys = _splitmix64_array(np.array([s & _MASK64 for s in seeds], _U64))
+    return keyed_uniforms(keys, np.array([p & _MASK64 for p in positions], _U64), device)

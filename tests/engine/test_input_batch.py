@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from pdserve.engine import input_batch
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine, NoCapacityError
+from pdserve.engine.llm_engine import LLMEngine, NoCapacityError, sampling_row
 from pdserve.engine.messages import WorkRequest
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.sampler import SamplingBatch
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduling_policy import DecodeOnlyPolicy
 
@@ -40,7 +42,9 @@ def _params(rng: random.Random) -> SamplingParams:
     """Mostly plain greedy (the rows' vectorised path), the rest each kind of exception."""
     kind = rng.choice(["greedy"] * 4 + ["sampled", "eos", "stop", "stop_ids", "logprobs",
                                         "penalty"])
-    extra = {"sampled": dict(temperature=0.9, top_p=0.9, seed=rng.randrange(1000)),
+    extra = {"sampled": dict(temperature=rng.choice([0.5, 0.9, 1.3]),
+                             top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 5]),
+                             min_p=rng.choice([0.0, 0.1]), seed=rng.randrange(-2**63, 2**63)),
              "eos": dict(ignore_eos=False),
              "stop": dict(stop=["e"]),
              "stop_ids": dict(stop_token_ids=[rng.randrange(1, 480) for _ in range(20)]),
@@ -175,6 +179,36 @@ def _count_rows_steps(engine: LLMEngine) -> list[int]:
 
     runner.prepare_rows, runner.prepare = counted, general_prepare
     return sizes
+
+
+def test_the_rows_keep_the_sampling_batch_of_their_sequences(tiny_dir):
+    """The parameters, seed keys and positions the rows hand the sampler (kept in their
+    state across syncs, appends and drops) are those built from the sequences."""
+    engine, rng = _engine(tiny_dir, rebuild=False), random.Random(5)
+    rows, checked = engine.parts.runner.rows, []
+    sampling_batch = rows.sampling_batch
+
+    def checking(penalized=None):
+        batch = sampling_batch(penalized)
+        expected = SamplingBatch.of(list(map(sampling_row, rows.seqs)))
+        for name in ("floats", "top_k", "logprobs", "seed_keys", "positions"):
+            got, want = getattr(batch, name), getattr(expected, name)
+            assert got.dtype == want.dtype and np.array_equal(got, want), name
+        assert (batch.penalized is None) == (expected.penalized is None)
+        checked.append(len(batch))
+        return batch
+
+    rows.sampling_batch = checking
+    for step in range(100):
+        if step < 80 and rng.random() < 0.5:
+            params = _params(rng)
+            params.ignore_eos = rng.random() < 0.5
+            engine.add_request(f"r{step}", [rng.randrange(1, 200) for _ in range(5)], params)
+        engine.render(engine.step())
+    while engine.has_unfinished_requests():
+        engine.render(engine.step())
+    assert len(checked) > 20 and max(checked) > 3  # the check ran, on batches of several rows
+    assert engine.parts.block_manager.num_used_blocks == 0
 
 
 def test_the_rows_serve_pure_decode_steps(tiny_dir):

@@ -6,6 +6,7 @@ import collections
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,12 @@ import pdserve.engine.sampling_filters as filters_module
 from pdserve.engine.sampler import Sampler, SamplingRow, inverse_cdf_draw
 from pdserve.engine.sampling_filters import filter_weights, softmax_weights, top_values
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.seeded_uniforms import draw_uniform, draw_uniforms
+from pdserve.engine.seeded_uniforms import (
+    draw_uniform,
+    draw_uniforms,
+    keyed_uniforms,
+    seed_key,
+)
 
 LOGITS = torch.tensor([2.0, 0.5, -1.0, 3.1, 1.7, 0.0, -3.0, 2.6, 1.1, -0.4, 0.9, -2.2])
 
@@ -280,7 +286,8 @@ def test_top_values_are_torch_topk_values(dtype):
 
 
 def test_draw_uniforms_equal_draw_uniform_bit_for_bit():
-    """The batch's uniforms come from tensor ops; they must be the scalar hash exactly."""
+    """The batch's uniforms come from array ops (also from seed keys kept across steps); they
+    must be the scalar hash exactly."""
     rng = random.Random(3)
     seeds = [0, 1, -1, 2**63 - 1, -(2**63), 2**64 - 1, 2**70 + 5]
     seeds += [rng.randrange(-(2**63), 2**64) for _ in range(500)]
@@ -288,6 +295,8 @@ def test_draw_uniforms_equal_draw_uniform_bit_for_bit():
     vector = draw_uniforms(seeds, positions).tolist()
     assert vector == [draw_uniform(s, p) for s, p in zip(seeds, positions, strict=True)]
     assert all(0.0 <= u < 1.0 for u in vector)
+    keys = np.array([seed_key(s) for s in seeds], np.uint64)
+    assert keyed_uniforms(keys, np.array(positions, np.int64)).tolist() == vector
 
 
 def test_inverse_cdf_never_draws_zero_weight_tokens():
