@@ -123,6 +123,33 @@ def test_filter_masks_equal_reference_on_random_rows(seed, path, monkeypatch):
         assert torch.equal(kept[r], expected), (r, int(kept[r].sum()), int(expected.sum()))
 
 
+@pytest.mark.parametrize("path", ["topk", "radix"])
+@pytest.mark.parametrize("seed", range(3))
+def test_numpy_and_torch_filter_ops_give_the_same_weights(seed, path, monkeypatch):
+    """On CPU the filters' compares, counts and masks run as numpy ops, elsewhere as torch
+    ops: the weights must be the same bit for bit (ties, zeros, mixed filters)."""
+    monkeypatch.setattr(filters_module, "_rank_limit",
+                        lambda weights: 10**9 if path == "topk" else -1)
+    gen = torch.Generator().manual_seed(seed)
+    rows = 40
+    for vocab in (5, 300, 2000):
+        logits = (torch.randn(rows, vocab, generator=gen) * 4).round()  # many ties
+        logits[:3, vocab // 2:] = -float("inf")  # zero weights
+        top_k = torch.randint(0, 12, (rows,), generator=gen)
+        top_k *= torch.rand(rows, generator=gen) < .5
+        top_p = torch.where(torch.rand(rows, generator=gen) < .7,
+                            torch.rand(rows, generator=gen), torch.ones(rows))
+        min_p = torch.where(torch.rand(rows, generator=gen) < .3,
+                            torch.rand(rows, generator=gen) * 0.3, torch.zeros(rows))
+        weights = softmax_weights(logits.clone())
+        with_numpy = filter_weights(weights.clone(), top_k, top_p, min_p)
+        with monkeypatch.context() as torch_only:
+            torch_only.setattr(filters_module, "_numpy_pair", lambda *tensors: False)
+            with_torch = filter_weights(weights.clone(), top_k, top_p, min_p)
+        assert torch.equal(with_numpy, with_torch), vocab
+        assert 0 < int((with_numpy > 0).sum()) < int((weights > 0).sum())  # filters cut
+
+
 def test_ties_at_a_threshold_are_all_kept():
     logits = torch.tensor([[5.0, 5.0, 5.0, 1.0, 5.0], [0.0] * 5, [2.0, 1.0, 1.0, 1.0, 0.0]])
     weights = softmax_weights(logits.clone())
