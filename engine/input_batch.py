@@ -108,15 +108,6 @@ class DecodeRows:
         """(3, rows) int64: the step's tokens, positions and slots (what the model reads)."""
         return self.state[:SLOTS + 1]
 
-    @property
-    def num_prompt_tokens(self) -> np.ndarray:
-        return self.state[NUM_PROMPT]
-
-    @property
-    def num_output_tokens(self) -> np.ndarray:
-        """Each row's generated tokens (after :meth:`advance`: this step's included)."""
-        return self.state[NUM_OUTPUT]
-
     def invalidate(self) -> None:
         """The sequences moved outside the rows (a general step): sync before the next use."""
         self.version, self.current = -1, False
@@ -383,8 +374,8 @@ class DecodeRows:
 
     def compact_deltas(self, token_ids: list[int], skip: list[int]) -> TokenDeltas:
         """After :meth:`advance`: the compact delta of every row but ``skip`` (ascending)."""
-        every = TokenDeltas(self.request_ids, token_ids, self.attempts, self.num_prompt_tokens,
-                            self.num_output_tokens)
+        every = TokenDeltas(self.request_ids, token_ids, self.attempts,
+                            self.state[NUM_PROMPT], self.state[NUM_OUTPUT])
         if not skip:
             return every
         rest = np.ones(len(self.seqs), bool)
