@@ -37,13 +37,9 @@ import numpy as np
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import (
-    RequestDelta,
-    StepDeltas,
-    WorkRequest,
-)
+from pdserve.engine.messages import RequestDelta, StepDeltas, WorkRequest
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.sampler import Sampler, SamplingRow, greedy_token_array, greedy_tokens
+from pdserve.engine.sampler import Sampler, greedy_token_array, greedy_tokens, sampling_row
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.schedule import ScheduledSequence, SchedulerConfig
 from pdserve.engine.scheduler import Scheduler
@@ -58,15 +54,6 @@ logger = logging.getLogger(__name__)
 
 class NoCapacityError(RuntimeError):
     """The pool has no free blocks for this request right now (try another worker)."""
-
-
-def sampling_row(seq: Sequence) -> SamplingRow:
-    """What the sampler needs of ``seq``; token history only when a penalty reads it."""
-    p = seq.sampling_params
-    penalized = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-    return SamplingRow(p, seq.seed, seq.num_output_tokens,
-                       seq.prompt_token_ids if penalized else [],
-                       seq.output_token_ids if penalized else [])
 
 
 class LLMEngine:
@@ -106,25 +93,6 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        """Validate a prompt and return its token ids (ValueError naming ``prompt``)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.parts.tokenizer is None:
-                raise ValueError("prompt is text but the checkpoint has no tokenizer.json; "
-                                 "pass token ids instead")
-            return self.parts.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.parts.model_config.vocab_size
-        bad = [t for t in ids
-               if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        return ids
-
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, seed: int | None = None) -> Sequence:
         """Validate and queue a prompt; ``seed`` overrides the request's random stream key."""
@@ -138,7 +106,7 @@ class LLMEngine:
         """A validated, untracked Sequence (ValueError naming what is wrong)."""
         if request_id in self._sequences:
             raise ValueError(f"request_id {request_id!r} is already running")
-        token_ids = self.encode(prompt)
+        token_ids = self.parts.encode_prompt(prompt)
         limit = self.parts.max_model_len
         if len(token_ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
@@ -159,7 +127,7 @@ class LLMEngine:
             raise ValueError(f"output_token_ids ({len(resumed)}) must be fewer than "
                              f"max_tokens ({request.params.max_tokens})")
         if resumed:
-            self.encode(resumed)  # the same id checks as a prompt
+            self.parts.encode_prompt(resumed)  # the same id checks as a prompt
         seq.token_ids.extend(resumed)
         seq.num_resumed_tokens = len(resumed)
         seq.deadline, seq.attempt = request.deadline, request.attempt

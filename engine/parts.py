@@ -95,6 +95,25 @@ class EngineParts:
             parts.capture_decode_graphs()
         return parts
 
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Validate a prompt and return its token ids (ValueError naming ``prompt``)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the checkpoint has no tokenizer.json; "
+                                 "pass token ids instead")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids
+               if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return ids
+
     def capture_decode_graphs(self, capture=cuda_capture) -> None:
         """Replay pure decode steps from CUDA graphs (engine/cuda_graphs.py); one block of the
         pool becomes the padding rows' scratch. ``capture``: how (tests pass eager_capture)."""

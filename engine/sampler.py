@@ -55,6 +55,7 @@ from pdserve.engine.sampling_filters import (
 )
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from pdserve.engine.seeded_uniforms import keyed_uniforms, seed_key
+from pdserve.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,15 @@ class SamplingRow:
     position: int  # output position of the token being sampled (0 = first generated token)
     prompt_token_ids: list[int]  # for the repetition penalty
     output_token_ids: list[int]  # tokens generated so far, for all penalties
+
+
+def sampling_row(seq: Sequence) -> SamplingRow:
+    """What the sampler needs of ``seq``; token history only when a penalty reads it."""
+    p = seq.sampling_params
+    penalized = is_penalized(p)
+    return SamplingRow(p, seq.seed, seq.num_output_tokens,
+                       seq.prompt_token_ids if penalized else [],
+                       seq.output_token_ids if penalized else [])
 
 
 @dataclass

@@ -18,10 +18,10 @@ import torch
 
 from pdserve.engine import input_batch
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine, NoCapacityError, sampling_row
+from pdserve.engine.llm_engine import LLMEngine, NoCapacityError
 from pdserve.engine.messages import WorkRequest
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.sampler import SamplingBatch
+from pdserve.engine.sampler import SamplingBatch, sampling_row
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduling_policy import DecodeOnlyPolicy
 
