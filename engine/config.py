@@ -73,7 +73,7 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs or priority, "
                              f"got {self.scheduling_policy!r}")
         if self.speculative_config is not None:  # keys and ranges (the draft is checked at build)
-            from pdserve.engine.spec_decode import SpeculativeConfig
+            from pdserve.engine.spec_config import SpeculativeConfig
 
             SpeculativeConfig.from_dict(self.speculative_config)
         _positive_int("block_size", self.block_size)

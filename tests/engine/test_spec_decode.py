@@ -19,7 +19,8 @@ from pdserve.engine.rejection_sampler import DRAFT_STREAM, DraftedRows, stream_u
 from pdserve.engine.sampler import SamplingRow, inverse_cdf_draw
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.spec_decode import NgramProposer, SpeculativeConfig, Speculator
+from pdserve.engine.spec_config import SpeculativeConfig
+from pdserve.engine.spec_decode import NgramProposer, Speculator
 
 transformers = pytest.importorskip("transformers")
 
