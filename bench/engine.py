@@ -129,7 +129,8 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
 
 
 SAMPLED = {"temperature 0.8": {"temperature": 0.8},
-           "temperature 0.8, top-p 0.95": {"temperature": 0.8, "top_p": 0.95}}
+           "temperature 0.8, top-p 0.95": {"temperature": 0.8, "top_p": 0.95},
+           "temperature 0.8, top-k 50": {"temperature": 0.8, "top_k": 50}}
 
 
 def overhead_table(model_dir: Path, batches: list[int], steps: int) -> str:
