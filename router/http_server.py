@@ -8,7 +8,8 @@ the same :class:`pdserve.router.auth.ApiKey` as gRPC; with ``tls`` the port spea
 they are parsed. The wire format (fields, chunks, error envelope) is
 ``pdserve.router.openai_protocol``.
 
-Life of a generation (``_run``), the same steps as the gRPC servicer's:
+Life of a generation (``_completion_job`` / ``_chat_job``, then
+``pdserve.router.http_generation``), the same steps as the gRPC servicer's:
 
 1. Validate in the handler: model name (404 when it is not the served one), unsupported
    parameters (400), ``accepting()`` (503 while draining or not ready), sampling fields, the
@@ -36,8 +37,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 import uvicorn
@@ -51,17 +52,10 @@ import pdserve
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import openai_protocol as oa
 from pdserve.router.auth import ApiKey, TLSConfig
-from pdserve.router.backend import GenerationBackend, GenerationDelta
+from pdserve.router.backend import GenerationBackend
 from pdserve.router.errors import DeadlineExceededError, NoWorkersError, RequestValidationError
-from pdserve.router.http_asgi import (
-    SSE_HEADERS,
-    Guard,
-    QuietServer,
-    TaskResponse,
-    listening_socket,
-    send_json,
-    sse,
-)
+from pdserve.router.http_asgi import Guard, QuietServer, TaskResponse, listening_socket
+from pdserve.router.http_generation import HttpGeneration, HttpJob
 from pdserve.router.validation import (
     ValidatedRequest,
     check_max_tokens,
@@ -86,21 +80,6 @@ class PromptTools(Protocol):
         ...
 
 
-@dataclass
-class _Job:
-    """One validated generation, ready to run."""
-
-    chat: bool  # chat.completion objects (else text_completion)
-    request_id: str  # "cmpl-..." / "chatcmpl-...", also the backend's request id
-    model: str  # served model name, echoed in every object
-    created: int  # unix time of arrival
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    deadline: float | None  # time.monotonic() instant, from the body's timeout
-    stream: bool
-    include_usage: bool
-
-
 class HttpServer:
     """The FastAPI app and its uvicorn server; create, ``start`` and ``stop`` it on one loop."""
 
@@ -112,6 +91,7 @@ class HttpServer:
         self._backend = backend
         self._model_root = model_root  # /v1/models "root"
         self._tools = tools  # chat template and token text; None: no chat, no logprob text
+        self._generation = HttpGeneration(backend, tools)
         self._accepting = accepting or self._backend_ready  # raises NoWorkersError when not
         self._tls = tls
         self._max_concurrency = max_concurrency
@@ -220,7 +200,7 @@ class HttpServer:
     async def _guarded(self, making, prompt_param: str) -> Response:
         try:
             job = await making
-            return TaskResponse(lambda send: self._run(job, send), job.request_id)
+            return TaskResponse(lambda send: self._generation.run(job, send), job.request_id)
         except oa.OpenAIError:
             raise
         except Exception as exc:
@@ -248,7 +228,7 @@ class HttpServer:
                              else "max_tokens", params.max_tokens, model)
         return params, given
 
-    async def _completion_job(self, body: oa.CompletionRequest) -> _Job:
+    async def _completion_job(self, body: oa.CompletionRequest) -> HttpJob:
         params, given = self._common(body)
         model = self._backend.model_info()
         prompt = body.prompt
@@ -269,7 +249,7 @@ class HttpServer:
             ids = list(prompt)
         return self._job(False, "cmpl", body, ids, params, given)
 
-    async def _chat_job(self, body: oa.ChatCompletionRequest) -> _Job:
+    async def _chat_job(self, body: oa.ChatCompletionRequest) -> HttpJob:
         params, given = self._common(body)
         model = self._backend.model_info()
         if self._tools is None or not self._tools.has_chat_template:
@@ -290,144 +270,10 @@ class HttpServer:
         return self._job(True, "chatcmpl", body, ids, params, given)
 
     def _job(self, chat: bool, prefix: str, body, ids: list[int], params: SamplingParams,
-             given: bool) -> _Job:
+             given: bool) -> HttpJob:
         model = self._backend.model_info()
         validated = ValidatedRequest("", None, ids, params, given)
         params = fit_to_context(ids, validated, model)
         deadline = None if body.timeout is None else time.monotonic() + body.timeout
-        return _Job(chat, f"{prefix}-{uuid.uuid4().hex}", model.model_name, oa.now(), ids,
+        return HttpJob(chat, f"{prefix}-{uuid.uuid4().hex}", model.model_name, oa.now(), ids,
                     params, deadline, body.stream, body.include_usage)
-
-    # -- running --------------------------------------------------------------------------------
-    async def _run(self, job: _Job, send) -> None:
-        deltas = self._backend.generate(job.request_id, job.prompt_token_ids, job.params,
-                                        job.deadline)
-        state = {"done": False, "started": False}
-        try:
-            try:
-                first = await self._next(deltas, job.deadline)
-            except Exception as exc:  # admission failed: an HTTP status, no stream
-                await self._send_error(send, exc, state)
-                return
-            stream = self._stream(job, first, deltas, state)
-            try:
-                if job.stream:
-                    await send({"type": "http.response.start", "status": 200,
-                                "headers": SSE_HEADERS})
-                    state["started"] = True
-                    async for event in stream:
-                        await send({"type": "http.response.body", "body": event,
-                                    "more_body": True})
-                    await send({"type": "http.response.body", "body": b""})
-                else:
-                    items = [item async for item in stream]  # one: the whole object
-                    await send_json(send, 200, items[-1])
-            except Exception as exc:
-                await self._send_error(send, exc, state)
-            finally:
-                await stream.aclose()
-        finally:
-            if not state["done"]:
-                await asyncio.shield(self._abort(job.request_id))
-            await self._close(deltas)
-
-    async def _stream(self, job: _Job, first: GenerationDelta,
-                      deltas: AsyncIterator[GenerationDelta], state: dict) -> AsyncIterator:
-        """SSE events (streaming) or, last, the whole response object (not streaming)."""
-        texts: list[str] = []
-        logprobs: list = []
-        num_generated, offset = 0, 0
-        delta = first
-        if job.stream and job.chat:
-            yield sse(oa.chat_chunk(job.request_id, job.model, job.created,
-                                     {"role": "assistant", "content": ""}, None, None,
-                                     job.include_usage))
-        while True:
-            if delta.finish_reason == "abort":
-                state["done"] = True
-                raise NoWorkersError("the request was aborted by the server")
-            state["done"] = delta.finish_reason is not None
-            num_generated += len(delta.token_ids)
-            lp = self._logprobs(job, delta, offset)
-            offset += len(delta.text)
-            if job.stream and (delta.text or delta.token_ids or state["done"]):
-                if job.chat:
-                    content = {"content": delta.text} if delta.text or delta.token_ids else {}
-                    yield sse(oa.chat_chunk(job.request_id, job.model, job.created, content,
-                                             delta.finish_reason, lp, job.include_usage))
-                else:
-                    yield sse(oa.completion_chunk(job.request_id, job.model, job.created,
-                                                   delta.text, delta.finish_reason, lp,
-                                                   job.include_usage))
-            elif not job.stream:
-                texts.append(delta.text)
-                if lp is not None:
-                    logprobs.append(lp)
-            if state["done"]:
-                break
-            delta = await self._next(deltas, job.deadline)
-        usage = oa.usage(len(job.prompt_token_ids), num_generated)
-        if job.stream:
-            if job.include_usage:
-                yield sse(oa.usage_chunk(job.request_id, job.model, job.created, job.chat,
-                                          usage))
-            yield b"data: [DONE]\n\n"
-            return
-        merged = oa.merge_logprobs(logprobs, job.chat) if job.params.logprobs is not None \
-            else None
-        build = oa.chat_object if job.chat else oa.completion_object
-        yield build(job.request_id, job.model, job.created, "".join(texts),
-                    delta.finish_reason, merged, usage)
-
-    def _logprobs(self, job: _Job, delta: GenerationDelta, offset: int) -> dict | None:
-        if job.params.logprobs is None or delta.logprobs is None or not delta.token_ids:
-            return None
-        text = self._tools.token_text if self._tools is not None else str
-        if job.chat:
-            return oa.chat_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs, text)
-        return oa.completion_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs,
-                                      text, offset)
-
-    @staticmethod
-    async def _next(deltas: AsyncIterator[GenerationDelta],
-                    deadline: float | None) -> GenerationDelta:
-        try:
-            if deadline is None:
-                return await deltas.__anext__()
-            return await asyncio.wait_for(deltas.__anext__(),
-                                          max(0.0, deadline - time.monotonic()))
-        except StopAsyncIteration:
-            raise RuntimeError("backend ended the stream without a finish_reason") from None
-        except asyncio.TimeoutError as exc:
-            raise DeadlineExceededError("the request's deadline passed") from exc
-
-    async def _send_error(self, send, exc: Exception, state: dict) -> None:
-        error = oa.openai_error(exc)
-        if error.status == 500:
-            logger.error("generation failed", exc_info=exc)
-        else:
-            logger.info("generation refused: %s %s", error.status, error.message)
-        try:
-            if state["started"]:
-                await send({"type": "http.response.body", "body": sse(error.body())})
-                await send({"type": "http.response.body", "body": b""})
-            else:
-                await send_json(send, error.status, error.body())
-        except Exception as send_exc:  # noqa: BLE001 - the client is gone
-            logger.info("could not send the error: %s", send_exc)
-
-    async def _abort(self, request_id: str) -> None:
-        try:
-            await self._backend.abort(request_id)
-        except Exception:
-            logger.exception("backend abort of %r failed", request_id)
-
-    @staticmethod
-    async def _close(deltas) -> None:
-        close = getattr(deltas, "aclose", None)
-        if close is None:
-            return
-        try:
-            await close()
-        except Exception:
-            logger.exception("closing a backend stream failed")

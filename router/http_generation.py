@@ -1,0 +1,177 @@
+"""One generation of the HTTP front door (``pdserve.router.http_server``), run into its
+response: the first delta awaited before any byte is sent (an admission failure is an HTTP
+status), then SSE chunks or one JSON object, errors in the OpenAI envelope, and on any early
+end an abort of the request (shielded) and the backend's stream closed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router import openai_protocol as oa
+from pdserve.router.backend import GenerationBackend, GenerationDelta
+from pdserve.router.errors import DeadlineExceededError, NoWorkersError
+from pdserve.router.http_asgi import SSE_HEADERS, send_json, sse
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HttpJob:
+    """One validated generation, ready to run."""
+
+    chat: bool  # chat.completion objects (else text_completion)
+    request_id: str  # "cmpl-..." / "chatcmpl-...", also the backend's request id
+    model: str  # served model name, echoed in every object
+    created: int  # unix time of arrival
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deadline: float | None  # time.monotonic() instant, from the body's timeout
+    stream: bool
+    include_usage: bool
+
+
+class HttpGeneration:
+    """Runs validated jobs (:class:`HttpJob`) on ``backend``; ``tools`` (the server's
+    ``PromptTools``, or None) gives the text of logprob tokens."""
+
+    def __init__(self, backend: GenerationBackend, tools=None):
+        self._backend, self._tools = backend, tools
+
+    async def run(self, job: HttpJob, send) -> None:
+        """Run ``job`` and send its response through the ASGI ``send``."""
+        deltas = self._backend.generate(job.request_id, job.prompt_token_ids, job.params,
+                                        job.deadline)
+        state = {"done": False, "started": False}
+        try:
+            try:
+                first = await self._next(deltas, job.deadline)
+            except Exception as exc:  # admission failed: an HTTP status, no stream
+                await self._send_error(send, exc, state)
+                return
+            stream = self._stream(job, first, deltas, state)
+            try:
+                if job.stream:
+                    await send({"type": "http.response.start", "status": 200,
+                                "headers": SSE_HEADERS})
+                    state["started"] = True
+                    async for event in stream:
+                        await send({"type": "http.response.body", "body": event,
+                                    "more_body": True})
+                    await send({"type": "http.response.body", "body": b""})
+                else:
+                    items = [item async for item in stream]  # one: the whole object
+                    await send_json(send, 200, items[-1])
+            except Exception as exc:
+                await self._send_error(send, exc, state)
+            finally:
+                await stream.aclose()
+        finally:
+            if not state["done"]:
+                await asyncio.shield(self._abort(job.request_id))
+            await self._close(deltas)
+
+    async def _stream(self, job: HttpJob, first: GenerationDelta,
+                      deltas: AsyncIterator[GenerationDelta], state: dict) -> AsyncIterator:
+        """SSE events (streaming) or, last, the whole response object (not streaming)."""
+        texts: list[str] = []
+        logprobs: list = []
+        num_generated, offset = 0, 0
+        delta = first
+        if job.stream and job.chat:
+            yield sse(oa.chat_chunk(job.request_id, job.model, job.created,
+                                     {"role": "assistant", "content": ""}, None, None,
+                                     job.include_usage))
+        while True:
+            if delta.finish_reason == "abort":
+                state["done"] = True
+                raise NoWorkersError("the request was aborted by the server")
+            state["done"] = delta.finish_reason is not None
+            num_generated += len(delta.token_ids)
+            lp = self._logprobs(job, delta, offset)
+            offset += len(delta.text)
+            if job.stream and (delta.text or delta.token_ids or state["done"]):
+                if job.chat:
+                    content = {"content": delta.text} if delta.text or delta.token_ids else {}
+                    yield sse(oa.chat_chunk(job.request_id, job.model, job.created, content,
+                                             delta.finish_reason, lp, job.include_usage))
+                else:
+                    yield sse(oa.completion_chunk(job.request_id, job.model, job.created,
+                                                   delta.text, delta.finish_reason, lp,
+                                                   job.include_usage))
+            elif not job.stream:
+                texts.append(delta.text)
+                if lp is not None:
+                    logprobs.append(lp)
+            if state["done"]:
+                break
+            delta = await self._next(deltas, job.deadline)
+        usage = oa.usage(len(job.prompt_token_ids), num_generated)
+        if job.stream:
+            if job.include_usage:
+                yield sse(oa.usage_chunk(job.request_id, job.model, job.created, job.chat,
+                                          usage))
+            yield b"data: [DONE]\n\n"
+            return
+        merged = oa.merge_logprobs(logprobs, job.chat) if job.params.logprobs is not None \
+            else None
+        build = oa.chat_object if job.chat else oa.completion_object
+        yield build(job.request_id, job.model, job.created, "".join(texts),
+                    delta.finish_reason, merged, usage)
+
+    def _logprobs(self, job: HttpJob, delta: GenerationDelta, offset: int) -> dict | None:
+        if job.params.logprobs is None or delta.logprobs is None or not delta.token_ids:
+            return None
+        text = self._tools.token_text if self._tools is not None else str
+        if job.chat:
+            return oa.chat_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs, text)
+        return oa.completion_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs,
+                                      text, offset)
+
+    @staticmethod
+    async def _next(deltas: AsyncIterator[GenerationDelta],
+                    deadline: float | None) -> GenerationDelta:
+        try:
+            if deadline is None:
+                return await deltas.__anext__()
+            return await asyncio.wait_for(deltas.__anext__(),
+                                          max(0.0, deadline - time.monotonic()))
+        except StopAsyncIteration:
+            raise RuntimeError("backend ended the stream without a finish_reason") from None
+        except asyncio.TimeoutError as exc:
+            raise DeadlineExceededError("the request's deadline passed") from exc
+
+    async def _send_error(self, send, exc: Exception, state: dict) -> None:
+        error = oa.openai_error(exc)
+        if error.status == 500:
+            logger.error("generation failed", exc_info=exc)
+        else:
+            logger.info("generation refused: %s %s", error.status, error.message)
+        try:
+            if state["started"]:
+                await send({"type": "http.response.body", "body": sse(error.body())})
+                await send({"type": "http.response.body", "body": b""})
+            else:
+                await send_json(send, error.status, error.body())
+        except Exception as send_exc:  # noqa: BLE001 - the client is gone
+            logger.info("could not send the error: %s", send_exc)
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self._backend.abort(request_id)
+        except Exception:
+            logger.exception("backend abort of %r failed", request_id)
+
+    @staticmethod
+    async def _close(deltas) -> None:
+        close = getattr(deltas, "aclose", None)
+        if close is None:
+            return
+        try:
+            await close()
+        except Exception:
+            logger.exception("closing a backend stream failed")
