@@ -3,10 +3,11 @@
 Per request, as ``Router.generate`` drives it (states and transitions: ``router.flight``):
 
 1. ADMITTED: bounded by requests and prompt tokens in flight (QueueFullError when full).
-2. PLACING (disaggregated): the best decode worker (``pairing.rank_decode``) reserves blocks
-   under a lease; one without room is skipped; when none has room the request waits (up to
-   its deadline, or ``reserve_wait_s``) instead of failing; a request no decode worker could
-   ever hold -> RequestTooLargeError. (Colocated: ``submit`` to the least loaded worker.)
+2. PLACING (``router.placement``; disaggregated): the best decode worker
+   (``pairing.rank_decode``) reserves blocks under a lease; one without room is skipped; when
+   none has room the request waits (up to its deadline, or ``reserve_wait_s``) instead of
+   failing; a request no decode worker could ever hold -> RequestTooLargeError. (Colocated:
+   ``submit`` to the least loaded worker.)
 3. PREFILLING: the best prefill worker (``pairing.pick_prefill``) computes the prompt, ships
    the KV into the reservation and returns token 0, streamed at once (TTFT). While the call is
    pending the router renews the reservation's lease, so a prompt queued behind others at the
@@ -32,11 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 from pdserve.engine.messages import (
     PrefillResult,
@@ -56,19 +56,15 @@ from pdserve.router.errors import (
     RequestTooLargeError,
 )
 from pdserve.router.flight import AttemptFailed, Flight, Phase
-from pdserve.router.handles import NoCapacity
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pairing import WorkerLoad, pick_prefill, rank_decode
+from pdserve.router.pairing import WorkerLoad, pick_prefill
+from pdserve.router.placement import Placer
 from pdserve.router.trace import RequestTrace, observe
 from pdserve.router.workers import Workers
 
 __all__ = ["RequestTrace", "Router", "RouterConfig"]
 
 logger = logging.getLogger(__name__)
-
-
-class _Outranked(Exception):
-    """The request holding the placement turn yields it to a better one (see admission)."""
 
 
 class Router:
@@ -89,6 +85,7 @@ class Router:
         self._room = asyncio.Event()  # set whenever a request leaves (blocks came back)
         self._queue = AdmissionQueue(self.config.scheduling_policy, self.config.priority_aging_s,
                                      wake=self._room.set)
+        self._placer = Placer(self.config, self.workers, self._queue, self._room)
         self.traces: deque[RequestTrace] = deque(maxlen=100_000)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -247,14 +244,14 @@ class Router:
             await self.workers.abort_on(flight.decode_id, flight.request_id)
 
     async def _colocated(self, flight: Flight) -> AsyncIterator[RequestDelta]:
-        await self._place(flight, "colocated", self._submit)
+        await self._placer.place(flight, "colocated", self._submit)
         flight.move_to(Phase.DECODING)
         async for delta in self._drain(flight):
             yield delta
 
     # -- placing ------------------------------------------------------------------------------
     async def _reserve(self, flight: Flight) -> Reservation:
-        return await self._place(flight, "decode", self._reserve_on)
+        return await self._placer.place(flight, "decode", self._reserve_on)
 
     async def _reserve_on(self, flight: Flight, load: WorkerLoad) -> Reservation:
         handle = self.workers.handles[load.stats.worker_id]
@@ -268,82 +265,6 @@ class Router:
         await flight.bounded(lambda: handle.submit(flight.request),
                             self.config.rpc_timeout_s, "submit")
         load.pending_tokens += len(flight.request.prompt_token_ids)
-
-    async def _place(self, flight: Flight, role: str,
-                     place_on: Callable[[Flight, WorkerLoad], Awaitable]):
-        """Try the ranked workers of ``role`` until one takes the request; wait when none can.
-
-        A worker without room now (NoCapacity) is skipped; ValueError means it can never hold
-        the request (RequestTooLargeError once every worker says so); any other error is that
-        worker's problem (its poller or the pool manager deals with it): skip it too.
-        """
-        try:
-            while True:
-                await self._take_turn(flight)
-                try:
-                    return await self._place_now(flight, role, place_on)
-                except _Outranked:
-                    continue  # back in the queue behind a better request
-                finally:
-                    self._queue.done(flight)
-        finally:
-            flight.queued_at = None  # placed (or gone): the next attempt queues afresh
-
-    async def _take_turn(self, flight: Flight) -> None:
-        """Wait in the admission queue for this request's turn to place (see admission)."""
-        limit = self.config.reserve_wait_s
-        timeout = flight.budget(math.inf if limit is None else limit)
-        try:
-            await self._queue.turn(flight, None if timeout == math.inf else timeout)
-        except TimeoutError:
-            flight.budget(math.inf)  # DeadlineExceededError if the deadline went
-            raise QueueFullError(f"no turn to place within {limit:g} s; retry later",
-                                 retry_after_s=self._queue.retry_after_s()) from None
-
-    async def _place_now(self, flight: Flight, role: str,
-                         place_on: Callable[[Flight, WorkerLoad], Awaitable]):
-        cfg = self.config
-        started = time.monotonic()
-        while True:
-            candidates = rank_decode(self.workers.live(role))
-            too_large: list[ValueError] = []
-            for load in candidates:
-                worker_id = load.stats.worker_id
-                # Before the call: a colocated worker streams as soon as it has the request,
-                # and its first delta must already find this attempt's worker.
-                flight.decode_id = worker_id
-                try:
-                    return await place_on(flight, load)
-                except NoCapacity:
-                    pass
-                except DeadlineExceededError:
-                    flight.decode_id = None
-                    raise
-                except ValueError as exc:
-                    too_large.append(exc)
-                except Exception as exc:  # noqa: BLE001 - that worker's problem, not the request's
-                    self.workers.suspect(worker_id, f"{role} call failed: {exc}")
-                    self.workers.abort_later(worker_id, flight.request_id)  # it may hold it anyway
-                flight.decode_id = None
-            waited = time.monotonic() - started
-            if candidates and len(too_large) == len(candidates):
-                raise RequestTooLargeError(str(too_large[0]))
-            if not candidates and waited > cfg.worker_wait_s:
-                raise NoWorkersError(f"no {role} workers (waited {waited:.0f} s)")
-            if candidates and cfg.reserve_wait_s is not None and waited > cfg.reserve_wait_s:
-                raise QueueFullError(f"no {role} worker had room for {waited:.0f} s; retry later")
-            await self._wait_for_room(flight)
-            if self._queue.outranked(flight):
-                raise _Outranked
-
-    async def _wait_for_room(self, flight: Flight) -> None:
-        """Until a request leaves or the stats refresh, bounded by the deadline."""
-        self._room.clear()
-        wait = self.config.stats_interval_s
-        try:
-            await asyncio.wait_for(self._room.wait(), flight.budget(wait))
-        except TimeoutError:
-            flight.budget(wait)  # DeadlineExceededError if that was the deadline
 
     async def _prefill(self, flight: Flight, reservation: Reservation) -> PrefillResult:
         load = await self._pick_prefill(flight)
@@ -367,7 +288,7 @@ class Router:
         while not (loads := self.workers.live("prefill")):
             if time.monotonic() - started > self.config.worker_wait_s:
                 raise AttemptFailed("worker_lost", "no prefill workers")
-            await self._wait_for_room(flight)
+            await self._placer.wait_for_room(flight)
         block_size = int(loads[0].stats.ledger.get("block_size", 16))
         prompt = flight.request.prompt_token_ids + flight.request.output_token_ids
         load, hashes = pick_prefill(loads, prompt, block_size)
