@@ -16,13 +16,9 @@ from torch.distributed import PrefixStore, TCPStore
 from pdserve.kernels import KVCacheLayer
 from pdserve.kv_transfer.base import ChannelConfig, TransferKey
 from pdserve.kv_transfer.framing import pack_layers
+from pdserve.kv_transfer.rendezvous import new_pair_group, resolve_backend
 from pdserve.kv_transfer.sink import ReservedBlocksSink
-from pdserve.kv_transfer.torch_dist import (
-    TorchDistConnector,
-    TransferEndpoint,
-    new_pair_group,
-    resolve_backend,
-)
+from pdserve.kv_transfer.torch_dist import TorchDistConnector, TransferEndpoint
 
 
 def _sync(device: torch.device) -> None:

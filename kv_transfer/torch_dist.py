@@ -1,7 +1,8 @@
 """The real transport: one 2-rank torch.distributed process group per (P, D) pair.
 
-No global world. D hosts a ``TCPStore`` (``TransferEndpoint``); its ``address`` goes into the
-registry. A P sender joins lazily, on its first frame:
+No global world (the rendezvous pieces: ``kv_transfer.rendezvous``). D hosts a ``TCPStore``
+(``TransferEndpoint``); its ``address`` goes into the registry. A P sender joins lazily, on
+its first frame:
 
 1. P opens a store client to D's address, takes a pair index ``idx = add("next", 1)`` and
    pushes ``"idx peer_id token"`` on the join queue (``token``: the cluster's join token).
@@ -40,112 +41,35 @@ import contextlib
 import datetime
 import hmac
 import logging
-import socket
 import threading
 import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, TCPStore
+from torch.distributed import PrefixStore
 
 from pdserve.kv_transfer.base import ChannelConfig, FrameKind, KVReceiver, TransferError
 from pdserve.kv_transfer.channel import LRUConnector, ThreadedSender
 from pdserve.kv_transfer.framing import HEADER_WORDS, decode_header
 from pdserve.kv_transfer.receiver import PeerDispatcher
+from pdserve.kv_transfer.rendezvous import (
+    ACCEPT_KEY,
+    JOIN_KEY,
+    NEXT_KEY,
+    PAIR_KEY,
+    master_store,
+    new_pair_group,
+    parse_address,
+    parse_join,
+    resolve_backend,
+    store_client,
+    wire_device,
+)
 
 logger = logging.getLogger(__name__)
 
-_NEXT = "pdserve/kv/next"  # pair index counter
-_JOIN = "pdserve/kv/join"  # queue of "idx peer_id"
-_ACCEPT = "pdserve/kv/accept/"  # + idx -> b"1" accepted / b"0" refused
-_PAIR = "pdserve/kv/pair/"  # + idx + "/" : the pair's process-group rendezvous prefix
-_POLL_S = 0.02
-_MAX_PEER_ID_CHARS = 128
-_MAX_JOIN_BYTES = 512  # a longer join message is hostile or broken: dropped unread
+_POLL_S = 0.02  # the listener's wait between looks at the join queue
 _KEEP_SCRATCH_BYTES = 64 << 20  # a drained payload's buffer beyond this is not kept
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``auto`` -> ``nccl`` for CUDA devices, ``gloo`` otherwise."""
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
-    if backend == "auto":
-        return "nccl" if torch.device(device).type == "cuda" else "gloo"
-    return backend
-
-
-def wire_device(backend: str, device: torch.device) -> torch.device:
-    """Where the tensors handed to the process group live."""
-    return torch.device(device) if backend == "nccl" else torch.device("cpu")
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"address must be 'host:port', got {address!r}")
-    return host, int(port)
-
-
-def _listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on exactly ``host`` (IPv4 or IPv6 literal or a name)."""
-    family, _type, _proto, _name, sockaddr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _master_store(host: str, port: int, timeout_s: float) -> TCPStore:
-    """The rendezvous server, listening on ``host`` only (TCPStore alone binds ``::``)."""
-    sock = _listening_socket(host, port)
-    bound = sock.getsockname()[1]
-    fd = sock.detach()  # the store owns the descriptor from here on
-    return TCPStore(host, bound, is_master=True, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=fd)
-
-
-def parse_join(message: bytes) -> tuple[int, str, str]:
-    """``b"idx peer_id [token]"`` -> (idx, peer_id, token); ValueError when malformed."""
-    if len(message) > _MAX_JOIN_BYTES:
-        raise ValueError(f"join message of {len(message)} bytes")
-    parts = message.decode("utf-8").split(" ")
-    if len(parts) not in (2, 3):
-        raise ValueError(f"join message has {len(parts)} fields")
-    idx_text, peer_id = parts[0], parts[1]
-    if not idx_text.isdigit() or int(idx_text) < 1:
-        raise ValueError(f"pair index {idx_text[:20]!r} is not a positive integer")
-    if not peer_id or len(peer_id) > _MAX_PEER_ID_CHARS or not peer_id.isprintable():
-        raise ValueError("peer id is empty, too long or not printable")
-    return int(idx_text), peer_id, parts[2] if len(parts) == 3 else ""
-
-
-def _store_client(address: str, timeout_s: float) -> TCPStore:
-    host, port = parse_address(address)
-    return TCPStore(host, port, is_master=False, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def new_pair_group(store: dist.Store, rank: int, backend: str, host: str,
-                   timeout_s: float) -> dist.ProcessGroup:
-    """A 2-rank process group on ``store`` (already prefixed for this pair)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        opts._threads = 1
-        return dist.ProcessGroupGloo(store, rank, 2, opts)
-    if not hasattr(dist, "ProcessGroupNCCL"):
-        raise TransferError("backend 'nccl' needs a CUDA build of torch")
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, 2, opts)
 
 
 class TorchDistSender(ThreadedSender):
@@ -164,20 +88,20 @@ class TorchDistSender(ThreadedSender):
     def _connect(self) -> None:
         timeout = self.config.connect_timeout_s
         try:
-            store = _store_client(self.address, timeout)
-            idx = store.add(_NEXT, 1)
+            store = store_client(self.address, timeout)
+            idx = store.add(NEXT_KEY, 1)
             join = f"{idx} {self.peer_id}"
-            store.queue_push(_JOIN, f"{join} {self._join_token}" if self._join_token else join)
-            store.wait([f"{_ACCEPT}{idx}"], datetime.timedelta(seconds=timeout))
-            accepted = store.get(f"{_ACCEPT}{idx}") == b"1"
-            store.delete_key(f"{_ACCEPT}{idx}")
+            store.queue_push(JOIN_KEY, f"{join} {self._join_token}" if self._join_token else join)
+            store.wait([f"{ACCEPT_KEY}{idx}"], datetime.timedelta(seconds=timeout))
+            accepted = store.get(f"{ACCEPT_KEY}{idx}") == b"1"
+            store.delete_key(f"{ACCEPT_KEY}{idx}")
         except Exception as exc:
             raise TransferError(f"cannot reach decode endpoint {self.address}: {exc}") from exc
         if not accepted:
             raise TransferError(f"decode endpoint {self.address} refused the pair (at max_peers, "
                                 "or a wrong join token)")
         try:
-            self._pg = new_pair_group(PrefixStore(f"{_PAIR}{idx}/", store), 1, self._backend,
+            self._pg = new_pair_group(PrefixStore(f"{PAIR_KEY}{idx}/", store), 1, self._backend,
                                       self._host, self.config.peer_timeout_s)
         except Exception as exc:
             raise TransferError(f"pair {idx} with {self.address} failed to form: {exc}") from exc
@@ -245,7 +169,7 @@ class TransferEndpoint(KVReceiver):
         self.max_payload_bytes = min(self.config.max_payload_bytes,
                                      getattr(sink, "max_payload_bytes", None) or 1 << 62)
         self._join_token = join_token.encode()
-        self._store = _master_store(host, port, self.config.connect_timeout_s)
+        self._store = master_store(host, port, self.config.connect_timeout_s)
         self._address = f"{host}:{self._store.port}"
         self._lock = threading.Lock()
         self._peers: dict[int, tuple[str, threading.Thread]] = {}
@@ -291,9 +215,9 @@ class TransferEndpoint(KVReceiver):
     def _listen(self) -> None:
         while not self._stop.wait(_POLL_S):
             try:
-                if self._store.queue_len(_JOIN) == 0:
+                if self._store.queue_len(JOIN_KEY) == 0:
                     continue
-                message = self._store.queue_pop(_JOIN, block=False)
+                message = self._store.queue_pop(JOIN_KEY, block=False)
             except dist.QueueEmptyError:
                 continue
             except Exception:
@@ -313,7 +237,7 @@ class TransferEndpoint(KVReceiver):
             self.num_bad_joins += 1
             logger.warning("endpoint %s: dropped a malformed join (%s)", self._address, exc)
             return
-        if idx in self._seen_idx or idx > self._store.add(_NEXT, 0):
+        if idx in self._seen_idx or idx > self._store.add(NEXT_KEY, 0):
             self.num_bad_joins += 1
             logger.warning("endpoint %s: dropped a join from %r with pair index %d (reused or "
                            "never handed out)", self._address, peer_id, idx)
@@ -322,7 +246,7 @@ class TransferEndpoint(KVReceiver):
         if self._join_token and not hmac.compare_digest(token.encode(), self._join_token):
             self.num_bad_joins += 1
             logger.warning("endpoint %s: refused %r: wrong join token", self._address, peer_id)
-            self._store.set(f"{_ACCEPT}{idx}", b"0")
+            self._store.set(f"{ACCEPT_KEY}{idx}", b"0")
             return
         self._accept(idx, peer_id)
 
@@ -333,7 +257,7 @@ class TransferEndpoint(KVReceiver):
                 thread = threading.Thread(target=self._peer_main, args=(idx, peer_id),
                                           daemon=True, name=f"kv-recv-{peer_id}-{idx}")
                 self._peers[idx] = (peer_id, thread)
-        self._store.set(f"{_ACCEPT}{idx}", b"1" if accepted else b"0")
+        self._store.set(f"{ACCEPT_KEY}{idx}", b"1" if accepted else b"0")
         if accepted:
             thread.start()
             logger.info("endpoint %s: accepted %s as pair %d", self._address, peer_id, idx)
@@ -344,8 +268,8 @@ class TransferEndpoint(KVReceiver):
     def _peer_main(self, idx: int, peer_id: str) -> None:
         dispatcher = PeerDispatcher(peer_id, self.sink, self._wire)
         try:
-            store = _store_client(self._address, self.config.connect_timeout_s)
-            pg = new_pair_group(PrefixStore(f"{_PAIR}{idx}/", store), 0, self._backend,
+            store = store_client(self._address, self.config.connect_timeout_s)
+            pg = new_pair_group(PrefixStore(f"{PAIR_KEY}{idx}/", store), 0, self._backend,
                                 self.host, self.config.peer_timeout_s)
         except Exception as exc:
             logger.warning("endpoint %s: pair %d with %s failed to form: %s", self._address, idx,

@@ -181,7 +181,7 @@ def test_every_listening_socket_is_on_loopback(cluster, model_name, client):
 def test_hostile_joins_leave_the_decode_worker_serving(cluster, client, model_name, e2e):
     from torch.distributed import TCPStore
 
-    from pdserve.kv_transfer.torch_dist import _JOIN
+    from pdserve.kv_transfer.rendezvous import JOIN_KEY
 
     address = next(s.transfer_address for s in cluster.worker_stats().values()
                    if s.role == "decode")
@@ -189,7 +189,7 @@ def test_hostile_joins_leave_the_decode_worker_serving(cluster, client, model_na
     raw = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                    timeout=datetime.timedelta(seconds=10))
     for junk in ("garbage", "1", "x y z w", "999999 intruder", "7 intruder wrong-token"):
-        raw.queue_push(_JOIN, junk)
+        raw.queue_push(JOIN_KEY, junk)
     for _ in range(3):
         out = client.completions.create(model=model_name, prompt=list(range(40, 70)),
                                         max_tokens=4, temperature=0)

@@ -14,7 +14,8 @@ from torch.distributed import TCPStore
 from pdserve.kv_transfer import TorchDistConnector, TransferEndpoint, TransferError, TransferKey
 from pdserve.kv_transfer.base import FrameKind
 from pdserve.kv_transfer.framing import FrameHeader, encode_header
-from pdserve.kv_transfer.torch_dist import _JOIN, TorchDistSender, parse_join
+from pdserve.kv_transfer.rendezvous import JOIN_KEY, parse_join
+from pdserve.kv_transfer.torch_dist import TorchDistSender
 
 TOKEN = "cluster-secret"
 
@@ -69,7 +70,7 @@ def test_malformed_joins_and_wrong_tokens_leave_it_serving(kv, no_thread_leak):
         raw = _store(endpoint.address)
         for junk in ("garbage", "abc prefill-x", "1 2 3 4", "99999 ghost " + TOKEN,
                      "\u00e9" * 300, ""):
-            raw.queue_push(_JOIN, junk)
+            raw.queue_push(JOIN_KEY, junk)
         assert kv.wait_until(lambda: endpoint.num_bad_joins >= 5, 5)
         for connector in (stranger, anonymous):
             error = connector.sender(endpoint.address).send_abort(TransferKey(1, 1)).exception(10)
