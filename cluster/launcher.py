@@ -42,8 +42,9 @@ from pdserve.cluster.placement import (
     resolve_device,
     worker_resources,
 )
+from pdserve.cluster.pool_settings import PoolSettings
 from pdserve.cluster.pool_store import PoolStore
-from pdserve.cluster.pools import PoolSettings, WorkerStartError
+from pdserve.cluster.pools import WorkerStartError
 from pdserve.cluster.processes import child_pids, quiet_value, quietly, wait_gone
 from pdserve.cluster.ray_env import init_ray
 from pdserve.cluster.redis_server import RedisServer

@@ -1,4 +1,5 @@
-"""Worker pools kept at their target size: the pool manager (the decision is ``pool_plan``).
+"""Worker pools kept at their target size: the pool manager (the decision is ``pool_plan``, its
+settings ``pool_settings``).
 
 One pool per role (prefill, decode, colocated). Its target lives in Redis
 (:class:`~pdserve.cluster.pool_store.PoolStore`); the autoscaler and operators only change
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
-from pdserve.cluster.actors import WorkerSpec, start_worker_actor
+from pdserve.cluster.actors import start_worker_actor
 from pdserve.cluster.pool_plan import (
     DEAD,
     DRAIN,
@@ -55,46 +56,11 @@ from pdserve.cluster.pool_plan import (
     MemberView,
     plan,
 )
+from pdserve.cluster.pool_settings import PoolSettings
 from pdserve.cluster.pool_store import MemberRecord, PoolStore
 from pdserve.cluster.registry import Registry, WorkerRecord
 
 logger = logging.getLogger(__name__)
-
-# -- the manager ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PoolSettings:
-    """How the pool manager starts and watches workers."""
-
-    templates: tuple[WorkerSpec, ...]  # one per role it may start (worker_id is replaced)
-    detached: bool = True  # worker actors outlive the router actor, so a restart adopts them
-    interval_s: float = 0.5  # reconcile period
-    ping_timeout_s: float = 5.0  # one ping, at most
-    max_missed_pings: int = 3  # pings in a row timing out that make a worker dead
-    start_timeout_s: float = 600.0  # actor creation + model load, at most
-    drain_grace_s: float = 1.0  # a drained worker must be idle in a heartbeat this much later
-    drain_timeout_s: float = 600.0  # a drain lasting longer finishes anyway
-    close_timeout_s: float = 30.0  # a finished worker's close(), at most, before the kill
-    backoff_s: float = 1.0  # starts held after a failed start, doubled per consecutive failure
-    max_backoff_s: float = 60.0  # the longest hold
-    dead_keep_s: float = 60.0  # a removed dead worker stays listed this long
-
-    def __post_init__(self) -> None:
-        roles = [t.role for t in self.templates]
-        if len(set(roles)) != len(roles):
-            raise ValueError(f"templates must have one spec per role, got roles {roles}")
-        for name in ("interval_s", "ping_timeout_s", "start_timeout_s", "backoff_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_missed_pings < 1:
-            raise ValueError(f"max_missed_pings must be >= 1, got {self.max_missed_pings}")
-
-    def template(self, role: str) -> WorkerSpec:
-        for spec in self.templates:
-            if spec.role == role:
-                return spec
-        raise ValueError(f"role must be one of {[t.role for t in self.templates]}, "
-                         f"got {role!r}")
-
 
 class WorkerStartError(RayError):
     """A worker actor failed to start; the message ends with the worker's own error line."""

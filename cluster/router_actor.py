@@ -50,8 +50,9 @@ from pdserve.cluster.actors import RedisDirectory, cluster_namespace, limit_proc
 from pdserve.cluster.admin import ClusterAdmin
 from pdserve.cluster.autoscale_config import AutoscaleConfig
 from pdserve.cluster.autoscale_runner import AutoscaleRunner
+from pdserve.cluster.pool_settings import PoolSettings
 from pdserve.cluster.pool_store import PoolStore
-from pdserve.cluster.pools import PoolManager, PoolSettings
+from pdserve.cluster.pools import PoolManager
 from pdserve.cluster.registry import Registry
 from pdserve.router.admin_server import PoolInfo, WorkerInfo
 from pdserve.router.auth import TLSConfig
