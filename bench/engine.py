@@ -4,8 +4,9 @@ In one run:
 1. decode step time against the memory roofline (bytes read per step / read bandwidth measured
    now) on a random ~100M-parameter Llama at batch 1, 8, 64 in fp32 and bf16;
 2. engine overhead per step (everything outside the model forward) at batch 64 and 256 on a
-   tiny model, with prompts of one length and of spread lengths, greedy and sampled, and what
-   a request joining the decode rows costs;
+   tiny model, with prompts of one length and of spread lengths, greedy and sampled (the
+   median of three interleaved rounds, and their range), and what a request joining the
+   decode rows costs;
 3. tokens/s of continuous batching against Hugging Face ``generate`` with static batches on the
    same requests with long-tailed output lengths.
 """
@@ -133,30 +134,47 @@ SAMPLED = {"temperature 0.8": {"temperature": 0.8},
            "temperature 0.8, top-k 50": {"temperature": 0.8, "top_k": 50}}
 
 
-def overhead_table(model_dir: Path, batches: list[int], steps: int) -> str:
+def overhead_table(model_dir: Path, batches: list[int], steps: int, rounds: int = 3) -> str:
     """Time outside the forward per pure decode step: greedy with the prompts all of one
     length (the rows enter their blocks in lockstep) and spread over a block's worth of
-    lengths, then sampled (spread lengths, the first batch size)."""
+    lengths, then sampled (spread lengths, the first batch size). The cases run in ``rounds``
+    interleaved rounds (the machine's speed drifts); each prints its median round and the
+    range of its overhead."""
     shortest = 16  # prompt tokens
     parts = EngineParts.build(EngineConfig(model=str(model_dir), num_kv_blocks=8192,
                                            max_num_seqs=512, max_num_batched_tokens=8192))
     block_size = parts.block_manager.block_size
     cases = [(batch, spread, "greedy", None) for batch in batches for spread in (1, block_size)]
     cases += [(batches[0], block_size, name, kw) for name, kw in SAMPLED.items()]
+    runs: list[list[tuple]] = [[] for _ in cases]
+    for _ in range(rounds):
+        for case, (batch, spread, _name, sampling) in enumerate(cases):
+            runs[case].append(_overhead_run(parts, batch, shortest, steps, spread, sampling))
     rows = []
-    for batch, spread, name, sampling in cases:
-        render_s: list[float] = []
-        stats = decode_steps(LLMEngine(parts), batch, shortest, steps, render_s, spread,
-                             sampling)
-        total = sum(s.total_s for s in stats)
-        forward = sum(s.forward_s for s in stats)
-        outside = sorted(s.total_s - s.forward_s for s in stats)
+    for (batch, spread, name, _), measured in zip(cases, runs, strict=True):
+        measured.sort(key=lambda run: run[2])  # by overhead
+        step_ms, outside_ms, overhead, median_ms, render_ms = measured[len(measured) // 2]
         lengths = f"{shortest}-{shortest + spread - 1}" if spread > 1 else str(shortest)
-        rows.append([batch, lengths, name, total / len(stats) * 1e3,
-                     (total - forward) / len(stats) * 1e3, f"{(total - forward) / total:.1%}",
-                     outside[len(outside) // 2] * 1e3, sum(render_s) / len(render_s) * 1e3])
+        spread_text = f"{measured[0][2]:.1%}-{measured[-1][2]:.1%}"
+        rows.append([batch, lengths, name, step_ms, outside_ms, f"{overhead:.1%}", spread_text,
+                     median_ms, render_ms])
     return format_table(["batch", "prompt tokens", "decoding", "step ms", "outside forward ms",
-                         "overhead", "median outside ms", "render ms (reader)"], rows)
+                         "overhead", f"range ({rounds} rounds)", "median outside ms",
+                         "render ms (reader)"], rows)
+
+
+def _overhead_run(parts: EngineParts, batch: int, prompt_len: int, steps: int, spread: int,
+                  sampling: dict | None) -> tuple:
+    """(step ms, outside-forward ms, overhead fraction, median outside ms, render ms) of one
+    run of ``decode_steps`` on a fresh engine."""
+    render_s: list[float] = []
+    stats = decode_steps(LLMEngine(parts), batch, prompt_len, steps, render_s, spread, sampling)
+    total = sum(s.total_s for s in stats)
+    forward = sum(s.forward_s for s in stats)
+    outside = sorted(s.total_s - s.forward_s for s in stats)
+    return (total / len(stats) * 1e3, (total - forward) / len(stats) * 1e3,
+            (total - forward) / total, outside[len(outside) // 2] * 1e3,
+            sum(render_s) / len(render_s) * 1e3)
 
 
 def join_sync_line(model_dir: Path, batch: int = 64, repeats: int = 300) -> str:
@@ -266,7 +284,8 @@ def main(argv: list[str] | None = None) -> None:
         print(roofline_table(big, bandwidth, [1, 8] if args.quick else [1, 8, 64],
                              4 if args.quick else 16))
         print("\n2. engine overhead per decode step (tiny model)")
-        print(overhead_table(tiny, [8, 64] if args.quick else [64, 256], 4 if args.quick else 64))
+        print(overhead_table(tiny, [8, 64] if args.quick else [64, 256], 4 if args.quick else 64,
+                             1 if args.quick else 3))
         print(join_sync_line(tiny, 8 if args.quick else 64))
         print("\n3. continuous batching vs Hugging Face static batching (tiny model)")
         print(batching_table(tiny, 16 if args.quick else 64, 16 if args.quick else 64,
