@@ -14,8 +14,9 @@ Call order for one request, as ``pdserve.router.grpc_server`` makes it:
    ``pdserve.router.errors``) are raised from the first ``__anext__``. Each item is a
    ``GenerationDelta``; the last one has ``finish_reason`` set and nothing follows it.
 4. If the stream ends any other way (client cancel, deadline, error, server stop),
-   ``abort(request_id)`` is awaited exactly once and the iterator is closed. ``abort`` must be
-   idempotent and must free everything the request holds (KV blocks on every worker).
+   ``abort(request_id)`` is awaited exactly once and the iterator is closed (both front doors
+   do it with :func:`end_stream`). ``abort`` must be idempotent and must free everything the
+   request holds (KV blocks on every worker).
 
 A backend must not block the event loop: ``generate`` buffers deltas for slow clients rather
 than making its engine wait on them.
@@ -23,11 +24,15 @@ than making its engine wait on them.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from pdserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -103,3 +108,26 @@ class GenerationBackend(Protocol):
         """True once workers can take requests; polled for the health service."""
         ...
 
+
+async def end_stream(backend: GenerationBackend, request_id: str,
+                     deltas: AsyncIterator[GenerationDelta], finished: bool) -> None:
+    """Step 4 of the call order, for a front door's ``finally``: unless the stream
+    ``finished``, ``abort`` the request (shielded from the caller's cancellation), then close
+    the iterator, even when the abort did not complete. Failures are logged, not raised."""
+    try:
+        if not finished:
+            await asyncio.shield(_abort(backend, request_id))
+    finally:
+        close = getattr(deltas, "aclose", None)
+        if close is not None:
+            try:
+                await close()
+            except Exception:
+                logger.exception("closing a backend stream failed")
+
+
+async def _abort(backend: GenerationBackend, request_id: str) -> None:
+    try:
+        await backend.abort(request_id)
+    except Exception:
+        logger.exception("backend abort of %r failed", request_id)

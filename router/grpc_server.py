@@ -45,7 +45,7 @@ from pdserve.api import generation_pb2, generation_pb2_grpc
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admin_server import AdminBackend, add_admin_service
 from pdserve.router.auth import ApiKey, ApiKeyInterceptor, TLSConfig
-from pdserve.router.backend import GenerationBackend, GenerationDelta
+from pdserve.router.backend import GenerationBackend, GenerationDelta, end_stream
 from pdserve.router.errors import (
     DeadlineExceededError,
     DuplicateRequestError,
@@ -190,11 +190,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     response.usage.completion_tokens = num_generated
                 await context.write(response)
         finally:
-            try:
-                if not finished:
-                    await asyncio.shield(self._abort(request_id))
-            finally:
-                await self._close(deltas)
+            await end_stream(self._backend, request_id, deltas, finished)
 
     @staticmethod
     async def _next_delta(deltas: AsyncIterator[GenerationDelta],
@@ -208,22 +204,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return None
         except asyncio.TimeoutError as exc:
             raise DeadlineExceededError("the request's deadline passed") from exc
-
-    async def _abort(self, request_id: str) -> None:
-        try:
-            await self._backend.abort(request_id)
-        except Exception:
-            logger.exception("backend abort of %r failed", request_id)
-
-    @staticmethod
-    async def _close(deltas: AsyncIterator[GenerationDelta]) -> None:
-        close = getattr(deltas, "aclose", None)
-        if close is None:
-            return
-        try:
-            await close()
-        except Exception:
-            logger.exception("closing a backend stream failed")
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:

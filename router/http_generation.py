@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import openai_protocol as oa
-from pdserve.router.backend import GenerationBackend, GenerationDelta
+from pdserve.router.backend import GenerationBackend, GenerationDelta, end_stream
 from pdserve.router.errors import DeadlineExceededError, NoWorkersError
 from pdserve.router.http_asgi import SSE_HEADERS, send_json, sse
 
@@ -71,9 +71,7 @@ class HttpGeneration:
             finally:
                 await stream.aclose()
         finally:
-            if not state["done"]:
-                await asyncio.shield(self._abort(job.request_id))
-            await self._close(deltas)
+            await end_stream(self._backend, job.request_id, deltas, state["done"])
 
     async def _stream(self, job: HttpJob, first: GenerationDelta,
                       deltas: AsyncIterator[GenerationDelta], state: dict) -> AsyncIterator:
@@ -159,19 +157,3 @@ class HttpGeneration:
                 await send_json(send, error.status, error.body())
         except Exception as send_exc:  # noqa: BLE001 - the client is gone
             logger.info("could not send the error: %s", send_exc)
-
-    async def _abort(self, request_id: str) -> None:
-        try:
-            await self._backend.abort(request_id)
-        except Exception:
-            logger.exception("backend abort of %r failed", request_id)
-
-    @staticmethod
-    async def _close(deltas) -> None:
-        close = getattr(deltas, "aclose", None)
-        if close is None:
-            return
-        try:
-            await close()
-        except Exception:
-            logger.exception("closing a backend stream failed")
