@@ -5,13 +5,13 @@ the 2-rank group itself (gloo or NCCL)."""
 from __future__ import annotations
 
 import datetime
-import socket
 
 import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from pdserve.kv_transfer.base import TransferError
+from pdserve.net import listening_socket
 
 NEXT_KEY = "pdserve/kv/next"  # pair index counter
 JOIN_KEY = "pdserve/kv/join"  # queue of "idx peer_id"
@@ -40,21 +40,6 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"address must be 'host:port', got {address!r}")
     return host, int(port)
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on exactly ``host`` (IPv4 or IPv6 literal or a name)."""
-    family, _type, _proto, _name, sockaddr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def master_store(host: str, port: int, timeout_s: float) -> TCPStore:

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 import uvicorn
 from starlette.responses import Response
 
+from pdserve import net
 from pdserve.router import openai_protocol as oa
 from pdserve.router.auth import ApiKey
 
@@ -100,17 +101,9 @@ class QuietServer(uvicorn.Server):
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    family, _type, _proto, _name, sockaddr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(1024)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
+    """A non-blocking socket listening on exactly ``host``, as uvicorn takes it."""
+    sock = net.listening_socket(host, port, backlog=1024)
+    sock.setblocking(False)
     return sock
 
 

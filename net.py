@@ -1,0 +1,22 @@
+"""The one way pdserve opens a listening TCP socket: on exactly the configured host, never
+every interface (the HTTP front door and the KV transfer store both take it)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def listening_socket(host: str, port: int, backlog: int = 128) -> socket.socket:
+    """A TCP socket listening on exactly ``host`` (IPv4 or IPv6 literal or a name); port 0
+    takes a free one."""
+    family, _type, _proto, _name, sockaddr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
