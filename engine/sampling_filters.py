@@ -117,7 +117,7 @@ def _where_active(active: torch.Tensor, thresholds, weights: torch.Tensor,
                   *per_row: torch.Tensor) -> torch.Tensor:
     """(rows,) ``thresholds(weights, *per_row)`` of the rows where ``active`` holds, 0 (keep
     all) elsewhere; no row is copied out when every row is active."""
-    if bool(active.all()):
+    if len(active) and bool(active.all()):
         return thresholds(weights, *per_row)
     thr = torch.zeros(weights.shape[0], dtype=weights.dtype, device=weights.device)
     if bool(active.any()):

@@ -150,6 +150,13 @@ def test_numpy_and_torch_filter_ops_give_the_same_weights(seed, path, monkeypatc
         assert 0 < int((with_numpy > 0).sum()) < int((weights > 0).sum())  # filters cut
 
 
+def test_filters_of_no_rows_are_no_rows():
+    weights = torch.zeros(0, 10)
+    kept = filter_weights(weights, torch.zeros(0, dtype=torch.int64), torch.full((0,), 0.5),
+                          torch.zeros(0))
+    assert kept.shape == (0, 10)
+
+
 def test_ties_at_a_threshold_are_all_kept():
     logits = torch.tensor([[5.0, 5.0, 5.0, 1.0, 5.0], [0.0] * 5, [2.0, 1.0, 1.0, 1.0, 0.0]])
     weights = softmax_weights(logits.clone())
