@@ -26,8 +26,13 @@ The rows mirror the scheduler's ``running_version`` they were synced at (``versi
 
 Arrays handed out in a :class:`~pdserve.engine.model_runner.ModelInput` are never written
 again except the block table's entries past what that step reads, so a recorded batch keeps
-its values. Models with a sliding window never use the rows (their freed blocks become
-``None`` entries in place).
+its values.
+
+With a sliding window (``window``), the blocks that fell out of it are freed
+(``leaving_window`` says which rows freed one in the step) and become ``None`` in the
+sequence's table. The rows keep the old id there, or 0 for an entry already ``None`` when they
+read it: the attention kernels read only the blocks inside the window, so such an entry is
+never read, whatever now lives in that block.
 
 ``tests/engine/test_input_batch.py`` runs random traffic through an engine with the rows and
 one whose every step takes the general path: every forward's tensors and every rendered delta
@@ -36,7 +41,6 @@ are equal.
 
 from __future__ import annotations
 
-import struct
 from itertools import chain, repeat
 from operator import attrgetter, is_
 
@@ -46,7 +50,6 @@ import torch
 from pdserve.engine.messages import TokenDeltas
 from pdserve.engine.sampler import SamplingBatch, SamplingRow, is_penalized, takes_argmax
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.seeded_uniforms import seed_key
 from pdserve.engine.sequence import Sequence
 
 
@@ -55,12 +58,10 @@ def has_own_stop_rules(p: SamplingParams) -> bool:
     return bool(p.stop or p.stop_token_ids or p.logprobs is not None)
 
 
-# the rows of DecodeRows.state, one column per batch row; the last three hold float64 bits
+# the rows of DecodeRows.state, one column per batch row; from SAMPLING on, the sampler's
 (TOKENS, POSITIONS, SLOTS, NUM_BLOCKS, LAST_POSITIONS, NUM_PROMPT, NUM_OUTPUT, STOPS_ON_EOS,
- PER_TOKEN, FIRST, GREEDY, PENALIZED, TOP_K, LOGPROBS, SEED_KEY,
- TEMPERATURE, TOP_P, MIN_P) = range(18)
-NUM_FIELDS = 18
-_FLOATS, _FLOAT_BITS = struct.Struct("<3d"), struct.Struct("<3q")
+ PER_TOKEN, FIRST, GREEDY, PENALIZED, SAMPLING) = range(13)
+NUM_FIELDS = SAMPLING + SamplingBatch.NUM_COLUMNS
 # up to this many rows, a loop of scalar reads and writes beats numpy's fixed cost per call
 # (a few us each right after a forward): the rows that enter a block in one step of a batch
 # whose lengths are spread (batch / block_size of them)
@@ -74,9 +75,11 @@ _ROW_OBJECTS = ("seqs", "_table_refs", "_token_lists", "request_ids", "attempts"
 class DecodeRows:
     """The rows of the running decode batch (see the module docstring)."""
 
-    def __init__(self, block_size: int, max_model_len: int | None = None) -> None:
+    def __init__(self, block_size: int, max_model_len: int | None = None,
+                 window: int | None = None) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len  # the context limit (a row at it ends)
+        self.window = window  # the model's sliding window (None: none)
         self.version = -1  # the scheduler's running_version these rows mirror (-1: none)
         self.current = False  # the state matches the sequences (False after a general step)
         self.seqs: list[Sequence] = []
@@ -142,28 +145,17 @@ class DecodeRows:
         """Fresh rows for ``seqs`` after every current row (which stay as they are): the
         arrays grow by their columns and the batch totals by theirs."""
         n, k = len(self.seqs), len(seqs)
-        lengths = [len(table) for table in tables]
-        width = self.tables.shape[1]
-        while width < max(lengths):
-            width *= 2
-        grown = np.zeros((n + k, width), np.int32)
+        grown = np.zeros((n + k, self._table_width(max(map(len, tables)))), np.int32)
         grown[:n, :self.tables.shape[1]] = self.tables
         for row, table in enumerate(tables, n):
-            grown[row, :len(table)] = table
+            grown[row, :len(table)] = np.fromiter(self._block_ids(table), np.int32, len(table))
         self._set_tables(grown)
         columns = np.array(list(map(self._fresh_row, seqs)), np.int64).T  # (fields, k)
         self.state = state = np.concatenate([self.state, columns], axis=1)
         self.needs_block = self.needs_block + self._look_up_slots(np.arange(n, n + k))
-        positions = state[POSITIONS, n:]
-        self.context_lens = np.concatenate([self.context_lens, (positions + 1).astype(np.int32)])
-        self.max_context_len = max(self.max_context_len, int(positions.max()) + 1)
-        self.num_context += int(positions.sum()) + k
-        self.max_blocks = max(self.max_blocks, max(lengths))
-        self.any_eos |= bool(state[STOPS_ON_EOS, n:].any())
-        self.any_per_token |= bool(state[PER_TOKEN, n:].any())
-        self.any_first |= bool(state[FIRST, n:].any())
-        self.all_greedy &= bool(state[GREEDY, n:].all())
-        self.any_penalized |= bool(state[PENALIZED, n:].any())
+        self.context_lens = np.concatenate(
+            [self.context_lens, (state[POSITIONS, n:] + 1).astype(np.int32)])
+        self._batch_totals()
         return seqs
 
     def _old_rows(self, seqs: list[Sequence], tables: list[list]) -> np.ndarray:
@@ -188,10 +180,7 @@ class DecodeRows:
         """Block tables of the new rows: kept rows copied by one fancy index, then the entries
         each table gained (a fresh row: all of them) written. Returns their lengths."""
         lengths = np.fromiter(map(len, tables), np.int64, len(tables))
-        width = self.tables.shape[1]
-        while width < int(lengths.max(initial=0)):
-            width *= 2
-        new = np.zeros((len(tables), width), np.int32)
+        new = np.zeros((len(tables), self._table_width(int(lengths.max(initial=0)))), np.int32)
         known = np.zeros(len(tables), np.int64)
         kept = np.flatnonzero(old >= 0)
         if len(kept):
@@ -202,8 +191,8 @@ class DecodeRows:
         if len(grown):  # every gained entry in one write
             counts = lengths[grown] - known[grown]
             starts = known[grown].tolist()
-            blocks = np.fromiter(chain.from_iterable(
-                tables[j][start:] for j, start in zip(grown.tolist(), starts, strict=True)),
+            blocks = np.fromiter(self._block_ids(chain.from_iterable(
+                tables[j][start:] for j, start in zip(grown.tolist(), starts, strict=True))),
                 np.int32, int(counts.sum()))
             row = np.repeat(grown, counts)
             first = np.repeat(np.cumsum(counts) - counts, counts)
@@ -211,6 +200,17 @@ class DecodeRows:
             new[row, column] = blocks
         self._set_tables(new)
         return lengths
+
+    def _block_ids(self, entries):
+        """A table's entries as block ids (with a window, a freed entry, None, reads as 0)."""
+        return entries if self.window is None else (0 if b is None else b for b in entries)
+
+    def _table_width(self, needed: int) -> int:
+        """The tables' width doubled until it holds ``needed`` blocks."""
+        width = self.tables.shape[1]
+        while width < needed:
+            width *= 2
+        return width
 
     def _set_tables(self, tables: np.ndarray) -> None:
         self.tables, self.tables_tensor = tables, torch.from_numpy(tables)
@@ -268,13 +268,10 @@ class DecodeRows:
         limit = seq.num_prompt_tokens + p.max_tokens
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len)
-        key = seed_key(seq.seed)
         return (seq.token_ids[-1], seq.num_computed_tokens, -1, len(seq.block_table),
                 limit - 1, seq.num_prompt_tokens, seq.num_output_tokens, not p.ignore_eos,
                 has_own_stop_rules(p), seq.first_token_time is None, takes_argmax(p),
-                is_penalized(p), p.top_k, -1 if p.logprobs is None else p.logprobs,
-                key - (1 << 64) if key >> 63 else key,  # (the uint64 key's int64 bits)
-                *_FLOAT_BITS.unpack(_FLOATS.pack(p.temperature, p.top_p, p.min_p)))
+                is_penalized(p), *SamplingBatch.columns(seq))
 
     def _look_up_slots(self, rows: np.ndarray) -> list[int]:
         """Slots of ``rows`` from their tables (-1 where the position's block is missing);
@@ -310,9 +307,7 @@ class DecodeRows:
         """The rows' sampling inputs as views of their state (this step's: ``advance`` makes a
         new state); ``penalized``: every row's SamplingRow, needed when :attr:`any_penalized`."""
         state = self.state
-        return SamplingBatch(state[TEMPERATURE:MIN_P + 1].view(np.float64), state[TOP_K],
-                             state[LOGPROBS], state[SEED_KEY].view(np.uint64),
-                             state[NUM_OUTPUT], penalized)
+        return SamplingBatch.from_columns(state[SAMPLING:], state[NUM_OUTPUT], penalized)
 
     def blocks_added(self, rows: list[int], blocks: list[int]) -> None:
         """Each of ``rows`` (from :attr:`needs_block`) was given its next block, ``blocks[i]``
@@ -340,10 +335,11 @@ class DecodeRows:
             self.max_blocks = max(self.max_blocks, most)
         self.needs_block = []
 
-    def _widen_tables(self, width: int) -> None:
-        """Double the tables' width until it is at least ``width`` (new entries 0)."""
-        while width > self.tables.shape[1]:
-            self._set_tables(np.pad(self.tables, ((0, 0), (0, self.tables.shape[1]))))
+    def _widen_tables(self, needed: int) -> None:
+        """Widen the tables to hold ``needed`` blocks (new entries 0)."""
+        width = self._table_width(needed)
+        if width > self.tables.shape[1]:
+            self._set_tables(np.pad(self.tables, ((0, 0), (0, width - self.tables.shape[1]))))
 
     def advance(self, token_ids: list[int], tokens: np.ndarray) -> None:
         """Every row computed its position and sampled ``token_ids[row]`` (``tokens``: the same
@@ -365,6 +361,12 @@ class DecodeRows:
         self.filled = filled.tolist()  # (the rows whose new position starts a block)
         if self.filled:
             self.needs_block = self._look_up_slots(filled)
+
+    def leaving_window(self) -> list[int]:
+        """After :meth:`advance`, with a window: the rows whose step pushed a whole block out
+        of it (the block manager frees it: ``BlockManager.free_out_of_window``)."""
+        oldest = self.state[POSITIONS] - (self.window - 1)  # the next query's first visible key
+        return np.flatnonzero((oldest > 0) & (oldest % self.block_size == 0)).tolist()
 
     def first_tokens_sent(self) -> None:
         """Every row has had its first token (after a step's deltas)."""

@@ -81,11 +81,10 @@ class LLMEngine:
         self.speculator = Speculator.build(parts) if self.scheduler.policy.speculates else None
         if self.speculator is not None:
             self.scheduler.lookahead = self.speculator.num_lookahead
-        # pure decode steps on the persistent rows (engine/input_batch.py): not with a sliding
-        # window (freed blocks change tables in place) nor hooks that watch every step.
-        # False: every step takes the general path (what the rows are tested against).
-        self.persistent_batch = (type(self.hooks) is StepHooks and self.speculator is None
-                                 and parts.runner.sliding_window is None)
+        # pure decode steps on the persistent rows (engine/input_batch.py): not with hooks
+        # that watch every step. False: every step takes the general path (what the rows are
+        # tested against).
+        self.persistent_batch = type(self.hooks) is StepHooks and self.speculator is None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:

@@ -70,9 +70,9 @@ class ModelRunner:
         self.meter: UtilizationMeter | None = None  # set by the engine: costs of each forward
         # captured decode forwards on CUDA (EngineParts.capture_decode_graphs)
         self.graphs: DecodeGraphs | None = None
-        # a sliding window frees blocks in place (None entries): such models skip the fast path
         self.sliding_window = getattr(getattr(model, "config", None), "sliding_window", None)
-        self.rows = DecodeRows(block_size, max_model_len)  # the persistent decode batch
+        self.rows = DecodeRows(block_size, max_model_len, self.sliding_window)  # the
+        # persistent decode batch
         self._aranged = self._aranged32 = torch.arange(0, device=device)
         self._aranged_n, self._aranged_pair = -1, (self._aranged, self._aranged32)
 
@@ -80,8 +80,7 @@ class ModelRunner:
         """The flat batch of ``scheduled``: a pure decode step syncs the persistent
         :class:`DecodeRows` and reads them; any other step is built from scratch."""
         # (a sequence with speculative drafts brings several tokens: the general path)
-        if self.sliding_window is None and all(item.is_decode and not item.draft_token_ids
-                                               for item in scheduled):
+        if all(item.is_decode and not item.draft_token_ids for item in scheduled):
             self.rows.sync([item.seq for item in scheduled])
             return self.prepare_rows()
         self.rows.invalidate()

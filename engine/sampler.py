@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -204,6 +205,9 @@ def takes_argmax(p: SamplingParams) -> bool:
             and not is_penalized(p))
 
 
+_FLOATS, _FLOAT_BITS = struct.Struct("<3d"), struct.Struct("<3q")
+
+
 @dataclass
 class SamplingBatch:
     """The sampler's inputs as arrays, one entry per row: built from SamplingRows
@@ -217,8 +221,27 @@ class SamplingBatch:
     positions: np.ndarray  # int64 (rows,): the output position each row samples
     penalized: list[SamplingRow] | None = None  # every row, when some row has a penalty
 
+    NUM_COLUMNS = 6  # int64 values of one row in columns()
+
     def __len__(self) -> int:
         return len(self.top_k)
+
+    @staticmethod
+    def columns(seq: Sequence) -> tuple[int, ...]:
+        """``seq``'s entries as :data:`NUM_COLUMNS` int64 values, kept by the persistent decode
+        rows (:meth:`from_columns` reads them back): top-k, logprobs, the seed key's bits,
+        then temperature, top-p and min-p as float64 bits."""
+        p, key = seq.sampling_params, seed_key(seq.seed)
+        return (p.top_k, -1 if p.logprobs is None else p.logprobs,
+                key - (1 << 64) if key >> 63 else key,
+                *_FLOAT_BITS.unpack(_FLOATS.pack(p.temperature, p.top_p, p.min_p)))
+
+    @classmethod
+    def from_columns(cls, columns: np.ndarray, positions: np.ndarray,
+                     penalized: list[SamplingRow] | None) -> SamplingBatch:
+        """The batch over (NUM_COLUMNS, rows) int64 ``columns`` (views, no copy)."""
+        return cls(columns[3:6].view(np.float64), columns[0], columns[1],
+                   columns[2].view(np.uint64), positions, penalized)
 
     @classmethod
     def of(cls, rows: list[SamplingRow]) -> SamplingBatch:

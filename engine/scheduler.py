@@ -369,10 +369,15 @@ class Scheduler:
         return True
 
     def update_rows(self, rows: DecodeRows) -> None:
-        """After :meth:`DecodeRows.advance`: cache the blocks the step filled."""
-        if self.block_manager.enable_prefix_caching:
+        """After :meth:`DecodeRows.advance`: cache the blocks the step filled, free those
+        that left a sliding window."""
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
             for row in rows.filled:
-                self.block_manager.cache_computed_blocks(rows.seqs[row])
+                bm.cache_computed_blocks(rows.seqs[row])
+        if bm.sliding_window is not None:
+            for row in rows.leaving_window():
+                bm.free_out_of_window(rows.seqs[row])
 
     def update(self, output: SchedulerOutput) -> None:
         """After the model ran: advance progress, cache full blocks, free out-of-window blocks."""

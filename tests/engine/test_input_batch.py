@@ -105,7 +105,9 @@ def _run(engine: LLMEngine, events, batches: list | None) -> dict[str, list]:
     return deltas
 
 
-def _same_batch(a, b) -> None:
+def _same_batch(a, b, window: int | None = None) -> None:
+    """Equal tensors; of the block tables, the entries the kernels read (with a ``window``,
+    the blocks holding its keys: a freed entry is 0 in one and the old id in the other)."""
     for name in ("input_ids", "positions", "sample_indices"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     ma, mb = a.metadata, b.metadata
@@ -115,8 +117,10 @@ def _same_batch(a, b) -> None:
     blocks_needed = -(-mb.context_lens.long() // 4)
     for row in range(mb.block_tables.shape[0]):
         n = int(blocks_needed[row])
+        first = 0 if window is None else max(0, int(mb.context_lens[row]) - window) // 4
         assert n <= width
-        assert torch.equal(ma.block_tables[row, :n].long(), mb.block_tables[row, :n].long())
+        assert torch.equal(ma.block_tables[row, first:n].long(),
+                           mb.block_tables[row, first:n].long())
     assert (ma.max_query_len, ma.max_context_len) == (mb.max_query_len, mb.max_context_len)
     assert (a.num_attended, a.num_context) == (b.num_attended, b.num_context)
 
@@ -135,15 +139,42 @@ def test_array_ops_and_per_row_writes_for_rows_entering_blocks_each_match_rebuil
     _assert_same_as_rebuilding(tiny_dir, _traffic(random.Random(3), 90))
 
 
-def _assert_same_as_rebuilding(tiny_dir, events) -> None:
-    fast, rebuilt = _engine(tiny_dir, rebuild=False), _engine(tiny_dir, rebuild=True)
+def test_random_traffic_with_a_sliding_window_gives_the_same_batches_and_tokens(hf_checkpoint):
+    """A window of 8 frees blocks under the rows (their tables keep the freed ids, which the
+    kernels never read): the same batches where the kernels read, the same tokens."""
+    fast = _assert_same_as_rebuilding(hf_checkpoint("mistral"), _traffic(random.Random(4), 90),
+                                      window=8, watch=_count_window_frees)
+    assert fast.window_frees > 5  # rows steps freed blocks that left the window
+
+
+def _count_window_frees(engine: LLMEngine) -> None:
+    """Count the blocks freed for leaving the window in rows steps (``engine.window_frees``)."""
+    rows, bm = engine.parts.runner.rows, engine.parts.block_manager
+    engine.window_frees = 0
+    leaving = rows.leaving_window
+
+    def counted() -> list[int]:
+        found = leaving()
+        engine.window_frees += len(found)
+        return found
+
+    rows.leaving_window = counted
+    assert bm.sliding_window == rows.window == 8
+
+
+def _assert_same_as_rebuilding(model_dir, events, window: int | None = None,
+                               watch=None) -> LLMEngine:
+    """``watch(fast)`` runs before the traffic; returns the engine with the rows."""
+    fast, rebuilt = _engine(model_dir, rebuild=False), _engine(model_dir, rebuild=True)
     rows_steps = _count_rows_steps(fast)
+    if watch is not None:
+        watch(fast)
     fast_batches, rebuilt_batches = [], []
     fast_deltas = _run(fast, events, fast_batches)
     assert fast_deltas == _run(rebuilt, events, rebuilt_batches)
     assert len(fast_batches) == len(rebuilt_batches)
     for a, b in zip(fast_batches, rebuilt_batches, strict=True):
-        _same_batch(a, b)
+        _same_batch(a, b, window)
     assert fast.scheduler.num_preemptions > 0  # the pool was short: preemption happened
     assert sum(len(d[0]) for ds in fast_deltas.values() for d in ds) > 100
     assert len(rows_steps) >= 20 and len(set(rows_steps)) >= 3  # the rows served steps of
@@ -154,6 +185,7 @@ def _assert_same_as_rebuilding(tiny_dir, events) -> None:
         bm = engine.parts.block_manager
         assert bm.num_used_blocks == 0
         bm.check_invariants()
+    return fast
 
 
 def _count_rows_steps(engine: LLMEngine) -> list[int]:
