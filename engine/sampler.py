@@ -309,8 +309,11 @@ class Sampler:
         else:
             scaled = logits.index_select(0, torch.from_numpy(index).to(dev)).div_(temps[:, None])
         weights = softmax_weights(scaled)
-        if (top_k > 0).any() or (floats[1] < 1.0).any() or (floats[2] > 0.0).any():
-            weights = filter_weights(weights, torch.from_numpy(top_k).to(dev), top_p, min_p)
+        uses_k, uses_p, uses_min_p = (top_k > 0).any(), (floats[1] < 1.0).any(), \
+            (floats[2] > 0.0).any()
+        if uses_k or uses_p or uses_min_p:  # (a filter no row uses is skipped)
+            weights = filter_weights(weights, torch.from_numpy(top_k).to(dev) if uses_k else None,
+                                     top_p if uses_p else None, min_p if uses_min_p else None)
         return inverse_cdf_draw(weights, keyed_uniforms(keys, positions, dev))
 
     @staticmethod

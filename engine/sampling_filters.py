@@ -185,16 +185,18 @@ def _radix_top_p(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return values.gather(1, (num_keep - 1)[:, None]).squeeze(1)
 
 
-def _top_p_threshold(weights: torch.Tensor, top_k_thr: torch.Tensor,
+def _top_p_threshold(weights: torch.Tensor, top_k_thr: torch.Tensor | None,
                      top_p: torch.Tensor) -> torch.Tensor:
-    """(rows,) weight of the least likely token top-p keeps; 0 (keep all) where top_p == 1."""
-    return _where_active(top_p < 1.0, _top_p_rows, weights, top_k_thr, top_p)
+    """(rows,) weight of the least likely token top-p keeps; 0 (keep all) where top_p == 1.
+    ``top_k_thr``: top-k's thresholds, which top-p applies first (None: no top-k)."""
+    per_row = (top_p,) if top_k_thr is None else (top_p, top_k_thr)
+    return _where_active(top_p < 1.0, _top_p_rows, weights, *per_row)
 
 
-def _top_p_rows(weights: torch.Tensor, top_k_thr: torch.Tensor,
-                top_p: torch.Tensor) -> torch.Tensor:
+def _top_p_rows(weights: torch.Tensor, top_p: torch.Tensor,
+                top_k_thr: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`_top_p_threshold` of rows that all have top-p on."""
-    if bool((top_k_thr > 0).any()):
+    if top_k_thr is not None and bool((top_k_thr > 0).any()):
         weights = _zero_below(weights.clone(), top_k_thr)  # top-p sees what top-k left
     mass = block_sums(weights).sum(dim=1)
     # Tokens below this bound hold < (1 - p) / 2 of the mass, so the kept set lies above it.
@@ -213,13 +215,19 @@ def _rank_limit(weights: torch.Tensor) -> int:
     return _TOP_P_RANK_MAX
 
 
-def filter_weights(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> torch.Tensor:
+def filter_weights(weights: torch.Tensor, top_k: torch.Tensor | None,
+                   top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
     """In place: top-k, top-p, min-p zero the weights of filtered tokens (a threshold per row).
+    A filter that no row uses may be None (its ops are skipped; the weights are the same).
 
     ``weights`` are ``softmax_weights`` (max 1 per row), so min-p is simply ``weight >= min_p``.
     """
-    thr_k = _top_k_threshold(weights, top_k)
-    thr_p = _top_p_threshold(weights, thr_k, top_p)
-    thr = torch.maximum(torch.maximum(thr_k, thr_p), min_p)
+    thr_k = None if top_k is None else _top_k_threshold(weights, top_k)
+    thr_p = None if top_p is None else _top_p_threshold(weights, thr_k, top_p)
+    thresholds = [thr for thr in (thr_k, thr_p, min_p) if thr is not None]
+    if not thresholds:
+        return weights
+    thr = thresholds[0]
+    for other in thresholds[1:]:
+        thr = torch.maximum(thr, other)
     return _zero_below(weights, thr)
