@@ -150,6 +150,22 @@ def test_numpy_and_torch_filter_ops_give_the_same_weights(seed, path, monkeypatc
         assert 0 < int((with_numpy > 0).sum()) < int((weights > 0).sum())  # filters cut
 
 
+def test_a_filter_passed_as_none_is_the_filter_off_for_every_row():
+    gen = torch.Generator().manual_seed(7)
+    weights = softmax_weights((torch.randn(12, 300, generator=gen) * 3).round())
+    top_k, top_p = torch.randint(0, 20, (12,), generator=gen), torch.full((12,), 0.8)
+    min_p, off_k, off_p, off_min = torch.full((12,), 0.05), torch.zeros(12, dtype=torch.int64), \
+        torch.ones(12), torch.zeros(12)
+    for args, none_args in [((off_k, top_p, off_min), (None, top_p, None)),
+                            ((top_k, off_p, off_min), (top_k, None, None)),
+                            ((off_k, off_p, min_p), (None, None, min_p)),
+                            ((top_k, top_p, off_min), (top_k, top_p, None))]:
+        expected = filter_weights(weights.clone(), *args)
+        assert torch.equal(filter_weights(weights.clone(), *none_args), expected)
+        assert int((expected > 0).sum()) < int((weights > 0).sum())  # the filter cut
+    assert torch.equal(filter_weights(weights.clone(), None, None, None), weights)
+
+
 def test_filters_of_no_rows_are_no_rows():
     weights = torch.zeros(0, 10)
     kept = filter_weights(weights, torch.zeros(0, dtype=torch.int64), torch.full((0,), 0.5),
