@@ -28,11 +28,10 @@ Arrays handed out in a :class:`~pdserve.engine.model_runner.ModelInput` are neve
 again except the block table's entries past what that step reads, so a recorded batch keeps
 its values.
 
-With a sliding window (``window``), the blocks that fell out of it are freed
-(``leaving_window`` says which rows freed one in the step) and become ``None`` in the
-sequence's table. The rows keep the old id there, or 0 for an entry already ``None`` when they
-read it: the attention kernels read only the blocks inside the window, so such an entry is
-never read, whatever now lives in that block.
+With a sliding window, blocks that fell out of it are freed (:meth:`leaving_window`) and
+become ``None`` in the sequence's table; the rows keep the old id there (0 for an entry
+already ``None`` when read), which the attention kernels never read: they read only the
+window's blocks.
 
 ``tests/engine/test_input_batch.py`` runs random traffic through an engine with the rows and
 one whose every step takes the general path: every forward's tensors and every rendered delta
@@ -49,14 +48,7 @@ import torch
 
 from pdserve.engine.messages import TokenDeltas
 from pdserve.engine.sampler import SamplingBatch, SamplingRow, is_penalized, takes_argmax
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
-
-
-def has_own_stop_rules(p: SamplingParams) -> bool:
-    """Stop strings, stop token ids or logprobs: the token goes through the per-token path."""
-    return bool(p.stop or p.stop_token_ids or p.logprobs is not None)
-
 
 # the rows of DecodeRows.state, one column per batch row; from SAMPLING on, the sampler's
 (TOKENS, POSITIONS, SLOTS, NUM_BLOCKS, LAST_POSITIONS, NUM_PROMPT, NUM_OUTPUT, STOPS_ON_EOS,
@@ -85,13 +77,14 @@ class DecodeRows:
         self.seqs: list[Sequence] = []
         # one int64 column per row: the step's tokens, positions (= num_computed_tokens) and
         # KV slots (-1: the position starts a block the row does not have yet), then what
-        # the stop rules and the deltas need. A new array every step: a batch handed out
-        # keeps its values.
+        # the stop rules, the deltas and the sampler need. A new array every step: a batch
+        # handed out keeps its values.
         self.state = np.zeros((NUM_FIELDS, 0), np.int64)
         self.context_lens = np.zeros(0, np.int32)  # positions + 1
         self.max_context_len = self.num_context = 0  # max and sum of context_lens
         self.needs_block: list[int] = []  # rows whose position starts a block not yet theirs
         self.filled: list[int] = []  # after advance: rows whose step completed a block
+        self.joined: list[int] = []  # rows the last sync read from their sequences
         self.tables = np.zeros((0, 8), np.int32)  # block tables; entries past num_blocks: 0
         self.tables_tensor = torch.from_numpy(self.tables)  # the same memory
         self.max_blocks = 0
@@ -142,9 +135,9 @@ class DecodeRows:
         return fresh
 
     def _append(self, seqs: list[Sequence], tables: list[list]) -> list[Sequence]:
-        """Fresh rows for ``seqs`` after every current row (which stay as they are): the
-        arrays grow by their columns and the batch totals by theirs."""
+        """Fresh rows for ``seqs`` after every current row (which stay as they are)."""
         n, k = len(self.seqs), len(seqs)
+        self.joined = list(range(n, n + k))
         grown = np.zeros((n + k, self._table_width(max(map(len, tables)))), np.int32)
         grown[:n, :self.tables.shape[1]] = self.tables
         for row, table in enumerate(tables, n):
@@ -223,7 +216,8 @@ class DecodeRows:
         kept, fresh = np.flatnonzero(old >= 0), np.flatnonzero(old < 0)
         if len(kept):
             state[:, kept] = self.state[:, old[kept]]
-        fresh_seqs = [seqs[j] for j in fresh.tolist()]
+        self.joined = fresh.tolist()
+        fresh_seqs = [seqs[j] for j in self.joined]
         if fresh_seqs:
             state[:, fresh] = np.array(list(map(self._fresh_row, fresh_seqs)), np.int64).T
         state[NUM_BLOCKS] = num_blocks
@@ -270,7 +264,8 @@ class DecodeRows:
             limit = min(limit, self.max_model_len)
         return (seq.token_ids[-1], seq.num_computed_tokens, -1, len(seq.block_table),
                 limit - 1, seq.num_prompt_tokens, seq.num_output_tokens, not p.ignore_eos,
-                has_own_stop_rules(p), seq.first_token_time is None, takes_argmax(p),
+                bool(p.stop or p.stop_token_ids or p.logprobs is not None),  # PER_TOKEN
+                seq.first_token_time is None, takes_argmax(p),
                 is_penalized(p), *SamplingBatch.columns(seq))
 
     def _look_up_slots(self, rows: np.ndarray) -> list[int]:
@@ -363,10 +358,14 @@ class DecodeRows:
             self.needs_block = self._look_up_slots(filled)
 
     def leaving_window(self) -> list[int]:
-        """After :meth:`advance`, with a window: the rows whose step pushed a whole block out
-        of it (the block manager frees it: ``BlockManager.free_out_of_window``)."""
+        """After :meth:`advance`: the rows that may hold blocks out of the window, whose step
+        pushed one out or that joined at this step's sync (a decode worker's request brings
+        its whole prompt's blocks); ``BlockManager.free_out_of_window`` frees them."""
         oldest = self.state[POSITIONS] - (self.window - 1)  # the next query's first visible key
-        return np.flatnonzero((oldest > 0) & (oldest % self.block_size == 0)).tolist()
+        rows = np.flatnonzero((oldest > 0) & (oldest % self.block_size == 0)).tolist()
+        if self.joined:
+            rows, self.joined = sorted(set(rows).union(self.joined)), []
+        return rows
 
     def first_tokens_sent(self) -> None:
         """Every row has had its first token (after a step's deltas)."""

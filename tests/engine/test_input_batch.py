@@ -149,16 +149,16 @@ def test_random_traffic_with_a_sliding_window_gives_the_same_batches_and_tokens(
 
 def _count_window_frees(engine: LLMEngine) -> None:
     """Count the blocks freed for leaving the window in rows steps (``engine.window_frees``)."""
-    rows, bm = engine.parts.runner.rows, engine.parts.block_manager
+    rows, bm, scheduler = engine.parts.runner.rows, engine.parts.block_manager, engine.scheduler
     engine.window_frees = 0
-    leaving = rows.leaving_window
+    update_rows = scheduler.update_rows
 
-    def counted() -> list[int]:
-        found = leaving()
-        engine.window_frees += len(found)
-        return found
+    def counted(rows_) -> None:
+        used = bm.num_used_blocks
+        update_rows(rows_)
+        engine.window_frees += used - bm.num_used_blocks
 
-    rows.leaving_window = counted
+    scheduler.update_rows = counted
     assert bm.sliding_window == rows.window == 8
 
 
@@ -303,6 +303,7 @@ def _decode_traffic(engine: LLMEngine, seed: int, batches: list) -> dict[str, li
     run = engine.parts.runner.run
     engine.parts.runner.run = lambda batch, after_layer=None: (batches.append(batch)
                                                                 or run(batch, after_layer))
+    engine.used_blocks = []  # the blocks held after each step
     for step in range(70):
         if step < 50 and rng.random() < 0.5:
             request_id = f"j{step}"
@@ -319,15 +320,20 @@ def _decode_traffic(engine: LLMEngine, seed: int, batches: list) -> dict[str, li
             engine.abort(rng.choice(live))
         for delta in engine.render(engine.step()):
             out[delta.request_id].append(_content(delta))
+        engine.used_blocks.append(engine.parts.block_manager.num_used_blocks)
     while engine.has_unfinished_requests():
         for delta in engine.render(engine.step()):
             out[delta.request_id].append(_content(delta))
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_decode_worker_joins_and_finishes_give_the_same_batches_and_deltas(tiny_dir, seed):
-    rows_engine, reference = _decode_engine(tiny_dir, True), _decode_engine(tiny_dir, False)
+@pytest.mark.parametrize("seed,model", [(0, "tiny"), (1, "tiny"), (2, "mistral")])
+def test_decode_worker_joins_and_finishes_give_the_same_batches_and_deltas(
+        tiny_dir, hf_checkpoint, seed, model):
+    """Also with a sliding window of 8 (``mistral``): prompts longer than it join with blocks
+    already out of the window, which must be freed in the same step as without the rows."""
+    model_dir, window = (tiny_dir, None) if model == "tiny" else (hf_checkpoint(model), 8)
+    rows_engine, reference = _decode_engine(model_dir, True), _decode_engine(model_dir, False)
     syncs: list[int] = []
     rows = rows_engine.parts.runner.rows
     sync, old_rows = rows.sync, rows._old_rows
@@ -337,9 +343,10 @@ def test_decode_worker_joins_and_finishes_give_the_same_batches_and_deltas(tiny_
     rows_batches, reference_batches = [], []
     got = _decode_traffic(rows_engine, seed, rows_batches)
     assert got == _decode_traffic(reference, seed, reference_batches)
+    assert rows_engine.used_blocks == reference.used_blocks  # the same blocks held, step by step
     assert len(rows_batches) == len(reference_batches) > 40
     for a, b in zip(rows_batches, reference_batches, strict=True):
-        _same_batch(a, b)
+        _same_batch(a, b, window)
     assert mapped and len(syncs) > len(mapped)  # joins took the append path, aborts not
     assert {"stop", "length"} <= {d[-1][2] for d in got.values()}
     for engine in (rows_engine, reference):
