@@ -4,7 +4,8 @@ In one run:
 1. decode step time against the memory roofline (bytes read per step / read bandwidth measured
    now) on a random ~100M-parameter Llama at batch 1, 8, 64 in fp32 and bf16;
 2. engine overhead per step (everything outside the model forward) at batch 64 and 256 on a
-   tiny model, with prompts of one length and of spread lengths, greedy and sampled (the
+   tiny model, with prompts of one length and of spread lengths, greedy and sampled, and on
+   a tiny Mistral with a sliding window on the persistent rows and on the general path (the
    median of three interleaved rounds, and their range), and what a request joining the
    decode rows costs;
 3. tokens/s of continuous batching against Hugging Face ``generate`` with static batches on the
@@ -44,6 +45,17 @@ def write_random_llama(path: Path, **config) -> Path:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32)
     model.save_pretrained(path)
+    return path
+
+
+def write_random_mistral(path: Path, sliding_window: int, **config) -> Path:
+    """A random Mistral checkpoint (``config`` as for Llama, without tied embeddings) whose
+    attention has a sliding window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**config, sliding_window=sliding_window))
+    model.to(torch.float32).save_pretrained(path)
     return path
 
 
@@ -129,29 +141,37 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
                          "x roofline", "gemv-roof ms", "x gemv-roof", "tok/s"], rows)
 
 
+WINDOW = 32  # the sliding window of section 2's Mistral, in tokens: its rows free blocks
 SAMPLED = {"temperature 0.8": {"temperature": 0.8},
            "temperature 0.8, top-p 0.95": {"temperature": 0.8, "top_p": 0.95},
            "temperature 0.8, top-k 50": {"temperature": 0.8, "top_k": 50}}
 
 
-def overhead_table(model_dir: Path, batches: list[int], steps: int, rounds: int = 3) -> str:
+def overhead_table(model_dir: Path, windowed_dir: Path, batches: list[int], steps: int,
+                   rounds: int = 3) -> str:
     """Time outside the forward per pure decode step: greedy with the prompts all of one
     length (the rows enter their blocks in lockstep) and spread over a block's worth of
-    lengths, then sampled (spread lengths, the first batch size). The cases run in ``rounds``
-    interleaved rounds (the machine's speed drifts); each prints its median round and the
-    range of its overhead."""
+    lengths, then sampled (spread lengths, the first batch size), then greedy on
+    ``windowed_dir`` (a sliding window of WINDOW tokens) on the rows and on the general path.
+    The cases run in ``rounds`` interleaved rounds (the machine's speed drifts); each prints
+    its median round and the range of its overhead."""
     shortest = 16  # prompt tokens
-    parts = EngineParts.build(EngineConfig(model=str(model_dir), num_kv_blocks=8192,
-                                           max_num_seqs=512, max_num_batched_tokens=8192))
+    parts, windowed = (EngineParts.build(EngineConfig(
+        model=str(d), num_kv_blocks=8192, max_num_seqs=512, max_num_batched_tokens=8192))
+        for d in (model_dir, windowed_dir))
     block_size = parts.block_manager.block_size
-    cases = [(batch, spread, "greedy", None) for batch in batches for spread in (1, block_size)]
-    cases += [(batches[0], block_size, name, kw) for name, kw in SAMPLED.items()]
+    cases = [(parts, batch, spread, "greedy", None, True)
+             for batch in batches for spread in (1, block_size)]
+    cases += [(parts, batches[0], block_size, name, kw, True) for name, kw in SAMPLED.items()]
+    cases += [(windowed, batches[0], block_size, f"greedy, window {WINDOW}{suffix}", None,
+               on_rows) for suffix, on_rows in (("", True), (", general path", False))]
     runs: list[list[tuple]] = [[] for _ in cases]
     for _ in range(rounds):
-        for case, (batch, spread, _name, sampling) in enumerate(cases):
-            runs[case].append(_overhead_run(parts, batch, shortest, steps, spread, sampling))
+        for case, (model, batch, spread, _name, sampling, on_rows) in enumerate(cases):
+            runs[case].append(_overhead_run(model, batch, shortest, steps, spread, sampling,
+                                            on_rows))
     rows = []
-    for (batch, spread, name, _), measured in zip(cases, runs, strict=True):
+    for (_, batch, spread, name, *_), measured in zip(cases, runs, strict=True):
         measured.sort(key=lambda run: run[2])  # by overhead
         step_ms, outside_ms, overhead, median_ms, render_ms = measured[len(measured) // 2]
         lengths = f"{shortest}-{shortest + spread - 1}" if spread > 1 else str(shortest)
@@ -164,11 +184,14 @@ def overhead_table(model_dir: Path, batches: list[int], steps: int, rounds: int 
 
 
 def _overhead_run(parts: EngineParts, batch: int, prompt_len: int, steps: int, spread: int,
-                  sampling: dict | None) -> tuple:
+                  sampling: dict | None, rows: bool = True) -> tuple:
     """(step ms, outside-forward ms, overhead fraction, median outside ms, render ms) of one
-    run of ``decode_steps`` on a fresh engine."""
+    run of ``decode_steps`` on a fresh engine (``rows`` False: every step on the general
+    path)."""
     render_s: list[float] = []
-    stats = decode_steps(LLMEngine(parts), batch, prompt_len, steps, render_s, spread, sampling)
+    engine = LLMEngine(parts)
+    engine.persistent_batch = rows
+    stats = decode_steps(engine, batch, prompt_len, steps, render_s, spread, sampling)
     total = sum(s.total_s for s in stats)
     forward = sum(s.forward_s for s in stats)
     outside = sorted(s.total_s - s.forward_s for s in stats)
@@ -277,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         big = write_random_llama(Path(tmp) / "llama100m",
                                  **(LLAMA_TINY if args.quick else LLAMA_100M))
         tiny = write_random_llama(Path(tmp) / "tiny", **LLAMA_TINY)
+        windowed = write_random_mistral(Path(tmp) / "windowed", WINDOW, **LLAMA_TINY)
         bandwidth = measure_read_bandwidth(1 << 26 if args.quick else 1 << 29)
         print(f"threads {torch.get_num_threads()}, measured read bandwidth "
               f"{bandwidth / 1e9:.1f} GB/s\n")
@@ -284,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
         print(roofline_table(big, bandwidth, [1, 8] if args.quick else [1, 8, 64],
                              4 if args.quick else 16))
         print("\n2. engine overhead per decode step (tiny model)")
-        print(overhead_table(tiny, [8, 64] if args.quick else [64, 256], 4 if args.quick else 64,
+        print(overhead_table(tiny, windowed, [8, 64] if args.quick else [64, 256],
+                             4 if args.quick else 64,
                              1 if args.quick else 3))
         print(join_sync_line(tiny, 8 if args.quick else 64))
         print("\n3. continuous batching vs Hugging Face static batching (tiny model)")

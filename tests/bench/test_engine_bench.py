@@ -16,7 +16,8 @@ def test_engine_bench_quick_prints_every_section(capsys):
         assert title in out, out
     for lengths in ("16", "16-31"):  # one prompt length, and a block's worth of lengths
         assert re.search(rf"^\s*8\s+{lengths}\s+greedy\s+[\d.]+", out, re.M), out
-    for decoding in engine.SAMPLED:
+    for decoding in [*engine.SAMPLED, f"greedy, window {engine.WINDOW}",
+                     f"greedy, window {engine.WINDOW}, general path"]:
         assert re.search(rf"^\s*8\s+16-31\s+{decoding}\s+[\d.]+", out, re.M), out
     assert "pdserve continuous" in out and "HF generate static (batch 8)" in out, out
     assert re.search(r"one join to 8 decode rows, the rows' sync: appended \d+ us, "
