@@ -35,15 +35,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.engine.sampler import (
+    SamplingBatch,
     SamplingRow,
     _gather_logprobs,
     apply_penalties,
     inverse_cdf_draw,
+    sampled_weights,
 )
-from pdserve.engine.sampling_filters import block_sums, filter_weights, softmax_weights
+from pdserve.engine.sampling_filters import block_sums
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 from pdserve.engine.seeded_uniforms import draw_uniform
 
@@ -57,39 +60,22 @@ def stream_uniform(seed: int, position: int, stream: int) -> float:
     return draw_uniform(seed ^ stream, position)
 
 
-def _penalized(row: SamplingRow) -> bool:
-    p = row.params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
 def process_rows(logits: torch.Tensor,
                  rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
     """(penalised logits, weights): the sampler's processing of every row. ``weights`` are the
     filtered, unnormalised softmax (max 1 per row) of sampled rows, one-hot at the argmax of
     greedy rows; a draw from a row is ``inverse_cdf_draw(weights, u)``."""
-    logits = logits.float()
-    if any(_penalized(r) for r in rows):
+    logits, batch, dev = logits.float(), SamplingBatch.of(rows), logits.device
+    if batch.penalized is not None:
         logits = apply_penalties(logits, rows)
     weights = torch.zeros_like(logits)
-    greedy = [i for i, r in enumerate(rows) if r.params.temperature < GREEDY_TEMPERATURE]
-    sampled = [i for i, r in enumerate(rows) if r.params.temperature >= GREEDY_TEMPERATURE]
-    if greedy:
-        index = torch.tensor(greedy, device=logits.device)
+    is_greedy = batch.floats[0] < GREEDY_TEMPERATURE
+    greedy, sampled = np.flatnonzero(is_greedy), np.flatnonzero(~is_greedy)
+    if len(greedy):
+        index = torch.from_numpy(greedy).to(dev)
         weights[index, logits[index].argmax(dim=1)] = 1.0
-    if sampled:
-        dev = logits.device
-        picked = [rows[i] for i in sampled]
-        index = torch.tensor(sampled, device=dev)
-        temps = torch.tensor([r.params.temperature for r in picked], dtype=logits.dtype,
-                             device=dev)
-        w = softmax_weights(logits.index_select(0, index).div_(temps[:, None]))
-        if any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0.0
-               for r in picked):
-            w = filter_weights(
-                w, torch.tensor([r.params.top_k for r in picked], dtype=torch.int64, device=dev),
-                torch.tensor([r.params.top_p for r in picked], dtype=logits.dtype, device=dev),
-                torch.tensor([r.params.min_p for r in picked], dtype=logits.dtype, device=dev))
-        weights[index] = w
+    if len(sampled):
+        weights[torch.from_numpy(sampled).to(dev)] = sampled_weights(logits, batch, sampled)
     return logits, weights
 
 

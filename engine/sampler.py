@@ -256,6 +256,28 @@ class SamplingBatch:
                    rows if any(map(is_penalized, params)) else None)
 
 
+def sampled_weights(logits: torch.Tensor, batch: SamplingBatch,
+                    index: np.ndarray | None = None) -> torch.Tensor:
+    """(rows, vocab) the filtered, unnormalised softmax (max 1 per row) of the sampled rows of
+    ``batch``: all of them (``index`` None) or ``index``; ``logits`` are already penalized."""
+    dev = logits.device
+    floats, top_k = batch.floats, batch.top_k
+    if index is not None:
+        floats, top_k = floats[:, index], top_k[index]
+    temps, top_p, min_p = torch.from_numpy(floats.astype(np.float32)).to(dev)
+    if index is None:
+        scaled = logits / temps[:, None]  # (num_sampled, vocab), a fresh tensor
+    else:
+        scaled = logits.index_select(0, torch.from_numpy(index).to(dev)).div_(temps[:, None])
+    weights = softmax_weights(scaled)
+    uses_k, uses_p, uses_min_p = (top_k > 0).any(), (floats[1] < 1.0).any(), \
+        (floats[2] > 0.0).any()
+    if uses_k or uses_p or uses_min_p:  # (a filter no row uses is skipped)
+        weights = filter_weights(weights, torch.from_numpy(top_k).to(dev) if uses_k else None,
+                                 top_p if uses_p else None, min_p if uses_min_p else None)
+    return weights
+
+
 class Sampler:
     """Stateless: ``sampler(logits, rows)`` samples one token per row (see the module docstring);
     ``sampler.sample(logits, batch)`` the same from a :class:`SamplingBatch`."""
@@ -297,24 +319,11 @@ class Sampler:
     def _sample(logits: torch.Tensor, batch: SamplingBatch,
                 index: np.ndarray | None) -> torch.Tensor:
         """Draws of the sampled rows: all of them (``index`` None) or ``index``."""
-        dev = logits.device
-        floats, top_k = batch.floats, batch.top_k
         keys, positions = batch.seed_keys, batch.positions
         if index is not None:
-            floats, top_k = floats[:, index], top_k[index]
             keys, positions = keys[index], positions[index]
-        temps, top_p, min_p = torch.from_numpy(floats.astype(np.float32)).to(dev)
-        if index is None:
-            scaled = logits / temps[:, None]  # (num_sampled, vocab), a fresh tensor
-        else:
-            scaled = logits.index_select(0, torch.from_numpy(index).to(dev)).div_(temps[:, None])
-        weights = softmax_weights(scaled)
-        uses_k, uses_p, uses_min_p = (top_k > 0).any(), (floats[1] < 1.0).any(), \
-            (floats[2] > 0.0).any()
-        if uses_k or uses_p or uses_min_p:  # (a filter no row uses is skipped)
-            weights = filter_weights(weights, torch.from_numpy(top_k).to(dev) if uses_k else None,
-                                     top_p if uses_p else None, min_p if uses_min_p else None)
-        return inverse_cdf_draw(weights, keyed_uniforms(keys, positions, dev))
+        return inverse_cdf_draw(sampled_weights(logits, batch, index),
+                                keyed_uniforms(keys, positions, logits.device))
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, batch: SamplingBatch,

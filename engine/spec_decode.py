@@ -62,7 +62,7 @@ from pdserve.engine.rejection_sampler import (
     stream_uniform,
     verify,
 )
-from pdserve.engine.sampler import SamplingRow, inverse_cdf_draw
+from pdserve.engine.sampler import SamplingRow, inverse_cdf_draw, is_penalized
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_config import SpeculativeConfig
@@ -92,16 +92,11 @@ class SpecDecodeStats:
                 "mean_acceptance_length": self.mean_acceptance_length}
 
 
-def _penalized(seq: Sequence) -> bool:
-    p = seq.sampling_params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
 def drafted_rows(seq: Sequence, drafts: list[int], num_rows: int) -> list[SamplingRow]:
     """Sampling rows at output positions P .. P + num_rows - 1, row j's history extended by
     ``drafts[:j]`` (only when a penalty reads it)."""
     p, position = seq.sampling_params, seq.num_output_tokens
-    if not _penalized(seq):
+    if not is_penalized(p):
         return [SamplingRow(p, seq.seed, position + j, [], []) for j in range(num_rows)]
     prompt, output = seq.prompt_token_ids, seq.output_token_ids
     return [SamplingRow(p, seq.seed, position + j, prompt, output + drafts[:j])
