@@ -35,6 +35,7 @@ import uuid
 from dataclasses import replace
 
 from pdserve.cluster.actors import WorkerSpec, cluster_namespace
+from pdserve.cluster.named_actors import adoptable_router, named_workers
 from pdserve.cluster.options import ClusterOptions
 from pdserve.cluster.placement import (
     WorkerResources,
@@ -48,12 +49,7 @@ from pdserve.cluster.pools import WorkerStartError
 from pdserve.cluster.processes import child_pids, quiet_value, quietly, wait_gone
 from pdserve.cluster.ray_env import init_ray
 from pdserve.cluster.redis_server import RedisServer
-from pdserve.cluster.router_actor import (
-    RouterSpec,
-    is_router_name,
-    router_name,
-    start_router_actor,
-)
+from pdserve.cluster.router_actor import RouterSpec, router_name, start_router_actor
 from pdserve.engine.config import EngineConfig
 from pdserve.router.auth import TLSConfig
 
@@ -148,8 +144,8 @@ class EmbeddedCluster:
                                  self._ray.cluster_resources())["resources"]
         for index in range(opts.num_routers):
             spec = self._router_spec(index, placed)
-            router = self._adoptable_router(spec.name, timeout) or start_router_actor(
-                spec, self.detached)
+            router = adoptable_router(self._ray, spec.name, self.cluster_name, self.redis_url,
+                                      timeout) or start_router_actor(spec, self.detached)
             self.routers.append(router)
         infos = self._ray.get([r.start.remote() for r in self.routers], timeout=timeout)
         self.router = self.routers[0]
@@ -172,29 +168,6 @@ class EmbeddedCluster:
                           max_concurrent_rpcs=opts.max_concurrent_rpcs,
                           autoscale=opts.autoscale if opts.autoscale.enabled and first else None,
                           name=router_name(index), resources=resources)
-
-    def _adoptable_router(self, name: str, timeout: float):
-        """A live router actor ``name`` of this cluster name using our Redis, or None (one
-        using another Redis is stale: it and its workers are removed)."""
-        namespace = cluster_namespace(self.cluster_name)
-        try:
-            router = self._ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            return None
-        try:
-            info = self._ray.get(router.info.remote(), timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - a broken leftover: replace it
-            info = {"redis_url": None}
-            logger.warning("leftover router of cluster %s does not answer: %s",
-                           self.cluster_name, exc)
-        if info["redis_url"] == self.redis_url:
-            logger.info("adopting the running router of cluster %s", self.cluster_name)
-            return router
-        logger.warning("removing a stale router of cluster %s (Redis %s)", self.cluster_name,
-                       info["redis_url"])
-        for actor in [router, *self._named_workers()]:
-            quietly(lambda actor=actor: self._ray.kill(actor, no_restart=True), "stale kill")
-        return None
 
     def worker_specs(self) -> list[WorkerSpec]:
         """One template per pool role: the pool manager gives each worker a fresh id."""
@@ -354,16 +327,14 @@ class EmbeddedCluster:
     def started_pids(self) -> set[int]:
         """Processes this cluster started (local ones): actors (replacement workers and a
         restarted router included), redis child, a local Ray."""
-        self._learn_pids()
-        pids = set(self._ray_pids)
-        pids.update(info["pid"] for info in self.worker_info.values())
-        pids.update(self._worker_pids | self._router_pids)
+        pids = self._ray_pids | self._actor_pids()
         if self._redis is not None and self._redis.process is not None:
             pids.add(self._redis.process.pid)
         return pids
 
-    def _learn_pids(self) -> None:
-        """Every worker pid the pool manager recorded, and the router's current pid."""
+    def _actor_pids(self) -> set[int]:
+        """Every actor pid seen: workers listed or recorded by the pool manager, and each
+        router's (its current one asked now)."""
         if self.store is not None:
             self._worker_pids.update(pid for _node, pid in quiet_value(self.store.pids, set()))
         for router in self.routers if self._ray is not None else []:
@@ -371,6 +342,8 @@ class EmbeddedCluster:
                                 None)
             if info is not None:
                 self._router_pids.add(info["pid"])
+        listed = {info["pid"] for info in self.worker_info.values()}
+        return listed | self._worker_pids | self._router_pids
 
     # -- stop -----------------------------------------------------------------------------
     def stop(self, timeout: float = 20.0) -> None:
@@ -379,11 +352,8 @@ class EmbeddedCluster:
             return
         self._stopped = True
         keep = self.detached and self.options.detach_on_stop
-        actor_pids = set()
-        if self.options.ray_address is None and not keep:  # actors ran on this machine
-            self._learn_pids()
-            actor_pids = ({info["pid"] for info in self.worker_info.values()}
-                          | self._worker_pids | self._router_pids)
+        local = self.options.ray_address is None and not keep  # actors ran on this machine
+        actor_pids = self._actor_pids() if local else set()
         if self._ray is not None:
             if keep:
                 logger.info("leaving cluster %s running (detach_on_stop)", self.cluster_name)
@@ -405,26 +375,12 @@ class EmbeddedCluster:
             self._redis.stop()
         logger.info("cluster %s stopped", self.cluster_name)
 
-    def _named_workers(self) -> list:
-        """Every live worker actor of this cluster, found by name (members not yet listed,
-        replacements just started)."""
-        namespace = cluster_namespace(self.cluster_name)
-        found = []
-        for entry in self._ray.util.list_named_actors(all_namespaces=True):
-            if entry["namespace"] == namespace and not is_router_name(entry["name"]):
-                actor = quiet_value(lambda e=entry: self._ray.get_actor(e["name"],
-                                                                         namespace=namespace),
-                                     None)
-                if actor is not None:
-                    found.append(actor)
-        return found
-
     def _stop_actors(self, timeout: float) -> None:
         ray = self._ray
         # Routers first: a pool manager must not replace what goes now.
         for router in self.routers:
             quietly(lambda r=router: ray.get(r.stop.remote(), timeout=timeout), "router stop")
-        workers = self._named_workers()
+        workers = named_workers(ray, self.cluster_name)
         closing = [a.close.remote() for a in workers]
         quietly(lambda: ray.wait(closing, num_returns=len(closing), timeout=timeout),
                  "worker close")

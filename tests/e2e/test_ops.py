@@ -2,7 +2,8 @@
 status`` and ``pdserve drain`` (the real CLI in a subprocess), a SIGKILLed worker replaced, the
 router actor killed and restarted by Ray, and no process left after stop. Then two small
 clusters of their own: a worker that cannot start (its error reaches the launcher), and a
-detached cluster left running by one launcher and adopted by the next.
+detached cluster left running by one launcher and adopted by the next, and one left running
+on a Redis that is gone, which the next launcher replaces.
 
 The shared cluster's tests run in file order; each leaves the pools at their targets for the
 next (the drain lowers the decode target to 1 for good).
@@ -213,3 +214,27 @@ def test_a_detached_cluster_left_running_is_adopted_by_the_next_launcher(start_c
     finally:
         second.stop()
     assert [pid for pid in pids if is_running(pid)] == []
+
+
+def test_a_left_router_of_another_redis_is_replaced_not_adopted(start_cluster, model_dir, e2e):
+    """A detached router left running on a Redis that is gone is stale to the next launcher
+    of its cluster name: it and its workers are killed, and fresh ones serve."""
+    import uuid
+
+    from pdserve.cluster.processes import wait_gone
+
+    name = f"stale{uuid.uuid4().hex[:6]}"
+    first = start_cluster(model_dir, own_redis=True, cluster_name=name, detached=True,
+                          detach_on_stop=True)
+    left = first._actor_pids()
+    first.stop()  # leaves the router and its pools running, stops the Redis they use
+    assert left and all(is_running(pid) for pid in left)
+    second = start_cluster(model_dir, cluster_name=name, detached=True)
+    try:
+        assert wait_gone(left, START_S) == set()
+        assert second._actor_pids().isdisjoint(left)
+        prompts = e2e.prompts(6, 2)
+        results = e2e.generate_all(second.target, prompts, 8)
+        assert [r.token_ids for r in results] == e2e.reference(model_dir, prompts, 8)
+    finally:
+        second.stop()
