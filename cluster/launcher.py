@@ -327,12 +327,12 @@ class EmbeddedCluster:
     def started_pids(self) -> set[int]:
         """Processes this cluster started (local ones): actors (replacement workers and a
         restarted router included), redis child, a local Ray."""
-        pids = self._ray_pids | self._actor_pids()
+        pids = self._ray_pids | self.actor_pids()
         if self._redis is not None and self._redis.process is not None:
             pids.add(self._redis.process.pid)
         return pids
 
-    def _actor_pids(self) -> set[int]:
+    def actor_pids(self) -> set[int]:
         """Every actor pid seen: workers listed or recorded by the pool manager, and each
         router's (its current one asked now)."""
         if self.store is not None:
@@ -353,7 +353,7 @@ class EmbeddedCluster:
         self._stopped = True
         keep = self.detached and self.options.detach_on_stop
         local = self.options.ray_address is None and not keep  # actors ran on this machine
-        actor_pids = self._actor_pids() if local else set()
+        actor_pids = self.actor_pids() if local else set()
         if self._ray is not None:
             if keep:
                 logger.info("leaving cluster %s running (detach_on_stop)", self.cluster_name)

@@ -226,13 +226,13 @@ def test_a_left_router_of_another_redis_is_replaced_not_adopted(start_cluster, m
     name = f"stale{uuid.uuid4().hex[:6]}"
     first = start_cluster(model_dir, own_redis=True, cluster_name=name, detached=True,
                           detach_on_stop=True)
-    left = first._actor_pids()
+    left = first.actor_pids()
     first.stop()  # leaves the router and its pools running, stops the Redis they use
     assert left and all(is_running(pid) for pid in left)
     second = start_cluster(model_dir, cluster_name=name, detached=True)
     try:
         assert wait_gone(left, START_S) == set()
-        assert second._actor_pids().isdisjoint(left)
+        assert second.actor_pids().isdisjoint(left)
         prompts = e2e.prompts(6, 2)
         results = e2e.generate_all(second.target, prompts, 8)
         assert [r.token_ids for r in results] == e2e.reference(model_dir, prompts, 8)
