@@ -74,15 +74,30 @@ class SlidingWindow:
 
 
 class RouterMetrics:
+    """Every metric the router exports, in one registry (see the module docstring)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._add_request_latencies()
+        self._add_worker_gauges()
+        self._add_cluster_metrics()
+        # What the autoscaler reads (seconds; ITL weighted by tokens).
+        self.ttft_window = SlidingWindow()  # the router's TTFT
+        self.itl_window = SlidingWindow()  # gaps between streamed tokens
+        self.prefill_ttft_window = SlidingWindow()  # queue + prefill + KV send at the worker
+        self.prompt_window = SlidingWindow()  # prompt tokens per prefilled request
+        self._per_worker = (self.queue, self.prefill, self.transfer, self.transfer_bytes,
+                            self.running, self.waiting, self.used_blocks, self.total_blocks,
+                            self.usage, self.prefix_hits, self.compute_util,
+                            self.bandwidth_util, self.spec_drafts, self.spec_draft_tokens,
+                            self.spec_accepted_tokens)
+
+    def _add_request_latencies(self) -> None:
+        """Histograms the router observes as requests flow (per worker: at the worker)."""
         r = self.registry
 
         def hist(name: str, doc: str, labels=("role",)) -> Histogram:
             return Histogram(f"pdserve_{name}", doc, labels, registry=r, buckets=_LATENCY_BUCKETS)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"pdserve_{name}", doc, ("role", "worker"), registry=r)
 
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first token")
         self.itl = hist("inter_token_latency_seconds", "Gap between streamed tokens")
@@ -94,6 +109,14 @@ class RouterMetrics:
                              ("role", "worker"))
         self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV payload bytes sent",
                                       ("role", "worker"), registry=r)
+
+    def _add_worker_gauges(self) -> None:
+        """Per-worker gauges, set from the worker stats the router refreshes."""
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pdserve_{name}", doc, ("role", "worker"), registry=r)
+
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests queued or waiting for KV")
         self.used_blocks = gauge("kv_cache_used_blocks", "KV blocks owned by requests")
@@ -118,6 +141,10 @@ class RouterMetrics:
         self.bandwidth_util = gauge("worker_bandwidth_utilization", "Achieved weight + KV "
                                     "bytes/s while computing / the device's measured copy "
                                     "bandwidth")
+
+    def _add_cluster_metrics(self) -> None:
+        """The router's own gauge, the fault counters and the pools'."""
+        r = self.registry
         self.router_running = Gauge("pdserve_router_requests_in_flight", "Admitted requests",
                                     ("role",), registry=r)
         self.migrations = Counter("pdserve_request_migrations", "Requests moved to new workers "
@@ -137,16 +164,6 @@ class RouterMetrics:
                                             "steps by the autoscaler, by the signal that "
                                             "moved it", ("role", "direction", "reason"),
                                             registry=r)
-        # What the autoscaler reads (seconds; ITL weighted by tokens).
-        self.ttft_window = SlidingWindow()  # the router's TTFT
-        self.itl_window = SlidingWindow()  # gaps between streamed tokens
-        self.prefill_ttft_window = SlidingWindow()  # queue + prefill + KV send at the worker
-        self.prompt_window = SlidingWindow()  # prompt tokens per prefilled request
-        self._per_worker = (self.queue, self.prefill, self.transfer, self.transfer_bytes,
-                            self.running, self.waiting, self.used_blocks, self.total_blocks,
-                            self.usage, self.prefix_hits, self.compute_util,
-                            self.bandwidth_util, self.spec_drafts, self.spec_draft_tokens,
-                            self.spec_accepted_tokens)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.labels("router").observe(seconds)
