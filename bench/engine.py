@@ -224,6 +224,35 @@ def join_sync_line(model_dir: Path, batch: int = 64, repeats: int = 300) -> str:
     return f"one join to {batch} decode rows, the rows' sync: " + ", ".join(cells)
 
 
+def arrivals_line(model_dir: Path, batch: int = 64, every: int = 8, steps: int = 160) -> str:
+    """What arrivals cost the decode rows on a colocated worker: a request joins ``batch``
+    decoding rows every ``every`` steps, so its prefill runs in a general step, and the rows
+    step after it reads the moved rows again; medians outside the forward of those rows
+    steps and of the others (a decode worker's joins take neither)."""
+    parts = EngineParts.build(EngineConfig(model=str(model_dir), num_kv_blocks=4096,
+                                           max_num_seqs=batch + 8))
+    engine = LLMEngine(parts)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{i}", [(7 * i + j) % 500 + 1 for j in range(16 + i % 16)], params)
+    engine.step()
+    after, other, general = [], [], False
+    for k in range(steps):
+        if k % every == 0:
+            engine.add_request(f"a{k}", [(3 * k + j) % 500 + 1 for j in range(20)],
+                               SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        engine.render(engine.step())
+        s = engine.last_step
+        if s.num_tokens == s.num_seqs:  # a rows step
+            (after if general else other).append((s.total_s - s.forward_s) * 1e6)
+        general = s.num_tokens != s.num_seqs
+    after.sort()
+    other.sort()
+    return (f"arrivals beside {batch} decode rows (one every {every} steps, colocated): the rows "
+            f"step after each prefill {after[len(after) // 2]:.0f} us outside the forward, "
+            f"the other rows steps {other[len(other) // 2]:.0f} us (medians)")
+
+
 def hf_static_tokens_per_s(model_dir: Path, prompts, max_tokens, batch_size: int) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -312,6 +341,8 @@ def main(argv: list[str] | None = None) -> None:
                              4 if args.quick else 64,
                              1 if args.quick else 3))
         print(join_sync_line(tiny, 8 if args.quick else 64))
+        print(arrivals_line(tiny, 8 if args.quick else 64, 4 if args.quick else 8,
+                            24 if args.quick else 160))
         print("\n3. continuous batching vs Hugging Face static batching (tiny model)")
         print(batching_table(tiny, 16 if args.quick else 64, 16 if args.quick else 64,
                              [8] if args.quick else [16, 64], 1 if args.quick else 3))

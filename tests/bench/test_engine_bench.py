@@ -22,6 +22,9 @@ def test_engine_bench_quick_prints_every_section(capsys):
     assert "pdserve continuous" in out and "HF generate static (batch 8)" in out, out
     assert re.search(r"one join to 8 decode rows, the rows' sync: appended \d+ us, "
                      r"mapped \d+ us, read afresh \d+ us", out), out
+    assert re.search(r"arrivals beside 8 decode rows \(one every 4 steps, colocated\): the rows "
+                     r"step after each prefill \d+ us outside the forward, the other rows steps "
+                     r"\d+ us", out), out
     # the step profile of pdserve's own run: every request's tokens came out of some step
     profile = re.search(r"pdserve's steps: (\d+), (\d+) of them pure decode with ([\d.]+) "
                         r"sequences on average; the forward is (\d+)% of step time", out)
