@@ -208,6 +208,27 @@ class BlockManager:
         if num_full > num_hashed:
             self._chains[seq.request_id] = (num_full, parent)
 
+    def cache_filled_blocks(self, seqs: list[Sequence]) -> None:
+        """:meth:`cache_computed_blocks` of each of ``seqs``, decodes whose step just filled
+        a block: one loop hashes the block each filled (a sequence with more to hash, or a
+        block not in its table, takes the general method)."""
+        if not self.enable_prefix_caching:
+            return
+        bs, salt, chains = self._block_size, self._salt, self._chains
+        hashes, to_block = self._block_hashes, self._hash_to_block
+        for seq in seqs:
+            num_full, request_id = seq.num_computed_tokens // bs, seq.request_id
+            num_hashed, parent = chains.get(request_id, (0, ROOT_HASH))
+            if num_hashed != num_full - 1 or num_full > len(seq.block_table):
+                self.cache_computed_blocks(seq)
+                continue
+            h = chain_hash(parent, seq.token_ids[num_hashed * bs:num_full * bs], salt)
+            block_id = seq.block_table[num_hashed]
+            if block_id is not None and hashes[block_id] is None and h not in to_block:
+                hashes[block_id] = h
+                to_block[h] = block_id
+            chains[request_id] = (num_full, h)
+
     def withhold_last_block(self) -> int:
         """Take the highest block id out of the pool for good (before any allocation) and
         return it: a scratch block nothing is ever stored in (CUDA graphs' padding rows)."""

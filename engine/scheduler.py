@@ -372,9 +372,8 @@ class Scheduler:
         """After :meth:`DecodeRows.advance`: cache the blocks the step filled, free those
         that left a sliding window."""
         bm = self.block_manager
-        if bm.enable_prefix_caching:
-            for row in rows.filled:
-                bm.cache_computed_blocks(rows.seqs[row])
+        if bm.enable_prefix_caching and rows.filled:
+            bm.cache_filled_blocks([rows.seqs[row] for row in rows.filled])
         if bm.sliding_window is not None:
             for row in rows.leaving_window():
                 bm.free_out_of_window(rows.seqs[row])

@@ -200,6 +200,36 @@ def test_append_block_each_gives_every_sequence_one_block_or_none():
     bm.check_invariants()
 
 
+def test_cache_filled_blocks_equals_caching_each_sequence():
+    """The rows' one loop over the decodes that filled a block leaves the same hashes as the
+    general method per sequence: one block behind (the loop), two behind (the general
+    method), a duplicate of a block another sequence holds (it stays unhashed)."""
+
+    def run(batched: bool) -> tuple:
+        bm = BlockManager(num_blocks=32, block_size=2, hash_salt=b"s" * 16)
+        prompts = {"one": [1, 2, 3], "same": [1, 2, 3], "two": [5, 6, 7, 8, 9], "full": [4, 4]}
+        seqs = [make_seq(name, ids) for name, ids in prompts.items()]
+        for seq in seqs:
+            bm.allocate(seq, 1)  # first token computed: nothing full yet
+            seq.num_computed_tokens = 1
+        for seq in seqs[:3]:  # each fills a block (``two`` a second one too)
+            bm.allocate(seq, seq.num_tokens - 1)
+            seq.num_computed_tokens = 2 * (seq.num_tokens // 2)
+        seqs[3].num_computed_tokens = 2  # its one block filled by its second token
+        if batched:
+            bm.cache_filled_blocks(seqs)
+        else:
+            for seq in seqs:
+                bm.cache_computed_blocks(seq)
+        return ([bm.block_hash(b) for b in range(32)],
+                {s.request_id: bm._chains.get(s.request_id) for s in seqs})
+
+    batched, each = run(True), run(False)
+    assert batched == each
+    hashes = [h for h in batched[0] if h is not None]
+    assert len(hashes) == len(set(hashes)) == 4  # one's, two's two, full's; not same's copy
+
+
 def _cached_hashes(bm: BlockManager, token_ids: list[int]) -> list[bytes]:
     seq = Sequence(f"r{bm.num_prefix_queries}", list(token_ids), SamplingParams())
     bm.match_prefix(seq)
