@@ -276,6 +276,9 @@ class DecodeRows:
         bs, state = self.block_size, self.state
         positions = state[POSITIONS, rows]
         has = positions < state[NUM_BLOCKS, rows] * bs
+        if not has.any():  # (rows entering their next blocks together)
+            state[SLOTS, rows] = -1
+            return rows.tolist()
         column = np.minimum(positions // bs, self.tables.shape[1] - 1)
         slots = self.tables[rows, column].astype(np.int64) * bs + positions % bs
         state[SLOTS, rows] = np.where(has, slots, -1)
