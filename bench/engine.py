@@ -6,8 +6,8 @@ In one run:
 2. engine overhead per step (everything outside the model forward) at batch 64 and 256 on a
    tiny model, with prompts of one length and of spread lengths, greedy and sampled, and on
    a tiny Mistral with a sliding window on the persistent rows and on the general path (the
-   median of three interleaved rounds, and their range), and what a request joining the
-   decode rows costs;
+   median of three interleaved rounds, and their range), what a request joining the decode
+   rows costs, and what arrivals cost a colocated worker's decode steps;
 3. tokens/s of continuous batching against Hugging Face ``generate`` with static batches on the
    same requests with long-tailed output lengths.
 """
