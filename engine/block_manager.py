@@ -188,10 +188,8 @@ class BlockManager:
         return num_hit_tokens
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register a chained hash for every newly full block whose tokens are all computed.
-
-        A hash already held by another block keeps that block; this one stays unhashed.
-        """
+        """Register a chained hash for every newly full block whose tokens are all computed
+        (:meth:`_register`: a hash already held by another block keeps that block)."""
         if not self.enable_prefix_caching:
             return
         bs = self._block_size
@@ -199,11 +197,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         for i in range(num_hashed, num_full):
             h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], self._salt)
-            block_id = seq.block_table[i]
-            if (block_id is not None and self._block_hashes[block_id] is None
-                    and h not in self._hash_to_block):
-                self._block_hashes[block_id] = h
-                self._hash_to_block[h] = block_id
+            self._register(seq.block_table[i], h)
             parent = h
         if num_full > num_hashed:
             self._chains[seq.request_id] = (num_full, parent)
@@ -214,8 +208,7 @@ class BlockManager:
         block not in its table, takes the general method)."""
         if not self.enable_prefix_caching:
             return
-        bs, salt, chains = self._block_size, self._salt, self._chains
-        hashes, to_block = self._block_hashes, self._hash_to_block
+        bs, salt, chains, register = self._block_size, self._salt, self._chains, self._register
         for seq in seqs:
             num_full, request_id = seq.num_computed_tokens // bs, seq.request_id
             num_hashed, parent = chains.get(request_id, (0, ROOT_HASH))
@@ -223,11 +216,16 @@ class BlockManager:
                 self.cache_computed_blocks(seq)
                 continue
             h = chain_hash(parent, seq.token_ids[num_hashed * bs:num_full * bs], salt)
-            block_id = seq.block_table[num_hashed]
-            if block_id is not None and hashes[block_id] is None and h not in to_block:
-                hashes[block_id] = h
-                to_block[h] = block_id
+            register(seq.block_table[num_hashed], h)
             chains[request_id] = (num_full, h)
+
+    def _register(self, block_id: int | None, h: bytes) -> None:
+        """``block_id`` holds the block of hash ``h``, unless it was freed (None), is hashed
+        already, or another block holds ``h`` (that one is kept)."""
+        if block_id is not None and self._block_hashes[block_id] is None \
+                and h not in self._hash_to_block:
+            self._block_hashes[block_id] = h
+            self._hash_to_block[h] = block_id
 
     def withhold_last_block(self) -> int:
         """Take the highest block id out of the pool for good (before any allocation) and
