@@ -24,9 +24,11 @@ The rows mirror the scheduler's ``running_version`` they were synced at (``versi
 - a general step makes them stale (:meth:`DecodeRows.invalidate`): the next sync reads every
   column again.
 
-Arrays handed out in a :class:`~pdserve.engine.model_runner.ModelInput` are never written
-again except the block table's entries past what that step reads, so a recorded batch keeps
-its values.
+Each step moves the arrays on in place (a sync, a drop or wider tables make new ones), so
+the runner's CPU tensors over them (``ModelRunner.prepare_rows``) are made once per arrays,
+and a :class:`~pdserve.engine.model_runner.ModelInput` of the rows holds for its own step
+only. What outlives the step is copied: a compact delta's counters, and the per-row lists,
+which a sync or a drop replaces rather than edits.
 
 With a sliding window, blocks that fell out of it are freed (:meth:`leaving_window`) and
 become ``None`` in the sequence's table; the rows keep the old id there (0 for an entry
@@ -77,8 +79,7 @@ class DecodeRows:
         self.seqs: list[Sequence] = []
         # one int64 column per row: the step's tokens, positions (= num_computed_tokens) and
         # KV slots (-1: the position starts a block the row does not have yet), then what
-        # the stop rules, the deltas and the sampler need. A new array every step: a batch
-        # handed out keeps its values.
+        # the stop rules, the deltas and the sampler need. Moved on in place by each step.
         self.state = np.zeros((NUM_FIELDS, 0), np.int64)
         self.context_lens = np.zeros(0, np.int32)  # positions + 1
         self.max_context_len = self.num_context = 0  # max and sum of context_lens
@@ -347,12 +348,11 @@ class DecodeRows:
         list(map(list.append, self._token_lists, token_ids))
         for seq in self.seqs:
             seq.num_computed_tokens += 1
-        state = self.state.copy()
+        state = self.state
         state[TOKENS] = tokens
         state[POSITIONS:SLOTS + 1] += 1  # positions and slots, one op
         state[NUM_OUTPUT] += 1
-        self.state = state
-        self.context_lens = self.context_lens + 1
+        self.context_lens += 1
         self.max_context_len += 1
         self.num_context += len(self.seqs)
         filled = np.flatnonzero(state[POSITIONS] % self.block_size == 0)
@@ -379,7 +379,7 @@ class DecodeRows:
     def compact_deltas(self, token_ids: list[int], skip: list[int]) -> TokenDeltas:
         """After :meth:`advance`: the compact delta of every row but ``skip`` (ascending)."""
         every = TokenDeltas(self.request_ids, token_ids, self.attempts,
-                            self.state[NUM_PROMPT], self.state[NUM_OUTPUT])
+                            self.state[NUM_PROMPT].copy(), self.state[NUM_OUTPUT].copy())
         if not skip:
             return every
         rest = np.ones(len(self.seqs), bool)

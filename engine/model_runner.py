@@ -75,6 +75,7 @@ class ModelRunner:
         # persistent decode batch
         self._aranged = self._aranged32 = torch.arange(0, device=device)
         self._aranged_n, self._aranged_pair = -1, (self._aranged, self._aranged32)
+        self._rows_views: tuple | None = None  # (key, host views, tables): _host_views
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> ModelInput:
         """The flat batch of ``scheduled``: a pure decode step syncs the persistent
@@ -88,16 +89,19 @@ class ModelRunner:
 
     def prepare_rows(self) -> ModelInput:
         """The batch of the decode rows as they stand: one token per row (its last), every
-        row sampled; one host -> device copy of tokens, positions and slots."""
+        row sampled. On the CPU its tensors are views of the rows' arrays, which the next
+        step moves on in place: a batch holds for its own step only. Elsewhere one host ->
+        device copy of tokens, positions and slots."""
         rows, n = self.rows, len(self.rows)
-        host = torch.from_numpy(rows.host)
-        tables = rows.tables_tensor[:, :rows.max_blocks]
-        if self.device.type == "cpu":  # int32 lengths straight from the host array
+        if self.device.type == "cpu":
+            (input_ids, positions, slots), tables = self._host_views(rows)
+            # a new tensor object every step: the attention plan is cached per object
             context_lens = torch.from_numpy(rows.context_lens)
         else:  # one copy to the device, then the int32 lengths there
-            host, tables = host.to(self.device), tables.to(self.device)
+            host = torch.from_numpy(rows.host).to(self.device)
+            tables = rows.tables_tensor[:, :rows.max_blocks].to(self.device)
             context_lens = host[1].to(torch.int32).add_(1)
-        input_ids, positions, slots = host.unbind(0)
+            input_ids, positions, slots = host.unbind(0)
         sample_rows, cu_seqlens = self._arange(n)
         meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu_seqlens,
                                  context_lens=context_lens, block_tables=tables,
@@ -106,6 +110,16 @@ class ModelRunner:
         return ModelInput(input_ids=input_ids, positions=positions, metadata=meta,
                           sample_indices=sample_rows, num_attended=rows.num_context,
                           num_context=rows.num_context)
+
+    def _host_views(self, rows: DecodeRows) -> tuple[tuple, torch.Tensor]:
+        """((tokens, positions, slots), block tables) as tensors over the rows' arrays, made
+        again only when the rows replace an array (a sync, a drop, wider tables) or use more
+        table columns; the views hold the arrays, so their ids are not reused meanwhile."""
+        key = (id(rows.state), id(rows.tables), rows.max_blocks)
+        if self._rows_views is None or self._rows_views[0] != key:
+            self._rows_views = (key, torch.from_numpy(rows.host).unbind(0),
+                                rows.tables_tensor[:, :rows.max_blocks])
+        return self._rows_views[1], self._rows_views[2]
 
     def _arange(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(0..n-1 int64, 0..n int32) on the device, cut from cached tensors (the last pair

@@ -10,6 +10,7 @@ logprobs, penalties, max_tokens. Every step's tensors and every request's render
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -20,6 +21,7 @@ from pdserve.engine import input_batch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, NoCapacityError
 from pdserve.engine.messages import WorkRequest
+from pdserve.engine.model_runner import ModelInput
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.sampler import SamplingBatch, sampling_row
 from pdserve.engine.sampling_params import SamplingParams
@@ -84,8 +86,8 @@ def _run(engine: LLMEngine, events, batches: list | None) -> dict[str, list]:
     run = runner.run
 
     def recording(batch, after_layer=None):
-        if batches is not None:
-            batches.append(batch)
+        if batches is not None:  # a copy: the rows' batch is rewritten by the next step
+            batches.append(_snapshot(batch))
         return run(batch, after_layer)
 
     runner.run = recording
@@ -103,6 +105,15 @@ def _run(engine: LLMEngine, events, batches: list | None) -> dict[str, list]:
         for delta in engine.render(engine.step()):
             deltas[delta.request_id].append(_content(delta))
     return deltas
+
+
+def _snapshot(batch: ModelInput) -> ModelInput:
+    """``batch`` with its tensors copied."""
+    def copied(obj):
+        return dataclasses.replace(obj, **{f.name: getattr(obj, f.name).clone()
+                                           for f in dataclasses.fields(obj)
+                                           if isinstance(getattr(obj, f.name), torch.Tensor)})
+    return dataclasses.replace(copied(batch), metadata=copied(batch.metadata))
 
 
 def _same_batch(a, b, window: int | None = None) -> None:
@@ -301,8 +312,8 @@ def _decode_traffic(engine: LLMEngine, seed: int, batches: list) -> dict[str, li
     rng = random.Random(seed)
     out: dict[str, list] = {}
     run = engine.parts.runner.run
-    engine.parts.runner.run = lambda batch, after_layer=None: (batches.append(batch)
-                                                                or run(batch, after_layer))
+    engine.parts.runner.run = lambda batch, after_layer=None: (
+        batches.append(_snapshot(batch)) or run(batch, after_layer))
     engine.used_blocks = []  # the blocks held after each step
     for step in range(70):
         if step < 50 and rng.random() < 0.5:
