@@ -378,8 +378,8 @@ class DecodeRows:
 
     def compact_deltas(self, token_ids: list[int], skip: list[int]) -> TokenDeltas:
         """After :meth:`advance`: the compact delta of every row but ``skip`` (ascending)."""
-        every = TokenDeltas(self.request_ids, token_ids, self.attempts,
-                            self.state[NUM_PROMPT].copy(), self.state[NUM_OUTPUT].copy())
+        counts = self.state[NUM_PROMPT:NUM_OUTPUT + 1].copy()  # (the next step moves state)
+        every = TokenDeltas(self.request_ids, token_ids, self.attempts, counts[0], counts[1])
         if not skip:
             return every
         rest = np.ones(len(self.seqs), bool)
