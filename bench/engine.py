@@ -280,7 +280,9 @@ def batching_table(model_dir: Path, num_requests: int, mean_out: int, hf_batches
     prompt_lens = lognormal_lengths(rng, num_requests, mean=64, high=512)
     max_tokens = lognormal_lengths(rng, num_requests, mean=mean_out, high=4 * mean_out)
     prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in prompt_lens]
-    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=8192)
+    # no prefix cache: each repetition would find the prompts the one before cached, which
+    # Hugging Face computes again every time
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=8192, enable_prefix_caching=False)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
 
     def ours() -> float:
