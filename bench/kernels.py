@@ -25,6 +25,7 @@ import torch
 
 from pdserve.bench.stats import format_table
 from pdserve.kernels import reference as ref
+from pdserve.kernels.attention_ref import paged_attention_ref, paged_decode_attention_ref
 from pdserve.kernels.kv_layout import KVCacheLayer
 from pdserve.kernels.testing import TOLERANCE, random_paged_batch, random_scales, relative_error
 
@@ -130,7 +131,7 @@ def decode_case(b: Bench, quantized: bool) -> Row:
         peer_fn = lambda: _gqa_sdpa(q, k, v, False)
     name = "decode attention" + (" int8" if quantized else "")
     return _row(b, name, f"{seqs}x{ctx} ctx, {heads}/{kv_heads}h, d{hd}", fn(),
-                ref.paged_decode_attention_ref(*args), torch.bfloat16, fn,
+                paged_decode_attention_ref(*args), torch.bfloat16, fn,
                 kv_bytes + 4 * batch.query.numel(), "GB/s", "sdpa dense" if peer_fn else "",
                 peer_fn)
 
@@ -154,7 +155,7 @@ def prefill_case(b: Bench, num_seqs: int, quantized: bool = False) -> Row:
         peer_fn = lambda: _gqa_sdpa(q, k, v, True)
     name = "prefill attention" + (" int8" if quantized else "")
     return _row(b, name, f"{num_seqs}x{q_len} tok, {heads}/{kv_heads}h, d{hd}", fn(),
-                ref.paged_attention_ref(*args), torch.bfloat16, fn, flops, "TFLOP/s",
+                paged_attention_ref(*args), torch.bfloat16, fn, flops, "TFLOP/s",
                 "sdpa causal dense" if peer_fn else "", peer_fn)
 
 

@@ -12,6 +12,7 @@ import importlib
 
 import torch
 
+from pdserve.kernels import attention_ref
 from pdserve.kernels import reference as ref
 from pdserve.kernels.kv_layout import KVCacheLayer
 
@@ -56,7 +57,7 @@ def paged_attention(query, cache: KVCacheLayer, cu_seqlens_q, context_lens, bloc
         return _triton("prefill_attention").prefill_attention(
             query, cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
             max_query_len=max_query_len)
-    return ref.paged_attention_ref(query, cache, cu_seqlens_q, context_lens, block_tables,
+    return attention_ref.paged_attention_ref(query, cache, cu_seqlens_q, context_lens, block_tables,
                                    scale, sliding_window)
 
 
@@ -68,7 +69,7 @@ def paged_decode_attention(query, cache: KVCacheLayer, block_tables, context_len
         return _triton("decode_attention").decode_attention(
             query, cache, block_tables, context_lens, scale, sliding_window,
             max_context_len=max_context_len)
-    return ref.paged_decode_attention_ref(query, cache, block_tables, context_lens, scale,
+    return attention_ref.paged_decode_attention_ref(query, cache, block_tables, context_lens, scale,
                                           sliding_window)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.reference import paged_attention_ref
+from pdserve.kernels.attention_ref import paged_attention_ref
 from pdserve.kernels.testing import TOLERANCE, random_paged_batch, relative_error
 
 pytestmark = pytest.mark.triton

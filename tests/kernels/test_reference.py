@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import attention_ref
 from pdserve.kernels import reference as ref
 from pdserve.kernels.kv_layout import KVCacheLayer
 from pdserve.kernels.testing import TOLERANCE, random_paged_batch, relative_error
@@ -42,26 +43,68 @@ def _naive_attention(query, cache, cu_seqlens_q, context_lens, block_tables, sca
     return torch.cat(outs).to(query.dtype)
 
 
+@pytest.fixture(params=["grouped when it pays", "always grouped"])
+def split_cost(request, monkeypatch) -> int:
+    """The padded work a group must save: the default, or 0 (every length group alone)."""
+    if request.param == "always grouped":
+        monkeypatch.setattr(attention_ref, "SPLIT_COST", 0)
+    return attention_ref.SPLIT_COST
+
+
+def _groups(batch) -> list[list[int]]:
+    lens = batch.context_lens.tolist()
+    return attention_ref.length_groups(lens, [1] * len(lens), 64)
+
+
 @pytest.mark.parametrize("dtype,quantized,group,window", [
     (torch.float32, False, 1, None), (torch.float32, True, 4, 6),
     (torch.bfloat16, False, 8, None), (torch.float32, False, 4, 1),
 ])
-def test_paged_attention_ref_matches_naive(gen, dtype, quantized, group, window):
+def test_paged_attention_ref_matches_naive(gen, dtype, quantized, group, window, split_cost):
     # A fresh prompt, a chunk after a cached prefix, decodes (the split path), an empty one.
     batch = random_paged_batch([23, 30, 1, 17, 9], [23, 11, 1, 1, 0], group * 2 if group < 8
                                else 8, 2 if group < 8 else 1, 64, 4, dtype, gen,
                                quantized=quantized)
     args = (batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
             batch.block_tables, 0.125, window)
-    out, want = ref.paged_attention_ref(*args), _naive_attention(*args)
+    out, want = attention_ref.paged_attention_ref(*args), _naive_attention(*args)
     assert torch.isfinite(out).all()  # slots past each context are NaN and must not leak
     assert relative_error(out, want) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_prompts_of_spread_lengths_match_naive(gen, window, split_cost):
+    """Whole prompts of 2 to 70 tokens fall in several length groups, each padded alone
+    (without a window they take the unmasked causal path), beside a chunk after a cached
+    prefix and two decodes."""
+    batch = random_paged_batch([70, 2, 33, 9, 41, 5, 64, 17, 1, 30],
+                               [70, 2, 33, 9, 41, 5, 20, 17, 1, 1], 4, 2, 32, 8,
+                               torch.float32, gen)
+    assert split_cost or len(_groups(batch)) == 4
+    args = (batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
+            batch.block_tables, 0.2, window)
+    out, want = attention_ref.paged_attention_ref(*args), _naive_attention(*args)
+    assert torch.isfinite(out).all()
+    assert relative_error(out, want) < TOLERANCE[torch.float32]
+
+
+def test_length_groups_bound_the_padding_when_that_pays():
+    lengths = [1000, 100, 600, 490, 500, 30]
+    groups = attention_ref.length_groups(lengths, [1] * 6, 4096)
+    assert groups == [[0, 2, 4], [3], [1], [5]]  # each at least half its longest
+    assert attention_ref.length_groups([8, 8, 5], [1] * 3, 4096) == [[0, 1, 2]]
+    # splitting saves 400 padded keys: worth it at 4096 wide heads, not at 64
+    assert attention_ref.length_groups([500, 100], [1, 1], 4096) == [[0], [1]]
+    assert attention_ref.length_groups([500, 100], [1, 1], 64) == [[0, 1]]
+
+
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_ref_matches_naive(gen, window):
-    batch = random_paged_batch([1, 5, 37, 16], [1, 1, 1, 1], 8, 2, 128, 16, torch.float32, gen)
-    out = ref.paged_decode_attention_ref(batch.query, batch.cache, batch.block_tables,
+def test_decode_ref_matches_naive(gen, window, split_cost):
+    """Contexts of 1 to 37 tokens: padded to the longest, or each length group alone."""
+    batch = random_paged_batch([1, 5, 37, 16, 33, 2], [1] * 6, 8, 2, 128, 16, torch.float32,
+                               gen)
+    assert split_cost or len(_groups(batch)) == 4
+    out = attention_ref.paged_decode_attention_ref(batch.query, batch.cache, batch.block_tables,
                                          batch.context_lens, 0.1, window)
     want = _naive_attention(batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
                             batch.block_tables, 0.1, window)
@@ -70,7 +113,7 @@ def test_decode_ref_matches_naive(gen, window):
 
 def test_fresh_prompt_matches_causal_sdpa(gen):
     batch = random_paged_batch([19], [19], 4, 4, 64, 8, torch.float32, gen)
-    out = ref.paged_attention_ref(batch.query, batch.cache, batch.cu_seqlens_q,
+    out = attention_ref.paged_attention_ref(batch.query, batch.cache, batch.cu_seqlens_q,
                                   batch.context_lens, batch.block_tables, 0.125)
     k, v = _naive_context(batch.cache, batch.block_tables[0], 19)
     want = F.scaled_dot_product_attention(batch.query.transpose(0, 1), k.transpose(0, 1),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.kernels import KVCacheLayer
-from pdserve.kernels.reference import paged_attention_ref, paged_decode_attention_ref
+from pdserve.kernels.attention_ref import paged_attention_ref, paged_decode_attention_ref
 from pdserve.models import load_model
 
 BLOCK_SIZE = 4
