@@ -146,9 +146,12 @@ def run(num_requests: int, model: str | None, seed: int) -> str:
     from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
     from pdserve.router.core import RouterConfig
 
+    # no prefix cache: the faulted pass would find the fault-free pass's prompts cached (the
+    # re-prefill of a migration is then measured without the cache's help: the worst case)
     options = ClusterOptions(model=model, num_prefill=1, num_decode=2, port=0,
                              metrics_port=None, router=RouterConfig(stats_interval_s=0.1),
-                             engine=dict(dtype="float32", memory_budget_bytes=512 << 20))
+                             engine=dict(dtype="float32", memory_budget_bytes=512 << 20,
+                                         enable_prefix_caching=False))
     with EmbeddedCluster(options) as cluster:
         cluster.wait_ready(120)
         reqs = chaos_requests(num_requests, seed, prefix="clean")
