@@ -34,6 +34,8 @@ def length_groups(context_lens: list[int], q_lens: list[int], width: int) -> lis
     group's indices ascending: a group takes every remaining sequence whose context is at
     least ``GROUP_SHARE`` of the longest remaining. One group of all when splitting saves
     less padded work (pairs x ``width``, heads x head_dim) than ``SPLIT_COST`` a group."""
+    if not context_lens or min(context_lens) >= GROUP_SHARE * max(context_lens):
+        return [list(range(len(context_lens)))]  # (one group whatever the cost: no sort)
     order = sorted(range(len(context_lens)), key=context_lens.__getitem__, reverse=True)
     groups: list[list[int]] = []
     for s in order:
@@ -45,8 +47,7 @@ def length_groups(context_lens: list[int], q_lens: list[int], width: int) -> lis
     def padded(group: list[int]) -> int:  # (group[0] is its longest: taken in that order)
         return len(group) * max(q_lens[s] for s in group) * context_lens[group[0]]
 
-    if len(groups) == 1 or (padded(order) - sum(map(padded, groups))) * width \
-            < SPLIT_COST * (len(groups) - 1):
+    if (padded(order) - sum(map(padded, groups))) * width < SPLIT_COST * (len(groups) - 1):
         return [list(range(len(context_lens)))]
     return [sorted(group) for group in groups]
 

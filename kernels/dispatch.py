@@ -57,8 +57,8 @@ def paged_attention(query, cache: KVCacheLayer, cu_seqlens_q, context_lens, bloc
         return _triton("prefill_attention").prefill_attention(
             query, cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
             max_query_len=max_query_len)
-    return attention_ref.paged_attention_ref(query, cache, cu_seqlens_q, context_lens, block_tables,
-                                   scale, sliding_window)
+    return attention_ref.paged_attention_ref(query, cache, cu_seqlens_q, context_lens,
+                                             block_tables, scale, sliding_window)
 
 
 def paged_decode_attention(query, cache: KVCacheLayer, block_tables, context_lens, scale: float,
@@ -69,8 +69,8 @@ def paged_decode_attention(query, cache: KVCacheLayer, block_tables, context_len
         return _triton("decode_attention").decode_attention(
             query, cache, block_tables, context_lens, scale, sliding_window,
             max_context_len=max_context_len)
-    return attention_ref.paged_decode_attention_ref(query, cache, block_tables, context_lens, scale,
-                                          sliding_window)
+    return attention_ref.paged_decode_attention_ref(query, cache, block_tables, context_lens,
+                                                    scale, sliding_window)
 
 
 def rms_norm(x, weight, eps: float, residual=None, backend: str = "auto"):

@@ -105,7 +105,7 @@ def test_decode_ref_matches_naive(gen, window, split_cost):
                                gen)
     assert split_cost or len(_groups(batch)) == 4
     out = attention_ref.paged_decode_attention_ref(batch.query, batch.cache, batch.block_tables,
-                                         batch.context_lens, 0.1, window)
+                                                   batch.context_lens, 0.1, window)
     want = _naive_attention(batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
                             batch.block_tables, 0.1, window)
     assert relative_error(out, want) < TOLERANCE[torch.float32]
@@ -114,7 +114,7 @@ def test_decode_ref_matches_naive(gen, window, split_cost):
 def test_fresh_prompt_matches_causal_sdpa(gen):
     batch = random_paged_batch([19], [19], 4, 4, 64, 8, torch.float32, gen)
     out = attention_ref.paged_attention_ref(batch.query, batch.cache, batch.cu_seqlens_q,
-                                  batch.context_lens, batch.block_tables, 0.125)
+                                            batch.context_lens, batch.block_tables, 0.125)
     k, v = _naive_context(batch.cache, batch.block_tables[0], 19)
     want = F.scaled_dot_product_attention(batch.query.transpose(0, 1), k.transpose(0, 1),
                                           v.transpose(0, 1), is_causal=True, scale=0.125)
