@@ -284,7 +284,7 @@ def paged_decode_attention_ref(query: torch.Tensor, cache: KVCacheLayer, block_t
         return query.new_empty(query.shape)
     plan = _DecodePlan.of(block_tables, context_lens, sliding_window, cache.block_size,
                           num_heads * head_dim)
-    q = query.float()[:, :, None]  # (S, heads, 1, hd)
+    q = as_dtype(query, torch.float32)[:, :, None]  # (S, heads, 1, hd)
     if plan.order is None:
         group = plan.groups[0]
         out = _sdpa(q, *_gather_context(cache, group.slots), scale, group.mask)

@@ -32,6 +32,7 @@ from pdserve.kernels import KVCacheLayer
 # The dispatch module, not the package: once the Triton submodule pdserve.kernels.rotary is
 # imported, it replaces the package attribute ``rotary`` (the dispatch function).
 from pdserve.kernels import dispatch as kernels
+from pdserve.kernels.reference import as_dtype
 from pdserve.models.attention import Attention, AttentionMetadata
 from pdserve.models.config import ModelConfig
 from pdserve.models.rope import cos_sin_cache_for
@@ -230,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(T, hidden) -> (T, vocab) float32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return as_dtype(F.linear(hidden, self.lm_head.weight), torch.float32)
 
 
 # model_type -> decoder class; all four families share one implementation.
