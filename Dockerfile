@@ -3,7 +3,9 @@
 # (they bring the CUDA runtime; the node brings the driver):
 #   docker build -t pdserve:0.1.0 .
 #   docker build -t pdserve:0.1.0-cu128 --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
-# or a CUDA base image that has Python 3.10+ as python3: --build-arg BASE_IMAGE=...
+# or a CUDA base image that has Python 3.11+ as python3: --build-arg BASE_IMAGE=...
+# Every other package is held to the version in requirements.lock (the versions the test suite
+# passed with); the image installs no test tools.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
@@ -22,7 +24,8 @@ RUN python3 -m pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
 
 # The repository root is the package (pyproject.toml maps it to `pdserve`).
 COPY . /tmp/pdserve
-RUN python3 -m pip install "/tmp/pdserve" "${RAY_SPEC}" && rm -rf /tmp/pdserve
+RUN python3 -m pip install --constraint /tmp/pdserve/requirements.lock "/tmp/pdserve" "${RAY_SPEC}" \
+    && rm -rf /tmp/pdserve
 
 RUN useradd --uid 1000 --user-group --create-home --shell /bin/bash pdserve
 USER 1000:1000

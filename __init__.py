@@ -7,7 +7,13 @@ The offline API::
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
 """
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.import_path import install as _keep_source_root_off_path
+
+# First, before any other import: the source root on sys.path would let our folders shadow
+# third-party packages of the same name (pdserve.import_path says how and why).
+_keep_source_root_off_path()
+
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -91,7 +91,7 @@ def _issue(subject: str, issuer_key, issuer_name, *, ca: bool = False, usage=Non
     def name(text: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     key = ec.generate_private_key(ec.SECP256R1())
     builder = (x509.CertificateBuilder().subject_name(name(subject))
                .issuer_name(issuer_name or name(subject)).public_key(key.public_key())

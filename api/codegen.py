@@ -60,7 +60,7 @@ def generate(out_dir: Path | str, proto_dir: Path | str = API_DIR,
             shutil.copyfile(Path(proto_dir) / proto, source)
         build = root / "build"
         build.mkdir()
-        cmd = [sys.executable, "-m", "grpc_tools.protoc", f"-I{root / 'src'}",
+        cmd = [sys.executable, "-P", "-m", "grpc_tools.protoc", f"-I{root / 'src'}",
                f"--python_out={build}", f"--grpc_python_out={build}", f"--pyi_out={build}",
                *(proto_name(p) for p in protos)]
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)

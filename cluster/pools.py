@@ -165,7 +165,7 @@ class PoolManager:
                 logger.exception("pool reconcile failed")
             try:
                 await asyncio.wait_for(self._wake.wait(), self.settings.interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake.clear()
 
@@ -233,7 +233,7 @@ class PoolManager:
         try:
             answer = await asyncio.wait_for(member.actor.ping.remote(),
                                             self.settings.ping_timeout_s)
-        except (asyncio.TimeoutError, ActorUnavailableError) as exc:
+        except (TimeoutError, ActorUnavailableError) as exc:
             member.missed_pings += 1
             if member.missed_pings >= self.settings.max_missed_pings:
                 self._mark_dead(member, f"{member.missed_pings} pings unanswered ({exc!r})")

@@ -9,6 +9,11 @@ import time
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "pdserve"
+# Every worker of a Ray we start imports this first, so the source root that Ray puts on its
+# sys.path (the driver's working directory) cannot shadow a third-party package; see
+# pdserve.import_path. (A preload, not a runtime_env setup hook: that one delays every worker's
+# start.)
+SYSTEM_CONFIG = {"preload_python_modules": ["pdserve.import_path"]}
 # How long joining an existing cluster keeps retrying: on Kubernetes the controller can start
 # before the Ray head (or its client server) is ready.
 CONNECT_TIMEOUT_S = 120.0
@@ -35,8 +40,8 @@ def init_ray(address: str | None = None, temp_dir: str | None = None,
     # Ray's socket paths must stay short: keep its temp dir directly under /tmp.
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="pdray-", dir="/tmp")
     ray.init(namespace=NAMESPACE, include_dashboard=False, _temp_dir=temp_dir,
-             num_cpus=num_cpus, _node_ip_address="127.0.0.1", logging_level=logging.WARNING,
-             configure_logging=False)
+             _system_config=SYSTEM_CONFIG, num_cpus=num_cpus, _node_ip_address="127.0.0.1",
+             logging_level=logging.WARNING, configure_logging=False)
     logger.info("local Ray started, temp dir %s", temp_dir)
     return ray
 

@@ -202,7 +202,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return await asyncio.wait_for(deltas.__anext__(), timeout)
         except StopAsyncIteration:
             return None
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise DeadlineExceededError("the request's deadline passed") from exc
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,
@@ -370,7 +370,7 @@ class GenerationServer:
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), self._poll_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake.clear()
             await self._update_health()

@@ -140,7 +140,7 @@ class HttpGeneration:
                                           max(0.0, deadline - time.monotonic()))
         except StopAsyncIteration:
             raise RuntimeError("backend ended the stream without a finish_reason") from None
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise DeadlineExceededError("the request's deadline passed") from exc
 
     async def _send_error(self, send, exc: Exception, state: dict) -> None:

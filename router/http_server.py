@@ -135,7 +135,7 @@ class HttpServer:
         self._server.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(self._task), grace + 1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._server.force_exit = True
             await self._task
         self._task = self._server = None

@@ -28,6 +28,11 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
 
+# pdserve first: a bare `python -m pytest` from the repository root puts the root on sys.path,
+# where our folders would shadow third-party packages; importing pdserve takes it off again
+# (`make test` runs pytest with -P, which never puts it there).
+import pdserve  # noqa: E402, F401, I001
+
 import json
 import shutil
 from dataclasses import dataclass

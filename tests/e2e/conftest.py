@@ -187,7 +187,7 @@ def e2e() -> Helpers:
 
 
 HERE = Path(__file__).parent
-RAY = [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
+RAY = [sys.executable, "-P", "-c", "from ray.scripts.scripts import main; main()"]
 NODE_START_S = 120.0  # bound on one Ray node coming up
 
 
@@ -229,7 +229,7 @@ class RayNodes:
 
     def join_command(self) -> list[str]:
         """``ray start`` for a node joining over loopback (add ``--address`` and the rest)."""
-        return [sys.executable, str(HERE / "ray_node.py"), "start"]
+        return [sys.executable, "-P", str(HERE / "ray_node.py"), "start"]
 
     def join(self, name: str, resources: dict) -> None:
         self.start(name, [*self.join_command(), "--address", self.address, "--num-cpus", "1",

@@ -235,7 +235,7 @@ def start_ray(nodes, cluster: dict, secrets, machine: Machine) -> None:
         nodes.env["RAY_REDIS_ADDRESS"] = on_this_machine(gcs["redisAddress"], "head", machine)
         nodes.env["RAY_external_storage_namespace"] = cluster["metadata"]["name"]
         flags.append(f"--redis-password={secrets[ref['name']][ref['key']]}")
-    ray_cli = [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
+    ray_cli = [sys.executable, "-P", "-c", "from ray.scripts.scripts import main; main()"]
     nodes.start("head", [*ray_cli, "start", "--head", "--temp-dir", str(Path(nodes.tmp, "ray")),
                          *[on_this_machine(f, "head", machine) for f in flags]])
     nodes.env = common  # the head's own settings stay the head's

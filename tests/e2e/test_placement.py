@@ -34,7 +34,7 @@ def ray_view(nodes) -> dict:
     code = (f"import json, ray; ray.init(address={nodes.address!r}, logging_level=40); "
             "print(json.dumps({'nodes': [n['Resources'] for n in ray.nodes() if n['Alive']], "
             "'actors': ray.util.list_named_actors(all_namespaces=True)}))")
-    out = subprocess.run([sys.executable, "-c", code], env=nodes.env, capture_output=True,
+    out = subprocess.run([sys.executable, "-P", "-c", code], env=nodes.env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

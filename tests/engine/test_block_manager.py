@@ -172,7 +172,7 @@ def test_chain_hash_is_the_same_in_every_process():
     outs = set()
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+        outs.add(subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True,
                                 text=True, check=True).stdout)
     assert len(outs) == 1
 

@@ -31,7 +31,7 @@ libc.free(ctypes.c_void_p(buffer))
 
 
 def run(env: dict) -> str:
-    return subprocess.run([sys.executable, "-c", SCRIPT], env={**os.environ, **env},
+    return subprocess.run([sys.executable, "-P", "-c", SCRIPT], env={**os.environ, **env},
                           capture_output=True, text=True, check=True).stdout.strip()
 
 

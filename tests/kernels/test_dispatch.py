@@ -73,4 +73,4 @@ def test_cpu_path_never_imports_triton():
         kernels.pack_blocks([b.cache], torch.tensor([1]))
         assert "triton" not in sys.modules, "the CPU path imported triton"
     """)
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=120)

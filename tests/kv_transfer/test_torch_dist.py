@@ -227,7 +227,7 @@ def test_killed_prefill_process(kv, no_thread_leak, tmp_path):
     full, partial = TransferKey(1, 1), TransferKey(2, 1)
     sink.expect(full, [0, 1, 2])
     sink.expect(partial, [3, 4, 5])
-    child = subprocess.Popen([sys.executable, str(CHILD), endpoint.address, "77"],
+    child = subprocess.Popen([sys.executable, "-P", str(CHILD), endpoint.address, "77"],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "SENT"
