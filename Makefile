@@ -44,7 +44,7 @@ test: venv lint
 test-latest:
 	rm -rf $(LATEST_VENV)
 	$(PYTHON) -m venv $(LATEST_VENV)
-	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip setuptools wheel
 	$(LATEST_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --editable ".[test]"
 	$(LATEST_VENV)/bin/python -m pip freeze --all --exclude-editable --exclude torch \

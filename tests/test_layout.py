@@ -51,7 +51,7 @@ def test_no_upward_imports(package):
 def test_no_bare_package_imports():
     folders = set(FORBIDDEN) | {"cluster", "bench"}
     bad = [f"{p.relative_to(ROOT)} imports {n}" for p in ROOT.rglob("*.py")
-           if ".venv" not in p.parts
+           if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
            for n in imported_modules(p) if n.split(".")[0] in folders]
     assert not bad, "\n".join(bad)
 
