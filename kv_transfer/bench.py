@@ -1,4 +1,5 @@
-"""Micro-benchmark helpers for ``bench/disagg.py``: raw channel, memcpy and full-stack GB/s.
+"""Micro-benchmark helpers for ``bench/disagg.py``: raw channel, memcpy and full-stack GB/s,
+and how fast a decode endpoint discards a flood of bogus joins.
 
 They return figures and never assert; sizes are the caller's choice (keep them small on CI).
 """
@@ -9,6 +10,7 @@ import datetime
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.distributed import PrefixStore, TCPStore
@@ -16,7 +18,16 @@ from torch.distributed import PrefixStore, TCPStore
 from pdserve.kernels import KVCacheLayer
 from pdserve.kv_transfer.base import ChannelConfig, TransferKey
 from pdserve.kv_transfer.framing import pack_layers
-from pdserve.kv_transfer.rendezvous import new_pair_group, resolve_backend
+from pdserve.kv_transfer.rendezvous import (
+    JOIN_KEY,
+    JoinQueue,
+    SecretJoin,
+    master_store,
+    new_pair_group,
+    new_session,
+    resolve_backend,
+    store_client,
+)
 from pdserve.kv_transfer.sink import ReservedBlocksSink
 from pdserve.kv_transfer.torch_dist import TorchDistConnector, TransferEndpoint
 
@@ -135,3 +146,44 @@ class _NullSink(ReservedBlocksSink):
             entry = self._expected.get(key)
         if entry is not None:
             entry.layers.update(range(layer_start, layer_end))
+
+
+@dataclass(frozen=True)
+class JoinFloodRates:
+    """One flood of bogus joins on a decode endpoint's join queue."""
+
+    message_bytes: int  # size of each bogus message
+    pushed_per_s: float  # messages one client pushed per second (pushes are not acknowledged)
+    discarded_per_s: float  # messages D's JoinQueue popped and dropped per second
+
+
+def measure_join_flood(num_joins: int = 20_000, message_bytes: int = 0,
+                       host: str = "127.0.0.1", timeout_s: float = 120.0) -> JoinFloodRates:
+    """Push ``num_joins`` bogus joins from one store client, then time the endpoint's
+    ``JoinQueue`` (under a join secret) discarding the full queue in batches, as its listener
+    does. The default messages are well-formed with a wrong MAC (the costliest to drop: an
+    HMAC each); ``message_bytes`` > 0 pushes that many bytes each instead (dropped for their
+    size, but each still crosses the store's socket)."""
+    store = master_store(host, 0, timeout_s)
+    client = store_client(f"{host}:{store.port}", timeout_s)
+    if message_bytes:
+        messages = [b"x" * message_bytes] * num_joins
+    else:
+        messages = [f"{i + 1} bogus-peer {i:032x} {0:064x}".encode() for i in range(num_joins)]
+    start = time.perf_counter()
+    for message in messages:
+        client.queue_push(JOIN_KEY, message)
+    while client.queue_len(JOIN_KEY) < num_joins:  # the store has taken every push
+        time.sleep(0.001)
+    pushed_s = time.perf_counter() - start
+    queue = JoinQueue(store, SecretJoin(b"bench-secret"), new_session())
+    start = time.perf_counter()
+    is_empty = False
+    while not is_empty:
+        joins, is_empty = queue.pop_batch(256)
+        if joins:
+            raise RuntimeError("a bogus join was admitted")
+    discarded_s = time.perf_counter() - start
+    if queue.num_bad_joins != num_joins:
+        raise RuntimeError(f"{queue.num_bad_joins} of {num_joins} joins discarded")
+    return JoinFloodRates(len(messages[0]), num_joins / pushed_s, num_joins / discarded_s)

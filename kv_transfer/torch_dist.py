@@ -1,18 +1,33 @@
 """The real transport: one 2-rank torch.distributed process group per (P, D) pair.
 
 No global world (the rendezvous pieces: ``kv_transfer.rendezvous``). D hosts a ``TCPStore``
-(``TransferEndpoint``); its ``address`` goes into the registry. A P sender joins lazily, on
-its first frame:
+(``TransferEndpoint``) holding a random session id; its ``address`` goes into the registry.
+Who may pair is the join policy both sides build from the cluster's join secret
+(``join_token``): authenticated joins when one is set; with the empty string, none at all
+(anyone who reaches the store pairs, as the module ``rendezvous`` says). A P sender joins
+lazily, on its first frame:
 
-1. P opens a store client to D's address, takes a pair index ``idx = add("next", 1)`` and
-   pushes ``"idx peer_id token"`` on the join queue (``token``: the cluster's join token).
-2. D's listener pops the join, answers ``accept/idx`` with ``1`` (or ``0`` when it already
-   holds ``max_peers`` pairs, or the token is wrong) and starts the peer's receive loop thread.
-   A join that does not parse (hostile or broken) is logged and dropped; the listener goes on.
-3. Both build the group on ``PrefixStore("pair/idx/")`` over their own store client, D as
-   rank 0, P as rank 1: ``ProcessGroupGloo`` for CPU pools, ``ProcessGroupNCCL`` for CUDA
-   pools (``ChannelConfig.backend`` overrides; gloo with CUDA tensors stages through host memory).
-4. Frames flow P -> D only: ``send([header])`` then ``send([payload])``; the loop receives the
+1. P opens a store client to D's address, reads the session id, takes a pair index
+   ``idx = add("next", 1)`` and pushes its join on the join queue: ``"idx peer_id nonce mac"``
+   with a fresh random nonce and an HMAC-SHA256, keyed by the secret, over the session and
+   ``"idx peer_id nonce"`` (open: ``"idx peer_id"``). The secret never travels.
+2. D's listener drains the queue in batches and drops, cheaply and without answering, what
+   is not a join: oversized (before decoding), a MAC that does not verify (before parsing,
+   compared in constant time), a pair index already seen or never handed out (a replay).
+   For a valid join it writes its answer, accepted (or refused at ``max_peers``), on the
+   accept key; key and answers are HMACs of the join too (open: ``accept/idx``, ``1``/``0``),
+   so no one else can predict, pre-set or fake them. Accepted, it starts the peer's thread.
+3. P waits for that key until its join timeout (``connect_timeout_s``) and verifies the
+   answer; none in time (a wrong secret, or a flood ahead of it), refused, or one that does
+   not verify: TransferError, and the connector tries a new pair on the next use.
+4. Both build the group on the pair's store prefix, an HMAC of the join (open: ``pair/idx/``),
+   whose values are signed (``SignedStore``) so no one can redirect either side, D as rank 0,
+   P as rank 1: ``ProcessGroupGloo`` for CPU pools, ``ProcessGroupNCCL`` for CUDA pools
+   (``ChannelConfig.backend`` overrides; gloo with CUDA tensors stages through host memory).
+5. Handshake on the new group (``prove_pair``; none when open): D sends a 32-byte proof, P
+   checks it before anything else leaves P and answers with its own, which D checks; a wrong
+   proof ends the pair on that side.
+6. Frames flow P -> D only: ``send([header])`` then ``send([payload])``; the loop receives the
    header, then the payload into the sink's buffer (or scratch), see ``receiver.py``.
 
 Liveness: every op is bounded by ``peer_timeout_s`` (the group's timeout); idle senders send
@@ -23,10 +38,11 @@ the pair's open keys and calls ``sink.on_peer_lost``. A gloo recv cannot be inte
 ``TransferEndpoint.close`` ends each loop at its peer's next frame (a heartbeat at the latest).
 
 Exposure: the store listens only on ``host`` (a socket bound here and handed to the store,
-never every interface); it is unauthenticated, so the join token is what keeps strangers'
-pairs out, and every frame is bounded by what the sink can ever accept (a whole pool:
-``sink.max_payload_bytes``), so a header announcing more ends the pair before anything is
-allocated; the sink then checks each frame against its reservation.
+never every interface) and has no access control of its own: the join policy keeps strangers'
+pairs out, and what a client of the store can still do (read it, race a pair's gloo
+connection, delay joins) is listed in ``rendezvous``. Every frame is bounded by what the sink
+can ever accept (a whole pool: ``sink.max_payload_bytes``), so a header announcing more ends
+the pair before anything is allocated; the sink then checks each frame against its reservation.
 
 Alignment matters more than usual here: gloo aborts the whole process when a message's size
 differs from the posted receive, so the loop posts a payload receive only for a header that
@@ -38,29 +54,30 @@ torn down rather than the process (untested here: no GPU on the development mach
 from __future__ import annotations
 
 import contextlib
-import datetime
-import hmac
 import logging
 import threading
 import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore
 
 from pdserve.kv_transfer.base import ChannelConfig, FrameKind, KVReceiver, TransferError
 from pdserve.kv_transfer.channel import LRUConnector, ThreadedSender
 from pdserve.kv_transfer.framing import HEADER_WORDS, decode_header
 from pdserve.kv_transfer.receiver import PeerDispatcher
 from pdserve.kv_transfer.rendezvous import (
-    ACCEPT_KEY,
-    JOIN_KEY,
-    NEXT_KEY,
-    PAIR_KEY,
+    SESSION_KEY,
+    JoinQueue,
+    PairJoin,
+    answer_join,
+    join_policy,
     master_store,
     new_pair_group,
+    new_session,
+    pair_store,
     parse_address,
-    parse_join,
+    prove_pair,
+    request_pair,
     resolve_backend,
     store_client,
     wire_device,
@@ -69,6 +86,8 @@ from pdserve.kv_transfer.rendezvous import (
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.02  # the listener's wait between looks at the join queue
+_JOIN_BATCH = 256  # join messages popped between two looks at the stop flag
+_BAD_JOIN_LOG_S = 10.0  # dropped joins are logged as one warning at most this often
 _KEEP_SCRATCH_BYTES = 64 << 20  # a drained payload's buffer beyond this is not kept
 
 
@@ -80,32 +99,30 @@ class TorchDistSender(ThreadedSender):
         super().__init__(address, config, name=f"kv-send-{peer_id}->{address}")
         self.peer_id = peer_id
         self._host = host
-        self._join_token = join_token
+        self._policy = join_policy(join_token)
         self._backend = resolve_backend(config.backend, device)
         self._wire = wire_device(self._backend, device)
         self._pg: dist.ProcessGroup | None = None
 
     def _connect(self) -> None:
-        timeout = self.config.connect_timeout_s
         try:
-            store = store_client(self.address, timeout)
-            idx = store.add(NEXT_KEY, 1)
-            join = f"{idx} {self.peer_id}"
-            store.queue_push(JOIN_KEY, f"{join} {self._join_token}" if self._join_token else join)
-            store.wait([f"{ACCEPT_KEY}{idx}"], datetime.timedelta(seconds=timeout))
-            accepted = store.get(f"{ACCEPT_KEY}{idx}") == b"1"
-            store.delete_key(f"{ACCEPT_KEY}{idx}")
+            store = store_client(self.address, self.config.connect_timeout_s)
         except Exception as exc:
             raise TransferError(f"cannot reach decode endpoint {self.address}: {exc}") from exc
-        if not accepted:
-            raise TransferError(f"decode endpoint {self.address} refused the pair (at max_peers, "
-                                "or a wrong join token)")
         try:
-            self._pg = new_pair_group(PrefixStore(f"{PAIR_KEY}{idx}/", store), 1, self._backend,
-                                      self._host, self.config.peer_timeout_s)
+            join = request_pair(store, self._policy, self.peer_id,
+                                self.config.connect_timeout_s)
+        except TransferError as exc:
+            raise TransferError(f"decode endpoint {self.address}: {exc}") from exc
+        try:
+            self._pg = new_pair_group(pair_store(store, join), 1, self._backend, self._host,
+                                      self.config.peer_timeout_s)
+            prove_pair(self._pg, join, 1, self._wire)
         except Exception as exc:
-            raise TransferError(f"pair {idx} with {self.address} failed to form: {exc}") from exc
-        logger.info("%s: pair %d with %s up (%s)", self.peer_id, idx, self.address,
+            self._pg = None
+            raise TransferError(f"pair {join.idx} with {self.address} failed to form: "
+                                f"{exc}") from exc
+        logger.info("%s: pair %d with %s up (%s)", self.peer_id, join.idx, self.address,
                     self._backend)
 
     def _send_frame(self, header: torch.Tensor, payload: torch.Tensor | None) -> None:
@@ -129,14 +146,12 @@ class TorchDistConnector(LRUConnector):
                  join_token: str = "") -> None:
         if not peer_id or any(c.isspace() for c in peer_id):
             raise ValueError(f"peer_id must be non-empty without spaces, got {peer_id!r}")
-        if any(c.isspace() for c in join_token):
-            raise ValueError("join_token must not contain spaces")
         self.config = config or ChannelConfig()
         super().__init__(max_channels, close_timeout_s=self.config.heartbeat_s * 2)
         self.peer_id = peer_id
         self.host = host
         self.device = torch.device(device)
-        self._join_token = join_token  # the endpoints' token (the cluster's secret)
+        self._join_token = join_token  # the cluster's join secret; never sent
 
     def _make_sender(self, address: str) -> TorchDistSender:
         parse_address(address)
@@ -147,7 +162,8 @@ class TorchDistConnector(LRUConnector):
 class TransferEndpoint(KVReceiver):
     """D side: hosts the rendezvous store, accepts pairs, runs one receive loop per peer.
 
-    ``join_token``: when set, only joins carrying it are accepted (compared in constant time).
+    ``join_token``: the cluster's join secret; when set, only joins authenticated by it pair
+    (the empty string: anyone who reaches the store pairs).
     Frames may announce at most ``config.max_payload_bytes``, cut to ``sink.max_payload_bytes``
     when the sink has it (the most any reservation could take)."""
 
@@ -168,13 +184,16 @@ class TransferEndpoint(KVReceiver):
         self._wire = wire_device(self._backend, self.device)
         self.max_payload_bytes = min(self.config.max_payload_bytes,
                                      getattr(sink, "max_payload_bytes", None) or 1 << 62)
-        self._join_token = join_token.encode()
         self._store = master_store(host, port, self.config.connect_timeout_s)
         self._address = f"{host}:{self._store.port}"
+        session = new_session()
+        self._store.set(SESSION_KEY, session)
+        self._joins = JoinQueue(self._store, join_policy(join_token), session)
         self._lock = threading.Lock()
         self._peers: dict[int, tuple[str, threading.Thread]] = {}
-        self._seen_idx: set[int] = set()  # pair indices already answered (never reused)
-        self.num_bad_joins = 0  # joins dropped as malformed, refused for their token or index
+        self.num_failed_handshakes = 0  # accepted pairs whose peer did not prove the secret
+        self._num_bad_joins_logged = 0
+        self._bad_joins_logged_at = 0.0
         self._stop = threading.Event()
         self._listener = threading.Thread(target=self._listen, daemon=True,
                                           name=f"kv-listen-{self._address}")
@@ -183,6 +202,11 @@ class TransferEndpoint(KVReceiver):
     @property
     def address(self) -> str:
         return self._address
+
+    @property
+    def num_bad_joins(self) -> int:
+        """Join messages dropped: malformed, unauthenticated or a replayed pair index."""
+        return self._joins.num_bad_joins
 
     @property
     def num_peers(self) -> int:
@@ -215,74 +239,76 @@ class TransferEndpoint(KVReceiver):
     def _listen(self) -> None:
         while not self._stop.wait(_POLL_S):
             try:
-                if self._store.queue_len(JOIN_KEY) == 0:
-                    continue
-                message = self._store.queue_pop(JOIN_KEY, block=False)
-            except dist.QueueEmptyError:
-                continue
-            except Exception:
+                self._drain_joins()
+            except Exception:  # a store error must never stop the listener
                 if not self._stop.is_set():
                     logger.exception("endpoint %s: listener error", self._address)
-                continue
-            try:
-                self._on_join(message)
-            except Exception:  # one bad join must never stop the listener
-                self.num_bad_joins += 1
-                logger.exception("endpoint %s: join %r failed", self._address, message[:64])
 
-    def _on_join(self, message: bytes) -> None:
-        try:
-            idx, peer_id, token = parse_join(message)
-        except (ValueError, UnicodeDecodeError) as exc:
-            self.num_bad_joins += 1
-            logger.warning("endpoint %s: dropped a malformed join (%s)", self._address, exc)
-            return
-        if idx in self._seen_idx or idx > self._store.add(NEXT_KEY, 0):
-            self.num_bad_joins += 1
-            logger.warning("endpoint %s: dropped a join from %r with pair index %d (reused or "
-                           "never handed out)", self._address, peer_id, idx)
-            return
-        self._seen_idx.add(idx)
-        if self._join_token and not hmac.compare_digest(token.encode(), self._join_token):
-            self.num_bad_joins += 1
-            logger.warning("endpoint %s: refused %r: wrong join token", self._address, peer_id)
-            self._store.set(f"{ACCEPT_KEY}{idx}", b"0")
-            return
-        self._accept(idx, peer_id)
+    def _drain_joins(self) -> None:
+        """Pops the join queue until it runs empty, a batch at a time, answering valid joins
+        in queue order: a join waits behind the messages ahead of it only."""
+        is_empty = False
+        while not is_empty and not self._stop.is_set():
+            joins, is_empty = self._joins.pop_batch(_JOIN_BATCH)
+            for join in joins:
+                self._accept(join)
+            self._log_bad_joins()
 
-    def _accept(self, idx: int, peer_id: str) -> None:
+    def _log_bad_joins(self) -> None:
+        num_new = self._joins.num_bad_joins - self._num_bad_joins_logged
+        now = time.monotonic()
+        if num_new and now - self._bad_joins_logged_at >= _BAD_JOIN_LOG_S:
+            logger.warning("endpoint %s: dropped %d join messages (malformed, unauthenticated "
+                           "or replayed)", self._address, num_new)
+            self._num_bad_joins_logged += num_new
+            self._bad_joins_logged_at = now
+
+    def _accept(self, join: PairJoin) -> None:
         with self._lock:
             accepted = len(self._peers) < self.max_peers
             if accepted:
-                thread = threading.Thread(target=self._peer_main, args=(idx, peer_id),
-                                          daemon=True, name=f"kv-recv-{peer_id}-{idx}")
-                self._peers[idx] = (peer_id, thread)
-        self._store.set(f"{ACCEPT_KEY}{idx}", b"1" if accepted else b"0")
+                thread = threading.Thread(target=self._peer_main, args=(join,), daemon=True,
+                                          name=f"kv-recv-{join.peer_id}-{join.idx}")
+                self._peers[join.idx] = (join.peer_id, thread)
+        answer_join(self._store, join, accepted)
         if accepted:
             thread.start()
-            logger.info("endpoint %s: accepted %s as pair %d", self._address, peer_id, idx)
+            logger.info("endpoint %s: accepted %s as pair %d", self._address, join.peer_id,
+                        join.idx)
         else:
-            logger.warning("endpoint %s: refused %s (max_peers=%d)", self._address, peer_id,
-                           self.max_peers)
+            logger.warning("endpoint %s: refused %s (max_peers=%d)", self._address,
+                           join.peer_id, self.max_peers)
 
-    def _peer_main(self, idx: int, peer_id: str) -> None:
-        dispatcher = PeerDispatcher(peer_id, self.sink, self._wire)
+    def _peer_main(self, join: PairJoin) -> None:
+        dispatcher = PeerDispatcher(join.peer_id, self.sink, self._wire)
+        pg = self._form_pair(join)
         try:
-            store = store_client(self._address, self.config.connect_timeout_s)
-            pg = new_pair_group(PrefixStore(f"{PAIR_KEY}{idx}/", store), 0, self._backend,
-                                self.host, self.config.peer_timeout_s)
-        except Exception as exc:
-            logger.warning("endpoint %s: pair %d with %s failed to form: %s", self._address, idx,
-                           peer_id, exc)
-            with self._lock:
-                self._peers.pop(idx, None)
-            return
-        try:
-            self._receive(pg, dispatcher)
+            if pg is not None:
+                self._receive(pg, dispatcher)
         finally:
             pg = None
             with self._lock:
-                self._peers.pop(idx, None)
+                self._peers.pop(join.idx, None)
+
+    def _form_pair(self, join: PairJoin) -> dist.ProcessGroup | None:
+        """The pair's group, its peer proven; None (logged) when it does not form."""
+        try:
+            store = store_client(self._address, self.config.connect_timeout_s)
+            pg = new_pair_group(pair_store(store, join), 0, self._backend, self.host,
+                                self.config.peer_timeout_s)
+        except Exception as exc:
+            logger.warning("endpoint %s: pair %d with %s failed to form: %s", self._address,
+                           join.idx, join.peer_id, exc)
+            return None
+        try:
+            prove_pair(pg, join, 0, self._wire)
+        except Exception as exc:
+            with self._lock:
+                self.num_failed_handshakes += 1
+            logger.warning("endpoint %s: pair %d claiming to be %s ended at the handshake: %s",
+                           self._address, join.idx, join.peer_id, exc)
+            return None
+        return pg
 
     def _receive(self, pg: dist.ProcessGroup, dispatcher: PeerDispatcher) -> None:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None

@@ -1,5 +1,5 @@
 """The KV rendezvous against hostile peers: it listens on its host only, malformed joins and
-wrong tokens leave it serving, and a frame announcing more than the pool ends only that pair
+wrong secrets leave it serving, and a frame announcing more than the pool ends only that pair
 (nothing allocated); the next peer transfers exactly and no reservation is left behind."""
 
 from __future__ import annotations
@@ -11,13 +11,21 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from pdserve.kv_transfer import TorchDistConnector, TransferEndpoint, TransferError, TransferKey
+from pdserve.kv_transfer import (
+    ChannelConfig,
+    TorchDistConnector,
+    TransferEndpoint,
+    TransferError,
+    TransferKey,
+)
 from pdserve.kv_transfer.base import FrameKind
 from pdserve.kv_transfer.framing import FrameHeader, encode_header
-from pdserve.kv_transfer.rendezvous import JOIN_KEY, parse_join
+from pdserve.kv_transfer.rendezvous import JOIN_KEY, OpenJoin, SecretJoin
 from pdserve.kv_transfer.torch_dist import TorchDistSender
 
 TOKEN = "cluster-secret"
+SESSION = b"0" * 32
+IMPATIENT = ChannelConfig(peer_timeout_s=3.0, connect_timeout_s=1.0, heartbeat_s=0.2)
 
 
 def _listening_addresses(port: int) -> set[str]:
@@ -39,13 +47,18 @@ def _transfer_works(kv, endpoint, sink, connector, key, dst_ids=(1, 2)) -> bool:
     return done and kv.blocks_equal(src, [5, 6][:len(dst_ids)], sink.caches, list(dst_ids))
 
 
-def test_parse_join_refuses_what_is_not_a_join():
-    assert parse_join(b"3 prefill-0 tok") == (3, "prefill-0", "tok")
-    assert parse_join(b"3 prefill-0") == (3, "prefill-0", "")
-    for bad in (b"", b"x prefill", b"-1 p", b"0 p", b"1", b"1 p t extra", b"\xff\xfe p",
+def test_join_policies_refuse_what_is_not_a_join():
+    open_join = OpenJoin().verify(SESSION, b"3 prefill-0")
+    assert (open_join.idx, open_join.peer_id) == (3, "prefill-0")
+    secret = SecretJoin(TOKEN.encode())
+    made = secret.make(SESSION, 3, "prefill-0")
+    assert secret.verify(SESSION, made.message) == made
+    for bad in (b"", b"x prefill", b"-1 p", b"0 p", b"1", b"1 p t", b"\xff\xfe p",
                 b"1 " + b"p" * 200, b"9" * 600):
         with pytest.raises((ValueError, UnicodeDecodeError)):
-            parse_join(bad)
+            OpenJoin().verify(SESSION, bad)
+        with pytest.raises((ValueError, UnicodeDecodeError)):
+            secret.verify(SESSION, bad)
 
 
 def test_store_listens_on_its_host_only(kv, no_thread_leak):
@@ -60,11 +73,11 @@ def test_store_listens_on_its_host_only(kv, no_thread_leak):
         TransferEndpoint(kv.RecordingSink(kv.make_pool(1)), "", config=kv.FAST)
 
 
-def test_malformed_joins_and_wrong_tokens_leave_it_serving(kv, no_thread_leak):
+def test_malformed_joins_and_wrong_secrets_leave_it_serving(kv, no_thread_leak):
     sink = kv.RecordingSink(kv.make_pool(1))
     endpoint = TransferEndpoint(sink, config=kv.FAST, join_token=TOKEN)
-    stranger = TorchDistConnector("stranger", config=kv.FAST, join_token="guess")
-    anonymous = TorchDistConnector("anonymous", config=kv.FAST)
+    stranger = TorchDistConnector("stranger", config=IMPATIENT, join_token="guess")
+    anonymous = TorchDistConnector("anonymous", config=IMPATIENT)
     friend = TorchDistConnector("prefill-0", config=kv.FAST, join_token=TOKEN)
     try:
         raw = _store(endpoint.address)
@@ -72,9 +85,10 @@ def test_malformed_joins_and_wrong_tokens_leave_it_serving(kv, no_thread_leak):
                      "\u00e9" * 300, ""):
             raw.queue_push(JOIN_KEY, junk)
         assert kv.wait_until(lambda: endpoint.num_bad_joins >= 5, 5)
-        for connector in (stranger, anonymous):
+        for connector in (stranger, anonymous):  # dropped unanswered: P gives up at its timeout
             error = connector.sender(endpoint.address).send_abort(TransferKey(1, 1)).exception(10)
-            assert isinstance(error, TransferError) and "refused" in str(error)
+            assert isinstance(error, TransferError) and "no answer" in str(error)
+        assert endpoint.num_bad_joins == 8
         assert _transfer_works(kv, endpoint, sink, friend, TransferKey(9, 1))
         assert endpoint.peer_ids == ["prefill-0"]
         assert sink.num_expected == 0
