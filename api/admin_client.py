@@ -46,6 +46,7 @@ def worker_dict(worker: admin_pb2.Worker) -> dict:
         "busy_fraction": round(worker.busy_fraction, 4), "binding": worker.binding,
         "device": _ledger(worker).get("device", ""),
         "torch_threads": _ledger(worker).get("num_threads", 0),
+        "kv_int8": _ledger(worker).get("kv_int8", ""),  # scheme, calibration, start-up check
     }
 
 

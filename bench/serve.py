@@ -68,7 +68,8 @@ class ServeOptions:
     percentile_metrics: tuple[str, ...] = METRICS
     metric_percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     timeout_s: float = 600.0  # one request's deadline
-    api_key: str | None = None
+    api_key: str | None = None  # the server's inference key
+    admin_api_key: str | None = None  # its admin key: traces, workers and config (Admin)
     tls: object | None = None  # api.client.ClientTLS
     disable_tqdm: bool = False
     progress_desc: str = "requests"  # the progress bar's label
@@ -311,7 +312,7 @@ async def _benchmark(opts: ServeOptions) -> dict:
         requests = build_requests(opts, info.vocab_size, info.max_context_tokens)
         arrivals = arrival_times(len(requests), opts.request_rate, opts.burstiness, opts.seed)
         run_id = f"bench-{uuid.uuid4().hex[:8]}"
-        admin = AdminClient(opts.target, timeout=30, **security)
+        admin = AdminClient(opts.target, timeout=30, api_key=opts.admin_api_key, tls=opts.tls)
         sampler = WorkerSampler(admin)
         progress = None
         if not opts.disable_tqdm:

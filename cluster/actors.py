@@ -33,7 +33,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -42,7 +42,7 @@ from pdserve.cluster.local import LocalHandle
 from pdserve.cluster.placement import WorkerResources, actor_resources
 from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import StepDeltas, TokenDeltas, WorkRequest
+from pdserve.engine.messages import RequestFaultError, StepDeltas, TokenDeltas, WorkRequest
 from pdserve.router.handles import NoCapacity
 
 logger = logging.getLogger(__name__)
@@ -64,14 +64,15 @@ class WorkerSpec:
     worker_id: str  # unique in the cluster; the actor's name and the registry key
     role: str  # "prefill" | "decode" | "colocated"
     config: EngineConfig  # the engine (decode workers get prefix caching turned off)
-    redis_url: str  # the registry
+    redis_url: str = field(repr=False)  # the registry (may hold its password: never shown)
     cluster: str  # registry key prefix and Ray namespace suffix
     transfer_host: str = "127.0.0.1"  # KV transfer endpoint address; "" = this node's IP
     heartbeat_s: float = 1.0  # registry refresh period
     ttl_s: float = 5.0  # a record without heartbeat for this long disappears
     lease_s: float = 60.0  # decode: reservation lease
     log_level: str = "WARNING"  # logging level inside the actor process
-    join_token: str = ""  # KV rendezvous: decode endpoints accept only prefill peers holding it
+    join_token: str = field(default="", repr=False)  # KV rendezvous: decode endpoints
+    # accept only prefill peers holding it
     resources: WorkerResources = WorkerResources()  # what it asks Ray for, its torch threads
 
     def __post_init__(self) -> None:
@@ -302,6 +303,8 @@ class RayHandle:
             raise
         except NoCapacity as exc:  # a RayTaskError subclassing the cause
             raise NoCapacity(str(_cause(exc))) from None
+        except RequestFaultError as exc:
+            raise RequestFaultError(str(_cause(exc))) from None
         except ValueError as exc:
             raise ValueError(str(_cause(exc))) from None
 

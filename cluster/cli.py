@@ -12,17 +12,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
 
 from pdserve.cluster.cli_admin import add_drain, add_status, cmd_drain, cmd_status
 from pdserve.cluster.cli_bench import add_bench, add_plan, cmd_bench, cmd_plan
-from pdserve.cluster.cli_common import add_client_security, client_security, fail
+from pdserve.cluster.cli_common import (
+    add_client_security,
+    client_security,
+    fail,
+    refuse_secret_flags,
+)
 
 logger = logging.getLogger(__name__)
 SETTINGS_HELP = ("Every setting is a field of EngineConfig, RouterConfig or ClusterOptions; only "
-                 "the flags given override their defaults.")
+                 "the flags given override their defaults. Secrets come from files or the "
+                 "environment, never flags: --api-key-file / PDSERVE_API_KEY, "
+                 "--admin-api-key-file / PDSERVE_ADMIN_API_KEY, --priority-api-key-file / "
+                 "PDSERVE_PRIORITY_API_KEYS, --redis-password-file / PDSERVE_REDIS_PASSWORD, "
+                 "PDSERVE_REDIS_URL.")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+SERVER_SECRET_FLAGS = ("--api-key", "--admin-api-key", "--priority-api-key", "--redis-password")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,6 +67,7 @@ def _serve_settings(parser: argparse.ArgumentParser) -> None:
     from pdserve.cluster.settings import add_setting_flags
 
     add_setting_flags(parser, ClusterOptions())
+    refuse_secret_flags(parser, *SERVER_SECRET_FLAGS)
 
 
 def _add_serve(sub) -> None:
@@ -86,6 +99,7 @@ def _demo_settings(parser: argparse.ArgumentParser) -> None:
     from pdserve.cluster.settings import add_setting_flags
 
     add_setting_flags(parser, demo_options())
+    refuse_secret_flags(parser, *SERVER_SECRET_FLAGS)
 
 
 def _add_demo(sub) -> None:
@@ -101,9 +115,17 @@ def _add_demo(sub) -> None:
                            "the engine settings")
 
 
+def _log_level(text: str) -> str:
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from "
+                                         f"{', '.join(LOG_LEVELS)})")
+    return text.upper()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pdserve", description="Disaggregated LLM serving")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (INFO, DEBUG, ...)")
+    parser.add_argument("--log-level", default="WARNING", type=_log_level,
+                        help=f"logging level: {', '.join(LOG_LEVELS)} (any case)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_generate(sub)
@@ -127,19 +149,26 @@ def _stop_on_signals(stop: threading.Event) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _checked_options(args, base, prog: str):
-    """The ClusterOptions the flags ask for, every config built and the engine's memory plan
-    checked in this process (:mod:`pdserve.cluster.preflight`) before anything starts; a user
-    error exits 2 with one message naming the flags that fix it."""
-    from pdserve.cluster.preflight import check_cluster
+def _checked_options(args, base, prog: str, environ=os.environ):
+    """The ClusterOptions the flags ask for, with the secrets their files and ``environ``
+    give (:mod:`pdserve.cluster.credentials`); every config built, the TLS files read, the
+    ports and host checked and the engine's memory plan checked in this process
+    (:mod:`pdserve.cluster.preflight`) before anything starts. A user error exits 2 with one
+    message naming the flags that fix it."""
+    from pdserve.cluster.credentials import SecretError, refuse_secret_in_argv, resolve_secrets
+    from pdserve.cluster.preflight import check_cluster, check_listen_addresses, check_tls_files
     from pdserve.cluster.settings import SettingsError, name_flags, options_from_args
     from pdserve.engine.memory import MemoryBudgetError
     from pdserve.models import tiny_model_dir
 
     try:
         options = options_from_args(args, dataclasses.replace(base, log_level=args.log_level))
+        refuse_secret_in_argv(options)
+        options = resolve_secrets(options, environ)
+        check_tls_files(options)
+        check_listen_addresses(options)
         check_cluster(options, options.model or str(tiny_model_dir()))
-    except (SettingsError, MemoryBudgetError) as exc:
+    except (SettingsError, SecretError, MemoryBudgetError) as exc:
         fail(prog, str(exc))
     except FileNotFoundError as exc:
         fail(prog, f"argument --model: {exc}")
@@ -153,8 +182,7 @@ def _cmd_serve(args) -> int:
     from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
     from pdserve.cluster.preflight import user_error
 
-    options = _with_security(_checked_options(args, ClusterOptions(), "pdserve serve"),
-                             "pdserve serve")
+    options = _checked_options(args, ClusterOptions(), "pdserve serve")
     stop = threading.Event()
     _stop_on_signals(stop)
     cluster = EmbeddedCluster(options)
@@ -191,34 +219,13 @@ def _cmd_serve(args) -> int:
     return 0
 
 
-def _with_security(options, prog: str):
-    """``options`` with the API key from $PDSERVE_API_KEY when no --api-key was given (and the
-    Redis URL from $PDSERVE_REDIS_URL when no --redis-url was), and the TLS files checked
-    readable (exit 2 naming the flag otherwise)."""
-    import os
-
-    from pdserve.router.auth import TLSConfig
-
-    key = os.environ.get("PDSERVE_API_KEY")
-    if options.api_key is None and key:
-        try:
-            options = dataclasses.replace(options, api_key=key)
-        except ValueError as exc:
-            fail(prog, f"PDSERVE_API_KEY: {exc}")
-    redis_url = os.environ.get("PDSERVE_REDIS_URL")
-    if options.redis_url is None and redis_url:
-        options = dataclasses.replace(options, redis_url=redis_url)
-    try:
-        TLSConfig.from_files(options.tls_cert, options.tls_key, options.tls_client_ca)
-    except ValueError as exc:
-        flag = str(exc).split(":", 1)[0].split(" ", 1)[0].replace("_", "-")
-        fail(prog, f"argument --{flag}: {exc}")
-    return options
-
-
 def _security_line(options) -> str:
-    parts = ["API key required" if options.api_key else "no API key (anyone who can reach "
-             "the port may call it)"]
+    parts = ["API key required" if options.api_key or options.priority_api_keys
+             else "no API key (anyone who can reach the port may call it, at any priority)"]
+    if options.priority_api_keys:
+        parts.append(f"{len(options.priority_api_keys)} priority key(s)")
+    parts.append("admin key required for Admin and /metrics" if options.admin_api_key
+                 else "Admin from this machine only")
     if options.tls_cert:
         parts.append("mutual TLS" if options.tls_client_ca else "TLS")
     else:
@@ -258,7 +265,9 @@ def _cmd_demo(args) -> int:
     from pdserve.cluster.demo import demo_options
     from pdserve.cluster.settings import engine_config
 
-    options = _checked_options(args, demo_options(), "pdserve demo")
+    # The demo reads only the key files it is given: a PDSERVE_* variable meant for a
+    # server must not lock its own traffic out.
+    options = _checked_options(args, demo_options(), "pdserve demo", environ={})
     seed = engine_config(options).seed
     if args.offline:
         from pdserve.cluster.offline_demo import run_offline_demo

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from pdserve.cluster.cli_common import add_client_security, client_security, fail
+from pdserve.cluster.cli_common import add_client_security, admin_security, fail
 
 
 def add_status(sub) -> None:
@@ -19,7 +19,7 @@ def add_status(sub) -> None:
                              "latest N requests' time (default 1000), utilisation per phase, "
                              "each worker's memory composition")
     status.add_argument("--timeout", type=float, default=10.0, help="call deadline in seconds")
-    add_client_security(status)
+    add_client_security(status, inference=False, admin=True)
 
 
 def add_drain(sub) -> None:
@@ -31,12 +31,12 @@ def add_drain(sub) -> None:
                        metavar="SECONDS", help="return only once the worker has stopped (at "
                                                "most SECONDS, default 600)")
     drain.add_argument("--timeout", type=float, default=10.0, help="call deadline in seconds")
-    add_client_security(drain)
+    add_client_security(drain, inference=False, admin=True)
 
 
 def _admin_call(prog: str, target: str, timeout: float, fn, security: dict | None = None):
-    """``fn(AdminClient)``; an unreachable server, an unknown worker, a wrong API key or a bad
-    target exits 2 with one line."""
+    """``fn(AdminClient)``; an unreachable server, an unknown worker, a missing or refused
+    admin key or a bad target exits 2 with one line."""
     import grpc
 
     from pdserve.api.admin_client import AdminClient
@@ -54,8 +54,10 @@ def _admin_call(prog: str, target: str, timeout: float, fn, security: dict | Non
         if exc.code == grpc.StatusCode.UNIMPLEMENTED:
             fail(prog, f"the server at {target} has no pdserve.v1.Admin service")
         if exc.code == grpc.StatusCode.UNAUTHENTICATED:
-            fail(prog, f"the server at {target} wants an API key: pass --api-key (or set "
-                        "PDSERVE_API_KEY)")
+            fail(prog, f"the server at {target} wants its admin key: pass "
+                        "--admin-api-key-file FILE (or set PDSERVE_ADMIN_API_KEY)")
+        if exc.code == grpc.StatusCode.PERMISSION_DENIED:
+            fail(prog, f"the server at {target} refused: {exc.details}")
         fail(prog, exc.details or exc.code.name)
 
 
@@ -66,7 +68,7 @@ def cmd_status(args) -> int:
 
     pools, workers = _admin_call("pdserve status", args.target, args.timeout,
                                  lambda admin: (admin.get_pools(), admin.list_workers()),
-                                 client_security("pdserve status", args))
+                                 admin_security("pdserve status", args))
     report = {"pools": {p.role: pool_dict(p) for p in pools},
               "workers": [worker_dict(w) for w in workers]}
     if args.json:
@@ -91,12 +93,15 @@ def cmd_status(args) -> int:
     print(_table(["WORKER", "ROLE", "STATE", "NODE", "PID", "DEVICE", "RUNNING", "WAITING",
                   "KV BLOCKS",
                   "COMPUTE", "BANDWIDTH", "BINDS", "HEARTBEAT", "RESTARTS", "ERROR"], rows))
+    for w in report["workers"]:
+        if w["kv_int8"]:
+            print(f"{w['worker_id']}: int8 KV {w['kv_int8']}")
     if args.checklist:
         from pdserve.cluster.checklist import format_checklist
 
         traces = _admin_call("pdserve status", args.target, args.timeout,
                              lambda admin: _latest_traces(admin, args.checklist),
-                             client_security("pdserve status", args))
+                             admin_security("pdserve status", args))
         print()
         print(format_checklist(traces, workers))
     return 0
@@ -135,7 +140,7 @@ def cmd_drain(args) -> int:
     import time
 
     prog = "pdserve drain"
-    security = client_security(prog, args)
+    security = admin_security(prog, args)
     worker = _admin_call(prog, args.target, args.timeout,
                          lambda admin: admin.drain_worker(args.worker_id), security)
     pools = _admin_call(prog, args.target, args.timeout, lambda admin: admin.get_pools(),

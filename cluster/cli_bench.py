@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from pdserve.cluster.cli_common import add_client_security, client_security, fail
+from pdserve.cluster.cli_common import add_client_security, admin_security, client_security, fail
 
 
 def add_bench(sub) -> None:
@@ -17,7 +17,7 @@ def add_bench(sub) -> None:
     serve = kinds.add_parser("serve", help="send a seeded trace to a running server; vLLM's "
                                            "bench serve result keys plus the phase split")
     add_serve_flags(serve)
-    add_client_security(serve)
+    add_client_security(serve, admin=True)  # the admin key reads the server-side phases
     compare = kinds.add_parser("compare", help="disaggregated (1P+1D) vs colocated (2 workers) "
                                                "on the embedded cluster at a sweep of rates; "
                                                "JSON and PNG plots")
@@ -44,7 +44,9 @@ def _cmd_bench_serve(args) -> int:
 
     prog = "pdserve bench serve"
     try:
-        options = serve_options(args, client_security(prog, args))
+        security = {**client_security(prog, args),
+                    "admin_api_key": admin_security(prog, args)["api_key"]}
+        options = serve_options(args, security)
         result = run_serve(options)
     except PdserveError as exc:
         fail(prog, f"the server at {args.target} did not serve: {exc.details or exc.code.name}")

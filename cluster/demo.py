@@ -86,13 +86,15 @@ async def _one(client: AsyncPdserveClient, prompt: str, max_tokens: int, seed: i
 
 
 async def drive(target: str, prompts: list[str], output_lens: list[int],
-                concurrency: int) -> tuple[list[ClientTiming], str]:
-    """Send every prompt through gRPC, ``concurrency`` at a time, with a progress bar."""
+                concurrency: int, api_key: str | None = None
+                ) -> tuple[list[ClientTiming], str]:
+    """Send every prompt through gRPC (with the cluster's ``api_key``, if any),
+    ``concurrency`` at a time, with a progress bar."""
     from tqdm import tqdm
 
     gate = asyncio.Semaphore(concurrency)
     with tqdm(total=len(prompts), desc="requests", unit="req") as progress:
-        async with AsyncPdserveClient(target) as client:
+        async with AsyncPdserveClient(target, api_key=api_key) as client:
             context = (await client.model_info(timeout=30)).max_context_tokens
             done = await asyncio.gather(*(
                 _one(client, p, m, i, gate, progress, context)
@@ -120,7 +122,7 @@ def run_demo(num_requests: int = 48, concurrency: int = 8, seed: int = 0,
         logger.info("demo cluster serving on %s", cluster.target)
         start = time.perf_counter()
         timings, sample = asyncio.run(drive(cluster.target, prompts, output_lens,
-                                            concurrency))
+                                            concurrency, cluster.options.api_key))
         wall = time.perf_counter() - start
         report = DemoReport(f"{shape} worker(s) on {cluster.model}", wall, concurrency,
                             timings, cluster.traces(), cluster.worker_stats(), sample,
@@ -157,6 +159,8 @@ def format_report(report: DemoReport) -> str:
         ["worker", "role", "weights MiB", "activations MiB", "KV pool MiB", "KV blocks",
          "block size", "KV B/token", "KV tokens", "used blocks"],
         [_ledger_row(wid, s) for wid, s in sorted(report.worker_stats.items())]))
+    lines += [f"{wid}: int8 KV {s.ledger['kv_int8']}"
+              for wid, s in sorted(report.worker_stats.items()) if s.ledger.get("kv_int8")]
     label = "random weights, gibberish" if report.builtin_model else "sampled, temperature 0.8"
     lines.append(f"\nsample output ({label}): {report.sample[:80]!r}")
     return "\n".join(lines)

@@ -35,6 +35,7 @@ import uuid
 from dataclasses import replace
 
 from pdserve.cluster.actors import WorkerSpec, cluster_namespace
+from pdserve.cluster.credentials import resolve_secrets
 from pdserve.cluster.named_actors import adoptable_router, named_workers
 from pdserve.cluster.options import ClusterOptions
 from pdserve.cluster.placement import (
@@ -57,10 +58,12 @@ logger = logging.getLogger(__name__)
 
 
 class EmbeddedCluster:
-    """``with EmbeddedCluster(ClusterOptions(...)) as c: c.wait_ready(); c.target``."""
+    """``with EmbeddedCluster(ClusterOptions(...)) as c: c.wait_ready(); c.target``. The key
+    and password files the options name are read here (``credentials.resolve_secrets``; the
+    environment is the command line's to read)."""
 
     def __init__(self, options: ClusterOptions | None = None):
-        self.options = options or ClusterOptions()
+        self.options = resolve_secrets(options or ClusterOptions(), {})
         opts = self.options
         self.detached = opts.detached if opts.detached is not None else bool(opts.ray_address)
         self.cluster_name = opts.cluster_name or ("default" if self.detached
@@ -114,7 +117,7 @@ class EmbeddedCluster:
         if opts.redis_url:
             self.redis_url = opts.redis_url
         else:
-            self._redis = RedisServer().start()
+            self._redis = RedisServer(password=opts.redis_password).start()
             self.redis_url = self._redis.url
         self.store = PoolStore(self.redis_url, self.cluster_name)
         if opts.model is None:
@@ -161,9 +164,12 @@ class EmbeddedCluster:
         return RouterSpec(self.model, self.redis_url, self.cluster_name, opts.host, opts.port,
                           opts.metrics_port, opts.engine.get("max_model_len"), None, opts.router,
                           ttl_s=opts.ttl_s, log_level=opts.log_level,
-                          pools=(PoolSettings(tuple(self.worker_specs()), detached=True)
+                          pools=(PoolSettings(tuple(self.worker_specs()), detached=True,
+                                              max_workers_per_pool=opts.max_workers_per_pool)
                                  if first else None),
-                          http_port=opts.http_port, api_key=opts.api_key, tls=self.tls(),
+                          http_port=opts.http_port, api_key=opts.api_key,
+                          admin_api_key=opts.admin_api_key,
+                          priority_api_keys=opts.priority_api_keys, tls=self.tls(),
                           reflection=opts.reflection,
                           max_concurrent_rpcs=opts.max_concurrent_rpcs,
                           autoscale=opts.autoscale if opts.autoscale.enabled and first else None,

@@ -11,6 +11,7 @@ import logging
 
 from pdserve.cluster.actors import cluster_namespace
 from pdserve.cluster.processes import quiet_value, quietly
+from pdserve.cluster.redis_server import redact_url
 from pdserve.cluster.router_actor import is_router_name
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,8 @@ def adoptable_router(ray, name: str, cluster_name: str, redis_url: str, timeout:
     if info["redis_url"] == redis_url:
         logger.info("adopting the running router of cluster %s", cluster_name)
         return router
-    logger.warning("removing a stale router of cluster %s (Redis %s)", cluster_name,
-                   info["redis_url"])
+    logger.warning("removing a stale router of cluster %s (it uses Redis %s, this launcher %s)",
+                   cluster_name, redact_url(info["redis_url"]), redact_url(redis_url))
     for actor in [router, *named_workers(ray, cluster_name)]:
         quietly(lambda actor=actor: ray.kill(actor, no_restart=True), "stale kill")
     return None

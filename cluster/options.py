@@ -13,7 +13,8 @@ from pdserve.cluster.autoscale_config import SCALED_ROLES, AutoscaleConfig
 from pdserve.cluster.placement import (
     PLACEMENTS,
 )
-from pdserve.router.auth import ApiKey
+from pdserve.cluster.pool_plan import MAX_WORKERS_PER_POOL
+from pdserve.router.auth import Access
 from pdserve.router.core import RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -31,16 +32,31 @@ class ClusterOptions:
     port: int = 50051  # gRPC port; 0 = any free port
     metrics_port: int | None = 9400  # Prometheus port; 0 = any free port, None = off
     http_port: int | None = None  # OpenAI-compatible HTTP port; 0 = any free port, None = off
-    api_key: str | None = None  # clients must send "Authorization: Bearer KEY" (HTTP, gRPC
-    # and Admin; health stays open); default: $PDSERVE_API_KEY with pdserve serve
+    api_key_file: str | None = None  # file holding the inference API key: clients must send
+    # "Authorization: Bearer KEY" on HTTP and gRPC Generation (health stays open); default:
+    # $PDSERVE_API_KEY
+    admin_api_key_file: str | None = None  # file holding the admin key: pdserve.v1.Admin
+    # (pdserve status, drain) and /metrics need it; without one Admin answers only loopback
+    # callers and /metrics is open; default: $PDSERVE_ADMIN_API_KEY
+    priority_api_key_file: str | None = None  # file of keys (one a line) that may also ask
+    # priority < 0 (ahead of the default); default: $PDSERVE_PRIORITY_API_KEYS (comma-separated)
+    api_key: str | None = field(default=None, repr=False)  # the inference key itself (from
+    # api_key_file or the environment; never a flag)
+    admin_api_key: str | None = field(default=None, repr=False)  # the admin key itself
+    priority_api_keys: tuple[str, ...] = field(default=(), repr=False)  # the priority keys
     tls_cert: str | None = None  # PEM certificate chain file: gRPC and HTTP speak TLS
     tls_key: str | None = None  # PEM private key file of tls_cert
     tls_client_ca: str | None = None  # PEM CA file: clients need a certificate it signed (mTLS)
     reflection: bool = True  # gRPC server reflection (grpcurl lists the services)
     max_concurrent_rpcs: int | None = 4096  # gRPC calls (and HTTP connections) in progress
     ray_address: str | None = None  # join this Ray cluster instead of starting one
-    redis_url: str | None = None  # use this Redis instead of starting a child; default:
-    # $PDSERVE_REDIS_URL with pdserve serve (a URL with a password stays off the command line)
+    redis_url: str | None = field(default=None, repr=False)  # use this Redis instead of
+    # starting a child; default: $PDSERVE_REDIS_URL (the only place a URL may hold a password)
+    redis_password_file: str | None = None  # file holding the Redis password: of ``redis_url``,
+    # or of the embedded Redis (default: $PDSERVE_REDIS_PASSWORD, else a generated one)
+    redis_password: str | None = field(default=None, repr=False)  # the password itself
+    max_workers_per_pool: int = MAX_WORKERS_PER_POOL  # no pool target above this: Admin's
+    # SetPoolTarget (INVALID_ARGUMENT beyond), the autoscaler's maxima, --prefill, --decode
     engine: dict = field(default_factory=dict)  # EngineConfig overrides for every worker
     router: RouterConfig = field(default_factory=RouterConfig)
     cluster_name: str = ""  # registry prefix / Ray namespace suffix; "" = a fresh one, or
@@ -75,8 +91,9 @@ class ClusterOptions:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
-        if self.api_key is not None:
-            ApiKey(self.api_key)  # ValueError naming api_key
+        Access(() if self.api_key is None else (self.api_key,), self.admin_api_key,
+               self.priority_api_keys)  # ValueError for a malformed or shared key
+        self._check_pool_sizes()
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -111,6 +128,21 @@ class ClusterOptions:
                 > self.autoscale.budget:
             raise ValueError(f"num_prefill + num_decode ({self.num_prefill + self.num_decode}) "
                              f"exceed the autoscaler's max_workers ({self.autoscale.budget})")
+
+    def _check_pool_sizes(self) -> None:
+        if self.max_workers_per_pool < 1:
+            raise ValueError(f"max_workers_per_pool must be >= 1, got {self.max_workers_per_pool}")
+        sizes = {"num_decode": self.num_decode}
+        if not self.colocated:
+            sizes["num_prefill"] = self.num_prefill
+        if self.autoscale.enabled:
+            sizes.update((f"autoscale max_{role}", self.autoscale.bounds(role)[1])
+                         for role in SCALED_ROLES)
+        for name, size in sizes.items():
+            if size > self.max_workers_per_pool:
+                raise ValueError(f"{name} ({size}) exceeds max_workers_per_pool "
+                                 f"({self.max_workers_per_pool}): lower it, or raise "
+                                 f"max_workers_per_pool")
 
     def initial_targets(self) -> dict[str, int]:
         """role -> the pool size to start with (within the autoscaler's bounds when on)."""

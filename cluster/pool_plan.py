@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 STARTING, READY, DRAINING, DEAD = "starting", "ready", "draining", "dead"
 START, REPLACE, REMOVE, DRAIN, FINISH = "start", "replace", "remove", "drain", "finish"
+MAX_WORKERS_PER_POOL = 64  # the default ceiling of one pool's target (--max-workers-per-pool)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.cluster.actors import WorkerSpec
+from pdserve.cluster.pool_plan import MAX_WORKERS_PER_POOL
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class PoolSettings:
     backoff_s: float = 1.0  # starts held after a failed start, doubled per consecutive failure
     max_backoff_s: float = 60.0  # the longest hold
     dead_keep_s: float = 60.0  # a removed dead worker stays listed this long
+    max_workers_per_pool: int = MAX_WORKERS_PER_POOL  # no target above this, whoever sets it
 
     def __post_init__(self) -> None:
         roles = [t.role for t in self.templates]
@@ -34,6 +36,15 @@ class PoolSettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_missed_pings < 1:
             raise ValueError(f"max_missed_pings must be >= 1, got {self.max_missed_pings}")
+        if self.max_workers_per_pool < 1:
+            raise ValueError(f"max_workers_per_pool must be >= 1, got "
+                             f"{self.max_workers_per_pool}")
+
+    def check_pool_size(self, size: int) -> None:
+        """ValueError naming ``size`` unless 0 <= size <= max_workers_per_pool."""
+        if not 0 <= size <= self.max_workers_per_pool:
+            raise ValueError(f"size must be in [0, {self.max_workers_per_pool}] (the server's "
+                             f"--max-workers-per-pool), got {size}")
 
     def template(self, role: str) -> WorkerSpec:
         for spec in self.templates:

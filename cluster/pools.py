@@ -384,6 +384,9 @@ class PoolManager:
         return member
 
     async def set_target(self, role: str, size: int) -> None:
-        self.settings.template(role)  # a ValueError for a role this cluster cannot start
+        """Set ``role``'s target (Admin's SetPoolTarget and the autoscaler); ValueError for a
+        role this cluster cannot start or a size outside [0, max_workers_per_pool]."""
+        self.settings.template(role)
+        self.settings.check_pool_size(size)
         await asyncio.to_thread(self.store.set_target, role, size)
         self.wake()

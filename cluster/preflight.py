@@ -1,4 +1,14 @@
-"""What the CLI checks before it starts anything: will each worker's engine fit its budget?
+"""What the CLI checks before it starts anything: can the router listen where it is asked to,
+are the TLS files readable, and will each worker's engine fit its budget?
+
+:func:`check_listen_addresses`: ``--host`` resolves to an address of this machine, and the
+gRPC, HTTP and metrics ports (the default metrics port 9400 included) are free, by binding each
+for a moment, so a busy port is one message naming its flag, not a Ray traceback from inside the
+router actor after Ray and Redis started. On a joined Ray cluster (``--ray-address``) the
+routers listen on their own nodes, and nothing is checked here.
+:func:`check_tls_files`: the TLS files read and parsed as PEM.
+
+Memory:
 
 A worker sizes its KV pool in ``engine.memory.plan_kv_pool`` from the budget, the weights and an
 analytic activation estimate. All three are known without loading a weight: the model config
@@ -17,13 +27,17 @@ budget is the worker's free device memory; there the worker's error (unwrapped b
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
+import socket
 from pathlib import Path
 
 import torch
 
+from pdserve import net
 from pdserve.cluster.options import ClusterOptions
+from pdserve.cluster.settings import SettingsError, name_flags
 from pdserve.engine import memory
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
 from pdserve.engine.memory import MemoryBudgetError
@@ -76,8 +90,6 @@ def check_cluster(options: ClusterOptions, model_dir: str) -> None:
     if options.ray_address:
         logger.info("--ray-address: the memory budget is checked by the workers themselves")
         return
-    from pdserve.cluster.settings import SettingsError, name_flags
-
     config = EngineConfig(model=model_dir, **options.engine)
     try:
         options.local_ray_cpus()
@@ -86,6 +98,58 @@ def check_cluster(options: ClusterOptions, model_dir: str) -> None:
     except ValueError as exc:
         raise SettingsError(name_flags("cluster", str(exc))) from None
     check_engine_fits(config)
+
+
+def check_tls_files(options: ClusterOptions) -> None:
+    """SettingsError naming the flag when a TLS file cannot be read or is not PEM."""
+    from pdserve.router.auth import TLSConfig
+
+    try:
+        TLSConfig.from_files(options.tls_cert, options.tls_key, options.tls_client_ca)
+    except ValueError as exc:
+        raise SettingsError(name_flags("cluster", str(exc))) from None
+
+
+def _try_listen(host: str, port: int) -> None:
+    with net.listening_socket(host, port):
+        pass
+
+
+def check_listen_addresses(options: ClusterOptions) -> None:
+    """SettingsError naming the flag when ``--host`` does not resolve or is no address of this
+    machine, or when ``--port``, ``--http-port`` or ``--metrics-port`` is in use or given twice
+    (see the module docstring; nothing is checked with ``--ray-address``)."""
+    if options.ray_address:
+        return
+    host = options.host
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        _try_listen(host, 0)
+    except OSError as exc:
+        why = "does not resolve" if isinstance(exc, socket.gaierror) else "is no address of " \
+                                                                           "this machine"
+        raise SettingsError(f"argument --host: {host!r} {why} ({exc.strerror}): give a name or "
+                            f"address of this machine, e.g. 127.0.0.1, or 0.0.0.0 for every "
+                            f"interface") from None
+    taken: dict[int, str] = {}
+    for flag, port in (("--port", options.port), ("--http-port", options.http_port),
+                       ("--metrics-port", options.metrics_port)):
+        if not port:  # None: off; 0: any free port
+            continue
+        if port in taken:
+            raise SettingsError(f"arguments {taken[port]}, {flag}: both ask for port {port}; "
+                                f"give each its own (0: any free port)")
+        taken[port] = flag
+        try:
+            _try_listen(host, port)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise SettingsError(f"argument {flag}: cannot listen on {host}:{port} "
+                                    f"({exc.strerror})") from None
+            off = ", none: no metrics" if flag == "--metrics-port" else ""
+            raise SettingsError(f"argument {flag}: port {port} on {host} is in use by another "
+                                f"process: pick a free one ({flag} 0: any free port{off})"
+                                ) from None
 
 
 _WORKER_ERROR = re.compile(r"MemoryBudgetError: (.*)")

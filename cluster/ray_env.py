@@ -7,6 +7,8 @@ import os
 import tempfile
 import time
 
+from pdserve.cluster.redis_server import redact_url
+
 logger = logging.getLogger(__name__)
 NAMESPACE = "pdserve"
 # Every worker of a Ray we start imports this first, so the source root that Ray puts on its
@@ -57,11 +59,12 @@ def _join(ray, address: str, timeout_s: float = CONNECT_TIMEOUT_S, pause_s: floa
         except ConnectionError as exc:
             if time.monotonic() + pause_s > deadline:
                 raise ConnectionError(
-                    f"could not join the Ray cluster at {address} for {timeout_s:.0f} s: "
+                    f"could not join the Ray cluster at {redact_url(address)} for "
+                    f"{timeout_s:.0f} s: "
                     f"{exc}. Check that the Ray head is running and reachable (its client "
                     f"server's logs are ray_client_server*.err in the head's session "
                     f"logs)") from exc
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
             logger.warning("joining Ray at %s failed (%s); retrying in %.0f s",
-                           address, why, pause_s)
+                           redact_url(address), why, pause_s)
             time.sleep(pause_s)

@@ -6,7 +6,8 @@ The child gets SIGKILL if this process dies (PR_SET_PDEATHSIG), so nothing is or
 It listens on ``host`` only and requires a password (``requirepass``), generated per server
 unless given; the password travels in the URL (``redis://:PASSWORD@host:port/0``) and in the
 config the child reads from its stdin, never on its command line (which ``ps`` shows).
-:func:`redact_url` hides it for printing.
+:func:`redact_url` hides it (and any other URL's credentials) wherever a URL is logged or
+printed; :func:`url_password` and :func:`with_password` read and set a URL's password.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +43,51 @@ def find_redis_server() -> str:
     return found
 
 
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for logs and terminal output)."""
-    parts = urlsplit(url)
-    if parts.password is None:
+_SECRET_QUERY_KEYS = ("password", "passwd", "pass", "token", "key", "secret")
+
+
+def redact_url(url: str | None) -> str | None:
+    """``url`` with its password (and any query value named like a secret: ``password=``,
+    ``token=``...) replaced by ``***``, for logs and terminal output. A URL that does not
+    parse is hidden whole."""
+    if not url:
         return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    try:
+        parts = urlsplit(url)
+        netloc, password = parts.netloc, parts.password
+    except ValueError:
+        return "<URL hidden: it does not parse>"
+    if password is not None:
+        host = netloc.rsplit("@", 1)[1]
+        netloc = f"{parts.username or ''}:***@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(k.lower() in _SECRET_QUERY_KEYS for k, _ in pairs):
+            query = urlencode([(k, "***" if k.lower() in _SECRET_QUERY_KEYS else v)
+                               for k, v in pairs], safe="*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def url_password(url: str) -> str | None:
+    """The password a URL holds (in its user part or a ``password=`` query), or None."""
+    parts = urlsplit(url)
+    if parts.password is not None:
+        return unquote(parts.password)
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key.lower() in _SECRET_QUERY_KEYS:
+            return value
+    return None
+
+
+def with_password(url: str, password: str) -> str:
+    """``url`` with ``password`` in its user part (ValueError if it holds one already)."""
+    if url_password(url) is not None:
+        raise ValueError("the Redis URL holds a password already")
+    parts = urlsplit(url)
+    user = quote(parts.username or "", safe="")
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@"
+                                            f"{parts.netloc.rsplit('@', 1)[-1]}"))
 
 
 # Ports picked for another process to bind later come from below Linux's default ephemeral

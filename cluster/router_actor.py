@@ -20,7 +20,8 @@ Lifecycle:
    worker, or a colocated one, are registered; ``pdserve.v1.Admin`` beside Generation), the
    OpenAI-compatible HTTP server when ``http_port`` is set (uvicorn on the same loop, over the
    same ``Router``; chat through the checkpoint's template) and the metrics HTTP server; the
-   API key, TLS, reflection and concurrency settings apply to gRPC and HTTP alike; the bound
+   API and priority keys, TLS, reflection and concurrency settings apply to gRPC and HTTP
+   alike, the admin key to Admin and the metrics port (``pdserve.router.auth``); the bound
    gRPC and metrics ports go to Redis; returns the ports.
 3. Requests flow; ``traces()`` and ``worker_stats()`` report what happened (the demo);
    ``set_pool_targets`` / ``pools`` / ``list_workers`` are the launcher's view of the pools.
@@ -73,7 +74,8 @@ class RouterSpec:
     """Everything the router actor is built from."""
 
     model: str  # checkpoint folder: tokenizer and limits
-    redis_url: str  # the registry the workers heartbeat into
+    redis_url: str = field(repr=False)  # the registry the workers heartbeat into (may hold
+    # its password: never shown)
     cluster: str  # registry key prefix and Ray namespace suffix
     host: str = "127.0.0.1"  # gRPC (and metrics) bind address
     port: int = 50051  # gRPC port; 0 = any free port
@@ -90,7 +92,12 @@ class RouterSpec:
     restart_serving_s: float = 45.0  # a restarted router not serving by then exits, and Ray
     # starts it again (a restart that failed or hung never leaves the port dark for good)
     http_port: int | None = None  # OpenAI-compatible HTTP port; 0 = any free port, None = off
-    api_key: str | None = None  # required on HTTP, gRPC Generation and Admin (not health)
+    api_key: str | None = field(default=None, repr=False)  # required on HTTP and gRPC
+    # Generation (not health)
+    admin_api_key: str | None = field(default=None, repr=False)  # required on Admin and
+    # /metrics (None: Admin answers loopback callers only, /metrics is open)
+    priority_api_keys: tuple[str, ...] = field(default=(), repr=False)  # inference keys that
+    # may also ask priority < 0
     tls: TLSConfig | None = None  # TLS (mutual with a client CA) for gRPC and HTTP
     reflection: bool = True  # gRPC server reflection
     max_concurrent_rpcs: int | None = None  # gRPC calls / HTTP connections in progress, at most
@@ -232,17 +239,20 @@ class RouterActor:
                     self.router, admin=self.admin, metrics=metrics,
                     health_poll_interval_s=spec.health_poll_s, api_key=spec.api_key,
                     tls=spec.tls, reflection=spec.reflection,
-                    max_concurrent_rpcs=spec.max_concurrent_rpcs)
+                    max_concurrent_rpcs=spec.max_concurrent_rpcs,
+                    admin_api_key=spec.admin_api_key, priority_api_keys=spec.priority_api_keys)
                 port = await self.server.start(spec.host, port)
                 if spec.http_port is not None:
                     self.http = HttpServer(self.router, model_root=spec.model,
                                            tools=self._tools,
                                            accepting=self.server.check_accepting,
                                            api_key=spec.api_key, tls=spec.tls,
-                                           max_concurrency=spec.max_concurrent_rpcs)
+                                           max_concurrency=spec.max_concurrent_rpcs,
+                                           priority_api_keys=spec.priority_api_keys)
                     await self.http.start(spec.host, spec.http_port)
                 if metrics_port is not None:
-                    self._metrics_server, _thread = metrics.start_http(metrics_port, spec.host)
+                    self._metrics_server, _thread = metrics.start_http(
+                        metrics_port, spec.host, spec.admin_api_key)
                     metrics_port = self._metrics_server.server_port
                 break
             except (RuntimeError, OSError) as exc:
@@ -310,6 +320,7 @@ class RouterActor:
             self.router = None
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+            self._metrics_server.server_close()
             self._metrics_server = None
 
 

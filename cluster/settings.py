@@ -62,6 +62,11 @@ NOT_FLAGS: dict[tuple[str, str], str] = {
     ("cluster", "autoscale"): "the autoscaler settings are flags of their own",
     ("cluster", "log_level"): "pdserve --log-level (before the command) sets it",
     ("engine", "prefix_cache_salt"): "a secret the launcher generates per cluster",
+    ("cluster", "api_key"): "a secret: --api-key-file or $PDSERVE_API_KEY, never argv",
+    ("cluster", "admin_api_key"): "a secret: --admin-api-key-file or $PDSERVE_ADMIN_API_KEY",
+    ("cluster", "priority_api_keys"): "secrets: --priority-api-key-file or "
+                                      "$PDSERVE_PRIORITY_API_KEYS",
+    ("cluster", "redis_password"): "a secret: --redis-password-file or $PDSERVE_REDIS_PASSWORD",
     ("router", "scheduling_policy"): "--scheduling-policy sets it with the workers' (LINKED)",
 }
 # Values a str field accepts, where its config validates a fixed set.

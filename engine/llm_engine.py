@@ -39,7 +39,13 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RequestDelta, StepDeltas, WorkRequest
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.sampler import Sampler, greedy_token_array, greedy_tokens, sampling_row
+from pdserve.engine.sampler import (
+    Sampler,
+    check_samplable,
+    greedy_token_array,
+    greedy_tokens,
+    sampling_row,
+)
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.schedule import ScheduledSequence, SchedulerConfig
 from pdserve.engine.scheduler import Scheduler
@@ -85,6 +91,9 @@ class LLMEngine:
         # that watch every step. False: every step takes the general path (what the rows are
         # tested against).
         self.persistent_batch = type(self.hooks) is StepHooks and self.speculator is None
+        # an int8 KV cache whose scales or dequantized values overflow shows as non-finite
+        # logits: each step checks them, and fails the rows that have them (loudly)
+        self._int8_kv = cfg.kv_int8_scales if cfg.kv_cache_dtype == "int8" else None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -114,6 +123,7 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, token_ids, params, seed=seed)
         self.scheduler.check_fits(seq)
+        check_samplable(seq)
         return seq
 
     def sequence_for(self, request: WorkRequest) -> Sequence:
@@ -288,33 +298,43 @@ class LLMEngine:
         forward_start = time.perf_counter()
         logits = runner.run(batch)
         forward_s = time.perf_counter() - forward_start
+        faults = self._non_finite_rows(logits)
         if rows.all_greedy:
             tokens, logprobs = greedy_token_array(logits), None
             token_ids = tokens.tolist()
         else:  # the parameters are the rows' arrays; token histories only for penalties
-            penalized = list(map(sampling_row, rows.seqs)) if rows.any_penalized else None
-            sampled = self.sampler.sample(logits, rows.sampling_batch(penalized))
-            token_ids, logprobs = sampled.token_ids, sampled.logprobs
+            def sample_batch():
+                penalized = list(map(sampling_row, rows.seqs)) if rows.any_penalized else None
+                return self.sampler.sample(logits, rows.sampling_batch(penalized))
+            token_ids, logprobs, failed = self._sample_each_alone_on_failure(
+                logits, list(rows.seqs), sample_batch)
+            faults.update(failed)
             tokens = np.asarray(token_ids, np.int64)
         rows.advance(token_ids, tokens)
         self.scheduler.update_rows(rows)
-        deltas = self._emit_rows(rows, token_ids, logprobs)
+        deltas = self._emit_rows(rows, token_ids, logprobs, faults)
         self.last_step = StepStats(len(rows), len(rows), forward_s, time.perf_counter() - start)
         return deltas
 
-    def _emit_rows(self, rows, token_ids: list[int], logprobs: list | None) -> StepDeltas:
+    def _emit_rows(self, rows, token_ids: list[int], logprobs: list | None,
+                   faults: dict[int, Exception]) -> StepDeltas:
         """The deltas of a rows step (after ``rows.advance``): one compact delta for the rows
-        that go on, the per-token path for the others; rows that ended are dropped."""
+        that go on, the per-token path for the others (and the rows at fault, which end
+        failed); rows that ended are dropped."""
         if not self.text.defers:  # every token's text is made in the step
             per_token = list(range(len(rows)))
         else:
             per_token = rows.ending(self.parts.eos_token_ids).tolist()
+            if faults:
+                per_token = sorted(set(per_token).union(faults))
         compact = rows.compact_deltas(token_ids, per_token)
         deltas: StepDeltas = [compact] if len(compact) else []
         if per_token:
             version, now = self.scheduler.running_version, time.monotonic()
-            deltas += [self._token_appended(rows.seqs[i], token_ids[i],
-                                            logprobs[i] if logprobs else None, now)
+            deltas += [self._fault(rows.seqs[i], faults[i]) if i in faults
+                       else self._token_appended_or_fault(rows.seqs[i], token_ids[i],
+                                                          logprobs[i] if logprobs else None,
+                                                          now)
                        for i in per_token]
             ended = [i for i in per_token if rows.seqs[i].is_finished]
             if ended and rows.version == version == self.scheduler.running_version - len(ended):
@@ -340,14 +360,78 @@ class LLMEngine:
         if not sampling:
             return []
         seqs = [item.seq for item in sampling]
+        faults = self._non_finite_rows(logits)
         if Sampler.is_plain_greedy([seq.sampling_params for seq in seqs]):
             token_ids, logprobs = greedy_tokens(logits), [None] * len(seqs)
         else:
-            sampled = self.sampler(logits, [sampling_row(seq) for seq in seqs])
-            token_ids, logprobs = sampled.token_ids, sampled.logprobs
+            token_ids, logprobs, failed = self._sample_each_alone_on_failure(
+                logits, seqs, lambda: self.sampler(logits, list(map(sampling_row, seqs))))
+            faults.update(failed)
         now = time.monotonic()
-        return [self.append_token(seq, token_id, entry, now)
-                for seq, token_id, entry in zip(seqs, token_ids, logprobs, strict=True)]
+        return [self._fault(seq, faults[i]) if i in faults
+                else self._append_or_fault(seq, token_id, entry, now)
+                for i, (seq, token_id, entry) in enumerate(zip(seqs, token_ids, logprobs,
+                                                               strict=True))]
+
+    # -- a request that makes its step fail fails alone ----------------------------------------
+
+    def _sample_each_alone_on_failure(self, logits: torch.Tensor, seqs: list[Sequence],
+                                      sample_batch) -> tuple[list, list, dict]:
+        """(token_ids, logprobs, faults) of one token per row: ``sample_batch()`` (a
+        SamplerOutput) when it succeeds, else each row sampled alone; ``faults`` maps the rows
+        that fail alone to their error (their token is the row's argmax, a placeholder the
+        caller never emits)."""
+        try:
+            sampled = sample_batch()
+            return sampled.token_ids, sampled.logprobs, {}
+        except Exception:  # noqa: BLE001 - find the rows at fault instead of dying
+            logger.exception("sampling %d rows failed; sampling each row alone", len(seqs))
+        token_ids, logprobs, faults = [], [], {}
+        for i, seq in enumerate(seqs):
+            try:
+                sampled = self.sampler(logits[i:i + 1], [sampling_row(seq)])
+                token_ids.append(sampled.token_ids[0])
+                logprobs.append(sampled.logprobs[0])
+            except Exception as exc:  # noqa: BLE001 - this row's request fails alone
+                faults[i] = exc
+                token_ids.append(int(logits[i].argmax()))
+                logprobs.append(None)
+        return token_ids, logprobs, faults
+
+    def _non_finite_rows(self, logits: torch.Tensor) -> dict[int, Exception]:
+        """With an int8 KV cache, the rows whose logits hold NaN or inf (each fails alone)."""
+        if self._int8_kv is None:
+            return {}
+        bad = (~torch.isfinite(logits).all(dim=1)).nonzero().flatten().tolist()
+        return {i: FloatingPointError(
+            f"non-finite logits with the int8 KV cache (kv_int8_scales={self._int8_kv!r}): "
+            "its scales or dequantized values overflowed; serve this model with "
+            "kv_cache_dtype='auto'") for i in bad}
+
+    def _append_or_fault(self, seq: Sequence, token_id: int,
+                         logprobs: dict[int, float] | None, now: float) -> RequestDelta:
+        try:
+            return self.append_token(seq, token_id, logprobs, now)
+        except Exception as exc:  # noqa: BLE001 - stop rules or text of this request alone
+            return self._fault(seq, exc)
+
+    def _fault(self, seq: Sequence, exc: Exception) -> RequestDelta:
+        """Abort ``seq``, which made this step fail, with a final delta saying why."""
+        logger.error("request %s failed in a step and is aborted alone", seq.request_id,
+                     exc_info=exc)
+        delta = self.abort(seq.request_id) or RequestDelta(
+            seq.request_id, [], "", "abort", None, seq.num_prompt_tokens,
+            seq.num_output_tokens, attempt=seq.attempt)
+        delta.error = f"the request failed in the engine: {type(exc).__name__}: {exc}"
+        delta.faulted = True
+        return delta
+
+    def _token_appended_or_fault(self, seq: Sequence, token_id: int,
+                                 logprobs: dict[int, float] | None, now: float) -> RequestDelta:
+        try:
+            return self._token_appended(seq, token_id, logprobs, now)
+        except Exception as exc:  # noqa: BLE001 - stop rules or text of this request alone
+            return self._fault(seq, exc)
 
     def append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
                      now: float) -> RequestDelta:

@@ -12,6 +12,12 @@ import numpy as np
 from pdserve.engine.sampling_params import SamplingParams
 
 
+class RequestFaultError(RuntimeError):
+    """The request itself made a step fail (a prefill worker's future fails with it; a
+    streaming worker sends a ``faulted`` delta instead): it failed alone, and running it on
+    another worker would fail the same way, so it is never retried or migrated."""
+
+
 @dataclass
 class WorkRequest:
     """A validated request as the router hands it to a worker."""
@@ -42,6 +48,8 @@ class RequestDelta:
     attempt: int = 1  # WorkRequest.attempt of the request this delta belongs to
     deadline_exceeded: bool = False  # the abort happened because the deadline passed
     preempted: bool = False  # a decode worker handed it back for lack of blocks: place again
+    faulted: bool = False  # the request itself made its step fail (``error`` says how): it
+    # ends here, failed, and is never moved to another worker as if this one had died
     queue_time_s: float | None = None  # on the first token a worker prefilled itself: arrival
     # at the worker -> first chunk scheduled (colocated traces; the prefill worker's are in
     # PrefillResult)

@@ -256,6 +256,17 @@ class SamplingBatch:
                    rows if any(map(is_penalized, params)) else None)
 
 
+def check_samplable(seq: Sequence) -> None:
+    """ValueError unless ``seq``'s sampling parameters pack into the arrays a step samples with
+    (both the per-step batch and the persistent rows' columns). Checked when a request
+    arrives, so a value no array can hold fails that request, never a step."""
+    try:
+        np.array([SamplingBatch.columns(seq)], np.int64)
+        SamplingBatch.of([sampling_row(seq)])
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise ValueError(f"sampling_params cannot be packed for a step: {exc}") from exc
+
+
 def sampled_weights(logits: torch.Tensor, batch: SamplingBatch,
                     index: np.ndarray | None = None) -> torch.Tensor:
     """(rows, vocab) the filtered, unnormalised softmax (max 1 per row) of the sampled rows of

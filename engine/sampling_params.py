@@ -6,6 +6,10 @@ numpy integers too, never ``1.0``), float fields take finite reals (ints too). V
 normalized to builtin ``int`` / ``float`` / ``list`` so they serialize cleanly. ``stop`` accepts a
 single string or ``None``; ``stop_token_ids`` accepts ``None``. Validation runs in
 ``__post_init__``: build a new object (``dataclasses.replace``) rather than mutate one.
+
+Every field is bounded, so no value a client can send overflows the int64 and float arrays a
+step packs, nor makes a step's per-token work (stop strings, stop ids) grow without limit:
+these checks are the one validation both front doors (gRPC and HTTP) and the offline API share.
 """
 
 from __future__ import annotations
@@ -15,41 +19,56 @@ import numbers
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for
+MAX_STOP_STRINGS = 32  # stop strings per request
+MAX_STOP_STRING_CHARS = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 64  # extra stop ids per request (checked after every token)
+MAX_INT32 = 2**31 - 1  # the ceiling of every count a request sets (max_tokens, top_k, ids)
+MAX_REPETITION_PENALTY = 100.0  # beyond this every seen token is simply never chosen again
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f"{name} must be an integer, got {_short(value)}")
     value = int(value)
     if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+        raise ValueError(f"{name} must be >= {low}, got {_short(value)}")
     if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value!r}")
+        raise ValueError(f"{name} must be <= {high}, got {_short(value)}")
     return value
 
 
 def _check_float(name: str, value, low: float | None = None, high: float | None = None,
                  low_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ValueError(f"{name} must be a number, got {_short(value)}")
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise ValueError(f"{name} must be finite, got {_short(value)}")
     if low is not None and (value <= low if low_open else value < low):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {_short(value)}")
     if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value!r}")
+        raise ValueError(f"{name} must be <= {high}, got {_short(value)}")
     return value
 
 
-def _check_list(name: str, value) -> list:
+def _check_list(name: str, value, max_len: int) -> list:
     if value is None:
         return []
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{name} must be a list, got {value!r}")
+        raise ValueError(f"{name} must be a list, got {_short(value)}")
+    if len(value) > max_len:
+        raise ValueError(f"{name} must hold at most {max_len} entries, got {len(value)}")
     return list(value)
+
+
+def _short(value) -> str:
+    """``repr(value)`` cut to a length an error message can carry."""
+    if isinstance(value, int) and value.bit_length() > 64:  # (repr refuses > 4300 digits)
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
 @dataclass
@@ -76,27 +95,34 @@ class SamplingParams:
     priority: int = 0  # scheduling priority: lower runs earlier (ties by arrival), as vLLM
 
     def __post_init__(self) -> None:
-        self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1)
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1, high=MAX_INT32)
         self.temperature = _check_float("temperature", self.temperature, low=0)
         self.top_p = _check_float("top_p", self.top_p, low=0, high=1, low_open=True)
-        self.top_k = _check_int("top_k", self.top_k, low=0)
+        self.top_k = _check_int("top_k", self.top_k, low=0, high=MAX_INT32)
         self.min_p = _check_float("min_p", self.min_p, low=0, high=1)
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty,
-                                               low=0, low_open=True)
+                                               low=0, low_open=True,
+                                               high=MAX_REPETITION_PENALTY)
         self.presence_penalty = _check_float("presence_penalty", self.presence_penalty,
                                              low=-2, high=2)
         self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty,
                                               low=-2, high=2)
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed, low=_INT64_MIN, high=_INT64_MAX)
-        self.stop = _check_list("stop", [self.stop] if isinstance(self.stop, str) else self.stop)
+        self.stop = _check_list("stop", [self.stop] if isinstance(self.stop, str) else self.stop,
+                                MAX_STOP_STRINGS)
         for text in self.stop:
             if not isinstance(text, str) or not text:
-                raise ValueError(f"stop must hold non-empty strings, got {text!r}")
-        self.stop_token_ids = [_check_int("stop_token_ids", token_id, low=0)
-                               for token_id in _check_list("stop_token_ids", self.stop_token_ids)]
+                raise ValueError(f"stop must hold non-empty strings, got {_short(text)}")
+            if len(text) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} "
+                                 f"characters each, got {len(text)}")
+        self.stop_token_ids = [
+            _check_int("stop_token_ids", token_id, low=0, high=MAX_INT32)
+            for token_id in _check_list("stop_token_ids", self.stop_token_ids,
+                                        MAX_STOP_TOKEN_IDS)]
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise ValueError(f"ignore_eos must be a bool, got {_short(self.ignore_eos)}")
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         self.priority = _check_int("priority", self.priority, low=-(2**31), high=2**31 - 1)

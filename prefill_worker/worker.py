@@ -14,7 +14,9 @@ Lifecycle of one request on a prefill worker P:
    to the prefix cache at once (the payloads are copies); COMMIT(token 0) follows the layers
    on the same channel. If token 0 already ends the request, ABORT is sent instead.
 5. When the last frame has left, the ``PrefillResult`` future resolves with token 0 and the
-   timings (queue, prefill, transfer). A failed send fails that future with TransferError.
+   timings (queue, prefill, transfer). A failed send fails that future with TransferError; a
+   request that made the step fail (the engine aborts it alone) fails it with
+   ``RequestFaultError`` and its reservation gets ABORT.
 ``abort(request_id)`` is idempotent: a queued or running prompt is dropped and its blocks freed.
 A queued or running prompt whose deadline passes is dropped the same way (its future fails with
 ``RequestAborted``); if the engine loop dies, every pending future fails with the error and the
@@ -40,6 +42,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.messages import (
     PrefillResult,
     RequestDelta,
+    RequestFaultError,
     Reservation,
     WorkerStats,
     WorkRequest,
@@ -196,6 +199,10 @@ class PrefillWorker(StepHooks):
                         sampled_at: float) -> None:
         seq = item.seq
         target = self._targets.pop(seq.request_id)
+        if delta.faulted:  # the request made the step fail: the engine aborted it, alone
+            target.frames.append(target.sender.send_abort(target.key))
+            target.result.set_exception(RequestFaultError(f"{seq.request_id}: {delta.error}"))
+            return
         if seq.is_finished:  # token 0 ended the request: D's reservation is not needed
             target.frames.append(target.sender.send_abort(target.key))
         else:

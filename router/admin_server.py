@@ -7,11 +7,16 @@ Redis registry, so this module knows neither Ray nor Redis. Every RPC is one bac
 * ``ListWorkers`` -> ``list_workers()``; ``GetPools`` -> ``get_pools()``;
 * ``DrainWorker`` -> ``drain_worker(worker_id)``: NOT_FOUND for an unknown id
   (:class:`UnknownWorkerError`), FAILED_PRECONDITION for a dead one (:class:`WorkerDeadError`);
-* ``SetPoolTarget`` -> ``set_pool_target(role, size)``: INVALID_ARGUMENT on ``ValueError``;
+* ``SetPoolTarget`` -> ``set_pool_target(role, size)``: INVALID_ARGUMENT on ``ValueError``
+  (``size`` < 0 here; above the cluster's ``--max-workers-per-pool`` in the backend);
 * ``GetTraces`` -> ``traces(request_ids, limit)`` and ``GetConfig`` -> ``config()``, optional
   (UNIMPLEMENTED for a backend without them).
 
-Anything else a backend raises is INTERNAL (logged with its traceback).
+Every input is bounded before the backend sees it (INVALID_ARGUMENT naming the field): ids and
+roles of at most :data:`MAX_NAME_CHARS` characters, at most :data:`MAX_TRACE_IDS` request ids
+and a ``limit`` of at most :data:`MAX_TRACE_LIMIT`. Anything else a backend raises is INTERNAL
+(logged with its traceback). Who may call is ``pdserve.router.auth``'s business (the admin
+key, or a loopback caller).
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 WORKER_STATES = ("starting", "ready", "draining", "dead")
 _STATE_PB = {state: admin_pb2.WorkerState.Value(f"WORKER_STATE_{state.upper()}")
              for state in WORKER_STATES}
+MAX_NAME_CHARS = 128  # a worker_id or role longer than this names nothing
+MAX_TRACE_IDS = 10_000  # request ids one GetTraces may ask for
+MAX_TRACE_LIMIT = 100_000  # GetTraces' limit, at most
 
 
 class UnknownWorkerError(LookupError):
@@ -134,6 +142,14 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 )
 
 
+def _check_name(field: str, value: str) -> None:
+    if not value:
+        raise ValueError(f"{field} must be set")
+    if len(value) > MAX_NAME_CHARS:
+        raise ValueError(f"{field} must be at most {MAX_NAME_CHARS} characters, got "
+                         f"{len(value)}")
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, what: str) -> None:
     for error_type, code in _STATUS_BY_ERROR:
         if isinstance(exc, error_type):
@@ -158,11 +174,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def DrainWorker(self, request, context):
         try:
-            if not request.worker_id:
-                raise ValueError("worker_id must be set")
+            _check_name("worker_id", request.worker_id)
             worker = await self._backend.drain_worker(request.worker_id)
         except Exception as exc:
-            await _abort(context, exc, f"DrainWorker {request.worker_id!r}")
+            await _abort(context, exc, f"DrainWorker {request.worker_id[:MAX_NAME_CHARS]!r}")
         return worker_pb(worker)
 
     async def GetPools(self, request, context):
@@ -174,17 +189,23 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def SetPoolTarget(self, request, context):
         try:
+            _check_name("role", request.role)
+            if request.size < 0:
+                raise ValueError(f"size must be >= 0, got {request.size}")
             pool = await self._backend.set_pool_target(request.role, int(request.size))
         except Exception as exc:
-            await _abort(context, exc, f"SetPoolTarget {request.role!r}")
+            await _abort(context, exc, f"SetPoolTarget {request.role[:MAX_NAME_CHARS]!r}")
         return pool_pb(pool)
 
     async def GetTraces(self, request, context):
         if not hasattr(self._backend, "traces"):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server keeps no traces")
         try:
-            if request.limit < 0:
-                raise ValueError(f"limit must be >= 0, got {request.limit}")
+            if not 0 <= request.limit <= MAX_TRACE_LIMIT:
+                raise ValueError(f"limit must be in [0, {MAX_TRACE_LIMIT}], got {request.limit}")
+            if len(request.request_ids) > MAX_TRACE_IDS:
+                raise ValueError(f"request_ids must hold at most {MAX_TRACE_IDS} ids, got "
+                                 f"{len(request.request_ids)}")
             traces = await self._backend.traces(list(request.request_ids),
                                                 int(request.limit) or 1000)
         except Exception as exc:

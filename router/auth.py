@@ -1,34 +1,65 @@
-"""Who may call the router, checked the same way on every front door (DESIGN.md section 8).
+"""Who may call the router and what each caller may do, checked the same way on every front
+door (DESIGN.md section 8).
 
-* :class:`ApiKey`: the one check. A request is allowed when its ``Authorization`` header (HTTP)
-  or ``authorization`` metadata (gRPC) is ``Bearer KEY``; the comparison runs in constant time
-  over sha256 digests, so neither the key's bytes nor its length leak through timing.
-* :class:`ApiKeyInterceptor`: a ``grpc.aio`` server interceptor that applies it to every
-  method (Generation, Admin, reflection) except ``grpc.health.v1.Health``, which stays open
-  for load balancers and probes; a refused call ends with UNAUTHENTICATED.
+Keys. Every key travels as ``Authorization: Bearer KEY`` (HTTP) or ``authorization: Bearer KEY``
+metadata (gRPC) and is compared in constant time over sha256 digests (:class:`ApiKey`), so
+neither its bytes nor its length leak through timing. A router knows three kinds:
+
+* inference keys (``api_keys``): gRPC Generation and reflection, and every HTTP path but
+  ``/health`` and ``/version``. With none configured (and no priority key) these are open to
+  whoever reaches the port: there are no tenants to tell apart, so nothing is gated either,
+  and every caller may ask any priority.
+* priority keys (``priority_keys``): inference keys that may also ask ``priority`` < 0, which
+  runs ahead of the default and may shed other clients' queued requests. Any other caller that
+  asks for it is refused (PERMISSION_DENIED on gRPC, 403 with ``param: "priority"`` on HTTP)
+  by :func:`check_priority`, the one check both front doors call once the request's
+  SamplingParams are known.
+* the admin key (``admin_key``): ``pdserve.v1.Admin`` (``pdserve status`` / ``pdserve drain``)
+  and the Prometheus ``/metrics`` port. Admin refuses inference keys (PERMISSION_DENIED), so
+  an API client cannot drain workers or resize pools. Without an admin key, Admin answers only
+  callers on a loopback address or a Unix socket (the operator on the router's own machine or
+  pod; a remote caller is refused whatever key it sends), and ``/metrics`` stays open. The
+  admin key must differ from every inference key.
+
+Health (``grpc.health.v1``) stays open for load balancers and probes.
+
+* :class:`Access`: one router's keys and the rules above.
+* :class:`Caller` and :data:`CALLER`: who sent the request in hand, set by each front door's
+  auth layer (:class:`AccessInterceptor` on gRPC, ``http_asgi.Guard`` on HTTP) for the handler
+  that runs in the same task; :func:`check_priority` reads it and refuses when none was set.
+* :class:`AccessInterceptor`: a ``grpc.aio`` server interceptor applying :class:`Access` to
+  every method; a refused call ends with UNAUTHENTICATED (no or wrong key) or
+  PERMISSION_DENIED (a known caller without the right).
+* :func:`keys_from_file`: the keys of a key file (one a line), for the command line.
 * :class:`TLSConfig`: PEM certificate chain and key, and optionally the CA that client
   certificates must chain to (mutual TLS). Read once from files where the command runs
   (:meth:`TLSConfig.from_files`), then carried as bytes, so the router process needs no access
   to the files; :meth:`grpc_credentials` and :meth:`ssl_context` serve gRPC and HTTP alike.
-
-The HTTP front door (``pdserve.router.http_server``) applies :class:`ApiKey` in an ASGI
-middleware with the same open set: its health and version endpoints.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
+import ipaddress
 import os
 import ssl
 import tempfile
+from collections.abc import Awaitable, Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
 import grpc
 
-OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/",)  # methods callable without the key
+from pdserve.router.errors import PermissionDeniedError
+
+OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/",)  # methods callable without a key
+ADMIN_GRPC_PREFIX = "/pdserve.v1.Admin/"  # methods that need the admin key (or loopback)
 _BEARER = "bearer "
+_WRONG_KEY = "missing or wrong API key: send metadata 'authorization: Bearer <key>'"
 
 
 class ApiKey:
@@ -50,40 +81,196 @@ class ApiKey:
         return hmac.compare_digest(digest, self._digest) and bool(given)
 
 
-def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that ends every call UNAUTHENTICATED."""
+def _any_allows(keys: list[ApiKey], authorization: str | bytes | None) -> bool:
+    """Whether one of ``keys`` matches; every key is compared (no early exit)."""
+    return any([key.allows(authorization) for key in keys])
 
-    async def deny(_request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
-             (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler,
-             (True, True): grpc.stream_stream_rpc_method_handler}
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(deny, request_deserializer=handler.request_deserializer,
+@dataclass(frozen=True)
+class Caller:
+    """Who sent the request in hand, as the front door's auth layer found it."""
+
+    may_prioritize: bool  # may ask priority < 0 (a priority key, or a router with no keys)
+
+
+OPEN_CALLER = Caller(may_prioritize=True)  # any caller of a router without inference keys
+CALLER: ContextVar[Caller | None] = ContextVar("pdserve_caller", default=None)
+
+
+def check_priority(priority: int) -> None:
+    """Refuse ``priority`` < 0 (PermissionDeniedError naming ``priority``) unless the caller in
+    :data:`CALLER` may ask for it; the front doors call it after validating the request."""
+    if priority >= 0:
+        return
+    caller = CALLER.get()
+    if caller is not None and caller.may_prioritize:
+        return
+    raise PermissionDeniedError(
+        "priority", f"{priority} runs ahead of the default (0) and needs a priority key "
+                    "(the server's --priority-api-key-file or PDSERVE_PRIORITY_API_KEYS); "
+                    "send priority >= 0 or use such a key")
+
+
+def is_loopback_peer(peer: str) -> bool:
+    """Whether a gRPC peer (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:/path``)
+    is on this machine: a loopback address or a Unix socket."""
+    kind, _, address = unquote(peer or "").partition(":")
+    if kind in ("unix", "unix-abstract"):
+        return True
+    if kind not in ("ipv4", "ipv6"):
+        return False
+    host = address.rsplit(":", 1)[0].strip("[]").split("%", 1)[0]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+class Access:
+    """One router's keys and what each may do (see the module docstring). Keys are given as
+    strings and kept only as digests."""
+
+    def __init__(self, api_keys: Iterable[str] = (), admin_key: str | None = None,
+                 priority_keys: Iterable[str] = ()) -> None:
+        api_keys, priority_keys = tuple(api_keys), tuple(priority_keys)
+        if admin_key is not None and admin_key in (*api_keys, *priority_keys):
+            raise ValueError("admin_api_key must differ from every inference and priority key: "
+                             "Admin refuses inference keys")
+        self._inference = [ApiKey(k) for k in dict.fromkeys((*api_keys, *priority_keys))]
+        self._priority = [ApiKey(k) for k in dict.fromkeys(priority_keys)]
+        self._admin = None if admin_key is None else ApiKey(admin_key)
+
+    @property
+    def is_open(self) -> bool:
+        """No inference key: Generation and the HTTP API take anyone's requests."""
+        return not self._inference
+
+    @property
+    def has_admin_key(self) -> bool:
+        return self._admin is not None
+
+    def inference_caller(self, authorization: str | bytes | None) -> Caller | None:
+        """The caller an inference request comes from; None when its key is missing or
+        wrong (the admin key is no inference key)."""
+        if self.is_open:
+            return OPEN_CALLER
+        if not _any_allows(self._inference, authorization):
+            return None
+        return Caller(may_prioritize=_any_allows(self._priority, authorization))
+
+    def admin_refusal(self, authorization: str | bytes | None,
+                      peer: str) -> tuple[grpc.StatusCode, str] | None:
+        """Why an Admin call from ``peer`` is refused, as (code, message); None: allowed."""
+        if self._admin is None:
+            if is_loopback_peer(peer):
+                return None
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    "Admin answers only loopback callers when the server has no admin key: "
+                    "start it with --admin-api-key-file or PDSERVE_ADMIN_API_KEY, or call "
+                    "from the router's machine")
+        if self._admin.allows(authorization):
+            return None
+        if _any_allows(self._inference, authorization):
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    "an inference key cannot call Admin: send the admin key (pdserve status "
+                    "--admin-api-key-file FILE, or PDSERVE_ADMIN_API_KEY)")
+        return (grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong admin key: send metadata 'authorization: Bearer <admin key>'")
+
+    def metrics_allowed(self, authorization: str | bytes | None) -> bool:
+        """Whether a ``/metrics`` scrape may read: always without an admin key, else only
+        with it."""
+        return self._admin is None or self._admin.allows(authorization)
+
+
+def keys_from_file(path: str | os.PathLike, name: str) -> tuple[str, ...]:
+    """The keys in a key file: one a line, blank lines and ``#`` comments skipped. ValueError
+    naming the setting ``name`` when it cannot be read, holds no key, or a line holds
+    whitespace inside a key (the key itself is never in the message)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ValueError(f"{name}: cannot read {path}: {why}") from None
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if any(c.isspace() for c in line):
+            raise ValueError(f"{name}: line {number} of {path} holds whitespace; put one key "
+                             f"on each line")
+        keys.append(line)
+    if not keys:
+        raise ValueError(f"{name}: {path} holds no key (one key a line)")
+    return tuple(keys)
+
+
+_HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler,
+                  (False, True): grpc.unary_stream_rpc_method_handler,
+                  (True, False): grpc.stream_unary_rpc_method_handler,
+                  (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def _guarded(handler: grpc.RpcMethodHandler,
+             prologue: Callable[[grpc.aio.ServicerContext], Awaitable[None]]
+             ) -> grpc.RpcMethodHandler:
+    """``handler`` with ``prologue(context)`` awaited first in the call's task (it aborts the
+    call, or sets :data:`CALLER` for the method)."""
+    behavior = (handler.unary_unary or handler.unary_stream or handler.stream_unary
+                or handler.stream_stream)
+    if inspect.isasyncgenfunction(behavior):
+        async def run(request, context):
+            await prologue(context)
+            async for response in behavior(request, context):
+                yield response
+    else:
+        async def run(request, context):
+            await prologue(context)
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+    make = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    return make(run, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call but health without ``authorization: Bearer KEY`` metadata."""
+def _authorization(metadata) -> str | bytes | None:
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value
+    return None
 
-    def __init__(self, api_key: ApiKey) -> None:
-        self._key = api_key
+
+class AccessInterceptor(grpc.aio.ServerInterceptor):
+    """Applies :class:`Access` to every gRPC method but health: Admin by the admin rule, the
+    rest by the inference keys, with the :class:`Caller` set for the method."""
+
+    def __init__(self, access: Access) -> None:
+        self._access = access
 
     async def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(OPEN_GRPC_PREFIXES):
-            return await continuation(handler_call_details)
-        authorization = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                authorization = value
-                break
         handler = await continuation(handler_call_details)
-        if handler is None or self._key.allows(authorization):
+        method = handler_call_details.method
+        if handler is None or method.startswith(OPEN_GRPC_PREFIXES):
             return handler
-        return _denied(handler, "missing or wrong API key: send metadata "
-                                "'authorization: Bearer <key>'")
+        authorization = _authorization(handler_call_details.invocation_metadata)
+        if method.startswith(ADMIN_GRPC_PREFIX):
+            async def admin(context: grpc.aio.ServicerContext) -> None:
+                refusal = self._access.admin_refusal(authorization, context.peer())
+                if refusal is not None:
+                    await context.abort(*refusal)
+
+            return _guarded(handler, admin)
+        caller = self._access.inference_caller(authorization)
+
+        async def inference(context: grpc.aio.ServicerContext) -> None:
+            if caller is None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, _WRONG_KEY)
+            CALLER.set(caller)
+
+        return _guarded(handler, inference)
 
 
 @dataclass(frozen=True)

@@ -82,13 +82,15 @@ class GenerationBackend(Protocol):
     """Generates tokens for validated requests; see the module docstring for the call order."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 deadline: float | None, tenant: str | None = None
-                 ) -> AsyncIterator[GenerationDelta]:
+                 deadline: float | None, tenant: str | None = None,
+                 fit_max_tokens: bool = False) -> AsyncIterator[GenerationDelta]:
         """Stream the request's deltas; an ``async def`` with ``yield`` fits.
 
         ``deadline`` is a ``time.monotonic()`` instant after which the request is worthless
         (``None`` = no deadline); the server also enforces it and then calls ``abort``.
         ``tenant`` names who sent it (fair share inside a priority level; None = anonymous).
+        ``fit_max_tokens``: the client did not set max_tokens, so ``params.max_tokens`` is a
+        ceiling the backend may lower to what one worker can hold, instead of refusing.
         """
         ...
 

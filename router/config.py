@@ -14,6 +14,8 @@ class RouterConfig:
     reserve_wait_s: float | None = None  # longest wait for decode room (None: the deadline)
     max_attempts: int = 3  # reserve+prefill attempts before token 0 is streamed
     migration_limit: int = 3  # moves of one request to a new worker after token 0 (0 = off)
+    max_bounces: int = 16  # times one request may be handed back for lack of KV room before
+    # it fails (RESOURCE_EXHAUSTED, retry later): a request never bounces forever
     rpc_timeout_s: float = 10.0  # reserve / submit / abort / renew calls on a worker, at most
     prefill_timeout_s: float = 600.0  # one prefill call (queue + compute + send), at most
     stream_timeout_s: float = 120.0  # longest silence of a decoding request before it moves
@@ -29,8 +31,9 @@ class RouterConfig:
         for name in ("max_requests_in_flight", "max_tokens_in_flight", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.migration_limit < 0:
-            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        for name in ("migration_limit", "max_bounces"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("rpc_timeout_s", "prefill_timeout_s", "stream_timeout_s", "worker_wait_s",
                      "poll_timeout_s", "stats_interval_s"):
             if not getattr(self, name) > 0:

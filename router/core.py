@@ -19,6 +19,8 @@ Per request, as ``Router.generate`` drives it (states and transitions: ``router.
    transfer failed, a call timed out) aborts both workers of the attempt and starts a new one
    that resumes after the tokens already streamed; ``max_attempts`` bounds retries before the
    first token, ``migration_limit`` moves after it; past them -> NoWorkersError (UNAVAILABLE).
+   A request that made a worker's step fail (a ``faulted`` delta, ``RequestFaultError`` from
+   a prefill) is not moved: it fails alone -> RequestFailedError (INTERNAL).
 6. DONE: normal finish, or ``abort`` (client cancel, deadline, server stop), which reaches
    both workers of the current attempt (idempotent, bounded by ``rpc_timeout_s``).
 
@@ -32,15 +34,18 @@ on it go on until its poll fails, so liveness never depends on step time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.engine.messages import (
     PrefillResult,
     RequestDelta,
+    RequestFaultError,
     Reservation,
     WorkRequest,
 )
@@ -53,6 +58,7 @@ from pdserve.router.errors import (
     DeadlineExceededError,
     NoWorkersError,
     QueueFullError,
+    RequestFailedError,
     RequestTooLargeError,
 )
 from pdserve.router.flight import AttemptFailed, Flight, Phase
@@ -63,6 +69,8 @@ from pdserve.router.trace import RequestTrace, observe
 from pdserve.router.workers import Workers
 
 __all__ = ["RequestTrace", "Router", "RouterConfig"]
+
+TOKENIZER_THREADS = 2  # prompts tokenized at once (a long one cannot block the others' turn)
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +95,10 @@ class Router:
                                      wake=self._room.set)
         self._placer = Placer(self.config, self.workers, self._queue, self._room)
         self.traces: deque[RequestTrace] = deque(maxlen=100_000)
+        # prompts are tokenized on threads of their own, never on the loop's default pool that
+        # the worker directory's refresh (Redis) runs on
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
+                                                  thread_name_prefix="pdserve-tokenize")
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -94,6 +106,7 @@ class Router:
 
     async def stop(self) -> None:
         await self.workers.stop()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def mode(self) -> str:
@@ -108,12 +121,14 @@ class Router:
         return self.spec
 
     async def tokenize(self, text: str) -> list[int]:
-        return await asyncio.to_thread(self._tokenize, text)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, self._tokenize, text)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       deadline: float | None, tenant: str | None = None
-                       ) -> AsyncIterator[GenerationDelta]:
-        flight = self._admit(request_id, prompt_token_ids, params, deadline, tenant)
+                       deadline: float | None, tenant: str | None = None,
+                       fit_max_tokens: bool = False) -> AsyncIterator[GenerationDelta]:
+        flight = self._admit(request_id, prompt_token_ids, params, deadline, tenant,
+                             fit_max_tokens)
         finished = False
         try:
             async for delta in self._run(flight):
@@ -137,14 +152,15 @@ class Router:
 
     # -- admission ----------------------------------------------------------------------------
     def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               deadline: float | None, tenant: str | None = None) -> Flight:
+               deadline: float | None, tenant: str | None = None,
+               fit_max_tokens: bool = False) -> Flight:
         if not self.is_ready() and not self.workers.was_ready:
             raise NoWorkersError("no workers are ready to take requests")
         cfg, n = self.config, len(prompt_token_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         flight = Flight(WorkRequest(request_id, list(prompt_token_ids), params, seed,
                                     time.time()), deadline, tenant=tenant)
-        self._check_kv_cap(flight)
+        self._check_kv_cap(flight, fit_max_tokens)
         if len(self._flights) >= cfg.max_requests_in_flight \
                 and not self._queue.shed_worst(self._queue.key(flight)):
             raise QueueFullError(
@@ -160,18 +176,23 @@ class Router:
         self.metrics.router_running.labels("router").set(len(self._flights))
         return flight
 
-    def _check_kv_cap(self, flight: Flight) -> None:
+    def _check_kv_cap(self, flight: Flight, fit_max_tokens: bool) -> None:
         """Refuse a request that would hold more than ``max_request_kv_fraction`` of the
-        largest decode (or colocated) worker's KV blocks, before it evicts anyone."""
+        largest decode (or colocated) worker's KV blocks, before it evicts anyone; with
+        ``fit_max_tokens`` (the client set no max_tokens) lower max_tokens to fit instead."""
         fraction = self.config.max_request_kv_fraction
         pools = self.workers.live("decode") or self.workers.live("colocated")
         if fraction >= 1 or not pools:
             return
         largest = max(pools, key=lambda w: w.stats.total_blocks).stats
         block_size = int(largest.ledger.get("block_size", 16))
-        tokens = len(flight.request.prompt_token_ids) + flight.request.params.max_tokens
+        request = flight.request
+        tokens = len(request.prompt_token_ids) + request.params.max_tokens
         needed, allowed = -(-tokens // block_size), int(fraction * largest.total_blocks)
-        if needed > allowed:
+        room = allowed * block_size - len(request.prompt_token_ids)
+        if needed > allowed and fit_max_tokens and room >= 1:
+            request.params = dataclasses.replace(request.params, max_tokens=room)
+        elif needed > allowed:
             raise RequestTooLargeError(
                 f"prompt + max_tokens ({tokens} tokens) needs {needed} KV blocks, more than "
                 f"max_request_kv_fraction {fraction:g} of a worker's {largest.total_blocks} "
@@ -212,6 +233,11 @@ class Router:
         """Raise NoWorkersError when this failure spends the request's last attempt."""
         cfg = self.config
         if failure.reason == "preempted":  # a full decode worker handed it back: not a fault
+            if flight.num_bounces >= cfg.max_bounces:
+                raise QueueFullError(
+                    f"{flight.request_id} was handed back {flight.num_bounces + 1} times for "
+                    f"lack of KV room (max_bounces {cfg.max_bounces}); the decode pool is "
+                    f"full, retry later", retry_after_s=self._queue.retry_after_s())
             flight.num_bounces += 1
             self.metrics.migrations.labels(failure.reason).inc()
             return
@@ -276,6 +302,9 @@ class Router:
                                        self.config.prefill_timeout_s, "prefill")
         except (AttemptFailed, DeadlineExceededError):
             raise
+        except RequestFaultError as exc:  # the request's own fault: it would fail anywhere
+            raise RequestFailedError(f"{flight.request_id} on {flight.prefill_id}: {exc}") \
+                from None
         except Exception as exc:  # noqa: BLE001 - any failure of the prefill moves the request
             self.workers.suspect(flight.prefill_id, f"prefill failed: {exc}")
             raise AttemptFailed("worker_failed", f"prefill on {flight.prefill_id} failed: "
@@ -324,6 +353,9 @@ class Router:
                 raise AttemptFailed("preempted", f"{flight.decode_id}: {item.error}")
             if item.deadline_exceeded:
                 raise DeadlineExceededError(f"{flight.decode_id}: {item.error}")
+            if item.faulted:
+                raise RequestFailedError(f"{flight.request_id} on {flight.decode_id}: "
+                                         f"{item.error}")
             if item.error is not None:
                 raise AttemptFailed("worker_failed", f"{flight.decode_id}: {item.error}")
             yield item

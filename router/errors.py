@@ -10,6 +10,8 @@ The mapping (applied by ``pdserve.router.grpc_server``) follows DESIGN.md sectio
 | NoWorkersError            | UNAVAILABLE        | no workers, backend not ready, or draining     |
 | DuplicateRequestError     | ALREADY_EXISTS     | the request_id is already in flight            |
 | DeadlineExceededError     | DEADLINE_EXCEEDED  | the request's deadline passed                  |
+| RequestFailedError        | INTERNAL           | the request made a worker's step fail (alone)  |
+| PermissionDeniedError     | PERMISSION_DENIED  | the caller's key may not ask for this field    |
 
 This module imports no gRPC, so backends can raise these without depending on it.
 """
@@ -56,3 +58,19 @@ class DuplicateRequestError(RouterError):
 
 class DeadlineExceededError(RouterError):
     """The request's deadline passed before it finished."""
+
+
+class RequestFailedError(RouterError):
+    """The request itself made a worker's step fail: it failed there alone (the worker and
+    the other requests went on), and it is not retried or migrated, since it would fail the
+    same way anywhere."""
+
+
+class PermissionDeniedError(RouterError):
+    """The caller is known but its key may not set ``field`` this way (``priority`` < 0 without
+    a priority key); the HTTP front door answers 403 with ``param`` = ``field``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field  # the request field at fault, e.g. "priority"
+        self.message = message  # why it is refused and what would allow it

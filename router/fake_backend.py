@@ -79,7 +79,8 @@ class FakeBackend:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, deadline: float | None,
-                       tenant: str | None = None) -> AsyncIterator[GenerationDelta]:
+                       tenant: str | None = None, fit_max_tokens: bool = False
+                       ) -> AsyncIterator[GenerationDelta]:
         with self._lock:
             self._started.append(request_id)
             self._running.add(request_id)

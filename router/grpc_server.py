@@ -22,8 +22,11 @@ Health (``grpc.health.v1``) reports, for "" and "pdserve.v1.Generation", SERVING
 the backend is ready and ``set_serving(False)`` (draining) is not in force; a background task
 polls ``backend.is_ready()``.
 
-Security (``pdserve.router.auth``): with ``api_key`` every method but health needs metadata
-``authorization: Bearer KEY`` (UNAUTHENTICATED otherwise); with ``tls`` the port speaks TLS
+Security (``pdserve.router.auth``, whose module docstring holds the rules): with ``api_key``
+(or ``priority_api_keys``) Generation and reflection need metadata ``authorization: Bearer KEY``
+(UNAUTHENTICATED otherwise); ``priority`` < 0 needs a priority key (PERMISSION_DENIED, checked by
+``auth.check_priority`` once the request is validated); Admin needs ``admin_api_key``, or without
+one a loopback caller; health is open. With ``tls`` the port speaks TLS
 (mutual TLS when the config has a client CA); ``reflection=False`` leaves reflection out;
 ``max_concurrent_rpcs`` bounds the calls in progress (RESOURCE_EXHAUSTED beyond).
 """
@@ -44,18 +47,24 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.api import generation_pb2, generation_pb2_grpc
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admin_server import AdminBackend, add_admin_service
-from pdserve.router.auth import ApiKey, ApiKeyInterceptor, TLSConfig
+from pdserve.router.auth import Access, AccessInterceptor, TLSConfig, check_priority
 from pdserve.router.backend import GenerationBackend, GenerationDelta, end_stream
 from pdserve.router.errors import (
     DeadlineExceededError,
     DuplicateRequestError,
     NoWorkersError,
+    PermissionDeniedError,
     QueueFullError,
+    RequestFailedError,
     RequestTooLargeError,
     RequestValidationError,
 )
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.validation import fit_to_context, validate_generate_request
+from pdserve.router.validation import (
+    check_prompt_text,
+    fit_to_context,
+    validate_generate_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +80,8 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (NoWorkersError, grpc.StatusCode.UNAVAILABLE),
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (RequestFailedError, grpc.StatusCode.INTERNAL),  # with its own message, no traceback
 )
 
 
@@ -99,7 +110,7 @@ async def _abort_with_status(context: grpc.aio.ServicerContext, exc: Exception,
     """End the call with the status ``exc`` maps to (raises ``AbortError``); a Generate
     passes ``metrics`` to count the failure by code."""
     code, details = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
+    if code == grpc.StatusCode.INTERNAL and not isinstance(exc, RequestFailedError):
         logger.error("%s failed", what, exc_info=exc)
     else:
         logger.info("%s: %s %s", what, code.name, details)
@@ -146,6 +157,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._server.check_accepting()
         model = self._backend.model_info()
         validated = validate_generate_request(request, model)
+        check_priority(validated.params.priority)
         prompt_token_ids = validated.prompt_token_ids
         if prompt_token_ids is None:
             prompt_token_ids = list(await self._backend.tokenize(validated.prompt_text))
@@ -160,14 +172,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._active.add(request_id)
         try:
             await self._stream(request_id, prompt_token_ids, params, deadline, context,
-                               tenant_of(request, context))
+                               tenant_of(request, context), not validated.max_tokens_given)
         finally:
             self._active.discard(request_id)
 
     async def _stream(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, deadline: float | None,
-                      context: grpc.aio.ServicerContext, tenant: str | None) -> None:
-        deltas = self._backend.generate(request_id, prompt_token_ids, params, deadline, tenant)
+                      context: grpc.aio.ServicerContext, tenant: str | None,
+                      fit_max_tokens: bool) -> None:
+        deltas = self._backend.generate(request_id, prompt_token_ids, params, deadline, tenant,
+                                        fit_max_tokens)
         finished = False
         num_generated = 0
         try:
@@ -209,6 +223,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
         try:
             self._check_ready()
+            check_prompt_text("text", request.text, self._backend.model_info())  # size first
             token_ids = await self._backend.tokenize(request.text)
         except Exception as exc:
             await _abort_with_status(context, exc, "Tokenize")
@@ -241,12 +256,14 @@ class GenerationServer:
                  max_message_bytes: int = 16 * 1024 * 1024, admin: AdminBackend | None = None,
                  metrics: RouterMetrics | None = None, api_key: str | None = None,
                  tls: TLSConfig | None = None, reflection: bool = True,
-                 max_concurrent_rpcs: int | None = None) -> None:
+                 max_concurrent_rpcs: int | None = None, admin_api_key: str | None = None,
+                 priority_api_keys: tuple[str, ...] = ()) -> None:
         if health_poll_interval_s <= 0:
             raise ValueError(f"health_poll_interval_s must be > 0, got {health_poll_interval_s}")
         if max_concurrent_rpcs is not None and max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1 or None, got {max_concurrent_rpcs}")
-        self._api_key = None if api_key is None else ApiKey(api_key)
+        self._access = Access(() if api_key is None else (api_key,), admin_api_key,
+                              priority_api_keys)
         self._tls = tls
         self._reflection = reflection
         self._max_concurrent_rpcs = max_concurrent_rpcs
@@ -292,8 +309,7 @@ class GenerationServer:
             raise RuntimeError("server already started")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        interceptors = [] if self._api_key is None else [ApiKeyInterceptor(self._api_key)]
-        server = grpc.aio.server(interceptors=interceptors, options=[
+        server = grpc.aio.server(interceptors=[AccessInterceptor(self._access)], options=[
             ("grpc.so_reuseport", 0),  # a second server on a busy port must fail, not share it
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.max_send_message_length", self._max_message_bytes),
@@ -323,7 +339,7 @@ class GenerationServer:
         await self._update_health()
         self._poller = asyncio.create_task(self._poll_health())
         logger.info("pdserve gRPC listening on %s (bound port %d%s%s)", address, bound,
-                    ", TLS" if self._tls else "", ", API key" if self._api_key else "")
+                    ", TLS" if self._tls else "", "" if self._access.is_open else ", API key")
         return bound
 
     async def stop(self, grace: float | None = 5.0) -> None:

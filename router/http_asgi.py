@@ -1,6 +1,7 @@
 """The ASGI pieces under the HTTP front door (``pdserve.router.http_server``): raw response
-writers, the disconnect watch, the guard middleware (API key, body bound) and a uvicorn server
-that leaves the hosting process's signals alone, on a socket bound to exactly one host."""
+writers, the disconnect watch, the guard middleware (API key and caller, body bound) and a
+uvicorn server that leaves the hosting process's signals alone, on a socket bound to exactly one
+host."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from starlette.responses import Response
 
 from pdserve import net
 from pdserve.router import openai_protocol as oa
-from pdserve.router.auth import ApiKey
+from pdserve.router.auth import CALLER, Access
 
 logger = logging.getLogger(__name__)
 
@@ -43,24 +44,27 @@ async def until_disconnect(receive) -> None:
 
 
 class Guard:
-    """ASGI middleware: API key (except OPEN_PATHS) and the body size bound, before parsing."""
+    """ASGI middleware, before parsing: the inference key (except OPEN_PATHS), whose
+    :class:`~pdserve.router.auth.Caller` it sets in ``auth.CALLER`` for the app, and the body
+    size bound."""
 
     class _TooLarge(Exception):
         pass
 
-    def __init__(self, app, api_key: ApiKey | None, max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app, access: Access, max_body_bytes: int) -> None:
+        self.app, self.access, self.max_body_bytes = app, access, max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS \
-                and not self.api_key.allows(headers.get(b"authorization")):
+        caller = self.access.inference_caller(headers.get(b"authorization"))
+        if caller is None and scope["path"] not in OPEN_PATHS:
             error = oa.OpenAIError(401, "missing or wrong API key: send 'Authorization: "
                                         "Bearer <key>'", "authentication_error",
                                    code="invalid_api_key")
             return await send_json(send, 401, error.body(), [(b"www-authenticate", b"Bearer")])
+        CALLER.set(caller)
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_body_bytes:
             return await self._too_large(send)

@@ -33,6 +33,7 @@ class HttpJob:
     deadline: float | None  # time.monotonic() instant, from the body's timeout
     stream: bool
     include_usage: bool
+    fit_max_tokens: bool  # no max_tokens in the body: the backend may lower it to fit a worker
 
 
 class HttpGeneration:
@@ -45,7 +46,7 @@ class HttpGeneration:
     async def run(self, job: HttpJob, send) -> None:
         """Run ``job`` and send its response through the ASGI ``send``."""
         deltas = self._backend.generate(job.request_id, job.prompt_token_ids, job.params,
-                                        job.deadline)
+                                        job.deadline, fit_max_tokens=job.fit_max_tokens)
         state = {"done": False, "started": False}
         try:
             try:
@@ -154,6 +155,7 @@ class HttpGeneration:
                 await send({"type": "http.response.body", "body": sse(error.body())})
                 await send({"type": "http.response.body", "body": b""})
             else:
-                await send_json(send, error.status, error.body())
+                await send_json(send, error.status, error.body(),
+                                [(k.encode(), v.encode()) for k, v in error.headers().items()])
         except Exception as send_exc:  # noqa: BLE001 - the client is gone
             logger.info("could not send the error: %s", send_exc)

@@ -1,12 +1,15 @@
 """The OpenAI-compatible HTTP front door: FastAPI on uvicorn, on the router's event loop.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (200 while serving, else 503), ``GET /version``. With ``api_key`` every path but
-``/health`` and ``/version`` needs ``Authorization: Bearer KEY`` (401 otherwise), checked by
-the same :class:`pdserve.router.auth.ApiKey` as gRPC; with ``tls`` the port speaks HTTPS
-(mutual TLS when the config has a client CA). Bodies above ``max_body_bytes`` are 413 before
-they are parsed. The wire format (fields, chunks, error envelope) is
-``pdserve.router.openai_protocol``.
+``GET /health`` (200 while serving, else 503), ``GET /version``. With ``api_key`` (or
+``priority_api_keys``) every path but ``/health`` and ``/version`` needs ``Authorization: Bearer
+KEY`` (401 otherwise), and ``priority`` < 0 a priority key (403, ``param: "priority"``), checked
+by the same :class:`pdserve.router.auth.Access` as gRPC; with ``tls`` the port speaks HTTPS
+(mutual TLS when the config has a client CA). Bodies above ``max_body_bytes`` (by default
+sized from the model's context: ``openai_protocol.max_body_bytes``) are 413 before they are
+read whole; a body larger than ``openai_protocol.INLINE_PARSE_BYTES`` is parsed in a thread, so
+parsing never holds the event loop that every stream shares. A 429 carries ``Retry-After``.
+The wire format (fields, chunks, error envelope) is ``pdserve.router.openai_protocol``.
 
 Life of a generation (``_completion_job`` / ``_chat_job``, then
 ``pdserve.router.http_generation``), the same steps as the gRPC servicer's:
@@ -38,12 +41,12 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol
 
 import uvicorn
-from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError as BodyValidationError
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -51,9 +54,14 @@ from starlette.responses import Response
 import pdserve
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import openai_protocol as oa
-from pdserve.router.auth import ApiKey, TLSConfig
+from pdserve.router.auth import Access, TLSConfig, check_priority
 from pdserve.router.backend import GenerationBackend
-from pdserve.router.errors import DeadlineExceededError, NoWorkersError, RequestValidationError
+from pdserve.router.errors import (
+    DeadlineExceededError,
+    NoWorkersError,
+    PermissionDeniedError,
+    RequestValidationError,
+)
 from pdserve.router.http_asgi import Guard, QuietServer, TaskResponse, listening_socket
 from pdserve.router.http_generation import HttpGeneration, HttpJob
 from pdserve.router.validation import (
@@ -65,6 +73,8 @@ from pdserve.router.validation import (
 )
 
 logger = logging.getLogger(__name__)
+
+WORK_THREADS = 2  # large bodies parsed and chats rendered at once
 
 class PromptTools(Protocol):
     """What the HTTP front door needs of the model's tokenizer (the router actor's)."""
@@ -86,19 +96,25 @@ class HttpServer:
     def __init__(self, backend: GenerationBackend, *, model_root: str = "",
                  tools: PromptTools | None = None,
                  accepting: Callable[[], None] | None = None, api_key: str | None = None,
-                 tls: TLSConfig | None = None, max_body_bytes: int = 16 * 1024 * 1024,
-                 max_concurrency: int | None = None) -> None:
+                 tls: TLSConfig | None = None, max_body_bytes: int | None = None,
+                 max_concurrency: int | None = None,
+                 priority_api_keys: tuple[str, ...] = ()) -> None:
         self._backend = backend
-        self._model_root = model_root  # /v1/models "root"
+        self._model_root = model_root  # also accepted as the model's name (never shown)
+        if max_body_bytes is None:
+            max_body_bytes = oa.max_body_bytes(backend.model_info().max_context_tokens)
         self._tools = tools  # chat template and token text; None: no chat, no logprob text
         self._generation = HttpGeneration(backend, tools)
         self._accepting = accepting or self._backend_ready  # raises NoWorkersError when not
         self._tls = tls
         self._max_concurrency = max_concurrency
         self._started_at = oa.now()
+        # bodies parsed and chats rendered on threads of their own, off the loop and off its
+        # default pool (which the worker directory's refresh runs on)
+        self._work = ThreadPoolExecutor(WORK_THREADS, thread_name_prefix="pdserve-http")
         self.app = self._build_app()
-        self.asgi = Guard(self.app, None if api_key is None else ApiKey(api_key),
-                           max_body_bytes)
+        access = Access(() if api_key is None else (api_key,), priority_keys=priority_api_keys)
+        self.asgi = Guard(self.app, access, max_body_bytes)
         self._server: QuietServer | None = None
         self._task: asyncio.Task | None = None
         self.port: int | None = None  # bound port once started
@@ -139,6 +155,7 @@ class HttpServer:
             self._server.force_exit = True
             await self._task
         self._task = self._server = None
+        self._work.shutdown(wait=False, cancel_futures=True)
         logger.info("pdserve HTTP server stopped")
 
     def _backend_ready(self) -> None:
@@ -152,16 +169,7 @@ class HttpServer:
 
         @app.exception_handler(oa.OpenAIError)
         async def _openai_error(_request, exc: oa.OpenAIError):
-            return JSONResponse(exc.body(), status_code=exc.status)
-
-        @app.exception_handler(BodyValidationError)
-        async def _body_error(_request, exc: BodyValidationError):
-            first = (exc.errors() or [{}])[0]
-            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-            param = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc).lstrip(".")
-            message = f"{param}: {first.get('msg', 'invalid request body')}" if param else \
-                first.get("msg", "invalid request body")
-            return JSONResponse(oa.OpenAIError(400, message, param=param or None).body(), 400)
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(_request, exc: StarletteHTTPException):
@@ -170,18 +178,19 @@ class HttpServer:
                                                code=code).body(), exc.status_code)
 
         @app.post("/v1/completions")
-        async def completions(body: oa.CompletionRequest):
+        async def completions(request: Request):
+            body = await self._parse(oa.CompletionRequest, request)
             return await self._guarded(self._completion_job(body), "prompt")
 
         @app.post("/v1/chat/completions")
-        async def chat_completions(body: oa.ChatCompletionRequest):
+        async def chat_completions(request: Request):
+            body = await self._parse(oa.ChatCompletionRequest, request)
             return await self._guarded(self._chat_job(body), "messages")
 
         @app.get("/v1/models")
         async def models():
             model = self._backend.model_info()
-            return oa.model_list(model.model_name, self._model_root, model.max_context_tokens,
-                                 self._started_at)
+            return oa.model_list(model.model_name, model.max_context_tokens, self._started_at)
 
         @app.get("/health")
         async def health():
@@ -196,6 +205,14 @@ class HttpServer:
             return {"version": pdserve.__version__}
 
         return app
+
+    async def _parse(self, model, request: Request):
+        """The body as ``model`` (400 naming the field), large ones parsed in a thread."""
+        raw = await request.body()
+        if len(raw) <= oa.INLINE_PARSE_BYTES:
+            return oa.parse_body(model, raw)
+        return await asyncio.get_running_loop().run_in_executor(self._work, oa.parse_body,
+                                                                model, raw)
 
     async def _guarded(self, making, prompt_param: str) -> Response:
         try:
@@ -222,6 +239,11 @@ class HttpServer:
         self._accepting()
         model = self._backend.model_info()
         params, given = oa.sampling_params(body, model.vocab_size)
+        try:
+            check_priority(params.priority)
+        except PermissionDeniedError as exc:
+            raise oa.OpenAIError(403, str(exc), "permission_error", param=exc.field,
+                                 code="priority_not_allowed") from None
         if given:
             check_max_tokens("max_completion_tokens" if getattr(body, "max_completion_tokens",
                                                                 None) is not None
@@ -257,11 +279,15 @@ class HttpServer:
                                       "(tokenizer_config.json chat_template or "
                                       "chat_template.jinja); use /v1/completions",
                                  param="messages", code="no_chat_template")
+        if len(body.messages) > model.max_context_tokens:  # each takes a token at least
+            raise RequestValidationError("messages", f"{len(body.messages)} messages can never "
+                                         f"fit the model's context of "
+                                         f"{model.max_context_tokens} tokens")
         messages = oa.chat_messages(body)
         check_prompt_text("messages", "".join(m["content"] for m in messages), model)
         try:
-            ids = await asyncio.to_thread(self._tools.render_chat, messages,
-                                          body.add_generation_prompt)
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._work, self._tools.render_chat, messages, body.add_generation_prompt)
         except ValueError as exc:
             raise RequestValidationError("messages", f"the chat template refused the "
                                                      f"conversation: {exc}") from None
@@ -276,4 +302,4 @@ class HttpServer:
         params = fit_to_context(ids, validated, model)
         deadline = None if body.timeout is None else time.monotonic() + body.timeout
         return HttpJob(chat, f"{prefix}-{uuid.uuid4().hex}", model.model_name, oa.now(), ids,
-                    params, deadline, body.stream, body.include_usage)
+                       params, deadline, body.stream, body.include_usage, not given)

@@ -13,7 +13,8 @@ Pools (set by the pool manager's reconcile in the router's process):
 Besides the histograms the router keeps :class:`SlidingWindow` samples of what the
 autoscaler reads (percentiles and rates over its window): the router's TTFT, the ITL, the
 prefill pool's part of TTFT (queue + compute + KV send at the worker) and prompt tokens.
-``start_http`` serves the text format on the metrics port.
+``start_http`` serves the text format on the metrics port (``pdserve.router.metrics_http``:
+behind the admin key when the router has one).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import bisect
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.engine.messages import PrefillResult, WorkerStats
+from pdserve.router.metrics_http import start_metrics_server
 
 PREEMPTION_KINDS = ("recompute", "bounce")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -225,6 +227,7 @@ class RouterMetrics:
             except KeyError:
                 pass
 
-    def start_http(self, port: int, host: str = "127.0.0.1"):
-        """Serve /metrics; returns (server, thread)."""
-        return start_http_server(port, addr=host, registry=self.registry)
+    def start_http(self, port: int, host: str = "127.0.0.1", admin_api_key: str | None = None):
+        """Serve /metrics (with ``admin_api_key``: only to scrapes sending it); returns
+        (server, thread)."""
+        return start_metrics_server(self.registry, port, host, admin_api_key)

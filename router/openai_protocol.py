@@ -20,7 +20,7 @@ import math
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.router.errors import (
@@ -28,12 +28,18 @@ from pdserve.router.errors import (
     DuplicateRequestError,
     NoWorkersError,
     QueueFullError,
+    RequestFailedError,
     RequestTooLargeError,
     RequestValidationError,
 )
-from pdserve.router.validation import check_stop_strings
 
 UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob too small to report
+MAX_TIMEOUT_S = 86_400.0  # the longest ``timeout`` a request may ask for (a day)
+DEFAULT_RETRY_AFTER_S = 1.0  # a 429's Retry-After when the queue gives no better hint
+BODY_BYTES_PER_CONTEXT_TOKEN = 64  # the default body bound: this much per token of context,
+BODY_BYTES_BASE = 64 * 1024  # plus this (a prompt's JSON is far below it; see max_body_bytes)
+INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this are parsed on the event loop, larger in a
+# thread, so a large body never holds the loop (and every stream on it) for its whole parse
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # pdserve's -> OpenAI's
 
 
@@ -41,17 +47,25 @@ class OpenAIError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status  # HTTP status
         self.message = message
         self.type = type_
         self.param = param  # the request parameter at fault, when one is
         self.code = code
+        self.retry_after_s = retry_after_s  # a 429's hint: the Retry-After header
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """Headers the error is answered with: Retry-After (whole seconds, at least 1)."""
+        if self.retry_after_s is None:
+            return {}
+        return {"retry-after": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 # Router error -> (status, type, code); the first match wins.
@@ -62,6 +76,7 @@ _HTTP_BY_ERROR: tuple[tuple[type[Exception], int, str, str | None], ...] = (
     (NoWorkersError, 503, "service_unavailable", "no_workers"),
     (DuplicateRequestError, 409, "invalid_request_error", "duplicate_request"),
     (DeadlineExceededError, 504, "timeout", "deadline_exceeded"),
+    (RequestFailedError, 500, "server_error", "request_failed"),
 )
 _PARAM_BY_FIELD = {"text": "prompt", "token_ids": "prompt", "input": "prompt",
                    "sampling.max_tokens": "max_tokens", "sampling.logprobs": "logprobs"}
@@ -77,8 +92,36 @@ def openai_error(exc: Exception, prompt_param: str = "prompt") -> OpenAIError:
             if isinstance(exc, RequestValidationError):
                 param = _PARAM_BY_FIELD.get(exc.field, exc.field.removeprefix("sampling."))
                 param = prompt_param if param == "prompt" else param
-            return OpenAIError(status, str(exc), type_, param, code)
+            retry_after = getattr(exc, "retry_after_s", None) if status == 429 else None
+            if status == 429 and retry_after is None:
+                retry_after = DEFAULT_RETRY_AFTER_S
+            return OpenAIError(status, str(exc), type_, param, code, retry_after)
     return OpenAIError(500, f"internal error ({type(exc).__name__})", "server_error")
+
+
+def max_body_bytes(max_context_tokens: int) -> int:
+    """The default bound on a request body: room for any prompt that can fit the context (a
+    token is a few characters, a character at most a 6-byte JSON escape) and the other fields,
+    far below what it costs to parse a body that could never be served."""
+    return BODY_BYTES_BASE + BODY_BYTES_PER_CONTEXT_TOKEN * max_context_tokens
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """A request body as ``model``; malformed JSON or a refused field is a 400 naming it."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise body_error(exc.errors()) from None
+
+
+def body_error(errors: list) -> OpenAIError:
+    """The 400 for pydantic's first complaint, the parameter named by its path
+    (``messages[0].role``)."""
+    first = (errors or [{}])[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc).lstrip(".")
+    message = first.get("msg", "invalid request body")
+    return OpenAIError(400, f"{param}: {message}" if param else message, param=param or None)
 
 
 class StreamOptions(BaseModel):
@@ -112,7 +155,8 @@ class _SamplingBody(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     priority: int | None = None
-    timeout: float | None = Field(default=None, gt=0)  # seconds; past it: 504
+    timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S,
+                                  allow_inf_nan=False)  # seconds; past it: 504
 
     @property
     def include_usage(self) -> bool:
@@ -217,7 +261,6 @@ def sampling_params(body: _SamplingBody, vocab_size: int) -> tuple[SamplingParam
     else:
         logprobs = body.logprobs
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    check_stop_strings(stop, "stop")
     values = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
               "top_k": body.top_k, "min_p": body.min_p,
               "repetition_penalty": body.repetition_penalty,
@@ -331,10 +374,11 @@ def usage_chunk(request_id: str, model: str, created: int, chat: bool, usage_: d
             "created": created, "model": model, "choices": [], "usage": usage_}
 
 
-def model_list(model_name: str, root: str, max_context_tokens: int, created: int) -> dict:
+def model_list(model_name: str, max_context_tokens: int, created: int) -> dict:
+    """``GET /v1/models``: the served model by name (never where its files lie)."""
     return {"object": "list", "data": [{
         "id": model_name, "object": "model", "created": created, "owned_by": "pdserve",
-        "root": root, "parent": None, "max_model_len": max_context_tokens}]}
+        "root": model_name, "parent": None, "max_model_len": max_context_tokens}]}
 
 
 def now() -> int:

@@ -34,13 +34,11 @@ from pdserve.router.backend import ModelSpec
 from pdserve.router.errors import RequestValidationError
 
 __all__ = ["RequestValidationError", "ValidatedRequest", "validate_generate_request",
-           "check_request_id", "check_prompt_text", "check_token_ids", "check_stop_strings",
+           "check_request_id", "check_prompt_text", "check_token_ids",
            "check_max_tokens", "sampling_params_from_proto", "fit_to_context"]
 
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
-MAX_STOP_STRINGS = 32  # stop strings per request
-MAX_STOP_STRING_CHARS = 256  # characters per stop string
 MAX_PROMPT_CHARS_PER_TOKEN = 32  # a longer text can never fit the context (tokens average < 8)
 
 # Optional scalar fields of pdserve.v1.SamplingParams, named as in SamplingParams.
@@ -105,22 +103,6 @@ def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> No
             f"[0, {vocab_size})")
 
 
-_check_token_ids = check_token_ids
-
-
-def check_stop_strings(stop: list[str], field: str = "sampling.stop") -> None:
-    if len(stop) > MAX_STOP_STRINGS:
-        raise RequestValidationError(
-            field, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-    for text in stop:
-        if len(text) > MAX_STOP_STRING_CHARS:
-            raise RequestValidationError(
-                field, f"each stop string must be at most {MAX_STOP_STRING_CHARS} "
-                f"characters, got {len(text)}")
-
-
-_check_stop_strings = check_stop_strings
-
 
 def check_max_tokens(field: str, max_tokens: int, model: ModelSpec) -> None:
     """Raise when ``max_tokens`` alone leaves no room for a prompt in the context."""
@@ -137,7 +119,6 @@ def sampling_params_from_proto(sampling: generation_pb2.SamplingParams,
         name: getattr(sampling, name) for name in _SCALAR_FIELDS if sampling.HasField(name)}
     stop = list(sampling.stop)
     stop_token_ids = list(sampling.stop_token_ids)
-    _check_stop_strings(stop)
     try:
         params = SamplingParams(stop=stop, stop_token_ids=stop_token_ids, **kwargs)
     except ValueError as exc:
@@ -145,7 +126,7 @@ def sampling_params_from_proto(sampling: generation_pb2.SamplingParams,
         name = str(exc).split(" ", 1)[0]
         field = f"sampling.{name}" if name in _ALL_FIELDS else "sampling"
         raise RequestValidationError(field, str(exc)) from exc
-    _check_token_ids("sampling.stop_token_ids", params.stop_token_ids, vocab_size)
+    check_token_ids("sampling.stop_token_ids", params.stop_token_ids, vocab_size)
     return params
 
 
@@ -167,7 +148,7 @@ def validate_generate_request(request: generation_pb2.GenerateRequest,
         prompt_token_ids = list(request.token_ids.ids)
         if not prompt_token_ids:
             raise RequestValidationError("token_ids", "must hold at least one token id")
-        _check_token_ids("token_ids", prompt_token_ids, model.vocab_size)
+        check_token_ids("token_ids", prompt_token_ids, model.vocab_size)
     params = sampling_params_from_proto(request.sampling, model.vocab_size)
     if request.sampling.HasField("max_tokens"):
         check_max_tokens("sampling.max_tokens", params.max_tokens, model)

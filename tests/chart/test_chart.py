@@ -202,6 +202,41 @@ def test_external_redis(values_files, render):
     assert gcs["redisAddress"] == "redis-master.data.svc:6379"
 
 
+def test_keys_come_from_secrets_as_env_or_files_and_pdserve_reads_them(values_files, render,
+                                                                       tmp_path):
+    from pdserve.cluster.cli import build_parser
+    from pdserve.cluster.credentials import resolve_secrets
+    from pdserve.cluster.options import ClusterOptions
+    from pdserve.cluster.settings import options_from_args
+
+    rendered = render(values_files["external-redis"])
+    spec = rendered.one("Deployment", "-controller")["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PDSERVE_ADMIN_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "pdserve-admin-key", "key": "key"}
+    args = controller_args(rendered)
+    path = args[args.index("--priority-api-key-file") + 1]
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "pdserve-priority-keys" and mount["readOnly"]
+    assert volume["secret"]["items"] == [{"key": "keys", "path": path.rsplit("/", 1)[1]}]
+    monitor = rendered.one("ServiceMonitor")["spec"]["endpoints"][0]
+    assert monitor["authorization"] == {"type": "Bearer", "credentials": {
+        "name": "pdserve-admin-key", "key": "key"}}
+    # What pdserve serve makes of it, with the Secrets' values where the kubelet puts them.
+    keys = tmp_path / "keys"
+    keys.write_text("prio-1\nprio-2\n")
+    args[args.index("--priority-api-key-file") + 1] = str(keys)
+    options = options_from_args(build_parser().parse_args(args), ClusterOptions())
+    options = resolve_secrets(options, {"PDSERVE_API_KEY": "api", "PDSERVE_ADMIN_API_KEY":
+                                        "admin", "PDSERVE_REDIS_URL": "redis://h:1/2",
+                                        "PDSERVE_REDIS_PASSWORD": "pw"})
+    assert (options.api_key, options.admin_api_key, options.priority_api_keys) == (
+        "api", "admin", ("prio-1", "prio-2"))
+    assert not any(re.search(r"api-key |password", a) for a in args)
+
+
 @pytest.mark.parametrize("name", CI_FILES)
 def test_no_literal_secret_in_any_env(name, values_files, render):
     rendered = render(values_files[name])
@@ -262,6 +297,8 @@ def test_router_service_and_grpc_health(render, values_files):
     ({"prefill": {"replicas": 0}}, "replicas"),
     ({"router": {"servce": {}}}, "servce"),
     ({"redis": {"enabled": False}}, "url"),
+    ({"router": {"args": {"api-key": "k"}}}, "secrets never go in pdserve's arguments"),
+    ({"prefill": {"engineArgs": {"redis-url": "redis://:pw@h:1"}}}, "secrets never go"),
 ])
 def test_bad_values_fail_with_a_message(values, message):
     import helm_python

@@ -77,3 +77,28 @@ def test_a_local_ray_advertises_enough_cpus_for_the_pools_at_their_largest():
     assert _options("--worker-cpus", "0").local_ray_cpus(cores=2) == 2
     autoscaled = _options("--autoscale", "--prefill", "5", "--max-prefill", "2")
     assert autoscaled.initial_targets() == {"prefill": 2, "decode": 1}
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--decode", "65"], "num_decode (65) exceeds max_workers_per_pool (64)"),
+    (["--prefill", "9", "--max-workers-per-pool", "8"], "num_prefill (9) exceeds"),
+    (["--autoscale", "--max-decode", "100"], "autoscale max_decode (100) exceeds"),
+    (["--max-workers-per-pool", "0"], "max_workers_per_pool must be >= 1"),
+])
+def test_pool_sizes_stay_under_max_workers_per_pool(argv, named):
+    with pytest.raises(settings.SettingsError) as err:
+        _options(*argv)
+    assert named in str(err.value) and "--max-workers-per-pool" in str(err.value).split(":")[0]
+    assert _options("--decode", "65", "--max-workers-per-pool", "65").num_decode == 65
+
+
+def test_the_pool_manager_refuses_a_target_above_its_ceiling():
+    from pdserve.cluster.pool_settings import PoolSettings
+
+    pools = PoolSettings((), max_workers_per_pool=8)
+    for size in (0, 8):
+        pools.check_pool_size(size)
+    for size in (-1, 9, 10**6):
+        with pytest.raises(ValueError, match=r"^size must be in \[0, 8\] \(the server's "
+                                             r"--max-workers-per-pool\), got"):
+            pools.check_pool_size(size)

@@ -18,7 +18,7 @@ from pdserve.router.grpc_server import GenerationServer
 WORKER_KEYS = {"worker_id", "role", "node", "pid", "state", "running", "waiting",
                "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts",
                "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding",
-               "device", "torch_threads"}
+               "device", "torch_threads", "kv_int8"}
 
 
 @pytest.fixture
@@ -34,7 +34,8 @@ def server():
                                                     kv_pool_bytes=390 << 20,
                                                     margin_bytes=26 << 20, num_kv_blocks=780,
                                                     block_size=16, device="cpu",
-                                                    num_threads=2)),
+                                                    num_threads=2,
+                                                    kv_int8="hybrid calibrated on text")),
         WorkerInfo("decode-2", "decode", "starting", restarts=1),
         WorkerInfo("decode-1", "decode", "dead", "127.0.0.1", 103, error="actor died"),
     ], {"prefill": 1, "decode": 2})
@@ -71,7 +72,7 @@ def test_status_json_is_one_object_with_pools_and_workers(server, capsys):
                                  "heartbeat_age_s": 0.5, "restarts": 0,
                                  "compute_utilization": 0.05, "bandwidth_utilization": 0.4,
                                  "busy_fraction": 0.9, "binding": "bandwidth", "device": "cpu",
-                                 "torch_threads": 2}
+                                 "torch_threads": 2, "kv_int8": "hybrid calibrated on text"}
     assert by_id["decode-2"]["state"] == "starting"
     assert by_id["decode-2"]["heartbeat_age_s"] is None
     assert by_id["decode-1"]["state"] == "dead"
@@ -90,6 +91,7 @@ def test_status_table_lists_pools_and_workers(server, capsys):
                            "0",
                            "10/128", "5.0%", "40.0%", "bandwidth", "0.5s", "0"]
     assert "actor died" in next(line for line in lines if line.startswith("decode-1"))
+    assert "decode-0: int8 KV hybrid calibrated on text" in lines  # what the ledger says
 
 
 def test_status_checklist_prints_utilisation_and_memory(server, capsys):

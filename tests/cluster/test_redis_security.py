@@ -7,7 +7,7 @@ import psutil
 import pytest
 import redis
 
-from pdserve.cluster.redis_server import RedisServer, redact_url
+from pdserve.cluster.redis_server import RedisServer, redact_url, url_password, with_password
 
 
 def test_embedded_redis_requires_its_generated_password():
@@ -34,3 +34,19 @@ def test_a_given_password_and_redaction():
     assert redact_url("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
     with pytest.raises(ValueError, match="password"):
         RedisServer(password="has space")
+
+
+def test_every_kind_of_url_secret_is_redacted_and_set_apart():
+    assert redact_url("rediss://u:p%40ss@h:1/0?db=2") == "rediss://u:***@h:1/0?db=2"
+    assert redact_url("redis://h:1/0?password=pw&db=2") == "redis://h:1/0?password=***&db=2"
+    assert redact_url("ray://h:10001?token=tk") == "ray://h:10001?token=***"
+    assert redact_url("redis://:pw@[::1:1/0") == "<URL hidden: it does not parse>"
+    assert redact_url(None) is None
+    assert url_password("redis://:p%40ss@h:1/0") == "p@ss"
+    assert url_password("redis://h:1/0?password=pw") == "pw"
+    assert url_password("redis://h:1/0") is None
+    url = with_password("redis://h:1/0", "p@ss/w")
+    assert url_password(url) == "p@ss/w" and redact_url(url) == "redis://:***@h:1/0"
+    assert redis.connection.parse_url(url)["password"] == "p@ss/w"  # what redis-py reads
+    with pytest.raises(ValueError, match="holds a password already"):
+        with_password(url, "other")

@@ -216,12 +216,15 @@ def test_a_detached_cluster_left_running_is_adopted_by_the_next_launcher(start_c
     assert [pid for pid in pids if is_running(pid)] == []
 
 
-def test_a_left_router_of_another_redis_is_replaced_not_adopted(start_cluster, model_dir, e2e):
+def test_a_left_router_of_another_redis_is_replaced_not_adopted(start_cluster, model_dir, e2e,
+                                                                caplog):
     """A detached router left running on a Redis that is gone is stale to the next launcher
-    of its cluster name: it and its workers are killed, and fresh ones serve."""
+    of its cluster name: it and its workers are killed, and fresh ones serve. The warning
+    that says so shows that Redis's URL without its password."""
     import uuid
 
     from pdserve.cluster.processes import wait_gone
+    from pdserve.cluster.redis_server import url_password
 
     name = f"stale{uuid.uuid4().hex[:6]}"
     first = start_cluster(model_dir, own_redis=True, cluster_name=name, detached=True,
@@ -229,8 +232,12 @@ def test_a_left_router_of_another_redis_is_replaced_not_adopted(start_cluster, m
     left = first.actor_pids()
     first.stop()  # leaves the router and its pools running, stops the Redis they use
     assert left and all(is_running(pid) for pid in left)
+    password = url_password(first.redis_url)
     second = start_cluster(model_dir, cluster_name=name, detached=True)
     try:
+        stale = [r.getMessage() for r in caplog.records if "stale router" in r.getMessage()]
+        assert stale and ":***@" in stale[0], stale
+        assert password and password not in caplog.text
         assert wait_gone(left, START_S) == set()
         assert second.actor_pids().isdisjoint(left)
         prompts = e2e.prompts(6, 2)

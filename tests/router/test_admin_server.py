@@ -11,7 +11,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.api import admin_pb2, admin_pb2_grpc
-from pdserve.router.admin_server import WorkerInfo
+from pdserve.router.admin_server import MAX_NAME_CHARS, MAX_TRACE_IDS, MAX_TRACE_LIMIT, WorkerInfo
 from pdserve.router.fake_admin import FakeAdmin
 from pdserve.router.fake_backend import FakeBackend
 from pdserve.router.grpc_server import GenerationServer
@@ -102,6 +102,48 @@ def test_set_pool_target_validates_role_and_size():
     assert pool.role == "decode" and pool.target == 5
     assert codes[0][0] == codes[1][0] == grpc.StatusCode.INVALID_ARGUMENT
     assert "role" in codes[0][1] and "size" in codes[1][1]
+
+
+class TracingAdmin(FakeAdmin):
+    """FakeAdmin that keeps no traces but records what it was asked."""
+
+    def __init__(self):
+        super().__init__(WORKERS, {"decode": 1})
+        self.asked: list = []
+
+    async def traces(self, request_ids, limit):
+        self.asked.append((len(request_ids), limit))
+        return []
+
+    async def drain_worker(self, worker_id):
+        self.asked.append(worker_id)
+        return await super().drain_worker(worker_id)
+
+
+def test_admin_inputs_are_bounded_before_the_backend():
+    long = "d" * (MAX_NAME_CHARS + 1)
+    calls = [("worker_id", "DrainWorker", admin_pb2.DrainWorkerRequest(worker_id=long * 1000)),
+             ("role", "SetPoolTarget", admin_pb2.SetPoolTargetRequest(role=long, size=1)),
+             ("limit", "GetTraces", admin_pb2.GetTracesRequest(limit=MAX_TRACE_LIMIT + 1)),
+             ("request_ids", "GetTraces",
+              admin_pb2.GetTracesRequest(request_ids=["r"] * (MAX_TRACE_IDS + 1)))]
+
+    async def main():
+        admin = TracingAdmin()
+        async with serving(admin) as (stub, _admin, _channel):
+            errors = []
+            for _field, method, request in calls:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await getattr(stub, method)(request)
+                errors.append(err.value)
+            await stub.GetTraces(admin_pb2.GetTracesRequest(limit=MAX_TRACE_LIMIT))
+            return errors, admin.asked
+
+    errors, asked = run(main())
+    for (field, _method, _request), error in zip(calls, errors, strict=True):
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, error.details())
+        assert error.details().startswith(field) and len(error.details()) < 200
+    assert asked == [(0, MAX_TRACE_LIMIT)]  # nothing out of bounds reached the backend
 
 
 def test_a_backend_bug_is_internal_without_its_message():

@@ -1,24 +1,30 @@
-"""API key and TLS on the gRPC front door (FakeBackend over real loopback gRPC): Generation,
-Admin and reflection need the key, health stays open; TLS round trip; mutual TLS refuses a
+"""Keys, roles and TLS on the gRPC front door (FakeBackend over real gRPC): Generation and
+reflection need an inference key, health stays open; Admin needs the admin key and refuses
+inference keys, and without an admin key answers loopback callers only; priority < 0 needs a
+priority key (none of this gates a server without keys); TLS round trip; mutual TLS refuses a
 client without a certificate or with one the server's CA did not sign."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 import grpc
+import psutil
 import pytest
 
 from pdserve.api.admin_client import AdminClient
 from pdserve.api.client import AsyncPdserveClient, ClientTLS, PdserveClient, PdserveError
-from pdserve.router.auth import ApiKey, TLSConfig
+from pdserve.router.auth import Access, ApiKey, TLSConfig, is_loopback_peer, keys_from_file
 from pdserve.router.fake_admin import FakeAdmin
 from pdserve.router.fake_backend import FakeBackend
 from pdserve.router.grpc_server import GenerationServer
 from pdserve.testing import make_test_certificates
 
 KEY = "test-key-123"
+ADMIN = "admin-key-456"
+PRIORITY = "priority-key-789"
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +33,8 @@ def certs(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(**kwargs):
-    """A GenerationServer on its own loop in a thread; yields its port."""
+def serving(host: str = "127.0.0.1", **kwargs):
+    """A GenerationServer on ``host`` on its own loop in a thread; yields its port."""
     import threading
 
     loop = asyncio.new_event_loop()
@@ -38,7 +44,7 @@ def serving(**kwargs):
 
     def main():
         asyncio.set_event_loop(loop)
-        ready["port"] = loop.run_until_complete(server.start("127.0.0.1", 0))
+        ready["port"] = loop.run_until_complete(server.start(host, 0))
         loop.run_forever()
 
     thread = threading.Thread(target=main, daemon=True)
@@ -79,12 +85,6 @@ def test_grpc_needs_the_key_except_health():
             with pytest.raises(PdserveError) as err:
                 wrong.generate([1, 2], max_tokens=2)
             assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
-        with AdminClient(target, timeout=5) as admin:
-            with pytest.raises(PdserveError) as err:
-                admin.get_pools()
-            assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
-        with AdminClient(target, timeout=5, api_key=KEY) as admin:
-            assert admin.get_pools() is not None
         with PdserveClient(target, timeout=5, api_key=KEY) as client:
             assert client.generate([1, 2], max_tokens=3).token_ids == [3, 4, 5]
 
@@ -161,3 +161,97 @@ def test_tls_config_checks(certs, tmp_path):
         TLSConfig.from_files(certs["server_cert"], tmp_path / "missing.key")
     with pytest.raises(ValueError, match="tls_key must be a PEM private key"):
         TLSConfig.from_files(certs["server_cert"], certs["server_cert"])
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(PdserveError) as err:
+        call()
+    return err.value.code
+
+
+def test_admin_needs_the_admin_key_and_refuses_inference_keys():
+    with serving(api_key=KEY, admin_api_key=ADMIN, priority_api_keys=(PRIORITY,)) as port:
+        target = f"127.0.0.1:{port}"
+        with AdminClient(target, timeout=5) as anonymous:  # loopback is no credential now
+            assert _code(anonymous.get_pools) == grpc.StatusCode.UNAUTHENTICATED
+        for inference_key in (KEY, PRIORITY):
+            with AdminClient(target, timeout=5, api_key=inference_key) as admin:
+                for call in (admin.get_pools, lambda a=admin: a.drain_worker("decode-0"),
+                             lambda a=admin: a.set_pool_target("decode", 1_000_000)):
+                    assert _code(call) == grpc.StatusCode.PERMISSION_DENIED
+        with AdminClient(target, timeout=5, api_key=ADMIN) as admin:
+            assert admin.set_pool_target("decode", 2).target == 2
+            assert {p.role for p in admin.get_pools()} == {"decode"}
+        with PdserveClient(target, timeout=5, api_key=ADMIN) as client:  # no inference key
+            assert _code(lambda: client.generate([1], max_tokens=1)) == \
+                grpc.StatusCode.UNAUTHENTICATED
+
+
+def _non_loopback_ipv4() -> str | None:
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not address.address.startswith("127."):
+                return address.address
+    return None
+
+
+def test_admin_without_an_admin_key_answers_loopback_callers_only():
+    assert is_loopback_peer("ipv4:127.0.0.1:5000") and is_loopback_peer("ipv6:[::1]:5000")
+    assert is_loopback_peer("ipv6:%5B::1%5D:5000") and is_loopback_peer("unix:/tmp/s")
+    assert is_loopback_peer("ipv6:[::ffff:127.0.0.1]:5000")
+    for remote in ("ipv4:10.0.0.7:5000", "ipv6:[fd00::2]:5000", "ipv4:not-an-ip:1", ""):
+        assert not is_loopback_peer(remote)
+    host = _non_loopback_ipv4()
+    if host is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to call from")
+    with serving(host="0.0.0.0", api_key=KEY) as port:
+        with AdminClient(f"127.0.0.1:{port}", timeout=5) as local:
+            assert local.get_pools() is not None  # the operator on the router's machine
+        for key in (None, KEY):
+            with AdminClient(f"{host}:{port}", timeout=5, api_key=key) as remote:
+                with pytest.raises(PdserveError) as err:
+                    remote.set_pool_target("decode", 3)
+                assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+                assert "--admin-api-key-file" in err.value.details
+        with PdserveClient(f"{host}:{port}", timeout=5, api_key=KEY) as client:
+            assert client.generate([1], max_tokens=1).token_ids == [2]  # inference is remote
+
+
+def test_priority_above_the_default_needs_a_priority_key():
+    with serving(api_key=KEY, priority_api_keys=(PRIORITY,)) as port:
+        target = f"127.0.0.1:{port}"
+        with PdserveClient(target, timeout=5, api_key=KEY) as client:
+            with pytest.raises(PdserveError) as err:
+                client.generate([1], max_tokens=1, priority=-1)
+            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert err.value.details.startswith("priority:")
+            assert client.generate([1], max_tokens=1, priority=3).token_ids == [2]
+            assert client.generate([1], max_tokens=1, priority=0).token_ids == [2]
+        with PdserveClient(target, timeout=5, api_key=PRIORITY) as client:
+            assert client.generate([1], max_tokens=1, priority=-5).token_ids == [2]
+    with serving() as port:  # no key at all: no tenants, nothing gated
+        with PdserveClient(f"127.0.0.1:{port}", timeout=5) as client:
+            assert client.generate([1], max_tokens=1, priority=-5).token_ids == [2]
+
+
+def test_access_keys_are_separate_and_key_files_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="admin_api_key must differ"):
+        Access((KEY,), admin_key=KEY)
+    with pytest.raises(ValueError, match="admin_api_key must differ"):
+        Access((KEY,), admin_key=PRIORITY, priority_keys=(PRIORITY,))
+    access = Access((KEY,), ADMIN, (PRIORITY,))
+    assert access.inference_caller(f"Bearer {KEY}").may_prioritize is False
+    assert access.inference_caller(f"Bearer {PRIORITY}").may_prioritize is True
+    assert access.inference_caller(f"Bearer {ADMIN}") is None
+    assert access.metrics_allowed(f"Bearer {ADMIN}") and not access.metrics_allowed(KEY)
+    assert Access().inference_caller(None).may_prioritize and Access().metrics_allowed(None)
+    keys = tmp_path / "keys"
+    keys.write_text(f"# priority clients\n{KEY}\n\n  {PRIORITY}  \n")
+    assert keys_from_file(keys, "priority_api_key_file") == (KEY, PRIORITY)
+    for text, match in (("", "holds no key"), ("a b\n", "line 1 .* holds whitespace")):
+        keys.write_text(text)
+        with pytest.raises(ValueError, match=match) as err:
+            keys_from_file(keys, "priority_api_key_file")
+        assert "a b" not in str(err.value)  # never the key itself
+    with pytest.raises(ValueError, match="priority_api_key_file: cannot read"):
+        keys_from_file(tmp_path / "missing", "priority_api_key_file")

@@ -18,11 +18,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.api import generation_pb2 as pb
 from pdserve.api import generation_pb2_grpc
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import MAX_STOP_STRINGS
 from pdserve.router.errors import NoWorkersError, QueueFullError, RequestTooLargeError
 from pdserve.router.fake_backend import FakeBackend
 from pdserve.router.grpc_server import SERVICE_NAME, GenerationServer
-from pdserve.router.validation import MAX_STOP_STRINGS
+from pdserve.router.validation import MAX_PROMPT_CHARS_PER_TOKEN, SamplingParams
 
 VOCAB = 64  # FakeBackend's default model
 MAX_CONTEXT = 256
@@ -353,6 +353,18 @@ def test_tokenize_and_model_info():
             assert (info.model_name, info.max_context_tokens, info.vocab_size) == \
                 ("fake-counter", MAX_CONTEXT, VOCAB)
             assert list(info.eos_token_ids) == [63]
+    run(body())
+
+
+def test_tokenize_checks_the_text_size_before_tokenizing():
+    """A text that could never fit the context is refused unread (as Generate's is)."""
+    async def body():
+        async with serving() as h:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.stub.Tokenize(pb.TokenizeRequest(
+                    text="A" * (MAX_PROMPT_CHARS_PER_TOKEN * MAX_CONTEXT + 1)))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith("text:")
     run(body())
 
 

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router import openai_protocol as oa
 from pdserve.router.errors import QueueFullError
 from pdserve.router.fake_backend import FakeBackend, FakePromptTools
 from pdserve.router.http_server import HttpServer
@@ -46,7 +47,8 @@ class Loop:
 class MidStreamFailure(FakeBackend):
     """Fails after its first delta."""
 
-    async def generate(self, request_id, prompt_token_ids, params, deadline):
+    async def generate(self, request_id, prompt_token_ids, params, deadline, tenant=None,
+                       fit_max_tokens=False):
         inner = super().generate(request_id, prompt_token_ids, params, deadline)
         try:
             yield await inner.__anext__()
@@ -176,6 +178,17 @@ def test_usage_chunk_rules_on_the_wire(fake):
     ({"model": MODEL}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1], "stop": ["x"] * 40}, 400, "stop"),
     ({"model": "other", "prompt": [1]}, 404, "model"),
+    # past every array a step packs into: refused where they enter, never inside a step
+    ({"model": MODEL, "prompt": [1], "top_k": 10**30}, 400, "top_k"),
+    ({"model": MODEL, "prompt": [1], "top_k": 2**63}, 400, "top_k"),
+    ({"model": MODEL, "prompt": [1], "max_tokens": 2**63}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": [1], "seed": 2**64}, 400, "seed"),
+    ({"model": MODEL, "prompt": [1], "priority": 2**40}, 400, "priority"),
+    ({"model": MODEL, "prompt": [1], "repetition_penalty": 1e30}, 400, "repetition_penalty"),
+    ({"model": MODEL, "prompt": [1], "stop_token_ids": [1] * 65}, 400, "stop_token_ids"),
+    ({"model": MODEL, "prompt": [1], "stop_token_ids": [10**30]}, 400, "stop_token_ids"),
+    ({"model": MODEL, "prompt": [1], "timeout": 1e30}, 400, "timeout"),
+    ({"model": MODEL, "prompt": [1], "timeout": 0}, 400, "timeout"),
 ])
 def test_bad_requests_get_the_error_envelope(fake, body, status, param):
     response = _post(fake[1], "/v1/completions", body)
@@ -185,11 +198,64 @@ def test_bad_requests_get_the_error_envelope(fake, body, status, param):
         "message", "type", "param", "code"}
 
 
+def test_non_finite_numbers_are_refused_naming_the_field(fake):
+    """JSON has no NaN or Infinity, but Python's encoders (and many clients) send them."""
+    for field in ("temperature", "top_p", "timeout", "presence_penalty"):
+        raw = f'{{"model": "{MODEL}", "prompt": [1], "{field}": NaN}}'
+        response = httpx.post(fake[1] + "/v1/completions", content=raw, timeout=10,
+                              headers={"authorization": f"Bearer {KEY}",
+                                       "content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field
+
+
+def test_malformed_and_large_bodies(loop):
+    backend = FakeBackend()
+    bound = 3 * oa.INLINE_PARSE_BYTES
+    server, url = _start(loop, backend, max_body_bytes=bound)
+    try:
+        broken = httpx.post(url + "/v1/completions", content=b'{"model": ',
+                            headers={"content-type": "application/json"})
+        assert broken.status_code == 400 and broken.json()["error"]["message"]
+        # above the inline bound (parsed in a thread), below the body bound: served
+        body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 2,
+                "user": "x" * (2 * oa.INLINE_PARSE_BYTES)}
+        response = _post(url, "/v1/completions", body, key=None)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 2
+        too_large = _post(url, "/v1/completions", {**body, "user": "x" * bound}, key=None)
+        assert too_large.status_code == 413 and too_large.json()["error"]["code"]
+    finally:
+        loop.run(server.stop(1.0))
+        wait_for(lambda: backend.num_running == 0, 5, "no request left running")
+
+
+def test_too_many_chat_messages_are_refused_before_the_template(fake):
+    """Each message takes a token at least: more messages than the context can never fit."""
+    backend, url = fake
+    body = {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 300}
+    response = _post(url, "/v1/chat/completions", body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+def test_the_default_body_bound_follows_the_context(loop):
+    backend = FakeBackend()
+    server, _ = _start(loop, backend)
+    try:
+        assert server.asgi.max_body_bytes == oa.max_body_bytes(
+            backend.model_info().max_context_tokens)
+    finally:
+        loop.run(server.stop(1.0))
+
+
 def test_statuses_from_the_backend(fake, client):
     backend, url = fake
     body = {"model": MODEL, "prompt": [1], "max_tokens": 2}
-    backend.fail_with = QueueFullError("queue full")
-    assert _post(url, "/v1/completions", body).status_code == 429
+    backend.fail_with = QueueFullError("queue full", retry_after_s=2.2)
+    full = _post(url, "/v1/completions", body)
+    assert full.status_code == 429 and full.headers["retry-after"] == "3"
+    backend.fail_with = QueueFullError("queue full")  # no hint: still a Retry-After
+    assert _post(url, "/v1/completions", body).headers["retry-after"] == "1"
     with pytest.raises(openai.RateLimitError):
         client.completions.create(model=MODEL, prompt=[1], max_tokens=2)
     backend.fail_with = None
@@ -202,6 +268,30 @@ def test_statuses_from_the_backend(fake, client):
     assert slow.status_code == 504 and slow.json()["error"]["code"] == "deadline_exceeded"
     too_big = _post(url, "/v1/completions", {**body, "prompt": "x" * 70_000})
     assert too_big.status_code == 413
+
+
+def test_priority_above_the_default_needs_a_priority_key(loop):
+    backend = FakeBackend()
+    server, url = _start(loop, backend, api_key=KEY, priority_api_keys=("prio-key",))
+    try:
+        body = {"model": MODEL, "prompt": [1], "max_tokens": 1}
+        refused = _post(url, "/v1/completions", {**body, "priority": -1})
+        assert refused.status_code == 403
+        error = refused.json()["error"]
+        assert error["param"] == "priority" and error["type"] == "permission_error"
+        assert "priority key" in error["message"]
+        for key, priority in ((KEY, 0), (KEY, 7), ("prio-key", -3)):
+            response = _post(url, "/v1/completions", {**body, "priority": priority}, key=key)
+            assert response.status_code == 200, response.text
+        assert backend.num_running == 0
+    finally:
+        loop.run(server.stop(1.0))
+    server, url = _start(loop, backend)  # no key at all: nothing gated
+    try:
+        assert _post(url, "/v1/completions", {"model": MODEL, "prompt": [1], "max_tokens": 1,
+                                              "priority": -9}, key=None).status_code == 200
+    finally:
+        loop.run(server.stop(1.0))
 
 
 def test_api_key_and_open_paths(fake):
@@ -218,7 +308,8 @@ def test_api_key_and_open_paths(fake):
     assert httpx.get(url + "/health").status_code == 200
     assert httpx.get(url + "/version").json()["version"]
     models = httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {KEY}"}).json()
-    assert models["data"][0]["id"] == MODEL and models["data"][0]["root"] == "/models/fake"
+    assert models["data"][0]["id"] == MODEL == models["data"][0]["root"]  # never a path
+    assert "/models/fake" not in json.dumps(models)
 
 
 def test_mid_stream_failure_is_an_error_event_without_done(loop):

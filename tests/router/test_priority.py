@@ -16,7 +16,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
-from pdserve.router.errors import RequestTooLargeError
+from pdserve.router.errors import QueueFullError, RequestTooLargeError
 from pdserve.testing import async_wait_for
 
 ENGINE = dict(dtype="float32", block_size=4, max_num_batched_tokens=32)
@@ -97,6 +97,36 @@ def test_bounce_preemption_keeps_tokens_and_never_prefills_on_decode(hf_checkpoi
     assert not any(t.num_migrations for t in traces)  # a bounce is not a failure
 
 
+def test_bounces_are_bounded_per_request(hf_checkpoint):
+    """With max_bounces 0, the first request handed back fails with RESOURCE_EXHAUSTED (retry
+    later) instead of bouncing again; the others finish and every block comes back."""
+    model_dir = hf_checkpoint("llama")
+    reqs = [([(9 * i + j) % 300 + 3 for j in range(10)],
+             dataclasses.replace(GREEDY, priority=i % 3)) for i in range(6)]
+
+    async def main():
+        handles, router = await serve(model_dir, decode_blocks=30, max_bounces=0)
+        try:
+            async def one(i, prompt, params):
+                try:
+                    return await collect(router, f"r{i}", prompt, params, [])
+                except QueueFullError as exc:
+                    return exc
+            results = await asyncio.wait_for(asyncio.gather(
+                *(one(i, p, params) for i, (p, params) in enumerate(reqs))), 120)
+            return results, await idle(handles)
+        finally:
+            await router.stop()
+            for h in handles:
+                h.close()
+
+    results, used = asyncio.run(main())
+    refused = [r for r in results if isinstance(r, QueueFullError)]
+    assert refused and all("max_bounces 0" in str(r) for r in refused)
+    assert all(len(r) == 40 for r in results if not isinstance(r, QueueFullError))
+    assert used == [0, 0]
+
+
 @pytest.mark.parametrize("policy", ["priority", "fcfs"])
 def test_a_saturated_pool_serves_by_policy(hf_checkpoint, policy):
     """The decode pool (10 blocks) holds one request (30 + 4 tokens: 9 blocks) at a time:
@@ -140,6 +170,16 @@ def test_the_kv_cap_refuses_at_admission(hf_checkpoint):
             with pytest.raises(RequestTooLargeError, match="max_request_kv_fraction"):
                 await router.generate("big", [3] * 60, SamplingParams(max_tokens=40),
                                       None).__anext__()  # 25 blocks > 20
+            # no max_tokens from the client (a chat request is sized to the whole context):
+            # lowered to what the cap holds, 20 blocks = 80 tokens, 60 of them the prompt
+            unset = SamplingParams(max_tokens=196, temperature=0.0, ignore_eos=True)
+            tokens = [t async for d in router.generate("fit", [3] * 60, unset, None,
+                                                        fit_max_tokens=True)
+                      for t in d.token_ids]
+            assert len(tokens) == 20
+            with pytest.raises(RequestTooLargeError, match="max_request_kv_fraction"):
+                await router.generate("never", [3] * 81, unset, None,  # the prompt alone
+                                      fit_max_tokens=True).__anext__()
             return await idle(handles)
         finally:
             await router.stop()

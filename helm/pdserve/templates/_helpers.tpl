@@ -133,6 +133,9 @@ failureThreshold: {{ .failureThreshold | default 6 }}
 {{/* engine flags: both pools' engineArgs merged (one EngineConfig for every worker) */}}
 {{- define "pdserve.flags" -}}
 {{- range $key, $value := . }}
+{{- if has $key (list "api-key" "admin-api-key" "priority-api-key" "redis-password" "redis-url") }}
+{{- fail (printf "%s: secrets never go in pdserve's arguments; use the chart's apiKey, adminApiKey, priorityApiKeys or redis values (Kubernetes Secrets)" $key) }}
+{{- end }}
 {{- if kindIs "bool" $value }}
 - {{ printf "--%s%s" (ternary "" "no-" $value) $key | quote }}
 {{- else }}

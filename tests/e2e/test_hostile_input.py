@@ -1,0 +1,234 @@
+"""No request can hurt another's, on a real cluster (Ray + Redis + 1 prefill + 1 decode worker,
+gRPC and OpenAI HTTP): a property-based fuzz over every field of both front doors with the
+values hostile clients send (0, -1, 2**31, 2**63, 10**30, NaN, inf, huge strings and lists),
+while ordinary greedy streams run beside it. Every answer is a success or a client error (HTTP
+4xx with the OpenAI envelope; gRPC INVALID_ARGUMENT or RESOURCE_EXHAUSTED), the ordinary
+streams finish with the offline engine's tokens, no worker restarts, no engine loop dies and
+every block comes back."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import threading
+
+import grpc
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdserve.api import generation_pb2 as pb
+from pdserve.api import generation_pb2_grpc as pb_grpc
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+HOSTILE_NUMBERS = [0, -1, 1, 2, 2**31, 2**31 - 1, 2**63, 2**63 - 1, -(2**63), 10**30, 2**200,
+                   0.5, 1e-30, 1e30, -1e30, math.nan, math.inf, -math.inf]
+HOSTILE_VALUES = HOSTILE_NUMBERS + [None, True, False, "", "x" * 5000, [], [1] * 5000,
+                                    ["x"] * 500, {"a": 1}, [10**30], [-1]]
+# (bodies may also hold NaN and Infinity: json.dumps writes them, and many clients do)
+SAMPLING_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "min_p",
+                   "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+                   "stop", "stop_token_ids", "ignore_eos", "logprobs", "priority", "timeout",
+                   "n", "best_of", "user", "logit_bias", "stream"]
+CHAT_FIELDS = ["max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+               "response_format", "logprobs", "add_generation_prompt"]
+INT64 = [0, -1, 1, 2**31, 2**63 - 1, -(2**63), 10**12]
+DOUBLES = [0.0, -1.0, 0.5, 1e-300, 1e30, -1e30, math.nan, math.inf, -math.inf]
+
+
+@pytest.fixture(scope="module")
+def chat_model(hf_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hostile") / "qwen2-chat"
+    shutil.copytree(hf_checkpoint("qwen2", max_position_embeddings=2048), folder)
+    (folder / "chat_template.jinja").write_text(CHATML)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster, chat_model):
+    cluster = start_cluster(chat_model, http_port=0)
+    yield cluster
+    cluster.stop()
+
+
+class Bystanders:
+    """Rounds of ordinary greedy streams on a thread while the fuzz runs; every round's tokens
+    are checked against the offline engine."""
+
+    def __init__(self, e2e, cluster, model_dir):
+        self.prompts = e2e.prompts(seed=26, n=4, low=8, high=30)
+        self.expected = e2e.reference(model_dir, self.prompts, 48)
+        self.e2e, self.target = e2e, cluster.target
+        self.rounds, self.wrong = 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            results = self.e2e.generate_all(self.target, self.prompts, 48)
+            got = [r.token_ids for r in results]
+            if got != self.expected:
+                self.wrong.append(got)
+            self.rounds += 1
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(120)
+
+
+def restarts(cluster) -> float:
+    text = httpx.get(cluster.metrics_url, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve_worker_restarts_total"))
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    raw = json.dumps(body)  # (NaN and Infinity as Python writes them)
+    return httpx.post(url + path, content=raw, timeout=60,
+                      headers={"content-type": "application/json"})
+
+
+def check_http_answer(response: httpx.Response, body: dict) -> None:
+    status = response.status_code
+    if status == 504:  # only a request that asked for a (tiny) timeout may time out
+        assert "timeout" in body, response.text
+        return
+    assert status < 500, f"{status} for {body!r}: {response.text[:500]}"
+    if status >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def grpc_answer(stub, request) -> grpc.StatusCode:
+    try:
+        for _ in stub.Generate(request, timeout=60):
+            pass
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def sampling_proto(values: dict) -> pb.SamplingParams:
+    sampling = pb.SamplingParams()
+    for name, value in values.items():
+        if name in ("stop", "stop_token_ids"):
+            getattr(sampling, name).extend(value)
+        else:
+            setattr(sampling, name, value)
+    return sampling
+
+
+def hostile_fields(names: list[str]):
+    """One to three fields set to hostile values, the rest left valid (so the hostile value is
+    what the server meets, not some other field's refusal)."""
+    return st.dictionaries(st.sampled_from(names), st.sampled_from(HOSTILE_VALUES),
+                           min_size=1, max_size=3)
+
+
+VALID_COMPLETION = {"model": "qwen2-chat", "prompt": [5, 6, 7], "max_tokens": 4}
+VALID_CHAT = {"model": "qwen2-chat", "messages": [{"role": "user", "content": "hi"}],
+              "max_tokens": 4}
+completion_bodies = st.builds(
+    lambda prompt, fields: {**VALID_COMPLETION, **prompt, **fields},
+    st.sampled_from([{}, {"prompt": "hello there"}, {"prompt": ["hi"]}, {"prompt": [[1, 2]]},
+                     {"prompt": []}, {"prompt": ""}, {"prompt": [10**30]}, {"prompt": [-1]},
+                     {"prompt": "x" * 70_000}, {"prompt": [1] * 3000}]),
+    hostile_fields(SAMPLING_FIELDS + ["prompt", "model"]))
+chat_bodies = st.builds(
+    lambda messages, fields: {**VALID_CHAT, **messages, **fields},
+    st.sampled_from([{}, {"messages": []},
+                     {"messages": [{"role": "user", "content": "x" * 70_000}]},
+                     {"messages": [{"role": "user", "content": ""}] * 3000},
+                     {"messages": [{"role": "wizard", "content": "hi"}]},
+                     {"messages": [{"role": "user", "content": [{"type": "image"}]}]}]),
+    hostile_fields(SAMPLING_FIELDS + CHAT_FIELDS + ["messages"]))
+GRPC_VALUES = {  # what each proto field's type can carry
+    **{name: INT64 for name in ("max_tokens", "top_k", "seed", "logprobs")},
+    **{name: DOUBLES for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                                  "presence_penalty", "frequency_penalty")},
+    "priority": [0, -1, 2**31 - 1, -(2**31)], "ignore_eos": [True, False],
+    "stop": [[], [""], ["x" * 5000], ["a"] * 500],
+    "stop_token_ids": [[], [-1], [2**63 - 1], [1] * 5000]}
+GRPC_ANSWERS = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.RESOURCE_EXHAUSTED)
+grpc_sampling = st.dictionaries(st.sampled_from(sorted(GRPC_VALUES)), st.none(), min_size=1,
+                                max_size=3).flatmap(
+    lambda names: st.fixed_dictionaries({n: st.sampled_from(GRPC_VALUES[n]) for n in names}))
+FUZZ = settings(max_examples=25, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                       HealthCheck.too_slow])
+
+
+def test_every_field_at_every_hostile_value(cluster, chat_model, e2e):
+    """The sweep behind the fuzz: each sampling field alone at each hostile value, on both
+    front doors, beside the ordinary streams."""
+    before = restarts(cluster)
+    channel = grpc.insecure_channel(cluster.target)
+    stub = pb_grpc.GenerationStub(channel)
+    try:
+        with Bystanders(e2e, cluster, chat_model) as bystanders:
+            for name in SAMPLING_FIELDS:
+                for value in HOSTILE_VALUES:
+                    body = {**VALID_COMPLETION, name: value}
+                    check_http_answer(post(cluster.http_url, "/v1/completions", body), body)
+            for name, values in GRPC_VALUES.items():
+                for value in values:
+                    request = pb.GenerateRequest(sampling=sampling_proto({name: value}))
+                    request.token_ids.ids.extend([5, 6, 7])
+                    code = grpc_answer(stub, request)
+                    assert code in GRPC_ANSWERS, (code, name, value)
+    finally:
+        channel.close()
+    assert bystanders.rounds >= 1 and bystanders.wrong == []
+    assert restarts(cluster) == before
+    assert all(s.error is None for s in cluster.worker_stats().values())
+    e2e.wait_idle(cluster)
+
+
+def test_hostile_requests_harm_no_one(cluster, chat_model, e2e):
+    before = restarts(cluster)
+    channel = grpc.insecure_channel(cluster.target)
+    stub = pb_grpc.GenerationStub(channel)
+
+    @FUZZ
+    @given(body=completion_bodies)
+    def completions(body):
+        check_http_answer(post(cluster.http_url, "/v1/completions", body), body)
+
+    @FUZZ
+    @given(body=chat_bodies)
+    def chats(body):
+        check_http_answer(post(cluster.http_url, "/v1/chat/completions", body), body)
+
+    @FUZZ
+    @given(values=grpc_sampling, text=st.booleans())
+    def generations(values, text):
+        request = pb.GenerateRequest(sampling=sampling_proto(values))
+        if text:
+            request.text = "hello there"
+        else:
+            request.token_ids.ids.extend([5, 6, 7])
+        code = grpc_answer(stub, request)
+        assert code in GRPC_ANSWERS, (code, values)
+
+    try:
+        with Bystanders(e2e, cluster, chat_model) as bystanders:
+            completions()
+            chats()
+            generations()
+    finally:
+        channel.close()
+    assert bystanders.rounds >= 1 and bystanders.wrong == []
+    assert restarts(cluster) == before
+    assert all(s.error is None for s in cluster.worker_stats().values())
+    e2e.wait_idle(cluster)
