@@ -33,10 +33,8 @@ from pdserve.bench.kv_eval_text import EVAL_TEXTS
 from pdserve.bench.stats import format_table
 from pdserve.engine import memory
 from pdserve.engine.config import KV_INT8_SCALES
+from pdserve.engine.kv_quant import teacher_forced_logits
 from pdserve.engine.llm import LLM
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.schedule import ScheduledSequence
-from pdserve.engine.sequence import Sequence
 from pdserve.models import tiny_model_dir
 
 BLOCK_SIZE = 16
@@ -51,19 +49,16 @@ def eval_token_ids(llm: LLM, max_len: int) -> list[list[int]]:
     return [[t for t in tokenizer.encode(text) if t < vocab][:max_len] for text in EVAL_TEXTS]
 
 
-@torch.inference_mode()
 def teacher_forced_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
     """(len(ids), vocab) fp32 log-probabilities at every position, one prefill through the
     engine's paged cache (written and read as the engine does)."""
     runner = llm.engine.parts.runner
-    seq = Sequence("bench", ids, SamplingParams(max_tokens=1))
-    seq.block_table = list(range(-(-len(ids) // BLOCK_SIZE)))
-    batch = runner.prepare([ScheduledSequence(seq, len(ids))])
-    hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.metadata)
-    return torch.log_softmax(runner.model.compute_logits(hidden), dim=-1)
+    logits = teacher_forced_logits(runner.model, runner.kv_caches, BLOCK_SIZE, runner.device,
+                                   runner.backend, [ids])[0]
+    return torch.log_softmax(logits, dim=-1)
 
 
-def _stats(reference: list[torch.Tensor], logprobs: list[torch.Tensor],
+def stats(reference: list[torch.Tensor], logprobs: list[torch.Tensor],
            texts: list[list[int]]) -> tuple[float, float, float]:
     """(mean KL, mean NLL of the true next token, top-1 agreement) over all positions."""
     kl = nll = agree = count = 0.0
@@ -84,7 +79,7 @@ def _row(name: str, edges: str, kl: float, nll: float, ref_nll: float, top1: flo
             f"{fp16 / per_token:.2f}"]
 
 
-def _bytes_per_token_16bit(llm: LLM) -> int:
+def bytes_per_token_16bit(llm: LLM) -> int:
     """KV bytes per token of this cache's layout for a 16-bit model (the fp edge layers in
     16 bits), whatever dtype the benchmark runs in."""
     config, mc = llm.engine.parts.config, llm.engine.parts.model_config
@@ -101,22 +96,22 @@ def compare(model_dir: str, max_len: int, schemes: list[str],
     texts = eval_token_ids(base, max_len)
     texts = [t for t in texts if len(t) > 1]
     reference = [teacher_forced_logprobs(base, ids) for ids in texts]
-    ref_nll = _stats(reference, reference, texts)[1]
+    ref_nll = stats(reference, reference, texts)[1]
     fp16 = base.engine.parts.model_config.kv_bytes_per_token(torch.float16)
     rows = [_row(f"{base.memory_ledger.kv_dtype} (reference)", "-", 0.0, ref_nll, ref_nll, 1.0,
                  fp16, fp16)]
     if with_bf16 and base.engine.parts.runner.model.dtype != torch.bfloat16:
         bf16 = LLM(model_dir, dtype="bfloat16", **common)
-        kl, nll, top1 = _stats(reference, [teacher_forced_logprobs(bf16, ids).float()
+        kl, nll, top1 = stats(reference, [teacher_forced_logprobs(bf16, ids).float()
                                            for ids in texts], texts)
         rows.append(_row("bfloat16 weights + KV", "-", kl, nll, ref_nll, top1, fp16, fp16))
     for scheme in schemes:
         for keep_edges in (True, False):
             llm = LLM(model_dir, kv_cache_dtype="int8", kv_int8_scales=scheme,
                       kv_int8_keep_edge_layers=keep_edges, **common)
-            kl, nll, top1 = _stats(reference, [teacher_forced_logprobs(llm, ids)
+            kl, nll, top1 = stats(reference, [teacher_forced_logprobs(llm, ids)
                                                for ids in texts], texts)
-            per_token = _bytes_per_token_16bit(llm)
+            per_token = bytes_per_token_16bit(llm)
             rows.append(_row(f"int8 {scheme}", "yes" if keep_edges else "no", kl, nll, ref_nll,
                              top1, per_token, fp16))
     return rows, sum(map(len, texts))

@@ -36,11 +36,13 @@ model dtype
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.kv_calibration_text import CALIBRATION_TEXTS
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.schedule import ScheduledSequence
 from pdserve.engine.sequence import Sequence
@@ -51,6 +53,15 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_TOKENS = 2048
 CALIBRATION_MAX_LEN = 256
+MIN_TEXT_KNOWN = 0.9  # share of the calibration text's tokens the tokenizer must know
+MIN_DISTINCT_TOKENS = 64  # ... and different tokens it must read it as (or a quarter of vocab)
+CHANNEL_SCALE_FLOOR = 1 / 64  # no channel's scale below this share of its head's largest: a
+# channel the calibration barely saw would otherwise amplify its values past all others (hybrid
+# then quantises the others to 0) or saturate (static)
+MIN_CHANNEL_SCALE = 1e-8  # an all-zero head (never written) still divides by something
+CHECK_PROMPTS, CHECK_LEN, CHECK_SEED = 4, 64, 1  # the start-up check's random prompts
+MIN_CHECK_TOP1 = 0.8  # the start-up check passes at this teacher-forced top-1 agreement
+MAX_CHECK_KL = 0.02  # ... and this mean KL (nats) with the model-dtype cache, at most
 
 
 @dataclass(frozen=True)
@@ -87,62 +98,206 @@ def token_scale_bytes_per_block(mc, block_size: int, scheme: Int8Scheme) -> int:
     return scheme.num_token_scaled * block_size * mc.num_key_value_heads * element
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What an int8 pool's static channel scales were calibrated on, and how the pool compared
+    with the model dtype at start-up (the memory ledger and ``pdserve status`` show it)."""
+
+    scheme: str  # the scheme the pool runs
+    source: str  # "text" | "random token ids" | "none" (the scheme has no static part)
+    num_tokens: int = 0  # tokens the model ran over to calibrate
+    text_known: float | None = None  # share of the calibration text's tokens the tokenizer
+    # knows (not its unknown token); None when not measured (no tokenizer, no static part)
+    check: QualityCheck | None = None  # the start-up comparison with the model dtype
+    fallback_from: str | None = None  # the configured scheme, when it failed its check
+
+    def describe(self) -> str:
+        parts = [self.scheme]
+        if self.fallback_from:
+            parts.append(f"(fallback from {self.fallback_from}, which failed the check)")
+        if self.source == "none":
+            parts.append("no calibration (dynamic scales)")
+        else:
+            parts.append(f"calibrated on {self.num_tokens} {self.source}")
+        if self.text_known is not None and self.source != "text":
+            parts.append(f"(the calibration text is {1 - self.text_known:.0%} unknown to "
+                         f"the tokenizer)")
+        if self.check is not None:
+            parts.append(f"; check: {self.check.describe()}")
+        return " ".join(parts).replace(" ;", ";")
+
+
+@dataclass(frozen=True)
+class QualityCheck:
+    """Teacher-forced agreement of an int8 pool with the model-dtype cache on the same
+    prompts (:func:`check_int8_quality`)."""
+
+    top1: float  # share of positions whose argmax next token is the same
+    kl: float  # mean KL(p_model_dtype || p_int8) per position, nats
+    num_positions: int
+    finite: bool = True  # every int8 logit finite
+
+    @property
+    def passed(self) -> bool:
+        return self.finite and self.top1 >= MIN_CHECK_TOP1 and self.kl <= MAX_CHECK_KL
+
+    def describe(self) -> str:
+        verdict = "passed" if self.passed else "FAILED"
+        return (f"top-1 {self.top1:.1%}, KL {self.kl:.2e} nats over {self.num_positions} "
+                f"positions{'' if self.finite else ', non-finite logits'} ({verdict}: needs "
+                f"top-1 >= {MIN_CHECK_TOP1:.0%} and KL <= {MAX_CHECK_KL})")
+
+
+def unknown_token_id(tokenizer) -> int | None:
+    """The id the tokenizer gives text it cannot represent (None: it can represent any text,
+    as byte-level tokenizers can)."""
+    backend = getattr(tokenizer, "backend", None)
+    unk = getattr(getattr(backend, "model", None), "unk_token", None)
+    return tokenizer.token_to_id(unk) if unk else None
+
+
 def calibration_prompts(tokenizer, vocab_size: int, max_len: int = CALIBRATION_MAX_LEN,
-                        total_tokens: int = CALIBRATION_TOKENS) -> list[list[int]]:
-    """:data:`CALIBRATION_TEXTS` as prompts of at most ``max_len`` tokens, each text cut into
-    windows, ``total_tokens`` in all at most (real text only, no random ids)."""
+                        total_tokens: int = CALIBRATION_TOKENS
+                        ) -> tuple[list[list[int]], float]:
+    """(:data:`CALIBRATION_TEXTS` as prompts of at most ``max_len`` tokens, each text cut into
+    windows, ``total_tokens`` in all at most; the share of the text's tokens the tokenizer
+    knows). Real text only, no random ids."""
     prompts: list[list[int]] = []
-    budget = total_tokens
+    budget, known, total = total_tokens, 0, 0
+    unknown = unknown_token_id(tokenizer)
     for text in CALIBRATION_TEXTS:
         ids = [t for t in tokenizer.encode(text) if t < vocab_size]
+        known += sum(t != unknown for t in ids)
+        total += len(ids)
         for start in range(0, len(ids), max_len):
             window = ids[start:start + max_len][:budget]
             if len(window) > 1:
                 prompts.append(window)
                 budget -= len(window)
-    return prompts
+    return prompts, known / total if total else 0.0
+
+
+def text_fits(prompts: list[list[int]], known: float, vocab_size: int) -> bool:
+    """Whether the calibration text, as this tokenizer reads it, can stand for real inputs:
+    mostly known tokens, and enough different ones (a text read as a few ids over and over
+    calibrates the channels of those ids only)."""
+    distinct = len({t for prompt in prompts for t in prompt})
+    return known >= MIN_TEXT_KNOWN and distinct >= min(MIN_DISTINCT_TOKENS, vocab_size // 4)
+
+
+def random_prompts(vocab_size: int, max_len: int, total_tokens: int,
+                   seed: int = 0) -> list[list[int]]:
+    """Prompts of token ids drawn uniformly from the vocabulary (seeded: the same on every
+    worker, so every worker of a model gets the same scales)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [max_len] * (total_tokens // max_len)
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
 @torch.inference_mode()
 def calibrate_kv_scales(model, mc, layer_dtypes: list[torch.dtype], device: torch.device,
                         backend: str, tokenizer, headroom: float = 1.0, block_size: int = 16,
                         scheme: Int8Scheme = INT8_SCHEMES["static"]
-                        ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """(k_scale, v_scale), each (kv_heads, head_dim) fp32, for every int8 layer; None elsewhere.
-    A half the scheme gives no channel scale gets ones."""
-    from pdserve.engine.model_runner import ModelRunner
-
+                        ) -> tuple[list[tuple[torch.Tensor, torch.Tensor] | None], Calibration]:
+    """((k_scale, v_scale), each (kv_heads, head_dim) fp32, for every int8 layer, None
+    elsewhere; what they were calibrated on). A half the scheme gives no channel scale gets
+    ones. The text of :data:`CALIBRATION_TEXTS` when this tokenizer can read it
+    (:func:`text_fits`), else token ids drawn from the whole vocabulary; no channel's scale
+    ends below ``CHANNEL_SCALE_FLOOR`` of its head's largest."""
     shape = (mc.num_key_value_heads, mc.head_dim)
     ones = torch.ones(shape, dtype=torch.float32, device=device)
     if not scheme.needs_calibration:
-        return [(ones, ones) if d == torch.int8 else None for d in layer_dtypes]
+        return ([(ones, ones) if d == torch.int8 else None for d in layer_dtypes],
+                Calibration(scheme.name, "none"))
     if tokenizer is None:
         raise ValueError(f"kv_int8_scales={scheme.name!r} calibrates on text and needs the "
                          "checkpoint's tokenizer; kv_int8_scales='token' needs no calibration")
     max_len = min(CALIBRATION_MAX_LEN, mc.max_position_embeddings)
-    prompts = calibration_prompts(tokenizer, mc.vocab_size, max_len)
-    blocks_per_prompt = -(-max_len // block_size)
-    num_blocks = blocks_per_prompt * len(prompts)
-    pool_shape = (2, num_blocks, block_size, *shape)
-    caches = [KVCacheLayer(torch.zeros(pool_shape, dtype=model.dtype, device=device))
-              for _ in layer_dtypes]
-    scheduled = []
-    for i, prompt in enumerate(prompts):
-        seq = Sequence(f"calib-{i}", prompt, SamplingParams(max_tokens=1))
-        seq.block_table = list(range(i * blocks_per_prompt, (i + 1) * blocks_per_prompt))
-        scheduled.append(ScheduledSequence(seq, len(prompt)))
-    runner = ModelRunner(model, caches, block_size, device, backend)
-    runner.execute(scheduled)  # writes every prompt's K/V into the scratch pool
+    prompts, known = calibration_prompts(tokenizer, mc.vocab_size, max_len)
+    source = "text"
+    if not text_fits(prompts, known, mc.vocab_size):
+        logger.warning("the int8 KV calibration text is %.0f%% unknown to this tokenizer (or "
+                       "too few different tokens): calibrating on random token ids instead",
+                       100 * (1 - known))
+        prompts, source = random_prompts(mc.vocab_size, max_len, CALIBRATION_TOKENS), \
+            "random token ids"
+    caches = scratch_caches(mc, model.dtype, device, len(layer_dtypes), prompts, block_size)
+    teacher_forced_logits(model, caches, block_size, device, backend, prompts)
     scales = []
     for cache, dtype in zip(caches, layer_dtypes, strict=True):
         if dtype != torch.int8:
             scales.append(None)
             continue
         # (2, blocks, block_size, kv_heads, head_dim) -> (2, kv_heads, head_dim); unused slots are 0
-        absmax = cache.kv.float().abs().amax(dim=(1, 2))
-        scale = (absmax * headroom / 127.0).clamp_min(1e-8)
+        absmax = cache.kv.float().abs().amax(dim=(1, 2)) * headroom
+        floor = absmax.amax(dim=-1, keepdim=True) * CHANNEL_SCALE_FLOOR
+        scale = (torch.maximum(absmax, floor) / 127.0).clamp_min(MIN_CHANNEL_SCALE)
+        if not bool(torch.isfinite(scale).all()):
+            raise ValueError(f"int8 KV calibration of kv_int8_scales={scheme.name!r} gave "
+                             "non-finite scales (the model's K/V overflow on the calibration "
+                             "prompts); use kv_cache_dtype='auto'")
         scales.append((scale[0].contiguous() if scheme.k_channel else ones,
                        scale[1].contiguous() if scheme.v_channel else ones))
-    logger.info("calibrated int8 KV scales (%s) on %d tokens of text", scheme.name,
-                sum(map(len, prompts)))
-    return scales
+    num_tokens = sum(map(len, prompts))
+    logger.info("calibrated int8 KV scales (%s) on %d tokens of %s", scheme.name, num_tokens,
+                source)
+    return scales, Calibration(scheme.name, source, num_tokens, known)
+
+
+def scratch_caches(mc, dtype: torch.dtype, device: torch.device, num_layers: int,
+                   prompts: list[list[int]], block_size: int,
+                   like: list[KVCacheLayer] | None = None) -> list[KVCacheLayer]:
+    """Zeroed pools holding ``prompts`` side by side: in ``dtype``, or with the layout, scales
+    and dtypes of ``like`` (an int8 pool's layers)."""
+    num_blocks = sum(-(-len(p) // block_size) for p in prompts)
+    shape = (2, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim)
+    if like is None:
+        return [KVCacheLayer(torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(num_layers)]
+    return [KVCacheLayer(torch.zeros(shape, dtype=layer.kv.dtype, device=device),
+                         layer.k_scale, layer.v_scale,
+                         *(None if t is None else torch.ones(shape[1:4], dtype=t.dtype,
+                                                             device=device)
+                           for t in (layer.k_token_scale, layer.v_token_scale)))
+            for layer in like]
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model, caches: list[KVCacheLayer], block_size: int,
+                          device: torch.device, backend: str,
+                          prompts: list[list[int]]) -> list[torch.Tensor]:
+    """(len(prompt), vocab) fp32 logits at every position of every prompt: one prefill over
+    the paged ``caches`` (blocks laid out prompt after prompt), whose K/V are written and read
+    as the engine writes and reads them (quantised when the pool is int8)."""
+    runner = ModelRunner(model, caches, block_size, device, backend)
+    logits, first = [], 0
+    for i, prompt in enumerate(prompts):
+        seq = Sequence(f"kv-check-{i}", prompt, SamplingParams(max_tokens=1))
+        blocks = -(-len(prompt) // block_size)
+        seq.block_table = list(range(first, first + blocks))
+        first += blocks
+        batch = runner.prepare([ScheduledSequence(seq, len(prompt))])
+        hidden = model(batch.input_ids, batch.positions, caches, batch.metadata)
+        logits.append(model.compute_logits(hidden).float())
+    return logits
+
+
+def check_int8_quality(model, mc, caches: list[KVCacheLayer], block_size: int,
+                       device: torch.device, backend: str) -> QualityCheck:
+    """Teacher-forced comparison of a pool laid out as ``caches`` with the model-dtype cache,
+    on :data:`CHECK_PROMPTS` prompts of random token ids (seeded, not the calibration's)."""
+    max_len = min(CHECK_LEN, mc.max_position_embeddings)
+    prompts = random_prompts(mc.vocab_size, max_len, CHECK_PROMPTS * max_len, seed=CHECK_SEED)
+    reference = teacher_forced_logits(
+        model, scratch_caches(mc, model.dtype, device, len(caches), prompts, block_size),
+        block_size, device, backend, prompts)
+    quantized = teacher_forced_logits(
+        model, scratch_caches(mc, model.dtype, device, len(caches), prompts, block_size,
+                              like=caches), block_size, device, backend, prompts)
+    ref = torch.cat(reference).log_softmax(-1)
+    out = torch.cat(quantized)
+    finite = bool(torch.isfinite(out).all())
+    out = out.nan_to_num().log_softmax(-1)
+    kl = float((ref.exp() * (ref - out)).sum(-1).mean())
+    top1 = float((ref.argmax(-1) == out.argmax(-1)).float().mean())
+    return QualityCheck(top1, kl if math.isfinite(kl) else math.inf, len(ref), finite)

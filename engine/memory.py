@@ -45,6 +45,8 @@ class MemoryLedger:
     num_threads: int = 0  # torch intra-op threads of the process
     draft_bytes: int = 0  # speculative decoding: the draft model's weights + its KV pool (as
     # many blocks as the target's), inside the budget
+    kv_int8: str = ""  # int8 pools: the scheme, what its scales were calibrated on and how it
+    # compared with the model dtype at start-up (kv_quant.Calibration.describe)
 
     @property
     def kv_token_capacity(self) -> int:
@@ -67,6 +69,7 @@ class MemoryLedger:
         ] + ([("int8 KV gain", f"{self.num_kv_blocks / self.num_kv_blocks_model_dtype:.2f}x "
                                 f"blocks ({self.num_kv_blocks_model_dtype} in model dtype)")]
              if self.kv_dtype.startswith("int8") and self.num_kv_blocks_model_dtype else []) \
+            + ([("int8 KV", self.kv_int8)] if self.kv_int8 else []) \
             + ([("draft model (weights + KV)", mib(self.draft_bytes))] if self.draft_bytes else [])
 
     def to_dict(self) -> dict:

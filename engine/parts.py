@@ -4,6 +4,7 @@ the memory ledger (``EngineParts.build``), and what a config means on this machi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -13,6 +14,12 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from pdserve.engine.host_memory import keep_freed_host_memory
+from pdserve.engine.kv_quant import (
+    INT8_SCHEMES,
+    Calibration,
+    calibrate_kv_scales,
+    check_int8_quality,
+)
 from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dtypes, plan_kv_pool
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.roofline import StepCost, UtilizationMeter
@@ -73,14 +80,11 @@ class EngineParts:
         except (FileNotFoundError, ValueError) as exc:
             logger.info("no tokenizer (%s): token-id prompts only, empty text", exc)
             tokenizer = None
-        scales = scheme = None
         if config.kv_cache_dtype == "int8":
-            from pdserve.engine.kv_quant import INT8_SCHEMES, calibrate_kv_scales
-
-            scheme = INT8_SCHEMES[config.kv_int8_scales]
-            scales = calibrate_kv_scales(model, mc, layer_dtypes, device, backend, tokenizer,
-                                         scheme=scheme)
-        caches = allocate_kv_caches(mc, ledger, layer_dtypes, device, scales, scheme)
+            config, ledger, caches = _int8_pool(config, resolved, model, ledger, layer_dtypes,
+                                                tokenizer)
+        else:
+            caches = allocate_kv_caches(mc, ledger, layer_dtypes, device)
         runner = ModelRunner(model, caches, config.block_size, device, backend, max_model_len)
         runner.meter = UtilizationMeter(
             StepCost.for_model(mc, ledger.weight_bytes, ledger.kv_bytes_per_token), device, dtype)
@@ -126,3 +130,38 @@ class EngineParts:
 
 def _salt_bytes(salt: str | None) -> bytes | None:
     return None if salt is None else salt.encode()
+
+
+def _int8_pool(config: EngineConfig, resolved: ResolvedModel, model, ledger: MemoryLedger,
+               layer_dtypes, tokenizer) -> tuple[EngineConfig, MemoryLedger, list]:
+    """(config, ledger, caches) of an int8 pool that passed its start-up check against the
+    model dtype (``kv_quant.check_int8_quality``). A scheme that fails falls back to
+    ``token`` (no calibration, so no calibration to go wrong) with a warning; when ``token``
+    fails too, the engine refuses to start with both measurements. Never serves garbage."""
+    mc, device, backend = resolved.model_config, resolved.device, resolved.backend
+    scheme = INT8_SCHEMES[config.kv_int8_scales]
+    scales, calibration = calibrate_kv_scales(model, mc, layer_dtypes, device, backend,
+                                              tokenizer, scheme=scheme)
+    caches = allocate_kv_caches(mc, ledger, layer_dtypes, device, scales, scheme)
+    check = check_int8_quality(model, mc, caches, config.block_size, device, backend)
+    calibration = dataclasses.replace(calibration, check=check)
+    if not check.passed and scheme.name != "token":
+        logger.warning("int8 KV cache: kv_int8_scales=%r failed its start-up check against "
+                       "the model dtype (%s); falling back to 'token'", scheme.name,
+                       check.describe())
+        del caches
+        config = dataclasses.replace(config, kv_int8_scales="token")
+        ledger = plan_kv_pool(mc, config, model, resolved.dtype, device,
+                              resolved.max_model_len, backend)
+        scales, _ = calibrate_kv_scales(model, mc, layer_dtypes, device, backend, tokenizer,
+                                        scheme=INT8_SCHEMES["token"])
+        caches = allocate_kv_caches(mc, ledger, layer_dtypes, device, scales,
+                                    INT8_SCHEMES["token"])
+        check = check_int8_quality(model, mc, caches, config.block_size, device, backend)
+        calibration = Calibration("token", "none", check=check, fallback_from=scheme.name)
+    if not check.passed:
+        raise ValueError(f"kv_cache_dtype='int8' is not usable with this model: "
+                         f"{calibration.describe()}. Serve it with kv_cache_dtype='auto'")
+    logger.info("int8 KV cache: %s", calibration.describe())
+    return config, dataclasses.replace(ledger, kv_int8=calibration.describe()), caches
+

@@ -17,9 +17,13 @@ computed when the token is written and stored beside the blocks in ``k_token_sca
 
     real = int8 * scale[h, d] * token_scale[slot, h]      (token_scale = 1 when absent)
 
-On write, ``y = x / scale`` per channel, ``token_scale = fp16(max(max_d |y| / 127, 2**-14))``
-and ``int8 = round_half_even(clamp(y / token_scale, -127, 127))``, so the token's largest
-channel maps to +-127 and nothing saturates. Token scales travel with their blocks.
+On write, ``y = x / scale`` per channel,
+``token_scale = fp16(clamp(max_d |y| / 127, 2**-14, 65504))`` and
+``int8 = round_half_even(clamp(y / token_scale, -127, 127))``, so the token's largest
+channel maps to +-127 and nothing saturates; the upper clamp (float16's largest finite value)
+keeps a token scale finite even for a value the channel scales could never have foreseen (it
+saturates instead of becoming inf, whose product with 0 is NaN). Token scales travel with
+their blocks.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 TOKEN_SCALE_DTYPE = torch.float16  # dynamic per-(token, head) scales as stored
 MIN_TOKEN_SCALE = 2.0 ** -14  # smallest normal float16: an all-zero row gets this scale
+MAX_TOKEN_SCALE = 65504.0  # largest finite float16: a token scale never overflows to inf
 
 
 @dataclass

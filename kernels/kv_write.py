@@ -23,7 +23,7 @@ from pdserve.kernels._launch import (
     check_tensor,
     next_pow2,
 )
-from pdserve.kernels.kv_layout import MIN_TOKEN_SCALE, KVCacheLayer
+from pdserve.kernels.kv_layout import MAX_TOKEN_SCALE, MIN_TOKEN_SCALE, KVCacheLayer
 
 # Adding then subtracting 1.5 * 2**23 rounds an fp32 of magnitude < 2**22 to the nearest
 # integer, ties to even (what torch.round does), with no libdevice call.
@@ -41,12 +41,13 @@ def _quantize(x, scale):
 
 @triton.jit
 def _quantize_half(x, scale, ts_ptr, slot, num_kv_heads, offs_h, h_mask, mask,
-                   DYNAMIC: tl.constexpr, MIN_SCALE: tl.constexpr):
+                   DYNAMIC: tl.constexpr, MIN_SCALE: tl.constexpr, MAX_SCALE: tl.constexpr):
     """int8 of one token's (H, D) ``x``; with ``DYNAMIC`` also stores its per-head scales."""
     if DYNAMIC:
         y = tl.div_rn(x, scale)
         absmax = tl.max(tl.where(mask, tl.abs(y), 0.0), 1)  # (H,)
-        t = tl.maximum(tl.div_rn(absmax, 127.0), MIN_SCALE).to(tl.float16)
+        t = tl.minimum(tl.maximum(tl.div_rn(absmax, 127.0), MIN_SCALE), MAX_SCALE)
+        t = t.to(tl.float16)
         tl.store(ts_ptr + slot * num_kv_heads + offs_h, t, mask=h_mask)
         return _quantize(y, t.to(tl.float32)[:, None])
     return _quantize(x, scale)
@@ -59,7 +60,8 @@ def _write_kv_kernel(
     stride_cache_kv, stride_cache_slot, stride_cache_h,
     num_kv_heads, head_dim,
     QUANTIZED: tl.constexpr, K_DYNAMIC: tl.constexpr, V_DYNAMIC: tl.constexpr,
-    MIN_SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    MIN_SCALE: tl.constexpr, MAX_SCALE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One program per token: copies its (kv_heads, head_dim) K and V into its slot."""
     token = tl.program_id(0).to(tl.int64)
@@ -79,9 +81,11 @@ def _write_kv_kernel(
         v_scale = tl.load(v_scale_ptr + scale_offs, mask=mask, other=1.0)
         h_mask = offs_h < heads
         k_q = _quantize_half(k.to(tl.float32), k_scale, kt_ptr, slot, num_kv_heads, offs_h,
-                             h_mask, mask, DYNAMIC=K_DYNAMIC, MIN_SCALE=MIN_SCALE)
+                             h_mask, mask, DYNAMIC=K_DYNAMIC, MIN_SCALE=MIN_SCALE,
+                             MAX_SCALE=MAX_SCALE)
         v_q = _quantize_half(v.to(tl.float32), v_scale, vt_ptr, slot, num_kv_heads, offs_h,
-                             h_mask, mask, DYNAMIC=V_DYNAMIC, MIN_SCALE=MIN_SCALE)
+                             h_mask, mask, DYNAMIC=V_DYNAMIC, MIN_SCALE=MIN_SCALE,
+                             MAX_SCALE=MAX_SCALE)
         tl.store(dst, k_q, mask=mask)
         tl.store(dst + stride_cache_kv, v_q, mask=mask)
     else:
@@ -121,6 +125,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: KVCacheLayer,
         num_kv_heads, head_dim,
         QUANTIZED=cache.is_quantized, K_DYNAMIC=cache.k_token_scale is not None,
         V_DYNAMIC=cache.v_token_scale is not None, MIN_SCALE=MIN_TOKEN_SCALE,
+        MAX_SCALE=MAX_TOKEN_SCALE,
         BLOCK_H=next_pow2(num_kv_heads),
         BLOCK_D=next_pow2(head_dim),
         num_warps=4,

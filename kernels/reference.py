@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels.kv_layout import MIN_TOKEN_SCALE, TOKEN_SCALE_DTYPE, KVCacheLayer
+from pdserve.kernels.kv_layout import (
+    MAX_TOKEN_SCALE,
+    MIN_TOKEN_SCALE,
+    TOKEN_SCALE_DTYPE,
+    KVCacheLayer,
+)
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -25,7 +30,8 @@ def quantize_int8_dynamic(x: torch.Tensor,
     """(T, kv_heads, head_dim) -> (int8, token scales (T, kv_heads) float16): per channel by
     ``scale``, then per (token, head) so the largest channel maps to 127 (see kv_layout)."""
     y = x.float() / scale
-    token_scale = (y.abs().amax(-1) / 127.0).clamp_(min=MIN_TOKEN_SCALE).to(TOKEN_SCALE_DTYPE)
+    token_scale = (y.abs().amax(-1) / 127.0).clamp_(MIN_TOKEN_SCALE, MAX_TOKEN_SCALE) \
+        .to(TOKEN_SCALE_DTYPE)
     return quantize_int8(y, token_scale.float()[..., None]), token_scale
 
 

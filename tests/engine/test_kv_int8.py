@@ -30,7 +30,8 @@ def model_dir(hf_checkpoint):
 
 def test_calibration_is_real_text_only(model_dir):
     tokenizer = Tokenizer.from_dir(model_dir)
-    prompts = calibration_prompts(tokenizer, vocab_size=512, max_len=64)
+    prompts, known = calibration_prompts(tokenizer, vocab_size=512, max_len=64)
+    assert known == 1.0  # (a byte-level tokenizer has no unknown token)
     text_ids = [tokenizer.encode(t) for t in CALIBRATION_TEXTS]
     flat = [t for p in prompts for t in p]
     assert 0 < len(flat) <= CALIBRATION_TOKENS and all(len(p) <= 64 for p in prompts)
@@ -41,17 +42,20 @@ def test_calibration_is_real_text_only(model_dir):
     model = load_model(model_dir)
     with pytest.raises(ValueError, match="needs the checkpoint's tokenizer.*'token'"):
         calibrate_kv_scales(model, mc, [torch.int8] * 2, torch.device("cpu"), "torch", None)
-    ones = calibrate_kv_scales(model, mc, [torch.int8] * 2, torch.device("cpu"), "torch", None,
-                               scheme=INT8_SCHEMES["token"])
+    ones, calibration = calibrate_kv_scales(model, mc, [torch.int8] * 2, torch.device("cpu"),
+                                            "torch", None, scheme=INT8_SCHEMES["token"])
     assert all(torch.equal(k, torch.ones_like(k)) and torch.equal(v, k) for k, v in ones)
+    assert calibration.source == "none"
 
 
 def test_scales_are_per_channel_and_cover_calibration(model_dir):
     mc = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir)
     dtypes = [torch.int8] * mc.num_hidden_layers
-    scales = calibrate_kv_scales(model, mc, dtypes, torch.device("cpu"), "torch",
-                                 Tokenizer.from_dir(model_dir), scheme=INT8_SCHEMES["kivi"])
+    scales, calibration = calibrate_kv_scales(model, mc, dtypes, torch.device("cpu"), "torch",
+                                              Tokenizer.from_dir(model_dir),
+                                              scheme=INT8_SCHEMES["kivi"])
+    assert calibration.source == "text" and calibration.num_tokens > 0
     assert len(scales) == mc.num_hidden_layers
     for k_scale, v_scale in scales:
         assert k_scale.shape == (mc.num_key_value_heads, mc.head_dim) == v_scale.shape

@@ -124,3 +124,31 @@ def test_write_kv_dynamic_token_scales_bit_exact(gen, dtype, dynamic, head_dim):
                           torch.float32, k_t)
         step = cache.k_scale * k_t.float()[..., None]
         assert bool(((back - key.float()).abs() <= step * 0.501 + 1e-6).all())
+
+
+def test_a_token_scale_never_overflows_to_inf(gen):
+    """A value far beyond what its channel scale foresaw (a channel calibrated at ~0) would
+    need a token scale past float16's range: it saturates at the largest finite scale instead
+    of becoming inf (whose product with a 0 would be NaN), in the kernel and the reference."""
+    from pdserve.kernels.kv_layout import MAX_TOKEN_SCALE
+    from pdserve.kernels.kv_write import write_kv
+
+    kv_heads, head_dim, block_size, num_blocks = 2, 16, 4, 2
+    kv = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=torch.int8)
+    tiny = torch.full((kv_heads, head_dim), 1e-8)
+    caches = [KVCacheLayer(kv.clone(), tiny, tiny,
+                           *(torch.zeros(num_blocks, block_size, kv_heads,
+                                         dtype=TOKEN_SCALE_DTYPE) for _ in "kv"))
+              for _ in range(2)]
+    key = torch.randn(3, kv_heads, head_dim, generator=gen)  # / 1e-8: ~1e8, scale ~1e6
+    slots = torch.tensor([0, 5, 6])
+    write_kv(key, key.clone(), caches[0], slots)
+    write_kv_ref(key, key.clone(), caches[1], slots)
+    for cache in caches:
+        for scales in cache.token_scales:
+            assert bool(torch.isfinite(scales.float()).all())
+            assert float(scales.float().max()) == MAX_TOKEN_SCALE
+        back = dequantize(cache.k.reshape(-1, kv_heads, head_dim)[slots], cache.k_scale,
+                          torch.float32, cache.k_token_scale.reshape(-1, kv_heads)[slots])
+        assert bool(torch.isfinite(back).all())
+    assert torch.equal(caches[0].kv, caches[1].kv)
