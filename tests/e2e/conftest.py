@@ -181,6 +181,20 @@ def model_dir(hf_checkpoint):
     return hf_checkpoint("qwen2", max_position_embeddings=2048)
 
 
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_model(hf_checkpoint, tmp_path_factory):
+    """The default e2e checkpoint plus a ChatML chat_template.jinja (served as qwen2-chat)."""
+    folder = tmp_path_factory.mktemp("chat-model") / "qwen2-chat"
+    shutil.copytree(hf_checkpoint("qwen2", max_position_embeddings=2048), folder)
+    (folder / "chat_template.jinja").write_text(CHATML)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def e2e() -> Helpers:
     return Helpers()

@@ -8,7 +8,6 @@ the cluster's salted hashes."""
 from __future__ import annotations
 
 import datetime
-import shutil
 import ssl
 
 import grpc
@@ -23,19 +22,9 @@ from pdserve.testing import make_test_certificates
 pytestmark = pytest.mark.e2e
 
 KEY = "e2e-secret-key"
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-          "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 
-@pytest.fixture(scope="module")
-def chat_model(hf_checkpoint, tmp_path_factory):
-    """The e2e checkpoint plus a chat_template.jinja."""
-    folder = tmp_path_factory.mktemp("chat-model") / "qwen2-chat"
-    shutil.copytree(hf_checkpoint("qwen2", max_position_embeddings=2048), folder)
-    (folder / "chat_template.jinja").write_text(CHATML)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 import types
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 from pdserve.kernels import KVCacheLayer
 from pdserve.kv_transfer import ChannelConfig, ReservedBlocksSink, TransferKey, pack_layers
@@ -103,6 +105,22 @@ class RecordingSink(ReservedBlocksSink):
             return self.cond.wait_for(lambda: predicate(self), timeout)
 
 
+def transfer_works(endpoint, sink, connector, key, dst_ids=(1, 2)) -> bool:
+    """One request's blocks sent through ``connector`` to ``endpoint`` arrive intact."""
+    src = make_pool(3)
+    sink.expect(key, list(dst_ids))
+    send_request(connector.sender(endpoint.address), key, src, [5, 6][:len(dst_ids)])
+    done = sink.wait(lambda s: key in s.completed, 10)
+    return done and blocks_equal(src, [5, 6][:len(dst_ids)], sink.caches, list(dst_ids))
+
+
+def store_client(address: str, timeout_s: float = 5.0) -> TCPStore:
+    """A plain client of the rendezvous store at ``address`` (what a stranger can open)."""
+    host, port = address.rsplit(":", 1)
+    return TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -133,4 +151,4 @@ def kv():
         FAST=FAST, NUM_LAYERS=NUM_LAYERS, NUM_BLOCKS=NUM_BLOCKS, make_pool=make_pool,
         snapshot=snapshot, blocks_equal=blocks_equal, untouched=untouched,
         send_request=send_request, RecordingSink=RecordingSink, wait_until=wait_until,
-        kv_threads=kv_threads)
+        kv_threads=kv_threads, transfer_works=transfer_works, store_client=store_client)

@@ -5,12 +5,11 @@ messages queued ahead of it."""
 
 from __future__ import annotations
 
-import datetime
 import threading
 
 import pytest
 import torch
-from torch.distributed import PrefixStore, TCPStore
+from torch.distributed import PrefixStore
 
 from pdserve.kv_transfer import (
     ChannelConfig,
@@ -43,18 +42,6 @@ HOST = "127.0.0.1"
 IMPATIENT = ChannelConfig(peer_timeout_s=1.5, connect_timeout_s=1.5, heartbeat_s=0.2)
 
 
-def _client(address: str, timeout_s: float = 5.0) -> TCPStore:
-    host, port = address.rsplit(":", 1)
-    return TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _transfer_works(kv, endpoint, sink, connector, key, dst_ids=(1, 2)) -> bool:
-    src = kv.make_pool(3)
-    sink.expect(key, list(dst_ids))
-    kv.send_request(connector.sender(endpoint.address), key, src, [5, 6][:len(dst_ids)])
-    done = sink.wait(lambda s: key in s.completed, 10)
-    return done and kv.blocks_equal(src, [5, 6][:len(dst_ids)], sink.caches, list(dst_ids))
 
 
 def _leaks_secret(blob: bytes) -> bool:
@@ -99,15 +86,15 @@ def secured(kv, no_thread_leak):
     endpoint.close()
 
 
-def test_a_client_popping_the_join_queue_learns_no_secret_and_cannot_answer(no_thread_leak):
+def test_a_client_popping_the_join_queue_learns_no_secret_and_cannot_answer(kv, no_thread_leak):
     store = master_store(HOST, 0, 5.0)
     store.set(SESSION_KEY, new_session())
-    spy = _client(f"{HOST}:{store.port}")
+    spy = kv.store_client(f"{HOST}:{store.port}")
     outcome: list[TransferError] = []
 
     def prefill_joins() -> None:
         try:
-            request_pair(_client(f"{HOST}:{store.port}"), SecretJoin(SECRET.encode()),
+            request_pair(kv.store_client(f"{HOST}:{store.port}"), SecretJoin(SECRET.encode()),
                          "prefill-0", 1.0)
         except TransferError as exc:
             outcome.append(exc)
@@ -125,8 +112,8 @@ def test_a_client_popping_the_join_queue_learns_no_secret_and_cannot_answer(no_t
 
 def test_nothing_in_the_store_holds_the_secret(kv, secured):
     sink, endpoint, connector = secured
-    assert _transfer_works(kv, endpoint, sink, connector, TransferKey(1, 1))
-    spy = _client(endpoint.address)
+    assert kv.transfer_works(endpoint, sink, connector, TransferKey(1, 1))
+    spy = kv.store_client(endpoint.address)
     keys = spy.list_keys()
     assert any(key.startswith(PAIR_KEY) for key in keys)  # the pair's rendezvous is there
     for key in keys:
@@ -136,10 +123,10 @@ def test_nothing_in_the_store_holds_the_secret(kv, secured):
 
 def test_pre_set_answers_are_ignored_and_the_real_pair_forms(kv, secured):
     sink, endpoint, connector = secured
-    spy = _client(endpoint.address)
+    spy = kv.store_client(endpoint.address)
     for idx in range(1, 20):  # answers waiting for every index P could take
         spy.set(f"{ACCEPT_KEY}{idx}", b"1")
-    assert _transfer_works(kv, endpoint, sink, connector, TransferKey(2, 1))
+    assert kv.transfer_works(endpoint, sink, connector, TransferKey(2, 1))
     assert endpoint.peer_ids == ["prefill-0"]
 
 
@@ -150,14 +137,14 @@ def test_wrong_secret_is_dropped_unanswered(kv, secured):
         error = stranger.sender(endpoint.address).send_abort(TransferKey(1, 1)).exception(10)
         assert isinstance(error, TransferError) and "join timeout" in str(error)
         assert endpoint.num_bad_joins == 1 and endpoint.num_peers == 0
-        assert _transfer_works(kv, endpoint, sink, connector, TransferKey(3, 1))
+        assert kv.transfer_works(endpoint, sink, connector, TransferKey(3, 1))
     finally:
         stranger.close()
 
 
 def test_a_replayed_join_is_refused(kv, secured):
     sink, endpoint, connector = secured
-    raw = _client(endpoint.address)
+    raw = kv.store_client(endpoint.address)
     join = request_pair(raw, SecretJoin(SECRET.encode()), "prefill-r", 5.0)
     pg = new_pair_group(pair_store(raw, join), 1, "gloo", HOST, kv.FAST.peer_timeout_s)
     proof = torch.empty(32, dtype=torch.uint8)
@@ -170,7 +157,7 @@ def test_a_replayed_join_is_refused(kv, secured):
     assert endpoint.num_peers == 1
     del pg  # the replayer's own pair goes; the real one still forms
     assert kv.wait_until(lambda: endpoint.num_peers == 0, 5)
-    assert _transfer_works(kv, endpoint, sink, connector, TransferKey(4, 1))
+    assert kv.transfer_works(endpoint, sink, connector, TransferKey(4, 1))
 
 
 def test_a_stranger_at_the_guessable_group_prefix_never_meets_anyone(kv, secured):
@@ -178,7 +165,7 @@ def test_a_stranger_at_the_guessable_group_prefix_never_meets_anyone(kv, secured
     failures: list[Exception] = []
 
     def squat(idx: int) -> None:  # waits as P (rank 1) where the old protocol met D
-        store = PrefixStore(f"{PAIR_KEY}{idx}/", _client(endpoint.address, 1.5))
+        store = PrefixStore(f"{PAIR_KEY}{idx}/", kv.store_client(endpoint.address, 1.5))
         try:
             new_pair_group(store, 1, "gloo", HOST, 1.5)
         except Exception as exc:  # nobody else ever came
@@ -188,7 +175,7 @@ def test_a_stranger_at_the_guessable_group_prefix_never_meets_anyone(kv, secured
     for t in squatters:
         t.start()
     try:
-        assert _transfer_works(kv, endpoint, sink, connector, TransferKey(5, 1))
+        assert kv.transfer_works(endpoint, sink, connector, TransferKey(5, 1))
     finally:
         for t in squatters:
             t.join(10)
@@ -196,14 +183,14 @@ def test_a_stranger_at_the_guessable_group_prefix_never_meets_anyone(kv, secured
     assert endpoint.num_failed_handshakes == 0 and not sink.lost
 
 
-def test_forged_values_at_the_pair_prefix_do_not_read(no_thread_leak):
+def test_forged_values_at_the_pair_prefix_do_not_read(kv, no_thread_leak):
     store = master_store(HOST, 0, 2.0)
     join = SecretJoin(SECRET.encode()).make(new_session(), 1, "prefill-0")
     signed = pair_store(store, join)
     assert isinstance(signed, SignedStore)
     signed.set("0/0", b"an address")
     assert signed.get("0/0") == b"an address"
-    raw = PrefixStore(join.pair_prefix, _client(f"{HOST}:{store.port}"))
+    raw = PrefixStore(join.pair_prefix, kv.store_client(f"{HOST}:{store.port}"))
     raw.set("0/1", b"the stranger's address" + bytes(32))
     raw.set("0/2", raw.get("0/0"))  # a genuine value moved to another key
     for key in ("0/1", "0/2"):
@@ -213,7 +200,7 @@ def test_forged_values_at_the_pair_prefix_do_not_read(no_thread_leak):
 
 def test_a_peer_that_cannot_prove_the_secret_is_dropped(kv, secured):
     sink, endpoint, connector = secured
-    raw = _client(endpoint.address)
+    raw = kv.store_client(endpoint.address)
     join = request_pair(raw, SecretJoin(SECRET.encode()), "intruder", 5.0)  # got in somehow
     pg = new_pair_group(pair_store(raw, join), 1, "gloo", HOST, kv.FAST.peer_timeout_s)
     proof = torch.empty(32, dtype=torch.uint8)
@@ -223,7 +210,7 @@ def test_a_peer_that_cannot_prove_the_secret_is_dropped(kv, secured):
     assert kv.wait_until(lambda: endpoint.num_peers == 0, 5)
     assert not sink.lost  # the sink never saw the intruder
     del pg
-    assert _transfer_works(kv, endpoint, sink, connector, TransferKey(6, 1))
+    assert kv.transfer_works(endpoint, sink, connector, TransferKey(6, 1))
 
 
 def test_prefill_sends_nothing_to_an_endpoint_that_cannot_prove_the_secret(kv, no_thread_leak):
@@ -235,7 +222,7 @@ def test_prefill_sends_nothing_to_an_endpoint_that_cannot_prove_the_secret(kv, n
     sent = connector.sender(address).send_abort(TransferKey(1, 1))
     join = _next_join(kv, JoinQueue(store, SecretJoin(SECRET.encode()), session))
     answer_join(store, join, True)
-    pg = new_pair_group(pair_store(_client(address), join), 0, "gloo", HOST, 1.5)
+    pg = new_pair_group(pair_store(kv.store_client(address), join), 0, "gloo", HOST, 1.5)
     pg.send([torch.zeros(32, dtype=torch.uint8)], 1, 0).wait()  # not the decode proof
     error = sent.exception(10)
     assert isinstance(error, TransferError) and "did not prove" in str(error)
@@ -258,10 +245,10 @@ def test_an_answer_that_does_not_verify_is_refused(kv, no_thread_leak):
     connector.close()
 
 
-def test_a_real_join_waits_behind_exactly_the_messages_ahead_of_it(no_thread_leak):
+def test_a_real_join_waits_behind_exactly_the_messages_ahead_of_it(kv, no_thread_leak):
     store = master_store(HOST, 0, 5.0)
     session = new_session()
-    client = _client(f"{HOST}:{store.port}")
+    client = kv.store_client(f"{HOST}:{store.port}")
     num_ahead, num_behind = 600, 120
     for message in _bogus_joins(session, num_ahead):
         client.queue_push(JOIN_KEY, message)
@@ -280,12 +267,12 @@ def test_a_real_join_waits_behind_exactly_the_messages_ahead_of_it(no_thread_lea
 
 def test_a_flood_ahead_of_a_real_join_does_not_keep_it_out(kv, secured):
     sink, endpoint, connector = secured
-    flood = _client(endpoint.address)
+    flood = kv.store_client(endpoint.address)
     session = flood.get(SESSION_KEY)
     num_ahead = 3000  # one message per listener poll would take 60 s: P waits 5 s at most
     for message in _bogus_joins(session, num_ahead):
         flood.queue_push(JOIN_KEY, message)
     flood.queue_len(JOIN_KEY)  # a round trip: the store has every push before P's join
-    assert _transfer_works(kv, endpoint, sink, connector, TransferKey(7, 1))
+    assert kv.transfer_works(endpoint, sink, connector, TransferKey(7, 1))
     assert endpoint.num_bad_joins == num_ahead
     assert endpoint.peer_ids == ["prefill-0"]

@@ -4,12 +4,9 @@ wrong secrets leave it serving, and a frame announcing more than the pool ends o
 
 from __future__ import annotations
 
-import datetime
-
 import psutil
 import pytest
 import torch
-from torch.distributed import TCPStore
 
 from pdserve.kv_transfer import (
     ChannelConfig,
@@ -33,18 +30,6 @@ def _listening_addresses(port: int) -> set[str]:
             if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
 
 
-def _store(address: str) -> TCPStore:
-    host, port = address.rsplit(":", 1)
-    return TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=5))
-
-
-def _transfer_works(kv, endpoint, sink, connector, key, dst_ids=(1, 2)) -> bool:
-    src = kv.make_pool(3)
-    sink.expect(key, list(dst_ids))
-    kv.send_request(connector.sender(endpoint.address), key, src, [5, 6][:len(dst_ids)])
-    done = sink.wait(lambda s: key in s.completed, 10)
-    return done and kv.blocks_equal(src, [5, 6][:len(dst_ids)], sink.caches, list(dst_ids))
 
 
 def test_join_policies_refuse_what_is_not_a_join():
@@ -80,7 +65,7 @@ def test_malformed_joins_and_wrong_secrets_leave_it_serving(kv, no_thread_leak):
     anonymous = TorchDistConnector("anonymous", config=IMPATIENT)
     friend = TorchDistConnector("prefill-0", config=kv.FAST, join_token=TOKEN)
     try:
-        raw = _store(endpoint.address)
+        raw = kv.store_client(endpoint.address)
         for junk in ("garbage", "abc prefill-x", "1 2 3 4", "99999 ghost " + TOKEN,
                      "\u00e9" * 300, ""):
             raw.queue_push(JOIN_KEY, junk)
@@ -89,7 +74,7 @@ def test_malformed_joins_and_wrong_secrets_leave_it_serving(kv, no_thread_leak):
             error = connector.sender(endpoint.address).send_abort(TransferKey(1, 1)).exception(10)
             assert isinstance(error, TransferError) and "no answer" in str(error)
         assert endpoint.num_bad_joins == 8
-        assert _transfer_works(kv, endpoint, sink, friend, TransferKey(9, 1))
+        assert kv.transfer_works(endpoint, sink, friend, TransferKey(9, 1))
         assert endpoint.peer_ids == ["prefill-0"]
         assert sink.num_expected == 0
     finally:
@@ -117,7 +102,7 @@ def test_oversized_frame_ends_its_pair_and_the_next_peer_is_served(kv, no_thread
         hostile._send_frame(encode_header(huge), None)
         assert sink.wait(lambda s: any(peer == "hostile" for peer, _ in s.lost), 10)
         assert kv.wait_until(lambda: endpoint.num_peers == 0, 5)
-        assert _transfer_works(kv, endpoint, sink, friend, TransferKey(5, 1), (2, 3))
+        assert kv.transfer_works(endpoint, sink, friend, TransferKey(5, 1), (2, 3))
         assert sink.num_expected == 0  # nothing left reserved
     finally:
         hostile.close(1.0)
