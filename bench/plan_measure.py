@@ -31,6 +31,7 @@ from pdserve.bench.plan import (
     PREFILL_TOKENS,
     Hardware,
     PlanRequest,
+    accelerators,
     find_accelerator,
     measured_hardware,
     roofline_ms,
@@ -46,8 +47,10 @@ DECODE_STEPS = 8
 
 
 def choose_hardware(device: str | None, hbm_gib: float | None, hbm_gbps: float | None,
-                    tflops: float | None, dtype: torch.dtype) -> Hardware:
-    """The hardware the flags name (ValueError naming the flags when they conflict)."""
+                    tflops: float | None, dtype: torch.dtype, measure: bool = False) -> Hardware:
+    """The hardware the flags name (ValueError naming the flags when they conflict or name
+    none). This machine is measured only when asked: ``--device cpu|cuda`` or ``--measure``;
+    ``--hbm-gib`` alone takes the catalogue's card of that memory (or asks which)."""
     figures = (hbm_gib, hbm_gbps, tflops)
     memory = None if hbm_gib is None else int(hbm_gib * GiB)
     if device is not None and device.lower() in ("cpu", "cuda"):
@@ -65,7 +68,27 @@ def choose_hardware(device: str | None, hbm_gib: float | None, hbm_gbps: float |
     if hbm_gbps is not None or tflops is not None:
         raise ValueError("arguments --hbm-gib, --hbm-gbps, --tflops: give all three, or "
                          "--device")
-    return measured_hardware("cuda" if torch.cuda.is_available() else "cpu", dtype, memory)
+    if measure:
+        return measured_hardware("cuda" if torch.cuda.is_available() else "cpu", dtype, memory)
+    if hbm_gib is not None:
+        return accelerator_with_memory(hbm_gib)
+    raise ValueError(f"argument --device: name the hardware to plan for "
+                     f"({', '.join(accelerators())}), give --hbm-gib/--hbm-gbps/--tflops, or "
+                     "--measure to measure this machine")
+
+
+def accelerator_with_memory(hbm_gib: float, tolerance: float = 0.03) -> Hardware:
+    """The one catalogue card whose memory is ``hbm_gib`` (within ``tolerance``); ValueError
+    listing the candidates when none or several are."""
+    matches = [hw for hw in accelerators().values()
+               if abs(hw.memory_bytes / GiB - hbm_gib) <= tolerance * hbm_gib]
+    if len(matches) == 1:
+        hw = matches[0]
+        return Hardware(hw.name, hw.memory_bytes, hw.bandwidth_bytes_per_s,
+                        hw.peak_flops_per_s, f"the catalogue's {hbm_gib:g} GiB card; {hw.source}")
+    names = ", ".join(hw.name for hw in matches) or "no card in the catalogue"
+    raise ValueError(f"argument --hbm-gib: {hbm_gib:g} GiB matches {names}: name one with "
+                     f"--device NAME, or give --hbm-gbps and --tflops too")
 
 
 def _engine(req: PlanRequest, hw: Hardware, margin: float):

@@ -128,6 +128,16 @@ def format_compare(doc: dict) -> str:
     return "\n".join(lines)
 
 
+USEFUL_STEP_MS = 60_000.0  # a step slower than a minute is no serving plan: say why instead
+
+
+def _useless(ms: float, plan: dict) -> str:
+    hw = plan["hardware"]
+    return (f"not servable: {ms / 1000:,.0f} s a step at {hw['peak_flops_per_s'] / 1e9:,.3g} "
+            f"GFLOPS ({plan['dtype']} on {hw['name']}); plan for an accelerator (--device "
+            f"NAME) or a dtype this device computes fast (--dtype float32 on a CPU)")
+
+
 def format_plan(plan: dict) -> str:
     hw = plan["hardware"]
     gib = lambda b: f"{b / (1 << 30):,.2f} GiB"  # noqa: E731
@@ -149,10 +159,13 @@ def format_plan(plan: dict) -> str:
                       f"each; {plan['max_batch']:,} with the 20 % margin"],
         ["decode step", f"{d['ms']:.3g} ms at batch {d['batch']:,} (memory {d['memory_ms']:.3g}"
                         f" ms, compute {d['compute_ms']:.3g} ms): {d['binding']}-bound, "
-                        f"{plan['decode_tokens_per_s']:,.0f} tokens/s per worker"],
+                        f"{plan['decode_tokens_per_s']:,.0f} tokens/s per worker"
+         if d["ms"] <= USEFUL_STEP_MS else _useless(d["ms"], plan)],
         ["prefill per 1k tokens", f"{plan['prefill_ms_per_1k_tokens']:.3g} ms (compute "
                                   f"{p['compute_ms']:.3g} ms at MFU {plan['mfu']:g}, memory "
-                                  f"{p['memory_ms']:.3g} ms): {p['binding']}-bound"],
+                                  f"{p['memory_ms']:.3g} ms): {p['binding']}-bound"
+         if plan["prefill_ms_per_1k_tokens"] <= USEFUL_STEP_MS
+         else _useless(plan["prefill_ms_per_1k_tokens"], plan)],
     ]
     if "num_prefill_workers" in plan:
         rows.append([f"workers for {plan['rate']:g} req/s",

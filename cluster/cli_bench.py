@@ -127,7 +127,8 @@ def cmd_plan(args) -> int:
             raise ValueError("--measure profiles this machine: use --device cpu or cuda")
         kind = "cpu" if device == "cpu" else "cuda"  # named accelerators are CUDA devices
         dtype = req.engine_config(kind).resolve_dtype(mc.torch_dtype, _torch_device(kind))
-        hw = choose_hardware(args.device, args.hbm_gib, args.hbm_gbps, args.tflops, dtype)
+        hw = choose_hardware(args.device, args.hbm_gib, args.hbm_gbps, args.tflops, dtype,
+                             measure=args.measure)
         plan = make_plan(req, hw, mc)
     except FileNotFoundError as exc:
         fail(prog, f"argument --model: {exc}")

@@ -125,6 +125,10 @@ def test_plan_json_keys_from_the_command_line(tmp_path, capsys):
     (["--hbm-gbps", "100"], "give all three"),
     (["--rate", "2"], "rate, isl and osl go together"),
     (["--device", "H100", "--measure"], "--measure profiles this machine"),
+    # no hardware named: asked for, never measured unasked (that took minutes, in float16)
+    ([], "argument --device: name the hardware to plan for (H200, H100"),
+    (["--hbm-gib", "80"], "80 GiB matches H100, A100-80GB: name one with --device NAME"),
+    (["--hbm-gib", "33"], "33 GiB matches no card in the catalogue"),
 ])
 def test_plan_user_errors_exit_2(tmp_path, capsys, argv, message):
     model = _config_dir(tmp_path, "m", LLAMA2_7B)
@@ -133,6 +137,25 @@ def test_plan_user_errors_exit_2(tmp_path, capsys, argv, message):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_takes_the_one_card_of_the_given_memory(tmp_path, capsys):
+    model = _config_dir(tmp_path, "llama2-7b", LLAMA2_7B)
+    assert main(["plan", "--model", model, "--hbm-gib", "141", "--dtype", "float16",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["hardware"]["name"] == "H200" and "141 GiB card" in plan["hardware"]["source"]
+
+
+def test_plan_prints_no_time_nobody_can_act_on(tmp_path, capsys):
+    """A device that computes at ~nothing (float16 on a CPU measured 0.0 TFLOPS) gets a line
+    saying why and what to do, not a decode step of 1.74e+06 ms."""
+    model = _config_dir(tmp_path, "llama2-7b", LLAMA2_7B)
+    assert main(["plan", "--model", model, "--hbm-gib", "80", "--hbm-gbps", "50",
+                 "--tflops", "0.000001", "--dtype", "float16"]) == 0
+    out = capsys.readouterr().out
+    decode = next(line for line in out.splitlines() if line.startswith("decode step"))
+    assert "not servable" in decode and "--device NAME" in decode and " ms at batch" not in decode
 
 
 def test_plan_measure_holds_the_plan_against_this_machine(tiny_dir, capsys):
