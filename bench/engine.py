@@ -2,7 +2,8 @@
 
 In one run:
 1. decode step time against the memory roofline (bytes read per step / read bandwidth measured
-   now) on a random ~100M-parameter Llama at batch 1, 8, 64 in fp32 and bf16;
+   now) on a random ~100M-parameter Llama at batch 1, 8, 32 in fp32 (linear layers packed
+   for oneDNN, the default, and plain) and bf16;
 2. engine overhead per step (everything outside the model forward) at batch 64 and 256 on a
    tiny model, with prompts of one length and of spread lengths, greedy and sampled, and on
    a tiny Mistral with a sliding window on the persistent rows and on the general path (the
@@ -113,13 +114,19 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int,
     return stats
 
 
+# (dtype, linear layers through the packed oneDNN GEMM): float32 both ways, in one run
+ROOFLINE_VARIANTS = (("float32", True), ("float32", False), ("bfloat16", False))
+
+
 def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps: int) -> str:
     """Decode step vs the roofline max(bytes read / bandwidth, FLOPs / peak matmul rate), with
-    the bandwidth of a plain read and, as the achievable ceiling, of torch's own GEMV."""
+    the bandwidth of a plain read and, as the achievable ceiling, of torch's own GEMV; float32
+    with the linear layers packed for oneDNN (the default) and plain, in the same run."""
     rows = []
-    for dtype in ("float32", "bfloat16"):
+    for dtype, packed in ROOFLINE_VARIANTS:
         parts = EngineParts.build(EngineConfig(model=str(model_dir), dtype=dtype,
-                                               num_kv_blocks=4096, max_num_seqs=256))
+                                               num_kv_blocks=4096, max_num_seqs=256,
+                                               cpu_packed_gemm=packed))
         engine = LLMEngine(parts)
         gemv_bw, _ = measure_linear(parts.runner.model.dtype, 1)
         _, peak_flops = measure_linear(parts.runner.model.dtype, 512)
@@ -133,11 +140,11 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
             compute_s = 2 * params * batch / peak_flops
             roof = max(bytes_read / bandwidth, compute_s)
             achievable = max(bytes_read / gemv_bw, compute_s)
-            rows.append([dtype, batch, median.total_s * 1e3,
+            rows.append([dtype, "packed" if packed else "plain", batch, median.total_s * 1e3,
                          f"{1 - median.forward_s / median.total_s:.1%}", roof * 1e3,
                          median.total_s / roof, achievable * 1e3, median.total_s / achievable,
                          batch / median.total_s])
-    return format_table(["dtype", "batch", "step ms", "outside fwd", "roofline ms",
+    return format_table(["dtype", "GEMM", "batch", "step ms", "outside fwd", "roofline ms",
                          "x roofline", "gemv-roof ms", "x gemv-roof", "tok/s"], rows)
 
 
@@ -336,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"threads {torch.get_num_threads()}, measured read bandwidth "
               f"{bandwidth / 1e9:.1f} GB/s\n")
         print("1. decode step vs memory roofline (random ~100M Llama)")
-        print(roofline_table(big, bandwidth, [1, 8] if args.quick else [1, 8, 64],
+        print(roofline_table(big, bandwidth, [1, 8] if args.quick else [1, 8, 32],
                              4 if args.quick else 16))
         print("\n2. engine overhead per decode step (tiny model)")
         print(overhead_table(tiny, windowed, [8, 64] if args.quick else [64, 256],

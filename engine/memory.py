@@ -77,10 +77,13 @@ class MemoryLedger:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
+    """Parameters and buffers, each tensor once (tied ones share storage); a packed GEMM
+    weight (an opaque oneDNN tensor, no storage torch can see) counts its elements."""
     seen, total = set(), 0
     for p in list(model.parameters()) + list(model.buffers()):
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
+        key = id(p) if p.is_mkldnn else p.data_ptr()
+        if key not in seen:
+            seen.add(key)
             total += p.numel() * p.element_size()
     return total
 

@@ -73,6 +73,8 @@ class EngineParts:
         if device.type == "cpu":
             keep_freed_host_memory()
         model = load_model(config.model, dtype=dtype, device=device)
+        if config.cpu_packed_gemm:
+            model.pack_linears()  # (a no-op but on a CPU in float32)
         ledger = plan_kv_pool(mc, config, model, dtype, device, max_model_len, backend)
         layer_dtypes = kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
         try:

@@ -32,6 +32,7 @@ from pdserve.kernels import KVCacheLayer
 # The dispatch module, not the package: once the Triton submodule pdserve.kernels.rotary is
 # imported, it replaces the package attribute ``rotary`` (the dispatch function).
 from pdserve.kernels import dispatch as kernels
+from pdserve.kernels import linear as klinear
 from pdserve.kernels.reference import as_dtype
 from pdserve.models.attention import Attention, AttentionMetadata
 from pdserve.models.config import ModelConfig
@@ -59,15 +60,24 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with an optional bias, weights loaded, never initialised."""
+    """``y = x W^T (+ b)`` with an optional bias, weights loaded, never initialised. Once
+    :meth:`pack` has run (CPU, float32) the weight lives only in its packed form."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
+        self.register_buffer("packed", None)  # the weight in the CPU GEMM's layout, once packed
+
+    def pack(self) -> None:
+        """Keep the weight packed for the CPU's GEMM (:mod:`pdserve.kernels.linear`) and drop
+        the plain copy; a no-op where packing does not apply."""
+        if self.packed is None and klinear.can_pack(self.weight):
+            self.packed = klinear.pack_weight(self.weight)
+            self.weight = _param(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return klinear.linear(x, self.weight, self.bias, self.packed)
 
 
 class SelfAttention(nn.Module):
@@ -174,6 +184,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
             self.lm_head.weight = _param(config.vocab_size, config.hidden_size)
+        self.register_buffer("lm_head_packed", None)  # pack_linears: the head's GEMM layout
         # float32 [cos | sin] table, kept outside the parameters so .to(dtype) never rounds it
         self._cos_sin_cache = cos_sin_cache_for(config)
 
@@ -231,7 +242,21 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(T, hidden) -> (T, vocab) float32."""
-        return as_dtype(F.linear(hidden, self.lm_head.weight), torch.float32)
+        logits = klinear.linear(hidden, self.lm_head.weight, None, self.lm_head_packed)
+        return as_dtype(logits, torch.float32)
+
+    def pack_linears(self) -> None:
+        """Pack every linear layer and the head for the CPU's GEMM (a no-op elsewhere). A head
+        that shares the embedding matrix gets a packed copy (lookups read the embedding)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        head = self.lm_head.weight
+        if self.lm_head_packed is not None or not klinear.can_pack(head):
+            return
+        self.lm_head_packed = klinear.pack_weight(head)
+        if head is not self.model.embed_tokens.weight:
+            self.lm_head.weight = _param(0)
 
 
 # model_type -> decoder class; all four families share one implementation.

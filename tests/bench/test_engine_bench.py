@@ -14,6 +14,8 @@ def test_engine_bench_quick_prints_every_section(capsys):
     for title in ("1. decode step vs memory roofline", "2. engine overhead per decode step",
                   "3. continuous batching vs Hugging Face static batching"):
         assert title in out, out
+    for dtype, gemm in (("float32", "packed"), ("float32", "plain"), ("bfloat16", "plain")):
+        assert re.search(rf"^\s*{dtype}\s+{gemm}\s+8\s+[\d.]+", out, re.M), out
     for lengths in ("16", "16-31"):  # one prompt length, and a block's worth of lengths
         assert re.search(rf"^\s*8\s+{lengths}\s+greedy\s+[\d.]+", out, re.M), out
     for decoding in [*engine.SAMPLED, f"greedy, window {engine.WINDOW}",

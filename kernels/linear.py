@@ -1,0 +1,40 @@
+"""Dense layers, ``y = x W^T (+ b)``, with the weight packed once for the CPU's GEMM.
+
+On the CPU in float32 a linear layer runs through oneDNN with its weight reordered once, at
+load, into oneDNN's blocked layout (what PyTorch's inductor does for CPU linears when it
+freezes a model): the GEMM then reads the weight in the order its kernel consumes it instead
+of re-packing it on every call, which is what a decode step (a few rows against every weight)
+spends most of its time on. Anywhere else (CUDA, other dtypes, no oneDNN) the weight is not
+packed and ``F.linear`` runs. :func:`linear` is the one entry; ``F.linear`` over the unpacked
+weight is its reference (the packed GEMM sums in another order: the same to fp32 rounding).
+
+A packed weight is an opaque oneDNN tensor: no storage torch can see (no ``data_ptr``); count
+its bytes as elements x element size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (out, in) runs faster packed: float32 on a CPU with oneDNN."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and torch.backends.mkldnn.is_available())
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (out, in) reordered into oneDNN's layout for :func:`linear`."""
+    if not can_pack(weight):
+        raise ValueError(f"only a 2-D float32 CPU weight packs, got {tuple(weight.shape)} "
+                         f"{weight.dtype} on {weight.device}")
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """(T, in) -> (T, out); through ``packed`` (from :func:`pack_weight`) when given."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

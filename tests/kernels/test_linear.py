@@ -1,0 +1,46 @@
+"""The packed CPU linear against its reference, F.linear, on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels import linear as klinear
+from pdserve.models.llama import Linear
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 64, 300])
+@pytest.mark.parametrize("in_features, out_features", [(64, 192), (576, 1536), (96, 509)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(gen, rows, in_features, out_features, bias):
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
+    b = torch.randn(out_features, generator=gen) if bias else None
+    packed = klinear.pack_weight(weight)
+    got = klinear.linear(x, weight, b, packed)
+    want = F.linear(x, weight, b)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # only the summation order
+
+
+def test_only_float32_cpu_weights_pack():
+    assert klinear.can_pack(torch.zeros(4, 4))
+    for weight in (torch.zeros(4, 4, dtype=torch.bfloat16), torch.zeros(4)):
+        assert not klinear.can_pack(weight)
+        with pytest.raises(ValueError, match="only a 2-D float32 CPU weight packs"):
+            klinear.pack_weight(weight)
+
+
+def test_a_packed_layer_keeps_only_the_packed_weight(gen):
+    layer = Linear(32, 48, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 32, generator=gen))
+        layer.bias.copy_(torch.randn(48, generator=gen))
+    x = torch.randn(5, 32, generator=gen)
+    before = layer.forward(x)
+    layer.pack()
+    assert layer.weight.numel() == 0 and layer.packed.is_mkldnn
+    torch.testing.assert_close(layer.forward(x), before, rtol=1e-5, atol=1e-5)
+    layer.pack()  # again: a no-op
+    torch.testing.assert_close(layer.forward(x), before, rtol=1e-5, atol=1e-5)
