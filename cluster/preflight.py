@@ -42,21 +42,28 @@ from pdserve.engine import memory
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
 from pdserve.engine.memory import MemoryBudgetError
 from pdserve.engine.parts import ResolvedModel
+from pdserve.kernels.linear import can_pack
 from pdserve.models import ModelConfig, build_model
 from pdserve.models.loader import weight_tensor_names
 
 logger = logging.getLogger(__name__)
 
 
-def meta_weight_bytes(model_dir: Path, mc: ModelConfig, dtype: torch.dtype) -> int:
+def meta_weight_bytes(model_dir: Path, mc: ModelConfig, dtype: torch.dtype,
+                      packed_head: bool = False) -> int:
     """What ``engine.memory.weight_bytes`` will count for the loaded model, read from the
-    safetensors headers and a ``meta``-device model (no weight is read)."""
+    safetensors headers and a ``meta``-device model (no weight is read). ``packed_head``: the
+    engine packs its GEMMs, so a head tied to the embedding gets a copy of its own."""
     names = weight_tensor_names(model_dir)  # safetensors headers or a GGUF's tensor table
     model = build_model(mc, dtype=dtype, device="meta")
-    if "lm_head.weight" not in names:
+    tied = "lm_head.weight" not in names
+    if tied:
         model.tie_weights()
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if tied and packed_head:
+        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    return total
 
 
 def check_engine_fits(config: EngineConfig) -> int | None:
@@ -75,7 +82,8 @@ def check_engine_fits(config: EngineConfig) -> int | None:
     if budget is None or config.num_kv_blocks is not None:
         weight_tensor_names(model_dir)  # a folder without weights still fails here
         return None
-    weights = meta_weight_bytes(model_dir, mc, dtype)
+    packs = config.cpu_packed_gemm and can_pack(torch.empty(1, 1, dtype=dtype, device=device))
+    weights = meta_weight_bytes(model_dir, mc, dtype, packed_head=packs)
     activations = memory.estimate_activation_bytes(mc, config, dtype, max_model_len,
                                                    attention_scratch=backend == "torch")
     layer_dtypes = memory.kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
