@@ -33,7 +33,7 @@ class Action:
     restarts: int = 0  # START / REPLACE: the new worker's restart count
 
 
-def plan(role: str, target: int, members: list[MemberView],
+def plan(role: str, target: int | None, members: list[MemberView],
          can_start: bool = True) -> list[Action]:
     """The actions that bring one pool to ``target`` (members in start order).
 
@@ -41,7 +41,13 @@ def plan(role: str, target: int, members: list[MemberView],
     pool is short of its target (a restart), otherwise removed; while starts are held
     (``can_start`` false, after failed starts) it stays listed as dead. A pool above its
     target drains its surplus: starting members first, then the least loaded, newest first.
+    An unknown target (None: nobody knows it, e.g. Redis lost it) keeps the pool as it is:
+    every slot with a worker that did not drain keeps one, nothing starts beyond, nothing
+    drains; a missing target is never a target of zero.
     """
+    if target is None:
+        target = sum(m.state in (STARTING, READY) or (m.state == DEAD and not m.was_draining)
+                     for m in members)
     if target < 0:
         raise ValueError(f"target must be >= 0, got {target}")
     active = [m for m in members if m.state in (STARTING, READY)]

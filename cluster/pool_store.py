@@ -4,7 +4,7 @@ Keys, all under the cluster's prefix ``pdserve:<cluster>:`` (the registry's work
 under ``pdserve:<cluster>:worker:`` beside them):
 
 * ``pool:<role>:target`` -> int: the size the pool manager keeps the pool at;
-* ``pool:<role>:seq`` -> int: INCR counter; worker ids are ``<role>-<n>`` with n = seq - 1, so
+* ``pool:<role>:seq`` -> int: the next worker id number; worker ids are ``<role>-<n>``, so
   every worker a cluster ever starts has a fresh id (``decode-0``, ``decode-1``, ...);
 * ``pool:<role>:restarts`` -> int: dead workers replaced (a counter);
 * ``members`` -> hash worker_id -> :class:`MemberRecord` JSON: the workers the pool manager
@@ -13,29 +13,68 @@ under ``pdserve:<cluster>:worker:`` beside them):
 * ``router`` -> hash with the router's bound ``port`` and ``metrics_port``: a router restarted
   by Ray binds the same ports (each further router ``router-<i>`` of ``--routers N`` has its
   own hash under its name).
+
+Redis is a cache of the pool manager's truth, not the truth: the manager keeps every value in
+memory and :meth:`PoolStore.republish` writes back whatever went missing or bad (Redis
+restarted empty, FLUSHALL, garbage). Counters never go back: an id or restart count is issued
+above the floor the manager knows (``next_worker_id(role, floor)``), so a counter lost with
+Redis never re-issues the id of a live worker. Readers skip a value that does not parse, as if
+it were missing, and count it through ``on_malformed(family, count)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
 
 from pdserve.cluster.actors import ROLES
+from pdserve.cluster.registry import redis_client
 
-# INCRBY that never goes below zero; returns the new value.
-_ADD_FLOORED = """
-local v = redis.call('INCRBY', KEYS[1], ARGV[1])
-if v < 0 then redis.call('SET', KEYS[1], 0); v = 0 end
-return v
+# KEYS[1]: a counter; ARGV[1]: its floor. Sets it to max(value, floor) + 1 and returns
+# {max(value, floor), 1 if the value was not a whole number >= 0 (it counts as 0) else 0}.
+_BUMP_FLOORED = """
+local raw = redis.pcall('GET', KEYS[1])
+local value, malformed = 0, 0
+if raw then
+  local n = type(raw) == 'string' and tonumber(raw) or nil
+  if n and n >= 0 and n == math.floor(n) then value = n else malformed = 1 end
+end
+local floor = tonumber(ARGV[1])
+if value < floor then value = floor end
+redis.call('SET', KEYS[1], string.format('%d', value + 1))
+return {value, malformed}
 """
+
+_WORKER_ID = re.compile(r"^(?P<role>[a-z]+)-(?P<number>\d+)$")
 
 
 def _check_role(role: str) -> None:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+
+def worker_number(worker_id: str) -> tuple[str, int] | None:
+    """(role, n) of an id the pool manager issues (``decode-3`` -> ("decode", 3)), else None."""
+    match = _WORKER_ID.match(worker_id)
+    if match is None or match["role"] not in ROLES:
+        return None
+    return match["role"], int(match["number"])
+
+
+def _whole(raw: bytes | None) -> int | None:
+    """A stored whole number >= 0, or None (missing or malformed)."""
+    if raw is None:
+        return None
+    try:
+        value = int(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return value if value >= 0 else None
 
 
 @dataclass
@@ -55,22 +94,49 @@ class MemberRecord:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> MemberRecord:
-        values = json.loads(text)
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+        """The record; ValueError for text that is not one (bad JSON, kinds, role)."""
+        try:
+            values = json.loads(text)
+            names = {f.name for f in dataclasses.fields(cls)}
+            record = cls(**{k: v for k, v in values.items() if k in names})
+        except (TypeError, ValueError, AttributeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"malformed member record: {exc}") from None
+        kinds = [(record.worker_id, str), (record.role, str), (record.restarts, int),
+                 (record.pid, int), (record.node_ip, str), (record.draining, bool),
+                 (record.created_time, (int, float))]
+        if not all(isinstance(v, k) for v, k in kinds) or record.role not in ROLES \
+                or not record.worker_id:
+            raise ValueError(f"malformed member record: {values!r}"[:200])
+        return record
+
+
+@dataclass
+class PoolState:
+    """What the pool manager knows, for :meth:`PoolStore.republish` to put back in Redis."""
+
+    targets: dict[str, int]  # role -> target (Redis must hold exactly this)
+    restarts: dict[str, int]  # role -> workers replaced (Redis keeps the larger)
+    next_ids: dict[str, int]  # role -> the smallest id number never issued (likewise)
+    members: list[MemberRecord]  # the workers it owns (Redis must hold exactly these)
 
 
 class PoolStore:
-    """The pool manager's persistent state; see the module docstring."""
+    """The pool manager's state in Redis; see the module docstring."""
 
-    def __init__(self, redis_url: str, cluster: str):
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    def __init__(self, redis_url: str, cluster: str,
+                 on_malformed: Callable[[str, int], None] | None = None):
+        self.client = redis_client(redis_url)
         self.prefix = f"pdserve:{cluster}:"
-        self._add_floored = self.client.register_script(_ADD_FLOORED)
+        self.on_malformed = on_malformed
+        self._bump_floored = self.client.register_script(_BUMP_FLOORED)
 
     def _pool_key(self, role: str, what: str) -> str:
         _check_role(role)
         return f"{self.prefix}pool:{role}:{what}"
+
+    def _malformed(self, family: str, count: int = 1) -> None:
+        if count and self.on_malformed is not None:
+            self.on_malformed(family, count)
 
     # -- targets ------------------------------------------------------------------------------
     def set_target(self, role: str, size: int) -> None:
@@ -78,25 +144,33 @@ class PoolStore:
             raise ValueError(f"size must be an integer >= 0, got {size!r}")
         self.client.set(self._pool_key(role, "target"), size)
 
-    def add_target(self, role: str, delta: int) -> int:
-        """Change a target by ``delta`` (never below 0); returns the new target."""
-        return int(self._add_floored(keys=[self._pool_key(role, "target")], args=[delta]))
-
     def targets(self) -> dict[str, int]:
-        """role -> target, for the roles that have one."""
-        values = self.client.mget([self._pool_key(r, "target") for r in ROLES])
-        return {role: int(v) for role, v in zip(ROLES, values, strict=True) if v is not None}
+        """role -> target, for the roles that have one (a malformed one counts as none)."""
+        return self._per_role("target")
+
+    def _per_role(self, what: str) -> dict[str, int]:
+        values = self.client.mget([self._pool_key(r, what) for r in ROLES])
+        out = {role: _whole(v) for role, v in zip(ROLES, values, strict=True) if v is not None}
+        self._malformed(what, sum(v is None for v in out.values()))
+        return {role: v for role, v in out.items() if v is not None}
 
     # -- ids and counters ---------------------------------------------------------------------
-    def next_worker_id(self, role: str) -> str:
-        return f"{role}-{int(self.client.incr(self._pool_key(role, 'seq'))) - 1}"
+    def next_worker_id(self, role: str, floor: int = 0) -> str:
+        """A fresh id ``<role>-<n>`` with n >= ``floor`` (the manager's floor outlives a
+        counter Redis lost, so no live worker's id is issued again)."""
+        return f"{role}-{self._bump(role, 'seq', floor)}"
 
-    def count_restart(self, role: str) -> int:
-        return int(self.client.incr(self._pool_key(role, "restarts")))
+    def count_restart(self, role: str, floor: int = 0) -> int:
+        """Count one replaced worker; returns the new count (at least ``floor`` + 1)."""
+        return self._bump(role, "restarts", floor) + 1
+
+    def _bump(self, role: str, what: str, floor: int) -> int:
+        value, malformed = self._bump_floored(keys=[self._pool_key(role, what)], args=[floor])
+        self._malformed(what, int(malformed))
+        return int(value)
 
     def restarts(self) -> dict[str, int]:
-        values = self.client.mget([self._pool_key(r, "restarts") for r in ROLES])
-        return {role: int(v or 0) for role, v in zip(ROLES, values, strict=True)}
+        return {role: 0 for role in ROLES} | self._per_role("restarts")
 
     # -- members ------------------------------------------------------------------------------
     def save_member(self, member: MemberRecord) -> None:
@@ -106,20 +180,112 @@ class PoolStore:
         self.client.hdel(self.prefix + "members", worker_id)
 
     def members(self) -> list[MemberRecord]:
-        raw = self.client.hgetall(self.prefix + "members")
-        return sorted((MemberRecord.from_json(v) for v in raw.values()),
-                      key=lambda m: m.created_time)
+        """The stored members in start order; malformed entries are skipped."""
+        parsed, bad = self._members()
+        self._malformed("members", len(bad))
+        return sorted(parsed.values(), key=lambda m: m.created_time)
+
+    def _members(self) -> tuple[dict[str, MemberRecord], list[bytes]]:
+        """(worker_id -> record, fields that do not parse); a key of another type is
+        deleted (nothing in it can be read) and counted."""
+        key = self.prefix + "members"
+        try:
+            raw = self.client.hgetall(key)
+        except redis.ResponseError:  # WRONGTYPE: garbage in place of the hash
+            self.client.delete(key)
+            self._malformed("members")
+            return {}, []
+        parsed, bad = {}, []
+        for field, value in raw.items():
+            try:
+                record = MemberRecord.from_json(value)
+            except ValueError:
+                bad.append(field)
+                continue
+            if record.worker_id.encode() != field:
+                bad.append(field)
+                continue
+            parsed[record.worker_id] = record
+        return parsed, bad
 
     def add_pid(self, node_ip: str, pid: int) -> None:
         self.client.sadd(self.prefix + "pids", f"{node_ip}:{pid}")
 
     def pids(self) -> set[tuple[str, int]]:
         """(node_ip, pid) of every worker process started in this cluster."""
-        out = set()
-        for raw in self.client.smembers(self.prefix + "pids"):
-            node, _, pid = raw.decode().rpartition(":")
-            out.add((node, int(pid)))
-        return out
+        parsed, bad = self._pids()
+        self._malformed("pids", len(bad))
+        return parsed
+
+    def _pids(self) -> tuple[set[tuple[str, int]], list[bytes]]:
+        key = self.prefix + "pids"
+        try:
+            raw = self.client.smembers(key)
+        except redis.ResponseError:  # WRONGTYPE
+            self.client.delete(key)
+            self._malformed("pids")
+            return set(), []
+        out, bad = set(), []
+        for entry in raw:
+            node, _, pid = entry.decode(errors="replace").rpartition(":")
+            number = _whole(pid.encode())
+            if not node or not number:
+                bad.append(entry)
+                continue
+            out.add((node, number))
+        return out, bad
+
+    # -- putting back what Redis lost ---------------------------------------------------------
+    def republish(self, state: PoolState) -> list[str]:
+        """Write back every value of ``state`` that Redis lacks or holds wrong, drop member
+        and pid entries that do not parse; returns the families rewritten (one entry per
+        value), empty when Redis already held it all."""
+        return self._republish_counters(state) + self._republish_members(state.members)
+
+    def _republish_counters(self, state: PoolState) -> list[str]:
+        wanted = {}  # key -> (family, value, exact: else Redis may hold more)
+        for what, values, exact in (("target", state.targets, True),
+                                    ("restarts", state.restarts, False),
+                                    ("seq", state.next_ids, False)):
+            for role, value in values.items():
+                wanted[self._pool_key(role, what)] = (what, value, exact)
+        if not wanted:
+            return []
+        keys = list(wanted)
+        writes, fixed = {}, []
+        for key, raw in zip(keys, self.client.mget(keys), strict=True):
+            what, value, exact = wanted[key]
+            have = _whole(raw)
+            if have is None or (have != value if exact else have < value):
+                writes[key] = value
+                fixed.append(what)
+        if writes:
+            self.client.mset(writes)
+        return fixed
+
+    def _republish_members(self, members: list[MemberRecord]) -> list[str]:
+        stored, bad = self._members()
+        wanted = {m.worker_id: m for m in members}
+        writes = {wid: m.to_json() for wid, m in wanted.items() if stored.get(wid) != m}
+        stale = [wid for wid in stored if wid not in wanted]
+        pids, bad_pids = self._pids()
+        new_pids = {f"{m.node_ip}:{m.pid}" for m in members
+                    if m.pid and (m.node_ip, m.pid) not in pids}
+        key = self.prefix + "members"
+        with self.client.pipeline() as pipe:  # MULTI/EXEC
+            if bad or stale:
+                pipe.hdel(key, *bad, *stale)
+            if writes:
+                pipe.hset(key, mapping=writes)
+            if bad_pids:
+                pipe.srem(self.prefix + "pids", *bad_pids)
+            if new_pids:
+                pipe.sadd(self.prefix + "pids", *new_pids)
+            pipe.execute()
+        self._malformed("members", len(bad))
+        self._malformed("pids", len(bad_pids))
+        return ["members"] * (len(writes) + len(bad) + len(stale)) \
+            + ["pids"] * (len(new_pids) + len(bad_pids))
 
     # -- the router ---------------------------------------------------------------------------
     def save_router(self, port: int, metrics_port: int | None, name: str = "router") -> None:
@@ -127,11 +293,30 @@ class PoolStore:
         self.client.hset(self.prefix + name, mapping=mapping)
 
     def router_ports(self, name: str = "router") -> tuple[int | None, int | None]:
-        """(port, metrics_port) a previous router ``name`` bound, None where unknown."""
-        raw = {k.decode(): v.decode() for k, v in
-               self.client.hgetall(self.prefix + name).items()}
-        port, metrics = raw.get("port"), raw.get("metrics_port")
-        return (int(port) if port else None, int(metrics) if metrics else None)
+        """(port, metrics_port) a previous router ``name`` bound, None where unknown (or
+        stored malformed)."""
+        try:
+            raw = self.client.hgetall(self.prefix + name)
+        except redis.ResponseError:  # WRONGTYPE
+            self._malformed("router")
+            return None, None
+        port, metrics = (raw.get(f, b"") for f in (b"port", b"metrics_port"))
+        out = (_whole(port) if port else None, _whole(metrics) if metrics else None)
+        self._malformed("router", sum(bool(raw_value) and value is None
+                                      for raw_value, value in zip((port, metrics), out,
+                                                                  strict=True)))
+        return out
+
+    def ensure_router(self, port: int, metrics_port: int | None, name: str = "router") -> bool:
+        """Save the router's ports unless Redis holds them already; True when it wrote."""
+        if self.router_ports(name) == (port, metrics_port):
+            return False
+        mapping = {"port": port, "metrics_port": "" if metrics_port is None else metrics_port}
+        with self.client.pipeline() as pipe:  # MULTI/EXEC; garbage of another type goes first
+            pipe.delete(self.prefix + name)
+            pipe.hset(self.prefix + name, mapping=mapping)
+            pipe.execute()
+        return True
 
     # -- teardown -----------------------------------------------------------------------------
     def clear(self) -> None:

@@ -4,18 +4,29 @@ Keys: ``pdserve:<cluster>:worker:<worker_id>`` -> hash of :class:`WorkerRecord` 
 TTL of ``ttl_s``; a worker that stops heartbeating disappears from :meth:`Registry.workers`.
 ``draining`` belongs to whoever marks it (:meth:`Registry.set_draining`: an operator, the
 autoscaler, the worker itself): heartbeats create it as 0 but never overwrite it.
+
+Records cannot be half-written: a heartbeat writes its fields and the TTL in one Lua script
+(replacing a key of another type, resetting a ``draining`` that is not 0 or 1), and
+``set_draining`` writes only into a record that exists, so an expired record is never
+recreated without a TTL. Readers skip a record that does not parse (counted through
+``on_malformed``, family ``"worker"``) and give one without a TTL the record TTL, so garbage
+leaves by itself while a live worker's next heartbeat rewrites its own record.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
 
 from pdserve.engine.messages import WorkerStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,50 +94,134 @@ class WorkerRecord:
 
     @classmethod
     def from_hash(cls, raw: dict[bytes, bytes]) -> WorkerRecord:
-        values = {k.decode(): v.decode() for k, v in raw.items()}
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in values:
-                continue
-            text = values[f.name]
-            kind = {"int": int, "float": float, "bool": lambda s: bool(int(s))}.get(f.type, str)
-            kwargs[f.name] = kind(text)
-        return cls(**kwargs)
+        """The record a hash holds; ValueError for one that does not parse (a field of the
+        wrong kind, no worker_id or role, a ledger that is not a JSON object)."""
+        try:
+            values = {k.decode(): v.decode() for k, v in raw.items()}
+            kwargs = {}
+            for f in dataclasses.fields(cls):
+                if f.name not in values:
+                    continue
+                text = values[f.name]
+                kind = {"int": int, "float": float, "bool": _flag}.get(f.type, str)
+                kwargs[f.name] = kind(text)
+            record = cls(**kwargs)
+            ledger = json.loads(record.ledger_json or "{}")
+        except (TypeError, ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"malformed worker record: {exc}") from None
+        if not record.worker_id or not record.role or not isinstance(ledger, dict):
+            raise ValueError("malformed worker record: no worker_id or role, or a ledger that "
+                             "is not a JSON object")
+        return record
+
+
+def _flag(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError(f"a flag must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
+# KEYS[1]: a worker's record; ARGV[1]: TTL in ms; ARGV[2]: draining for a record without a
+# valid one; ARGV[3..]: field, value, ... (all but draining). One step: fields and TTL together.
+_HEARTBEAT = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'hash' and kind ~= 'none' then redis.call('DEL', KEYS[1]) end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+local draining = redis.call('HGET', KEYS[1], 'draining')
+if draining ~= '0' and draining ~= '1' then redis.call('HSET', KEYS[1], 'draining', ARGV[2]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+# KEYS[1]: a worker's record; ARGV[1]: "0" | "1". Writes nothing into a record that is gone.
+_SET_DRAINING = """
+if redis.call('TYPE', KEYS[1])['ok'] ~= 'hash' then return 0 end
+redis.call('HSET', KEYS[1], 'draining', ARGV[1])
+return 1
+"""
+
+# KEYS[1]: any key; ARGV[1]: TTL in ms, given only when the key has none.
+_EXPIRE_IF_PERSISTENT = """
+if redis.call('PTTL', KEYS[1]) == -1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return 1
+"""
+
+
+def redis_client(redis_url: str) -> redis.Redis:
+    """A client that fails fast when Redis is away (the callers keep serving without it)."""
+    return redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
 
 
 class Registry:
-    """Worker records in Redis with heartbeat TTL."""
+    """Worker records in Redis with heartbeat TTL; see the module docstring.
+    ``on_malformed(family, count)`` hears of every record a read skipped."""
 
-    def __init__(self, redis_url: str, cluster: str = "default", ttl_s: float = 10.0):
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    def __init__(self, redis_url: str, cluster: str = "default", ttl_s: float = 10.0,
+                 on_malformed: Callable[[str, int], None] | None = None):
+        self.client = redis_client(redis_url)
         self.prefix = f"pdserve:{cluster}:worker:"
         self.ttl_ms = int(ttl_s * 1000)
+        self.on_malformed = on_malformed
+        self._warned: set[bytes] = set()  # malformed keys already logged
+        self._heartbeat = self.client.register_script(_HEARTBEAT)
+        self._set_draining = self.client.register_script(_SET_DRAINING)
+        self._expire_if_persistent = self.client.register_script(_EXPIRE_IF_PERSISTENT)
 
     def heartbeat(self, record: WorkerRecord) -> None:
-        """Write ``record`` (all but ``draining``, which is only created) and renew the TTL."""
+        """Write ``record`` (all but ``draining``, which is only created) with the TTL."""
         record.heartbeat_time = time.time()
-        key = self.prefix + record.worker_id
         fields = record.to_hash()
         draining = fields.pop("draining")
-        with self.client.pipeline() as pipe:
-            pipe.hset(key, mapping=fields)
-            pipe.hsetnx(key, "draining", draining)
-            pipe.pexpire(key, self.ttl_ms)
-            pipe.execute()
+        flat = [item for pair in fields.items() for item in pair]
+        self._heartbeat(keys=[self.prefix + record.worker_id],
+                        args=[self.ttl_ms, draining, *flat])
 
     def workers(self, role: str | None = None) -> list[WorkerRecord]:
+        """Every record that parses (of ``role``); malformed ones are skipped and counted."""
         keys = sorted(self.client.scan_iter(match=self.prefix + "*", count=100))
         if not keys:
             return []
-        with self.client.pipeline() as pipe:
+        with self.client.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.hgetall(key)
-            hashes = pipe.execute()
-        records = [WorkerRecord.from_hash(h) for h in hashes if h]
+            replies = pipe.execute(raise_on_error=False)
+        records, malformed = [], []
+        for key, reply in zip(keys, replies, strict=True):
+            if isinstance(reply, dict) and not reply:
+                continue  # expired between the scan and the read
+            try:
+                if isinstance(reply, Exception):  # a key of another type
+                    raise ValueError(str(reply))
+                record = WorkerRecord.from_hash(reply)
+                if self.prefix + record.worker_id != key.decode():
+                    raise ValueError(f"record of {record.worker_id!r} under another key")
+            except ValueError as exc:
+                malformed.append(key)
+                self._warn_once(key, exc)
+                continue
+            records.append(record)
+        if malformed:
+            self._expire_garbage(malformed)
         return [r for r in records if role is None or r.role == role]
 
-    def set_draining(self, worker_id: str, draining: bool = True) -> None:
-        self.client.hset(self.prefix + worker_id, "draining", str(int(draining)))
+    def _warn_once(self, key: bytes, exc: ValueError) -> None:
+        if key not in self._warned:
+            if len(self._warned) > 1000:
+                self._warned.clear()
+            self._warned.add(key)
+            logger.warning("skipping the malformed worker record %s (it expires unless its "
+                           "worker rewrites it): %s", key.decode(errors="replace"), exc)
+
+    def _expire_garbage(self, keys: list[bytes]) -> None:
+        for key in keys:
+            self._expire_if_persistent(keys=[key], args=[self.ttl_ms])
+        if self.on_malformed is not None:
+            self.on_malformed("worker", len(keys))
+
+    def set_draining(self, worker_id: str, draining: bool = True) -> bool:
+        """Mark the record draining (or not); False, writing nothing, when it is gone."""
+        return bool(self._set_draining(keys=[self.prefix + worker_id],
+                                       args=[str(int(draining))]))
 
     def remove(self, worker_id: str) -> None:
         self.client.delete(self.prefix + worker_id)

@@ -86,3 +86,17 @@ def test_replacements_fill_the_target_before_fresh_starts():
 def test_a_negative_target_is_refused():
     with pytest.raises(ValueError, match="target"):
         plan("decode", -1, [])
+
+
+def test_an_unknown_target_keeps_the_pool_as_it_is():
+    """A target nobody knows (Redis lost it) is never read as zero: nothing drains, nothing
+    starts beyond the pool's workers, a dead worker's slot is refilled."""
+    members = [MemberView("d0", READY, load=0), MemberView("d1", STARTING)]
+    assert plan("decode", None, members) == []
+    assert plan("decode", None, []) == []
+    members += [MemberView("d2", DEAD, restarts=1), MemberView("d3", DEAD, was_draining=True),
+                MemberView("d4", DRAINING, drained=True)]
+    assert kinds(plan("decode", None, members)) == [(REPLACE, "d2"), (REMOVE, "d3"),
+                                                    (FINISH, "d4")]
+    assert kinds(plan("decode", None, members, can_start=False)) == [(REMOVE, "d3"),
+                                                                     (FINISH, "d4")]

@@ -83,3 +83,48 @@ def test_heartbeat_never_overwrites_draining(redis_url):
     reg.set_draining("p1", False)
     reg.heartbeat(WorkerRecord("p1", "prefill"))
     assert reg.workers()[0].draining is False
+
+
+def test_set_draining_on_an_expired_record_writes_nothing(redis_url):
+    """A drain mark on a record that expired must not recreate it as a hash of one field
+    without a TTL (which no reader could parse and nothing would ever remove)."""
+    reg = Registry(redis_url, cluster=uuid.uuid4().hex)
+    assert reg.set_draining("gone") is False
+    assert reg.client.exists(reg.prefix + "gone") == 0
+    reg.heartbeat(WorkerRecord("d3", "decode"))
+    assert reg.set_draining("d3") is True
+    assert reg.client.pttl(reg.prefix + "d3") > 0  # the mark kept the record's TTL
+
+
+def test_a_heartbeat_replaces_garbage_and_always_leaves_a_ttl(redis_url):
+    reg = Registry(redis_url, cluster=uuid.uuid4().hex, ttl_s=30)
+    key = reg.prefix + "d4"
+    reg.client.set(key, "garbage")  # a key of another type
+    reg.heartbeat(WorkerRecord("d4", "decode", free_blocks=7))
+    [record] = reg.workers()
+    assert record.free_blocks == 7 and 0 < reg.client.pttl(key) <= 30_000
+    reg.client.hset(key, "draining", "garbage")  # a flag no reader can parse
+    reg.heartbeat(WorkerRecord("d4", "decode"))
+    assert reg.workers()[0].draining is False
+    reg.set_draining("d4")
+    reg.heartbeat(WorkerRecord("d4", "decode"))
+    assert reg.workers()[0].draining is True  # a valid mark is never overwritten
+
+
+def test_readers_skip_count_and_expire_malformed_records(redis_url):
+    counted = []
+    reg = Registry(redis_url, cluster=uuid.uuid4().hex, ttl_s=30,
+                   on_malformed=lambda family, n: counted.append((family, n)))
+    reg.heartbeat(WorkerRecord("good", "decode"))
+    client, prefix = reg.client, reg.prefix
+    client.hset(prefix + "bad-int", mapping={"worker_id": "bad-int", "role": "decode",
+                                             "total_blocks": "many"})
+    client.hset(prefix + "no-role", mapping={"worker_id": "no-role"})
+    client.hset(prefix + "elsewhere", mapping={"worker_id": "other", "role": "decode"})
+    client.hset(prefix + "bad-ledger", mapping={"worker_id": "bad-ledger", "role": "decode",
+                                                "ledger_json": "[1, 2"})
+    client.set(prefix + "a-string", "garbage")
+    assert [r.worker_id for r in reg.workers()] == ["good"]
+    assert counted == [("worker", 5)]
+    for name in ("bad-int", "no-role", "elsewhere", "bad-ledger", "a-string"):
+        assert 0 < client.pttl(prefix + name) <= 30_000  # garbage leaves by itself
