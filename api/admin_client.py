@@ -23,7 +23,8 @@ import grpc
 from pdserve.api import admin_pb2, admin_pb2_grpc
 from pdserve.api.client import ClientTLS, PdserveError, auth_metadata, open_channel
 
-__all__ = ["AdminClient", "worker_dict", "pool_dict", "state_name", "trace_dict"]
+__all__ = ["AdminClient", "worker_dict", "pool_dict", "state_name", "trace_dict",
+           "control_plane_dict"]
 
 
 def state_name(state: int) -> str:
@@ -77,6 +78,13 @@ def pool_dict(pool: admin_pb2.Pool) -> dict:
             "last_error": pool.last_error}
 
 
+def control_plane_dict(plane: admin_pb2.ControlPlane) -> dict:
+    """The control plane as ``pdserve status --json`` prints it (under "control_plane")."""
+    return {"degraded": plane.degraded, "degraded_for_s": round(plane.degraded_for_s, 3),
+            "error": plane.error, "malformed_records": plane.malformed_records,
+            "repairs": plane.repairs}
+
+
 class AdminClient:
     """``with AdminClient("host:port") as admin: admin.list_workers()``; ``timeout`` (seconds)
     is each call's deadline."""
@@ -123,6 +131,10 @@ class AdminClient:
         ``limit`` (0: 1000)."""
         request = admin_pb2.GetTracesRequest(request_ids=list(request_ids or ()), limit=limit)
         return list(self._call("GetTraces", request).traces)
+
+    def get_control_plane(self) -> admin_pb2.ControlPlane:
+        """Whether the router reaches Redis (``GetControlPlane``)."""
+        return self._call("GetControlPlane", admin_pb2.GetControlPlaneRequest())
 
     def get_config(self) -> dict:
         """Each pool's engine settings and the router's (``GetConfig``)."""

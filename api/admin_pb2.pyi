@@ -104,6 +104,24 @@ class GetConfigRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class GetControlPlaneRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ControlPlane(_message.Message):
+    __slots__ = ("degraded", "degraded_for_s", "error", "malformed_records", "repairs")
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MALFORMED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    REPAIRS_FIELD_NUMBER: _ClassVar[int]
+    degraded: bool
+    degraded_for_s: float
+    error: str
+    malformed_records: int
+    repairs: int
+    def __init__(self, degraded: _Optional[bool] = ..., degraded_for_s: _Optional[float] = ..., error: _Optional[str] = ..., malformed_records: _Optional[int] = ..., repairs: _Optional[int] = ...) -> None: ...
+
 class GetConfigResponse(_message.Message):
     __slots__ = ("config_json",)
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class AdminStub:
                 request_serializer=pdserve_dot_api_dot_admin__pb2.GetConfigRequest.SerializeToString,
                 response_deserializer=pdserve_dot_api_dot_admin__pb2.GetConfigResponse.FromString,
                 _registered_method=True)
+        self.GetControlPlane = channel.unary_unary(
+                '/pdserve.v1.Admin/GetControlPlane',
+                request_serializer=pdserve_dot_api_dot_admin__pb2.GetControlPlaneRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_admin__pb2.ControlPlane.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -115,6 +120,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetControlPlane(self, request, context):
+        """Whether the router reaches the cluster's shared state (Redis), and what it had to skip
+        or put back there. Degraded: it serves on with the workers it knows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +160,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetConfig,
                     request_deserializer=pdserve_dot_api_dot_admin__pb2.GetConfigRequest.FromString,
                     response_serializer=pdserve_dot_api_dot_admin__pb2.GetConfigResponse.SerializeToString,
+            ),
+            'GetControlPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetControlPlane,
+                    request_deserializer=pdserve_dot_api_dot_admin__pb2.GetControlPlaneRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_admin__pb2.ControlPlane.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +329,33 @@ class Admin:
             '/pdserve.v1.Admin/GetConfig',
             pdserve_dot_api_dot_admin__pb2.GetConfigRequest.SerializeToString,
             pdserve_dot_api_dot_admin__pb2.GetConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetControlPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/GetControlPlane',
+            pdserve_dot_api_dot_admin__pb2.GetControlPlaneRequest.SerializeToString,
+            pdserve_dot_api_dot_admin__pb2.ControlPlane.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,27 @@ class StreamRecord:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class ScenarioResult:
+    """What one chaos scenario (``python -m pdserve.bench.chaos``) did to the traffic."""
+
+    name: str
+    sent: int  # requests sent while the fault happened (and after it)
+    completed: int  # finished with the offline engine's tokens
+    failed: int  # ended with an error status (or wrong tokens)
+    recovery_s: float | None  # fault -> serving again at target (None: did not recover)
+    note: str = ""  # what recovery means in this scenario, anything unusual
+
+
+def tally(name: str, records: list[StreamRecord], expected: list[list[int]],
+          recovery_s: float | None, note: str = "") -> ScenarioResult:
+    """A result from the client's records and the offline tokens, in request order."""
+    completed = sum(r.error is None and r.token_ids == want
+                    for r, want in zip(records, expected, strict=True))
+    return ScenarioResult(name, len(records), completed, len(records) - completed, recovery_s,
+                          note)
+
+
 def chaos_requests(n: int, seed: int = 0, prefix: str = "c", min_tokens: int = 48,
                    max_tokens: int = 96, vocab: int = 400) -> list[ChaosRequest]:
     """Mixed prompt lengths, every other request seeded sampling, the rest greedy."""
@@ -99,11 +120,13 @@ async def stream_one(client, request: ChaosRequest, record: StreamRecord, timeou
 
 
 async def stream_all(target: str, requests: list[ChaosRequest],
-                     fault: Callable[[], None] | None = None, fault_after_tokens: int = 4,
+                     fault: Callable[[], object] | None = None, fault_after_tokens: int = 4,
                      fault_after_streams: int = 4,
                      timeout: float = 120.0) -> tuple[list[StreamRecord], float | None]:
     """Stream every request at once; when ``fault_after_streams`` streams have at least
-    ``fault_after_tokens`` tokens, run ``fault`` (in a thread). Returns (records, fault time)."""
+    ``fault_after_tokens`` tokens, run ``fault`` (in a thread; a coroutine function runs on
+    this loop instead, e.g. to start a process that must outlive the threads of the loop's
+    pool). Returns (records, fault time)."""
     from pdserve.api.client import AsyncPdserveClient
 
     records = [StreamRecord(r.request_id) for r in requests]
@@ -116,7 +139,10 @@ async def stream_all(target: str, requests: list[ChaosRequest],
                     < fault_after_streams and not all(t.done() for t in tasks):
                 await asyncio.sleep(0.005)
             fault_at = time.monotonic()
-            await asyncio.to_thread(fault)
+            if asyncio.iscoroutinefunction(fault):
+                await fault()
+            else:
+                await asyncio.to_thread(fault)
         await asyncio.gather(*tasks)
     return records, fault_at
 

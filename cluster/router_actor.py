@@ -12,7 +12,9 @@ Lifecycle:
    as a worker asks for its pool's resource (``--pool-placement``): on nodes advertising one
    unit each, every router has a node of its own (one router pod each on Kubernetes).
 2. ``start()`` (idempotent) reads the model's limits and tokenizer from the checkpoint folder,
-   builds the ``Router`` over a :class:`RedisDirectory`, starts the pool manager
+   builds the ``Router`` over a :class:`ResilientDirectory` (``pdserve.cluster.control_plane``:
+   it keeps routing to the workers it knows while Redis is away or lost their records, and
+   reports degraded), starts the pool manager
    (``pdserve.cluster.pools``; it adopts the live workers Redis lists) and, with
    ``autoscale`` enabled, the autoscaler that moves its targets
    (``pdserve.cluster.autoscale_runner``), the gRPC server
@@ -37,6 +39,7 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -47,10 +50,11 @@ from pathlib import Path
 
 import ray
 
-from pdserve.cluster.actors import RedisDirectory, cluster_namespace, limit_process_threads
+from pdserve.cluster.actors import cluster_namespace, limit_process_threads
 from pdserve.cluster.admin import ClusterAdmin
 from pdserve.cluster.autoscale_config import AutoscaleConfig
 from pdserve.cluster.autoscale_runner import AutoscaleRunner
+from pdserve.cluster.control_plane import ControlPlaneHealth, ResilientDirectory
 from pdserve.cluster.pool_settings import PoolSettings
 from pdserve.cluster.pool_store import PoolStore
 from pdserve.cluster.pools import PoolManager
@@ -158,7 +162,7 @@ class RouterActor:
         self.server: GenerationServer | None = None
         self.http: HttpServer | None = None
         self._tools: ModelPromptTools | None = None
-        self.directory: RedisDirectory | None = None
+        self.directory: ResilientDirectory | None = None
         self.pools: PoolManager | None = None
         self.autoscaler: AutoscaleRunner | None = None
         self.admin: ClusterAdmin | None = None
@@ -203,16 +207,19 @@ class RouterActor:
             return tokenizer.encode(text)
 
         self._tools = await asyncio.to_thread(ModelPromptTools, tokenizer, spec.model)
-        registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
-        store = PoolStore(spec.redis_url, spec.cluster)
-        self.directory = RedisDirectory(registry, cluster_namespace(spec.cluster), spec.name)
         metrics = RouterMetrics()
+        health = ControlPlaneHealth(metrics)
+        registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s, health.count_malformed)
+        store = PoolStore(spec.redis_url, spec.cluster, health.count_malformed)
+        self.directory = ResilientDirectory(registry, cluster_namespace(spec.cluster), spec.name,
+                                            health)
         self.router = Router(model, self.directory, tokenize, spec.config, metrics)
         await self.router.start()
         if spec.pools is not None:
             self.pools = PoolManager(store, registry, spec.pools, cluster_namespace(spec.cluster),
                                      lambda role: metrics.worker_restarts.labels(role).inc(),
-                                     lambda m: metrics.set_pools(m.targets, m.counts()))
+                                     lambda m: metrics.set_pools(m.targets, m.counts()),
+                                     health=health)
             await self.pools.start()
             if spec.autoscale is not None and spec.autoscale.enabled:
                 self.autoscaler = AutoscaleRunner(spec.autoscale, self.pools, metrics)
@@ -220,6 +227,7 @@ class RouterActor:
             self.admin = ClusterAdmin(self.pools, traces=lambda: self.router.traces,
                                       router_config=spec.config)
         port, metrics_port = await self._serve(store, metrics)
+        self.directory.keep(functools.partial(store.ensure_router, port, metrics_port, spec.name))
         logger.info("router serving %s on %s:%d", model.model_name, spec.host, port)
         return {"port": port, "metrics_port": metrics_port, "pid": os.getpid(),
                 "http_port": None if self.http is None else self.http.port}

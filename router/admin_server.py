@@ -9,8 +9,9 @@ Redis registry, so this module knows neither Ray nor Redis. Every RPC is one bac
   (:class:`UnknownWorkerError`), FAILED_PRECONDITION for a dead one (:class:`WorkerDeadError`);
 * ``SetPoolTarget`` -> ``set_pool_target(role, size)``: INVALID_ARGUMENT on ``ValueError``
   (``size`` < 0 here; above the cluster's ``--max-workers-per-pool`` in the backend);
-* ``GetTraces`` -> ``traces(request_ids, limit)`` and ``GetConfig`` -> ``config()``, optional
-  (UNIMPLEMENTED for a backend without them).
+* ``GetTraces`` -> ``traces(request_ids, limit)``, ``GetConfig`` -> ``config()`` and
+  ``GetControlPlane`` -> ``control_plane()``, optional (UNIMPLEMENTED for a backend without
+  them).
 
 Every input is bounded before the backend sees it (INVALID_ARGUMENT naming the field): ids and
 roles of at most :data:`MAX_NAME_CHARS` characters, at most :data:`MAX_TRACE_IDS` request ids
@@ -92,6 +93,17 @@ class PoolInfo:
     last_error: str = ""  # why the latest failed start failed
 
 
+@dataclass(frozen=True)
+class ControlPlaneInfo:
+    """Whether the router reaches the cluster's shared state (Redis)."""
+
+    degraded: bool  # Redis unreachable now: routing goes on with the workers it knows
+    degraded_for_s: float = 0.0  # how long it has been (0 when not degraded)
+    error: str = ""  # the latest Redis error while degraded
+    malformed_records: int = 0  # records skipped because they did not parse (a counter)
+    repairs: int = 0  # values put back after Redis lost or spoiled them (a counter)
+
+
 class AdminBackend(Protocol):
     async def list_workers(self) -> list[WorkerInfo]: ...
 
@@ -104,6 +116,7 @@ class AdminBackend(Protocol):
     # Optional (UNIMPLEMENTED without them):
     # async def traces(self, request_ids: list[str], limit: int) -> list[RequestTrace]
     # async def config(self) -> dict  (JSON-serializable)
+    # async def control_plane(self) -> ControlPlaneInfo
 
 
 def worker_pb(info: WorkerInfo) -> admin_pb2.Worker:
@@ -220,6 +233,19 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         except Exception as exc:
             await _abort(context, exc, "GetConfig")
         return admin_pb2.GetConfigResponse(config_json=json.dumps(config, sort_keys=True))
+
+    async def GetControlPlane(self, request, context):
+        if not hasattr(self._backend, "control_plane"):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server has no control "
+                                                               "plane to report")
+        try:
+            info = await self._backend.control_plane()
+        except Exception as exc:
+            await _abort(context, exc, "GetControlPlane")
+        return admin_pb2.ControlPlane(degraded=info.degraded,
+                                      degraded_for_s=info.degraded_for_s, error=info.error,
+                                      malformed_records=info.malformed_records,
+                                      repairs=info.repairs)
 
 
 def add_admin_service(server: grpc.aio.Server, backend: AdminBackend) -> str:

@@ -1,14 +1,21 @@
 """An in-memory ``AdminBackend`` for tests of the Admin service and its CLI (no Ray, no Redis).
 
 Pools and workers are plain dataclasses; ``drain_worker`` marks the worker draining and lowers
-its pool's target, as the cluster's pool manager does; ``set_pool_target`` only records it.
+its pool's target, as the cluster's pool manager does; ``set_pool_target`` only records it;
+``control_plane`` reports ``plane`` (set it to show a degraded one).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from pdserve.router.admin_server import PoolInfo, UnknownWorkerError, WorkerDeadError, WorkerInfo
+from pdserve.router.admin_server import (
+    ControlPlaneInfo,
+    PoolInfo,
+    UnknownWorkerError,
+    WorkerDeadError,
+    WorkerInfo,
+)
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -18,6 +25,7 @@ class FakeAdmin:
         self.workers = {w.worker_id: w for w in workers}
         self.targets = dict(targets)
         self.drained: list[str] = []  # worker ids, in the order drain_worker was called
+        self.plane = ControlPlaneInfo(degraded=False)  # what control_plane() reports
 
     async def list_workers(self) -> list[WorkerInfo]:
         return sorted(self.workers.values(), key=lambda w: (w.role, w.worker_id))
@@ -33,6 +41,9 @@ class FakeAdmin:
             worker = self.workers[worker_id] = dataclasses.replace(worker, state="draining")
             self.drained.append(worker_id)
         return worker
+
+    async def control_plane(self) -> ControlPlaneInfo:
+        return self.plane
 
     async def get_pools(self) -> list[PoolInfo]:
         return [self._pool(role) for role in sorted(self.targets)]

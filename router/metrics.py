@@ -9,6 +9,9 @@ Fault counters: ``pdserve_request_migrations_total{reason}`` (the router core),
 Pools (set by the pool manager's reconcile in the router's process):
 ``pdserve_pool_target_workers{role}``, ``pdserve_pool_workers{role,state}`` and
 ``pdserve_autoscaler_decisions_total{role,direction,reason}``.
+Control plane (``pdserve.cluster.control_plane``): ``pdserve_control_plane_degraded`` (1
+while Redis is unreachable), ``pdserve_malformed_records_total{family}`` and
+``pdserve_control_plane_repairs_total{family}``.
 
 Besides the histograms the router keeps :class:`SlidingWindow` samples of what the
 autoscaler reads (percentiles and rates over its window): the router's TTFT, the ITL, the
@@ -149,6 +152,9 @@ class RouterMetrics:
         r = self.registry
         self.router_running = Gauge("pdserve_router_requests_in_flight", "Admitted requests",
                                     ("role",), registry=r)
+        self.waiting_for_workers = Gauge("pdserve_router_requests_waiting_for_workers",
+                                         "Admitted requests waiting for a ready worker "
+                                         "(start-up, a pool being replaced)", registry=r)
         self.migrations = Counter("pdserve_request_migrations", "Requests moved to new workers "
                                   "after their first token, by why the attempt failed",
                                   ("reason",), registry=r)
@@ -166,6 +172,17 @@ class RouterMetrics:
                                             "steps by the autoscaler, by the signal that "
                                             "moved it", ("role", "direction", "reason"),
                                             registry=r)
+        self.control_plane_degraded = Gauge("pdserve_control_plane_degraded", "1 while the "
+                                            "router cannot reach the cluster's shared state "
+                                            "(Redis): it serves with the workers it knows",
+                                            registry=r)
+        self.malformed_records = Counter("pdserve_malformed_records", "Records in Redis "
+                                         "skipped because they did not parse, by key family",
+                                         ("family",), registry=r)
+        self.control_plane_repairs = Counter("pdserve_control_plane_repairs", "Values put "
+                                             "back in Redis after it lost them or held them "
+                                             "malformed, by key family", ("family",),
+                                             registry=r)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.labels("router").observe(seconds)

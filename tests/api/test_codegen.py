@@ -59,7 +59,8 @@ def test_every_proto_is_generated():
     assert protos == sorted(codegen.PROTOS)
     assert set(admin_pb2.DESCRIPTOR.services_by_name) == {"Admin"}
     assert {m.name for m in admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods} == {
-        "ListWorkers", "DrainWorker", "GetPools", "SetPoolTarget", "GetTraces", "GetConfig"}
+        "ListWorkers", "DrainWorker", "GetPools", "SetPoolTarget", "GetTraces", "GetConfig",
+        "GetControlPlane"}
 
 
 def test_generated_code_needs_no_newer_grpcio_than_installed():

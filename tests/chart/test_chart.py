@@ -202,6 +202,25 @@ def test_external_redis(values_files, render):
     assert gcs["redisAddress"] == "redis-master.data.svc:6379"
 
 
+def test_redis_keeps_an_append_only_file_on_a_volume_claim_unless_told_not_to(render):
+    redis = render().one("StatefulSet", "-redis")
+    [line] = redis["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--appendonly yes --appendfsync everysec" in line and "--dir /data" in line
+    assert "volumes" not in redis["spec"]["template"]["spec"]  # the claim is the data volume
+    [claim] = redis["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert "storageClassName" not in claim["spec"]  # the cluster's default
+    sized = render({"redis": {"persistence": {"size": "5Gi", "storageClass": "fast"}}})
+    [claim] = sized.one("StatefulSet", "-redis")["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["storageClassName"] == "fast"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    off = render({"redis": {"persistence": {"enabled": False}}}).one("StatefulSet", "-redis")
+    assert "volumeClaimTemplates" not in off["spec"]
+    assert off["spec"]["template"]["spec"]["volumes"] == [{"name": "data", "emptyDir": {}}]
+    assert "--appendonly no" in off["spec"]["template"]["spec"]["containers"][0]["args"][0]
+
+
 def test_keys_come_from_secrets_as_env_or_files_and_pdserve_reads_them(values_files, render,
                                                                        tmp_path):
     from pdserve.cluster.cli import build_parser
@@ -297,6 +316,7 @@ def test_router_service_and_grpc_health(render, values_files):
     ({"prefill": {"replicas": 0}}, "replicas"),
     ({"router": {"servce": {}}}, "servce"),
     ({"redis": {"enabled": False}}, "url"),
+    ({"redis": {"persistence": {"size": "lots"}}}, "size"),
     ({"router": {"args": {"api-key": "k"}}}, "secrets never go in pdserve's arguments"),
     ({"prefill": {"engineArgs": {"redis-url": "redis://:pw@h:1"}}}, "secrets never go"),
 ])

@@ -24,7 +24,10 @@ class FakeManager:
         self.set_calls = []
         config = EngineConfig(model="m", max_num_seqs=8)
         self.settings = SimpleNamespace(template=lambda role: SimpleNamespace(config=config))
-        self.store = SimpleNamespace(targets=lambda: dict(self._targets))
+
+    @property
+    def targets(self):
+        return dict(self._targets)
 
     async def set_target(self, role, size):
         self.set_calls.append((role, size))

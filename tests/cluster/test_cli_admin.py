@@ -60,7 +60,9 @@ def test_status_json_is_one_object_with_pools_and_workers(server, capsys):
     target, _admin = server
     assert main(["status", "--target", target, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)  # exactly one JSON document
-    assert set(report) == {"pools", "workers"}
+    assert set(report) == {"pools", "workers", "control_plane"}
+    assert report["control_plane"] == {"degraded": False, "degraded_for_s": 0.0, "error": "",
+                                       "malformed_records": 0, "repairs": 0}
     assert report["pools"]["decode"]["target"] == 2 and report["pools"]["decode"]["actual"] == 2
     assert report["pools"]["prefill"] == {"target": 1, "actual": 1, "ready": 1, "starting": 0,
                                           "draining": 0, "restarts": 0, "last_error": ""}
@@ -92,6 +94,20 @@ def test_status_table_lists_pools_and_workers(server, capsys):
                            "10/128", "5.0%", "40.0%", "bandwidth", "0.5s", "0"]
     assert "actor died" in next(line for line in lines if line.startswith("decode-1"))
     assert "decode-0: int8 KV hybrid calibrated on text" in lines  # what the ledger says
+
+
+def test_status_says_when_the_control_plane_is_degraded(server, capsys):
+    from pdserve.router.admin_server import ControlPlaneInfo
+
+    target, admin = server
+    assert main(["status", "--target", target]) == 0
+    assert "control plane: ok, Redis reachable" in capsys.readouterr().out
+    admin.plane = ControlPlaneInfo(True, 12.25, "Error 111 connecting", 3, 7)
+    assert main(["status", "--target", target]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("control"))
+    assert line.startswith("control plane: DEGRADED for 12.2 s, Redis unreachable (Error 111 "
+                           "connecting): serving with the workers the router knows")
+    assert "3 malformed records skipped, 7 values re-published" in line
 
 
 def test_status_checklist_prints_utilisation_and_memory(server, capsys):

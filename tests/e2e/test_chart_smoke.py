@@ -5,7 +5,8 @@ There is no Kubernetes API server here. What a cluster would run, this test runs
 processes on loopback:
 
 * the Secrets: their values are what ``secretKeyRef`` resolves to;
-* Redis: the StatefulSet's container command (a shell line), with its env;
+* Redis: the StatefulSet's container command (a shell line), with its env, its data volume a
+  folder here (it must hold the append-only file afterwards);
 * the RayCluster: the head's ``ray start --head`` with its ``rayStartParams`` turned into flags
   the way KubeRay does (``--key=value`` on the bash line it runs), and with KubeRay's GCS fault
   tolerance settings (``RAY_REDIS_ADDRESS``, ``--redis-password``); then one ``ray start
@@ -144,6 +145,8 @@ def test_chart_smoke_run(rendered, ray_node_processes, model_dir, e2e, tmp_path)
 
     tmp = tempfile.mkdtemp(prefix="pdchart-", dir="/tmp")  # short: Ray's socket paths
     nodes = ray_node_processes(tmp)
+    [redis_data] = pod_container(redis_set["spec"]["template"])["volumeMounts"]  # its claim
+    (tmp_path / "redis-data").mkdir()
     head_service = f"{cluster['metadata']['name']}-head-svc"
     machine = Machine(
         addresses={f"{head_service}:{gcs_port}": nodes.address,
@@ -151,7 +154,8 @@ def test_chart_smoke_run(rendered, ray_node_processes, model_dir, e2e, tmp_path)
                    f"{redis_service['metadata']['name']}:{redis_port}":
                        f"127.0.0.1:{free_port()}"},
         paths={controller_arg(controller, "--model"): str(model_dir),
-               "redis-server": find_redis_server()})
+               "redis-server": find_redis_server(),
+               redis_data["mountPath"]: str(tmp_path / "redis-data")})
     machine.ports = {
         "head": {gcs_port: nodes.port, client_port: port_of(machine, head_service, client_port)},
         "redis": {redis_port: port_of(machine, redis_service["metadata"]["name"], redis_port)},
@@ -174,6 +178,9 @@ def test_chart_smoke_run(rendered, ray_node_processes, model_dir, e2e, tmp_path)
         prompts = e2e.prompts(seed=5, n=2)
         outs = e2e.generate_all(target, prompts, MAX_TOKENS)
         assert [o.token_ids for o in outs] == e2e.reference(model_dir, prompts, MAX_TOKENS)
+        # Redis kept its data in an append-only file on its volume
+        assert [p.name for p in (tmp_path / "redis-data").iterdir()
+                if p.name.startswith("appendonly")]
     finally:
         if serve is not None and serve.poll() is None:
             serve.send_signal(signal.SIGTERM)
