@@ -16,8 +16,11 @@ Lifecycle of a worker actor (``WorkerActor``, one plain worker per actor process
    for the pool manager: pid, node, whether the engine loop runs) also answers on the actor's
    event loop.
 3. The router calls ``reserve`` / ``prefill`` / ``submit`` / ``poll`` / ``abort`` / ``stats``
-   through a :class:`RayHandle`. The worker's futures are awaited with ``asyncio.wrap_future``
-   and the blocking ``poll`` runs on its own thread, so the actor's event loop never blocks.
+   through a :class:`RayHandle`, which names the router on ``reserve``, ``submit`` and
+   ``poll``: with several routers each polls its own requests' deltas, and a router silent
+   for ``orphan_timeout_s`` has its requests freed (``pdserve.decode_worker.mailboxes``).
+   The worker's futures are awaited with ``asyncio.wrap_future`` and the blocking ``poll``
+   runs on its own thread, so the actor's event loop never blocks.
 4. ``close()`` stops the heartbeat, removes the record, closes the worker; the launcher then
    kills the actor. A worker that dies stops heartbeating: its record expires after ``ttl_s``
    and the handle marks it dead at once on the first failed call.
@@ -42,7 +45,7 @@ from pdserve.cluster.local import LocalHandle
 from pdserve.cluster.placement import WorkerResources, actor_resources
 from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import RequestFaultError, StepDeltas, TokenDeltas, WorkRequest
+from pdserve.engine.messages import RequestFaultError, WorkRequest
 from pdserve.router.handles import NoCapacity
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,8 @@ class WorkerSpec:
     heartbeat_s: float = 1.0  # registry refresh period
     ttl_s: float = 5.0  # a record without heartbeat for this long disappears
     lease_s: float = 60.0  # decode: reservation lease
+    orphan_timeout_s: float = 30.0  # decode, colocated: the requests of a router that has not
+    # polled for this long are freed (per router)
     log_level: str = "WARNING"  # logging level inside the actor process
     join_token: str = field(default="", repr=False)  # KV rendezvous: decode endpoints
     # accept only prefill peers holding it
@@ -112,12 +117,14 @@ def build_worker(spec: WorkerSpec):
     device = str(spec.config.resolve_device())
     host = spec.transfer_host or ray.util.get_node_ip_address()
     if spec.role == "colocated":
-        return ColocatedWorker(spec.worker_id, EngineParts.build(spec.config))
+        return ColocatedWorker(spec.worker_id, EngineParts.build(spec.config),
+                               orphan_timeout_s=spec.orphan_timeout_s)
     if spec.role == "decode":
         parts = EngineParts.build(DecodeWorker.config_for(spec.config))
         make = lambda sink: TransferEndpoint(sink, host, 0, device,  # noqa: E731
                                              join_token=spec.join_token)
-        return DecodeWorker(spec.worker_id, parts, make, lease_s=spec.lease_s)
+        return DecodeWorker(spec.worker_id, parts, make, lease_s=spec.lease_s,
+                            orphan_timeout_s=spec.orphan_timeout_s)
     connector = TorchDistConnector(spec.worker_id, host, device, join_token=spec.join_token)
     return PrefillWorker(spec.worker_id, EngineParts.build(PrefillWorker.config_for(spec.config)),
                          connector)
@@ -125,14 +132,14 @@ def build_worker(spec: WorkerSpec):
 
 class WorkerActor(LocalHandle):
     """Hosts one worker; see the module docstring. Create with :func:`worker_actor_options`.
-    The handle protocol methods (stats, reserve, prefill, submit, poll, abort) are
-    :class:`LocalHandle`'s, run on the actor's event loop."""
+    The handle protocol methods (stats, reserve, prefill, submit, poll, abort, each naming the
+    calling router where it matters) are :class:`LocalHandle`'s, run on the actor's event
+    loop."""
 
     def __init__(self, spec: WorkerSpec):
         limit_process_threads(spec.log_level, spec.resources.torch_threads)
         super().__init__(build_worker(spec))
         self.spec = spec
-        self.mailboxes = DeltaMailboxes()  # each router's deltas (``--routers N``)
         self.registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="registry")
         self._heartbeat: asyncio.Task | None = None
@@ -174,25 +181,6 @@ class WorkerActor(LocalHandle):
             except Exception as exc:  # noqa: BLE001 - Redis or the engine may recover
                 logger.warning("%s: heartbeat failed: %s", self.spec.worker_id, exc)
 
-    # -- the handle protocol, per router ---------------------------------------------------------
-    async def reserve(self, request: WorkRequest, router: str = ""):
-        self.mailboxes.own(request.request_id, router)
-        return await super().reserve(request)
-
-    async def submit(self, request: WorkRequest, router: str = "") -> None:
-        self.mailboxes.own(request.request_id, router)
-        await super().submit(request)
-
-    async def poll(self, timeout: float, router: str = ""):
-        """The deltas of ``router``'s requests, in the order the worker made them: those
-        another router's poll drained first, else what the worker produces within
-        ``timeout`` (after what other polls drained meanwhile: drains run one at a time)."""
-        mine = self.mailboxes.take(router)
-        if mine:
-            return mine
-        fresh = await super().poll(timeout)
-        return self.mailboxes.take(router) + self.mailboxes.sort(fresh, router)
-
     # -- management ---------------------------------------------------------------------------
     async def set_draining(self, draining: bool = True) -> None:
         loop = asyncio.get_running_loop()
@@ -233,53 +221,6 @@ def start_worker_actor(spec: WorkerSpec, detached: bool = False,
     pool manager (``pdserve.cluster.pools``) calls this in a cluster."""
     options = worker_actor_options(spec, detached, cluster_resources)
     return ray.remote(WorkerActor).options(**options).remote(spec)
-
-
-class DeltaMailboxes:
-    """A worker's deltas sorted by the router that reserved or submitted their request, so
-    that several routers polling one worker (``--routers N``) each get only their own. A
-    delta of a request no router claimed goes to the router whose poll drained it."""
-
-    def __init__(self) -> None:
-        self._owners: dict[str, str] = {}  # request_id -> router name, until its last delta
-        self._boxes: dict[str, list] = {}  # router name -> deltas drained by another's poll
-
-    def own(self, request_id: str, router: str) -> None:
-        self._owners[request_id] = router
-
-    def take(self, router: str) -> list:
-        return self._boxes.pop(router, [])
-
-    def sort(self, deltas: StepDeltas, router: str) -> StepDeltas:
-        """``router``'s share of freshly drained ``deltas``; the rest wait in their boxes. A
-        compact delta is split by owner (kept whole when one router owns it all)."""
-        mine: StepDeltas = []
-        for delta in deltas:
-            if isinstance(delta, TokenDeltas):
-                self._sort_compact(delta, router, mine)
-                continue
-            owner = self._owners.get(delta.request_id, router)
-            if delta.finish_reason is not None:
-                self._owners.pop(delta.request_id, None)
-            self._put(owner, router, delta, mine)
-        return mine
-
-    def _sort_compact(self, compact: TokenDeltas, router: str, mine: StepDeltas) -> None:
-        owners = [self._owners.get(request_id, router) for request_id in compact.request_ids]
-        if owners.count(owners[0]) == len(owners):
-            self._put(owners[0], router, compact, mine)
-            return
-        rows: dict[str, list[int]] = {}
-        for row, owner in enumerate(owners):
-            rows.setdefault(owner, []).append(row)
-        for owner, index in rows.items():
-            self._put(owner, router, compact.select(index), mine)
-
-    def _put(self, owner: str, router: str, delta, mine: StepDeltas) -> None:
-        if owner == router:
-            mine.append(delta)
-        else:
-            self._boxes.setdefault(owner, []).append(delta)
 
 
 class RayHandle:

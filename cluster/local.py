@@ -6,13 +6,16 @@ import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
 
+from pdserve.decode_worker.mailboxes import MailboxSizes
 from pdserve.decode_worker.worker import NoCapacityError
 from pdserve.engine.messages import StepDeltas, WorkRequest
 from pdserve.router.handles import NoCapacity
 
 
 class LocalHandle:
-    """Any worker (prefill, decode, colocated) behind the router's async handle protocol."""
+    """Any worker (prefill, decode, colocated) behind the router's async handle protocol.
+    ``router``: the name of the router calling (several routers share a decode or colocated
+    worker; each polls its own requests' deltas); one router in a process leaves it ""."""
 
     def __init__(self, worker):
         self.worker = worker
@@ -26,9 +29,9 @@ class LocalHandle:
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self.worker.abort(request_id))
 
-    async def reserve(self, request: WorkRequest):
+    async def reserve(self, request: WorkRequest, router: str = ""):
         try:
-            return await asyncio.wrap_future(self.worker.reserve(request))
+            return await asyncio.wrap_future(self.worker.reserve(request, router))
         except NoCapacityError as exc:
             raise NoCapacity(str(exc)) from exc
 
@@ -38,15 +41,21 @@ class LocalHandle:
     async def prefill(self, request: WorkRequest, reservation):
         return await asyncio.wrap_future(self.worker.prefill(request, reservation))
 
-    async def submit(self, request: WorkRequest) -> None:
-        await asyncio.wrap_future(self.worker.submit(request))
+    async def submit(self, request: WorkRequest, router: str = "") -> None:
+        await asyncio.wrap_future(self.worker.submit(request, router))
 
-    async def poll(self, timeout: float) -> StepDeltas:
-        """The worker's deltas, a pure decode step's still compact (the router expands them:
-        one object to serialise per step when this handle is an actor's)."""
+    async def poll(self, timeout: float, router: str = "") -> StepDeltas:
+        """``router``'s deltas, a pure decode step's still compact (the router expands them:
+        one object to serialise per step when this handle is an actor's). Polls run one at a
+        time, whichever router asks."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._poller, functools.partial(
-            self.worker.poll, timeout, compact=True))
+            self.worker.poll, timeout, compact=True, router=router))
+
+    async def mailbox_sizes(self) -> MailboxSizes | None:
+        """What the worker's per-router mailboxes hold (None: a prefill worker has none)."""
+        mailboxes = getattr(self.worker, "mailboxes", None)
+        return None if mailboxes is None else mailboxes.sizes()
 
     async def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
         """Test hook: the worker's next engine step raises or stalls (``EngineLoop``)."""
@@ -60,7 +69,8 @@ class LocalHandle:
 def build_local_workers(config, num_prefill: int = 1, num_decode: int = 1,
                         colocated: bool = False, transport: str = "inproc",
                         prefill_kwargs: dict | None = None, fault_plan=None,
-                        lease_s: float = 60.0) -> list[LocalHandle]:
+                        lease_s: float = 60.0,
+                        orphan_timeout_s: float = 30.0) -> list[LocalHandle]:
     """Workers in this process: ``transport`` is "inproc" (queues; ``fault_plan`` injects
     faults) or "torch" (gloo/NCCL pairs over loopback, as between processes)."""
     from pdserve.decode_worker.colocated import ColocatedWorker
@@ -76,7 +86,8 @@ def build_local_workers(config, num_prefill: int = 1, num_decode: int = 1,
     from pdserve.prefill_worker.worker import PrefillWorker
 
     if colocated:
-        return [LocalHandle(ColocatedWorker(f"colocated-{i}", EngineParts.build(config)))
+        return [LocalHandle(ColocatedWorker(f"colocated-{i}", EngineParts.build(config),
+                                            orphan_timeout_s=orphan_timeout_s))
                 for i in range(num_decode)]
     hub = InProcHub()
     handles = []
@@ -87,7 +98,8 @@ def build_local_workers(config, num_prefill: int = 1, num_decode: int = 1,
         else:
             make = lambda sink: TransferEndpoint(sink, "127.0.0.1", 0)  # noqa: E731
         parts = EngineParts.build(DecodeWorker.config_for(config))
-        handles.append(LocalHandle(DecodeWorker(name, parts, make, lease_s=lease_s)))
+        handles.append(LocalHandle(DecodeWorker(name, parts, make, lease_s=lease_s,
+                                                orphan_timeout_s=orphan_timeout_s)))
     for i in range(num_prefill):
         name = f"prefill-{i}"
         connector = (InProcConnector(hub, name, fault_plan=fault_plan) if transport == "inproc"

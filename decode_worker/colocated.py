@@ -1,12 +1,13 @@
 """The colocated worker: one engine does both phases (chunked prefill mixed into decode steps).
 
 It is the baseline every disaggregated figure is measured against, and the fallback for
-one-worker setups. Lifecycle: ``submit(request)`` queues the prompt (plus the outputs already
-streamed, for a migrated request); steps run continuous batching; deltas (token 0 included,
-stamped with the request's attempt) go to the bounded outbox that the router drains with
-``poll``; ``abort`` is idempotent. A request also ends on its own, with an ``abort`` delta
-carrying the error, when its deadline passes, when no router has polled for
-``orphan_timeout_s``, or when the engine loop dies (the worker then refuses new work).
+one-worker setups. Lifecycle: ``submit(request, router)`` queues the prompt (plus the outputs
+already streamed, for a migrated request), owned by ``router``; steps run continuous batching;
+deltas (token 0 included, stamped with the request's attempt) go to the bounded outbox that the
+routers drain with ``poll``, each getting its own requests' (``decode_worker.mailboxes``);
+``abort`` is idempotent. A request also ends on its own, with an ``abort`` delta carrying the
+error, when its deadline passes, when its router has not polled for ``orphan_timeout_s``
+(whatever other routers do), or when the engine loop dies (the worker then refuses new work).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
+from pdserve.decode_worker.mailboxes import RouterMailboxes
 from pdserve.decode_worker.streaming import StreamingWorker
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
@@ -29,13 +31,15 @@ class ColocatedWorker(StreamingWorker):
         self.worker_id = worker_id
         self.engine = LLMEngine(parts)
         self.orphan_timeout_s = orphan_timeout_s
+        self.mailboxes = RouterMailboxes()
         self.loop = EngineLoop(f"colocated-{worker_id}", self.engine.step,
                                self.engine.has_unfinished_requests, tick=self._tick,
                                stats=self._stats, on_death=self._fail_everything).start()
 
-    def submit(self, request: WorkRequest) -> Future:
-        """Future[None]; raises ValueError when the request can never be served here."""
-        return self.loop.call(self._submit, request)
+    def submit(self, request: WorkRequest, router: str = "") -> Future:
+        """Future[None]; raises ValueError when the request can never be served here.
+        ``router`` (its actor name) owns the request once queued."""
+        return self.loop.call(self._submit, request, router)
 
     def abort(self, request_id: str) -> Future:
         return self.loop.call(self._abort, request_id)
@@ -44,20 +48,28 @@ class ColocatedWorker(StreamingWorker):
         self.loop.stop()
 
     # -- loop thread --------------------------------------------------------------------------
-    def _submit(self, request: WorkRequest) -> None:
+    def _submit(self, request: WorkRequest, router: str) -> None:
         self.engine.add_work(request)
+        self.mailboxes.claim(request.request_id, request.attempt, router)
 
     def _abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        """The router's abort: its final delta (no error) only ends the owner entry."""
+        delta = self.engine.abort(request_id)
+        if delta is not None:
+            self.loop.outbox.put_many([delta])
+
+    def _fail_request(self, request_id: str, error: str) -> None:
+        delta = self.engine.abort(request_id)
+        if delta is not None:
+            delta.error = error
+            self.loop.outbox.put_many([delta])
 
     def _stats(self) -> WorkerStats:
         return engine_stats(self.worker_id, self.role, self.engine)
 
     def _tick(self) -> None:
         self.loop.outbox.put_many(self.engine.expire(time.time()))
-        orphaned = self.loop.outbox.seconds_since_drain()
-        if orphaned > self.orphan_timeout_s and self.engine.num_requests:
-            self._fail_everything(f"no router polled for {orphaned:.0f} s")
+        self._free_orphans()
 
     def _fail_everything(self, error: str) -> None:
         self.loop.outbox.put_many(self.engine.abort_all(error))

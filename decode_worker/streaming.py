@@ -1,27 +1,47 @@
 """What the decode and colocated workers share: an engine stepping on its own loop thread,
-whose deltas the router polls and whose stats it reads."""
+whose deltas the routers poll (each its own requests', ``decode_worker.mailboxes``) and whose
+stats they read, and the per-router orphan clock that frees the requests of a router gone
+silent."""
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 
+from pdserve.decode_worker.mailboxes import MailboxSizes, RouterMailboxes
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.messages import StepDeltas, WorkerStats
 
+logger = logging.getLogger(__name__)
+
 
 class StreamingWorker:
-    """A worker whose ``engine`` steps on ``loop``; subclasses define ``_stats`` (loop thread)."""
+    """A worker whose ``engine`` steps on ``loop``; subclasses define ``_stats`` and
+    ``_fail_request`` (loop thread) and call :meth:`_free_orphans` from their tick."""
 
+    worker_id: str
     engine: LLMEngine
     loop: EngineLoop
+    mailboxes: RouterMailboxes
+    orphan_timeout_s: float  # a router silent this long is gone: its requests are freed
 
-    def poll(self, timeout: float | None = None, compact: bool = False) -> StepDeltas:
-        """Deltas produced since the last poll (blocks up to ``timeout`` when none), their text
-        made here; ``compact``: a pure decode step's go on as one TokenDeltas (what the
-        router's handle ships), else one RequestDelta each."""
+    def poll(self, timeout: float | None = None, compact: bool = False,
+             router: str = "") -> StepDeltas:
+        """``router``'s deltas: those another router's poll left for it, else what the worker
+        produced since the last poll (blocks up to ``timeout`` when none), their text made
+        here. ``compact``: a pure decode step's go on as one TokenDeltas (what the router's
+        handle ships), else one RequestDelta each. One poll at a time (the handle's thread)."""
+        self.mailboxes.polled(router)
+        mine = self.mailboxes.take(router)
+        if mine:
+            return mine
         deltas = self.loop.outbox.drain(timeout)
-        return self.engine.render_compact(deltas) if compact else self.engine.render(deltas)
+        rendered = self.engine.render_compact(deltas) if compact else self.engine.render(deltas)
+        return self.mailboxes.take(router) + self.mailboxes.sort(rendered, router)
+
+    def mailbox_sizes(self) -> MailboxSizes:
+        return self.mailboxes.sizes()
 
     def stats(self) -> Future:
         """Future[WorkerStats], taken on the loop thread."""
@@ -33,3 +53,18 @@ class StreamingWorker:
 
     def _stats(self) -> WorkerStats:
         raise NotImplementedError
+
+    def _fail_request(self, request_id: str, error: str) -> None:
+        """End one request on the worker's own initiative; its final delta says why."""
+        raise NotImplementedError
+
+    def _free_orphans(self) -> None:
+        """Fail every request of a router that has not polled for ``orphan_timeout_s``."""
+        for silent in self.mailboxes.silent(self.orphan_timeout_s):
+            why = (f"router {silent.router or '(unnamed)'} has not polled this worker for "
+                   f"{silent.silent_s:.0f} s (orphan_timeout_s {self.orphan_timeout_s:g})")
+            logger.warning("%s: freeing %d request(s): %s", self.worker_id,
+                           len(silent.request_ids), why)
+            self.mailboxes.forget(silent.router)
+            for request_id in silent.request_ids:
+                self._fail_request(request_id, why)

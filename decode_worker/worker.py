@@ -2,26 +2,29 @@
 
 Lifecycle of one request on a decode worker D:
 
-1. ``reserve(request)``: validate it against D's pool, allocate blocks for its prompt (plus
-   the outputs already streamed, for a migrated request) under a lease (``lease_s``) and a
-   fresh ``TransferKey(transfer_id, epoch)``; the sequence waits in ``_reserved`` with status
-   ``WAITING_FOR_KV``; the sink now accepts frames for the key. While the prefill worker holds
-   the request (queued or running), the router renews the lease (``renew``), so it lapses only
-   when its owner is gone: invariant, a live router with a live prefill call never sees its
-   reservation expire.
+1. ``reserve(request, router)``: validate it against D's pool, allocate blocks for its prompt
+   (plus the outputs already streamed, for a migrated request) under a lease (``lease_s``) and
+   a fresh ``TransferKey(transfer_id, epoch)``; the sequence waits in ``_reserved`` with status
+   ``WAITING_FOR_KV``; the sink now accepts frames for the key; ``router`` owns the request
+   (``decode_worker.mailboxes``: its deltas go to that router's polls). While the prefill
+   worker holds the request (queued or running), the router renews the lease (``renew``), so
+   it lapses only when its owner is gone: invariant, a live router with a live prefill call
+   never sees its reservation expire.
 2. KV frames arrive on the transfer endpoint's receive threads and are scattered straight into
    the reserved blocks (``ReservedBlocksSink``); frames for unknown or stale keys are dropped.
 3. COMMIT (token 0 from the prefill worker) hands the request to the loop thread: token 0 is
    appended, ``num_computed_tokens`` = every token before it, and the sequence joins the
    running batch.
 4. Every step decodes the running batch; token deltas (stamped with the request's attempt) go
-   to the bounded outbox, which the router drains in batches (``poll``), so a slow client
-   never stalls the loop.
+   to the bounded outbox, which the routers drain in batches (``poll``), each getting its own
+   requests' deltas, so a slow client never stalls the loop.
 5. The request ends by stop/length (blocks freed by the scheduler), ``abort`` (idempotent in
    every state), or on its own with an ``abort`` delta carrying the error: transfer failure,
-   lease expiry, its deadline passing (reserved or running), no router polling for
-   ``orphan_timeout_s``, or the engine loop dying (every request fails, the worker refuses
-   new work and reports the error in its stats).
+   lease expiry, its deadline passing (reserved or running), its router not polling for
+   ``orphan_timeout_s`` (the clock is per router: another router's polls do not keep it
+   alive), or the engine loop dying (every request fails, the worker refuses new work and
+   reports the error in its stats). Every end makes a final delta, which ends the request's
+   owner entry when a poll sorts it.
 
 All engine state is touched only on the loop thread (``EngineLoop``); public methods return
 futures. D keeps no prefix cache: received blocks are never matched by hash.
@@ -38,6 +41,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from pdserve.decode_worker.mailboxes import RouterMailboxes
 from pdserve.decode_worker.streaming import StreamingWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
@@ -88,6 +92,7 @@ class DecodeWorker(StreamingWorker):
         self._transfer_ids = itertools.count(1)
         self._reserved: dict[str, _Reserved] = {}
         self._by_key: dict[TransferKey, str] = {}
+        self.mailboxes = RouterMailboxes()
         self.loop = EngineLoop(f"decode-{worker_id}", self.engine.step,
                                self.engine.has_unfinished_requests, tick=self._tick,
                                stats=self._stats, on_death=self._fail_everything).start()
@@ -97,9 +102,10 @@ class DecodeWorker(StreamingWorker):
         return dataclasses.replace(config, enable_prefix_caching=False)
 
     # -- public API (any thread) --------------------------------------------------------------
-    def reserve(self, request: WorkRequest) -> Future:
-        """Future[Reservation]; raises ValueError (never fits) or NoCapacityError (not now)."""
-        return self.loop.call(self._reserve, request)
+    def reserve(self, request: WorkRequest, router: str = "") -> Future:
+        """Future[Reservation]; raises ValueError (never fits) or NoCapacityError (not now).
+        ``router`` (its actor name) owns the request once reserved."""
+        return self.loop.call(self._reserve, request, router)
 
     def renew(self, request_id: str) -> Future:
         """Future[float | None]: the reservation's new lease deadline (None: not reserved)."""
@@ -114,7 +120,7 @@ class DecodeWorker(StreamingWorker):
         self.loop.stop()
 
     # -- loop thread ------------------------------------------------------------------------
-    def _reserve(self, request: WorkRequest) -> Reservation:
+    def _reserve(self, request: WorkRequest, router: str) -> Reservation:
         if request.request_id in self._reserved:
             raise ValueError(f"request_id {request.request_id!r} is already reserved")
         seq = self.engine.sequence_for(request)
@@ -128,6 +134,7 @@ class DecodeWorker(StreamingWorker):
         deadline = time.time() + self.lease_s
         self._reserved[seq.request_id] = _Reserved(seq, key, deadline)
         self._by_key[key] = seq.request_id
+        self.mailboxes.claim(seq.request_id, seq.attempt, router)
         return Reservation(seq.request_id, self.worker_id, self.endpoint.address,
                            key.transfer_id, key.epoch, len(seq.block_table), deadline)
 
@@ -141,8 +148,11 @@ class DecodeWorker(StreamingWorker):
         return entry
 
     def _abort(self, request_id: str) -> None:
-        if self._release(request_id) is None:
-            self.engine.abort(request_id)
+        """The router's abort: its final delta (no error) only ends the owner entry."""
+        entry = self._release(request_id)
+        delta = self.engine.abort(request_id) if entry is None else _final(entry.seq, None)
+        if delta is not None:
+            self.loop.outbox.put_many([delta])
 
     def _renew(self, request_id: str) -> float | None:
         entry = self._reserved.get(request_id)
@@ -156,14 +166,22 @@ class DecodeWorker(StreamingWorker):
         entry = self._release(request_id)
         if entry is not None:
             logger.warning("request %s failed on %s: %s", request_id, self.worker_id, error)
-            seq = entry.seq
-            self.loop.outbox.put_many([RequestDelta(
-                request_id, [], "", "abort", num_prompt_tokens=seq.num_prompt_tokens,
-                num_output_tokens=seq.num_output_tokens, error=error, attempt=seq.attempt,
-                deadline_exceeded=deadline_exceeded)])
+            delta = _final(entry.seq, error)
+            delta.deadline_exceeded = deadline_exceeded
+            self.loop.outbox.put_many([delta])
+
+    def _fail_request(self, request_id: str, error: str) -> None:
+        """A reservation or a running request ends with ``error`` (its router is gone)."""
+        if request_id in self._reserved:
+            self._fail(request_id, error)
+            return
+        delta = self.engine.abort(request_id)
+        if delta is not None:
+            delta.error = error
+            self.loop.outbox.put_many([delta])
 
     def _fail_everything(self, error: str) -> None:
-        """Every reservation and running request ends with ``error`` (loop death, orphaned)."""
+        """Every reservation and running request ends with ``error`` (the loop died)."""
         for request_id in list(self._reserved):
             self._fail(request_id, error)
         self.loop.outbox.put_many(self.engine.abort_all(error))
@@ -191,9 +209,7 @@ class DecodeWorker(StreamingWorker):
             elif entry.lease_deadline < now:
                 self._fail(request_id, "reservation lease expired before the KV arrived")
         self.loop.outbox.put_many(self.engine.expire(now))
-        orphaned = self.loop.outbox.seconds_since_drain()
-        if orphaned > self.orphan_timeout_s and (self._reserved or self.engine.num_requests):
-            self._fail_everything(f"no router polled for {orphaned:.0f} s")
+        self._free_orphans()
 
     def _stats(self) -> WorkerStats:
         return engine_stats(self.worker_id, self.role, self.engine, len(self._reserved),
@@ -207,3 +223,10 @@ class DecodeWorker(StreamingWorker):
         request_id = self._by_key.get(key)
         if request_id is not None:
             self.loop.call(self._fail, request_id, f"KV transfer failed: {error}")
+
+
+def _final(seq: Sequence, error: str | None) -> RequestDelta:
+    """The final ``abort`` delta of a reservation that ends before it runs."""
+    return RequestDelta(seq.request_id, [], "", "abort", num_prompt_tokens=seq.num_prompt_tokens,
+                        num_output_tokens=seq.num_output_tokens, error=error,
+                        attempt=seq.attempt)

@@ -4,8 +4,9 @@ Callers (Ray actor methods, the router, tests) submit closures with :meth:`Engin
 which returns a ``concurrent.futures.Future``; the loop runs pending calls, a housekeeping
 ``tick`` (deadlines, leases), then one step when there is work, then waits. Deltas produced
 by steps go to a bounded :class:`DeltaOutbox` that readers drain in batches, so the step loop
-never waits on a slow reader; while the outbox is full the loop stops stepping (backpressure),
-and the worker's tick notices when nobody has drained it for a long time.
+never waits on a slow reader; while the outbox is full the loop stops stepping (backpressure).
+Who reads it, and what happens to the requests of a reader that went away, is the worker's
+business (``decode_worker.mailboxes``).
 
 Liveness never depends on how long a step takes: after each step and tick the loop publishes
 the worker's stats (:meth:`snapshot`), which heartbeats read without waiting for the loop.
@@ -52,7 +53,6 @@ class DeltaOutbox:
         self._items: StepDeltas = []
         self._size = 0  # per-request deltas in _items (a TokenDeltas counts its requests)
         self._cond = threading.Condition()
-        self.last_drain = time.monotonic()  # when a reader last drained (or creation)
 
     def put_many(self, deltas: StepDeltas) -> None:
         if deltas:
@@ -65,19 +65,14 @@ class DeltaOutbox:
         """What steps put since the last drain (compact deltas still compact: the reader
         renders them)."""
         with self._cond:
-            self.last_drain = time.monotonic()
             if not self._items and timeout:
                 self._cond.wait(timeout)
             items, self._items, self._size = self._items, [], 0
-            self.last_drain = time.monotonic()
             return items
 
     @property
     def is_full(self) -> bool:
         return self._size >= self.capacity
-
-    def seconds_since_drain(self) -> float:
-        return time.monotonic() - self.last_drain
 
 
 @dataclasses.dataclass

@@ -1,0 +1,154 @@
+"""Which router owns each request a streaming worker holds, the deltas waiting for each router,
+and each router's orphan clock.
+
+Several routers (``--routers N``) poll the same decode or colocated worker. A request belongs
+to the router that reserved or submitted it (its *owner*, named by the router's actor name).
+A poll drains the worker's whole outbox: the poller keeps its own deltas and every other
+router's wait in that router's box, in the order the worker made them; a delta of a request
+nobody owns (any more) goes to the poller, whose router ignores a final delta it does not
+know and aborts a live one.
+
+The orphan clock is per router: the time of its latest poll (or of its first claim, before it
+ever polled). A router silent for longer than the worker's ``orphan_timeout_s`` is gone (dead,
+cut off or stuck), whatever the other routers do: :meth:`RouterMailboxes.silent` names it and
+the requests it owns, :meth:`RouterMailboxes.forget` drops its box and its clock and marks its
+requests as a gone router's, and the worker fails them. A gone router's token deltas are
+dropped; its requests' final deltas go to whichever router polls first (the router itself,
+if it was only slow, learns why its streams ended; another ignores them).
+
+Bounds: an owner entry lives from a successful reserve or submit until the request's final
+delta is sorted (every end of a request on a worker makes one: finish, abort, failure, and a
+gone router's requests are failed at once); a box holds deltas of live routers only and goes
+with its router. At idle both are empty once every router has polled; a dead router's share
+goes within ``orphan_timeout_s``. :meth:`RouterMailboxes.sizes` reports them.
+
+Threads: the engine loop claims and checks the clocks, poll threads sort and take; one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.engine.messages import StepDeltas, TokenDeltas, num_deltas
+
+
+@dataclass(frozen=True)
+class MailboxSizes:
+    """What a worker's mailboxes hold now (tests and operators check they stay bounded)."""
+
+    num_owned: int  # requests with an owner entry
+    num_boxed: int  # per-request deltas waiting in boxes for a router's next poll
+    num_routers: int  # routers with a clock (seen polling or claiming, not forgotten)
+
+
+@dataclass(frozen=True)
+class SilentRouter:
+    """A router past its orphan timeout and the requests it owns on this worker."""
+
+    router: str
+    silent_s: float  # since its latest poll (or first claim)
+    request_ids: list[str]
+
+
+class RouterMailboxes:
+    """See the module docstring."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        # request_id -> (router, attempt); router None: a forgotten router's (deltas dropped)
+        self._owners: dict[str, tuple[str | None, int]] = {}
+        self._boxes: dict[str, StepDeltas] = {}  # router -> deltas another's poll drained
+        self._heard: dict[str, float] = {}  # router -> its latest poll (clock time)
+
+    # -- engine loop ------------------------------------------------------------------------
+    def claim(self, request_id: str, attempt: int, router: str) -> None:
+        """``router`` owns ``request_id`` (this attempt) from now on; its clock starts if it
+        never polled."""
+        with self._lock:
+            self._owners[request_id] = (router, attempt)
+            self._heard.setdefault(router, self._clock())
+
+    def silent(self, timeout_s: float) -> list[SilentRouter]:
+        """Routers that owned requests here and have not polled for ``timeout_s``; a silent
+        router that owns nothing is forgotten at once."""
+        now = self._clock()
+        with self._lock:
+            late = {r: now - t for r, t in self._heard.items() if now - t > timeout_s}
+            owned: dict[str, list[str]] = {router: [] for router in late}
+            for request_id, (router, _attempt) in self._owners.items():
+                if router in owned:
+                    owned[router].append(request_id)
+            for router, request_ids in owned.items():
+                if not request_ids:
+                    self._drop(router)
+        return [SilentRouter(r, late[r], ids) for r, ids in owned.items() if ids]
+
+    def forget(self, router: str) -> None:
+        """``router`` is gone: drop its box and clock; its requests' deltas are dropped from
+        now on (their owner entries end with their final deltas, as ever)."""
+        with self._lock:
+            for request_id, (owner, attempt) in self._owners.items():
+                if owner == router:
+                    self._owners[request_id] = (None, attempt)
+            self._drop(router)
+
+    def _drop(self, router: str) -> None:
+        self._boxes.pop(router, None)
+        self._heard.pop(router, None)
+
+    # -- poll threads -----------------------------------------------------------------------
+    def polled(self, router: str) -> None:
+        """``router`` is polling now: its orphan clock starts again."""
+        with self._lock:
+            self._heard[router] = self._clock()
+
+    def take(self, router: str) -> StepDeltas:
+        """The deltas other routers' polls left for ``router``."""
+        with self._lock:
+            return self._boxes.pop(router, [])
+
+    def sort(self, deltas: StepDeltas, router: str) -> StepDeltas:
+        """``router``'s share of freshly drained ``deltas``; the rest wait in their owners'
+        boxes (a forgotten router's are dropped, but for final ones: the poller's). A compact
+        delta is split by owner (kept whole when one router owns it all). A final delta ends
+        its request's owner entry (of the same attempt)."""
+        mine: StepDeltas = []
+        with self._lock:
+            for delta in deltas:
+                if isinstance(delta, TokenDeltas):
+                    self._sort_compact(delta, router, mine)
+                    continue
+                owner, attempt = self._owners.get(delta.request_id, (router, None))
+                if delta.finish_reason is not None:
+                    if attempt == delta.attempt:
+                        del self._owners[delta.request_id]
+                    owner = router if owner is None else owner
+                self._put(owner, router, delta, mine)
+        return mine
+
+    def sizes(self) -> MailboxSizes:
+        with self._lock:
+            return MailboxSizes(len(self._owners), sum(map(num_deltas, self._boxes.values())),
+                                len(self._heard))
+
+    def _sort_compact(self, compact: TokenDeltas, router: str, mine: StepDeltas) -> None:
+        owners = [self._owners.get(request_id, (router, None))[0]
+                  for request_id in compact.request_ids]
+        if owners.count(owners[0]) == len(owners):
+            self._put(owners[0], router, compact, mine)
+            return
+        rows: dict[str | None, list[int]] = {}
+        for row, owner in enumerate(owners):
+            rows.setdefault(owner, []).append(row)
+        for owner, index in rows.items():
+            self._put(owner, router, compact.select(index), mine)
+
+    def _put(self, owner: str | None, router: str, delta, mine: StepDeltas) -> None:
+        if owner == router:
+            mine.append(delta)
+        elif owner is not None:
+            self._boxes.setdefault(owner, []).append(delta)
