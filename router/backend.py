@@ -6,8 +6,9 @@ model-free one for tests and for measuring the streaming overhead.
 
 Call order for one request, as ``pdserve.router.grpc_server`` makes it:
 
-1. ``is_ready()`` is true (else UNAVAILABLE) and ``model_info()`` gives the limits validation
-   checks against.
+1. ``model_info()`` gives the limits validation checks against. ``is_ready()`` is what health
+   reports; a backend not ready still gets ``generate`` calls (the router waits for a ready
+   worker up to the request's deadline; a backend that cannot wait raises NoWorkersError).
 2. ``tokenize(text)`` when the prompt came as text.
 3. ``generate(request_id, prompt_token_ids, params, deadline)`` is iterated; admission
    failures (``QueueFullError``, ``RequestTooLargeError``, ``NoWorkersError`` from

@@ -19,7 +19,8 @@ class RouterConfig:
     rpc_timeout_s: float = 10.0  # reserve / submit / abort / renew calls on a worker, at most
     prefill_timeout_s: float = 600.0  # one prefill call (queue + compute + send), at most
     stream_timeout_s: float = 120.0  # longest silence of a decoding request before it moves
-    worker_wait_s: float = 30.0  # how long a request waits for a worker of its role to appear
+    worker_wait_s: float = 30.0  # how long a request waits for ready workers (start-up, a pool
+    # being replaced) before it fails UNAVAILABLE; its deadline may end the wait sooner
     poll_timeout_s: float = 0.05  # long-poll wait of each decode worker poller
     stats_interval_s: float = 0.25  # worker stats refresh period
     prefix_memory_blocks: int = 8192  # prompt block hashes remembered per prefill worker

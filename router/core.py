@@ -2,8 +2,12 @@
 
 Per request, as ``Router.generate`` drives it (states and transitions: ``router.flight``):
 
-1. ADMITTED: bounded by requests and prompt tokens in flight (QueueFullError when full).
-2. PLACING (``router.placement``; disaggregated): the best decode worker
+1. ADMITTED: bounded by requests and prompt tokens in flight (QueueFullError when full),
+   whether or not workers are ready: the admission bounds are what bound how many wait.
+2. PLACING waits first for ready workers (a colocated one, or a prefill and a decode one:
+   start-up, a pool being replaced), up to the request's deadline (DeadlineExceededError) or
+   ``worker_wait_s`` (NoWorkersError), each saying what was missing. Then
+   (``router.placement``; disaggregated) the best decode worker
    (``pairing.rank_decode``) reserves blocks under a lease; one without room is skipped; when
    none has room the request waits (up to its deadline, or ``reserve_wait_s``) instead of
    failing; a request no decode worker could ever hold -> RequestTooLargeError. (Colocated:
@@ -36,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import random
 import time
 from collections import OrderedDict, deque
@@ -71,6 +76,8 @@ from pdserve.router.workers import Workers
 __all__ = ["RequestTrace", "Router", "RouterConfig"]
 
 TOKENIZER_THREADS = 2  # prompts tokenized at once (a long one cannot block the others' turn)
+ANSWER_BEFORE_DEADLINE_S = 0.25  # a request waiting for workers gives up this long before its
+# deadline, so its DEADLINE_EXCEEDED carries the reason before the client's own timer fires
 
 logger = logging.getLogger(__name__)
 
@@ -154,13 +161,12 @@ class Router:
     def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                deadline: float | None, tenant: str | None = None,
                fit_max_tokens: bool = False) -> Flight:
-        if not self.is_ready() and not self.workers.was_ready:
-            raise NoWorkersError("no workers are ready to take requests")
         cfg, n = self.config, len(prompt_token_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         flight = Flight(WorkRequest(request_id, list(prompt_token_ids), params, seed,
-                                    time.time()), deadline, tenant=tenant)
-        self._check_kv_cap(flight, fit_max_tokens)
+                                    time.time()), deadline, tenant=tenant,
+                        fit_max_tokens=fit_max_tokens)
+        self._check_kv_cap(flight)
         if len(self._flights) >= cfg.max_requests_in_flight \
                 and not self._queue.shed_worst(self._queue.key(flight)):
             raise QueueFullError(
@@ -176,10 +182,11 @@ class Router:
         self.metrics.router_running.labels("router").set(len(self._flights))
         return flight
 
-    def _check_kv_cap(self, flight: Flight, fit_max_tokens: bool) -> None:
+    def _check_kv_cap(self, flight: Flight) -> None:
         """Refuse a request that would hold more than ``max_request_kv_fraction`` of the
         largest decode (or colocated) worker's KV blocks, before it evicts anyone; with
-        ``fit_max_tokens`` (the client set no max_tokens) lower max_tokens to fit instead."""
+        ``fit_max_tokens`` (the client set no max_tokens) lower max_tokens to fit instead.
+        Without live workers it waits for them: placing checks again (idempotent)."""
         fraction = self.config.max_request_kv_fraction
         pools = self.workers.live("decode") or self.workers.live("colocated")
         if fraction >= 1 or not pools:
@@ -190,7 +197,7 @@ class Router:
         tokens = len(request.prompt_token_ids) + request.params.max_tokens
         needed, allowed = -(-tokens // block_size), int(fraction * largest.total_blocks)
         room = allowed * block_size - len(request.prompt_token_ids)
-        if needed > allowed and fit_max_tokens and room >= 1:
+        if needed > allowed and flight.fit_max_tokens and room >= 1:
             request.params = dataclasses.replace(request.params, max_tokens=room)
         elif needed > allowed:
             raise RequestTooLargeError(
@@ -215,6 +222,9 @@ class Router:
         """Attempts until one finishes the request; each failure moves it to new workers."""
         while True:
             flight.move_to(Phase.PLACING)
+            await self._wait_for_workers(flight)
+            if not flight.output_ids:
+                self._check_kv_cap(flight)  # the pools may have been unknown at admission
             attempt = self._colocated if self.mode == "colocated" else self._disaggregated
             try:
                 async for delta in attempt(flight):
@@ -276,6 +286,44 @@ class Router:
             yield delta
 
     # -- placing ------------------------------------------------------------------------------
+    async def _wait_for_workers(self, flight: Flight) -> None:
+        """Wait until workers are ready (see the module docstring, step 2)."""
+        if self.workers.is_ready():
+            return
+        self.metrics.waiting_for_workers.inc()
+        try:
+            await self._wait_ready_or_fail(flight)
+        finally:
+            self.metrics.waiting_for_workers.dec()
+
+    async def _wait_ready_or_fail(self, flight: Flight) -> None:
+        started, limit = time.monotonic(), self.config.worker_wait_s
+        while not self.workers.is_ready():
+            now = time.monotonic()
+            waited = now - started
+            if waited >= limit:
+                raise NoWorkersError(
+                    f"{self._missing_workers()} for {waited:.0f} s (worker_wait_s {limit:g}): "
+                    f"the pools are starting or being replaced; retry later, or let requests "
+                    f"wait longer with --worker-wait-s")
+            # answered a moment before the deadline, so the client hears why
+            left = math.inf if flight.deadline is None else flight.deadline - now
+            if left <= ANSWER_BEFORE_DEADLINE_S:
+                raise DeadlineExceededError(
+                    f"the request's deadline came after {waited:.1f} s waiting: "
+                    f"{self._missing_workers()} (the pools are starting or being replaced); "
+                    f"retry once health reports SERVING, or give it a longer deadline")
+            # re-checked every stats interval: readiness changes at a directory refresh
+            await self.workers.wait_ready(min(limit - waited, left - ANSWER_BEFORE_DEADLINE_S,
+                                              self.config.stats_interval_s))
+
+    def _missing_workers(self) -> str:
+        if self.workers.live("prefill") and not self.workers.live("decode"):
+            return "no decode worker is ready"
+        if self.workers.live("decode") and not self.workers.live("prefill"):
+            return "no prefill worker is ready"
+        return "no worker is ready"
+
     async def _reserve(self, flight: Flight) -> Reservation:
         return await self._placer.place(flight, "decode", self._reserve_on)
 

@@ -52,6 +52,11 @@ class NoWorkersError(RouterError):
     """No worker can take the request now: none registered, not ready, or draining."""
 
 
+NOT_READY = ("not ready: no worker can take requests yet (the pools are starting or being "
+             "replaced); health reports serving once one can, and generation requests wait "
+             "for it")
+
+
 class DuplicateRequestError(RouterError):
     """A request with this request_id is already in flight on this router."""
 

@@ -6,10 +6,11 @@ vocabulary), stopping at ``max_tokens``, a stop token id, or an eos id (unless
 ``ignore_eos``). Stop strings are not honoured. Text is one character per id
 (``chr(FIRST_CHAR + id)``) and ``tokenize`` is the inverse, so text round-trips.
 
-Knobs for tests, settable between requests: ``ready``, ``token_delay_s`` (sleep before each
-token), ``tokens_per_delta``, ``fail_with`` (raised from the first ``__anext__``). Every call is
-recorded in ``aborted_ids`` / ``started_ids``, guarded by a lock so another thread may read
-them.
+Knobs for tests, settable between requests: ``ready`` (False: ``generate`` raises
+NoWorkersError, as the router does once its wait for a worker runs out), ``token_delay_s``
+(sleep before each token), ``tokens_per_delta``, ``fail_with`` (raised from the first
+``__anext__``). Every call is recorded in ``aborted_ids`` / ``started_ids``, guarded by a lock
+so another thread may read them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import AsyncIterator
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import GenerationDelta, ModelSpec
+from pdserve.router.errors import NOT_READY, NoWorkersError
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,8 @@ class FakeBackend:
             self._started.append(request_id)
             self._running.add(request_id)
         try:
+            if not self.ready:
+                raise NoWorkersError(NOT_READY)
             if self.fail_with is not None:
                 raise self.fail_with
             ids, reason = self.expected_output(prompt_token_ids, params)

@@ -2,7 +2,10 @@
 
 Life of a Generate call (``GenerationServicer.Generate``):
 
-1. Refuse with UNAVAILABLE while draining or while the backend is not ready.
+1. Refuse with UNAVAILABLE while draining. A backend not ready yet is no refusal: the request
+   goes on to the backend, which waits for a ready worker (``router.core``) up to the
+   request's deadline or its own bound. (Tokenize and GetModelInfo answer UNAVAILABLE until
+   the backend is ready, as health does.)
 2. Validate (``pdserve.router.validation``), tokenize a text prompt through the backend, check
    the context fits; failures are INVALID_ARGUMENT naming the field.
 3. Register the request id (a duplicate in flight is ALREADY_EXISTS), then iterate
@@ -50,6 +53,7 @@ from pdserve.router.admin_server import AdminBackend, add_admin_service
 from pdserve.router.auth import Access, AccessInterceptor, TLSConfig, check_priority
 from pdserve.router.backend import GenerationBackend, GenerationDelta, end_stream
 from pdserve.router.errors import (
+    NOT_READY,
     DeadlineExceededError,
     DuplicateRequestError,
     NoWorkersError,
@@ -242,7 +246,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _check_ready(self) -> None:
         if not self._server.backend_ready():
-            raise NoWorkersError("backend is not ready")
+            raise NoWorkersError(NOT_READY)
 
 
 class GenerationServer:
@@ -291,11 +295,10 @@ class GenerationServer:
         return self._servicer.num_active_requests
 
     def check_accepting(self) -> None:
-        """Raise ``NoWorkersError`` unless a new Generate may start now."""
+        """Raise ``NoWorkersError`` while draining (a backend not ready is no refusal: requests
+        wait for workers there)."""
         if self._draining:
-            raise NoWorkersError("server is draining")
-        if not self.backend_ready():
-            raise NoWorkersError("backend is not ready")
+            raise NoWorkersError("server is draining: send the request to another replica")
 
     def set_serving(self, serving: bool) -> None:
         """``False`` drains: health NOT_SERVING, new Generate calls UNAVAILABLE. ``True`` undoes."""

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front door: FastAPI on uvicorn, on the router's event loop.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (200 while serving, else 503), ``GET /version``. With ``api_key`` (or
+``GET /health`` (200 while serving, else 503: draining, or no worker ready yet; ``/v1/models``
+answers the same 503 until ready), ``GET /version``. With ``api_key`` (or
 ``priority_api_keys``) every path but ``/health`` and ``/version`` needs ``Authorization: Bearer
 KEY`` (401 otherwise), and ``priority`` < 0 a priority key (403, ``param: "priority"``), checked
 by the same :class:`pdserve.router.auth.Access` as gRPC; with ``tls`` the port speaks HTTPS
@@ -15,7 +16,8 @@ Life of a generation (``_completion_job`` / ``_chat_job``, then
 ``pdserve.router.http_generation``), the same steps as the gRPC servicer's:
 
 1. Validate in the handler: model name (404 when it is not the served one), unsupported
-   parameters (400), ``accepting()`` (503 while draining or not ready), sampling fields, the
+   parameters (400), ``accepting()`` (503 while draining; a backend not ready yet is no
+   refusal: the router waits for a ready worker up to the deadline), sampling fields, the
    prompt's size before tokenizing it; tokenize (completions) or render the chat template and
    tokenize (chat, through ``tools``); check the context fits. Every failure is the OpenAI
    error envelope, the parameter named.
@@ -57,6 +59,7 @@ from pdserve.router import openai_protocol as oa
 from pdserve.router.auth import Access, TLSConfig, check_priority
 from pdserve.router.backend import GenerationBackend
 from pdserve.router.errors import (
+    NOT_READY,
     DeadlineExceededError,
     NoWorkersError,
     PermissionDeniedError,
@@ -105,7 +108,7 @@ class HttpServer:
             max_body_bytes = oa.max_body_bytes(backend.model_info().max_context_tokens)
         self._tools = tools  # chat template and token text; None: no chat, no logprob text
         self._generation = HttpGeneration(backend, tools)
-        self._accepting = accepting or self._backend_ready  # raises NoWorkersError when not
+        self._accepting = accepting or _always  # raises NoWorkersError while draining
         self._tls = tls
         self._max_concurrency = max_concurrency
         self._started_at = oa.now()
@@ -158,9 +161,14 @@ class HttpServer:
         self._work.shutdown(wait=False, cancel_futures=True)
         logger.info("pdserve HTTP server stopped")
 
-    def _backend_ready(self) -> None:
-        if not self._backend.is_ready():
-            raise NoWorkersError("backend is not ready")
+    def _check_serving(self) -> None:
+        """503 while draining or while no worker is ready (health, the model list)."""
+        try:
+            self._accepting()
+            if not self._backend.is_ready():
+                raise NoWorkersError(NOT_READY)
+        except NoWorkersError as exc:
+            raise oa.OpenAIError(503, str(exc), "service_unavailable") from None
 
     # -- app ------------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -189,15 +197,13 @@ class HttpServer:
 
         @app.get("/v1/models")
         async def models():
+            self._check_serving()
             model = self._backend.model_info()
             return oa.model_list(model.model_name, model.max_context_tokens, self._started_at)
 
         @app.get("/health")
         async def health():
-            try:
-                self._accepting()
-            except NoWorkersError as exc:
-                raise oa.OpenAIError(503, str(exc), "service_unavailable") from None
+            self._check_serving()
             return {}
 
         @app.get("/version")
@@ -303,3 +309,7 @@ class HttpServer:
         deadline = None if body.timeout is None else time.monotonic() + body.timeout
         return HttpJob(chat, f"{prefix}-{uuid.uuid4().hex}", model.model_name, oa.now(), ids,
                        params, deadline, body.stream, body.include_usage, not given)
+
+
+def _always() -> None:
+    """Accept every request (no draining without the gRPC server's ``check_accepting``)."""

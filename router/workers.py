@@ -5,7 +5,8 @@ Membership and load come from the directory (``refresh``, every ``stats_interval
 worker that leaves the registry takes no new requests, but its streams go on until its poll
 fails: only a failed poll (the process or its engine loop really died) loses a worker, so
 liveness never depends on step time. A failed call on a worker (``suspect``) only keeps new
-work away from it until the directory next reports it.
+work away from it until the directory next reports it. ``wait_ready`` is how a request waits
+for the workers it needs (start-up, a pool being replaced): it wakes as soon as they are.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Workers:
         self.handles: dict = {}  # every worker seen and not lost (streams may go on)
         self._pollers: dict[str, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []  # the refresh loop, background aborts
-        self.was_ready = False  # ready once: requests are admitted while workers come back
+        self._ready = asyncio.Event()  # set while is_ready()
 
     async def start(self) -> None:
         await self.refresh()
@@ -56,7 +57,23 @@ class Workers:
                 and not w.stats.draining and w.stats.error is None]
 
     def is_ready(self) -> bool:
+        """A colocated worker, or a prefill and a decode worker, take new requests."""
         return bool(self.live("colocated")) or bool(self.live("prefill") and self.live("decode"))
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for :meth:`is_ready`; returns it."""
+        if not self._ready.is_set():
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout)
+            except TimeoutError:
+                pass
+        return self.is_ready()
+
+    def _note_readiness(self) -> None:
+        if self.is_ready():
+            self._ready.set()
+        else:
+            self._ready.clear()
 
     async def refresh(self) -> None:
         """Re-read membership and load; start pollers for new streaming workers."""
@@ -76,7 +93,7 @@ class Workers:
         for worker_id in set(self.loads) - seen:  # no new work; its streams go on
             logger.info("worker %s left the registry: no new requests go to it", worker_id)
             self._metrics.remove_worker(self.loads.pop(worker_id).stats.role, worker_id)
-        self.was_ready = self.was_ready or self.is_ready()
+        self._note_readiness()
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -106,6 +123,7 @@ class Workers:
         reports it (a dead one never comes back; a live one does at the next refresh)."""
         logger.warning("worker %s: %s", worker_id, why)
         self.loads.pop(worker_id, None)
+        self._note_readiness()
 
     async def _poll(self, handle) -> None:
         while True:
@@ -125,6 +143,7 @@ class Workers:
         self.handles.pop(worker_id, None)
         if load is not None:
             self._metrics.remove_worker(load.stats.role, worker_id)
+        self._note_readiness()
         poller = self._pollers.pop(worker_id, None)
         if poller is not None and poller is not asyncio.current_task():
             poller.cancel()

@@ -315,6 +315,20 @@ def test_health_not_serving_until_ready_then_serving_and_draining():
     run(body())
 
 
+def test_generate_reaches_a_backend_that_is_not_ready_yet():
+    async def body():
+        backend = FakeBackend()
+        backend.is_ready = lambda: False  # no worker ready: the backend waits for one
+        async with serving(backend) as h:
+            assert await health_status(h) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert len(await collect(h.stub, ids_request([1], max_tokens=3))) == 3
+            with pytest.raises(grpc.aio.AioRpcError) as info:  # says what health says
+                await h.stub.GetModelInfo(pb.GetModelInfoRequest())
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "not ready" in info.value.details()
+    run(body())
+
+
 def test_reflection_lists_the_service_and_serves_its_descriptor():
     async def body():
         async with serving() as h:

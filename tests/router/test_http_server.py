@@ -260,7 +260,8 @@ def test_statuses_from_the_backend(fake, client):
         client.completions.create(model=MODEL, prompt=[1], max_tokens=2)
     backend.fail_with = None
     backend.ready = False
-    for response in (_post(url, "/v1/completions", body), httpx.get(url + "/health")):
+    for response in (_post(url, "/v1/completions", body), httpx.get(url + "/health"),
+                     httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})):
         assert response.status_code == 503 and response.json()["error"]["message"]
     backend.ready = True
     backend.token_delay_s = 0.2
@@ -268,6 +269,17 @@ def test_statuses_from_the_backend(fake, client):
     assert slow.status_code == 504 and slow.json()["error"]["code"] == "deadline_exceeded"
     too_big = _post(url, "/v1/completions", {**body, "prompt": "x" * 70_000})
     assert too_big.status_code == 413
+
+
+def test_a_backend_not_ready_yet_gets_requests_while_health_and_models_say_503(fake,
+                                                                              monkeypatch):
+    backend, url = fake
+    monkeypatch.setattr(backend, "is_ready", lambda: False)  # it waits for a worker, then serves
+    body = {"model": MODEL, "prompt": [1], "max_tokens": 2}
+    assert _post(url, "/v1/completions", body).status_code == 200
+    for path in ("/health", "/v1/models"):
+        response = httpx.get(url + path, headers={"Authorization": f"Bearer {KEY}"})
+        assert response.status_code == 503 and "not ready" in response.json()["error"]["message"]
 
 
 def test_priority_above_the_default_needs_a_priority_key(loop):

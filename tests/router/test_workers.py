@@ -55,9 +55,9 @@ def test_membership_streams_and_a_lost_worker():
     async def scenario():
         prefill, decode = ScriptedHandle("p0", "prefill"), ScriptedHandle("d0", "decode")
         workers, routed, lost = _workers([prefill, decode])
-        assert not workers.is_ready() and not workers.was_ready
+        assert not workers.is_ready() and not await workers.wait_ready(0.01)
         await workers.start()
-        assert workers.is_ready() and workers.was_ready
+        assert workers.is_ready() and await workers.wait_ready(0)
         assert [w.stats.worker_id for w in workers.live("decode")] == ["d0"]
 
         # a compact delta reaches route() as one RequestDelta per request
@@ -71,7 +71,7 @@ def test_membership_streams_and_a_lost_worker():
         workers.directory.handles.remove(decode)
         await workers.refresh()
         assert workers.live("decode") == [] and not workers.is_ready()
-        assert workers.was_ready  # admitted while workers come back
+        assert not await workers.wait_ready(0.01)
         decode.polls.put_nowait([RequestDelta("a", [7], "", attempt=1)])
         await _settle()
         assert routed[-1][1].new_token_ids == [7] and lost == []
@@ -95,11 +95,13 @@ def test_a_suspect_worker_takes_no_new_requests_until_the_next_refresh():
         await workers.start()
         workers.suspect("d0", "submit failed")
         assert workers.live("colocated") == [] and "d0" in workers.handles
+        waiting = asyncio.create_task(workers.wait_ready(30))  # a request waiting for workers
         workers.abort_later("d0", "r1")
         await _settle()
         assert decode.aborted == ["r1"]
         await workers.refresh()
         assert [w.stats.worker_id for w in workers.live("colocated")] == ["d0"] and lost == []
+        assert await asyncio.wait_for(waiting, 1)  # woken by the refresh, not its timeout
         await workers.stop()
 
     asyncio.run(scenario())
