@@ -138,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
-    """SIGINT/SIGTERM: raise KeyboardInterrupt in the main thread (interrupts a start too)."""
+    """SIGINT/SIGTERM: raise KeyboardInterrupt in the main thread (interrupts a start too;
+    a local Ray's init hands a SIGTERM on to this handler, ``ray_env``); later ones are
+    ignored: the stop under way is bounded (``--stop-timeout-s``)."""
 
     def handler(signum, _frame):
         if not stop.is_set():
@@ -182,14 +184,16 @@ def _cmd_serve(args) -> int:
     from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
     from pdserve.cluster.preflight import user_error
 
-    options = _checked_options(args, ClusterOptions(), "pdserve serve")
     stop = threading.Event()
     _stop_on_signals(stop)
-    cluster = EmbeddedCluster(options)
+    try:
+        options = _checked_options(args, ClusterOptions(), "pdserve serve")
+        cluster = EmbeddedCluster(options)
+    except KeyboardInterrupt:
+        return 0  # stopped before anything started
     failure = None
     try:
         cluster.start_infra()
-        _stop_on_signals(stop)  # again: a local Ray's core installed its own handlers
         cluster.start_router()
         cluster.start_workers()
         cluster.wait_ready(120)

@@ -47,7 +47,14 @@ from pdserve.cluster.placement import (
 from pdserve.cluster.pool_settings import PoolSettings
 from pdserve.cluster.pool_store import PoolStore
 from pdserve.cluster.pools import WorkerStartError
-from pdserve.cluster.processes import child_pids, quiet_value, quietly, wait_gone
+from pdserve.cluster.processes import (
+    Deadline,
+    child_pids,
+    end_processes,
+    pids_naming,
+    quiet_value,
+    quietly,
+)
 from pdserve.cluster.ray_env import init_ray
 from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.router_actor import RouterSpec, router_name, start_router_actor
@@ -55,6 +62,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.router.auth import TLSConfig
 
 logger = logging.getLogger(__name__)
+END_GRACE_S = 2.0  # SIGTERM -> SIGKILL for a stopped cluster's processes still running
 
 
 class EmbeddedCluster:
@@ -191,7 +199,8 @@ class EmbeddedCluster:
         resources = worker_resources(device, opts.worker_cpus, opts.pool_placement,
                                      opts.worker_gpus)
         return [WorkerSpec(role, role, config, self.redis_url, self.cluster_name, transfer_host,
-                           opts.heartbeat_s, opts.ttl_s, opts.lease_s, log_level=opts.log_level,
+                           opts.heartbeat_s, opts.ttl_s, opts.lease_s,
+                           orphan_timeout_s=opts.orphan_timeout_s, log_level=opts.log_level,
                            join_token=self.derived_secret("kv-join"), resources=resources)
                 for role in self.pool_targets()]
 
@@ -338,39 +347,44 @@ class EmbeddedCluster:
             pids.add(self._redis.process.pid)
         return pids
 
-    def actor_pids(self) -> set[int]:
+    def actor_pids(self, timeout: float = 10.0) -> set[int]:
         """Every actor pid seen: workers listed or recorded by the pool manager, and each
-        router's (its current one asked now)."""
+        router's (its current one asked now, within ``timeout`` s for them all)."""
         if self.store is not None:
             self._worker_pids.update(pid for _node, pid in quiet_value(self.store.pids, set()))
+        deadline = Deadline(timeout)
         for router in self.routers if self._ray is not None else []:
-            info = quiet_value(lambda r=router: self._ray.get(r.info.remote(), timeout=10),
-                                None)
+            info = quiet_value(lambda r=router: self._ray.get(r.info.remote(),
+                                                              timeout=deadline.left()), None)
             if info is not None:
                 self._router_pids.add(info["pid"])
         listed = {info["pid"] for info in self.worker_info.values()}
         return listed | self._worker_pids | self._router_pids
 
     # -- stop -----------------------------------------------------------------------------
-    def stop(self, timeout: float = 20.0) -> None:
-        """Stop everything this cluster started (idempotent)."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop everything this cluster started (idempotent) within about ``timeout`` s
+        (default ``options.stop_timeout_s``): each step gets what is left, and the local
+        processes it started that still run then are killed. A half-started cluster (a
+        signal during its start, a local Ray's init included) stops the same way."""
         if self._stopped:
             return
         self._stopped = True
+        deadline = Deadline(self.options.stop_timeout_s if timeout is None else timeout)
         keep = self.detached and self.options.detach_on_stop
         local = self.options.ray_address is None and not keep  # actors ran on this machine
-        actor_pids = self.actor_pids() if local else set()
+        actor_pids = self.actor_pids(deadline.left(0.25)) if local else set()
         if self._ray is not None:
             if keep:
                 logger.info("leaving cluster %s running (detach_on_stop)", self.cluster_name)
             else:
-                self._stop_actors(timeout)
-            if self._owns_ray:  # every child but Redis is Ray's now, and goes with it
-                redis = {self._redis.process.pid} if self._redis and self._redis.process else set()
-                self._ray_pids |= child_pids() - redis
-                self._ray.shutdown()
-                logger.info("local Ray shut down")
-        wait_gone(actor_pids | self._ray_pids, timeout)
+                self._stop_actors(deadline)
+        if self._owns_ray:
+            self._shutdown_local_ray()
+        # what a stop left running gets a short grace (a half-started Ray's GCS ignores
+        # SIGTERM for long), never more than the budget left
+        end_processes(actor_pids | self._ray_pids, min(deadline.left(), END_GRACE_S))
+        self._end_session_leftovers()
         if self._ray_temp_dir is not None:
             shutil.rmtree(self._ray_temp_dir, ignore_errors=True)
         if self.store is not None:
@@ -381,15 +395,35 @@ class EmbeddedCluster:
             self._redis.stop()
         logger.info("cluster %s stopped", self.cluster_name)
 
-    def _stop_actors(self, timeout: float) -> None:
+    def _end_session_leftovers(self, rounds: int = 3) -> None:
+        """End what still names the local Ray's session folder: a raylet stopped while it
+        started spawns its agents late, and they outlive it."""
+        for _ in range(rounds if self._owns_ray and self._ray_temp_dir else 0):
+            leftovers = pids_naming(self._ray_temp_dir)
+            if not leftovers:
+                return
+            end_processes(leftovers, END_GRACE_S / 2)
+
+    def _shutdown_local_ray(self) -> None:
+        """Shut down the Ray this cluster started (a half-started one too); every child
+        process but Redis is Ray's, and is ended with the actors."""
+        import ray
+
+        redis = {self._redis.process.pid} if self._redis and self._redis.process else set()
+        self._ray_pids |= child_pids() - redis
+        quietly(ray.shutdown, "Ray shutdown")
+        logger.info("local Ray shut down")
+
+    def _stop_actors(self, deadline: Deadline) -> None:
         ray = self._ray
-        # Routers first: a pool manager must not replace what goes now.
-        for router in self.routers:
-            quietly(lambda r=router: ray.get(r.stop.remote(), timeout=timeout), "router stop")
+        # Routers first (half the time left): a pool manager must not replace what goes now.
+        routers = [router.stop.remote() for router in self.routers]
+        quietly(lambda: ray.wait(routers, num_returns=len(routers), timeout=deadline.left(0.5)),
+                "router stop")
         workers = named_workers(ray, self.cluster_name)
         closing = [a.close.remote() for a in workers]
-        quietly(lambda: ray.wait(closing, num_returns=len(closing), timeout=timeout),
-                 "worker close")
+        quietly(lambda: ray.wait(closing, num_returns=len(closing), timeout=deadline.left(0.5)),
+                "worker close")
         for actor in [*workers, *self.routers]:
             quietly(lambda actor=actor: ray.kill(actor, no_restart=True), "actor kill")
         self.workers.clear()

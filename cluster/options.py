@@ -66,6 +66,10 @@ class ClusterOptions:
     heartbeat_s: float = 1.0  # worker registry heartbeat period
     ttl_s: float = 5.0  # registry record TTL: a worker without heartbeat this long is gone
     lease_s: float = 60.0  # decode reservation lease: KV must arrive within it
+    stop_timeout_s: float = 6.0  # stopping (SIGTERM, Ctrl-C) takes about this long at most:
+    # routers and workers get what is left of it, then the processes still running are killed
+    orphan_timeout_s: float = 30.0  # a decode or colocated worker frees the requests of a router
+    # that has not polled it for this long (whatever other routers do)
     log_level: str = "WARNING"  # logging level inside actor processes
     ray_num_cpus: int | None = None  # CPUs a local Ray advertises (None: this machine's cores,
     # or what the pools ask for at their largest if that is more: they then share the cores)
@@ -112,8 +116,9 @@ class ClusterOptions:
                              f"port {fixed[0]} twice: give port, metrics_port and http_port 0 "
                              f"(any free port) or none, or join a cluster whose nodes advertise "
                              f"pdserve_router (ray_address)")
-        if self.lease_s <= 0:
-            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        for name in ("lease_s", "stop_timeout_s", "orphan_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.worker_cpus < 0:
             raise ValueError(f"worker_cpus must be >= 0, got {self.worker_cpus}")
         if not 0 < self.worker_gpus <= 1:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import tempfile
+import threading
 import time
 
 from pdserve.cluster.redis_server import redact_url
@@ -38,14 +41,36 @@ def init_ray(address: str | None = None, temp_dir: str | None = None,
     if ray.is_initialized():
         return ray
     if address:
-        return _join(ray, address)
+        with callers_sigterm_handler():
+            return _join(ray, address)
     # Ray's socket paths must stay short: keep its temp dir directly under /tmp.
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="pdray-", dir="/tmp")
-    ray.init(namespace=NAMESPACE, include_dashboard=False, _temp_dir=temp_dir,
-             _system_config=SYSTEM_CONFIG, num_cpus=num_cpus, _node_ip_address="127.0.0.1",
-             logging_level=logging.WARNING, configure_logging=False)
+    with callers_sigterm_handler():
+        ray.init(namespace=NAMESPACE, include_dashboard=False, _temp_dir=temp_dir,
+                 _system_config=SYSTEM_CONFIG, num_cpus=num_cpus, _node_ip_address="127.0.0.1",
+                 logging_level=logging.WARNING, configure_logging=False)
     logger.info("local Ray started, temp dir %s", temp_dir)
     return ray
+
+
+@contextlib.contextmanager
+def callers_sigterm_handler():
+    """``ray.init`` replaces the SIGTERM handler with its own (``sys.exit(15)``) from its first
+    line on. When the caller had a handler of its own (``pdserve serve``), it comes back once
+    init returns or fails, and a SIGTERM during init goes to it, as if Ray had not replaced
+    it: the caller then stops what was started, the half-started Ray included."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code == signal.SIGTERM:
+            previous(signal.SIGTERM, None)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _join(ray, address: str, timeout_s: float = CONNECT_TIMEOUT_S, pause_s: float = 5.0):
