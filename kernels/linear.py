@@ -17,6 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# oneDNN picks a slower kernel for fewer rows than this (a decode step of 1-3 requests);
+# padded with zero rows, each real row's sums are the same bit for bit (docs/cpu-speed.md).
+MIN_PACKED_ROWS = 4
+
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether ``weight`` (out, in) runs faster packed: float32 on a CPU with oneDNN."""
@@ -37,4 +41,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """(T, in) -> (T, out); through ``packed`` (from :func:`pack_weight`) when given."""
     if packed is None:
         return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    if rows < MIN_PACKED_ROWS:  # the same sums, a faster kernel: pad with zero rows
+        x = torch.cat([x, x.new_zeros(MIN_PACKED_ROWS - rows, x.shape[1])])
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

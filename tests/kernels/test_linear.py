@@ -44,3 +44,16 @@ def test_a_packed_layer_keeps_only_the_packed_weight(gen):
     torch.testing.assert_close(layer.forward(x), before, rtol=1e-5, atol=1e-5)
     layer.pack()  # again: a no-op
     torch.testing.assert_close(layer.forward(x), before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", range(1, klinear.MIN_PACKED_ROWS))
+def test_few_rows_get_the_same_sums_as_in_a_larger_batch(gen, rows):
+    """Fewer rows than MIN_PACKED_ROWS are padded: a request's logits do not depend on how
+    many others share its step (each row equals the same row computed among many)."""
+    weight = torch.randn(1536, 576, generator=gen) / 24
+    packed = klinear.pack_weight(weight)
+    x = torch.randn(16, 576, generator=gen)
+    batch = klinear.linear(x, weight, None, packed)
+    alone = klinear.linear(x[:rows], weight, None, packed)
+    assert alone.shape == (rows, 1536)
+    assert torch.equal(alone, batch[:rows])
