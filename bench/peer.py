@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,14 +118,18 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 def bench_point(vllm: str, server: Server, port: int, tokenizer: str, args, out: Path,
                 concurrency: int | None, rate: float | None) -> dict:
     """One ``vllm bench serve`` point against the running server; its JSON result."""
-    name = f"{server.name}-c{concurrency or 'inf'}-r{rate or 'inf'}.json"
+    point = f"c{concurrency or 'inf'}-r{rate or 'inf'}"
+    name = f"{server.name}-{point}.json"
+    # the same prompts for every server at this point, other prompts at every other point
+    # (a point repeating the last one's prompts would be served from the prefix cache)
+    seed = zlib.crc32(point.encode())
     command = [vllm, "bench", "serve", "--backend", "openai",
                "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
                "--model", server.model_name, "--tokenizer", tokenizer,
                "--dataset-name", "random", "--random-input-len", str(args.input_len),
                "--random-output-len", str(args.output_len),
                "--num-prompts", str(args.num_prompts), "--num-warmups", "2", "--ignore-eos",
-               "--temperature", "0", "--seed", "0", "--percentile-metrics", "ttft,tpot,e2el",
+               "--temperature", "0", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,e2el",
                "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out),
                "--result-filename", name, "--disable-tqdm",
                "--request-rate", "inf" if rate is None else str(rate)]

@@ -50,4 +50,4 @@ def lognormal_lengths(rng: random.Random, n: int, mean: float, sigma: float = 0.
                       low: int = 1, high: int = 4096) -> list[int]:
     """Long-tailed lengths (ShareGPT-like) with the given mean, clipped to [low, high]."""
     mu = math.log(mean) - sigma * sigma / 2
-    return [min(high, max(low, int(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
+    return [min(high, max(low, round(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
