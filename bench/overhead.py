@@ -28,8 +28,8 @@ from pdserve.bench.serve import RequestOutcome, ServeOptions, compute_metrics, r
 from pdserve.bench.stats import format_table
 from pdserve.bench.workload import BenchRequest, SyntheticShape, synthetic_requests
 
-FIGURES = (("output_throughput", "output tok/s", True), ("median_ttft_ms", "TTFT P50 ms", False),
-           ("median_tpot_ms", "TPOT P50 ms", False))
+FIGURES = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT P50 ms"),
+           ("median_tpot_ms", "TPOT P50 ms"))
 
 
 def offline(model: str, requests: list[BenchRequest], concurrency: int) -> dict:
@@ -88,14 +88,14 @@ def table(results: dict[tuple[str, int], dict]) -> str:
     for (path, concurrency), result in results.items():
         base = results.get(("offline", concurrency))
         row = [path, concurrency]
-        for key, _label, _higher in FIGURES:
+        for key, _label in FIGURES:
             value = result[key]
             ratio = f" ({value / base[key]:.2f}x)" if base and path != "offline" else ""
             row.append(f"{value:,.1f}{ratio}")
         phases = result.get("phases") or {}
         row.append(f"{phases['router']['p50_ms']:,.1f}" if "router" in phases else "-")
         rows.append(row)
-    return format_table(["path", "concurrency", *(label for _k, label, _h in FIGURES),
+    return format_table(["path", "concurrency", *(label for _key, label in FIGURES),
                          "router P50 ms"], rows)
 
 
