@@ -122,7 +122,7 @@ def start_serve(args: list[str], log: Path, timeout: float = 150.0
     ``log``; returns (process, gRPC target) once it serves."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "pdserve.cluster.cli", "serve",
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "pdserve.cli.main", "serve",
                                  *args], stdout=subprocess.DEVNULL, stderr=err, env=env)
     deadline = time.monotonic() + timeout
     while not (match := re.search(r"gRPC on [^\s]+:(\d+)", log.read_text(errors="replace"))):

@@ -1,5 +1,5 @@
 """Flags of ``pdserve bench serve``, ``pdserve bench compare`` and ``pdserve plan``, and the
-option objects they build (the commands themselves live in ``pdserve.cluster.cli``)."""
+option objects they build (the commands themselves live in ``pdserve.cli.main``)."""
 
 from __future__ import annotations
 

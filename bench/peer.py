@@ -55,7 +55,7 @@ class Server:
 
 
 def servers(vllm: str, model: str, port: int) -> list[Server]:
-    pdserve = [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--model", model,
+    pdserve = [sys.executable, "-m", "pdserve.cli.main", "serve", "--model", model,
                "--dtype", "float32", "--http-port", str(port), "--port", "0",
                "--metrics-port", "none"]
     quiet = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",

@@ -142,7 +142,7 @@ class PlanRequest:
 def model_weight_bytes(model_dir: str, mc: ModelConfig, dtype: torch.dtype) -> tuple[int, str]:
     """(bytes, how counted): the engine's count when the folder has weights, else the
     config's parameter count x dtype size."""
-    from pdserve.cluster.preflight import meta_weight_bytes
+    from pdserve.engine.budget_check import meta_weight_bytes
 
     try:
         return meta_weight_bytes(Path(model_dir), mc, dtype), "checkpoint tensors"

@@ -18,7 +18,7 @@ secret fields (``api_key``, ``admin_api_key``, ``priority_api_keys``, ``redis_pa
 the password into ``redis_url``), which are never flags and never shown in a repr.
 :func:`refuse_secret_in_argv` is the check of what came on the command line: a ``--redis-url``
 holding a password. (The secret flags themselves, ``--api-key KEY`` and its kin, are refused by
-the parser: ``cli_common.refuse_secret_flags``.) Every error names the flag or the variable,
+the parser: ``pdserve.cli.common.refuse_secret_flags``.) Every error names the flag or the variable,
 never the secret.
 """
 

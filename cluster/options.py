@@ -1,6 +1,6 @@
 """What an embedded cluster is started with (``ClusterOptions``): the engine and router
 configs, the pools' shape and placement, Ray and Redis, security, and their cross-checks.
-``pdserve serve`` builds it from its flags (cluster/settings.py); the launcher
+``pdserve serve`` builds it from its flags (cli/settings.py); the launcher
 (cluster/launcher.py) starts what it describes."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.plan import GiB, Hardware, PlanRequest, accelerators, make_plan
-from pdserve.cluster.cli import main
+from pdserve.cli.main import main
 
 LLAMA2_7B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000,
                  hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,

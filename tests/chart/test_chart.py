@@ -153,9 +153,9 @@ def test_gpu_values_give_gpu_limits_and_workers_that_ask_ray_for_them(values_fil
 
 
 def test_engine_args_merge_and_pdserve_accepts_the_controller_flags(values_files, render):
-    from pdserve.cluster.cli import build_parser
+    from pdserve.cli.main import build_parser
+    from pdserve.cli.settings import options_from_args
     from pdserve.cluster.options import ClusterOptions
-    from pdserve.cluster.settings import options_from_args
 
     args = controller_args(render(values_files["gpu"]))
     assert args[0] == "serve"
@@ -223,10 +223,10 @@ def test_redis_keeps_an_append_only_file_on_a_volume_claim_unless_told_not_to(re
 
 def test_keys_come_from_secrets_as_env_or_files_and_pdserve_reads_them(values_files, render,
                                                                        tmp_path):
-    from pdserve.cluster.cli import build_parser
+    from pdserve.cli.main import build_parser
+    from pdserve.cli.settings import options_from_args
     from pdserve.cluster.credentials import resolve_secrets
     from pdserve.cluster.options import ClusterOptions
-    from pdserve.cluster.settings import options_from_args
 
     rendered = render(values_files["external-redis"])
     spec = rendered.one("Deployment", "-controller")["spec"]["template"]["spec"]

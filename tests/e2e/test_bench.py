@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from pdserve.cluster.cli import main
+from pdserve.cli.main import main
 
 pytestmark = pytest.mark.e2e
 

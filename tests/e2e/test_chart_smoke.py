@@ -264,7 +264,7 @@ def start_controller(container: dict, secrets, machine: Machine, tmp_path,
     env.update({k: on_this_machine(v, "controller", machine)
                 for k, v in kubelet_env(container, secrets).items()})
     args = [on_this_machine(expand(a, env), "router", machine) for a in container["args"]]
-    pdserve = [sys.executable, "-m", "pdserve.cluster.cli"]  # the image's `pdserve`
+    pdserve = [sys.executable, "-m", "pdserve.cli.main"]  # the image's `pdserve`
     (tmp_path / "controller.args").write_text(json.dumps(args))
     return subprocess.Popen([*pdserve, *args], env=env, stdout=subprocess.DEVNULL,
                             stderr=(tmp_path / "controller.log").open("w"),

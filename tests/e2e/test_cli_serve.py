@@ -26,7 +26,7 @@ from pdserve.testing import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-CLI = [sys.executable, "-m", "pdserve.cluster.cli"]
+CLI = [sys.executable, "-m", "pdserve.cli.main"]
 STOP_S = 10.0  # SIGTERM -> every process gone, at most (Kubernetes kills a few seconds later)
 
 

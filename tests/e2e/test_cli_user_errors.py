@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from pdserve.cluster.cli import main
+from pdserve.cli.main import main
 
 pytestmark = pytest.mark.e2e
 
@@ -42,7 +42,7 @@ def test_worker_budget_error_crosses_ray_and_exits_2(ray_session, redis_url, tin
 
 
 # -- bad command lines, as a user types them: a subprocess, checked before Ray or Redis starts --
-CLI = [sys.executable, "-m", "pdserve.cluster.cli"]
+CLI = [sys.executable, "-m", "pdserve.cli.main"]
 # A budget too small for any model: should the check under test let a command line through,
 # the memory check after it stops it with another line, instead of a cluster starting.
 THEN_STOP = ("--memory-budget-mib", "1")

@@ -149,7 +149,7 @@ def test_redis_killed_and_restarted_under_live_streams(cluster, model_dir, e2e, 
 def test_redis_down_longer_than_the_ttl(cluster, model_dir, e2e, baseline, capsys):
     """Serving goes on (new requests too), health stays SERVING, and the router says it is
     degraded: in its gauge and in `pdserve status`."""
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     prompts = e2e.prompts(seed=21, n=4)
     expected = e2e.reference(model_dir, prompts, 8)

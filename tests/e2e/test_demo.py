@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.demo import format_report, run_demo
+from pdserve.cli.demo import format_report, run_demo
 from pdserve.cluster.options import ClusterOptions
 
 pytestmark = pytest.mark.e2e

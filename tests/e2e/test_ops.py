@@ -39,7 +39,7 @@ def cluster(start_cluster, model_dir):
 
 def pdserve(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run the real ``pdserve`` command line."""
-    result = subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *args],
+    result = subprocess.run([sys.executable, "-m", "pdserve.cli.main", *args],
                             capture_output=True, text=True, timeout=120)
     if check:
         assert result.returncode == 0, result.stderr
@@ -186,8 +186,8 @@ def test_stop_leaves_no_process_replacements_included(cluster):
 
 def test_a_worker_that_cannot_start_fails_the_start_with_its_own_error(start_cluster,
                                                                        model_dir):
+    from pdserve.cli.preflight import user_error
     from pdserve.cluster.pools import WorkerStartError
-    from pdserve.cluster.preflight import user_error
 
     with pytest.raises(WorkerStartError, match="MemoryBudgetError") as err:
         start_cluster(model_dir, engine=dict(memory_budget_bytes=1 << 20, num_kv_blocks=None))

@@ -55,7 +55,7 @@ def ray_nodes(ray_node_processes):
 
 
 def pdserve(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "pdserve.cli.main", *args], env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -66,7 +66,7 @@ def test_serve_on_a_joined_cluster_places_each_pool_on_its_node(ray_nodes, model
     port = free_port()
     log = tmp_path / "serve.log"
     serve = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--ray-address",
+        [sys.executable, "-m", "pdserve.cli.main", "serve", "--ray-address",
          ray_nodes.address, "--model", str(model_dir), "--port", str(port), "--metrics-port",
          "0", "--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "128",
          "--max-num-batched-tokens", "32", "--heartbeat-s", "0.5", "--registry-ttl-s", "3"],

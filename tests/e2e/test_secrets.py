@@ -36,7 +36,7 @@ from pdserve.testing import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-CLI = [sys.executable, "-m", "pdserve.cluster.cli"]
+CLI = [sys.executable, "-m", "pdserve.cli.main"]
 START_S = 240.0  # bound on the cluster coming up on a loaded two-core machine
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from pdserve.cluster.cli_common import add_client_security, admin_security, fail
+from pdserve.cli.common import add_client_security, admin_security, fail
 
 
 def add_status(sub) -> None:
@@ -101,7 +101,7 @@ def cmd_status(args) -> int:
         if w["kv_int8"]:
             print(f"{w['worker_id']}: int8 KV {w['kv_int8']}")
     if args.checklist:
-        from pdserve.cluster.checklist import format_checklist
+        from pdserve.cli.checklist import format_checklist
 
         traces = _admin_call("pdserve status", args.target, args.timeout,
                              lambda admin: _latest_traces(admin, args.checklist),

@@ -2,8 +2,8 @@
 ``demo``, the operator commands ``status`` and ``drain`` (clients of ``pdserve.v1.Admin``),
 ``bench serve`` / ``bench compare`` (load benchmarks) and ``plan`` (the capacity planner).
 
-The operator commands live in ``cli_admin.py``, the benchmark and planner commands in
-``cli_bench.py``, what they share in ``cli_common.py``. Output to the terminal happens only in
+The operator commands live in ``cli/admin.py``, the benchmark and planner commands in
+``cli/bench.py``, what they share in ``cli/common.py``. Output to the terminal happens only in
 the command functions of these modules; the rest of pdserve logs.
 """
 
@@ -17,9 +17,9 @@ import signal
 import sys
 import threading
 
-from pdserve.cluster.cli_admin import add_drain, add_status, cmd_drain, cmd_status
-from pdserve.cluster.cli_bench import add_bench, add_plan, cmd_bench, cmd_plan
-from pdserve.cluster.cli_common import (
+from pdserve.cli.admin import add_drain, add_status, cmd_drain, cmd_status
+from pdserve.cli.bench import add_bench, add_plan, cmd_bench, cmd_plan
+from pdserve.cli.common import (
     add_client_security,
     client_security,
     fail,
@@ -63,8 +63,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _serve_settings(parser: argparse.ArgumentParser) -> None:
+    from pdserve.cli.settings import add_setting_flags
     from pdserve.cluster.options import ClusterOptions
-    from pdserve.cluster.settings import add_setting_flags
 
     add_setting_flags(parser, ClusterOptions())
     refuse_secret_flags(parser, *SERVER_SECRET_FLAGS)
@@ -95,8 +95,8 @@ def _add_generate(sub) -> None:
 
 
 def _demo_settings(parser: argparse.ArgumentParser) -> None:
-    from pdserve.cluster.demo import demo_options
-    from pdserve.cluster.settings import add_setting_flags
+    from pdserve.cli.demo import demo_options
+    from pdserve.cli.settings import add_setting_flags
 
     add_setting_flags(parser, demo_options())
     refuse_secret_flags(parser, *SERVER_SECRET_FLAGS)
@@ -155,11 +155,11 @@ def _checked_options(args, base, prog: str, environ=os.environ):
     """The ClusterOptions the flags ask for, with the secrets their files and ``environ``
     give (:mod:`pdserve.cluster.credentials`); every config built, the TLS files read, the
     ports and host checked and the engine's memory plan checked in this process
-    (:mod:`pdserve.cluster.preflight`) before anything starts. A user error exits 2 with one
+    (:mod:`pdserve.cli.preflight`) before anything starts. A user error exits 2 with one
     message naming the flags that fix it."""
+    from pdserve.cli.preflight import check_cluster, check_listen_addresses, check_tls_files
+    from pdserve.cli.settings import SettingsError, name_flags, options_from_args
     from pdserve.cluster.credentials import SecretError, refuse_secret_in_argv, resolve_secrets
-    from pdserve.cluster.preflight import check_cluster, check_listen_addresses, check_tls_files
-    from pdserve.cluster.settings import SettingsError, name_flags, options_from_args
     from pdserve.engine.memory import MemoryBudgetError
     from pdserve.models import tiny_model_dir
 
@@ -181,8 +181,8 @@ def _checked_options(args, base, prog: str, environ=os.environ):
 
 
 def _cmd_serve(args) -> int:
+    from pdserve.cli.preflight import user_error
     from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
-    from pdserve.cluster.preflight import user_error
 
     stop = threading.Event()
     _stop_on_signals(stop)
@@ -266,20 +266,20 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from pdserve.cluster.demo import demo_options
-    from pdserve.cluster.settings import engine_config
+    from pdserve.cli.demo import demo_options
+    from pdserve.cli.settings import engine_config
 
     # The demo reads only the key files it is given: a PDSERVE_* variable meant for a
     # server must not lock its own traffic out.
     options = _checked_options(args, demo_options(), "pdserve demo", environ={})
     seed = engine_config(options).seed
     if args.offline:
-        from pdserve.cluster.offline_demo import run_offline_demo
+        from pdserve.cli.offline_demo import run_offline_demo
 
         run_offline_demo(num_requests=args.requests, seed=seed, model=options.model,
                          engine=options.engine)
         return 0
-    from pdserve.cluster.demo import format_report, run_demo
+    from pdserve.cli.demo import format_report, run_demo
 
     model = options.model or "built-in tiny model, random weights"
     print(f"pdserve demo: starting Ray, Redis, {_shape(options)} worker(s) and the router "
@@ -288,7 +288,7 @@ def _cmd_demo(args) -> int:
         report = run_demo(num_requests=args.requests, concurrency=args.concurrency, seed=seed,
                           options=options)
     except Exception as exc:  # a worker's user error (MemoryBudgetError) becomes one message
-        from pdserve.cluster.preflight import user_error
+        from pdserve.cli.preflight import user_error
 
         failure = user_error(exc)
         if failure is None:

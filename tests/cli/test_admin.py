@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from pdserve.cluster.cli import main
+from pdserve.cli.main import main
 from pdserve.router.admin_server import WorkerInfo
 from pdserve.router.fake_admin import FakeAdmin
 from pdserve.router.fake_backend import FakeBackend

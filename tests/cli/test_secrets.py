@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from pdserve.cluster.cli import main
+from pdserve.cli.main import main
 from pdserve.cluster.credentials import SecretError, resolve_secrets
 from pdserve.cluster.options import ClusterOptions
 from pdserve.router.fake_admin import FakeAdmin

@@ -17,7 +17,7 @@ serve`` and ``pdserve demo``:
 :func:`options_from_args` builds the configs in the CLI process, so their validation errors
 become :class:`SettingsError` naming the flags, before anything starts. A field added to one of
 the dataclasses gets its flag with no edit here; one of a type no flag can carry raises
-``TypeError`` when the parser is built (``tests/cluster/test_cli_settings.py`` builds it).
+``TypeError`` when the parser is built (``tests/cli/test_settings.py`` builds it).
 """
 
 from __future__ import annotations

@@ -8,21 +8,11 @@ router actor after Ray and Redis started. On a joined Ray cluster (``--ray-addre
 routers listen on their own nodes, and nothing is checked here.
 :func:`check_tls_files`: the TLS files read and parsed as PEM.
 
-Memory:
-
-A worker sizes its KV pool in ``engine.memory.plan_kv_pool`` from the budget, the weights and an
-analytic activation estimate. All three are known without loading a weight: the model config
-comes from ``config.json`` (or a GGUF's metadata), the weight bytes from the model built on the
-``meta`` device (tied to the embedding where the safetensors headers or the GGUF tensor table
-have no ``lm_head.weight``, as the loader does; GGUF weights count dequantized, as loaded),
-the activations from the same estimate. :func:`check_engine_fits` runs that plan and raises the
-worker's own :class:`MemoryBudgetError` (or the ValueError a worker would raise for a bad
-``--max-model-len`` or ``--model``), so the user gets one message instead of a failed actor.
-
-It checks only what this process can know: on a joined Ray cluster (``--ray-address``) the
-workers' devices may differ from this one, and on CUDA without ``--memory-budget-mib`` the
-budget is the worker's free device memory; there the worker's error (unwrapped by
-:func:`user_error`) is what the user sees.
+Memory: :func:`check_cluster` runs ``engine.budget_check.check_engine_fits`` for the workers
+the options describe, so a budget too small is one message naming the flag instead of a failed
+actor. On a joined Ray cluster (``--ray-address``) the workers' devices may differ from this
+machine's, and on CUDA without ``--memory-budget-mib`` the budget is the worker's free device
+memory; there the worker's error, unwrapped by :func:`user_error`, is what the user sees.
 """
 
 from __future__ import annotations
@@ -31,64 +21,17 @@ import errno
 import logging
 import re
 import socket
-from pathlib import Path
 
 import torch
 
 from pdserve import net
+from pdserve.cli.settings import SettingsError, name_flags
 from pdserve.cluster.options import ClusterOptions
-from pdserve.cluster.settings import SettingsError, name_flags
-from pdserve.engine import memory
-from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
+from pdserve.engine.budget_check import check_engine_fits
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.memory import MemoryBudgetError
-from pdserve.engine.parts import ResolvedModel
-from pdserve.kernels.linear import can_pack
-from pdserve.models import ModelConfig, build_model
-from pdserve.models.loader import weight_tensor_names
 
 logger = logging.getLogger(__name__)
-
-
-def meta_weight_bytes(model_dir: Path, mc: ModelConfig, dtype: torch.dtype,
-                      packed_head: bool = False) -> int:
-    """What ``engine.memory.weight_bytes`` will count for the loaded model, read from the
-    safetensors headers and a ``meta``-device model (no weight is read). ``packed_head``: the
-    engine packs its GEMMs, so a head tied to the embedding gets a copy of its own."""
-    names = weight_tensor_names(model_dir)  # safetensors headers or a GGUF's tensor table
-    model = build_model(mc, dtype=dtype, device="meta")
-    tied = "lm_head.weight" not in names
-    if tied:
-        model.tie_weights()
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    if tied and packed_head:
-        total += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-    return total
-
-
-def check_engine_fits(config: EngineConfig) -> int | None:
-    """Plan ``config``'s KV pool as a worker on this machine would; returns the number of
-    blocks (None when the budget is this process's to guess: CUDA with no explicit budget, or
-    a pinned ``num_kv_blocks``). Raises what the worker would: :class:`MemoryBudgetError`,
-    ``ValueError`` for a context longer than the model's, ``FileNotFoundError`` for a folder
-    with no checkpoint."""
-    model_dir = Path(config.model)
-    resolved = ResolvedModel.of(config)
-    mc, device, dtype = resolved.model_config, resolved.device, resolved.dtype
-    backend, max_model_len = resolved.backend, resolved.max_model_len
-    budget = config.memory_budget_bytes
-    if budget is None and device.type == "cpu":
-        budget = DEFAULT_CPU_MEMORY_BUDGET
-    if budget is None or config.num_kv_blocks is not None:
-        weight_tensor_names(model_dir)  # a folder without weights still fails here
-        return None
-    packs = config.cpu_packed_gemm and can_pack(torch.empty(1, 1, dtype=dtype, device=device))
-    weights = meta_weight_bytes(model_dir, mc, dtype, packed_head=packs)
-    activations = memory.estimate_activation_bytes(mc, config, dtype, max_model_len,
-                                                   attention_scratch=backend == "torch")
-    layer_dtypes = memory.kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
-    per_block = memory.kv_bytes_per_block(mc, config, layer_dtypes)
-    return memory.blocks_in_budget(config, budget, weights, activations, per_block, max_model_len)
 
 
 def check_cluster(options: ClusterOptions, model_dir: str) -> None:

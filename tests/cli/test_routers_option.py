@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.cli.settings import Overrides, SettingsError, apply_overrides
 from pdserve.cluster.options import ClusterOptions
-from pdserve.cluster.settings import Overrides, SettingsError, apply_overrides
 
 
 def test_several_local_routers_need_free_ports():

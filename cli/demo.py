@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pdserve.api.client import AsyncPdserveClient
 from pdserve.bench.phases import PHASES, phase_seconds
 from pdserve.bench.stats import format_table, summarize
+from pdserve.cli.offline_demo import make_prompts
 from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
-from pdserve.cluster.offline_demo import make_prompts
 
 logger = logging.getLogger(__name__)
 

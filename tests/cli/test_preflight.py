@@ -10,7 +10,8 @@ import traceback
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from pdserve.cluster.preflight import check_engine_fits, user_error
+from pdserve.cli.preflight import user_error
+from pdserve.engine.budget_check import check_engine_fits
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.memory import MemoryBudgetError

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster import settings
-from pdserve.cluster.cli import build_parser
+from pdserve.cli import settings
+from pdserve.cli.main import build_parser
 from pdserve.cluster.options import ClusterOptions
 
 
@@ -53,7 +53,7 @@ def test_bad_settings_name_their_flags(argv, flag):
 
 
 def test_an_explicit_local_ray_too_small_for_the_pools_fails_before_starting(tiny_dir):
-    from pdserve.cluster.preflight import check_cluster
+    from pdserve.cli.preflight import check_cluster
 
     opts = _options("--ray-num-cpus", "2", "--prefill", "2", "--decode", "2")
     with pytest.raises(settings.SettingsError, match="arguments --ray-num-cpus, "

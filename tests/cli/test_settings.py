@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from pdserve.cluster import settings
-from pdserve.cluster.cli import build_parser, main
-from pdserve.cluster.demo import DEMO_MEMORY_BUDGET, demo_options
+from pdserve.cli import settings
+from pdserve.cli.demo import DEMO_MEMORY_BUDGET, demo_options
+from pdserve.cli.main import build_parser, main
+from pdserve.cli.settings import NOT_FLAGS, RENAMES, SECTIONS, field_comments
 from pdserve.cluster.options import ClusterOptions
-from pdserve.cluster.settings import NOT_FLAGS, RENAMES, SECTIONS, field_comments
 from pdserve.router.core import RouterConfig
 
 MiB = 1 << 20
@@ -265,8 +265,8 @@ def test_memory_budget_too_small_exits_2_with_one_line(capsys, no_cluster, tiny_
 
 
 def test_scheduling_policy_sets_the_pools_and_the_router():
+    from pdserve.cli.settings import Overrides, apply_overrides
     from pdserve.cluster.options import ClusterOptions
-    from pdserve.cluster.settings import Overrides, apply_overrides
 
     options = apply_overrides(ClusterOptions(), Overrides(engine={"scheduling_policy": "priority"}))
     assert options.engine["scheduling_policy"] == "priority"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from pdserve.cluster.cli_common import add_client_security, admin_security, client_security, fail
+from pdserve.cli.common import add_client_security, admin_security, client_security, fail
 
 
 def add_bench(sub) -> None:
