@@ -164,7 +164,7 @@ class PoolSampler(threading.Thread):
 def cluster_options(args, num_prefill: int, num_decode: int,
                     slos: dict[str, float] | None = None):
     """One setup's ClusterOptions; with ``slos``, autoscaled 1..2 per pool against them."""
-    from pdserve.cluster.autoscale_config import AutoscaleConfig
+    from pdserve.cluster.autoscale.config import AutoscaleConfig
     from pdserve.cluster.options import ClusterOptions
     from pdserve.router.core import RouterConfig
 

@@ -91,7 +91,7 @@ def control_plane_restored(cluster) -> bool:
     a record of every ready worker), the router is not degraded, every pool is at its target
     and the router's ports are saved."""
     from pdserve.api.admin_client import AdminClient, state_name
-    from pdserve.cluster.pool_store import PoolStore
+    from pdserve.cluster.pools.store import PoolStore
     from pdserve.cluster.registry import Registry
 
     with AdminClient(cluster.target, timeout=5) as admin:

@@ -36,9 +36,9 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.cluster.autoscale_config import AutoscaleConfig, config_file_values
+from pdserve.cluster.autoscale.config import AutoscaleConfig, config_file_values
+from pdserve.cluster.node_placement import PLACEMENTS
 from pdserve.cluster.options import ClusterOptions
-from pdserve.cluster.placement import PLACEMENTS
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, DTYPES, KV_CACHE_DTYPES, EngineConfig
 from pdserve.kernels import BACKENDS
 from pdserve.router.core import RouterConfig

@@ -3,8 +3,8 @@
 Lifecycle of a worker actor (``WorkerActor``, one plain worker per actor process):
 
 1. Created by name (``worker_id``) in the cluster's Ray namespace, asking Ray for the CPUs,
-   GPU and pool resource of its :class:`~pdserve.cluster.placement.WorkerResources`
-   (``pdserve.cluster.placement``); the constructor sets torch to that many threads (one when
+   GPU and pool resource of its :class:`~pdserve.cluster.node_placement.WorkerResources`
+   (``pdserve.cluster.node_placement``); the constructor sets torch to that many threads (one when
    it asks for no CPU), then builds the worker (prefill, decode or
    colocated) from a :class:`WorkerSpec` inside the actor process: model, KV pool, transfer
    endpoint (decode) or connector (prefill).
@@ -42,7 +42,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.cluster.local import LocalHandle
-from pdserve.cluster.placement import WorkerResources, actor_resources
+from pdserve.cluster.node_placement import WorkerResources, actor_resources
 from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RequestFaultError, WorkRequest
@@ -206,7 +206,7 @@ def worker_actor_options(spec: WorkerSpec, detached: bool = False,
                          cluster_resources: dict[str, float] | None = None) -> dict:
     """Ray options for a worker actor: named, in the cluster namespace, asking for its CPUs,
     GPU and pool resource (``cluster_resources``: ``ray.cluster_resources()``, which decides
-    whether its pool has nodes of its own; see ``pdserve.cluster.placement``). Never restarted
+    whether its pool has nodes of its own; see ``pdserve.cluster.node_placement``). Never restarted
     by Ray: the pool manager replaces a dead worker under a new name. ``detached``: it
     outlives the process that created it (the router actor)."""
     return dict(name=spec.worker_id, namespace=cluster_namespace(spec.cluster),
@@ -218,7 +218,7 @@ def worker_actor_options(spec: WorkerSpec, detached: bool = False,
 def start_worker_actor(spec: WorkerSpec, detached: bool = False,
                        cluster_resources: dict[str, float] | None = None):
     """Create the actor (asynchronously); call ``ready.remote()`` to wait for it. Only the
-    pool manager (``pdserve.cluster.pools``) calls this in a cluster."""
+    pool manager (``pdserve.cluster.pools.manager``) calls this in a cluster."""
     options = worker_actor_options(spec, detached, cluster_resources)
     return ray.remote(WorkerActor).options(**options).remote(spec)
 

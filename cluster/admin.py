@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from pdserve.cluster.control_plane import REDIS_DOWN
-from pdserve.cluster.pool_plan import DEAD, DRAINING, READY, STARTING
-from pdserve.cluster.pools import Member, PoolManager
+from pdserve.cluster.pools.manager import Member, PoolManager
+from pdserve.cluster.pools.plan import DEAD, DRAINING, READY, STARTING
 from pdserve.cluster.registry import WorkerRecord
 from pdserve.router.admin_server import (
     ControlPlaneInfo,

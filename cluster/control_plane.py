@@ -18,7 +18,7 @@ is rebuilt from the live side:
   It also keeps what the router itself publishes (its ports) re-published (``keep``).
 
 Workers re-register by themselves on their next heartbeat; the pool manager
-(``pdserve.cluster.pools``) re-publishes targets, members, counters and drain marks.
+(``pdserve.cluster.pools.manager``) re-publishes targets, members, counters and drain marks.
 """
 
 from __future__ import annotations

@@ -37,16 +37,16 @@ from dataclasses import replace
 from pdserve.cluster.actors import WorkerSpec, cluster_namespace
 from pdserve.cluster.credentials import resolve_secrets
 from pdserve.cluster.named_actors import adoptable_router, named_workers
-from pdserve.cluster.options import ClusterOptions
-from pdserve.cluster.placement import (
+from pdserve.cluster.node_placement import (
     WorkerResources,
     actor_resources,
     resolve_device,
     worker_resources,
 )
-from pdserve.cluster.pool_settings import PoolSettings
-from pdserve.cluster.pool_store import PoolStore
-from pdserve.cluster.pools import WorkerStartError
+from pdserve.cluster.options import ClusterOptions
+from pdserve.cluster.pools.manager import WorkerStartError
+from pdserve.cluster.pools.settings import PoolSettings
+from pdserve.cluster.pools.store import PoolStore
 from pdserve.cluster.processes import (
     Deadline,
     child_pids,
@@ -189,7 +189,7 @@ class EmbeddedCluster:
         # Loopback for a local Ray; on a joined (maybe multi-node) cluster each worker
         # announces its node's address.
         transfer_host = "127.0.0.1" if opts.ray_address is None else ""
-        # The device every worker uses, decided once here (pdserve.cluster.placement): a CUDA
+        # The device every worker uses, decided once here (pdserve.cluster.node_placement): a CUDA
         # worker asks Ray for its GPU, so it can see one.
         cluster = self._ray.cluster_resources() if self._ray is not None else {}
         device = resolve_device(config.device, cluster)

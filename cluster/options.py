@@ -9,11 +9,11 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from pdserve.cluster.autoscale_config import SCALED_ROLES, AutoscaleConfig
-from pdserve.cluster.placement import (
+from pdserve.cluster.autoscale.config import SCALED_ROLES, AutoscaleConfig
+from pdserve.cluster.node_placement import (
     PLACEMENTS,
 )
-from pdserve.cluster.pool_plan import MAX_WORKERS_PER_POOL
+from pdserve.cluster.pools.plan import MAX_WORKERS_PER_POOL
 from pdserve.router.auth import Access
 from pdserve.router.core import RouterConfig
 

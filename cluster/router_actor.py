@@ -15,9 +15,9 @@ Lifecycle:
    builds the ``Router`` over a :class:`ResilientDirectory` (``pdserve.cluster.control_plane``:
    it keeps routing to the workers it knows while Redis is away or lost their records, and
    reports degraded), starts the pool manager
-   (``pdserve.cluster.pools``; it adopts the live workers Redis lists) and, with
+   (``pdserve.cluster.pools.manager``; it adopts the live workers Redis lists) and, with
    ``autoscale`` enabled, the autoscaler that moves its targets
-   (``pdserve.cluster.autoscale_runner``), the gRPC server
+   (``pdserve.cluster.autoscale.runner``), the gRPC server
    (``grpc.aio`` on the actor's event loop; health NOT_SERVING until a prefill and a decode
    worker, or a colocated one, are registered; ``pdserve.v1.Admin`` beside Generation), the
    OpenAI-compatible HTTP server when ``http_port`` is set (uvicorn on the same loop, over the
@@ -52,12 +52,12 @@ import ray
 
 from pdserve.cluster.actors import cluster_namespace, limit_process_threads
 from pdserve.cluster.admin import ClusterAdmin
-from pdserve.cluster.autoscale_config import AutoscaleConfig
-from pdserve.cluster.autoscale_runner import AutoscaleRunner
+from pdserve.cluster.autoscale.config import AutoscaleConfig
+from pdserve.cluster.autoscale.runner import AutoscaleRunner
 from pdserve.cluster.control_plane import ControlPlaneHealth, ResilientDirectory
-from pdserve.cluster.pool_settings import PoolSettings
-from pdserve.cluster.pool_store import PoolStore
-from pdserve.cluster.pools import PoolManager
+from pdserve.cluster.pools.manager import PoolManager
+from pdserve.cluster.pools.settings import PoolSettings
+from pdserve.cluster.pools.store import PoolStore
 from pdserve.cluster.registry import Registry
 from pdserve.router.admin_server import PoolInfo, WorkerInfo
 from pdserve.router.auth import TLSConfig

@@ -170,7 +170,7 @@ def test_engine_args_merge_and_pdserve_accepts_the_controller_flags(values_files
 
 
 def test_autoscaling_values_are_a_file_pdserve_reads(values_files, render, tmp_path):
-    from pdserve.cluster.autoscale_config import config_file_values
+    from pdserve.cluster.autoscale.config import config_file_values
 
     rendered = render(values_files["autoscaling"])
     text = rendered.one("ConfigMap", "-autoscale")["data"]["autoscale.yaml"]

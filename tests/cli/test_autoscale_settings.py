@@ -93,7 +93,7 @@ def test_pool_sizes_stay_under_max_workers_per_pool(argv, named):
 
 
 def test_the_pool_manager_refuses_a_target_above_its_ceiling():
-    from pdserve.cluster.pool_settings import PoolSettings
+    from pdserve.cluster.pools.settings import PoolSettings
 
     pools = PoolSettings((), max_workers_per_pool=8)
     for size in (0, 8):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from pdserve.cluster.autoscale_config import AutoscaleConfig
-from pdserve.cluster.autoscale_runner import AutoscaleRunner
-from pdserve.cluster.pool_plan import DRAINING, READY, STARTING
-from pdserve.cluster.pool_store import MemberRecord
-from pdserve.cluster.pools import Member
+from pdserve.cluster.autoscale.config import AutoscaleConfig
+from pdserve.cluster.autoscale.runner import AutoscaleRunner
+from pdserve.cluster.pools.manager import Member
+from pdserve.cluster.pools.plan import DRAINING, READY, STARTING
+from pdserve.cluster.pools.store import MemberRecord
 from pdserve.cluster.registry import WorkerRecord
 from pdserve.engine.config import EngineConfig
 from pdserve.router.metrics import RouterMetrics
@@ -76,7 +76,7 @@ def test_a_tick_sets_the_target_counts_the_decision_and_logs_one_line(caplog):
     clock = [0.0]
     config = AutoscaleConfig(enabled=True, scale_up_delay_s=1.0, scale_interval_s=1.0)
     runner = AutoscaleRunner(config, manager, RouterMetrics(), clock=lambda: clock[0])
-    with caplog.at_level("INFO", logger="pdserve.cluster.autoscale_runner"):
+    with caplog.at_level("INFO", logger="pdserve.cluster.autoscale.runner"):
         for t in (0.0, 0.5, 1.0):
             clock[0] = t
             asyncio.run(runner.tick())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.pool_plan import (
+from pdserve.cluster.pools.plan import (
     DEAD,
     DRAIN,
     DRAINING,

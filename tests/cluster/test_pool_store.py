@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from pdserve.cluster.pool_store import MemberRecord, PoolStore
+from pdserve.cluster.pools.store import MemberRecord, PoolStore
 from pdserve.cluster.registry import Registry, WorkerRecord
 
 
@@ -112,7 +112,7 @@ def test_ids_and_restarts_never_go_below_the_floor_redis_lost(store):
 
 
 def test_republish_puts_back_what_redis_lost_and_drops_garbage(store):
-    from pdserve.cluster.pool_store import PoolState
+    from pdserve.cluster.pools.store import PoolState
 
     members = [MemberRecord("decode-0", "decode", created_time=1.0, pid=11,
                             node_ip="127.0.0.1"),

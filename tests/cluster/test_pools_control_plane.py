@@ -11,10 +11,10 @@ import uuid
 import pytest
 
 from pdserve.cluster.actors import WorkerSpec
-from pdserve.cluster.pool_plan import DEAD, DRAINING, READY, STARTING
-from pdserve.cluster.pool_settings import PoolSettings
-from pdserve.cluster.pool_store import MemberRecord, PoolStore
-from pdserve.cluster.pools import PoolManager
+from pdserve.cluster.pools.manager import PoolManager
+from pdserve.cluster.pools.plan import DEAD, DRAINING, READY, STARTING
+from pdserve.cluster.pools.settings import PoolSettings
+from pdserve.cluster.pools.store import MemberRecord, PoolStore
 from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.engine.config import EngineConfig

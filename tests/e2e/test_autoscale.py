@@ -3,7 +3,7 @@
 offline engine's, no block is left owned, the decisions are counted in the metrics.
 
 Tight SLOs and second-long delays keep it short on 2 cores: the signal logic itself is tested
-on synthetic traces in ``tests/cluster/test_autoscaler.py``; this is the loop end to end."""
+on synthetic traces in ``tests/cluster/test_autoscale_decision.py``; this is the loop end to end."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from pdserve.cluster.autoscale_config import AutoscaleConfig
+from pdserve.cluster.autoscale.config import AutoscaleConfig
 
 pytestmark = pytest.mark.e2e
 

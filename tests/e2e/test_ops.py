@@ -187,7 +187,7 @@ def test_stop_leaves_no_process_replacements_included(cluster):
 def test_a_worker_that_cannot_start_fails_the_start_with_its_own_error(start_cluster,
                                                                        model_dir):
     from pdserve.cli.preflight import user_error
-    from pdserve.cluster.pools import WorkerStartError
+    from pdserve.cluster.pools.manager import WorkerStartError
 
     with pytest.raises(WorkerStartError, match="MemoryBudgetError") as err:
         start_cluster(model_dir, engine=dict(memory_budget_bytes=1 << 20, num_kv_blocks=None))

@@ -1,11 +1,11 @@
-"""What a worker asks Ray for (``pdserve.cluster.placement``), without Ray."""
+"""What a worker asks Ray for (``pdserve.cluster.node_placement``), without Ray."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdserve.cluster.actors import WorkerSpec, worker_actor_options
-from pdserve.cluster.placement import (
+from pdserve.cluster.node_placement import (
     WorkerResources,
     actor_resources,
     resolve_device,

@@ -1,8 +1,8 @@
-"""Worker pools kept at their target size: the pool manager (the decision is ``pool_plan``, its
-settings ``pool_settings``).
+"""Worker pools kept at their target size: the pool manager (the decision is ``pools.plan``, its
+settings ``pools.settings``).
 
 One pool per role (prefill, decode, colocated). Its target lives in Redis
-(:class:`~pdserve.cluster.pool_store.PoolStore`); the autoscaler and operators only change
+(:class:`~pdserve.cluster.pools.store.PoolStore`); the autoscaler and operators only change
 targets, the :class:`PoolManager` makes them true. The manager runs as an asyncio task in the
 router actor's process and is the only code that creates worker actors.
 
@@ -13,10 +13,10 @@ Every ``interval_s`` the manager reconciles:
    worker's event loop, never behind an engine step). A member is **dead** when its actor is
    gone (``RayActorError``), ``max_missed_pings`` pings in a row time out, its engine loop
    died (``loop_alive`` false), or it did not start within ``start_timeout_s``.
-2. Decide: :func:`~pdserve.cluster.pool_plan.plan` turns (target, members) into actions,
+2. Decide: :func:`~pdserve.cluster.pools.plan.plan` turns (target, members) into actions,
    a pure function.
 3. Act: ``start`` (a new actor under a fresh id ``<role>-<n>``, detached so it outlives this
-   process, asking Ray for its CPUs, GPU and pool resource: ``pdserve.cluster.placement``),
+   process, asking Ray for its CPUs, GPU and pool resource: ``pdserve.cluster.node_placement``),
    ``replace`` (kill the dead one, count a restart, start another), ``remove`` (a dead
    worker whose slot is not refilled), ``drain`` (mark it draining in the registry: the
    router stops routing to it), ``finish`` (a draining worker that reported no request in a
@@ -34,7 +34,7 @@ Redis is a cache of the manager's truth (``pdserve.cluster.control_plane``): tar
 restart counts and the next id number live in this process, and every reconcile that reaches
 Redis puts back what it lacks or holds malformed (``PoolStore.republish``) and re-marks the
 draining workers' records. A target nobody knows is never read as zero: a role without one
-keeps its pool as it is (``pool_plan``), and a restarted manager that finds workers but no
+keeps its pool as it is (``pools.plan``), and a restarted manager that finds workers but no
 target takes their number as the target. While Redis is unreachable the manager keeps
 watching its members but changes nothing (a start needs a fresh id and a registry); its
 writes that fail then are put back by the first repair after.
@@ -54,7 +54,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 from pdserve.cluster.actors import start_worker_actor
 from pdserve.cluster.control_plane import REDIS_DOWN, ControlPlaneHealth
-from pdserve.cluster.pool_plan import (
+from pdserve.cluster.pools.plan import (
     DEAD,
     DRAIN,
     DRAINING,
@@ -68,8 +68,8 @@ from pdserve.cluster.pool_plan import (
     MemberView,
     plan,
 )
-from pdserve.cluster.pool_settings import PoolSettings
-from pdserve.cluster.pool_store import MemberRecord, PoolState, PoolStore, worker_number
+from pdserve.cluster.pools.settings import PoolSettings
+from pdserve.cluster.pools.store import MemberRecord, PoolState, PoolStore, worker_number
 from pdserve.cluster.registry import Registry, WorkerRecord
 
 logger = logging.getLogger(__name__)

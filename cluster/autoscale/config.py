@@ -1,7 +1,7 @@
 """The autoscaler's settings (:class:`AutoscaleConfig`) and the file that sets them
 (``pdserve serve --autoscale-config FILE``, the Helm chart's ``autoscaling:`` values).
 
-What each setting does to the decision is in ``pdserve.cluster.autoscaler``.
+What each setting does to the decision is in ``pdserve.cluster.autoscale.decision``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The pool manager's decision: (target, members) -> actions, a pure function.
 
-:func:`plan` knows nothing of Ray or Redis; ``pdserve.cluster.pools`` observes the members,
+:func:`plan` knows nothing of Ray or Redis; ``pdserve.cluster.pools.manager`` observes the members,
 calls it once per pool per reconcile and performs the actions.
 """
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pdserve.cluster.autoscale_config import AutoscaleConfig
-from pdserve.cluster.autoscaler import (
+from pdserve.cluster.autoscale.config import AutoscaleConfig
+from pdserve.cluster.autoscale.decision import (
     ControllerState,
     MetricsSnapshot,
     PoolSnapshot,
@@ -381,7 +381,7 @@ def test_bad_settings_raise_a_value_error_naming_the_field(bad):
 
 
 def test_the_settings_file_takes_helm_style_keys_under_an_autoscale_section(tmp_path):
-    from pdserve.cluster.autoscale_config import config_file_values
+    from pdserve.cluster.autoscale.config import config_file_values
 
     path = tmp_path / "autoscale.yaml"
     path.write_text("autoscale:\n  enabled: true\n  minPrefill: 1\n  maxDecode: 3\n"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.cluster.actors import WorkerSpec
-from pdserve.cluster.pool_plan import MAX_WORKERS_PER_POOL
+from pdserve.cluster.pools.plan import MAX_WORKERS_PER_POOL
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The autoscaler at work in the router actor: observe, :func:`decide`, set targets.
 
 It runs as an asyncio task on the router actor's event loop, beside the pool manager it
-drives (``pdserve.cluster.pools``) and the router whose metrics it reads. Every tick
+drives (``pdserve.cluster.pools.manager``) and the router whose metrics it reads. Every tick
 (``scale_interval_s`` or one second, whichever is shorter):
 
 1. Observe (:meth:`AutoscaleRunner.snapshot`): each pool's target (the manager's), its members by
@@ -9,7 +9,7 @@ drives (``pdserve.cluster.pools``) and the router whose metrics it reads. Every 
    (queued prompt tokens, running and waiting requests, KV usage, busy fraction), and from
    the router's sliding windows (``pdserve.router.metrics``) the prefill pool's TTFT part and
    the ITL P90, token rates, the arrival rate and mean lengths over ``window_s``.
-2. Decide: :func:`~pdserve.cluster.autoscaler.decide`, a pure function of that snapshot, the
+2. Decide: :func:`~pdserve.cluster.autoscale.decision.decide`, a pure function of that snapshot, the
    controller state kept here, the config and ``time.monotonic()``.
 3. Act: each step is logged in one line (``autoscale decode 1 -> 2 (up): itl 0.08 > 0.05,
    held 3.0 s``; INFO, shown whatever the actor's log level), counted in
@@ -27,8 +27,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from pdserve.cluster.autoscale_config import SCALED_ROLES, AutoscaleConfig
-from pdserve.cluster.autoscaler import (
+from pdserve.cluster.autoscale.config import SCALED_ROLES, AutoscaleConfig
+from pdserve.cluster.autoscale.decision import (
     ControllerState,
     Decision,
     MetricsSnapshot,
@@ -36,8 +36,8 @@ from pdserve.cluster.autoscaler import (
     WorkerSignal,
     decide,
 )
-from pdserve.cluster.pool_plan import DRAINING, READY, STARTING
-from pdserve.cluster.pools import PoolManager
+from pdserve.cluster.pools.manager import PoolManager
+from pdserve.cluster.pools.plan import DRAINING, READY, STARTING
 from pdserve.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 One controller, two loops: the prefill pool and the decode pool each grow and shrink by the
 signal of their own phase (DESIGN.md section 7). :func:`decide` is a pure function; the
-runner (``pdserve.cluster.autoscale_runner``) builds the :class:`MetricsSnapshot` in the
+runner (``pdserve.cluster.autoscale.runner``) builds the :class:`MetricsSnapshot` in the
 router actor, calls it every tick and hands the new targets to the pool manager, which makes
 them true (a scale-down is a drain: the worker leaves routing, finishes its streams, exits).
 
@@ -48,7 +48,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from pdserve.cluster.autoscale_config import SCALED_ROLES, AutoscaleConfig
+from pdserve.cluster.autoscale.config import SCALED_ROLES, AutoscaleConfig
 
 UP, DOWN = "up", "down"
 
