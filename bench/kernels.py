@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.bench.stats import format_table
-from pdserve.kernels import reference as ref
-from pdserve.kernels.attention_ref import paged_attention_ref, paged_decode_attention_ref
+from pdserve.kernels import torch_ops as ref
 from pdserve.kernels.kv_layout import KVCacheLayer
 from pdserve.kernels.testing import TOLERANCE, random_paged_batch, random_scales, relative_error
+from pdserve.kernels.torch_attention import paged_attention_torch, paged_decode_attention_torch
 
 DECODE_TARGET = 0.80  # of the measured copy bandwidth
 PREFILL_TARGET = 0.50  # of the measured bf16 matmul rate
@@ -131,7 +131,7 @@ def decode_case(b: Bench, quantized: bool) -> Row:
         peer_fn = lambda: _gqa_sdpa(q, k, v, False)
     name = "decode attention" + (" int8" if quantized else "")
     return _row(b, name, f"{seqs}x{ctx} ctx, {heads}/{kv_heads}h, d{hd}", fn(),
-                paged_decode_attention_ref(*args), torch.bfloat16, fn,
+                paged_decode_attention_torch(*args), torch.bfloat16, fn,
                 kv_bytes + 4 * batch.query.numel(), "GB/s", "sdpa dense" if peer_fn else "",
                 peer_fn)
 
@@ -155,7 +155,7 @@ def prefill_case(b: Bench, num_seqs: int, quantized: bool = False) -> Row:
         peer_fn = lambda: _gqa_sdpa(q, k, v, True)
     name = "prefill attention" + (" int8" if quantized else "")
     return _row(b, name, f"{num_seqs}x{q_len} tok, {heads}/{kv_heads}h, d{hd}", fn(),
-                paged_attention_ref(*args), torch.bfloat16, fn, flops, "TFLOP/s",
+                paged_attention_torch(*args), torch.bfloat16, fn, flops, "TFLOP/s",
                 "sdpa causal dense" if peer_fn else "", peer_fn)
 
 
@@ -171,8 +171,8 @@ def pointwise_cases(b: Bench) -> list[Row]:
     r = torch.randn(tokens, hidden, device=dev, generator=b.gen).to(bf16)
     w = torch.randn(hidden, device=dev, generator=b.gen).to(bf16)
     rows = [_row(b, "rms_norm+residual", f"{tokens}x{hidden}", rms_norm(x, w, 1e-6, r)[0],
-                 ref.rms_norm_ref(x, w, 1e-6, r)[0], bf16, lambda: rms_norm(x, w, 1e-6, r),
-                 8 * x.numel(), "GB/s", "torch ref", lambda: ref.rms_norm_ref(x, w, 1e-6, r))]
+                 ref.rms_norm_torch(x, w, 1e-6, r)[0], bf16, lambda: rms_norm(x, w, 1e-6, r),
+                 8 * x.numel(), "GB/s", "torch ref", lambda: ref.rms_norm_torch(x, w, 1e-6, r))]
 
     q = torch.randn(tokens, heads, hd, device=dev, generator=b.gen).to(bf16)
     k = torch.randn(tokens, kv_heads, hd, device=dev, generator=b.gen).to(bf16)
@@ -180,16 +180,16 @@ def pointwise_cases(b: Bench) -> list[Row]:
     cos_sin = torch.randn(8192, hd, device=dev, generator=b.gen)
     rows.append(_row(b, "rotary", f"{tokens} tok, {heads}/{kv_heads}h, d{hd}",
                      torch.cat(rotary(q, k, pos, cos_sin), 1),
-                     torch.cat(ref.rotary_ref(q, k, pos, cos_sin), 1), bf16,
+                     torch.cat(ref.rotary_torch(q, k, pos, cos_sin), 1), bf16,
                      lambda: rotary(q, k, pos, cos_sin), 4 * (q.numel() + k.numel())
                      + 4 * tokens * hd, "GB/s", "torch ref",
-                     lambda: ref.rotary_ref(q, k, pos, cos_sin)))
+                     lambda: ref.rotary_torch(q, k, pos, cos_sin)))
 
     gu = torch.randn(tokens, 2 * inter, device=dev, generator=b.gen).to(bf16)
     rows.append(_row(b, "silu_and_mul", f"{tokens}x{inter}", silu_and_mul(gu),
-                     ref.silu_and_mul_ref(gu), bf16, lambda: silu_and_mul(gu),
+                     ref.silu_and_mul_torch(gu), bf16, lambda: silu_and_mul(gu),
                      2 * 3 * tokens * inter, "GB/s", "torch ref",
-                     lambda: ref.silu_and_mul_ref(gu)))
+                     lambda: ref.silu_and_mul_torch(gu)))
     return rows
 
 
@@ -208,13 +208,13 @@ def kv_write_case(b: Bench, quantized: bool) -> Row:
     value = torch.randn(tokens, kv_heads, hd, device=b.device, generator=b.gen).bfloat16()
     slots = torch.randperm(num_blocks * bs, device=b.device, generator=b.gen)[:tokens]
     write_kv(key, value, cache, slots)
-    ref.write_kv_ref(key, value, expected, slots)
+    ref.write_kv_torch(key, value, expected, slots)
     err = float((cache.kv.float() - expected.kv.float()).abs().max())  # exact is expected
     amount = 2 * key.numel() * (2 + cache.kv.element_size())
     return Row("write_kv" + (" int8" if quantized else ""), f"{tokens} tok, {kv_heads}h, d{hd}",
                err, err == 0.0, b.time_ms(lambda: write_kv(key, value, cache, slots)), amount,
                "GB/s", "torch ref",
-               b.time_ms(lambda: ref.write_kv_ref(key, value, expected, slots)))
+               b.time_ms(lambda: ref.write_kv_torch(key, value, expected, slots)))
 
 
 def block_copy_cases(b: Bench) -> list[Row]:
@@ -225,19 +225,19 @@ def block_copy_cases(b: Bench) -> list[Row]:
                                        generator=b.gen).bfloat16()) for _ in range(layers)]
     ids = torch.randperm(blocks, device=b.device, generator=b.gen)[:ids_n]
     buffer = pack_blocks(caches, ids)
-    want = ref.pack_blocks_ref(caches, ids)
+    want = ref.pack_blocks_torch(caches, ids)
     amount = 2 * buffer.numel() * buffer.element_size()
     shape = f"{layers} layers x {ids_n} blocks"
     rows = [Row("pack_blocks", shape, relative_error(buffer, want), torch.equal(buffer, want),
                 b.time_ms(lambda: pack_blocks(caches, ids)), amount, "GB/s", "torch ref",
-                b.time_ms(lambda: ref.pack_blocks_ref(caches, ids)))]
+                b.time_ms(lambda: ref.pack_blocks_torch(caches, ids)))]
     other = torch.randperm(blocks, device=b.device, generator=b.gen)[:ids_n]
     unpack_blocks(buffer, caches, other)
-    back = ref.pack_blocks_ref(caches, other)
+    back = ref.pack_blocks_torch(caches, other)
     rows.append(Row("unpack_blocks", shape, relative_error(back, buffer),
                     torch.equal(back, buffer),
                     b.time_ms(lambda: unpack_blocks(buffer, caches, other)), amount, "GB/s",
-                    "torch ref", b.time_ms(lambda: ref.unpack_blocks_ref(buffer, caches, other))))
+                    "torch ref", b.time_ms(lambda: ref.unpack_blocks_torch(buffer, caches, other))))
     return rows
 
 

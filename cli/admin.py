@@ -3,8 +3,14 @@ router's ``pdserve.v1.Admin`` service."""
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 
+import grpc
+
+from pdserve.api.admin_client import AdminClient, control_plane_dict, pool_dict, worker_dict
+from pdserve.api.client import PdserveError
 from pdserve.cli.common import add_client_security, admin_security, fail
 
 
@@ -37,10 +43,7 @@ def add_drain(sub) -> None:
 def _admin_call(prog: str, target: str, timeout: float, fn, security: dict | None = None):
     """``fn(AdminClient)``; an unreachable server, an unknown worker, a missing or refused
     admin key or a bad target exits 2 with one line."""
-    import grpc
 
-    from pdserve.api.admin_client import AdminClient
-    from pdserve.api.client import PdserveError
 
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit():
@@ -62,9 +65,6 @@ def _admin_call(prog: str, target: str, timeout: float, fn, security: dict | Non
 
 
 def cmd_status(args) -> int:
-    import json
-
-    from pdserve.api.admin_client import control_plane_dict, pool_dict, worker_dict
 
     pools, workers, plane = _admin_call(
         "pdserve status", args.target, args.timeout,
@@ -113,9 +113,7 @@ def cmd_status(args) -> int:
 
 def _control_plane(admin):
     """The router's control plane report; None from a server that has none."""
-    import grpc
 
-    from pdserve.api.client import PdserveError
 
     try:
         return admin.get_control_plane()
@@ -147,9 +145,7 @@ def _device(worker: dict) -> str:
 
 def _latest_traces(admin, limit: int) -> list | None:
     """The router's latest ``limit`` traces; None from a server that keeps none."""
-    import grpc
 
-    from pdserve.api.client import PdserveError
 
     try:
         return admin.get_traces(limit=limit)
@@ -167,8 +163,6 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 
 def cmd_drain(args) -> int:
-    import time
-
     prog = "pdserve drain"
     security = admin_security(prog, args)
     worker = _admin_call(prog, args.target, args.timeout,

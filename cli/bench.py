@@ -3,14 +3,31 @@ benchmarks) and ``plan`` (the capacity planner)."""
 
 from __future__ import annotations
 
+import json
 import sys
 
+from pdserve.api.client import PdserveError
+from pdserve.bench.compare import COMPARE_SHAPE, CompareOptions, run_compare
+from pdserve.bench.flags import (
+    add_compare_flags,
+    add_plan_flags,
+    add_serve_flags,
+    serve_options,
+    shape_from_args,
+)
+from pdserve.bench.report import (
+    dump_json,
+    finite,
+    format_compare,
+    format_measure,
+    format_plan,
+    format_serve,
+)
+from pdserve.bench.serve import run_serve
 from pdserve.cli.common import add_client_security, admin_security, client_security, fail
 
 
 def add_bench(sub) -> None:
-    from pdserve.bench.flags import add_compare_flags, add_serve_flags
-
     bench = sub.add_parser("bench", help="load benchmarks: serve (a running server), compare "
                                          "(disaggregated vs colocated)")
     kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,compare}")
@@ -25,8 +42,6 @@ def add_bench(sub) -> None:
 
 
 def add_plan(sub) -> None:
-    from pdserve.bench.flags import add_plan_flags
-
     plan = sub.add_parser("plan", help="capacity plan from config.json: KV bytes, max batch, "
                                        "roofline step times, binding resource, worker counts")
     add_plan_flags(plan)
@@ -37,11 +52,6 @@ def cmd_bench(args) -> int:
 
 
 def _cmd_bench_serve(args) -> int:
-    from pdserve.api.client import PdserveError
-    from pdserve.bench.flags import serve_options
-    from pdserve.bench.report import dump_json, format_serve
-    from pdserve.bench.serve import run_serve
-
     prog = "pdserve bench serve"
     try:
         security = {**client_security(prog, args),
@@ -60,10 +70,6 @@ def _cmd_bench_serve(args) -> int:
 
 
 def _cmd_bench_compare(args) -> int:
-    from pdserve.bench.compare import COMPARE_SHAPE, CompareOptions, run_compare
-    from pdserve.bench.flags import shape_from_args
-    from pdserve.bench.report import format_compare
-
     prog = "pdserve bench compare"
     given = {k: v for k, v in dict(
         rates=args.rates, num_prompts=args.num_prompts, memory_budget_mib=args.memory_budget_mib,
@@ -98,11 +104,9 @@ def _cmd_bench_compare(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    import json
-
+    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
     from pdserve.bench.plan import DEFAULT_MFU, PlanRequest, make_plan
     from pdserve.bench.plan_measure import choose_hardware, measure
-    from pdserve.bench.report import finite, format_measure, format_plan
     from pdserve.engine.config import EngineConfig
     from pdserve.models import ModelConfig, tiny_model_dir
 
@@ -147,12 +151,14 @@ def cmd_plan(args) -> int:
 
 
 def _has_cuda() -> bool:
+    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
     import torch
 
     return torch.cuda.is_available()
 
 
 def _torch_device(kind: str):
+    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
     import torch
 
     return torch.device(kind)

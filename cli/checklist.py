@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from pdserve.api.admin_client import trace_dict
 from pdserve.bench.phases import PHASES, phase_split
 from pdserve.bench.stats import format_table
 
@@ -21,7 +22,6 @@ MiB = 1 << 20
 def format_checklist(traces: list | None, workers: list) -> str:
     """``traces``: Admin ``RequestTrace`` messages (None: the server keeps none);
     ``workers``: Admin ``Worker`` messages."""
-    from pdserve.api.admin_client import trace_dict
 
     lines = [f"1. phase share of time ({len(traces or ())} latest requests, router traces)"]
     if traces is None:

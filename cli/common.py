@@ -4,7 +4,11 @@ command line, and the client flags for the server's keys and TLS files."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from pdserve.api.client import ClientTLS
+from pdserve.router.auth import keys_from_file
 
 # A flag that would put a secret in argv -> what to use instead.
 SECRET_FLAGS = {
@@ -64,9 +68,7 @@ def add_client_security(parser, *, inference: bool = True, admin: bool = False) 
 
 def _key(prog: str, path: str | None, flag: str, env: str) -> str | None:
     """The key in the file ``path`` (exactly one), else ``$env``, else None."""
-    import os
 
-    from pdserve.router.auth import keys_from_file
 
     if path is None:
         return os.environ.get(env) or None
@@ -80,8 +82,6 @@ def _key(prog: str, path: str | None, flag: str, env: str) -> str | None:
 
 
 def _tls(prog: str, args):
-    from pdserve.api.client import ClientTLS
-
     if not (args.tls_ca or args.tls_cert or args.tls_key):
         return None
     try:

@@ -17,6 +17,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from tqdm import tqdm
+
 from pdserve.api.client import AsyncPdserveClient
 from pdserve.bench.phases import PHASES, phase_seconds
 from pdserve.bench.stats import format_table, summarize
@@ -90,7 +92,6 @@ async def drive(target: str, prompts: list[str], output_lens: list[int],
                 ) -> tuple[list[ClientTiming], str]:
     """Send every prompt through gRPC (with the cluster's ``api_key``, if any),
     ``concurrency`` at a time, with a progress bar."""
-    from tqdm import tqdm
 
     gate = asyncio.Semaphore(concurrency)
     with tqdm(total=len(prompts), desc="requests", unit="req") as progress:

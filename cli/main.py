@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 
+from pdserve.api.client import PdserveClient, PdserveError
 from pdserve.cli.admin import add_drain, add_status, cmd_drain, cmd_status
 from pdserve.cli.bench import add_bench, add_plan, cmd_bench, cmd_plan
 from pdserve.cli.common import (
@@ -25,6 +26,8 @@ from pdserve.cli.common import (
     fail,
     refuse_secret_flags,
 )
+from pdserve.cluster.credentials import SecretError, refuse_secret_in_argv, resolve_secrets
+from pdserve.cluster.options import ClusterOptions
 
 logger = logging.getLogger(__name__)
 SETTINGS_HELP = ("Every setting is a field of EngineConfig, RouterConfig or ClusterOptions; only "
@@ -63,8 +66,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _serve_settings(parser: argparse.ArgumentParser) -> None:
+    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
     from pdserve.cli.settings import add_setting_flags
-    from pdserve.cluster.options import ClusterOptions
 
     add_setting_flags(parser, ClusterOptions())
     refuse_secret_flags(parser, *SERVER_SECRET_FLAGS)
@@ -95,6 +98,7 @@ def _add_generate(sub) -> None:
 
 
 def _demo_settings(parser: argparse.ArgumentParser) -> None:
+    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
     from pdserve.cli.demo import demo_options
     from pdserve.cli.settings import add_setting_flags
 
@@ -157,9 +161,9 @@ def _checked_options(args, base, prog: str, environ=os.environ):
     ports and host checked and the engine's memory plan checked in this process
     (:mod:`pdserve.cli.preflight`) before anything starts. A user error exits 2 with one
     message naming the flags that fix it."""
+    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
     from pdserve.cli.preflight import check_cluster, check_listen_addresses, check_tls_files
     from pdserve.cli.settings import SettingsError, name_flags, options_from_args
-    from pdserve.cluster.credentials import SecretError, refuse_secret_in_argv, resolve_secrets
     from pdserve.engine.memory import MemoryBudgetError
     from pdserve.models import tiny_model_dir
 
@@ -181,6 +185,7 @@ def _checked_options(args, base, prog: str, environ=os.environ):
 
 
 def _cmd_serve(args) -> int:
+    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
     from pdserve.cli.preflight import user_error
     from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
 
@@ -244,8 +249,6 @@ def _shape(options) -> str:
 
 
 def _cmd_generate(args) -> int:
-    from pdserve.api.client import PdserveClient, PdserveError
-
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, stop=args.stop,
                     ignore_eos=args.ignore_eos, priority=args.priority, tenant=args.tenant)
@@ -266,6 +269,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
     from pdserve.cli.demo import demo_options
     from pdserve.cli.settings import engine_config
 
@@ -279,6 +283,7 @@ def _cmd_demo(args) -> int:
         run_offline_demo(num_requests=args.requests, seed=seed, model=options.model,
                          engine=options.engine)
         return 0
+    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
     from pdserve.cli.demo import format_report, run_demo
 
     model = options.model or "built-in tiny model, random weights"

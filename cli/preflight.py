@@ -23,6 +23,7 @@ import re
 import socket
 
 import torch
+from ray.exceptions import RayError
 
 from pdserve import net
 from pdserve.cli.settings import SettingsError, name_flags
@@ -30,6 +31,7 @@ from pdserve.cluster.options import ClusterOptions
 from pdserve.engine.budget_check import check_engine_fits
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.memory import MemoryBudgetError
+from pdserve.router.auth import TLSConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,6 @@ def check_cluster(options: ClusterOptions, model_dir: str) -> None:
 
 def check_tls_files(options: ClusterOptions) -> None:
     """SettingsError naming the flag when a TLS file cannot be read or is not PEM."""
-    from pdserve.router.auth import TLSConfig
 
     try:
         TLSConfig.from_files(options.tls_cert, options.tls_key, options.tls_client_ca)
@@ -112,7 +113,6 @@ def user_error(exc: BaseException | None) -> MemoryBudgetError | None:
     A ``RayTaskError`` carries it as ``.cause``; an actor whose constructor raised it fails its
     calls with an ``ActorDiedError`` that keeps only the creation task's text, whose last line
     is ``...MemoryBudgetError: <message>``."""
-    from ray.exceptions import RayError
 
     seen = set()
     while exc is not None and id(exc) not in seen:

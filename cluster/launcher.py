@@ -34,6 +34,9 @@ import time
 import uuid
 from dataclasses import replace
 
+import ray
+
+from pdserve.api.client import PdserveClient, PdserveError
 from pdserve.cluster.actors import WorkerSpec, cluster_namespace
 from pdserve.cluster.credentials import resolve_secrets
 from pdserve.cluster.named_actors import adoptable_router, named_workers
@@ -111,7 +114,6 @@ class EmbeddedCluster:
 
     def start_infra(self) -> None:
         """Ray and Redis (started or joined) and the model folder."""
-        import ray
 
         opts = self.options
         self._owns_ray = not ray.is_initialized() and not opts.ray_address
@@ -260,7 +262,6 @@ class EmbeddedCluster:
         """Block until health says SERVING (``PdserveError`` after ``timeout``); with TLS, or
         on a joined cluster (the routers may run on other nodes), or with several routers,
         the router actors are asked instead (this process may hold no client certificate)."""
-        from pdserve.api.client import PdserveClient, PdserveError
 
         opts = self.options
         if opts.tls_cert is None and opts.ray_address is None and len(self.routers) <= 1:
@@ -407,7 +408,6 @@ class EmbeddedCluster:
     def _shutdown_local_ray(self) -> None:
         """Shut down the Ray this cluster started (a half-started one too); every child
         process but Redis is Ray's, and is ended with the actors."""
-        import ray
 
         redis = {self._redis.process.pid} if self._redis and self._redis.process else set()
         self._ray_pids |= child_pids() - redis

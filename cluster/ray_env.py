@@ -36,6 +36,8 @@ def init_ray(address: str | None = None, temp_dir: str | None = None,
              num_cpus: int | None = None):
     """Join ``address`` or start a local Ray on 127.0.0.1 (no dashboard, own temp dir)."""
     set_loopback_env()
+    # lazy: ray (about a second) only once a cluster starts: importing pdserve.cluster stays
+    # light for the CLI
     import ray
 
     if ray.is_initialized():

@@ -59,6 +59,9 @@ from pdserve.cluster.pools.manager import PoolManager
 from pdserve.cluster.pools.settings import PoolSettings
 from pdserve.cluster.pools.store import PoolStore
 from pdserve.cluster.registry import Registry
+from pdserve.models.chat_template import load_chat_template
+from pdserve.models.config import ModelConfig
+from pdserve.models.tokenizer import Tokenizer
 from pdserve.router.admin_server import PoolInfo, WorkerInfo
 from pdserve.router.auth import TLSConfig
 from pdserve.router.backend import ModelSpec
@@ -117,8 +120,6 @@ class ModelPromptTools:
     """``PromptTools`` (pdserve.router.http_server) over the checkpoint's tokenizer."""
 
     def __init__(self, tokenizer, model_dir: str) -> None:
-        from pdserve.models.chat_template import load_chat_template
-
         self._tokenizer = tokenizer
         self._template = load_chat_template(model_dir, tokenizer) if tokenizer else None
         self.has_chat_template = self._template is not None
@@ -136,8 +137,6 @@ class ModelPromptTools:
 def model_spec_for(model_dir: str, max_model_len: int | None = None,
                    model_name: str | None = None):
     """(ModelSpec, tokenizer or None) of a checkpoint folder, as the workers will serve it."""
-    from pdserve.models.config import ModelConfig
-    from pdserve.models.tokenizer import Tokenizer
 
     mc = ModelConfig.from_dir(model_dir)
     try:

@@ -1,6 +1,6 @@
 """Triton SiLU-and-mul: ``x = [gate | up]`` (..., 2 * I) -> ``silu(gate) * up`` (..., I).
 
-Reference: :func:`pdserve.kernels.reference.silu_and_mul_ref`. Like torch, ``silu(gate)`` is
+Reference: :func:`pdserve.kernels.torch_ops.silu_and_mul_torch`. Like torch, ``silu(gate)`` is
 rounded to the input dtype before the product, which is rounded again.
 """
 

@@ -1,7 +1,7 @@
 """Triton block pack/unpack: gather a request's KV blocks of several layers into one contiguous
 buffer (the KV transfer payload) and scatter such a buffer into other block ids.
 
-References: :func:`pdserve.kernels.reference.pack_blocks_ref` / ``unpack_blocks_ref``. The
+References: :func:`pdserve.kernels.torch_ops.pack_blocks_torch` / ``unpack_blocks_torch``. The
 buffer is (num_layers, 2, num_ids, block_size, kv_heads, head_dim) in the pool dtype; block
 ``b`` of a layer is the contiguous pair ``kv[:, b]``, so each (layer, k|v, id) is one flat copy.
 Scales of an int8 pool are not part of the buffer: sender and receiver must share them.

@@ -1,7 +1,7 @@
 """Triton paged decode attention: split-K flash-decoding over a paged KV pool.
 
-Reference: :func:`pdserve.kernels.attention_ref.paged_decode_attention_ref`. Each sequence brings
-one query token (its last position ``context_len - 1``). Pass 1 runs one program per
+Reference: :func:`pdserve.kernels.torch_attention.paged_decode_attention_torch`. Each sequence
+brings one query token (its last position ``context_len - 1``). Pass 1 runs one program per
 (sequence, kv head, split): the ``group`` query heads sharing that kv head are the rows of one
 ``tl.dot``, and the split's slice of the visible keys (the whole context, or its last
 ``sliding_window`` tokens) is streamed tile by tile through the block table with an online

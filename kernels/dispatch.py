@@ -12,8 +12,8 @@ import importlib
 
 import torch
 
-from pdserve.kernels import attention_ref
-from pdserve.kernels import reference as ref
+from pdserve.kernels import torch_attention
+from pdserve.kernels import torch_ops as ref
 from pdserve.kernels.kv_layout import KVCacheLayer
 
 BACKENDS = ("auto", "torch", "triton")
@@ -46,7 +46,7 @@ def _triton(module: str):
 def write_kv(key, value, cache: KVCacheLayer, slot_mapping, backend: str = "auto") -> None:
     if resolve_backend(backend, key.device) == "triton":
         return _triton("kv_write").write_kv(key, value, cache, slot_mapping)
-    return ref.write_kv_ref(key, value, cache, slot_mapping)
+    return ref.write_kv_torch(key, value, cache, slot_mapping)
 
 
 def paged_attention(query, cache: KVCacheLayer, cu_seqlens_q, context_lens, block_tables,
@@ -57,7 +57,7 @@ def paged_attention(query, cache: KVCacheLayer, cu_seqlens_q, context_lens, bloc
         return _triton("prefill_attention").prefill_attention(
             query, cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
             max_query_len=max_query_len)
-    return attention_ref.paged_attention_ref(query, cache, cu_seqlens_q, context_lens,
+    return torch_attention.paged_attention_torch(query, cache, cu_seqlens_q, context_lens,
                                              block_tables, scale, sliding_window)
 
 
@@ -69,14 +69,14 @@ def paged_decode_attention(query, cache: KVCacheLayer, block_tables, context_len
         return _triton("decode_attention").decode_attention(
             query, cache, block_tables, context_lens, scale, sliding_window,
             max_context_len=max_context_len)
-    return attention_ref.paged_decode_attention_ref(query, cache, block_tables, context_lens,
+    return torch_attention.paged_decode_attention_torch(query, cache, block_tables, context_lens,
                                                     scale, sliding_window)
 
 
 def rms_norm(x, weight, eps: float, residual=None, backend: str = "auto"):
     if resolve_backend(backend, x.device) == "triton":
         return _triton("norm").rms_norm(x, weight, eps, residual)
-    return ref.rms_norm_ref(x, weight, eps, residual)
+    return ref.rms_norm_torch(x, weight, eps, residual)
 
 
 def rope_table(positions, cos_sin_cache, backend: str = "auto"):
@@ -84,7 +84,7 @@ def rope_table(positions, cos_sin_cache, backend: str = "auto"):
     torch path's cos/sin rows; ``None`` for Triton, whose kernel reads the cache itself)."""
     if resolve_backend(backend, positions.device) == "triton":
         return None
-    return ref.rope_table_ref(positions, cos_sin_cache)
+    return ref.rope_table_torch(positions, cos_sin_cache)
 
 
 def rotary(q, k, positions, cos_sin_cache, backend: str = "auto", table=None):
@@ -93,7 +93,7 @@ def rotary(q, k, positions, cos_sin_cache, backend: str = "auto", table=None):
         # Not "rotary": importing pdserve.kernels.rotary would rebind this package's
         # ``rotary`` attribute to the submodule.
         return _triton("rotary_embedding").rotary(q, k, positions, cos_sin_cache)
-    return ref.rotary_ref(q, k, positions, cos_sin_cache, table)
+    return ref.rotary_torch(q, k, positions, cos_sin_cache, table)
 
 
 def rotary_packed(qk, num_heads: int, positions, cos_sin_cache, backend: str = "auto",
@@ -103,22 +103,22 @@ def rotary_packed(qk, num_heads: int, positions, cos_sin_cache, backend: str = "
     if resolve_backend(backend, qk.device) == "triton":
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         return _triton("rotary_embedding").rotary(q, k, positions, cos_sin_cache)
-    return ref.rotary_packed_ref(qk, num_heads, positions, cos_sin_cache, table)
+    return ref.rotary_packed_torch(qk, num_heads, positions, cos_sin_cache, table)
 
 
 def silu_and_mul(x, backend: str = "auto"):
     if resolve_backend(backend, x.device) == "triton":
         return _triton("activation").silu_and_mul(x)
-    return ref.silu_and_mul_ref(x)
+    return ref.silu_and_mul_torch(x)
 
 
 def pack_blocks(caches: list[KVCacheLayer], block_ids, backend: str = "auto"):
     if resolve_backend(backend, block_ids.device) == "triton":
         return _triton("block_copy").pack_blocks(caches, block_ids)
-    return ref.pack_blocks_ref(caches, block_ids)
+    return ref.pack_blocks_torch(caches, block_ids)
 
 
 def unpack_blocks(buffer, caches: list[KVCacheLayer], block_ids, backend: str = "auto") -> None:
     if resolve_backend(backend, block_ids.device) == "triton":
         return _triton("block_copy").unpack_blocks(buffer, caches, block_ids)
-    return ref.unpack_blocks_ref(buffer, caches, block_ids)
+    return ref.unpack_blocks_torch(buffer, caches, block_ids)

@@ -1,11 +1,11 @@
 """Triton KV cache write: scatter this step's K/V into their slots of the paged pool.
 
-Reference: :func:`pdserve.kernels.reference.write_kv_ref`. When the pool is int8 the values are
-quantised on write exactly like :func:`~pdserve.kernels.reference.quantize_int8`:
+Reference: :func:`pdserve.kernels.torch_ops.write_kv_torch`. When the pool is int8 the values are
+quantised on write exactly like :func:`~pdserve.kernels.torch_ops.quantize_int8`:
 ``round_half_even(clamp(x / scale, -127, 127))``; a half with dynamic token scales
 (``k_token_scale`` / ``v_token_scale``) first divides by the channel scale, takes each head's
 ``fp16(max(absmax / 127, 2**-14))`` as its token scale, stores it and quantises by it, like
-:func:`~pdserve.kernels.reference.quantize_int8_dynamic` (bit for bit). A negative slot is
+:func:`~pdserve.kernels.torch_ops.quantize_int8_dynamic` (bit for bit). A negative slot is
 skipped (a padding token).
 """
 

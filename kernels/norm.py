@@ -1,6 +1,6 @@
 """Triton RMSNorm with an optional fused residual add.
 
-Reference: :func:`pdserve.kernels.reference.rms_norm_ref`. One program per row: with a
+Reference: :func:`pdserve.kernels.torch_ops.rms_norm_torch`. One program per row: with a
 residual, ``x + residual`` is rounded to the input dtype (and stored as the new residual), the
 norm is computed in fp32, cast back to the input dtype, then multiplied by the weight in the
 dtype torch's type promotion gives ``weight * x``.

@@ -1,6 +1,6 @@
 """Triton paged prefill attention over packed variable-length queries.
 
-Reference: :func:`pdserve.kernels.attention_ref.paged_attention_ref`. Queries are packed
+Reference: :func:`pdserve.kernels.torch_attention.paged_attention_torch`. Queries are packed
 ``cu_seqlens`` style; sequence ``s``'s ``q_len`` queries are the LAST positions of its
 ``context_lens[s]`` tokens, whose K/V are already in the paged pool, so a chunk of a long prompt
 or a prompt whose prefix came from the prefix cache attends to everything before it.

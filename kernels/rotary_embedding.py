@@ -1,6 +1,6 @@
 """Triton rotary position embedding (rotate-half, the Llama/Hugging Face convention).
 
-Reference: :func:`pdserve.kernels.reference.rotary_ref`. ``cos_sin_cache`` (max_pos, head_dim)
+Reference: :func:`pdserve.kernels.torch_ops.rotary_torch`. ``cos_sin_cache`` (max_pos, head_dim)
 holds ``[cos | sin]`` per position, so any frequency scaling (llama3, linear, ...) lives in how
 the model builds the cache; the kernel only rotates. Computes in fp32, returns new q and k.
 """

@@ -1,7 +1,7 @@
 """Random paged-KV batches for kernel tests and benchmarks (torch only; never imports triton).
 
 :func:`random_paged_batch` builds a pool whose blocks are handed out in random order, fills
-each sequence's context through :func:`~pdserve.kernels.reference.write_kv_ref` (so an int8
+each sequence's context through :func:`~pdserve.kernels.torch_ops.write_kv_torch` (so an int8
 pool is quantised exactly as the engine would) and leaves every other slot POISONED: NaN for a
 float pool, -128 (a value quantisation never produces) for int8. Block 0 is never allocated,
 so a kernel that follows a block-table padding entry reads poison.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE, KVCacheLayer
-from pdserve.kernels.reference import write_kv_ref
+from pdserve.kernels.torch_ops import write_kv_torch
 
 INT8_POISON = -128
 
@@ -94,7 +94,7 @@ def random_paged_batch(context_lens: list[int], q_lens: list[int], num_heads: in
     shape = (slot_mapping.shape[0], num_kv_heads, head_dim)
     k = torch.randn(shape, generator=gen, device=device).to(dtype)
     v = torch.randn(shape, generator=gen, device=device).to(dtype)
-    write_kv_ref(k, v, cache, slot_mapping)
+    write_kv_torch(k, v, cache, slot_mapping)
 
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen, device=device).to(dtype)
     cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=device)

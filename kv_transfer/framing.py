@@ -31,7 +31,7 @@ import torch
 
 from pdserve.kernels import KVCacheLayer, pack_blocks, unpack_blocks
 from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE
-from pdserve.kernels.reference import pack_token_scales, unpack_token_scales
+from pdserve.kernels.torch_ops import pack_token_scales, unpack_token_scales
 from pdserve.kv_transfer.base import FrameKind, FramingError, TransferKey
 
 MAGIC = 0x5044_4B56_4652_4D31  # "PDKVFRM1"

@@ -33,7 +33,7 @@ from pdserve.kernels import KVCacheLayer
 # imported, it replaces the package attribute ``rotary`` (the dispatch function).
 from pdserve.kernels import dispatch as kernels
 from pdserve.kernels import linear as klinear
-from pdserve.kernels.reference import as_dtype
+from pdserve.kernels.torch_ops import as_dtype
 from pdserve.models.attention import Attention, AttentionMetadata
 from pdserve.models.config import ModelConfig
 from pdserve.models.rope import cos_sin_cache_for

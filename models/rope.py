@@ -1,4 +1,4 @@
-"""RoPE cos/sin caches in the layout :func:`pdserve.kernels.reference.rotary_ref` reads.
+"""RoPE cos/sin caches in the layout :func:`pdserve.kernels.torch_ops.rotary_torch` reads.
 
 The cache is ``(max_positions, head_dim)`` float32 = ``[cos | sin]``, each half ``head_dim / 2``
 wide, for the rotate-half convention Hugging Face uses (the first half of a head pairs with the

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 SCALED_ROLES = ("prefill", "decode")
 
@@ -102,7 +105,6 @@ def config_file_values(path: str | Path) -> dict:
     ``ttftSloMs``, ``enabled``) or as written here (``min_prefill``); the mapping may sit under
     a top-level ``autoscale:`` key, so a values file's section works as is. An unknown key or
     a file that is not a mapping raises ValueError naming it."""
-    import yaml
 
     text = Path(path).read_text()
     data = yaml.safe_load(text) or {}
@@ -124,7 +126,6 @@ def config_file_values(path: str | Path) -> dict:
 def _typed(name: str, value, path) -> object:
     """``value`` as the field's type (int for int, float for float, bool for bool, or None
     where allowed); ValueError naming the key otherwise."""
-    import typing
 
     hint = typing.get_type_hints(AutoscaleConfig)[name]
     kinds = [k for k in typing.get_args(hint) if k is not type(None)] or [hint]

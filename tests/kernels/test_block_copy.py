@@ -1,4 +1,4 @@
-"""Triton block pack/unpack against pack_blocks_ref / unpack_blocks_ref."""
+"""Triton block pack/unpack against pack_blocks_torch / unpack_blocks_torch."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pdserve.kernels.kv_layout import KVCacheLayer
-from pdserve.kernels.reference import pack_blocks_ref, unpack_blocks_ref
 from pdserve.kernels.testing import poison_, random_scales
+from pdserve.kernels.torch_ops import pack_blocks_torch, unpack_blocks_torch
 
 pytestmark = pytest.mark.triton
 
@@ -33,7 +33,7 @@ def test_pack_then_unpack_into_other_blocks(gen, dtype):
     src = _layers(gen, dtype)
     ids = torch.randperm(7, generator=gen)[:4]
     buffer = pack_blocks(src, ids)
-    assert torch.equal(buffer, pack_blocks_ref(src, ids))
+    assert torch.equal(buffer, pack_blocks_torch(src, ids))
 
     dst = _layers(gen, dtype)
     for cache in dst:
@@ -41,7 +41,7 @@ def test_pack_then_unpack_into_other_blocks(gen, dtype):
     expected = [KVCacheLayer(c.kv.clone(), c.k_scale, c.v_scale) for c in dst]
     other_ids = torch.randperm(7, generator=gen)[:4]
     unpack_blocks(buffer, dst, other_ids)
-    unpack_blocks_ref(buffer, expected, other_ids)
+    unpack_blocks_torch(buffer, expected, other_ids)
     for got, want in zip(dst, expected, strict=True):
         assert torch.equal(got.kv.view(torch.uint8 if dtype == torch.int8 else torch.int16
                                        if dtype == torch.bfloat16 else torch.int32),
@@ -56,7 +56,7 @@ def test_block_larger_than_one_program_chunk(gen):
 
     src = _layers(gen, torch.float32, num_layers=1, num_blocks=3, shape=(4, 8, 128))
     ids = torch.tensor([2, 0], dtype=torch.int32)
-    assert torch.equal(pack_blocks(src, ids), pack_blocks_ref(src, ids.long()))
+    assert torch.equal(pack_blocks(src, ids), pack_blocks_torch(src, ids.long()))
 
 
 def test_block_copy_rejects_bad_input(gen):

@@ -1,4 +1,4 @@
-"""Triton paged decode attention against paged_decode_attention_ref on random paged batches.
+"""Triton paged decode attention against paged_decode_attention_torch on random paged batches.
 
 Pools are shuffled and every slot outside a context is poison (NaN, or -128 for int8), and the
 output allocation is poisoned too, so a read past a context or an unwritten row fails.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.attention_ref import paged_decode_attention_ref
 from pdserve.kernels.testing import TOLERANCE, random_paged_batch, relative_error
+from pdserve.kernels.torch_attention import paged_decode_attention_torch
 
 pytestmark = pytest.mark.triton
 
@@ -26,8 +26,8 @@ def _check(batch, scale, window, num_splits=None):
     out = decode_attention(batch.query, batch.cache, batch.block_tables, batch.context_lens,
                            scale, window, max_context_len=batch.max_context_len,
                            num_splits=num_splits)
-    ref = paged_decode_attention_ref(batch.query, batch.cache, batch.block_tables,
-                                     batch.context_lens, scale, window)
+    ref = paged_decode_attention_torch(batch.query, batch.cache, batch.block_tables,
+                                       batch.context_lens, scale, window)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all(), "unwritten or poisoned output"
     err = relative_error(out, ref)
@@ -119,7 +119,7 @@ def test_decode_random_configuration(gen, trial):
     args = (batch.query, batch.cache, batch.block_tables, batch.context_lens, 0.1, window)
     out = decode_attention(*args, max_context_len=pick([None, batch.max_context_len]),
                            num_splits=num_splits)
-    ref = paged_decode_attention_ref(*args)
+    ref = paged_decode_attention_torch(*args)
     assert torch.isfinite(out).all()
     assert relative_error(out, ref) < TOLERANCE[dtype]
 

@@ -1,4 +1,4 @@
-"""Triton KV write against write_kv_ref: float and int8 pools, poisoned destinations."""
+"""Triton KV write against write_kv_torch: float and int8 pools, poisoned destinations."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE, KVCacheLayer
-from pdserve.kernels.reference import dequantize, quantize_int8, write_kv_ref
 from pdserve.kernels.testing import poison_, random_scales
+from pdserve.kernels.torch_ops import dequantize, quantize_int8, write_kv_torch
 
 pytestmark = pytest.mark.triton
 
@@ -40,7 +40,7 @@ def test_write_kv_matches_reference(gen, dtype, quantized, head_dim):
     qkv = 2.0 * torch.randn(num_tokens, 3, kv_heads, head_dim, generator=gen).to(dtype)
     key, value = qkv[:, 1], qkv[:, 2]
     write_kv(key, value, cache, slots)
-    write_kv_ref(key, value, expected, slots)
+    write_kv_torch(key, value, expected, slots)
     if quantized:  # integers: exact, poison (-128) untouched outside the slots
         assert torch.equal(cache.kv, expected.kv)
     else:
@@ -112,7 +112,7 @@ def test_write_kv_dynamic_token_scales_bit_exact(gen, dtype, dynamic, head_dim):
     key[0, 0] = 0.0  # an all-zero row gets the smallest scale, not a division by zero
     value = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
     write_kv(key, value, cache, slots)
-    write_kv_ref(key, value, expected, slots)
+    write_kv_torch(key, value, expected, slots)
     assert torch.equal(cache.kv, expected.kv)
     for got, want in zip(cache.token_scales, expected.token_scales, strict=True):
         assert torch.equal(got.isnan(), want.isnan())
@@ -143,7 +143,7 @@ def test_a_token_scale_never_overflows_to_inf(gen):
     key = torch.randn(3, kv_heads, head_dim, generator=gen)  # / 1e-8: ~1e8, scale ~1e6
     slots = torch.tensor([0, 5, 6])
     write_kv(key, key.clone(), caches[0], slots)
-    write_kv_ref(key, key.clone(), caches[1], slots)
+    write_kv_torch(key, key.clone(), caches[1], slots)
     for cache in caches:
         for scales in cache.token_scales:
             assert bool(torch.isfinite(scales.float()).all())

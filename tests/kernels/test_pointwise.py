@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 from pdserve.kernels.testing import TOLERANCE, relative_error
+from pdserve.kernels.torch_ops import rms_norm_torch, rotary_torch, silu_and_mul_torch
 
 pytestmark = pytest.mark.triton
 
@@ -32,7 +32,7 @@ def test_rms_norm(gen, dtype, w_dtype, hidden, residual):
     x = (3 * torch.randn(2, 3, hidden, generator=gen)).to(dtype)
     w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(w_dtype)
     r = torch.randn(2, 3, hidden, generator=gen).to(dtype) if residual else None
-    out, ref = rms_norm(x, w, 1e-6, r), rms_norm_ref(x, w, 1e-6, r)
+    out, ref = rms_norm(x, w, 1e-6, r), rms_norm_torch(x, w, 1e-6, r)
     if residual:
         _close(out[0], ref[0], dtype)
         # The new residual is the same rounded sum (the interpreter truncates fp32 -> bf16
@@ -61,7 +61,7 @@ def test_rotary(gen, dtype, head_dim, heads, kv_heads):
     positions = torch.randint(0, 64, (tokens,), generator=gen)
     cache = _cos_sin(64, head_dim, gen)
     out_q, out_k = rotary(q, k, positions, cache)
-    ref_q, ref_k = rotary_ref(q, k, positions, cache)
+    ref_q, ref_k = rotary_torch(q, k, positions, cache)
     _close(out_q, ref_q)
     _close(out_k, ref_k)
     assert torch.equal(q, qkv[:, :heads])  # inputs untouched
@@ -74,7 +74,7 @@ def test_rotary_packed_dispatches_to_the_kernel(gen):
     positions = torch.tensor([0, 5, 9])
     cache = _cos_sin(16, 16, gen)
     got = rotary_packed(qkv[:, :6], 4, positions, cache, backend="triton")
-    want = rotary_ref(qkv[:, :4], qkv[:, 4:6], positions, cache)
+    want = rotary_torch(qkv[:, :4], qkv[:, 4:6], positions, cache)
     for out, ref in zip(got, want, strict=True):
         _close(out, ref)
 
@@ -84,7 +84,7 @@ def test_silu_and_mul(gen, dtype, inter):
     from pdserve.kernels.activation import silu_and_mul
 
     x = (4 * torch.randn(3, 2 * inter, generator=gen)).to(dtype)
-    _close(silu_and_mul(x), silu_and_mul_ref(x))
+    _close(silu_and_mul(x), silu_and_mul_torch(x))
 
 
 def test_pointwise_reject_bad_input(gen):
@@ -117,6 +117,6 @@ def test_rotary_with_llama3_scaled_cache(gen):
     q = torch.randn(6, 4, 64, generator=gen)
     k = torch.randn(6, 2, 64, generator=gen)
     positions = torch.tensor([0, 1, 31, 32, 200, 299])
-    for got, want in zip(rotary(q, k, positions, cache), rotary_ref(q, k, positions, cache),
+    for got, want in zip(rotary(q, k, positions, cache), rotary_torch(q, k, positions, cache),
                          strict=True):
         _close(got, want)

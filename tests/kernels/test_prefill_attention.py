@@ -1,4 +1,4 @@
-"""Triton paged prefill attention against paged_attention_ref on packed variable-length batches:
+"""Triton paged prefill attention against paged_attention_torch on packed variable-length batches:
 fresh prompts, chunks whose earlier tokens are already cached (chunked prefill, prefix-cache
 hits), one-token decodes mixed in, sliding windows, int8 pools; poisoned pools and outputs."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.attention_ref import paged_attention_ref
 from pdserve.kernels.testing import TOLERANCE, random_paged_batch, relative_error
+from pdserve.kernels.torch_attention import paged_attention_torch
 
 pytestmark = pytest.mark.triton
 
@@ -23,8 +23,8 @@ def _run(batch, scale, window):
 
 def _check(batch, scale, window):
     out = _run(batch, scale, window)
-    ref = paged_attention_ref(batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
-                              batch.block_tables, scale, window)
+    ref = paged_attention_torch(batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
+                                batch.block_tables, scale, window)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all(), "unwritten or poisoned output"
     err = relative_error(out, ref)
@@ -127,7 +127,7 @@ def test_prefill_random_configuration(gen, trial):
     args = (batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
             batch.block_tables, 0.1, window)
     out = prefill_attention(*args, max_query_len=pick([None, batch.max_query_len]))
-    ref = paged_attention_ref(*args)
+    ref = paged_attention_torch(*args)
     assert torch.isfinite(out).all()
     assert relative_error(out, ref) < TOLERANCE[dtype]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.kernels import KVCacheLayer
-from pdserve.kernels.attention_ref import paged_attention_ref, paged_decode_attention_ref
+from pdserve.kernels.torch_attention import paged_attention_torch, paged_decode_attention_torch
 from pdserve.models import load_model
 
 BLOCK_SIZE = 4
@@ -96,9 +96,9 @@ def test_sliding_window_semantics_match_transformers():
     kv[1].view(-1, n)[:n] = torch.eye(n)
     cache = KVCacheLayer(kv)
     tables = torch.tensor([[0, 1, 2]], dtype=torch.int32)
-    out = paged_attention_ref(torch.zeros(n, 1, n), cache, torch.tensor([0, n]),
-                              torch.tensor([n]), tables, 1.0, sliding_window=window)
+    out = paged_attention_torch(torch.zeros(n, 1, n), cache, torch.tensor([0, n]),
+                                torch.tensor([n]), tables, 1.0, sliding_window=window)
     assert torch.equal(out[:, 0] > 0, hf_visible)
-    out = paged_decode_attention_ref(torch.zeros(1, 1, n), cache, tables, torch.tensor([n]),
-                                     1.0, sliding_window=window)
+    out = paged_decode_attention_torch(torch.zeros(1, 1, n), cache, tables, torch.tensor([n]),
+                                       1.0, sliding_window=window)
     assert torch.equal(out[0, 0] > 0, hf_visible[-1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.reference import rotary_ref
+from pdserve.kernels.torch_ops import rotary_torch
 from pdserve.models.config import ModelConfig
 from pdserve.models.rope import build_cos_sin_cache, cos_sin_cache_for
 
@@ -68,7 +68,7 @@ def test_rotary_with_cache_matches_transformers_apply():
     positions = torch.tensor([0, 1, 2, 100, 101, 511, 7])
     hf_cos, hf_sin = _hf_cos_sin(ROPE_CASES["llama3"])
     cache = build_cos_sin_cache(HEAD_DIM, MAX_POS, 500000.0, ROPE_CASES["llama3"])
-    ours_q, ours_k = rotary_ref(q, k, positions, cache)
+    ours_q, ours_k = rotary_torch(q, k, positions, cache)
     ref_q, ref_k = apply_rotary_pos_emb(q, k, hf_cos[positions], hf_sin[positions],
                                         unsqueeze_dim=1)
     torch.testing.assert_close(ours_q, ref_q, atol=1e-5, rtol=1e-5)

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import attention_ref
-from pdserve.kernels import reference as ref
+from pdserve.kernels import torch_attention
+from pdserve.kernels import torch_ops as ref
 from pdserve.kernels.kv_layout import KVCacheLayer
 from pdserve.kernels.testing import TOLERANCE, random_paged_batch, relative_error
 
@@ -47,13 +47,13 @@ def _naive_attention(query, cache, cu_seqlens_q, context_lens, block_tables, sca
 def split_cost(request, monkeypatch) -> int:
     """The padded work a group must save: the default, or 0 (every length group alone)."""
     if request.param == "always grouped":
-        monkeypatch.setattr(attention_ref, "SPLIT_COST", 0)
-    return attention_ref.SPLIT_COST
+        monkeypatch.setattr(torch_attention, "SPLIT_COST", 0)
+    return torch_attention.SPLIT_COST
 
 
 def _groups(batch) -> list[list[int]]:
     lens = batch.context_lens.tolist()
-    return attention_ref.length_groups(lens, [1] * len(lens), 64)
+    return torch_attention.length_groups(lens, [1] * len(lens), 64)
 
 
 @pytest.mark.parametrize("dtype,quantized,group,window", [
@@ -67,7 +67,7 @@ def test_paged_attention_ref_matches_naive(gen, dtype, quantized, group, window,
                                quantized=quantized)
     args = (batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
             batch.block_tables, 0.125, window)
-    out, want = attention_ref.paged_attention_ref(*args), _naive_attention(*args)
+    out, want = torch_attention.paged_attention_torch(*args), _naive_attention(*args)
     assert torch.isfinite(out).all()  # slots past each context are NaN and must not leak
     assert relative_error(out, want) < TOLERANCE[dtype]
 
@@ -83,19 +83,19 @@ def test_prompts_of_spread_lengths_match_naive(gen, window, split_cost):
     assert split_cost or len(_groups(batch)) == 4
     args = (batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
             batch.block_tables, 0.2, window)
-    out, want = attention_ref.paged_attention_ref(*args), _naive_attention(*args)
+    out, want = torch_attention.paged_attention_torch(*args), _naive_attention(*args)
     assert torch.isfinite(out).all()
     assert relative_error(out, want) < TOLERANCE[torch.float32]
 
 
 def test_length_groups_bound_the_padding_when_that_pays():
     lengths = [1000, 100, 600, 490, 500, 30]
-    groups = attention_ref.length_groups(lengths, [1] * 6, 4096)
+    groups = torch_attention.length_groups(lengths, [1] * 6, 4096)
     assert groups == [[0, 2, 4], [3], [1], [5]]  # each at least half its longest
-    assert attention_ref.length_groups([8, 8, 5], [1] * 3, 4096) == [[0, 1, 2]]
+    assert torch_attention.length_groups([8, 8, 5], [1] * 3, 4096) == [[0, 1, 2]]
     # splitting saves 400 padded keys: worth it at 4096 wide heads, not at 64
-    assert attention_ref.length_groups([500, 100], [1, 1], 4096) == [[0], [1]]
-    assert attention_ref.length_groups([500, 100], [1, 1], 64) == [[0, 1]]
+    assert torch_attention.length_groups([500, 100], [1, 1], 4096) == [[0], [1]]
+    assert torch_attention.length_groups([500, 100], [1, 1], 64) == [[0, 1]]
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -104,7 +104,7 @@ def test_decode_ref_matches_naive(gen, window, split_cost):
     batch = random_paged_batch([1, 5, 37, 16, 33, 2], [1] * 6, 8, 2, 128, 16, torch.float32,
                                gen)
     assert split_cost or len(_groups(batch)) == 4
-    out = attention_ref.paged_decode_attention_ref(batch.query, batch.cache, batch.block_tables,
+    out = torch_attention.paged_decode_attention_torch(batch.query, batch.cache, batch.block_tables,
                                                    batch.context_lens, 0.1, window)
     want = _naive_attention(batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
                             batch.block_tables, 0.1, window)
@@ -113,7 +113,7 @@ def test_decode_ref_matches_naive(gen, window, split_cost):
 
 def test_fresh_prompt_matches_causal_sdpa(gen):
     batch = random_paged_batch([19], [19], 4, 4, 64, 8, torch.float32, gen)
-    out = attention_ref.paged_attention_ref(batch.query, batch.cache, batch.cu_seqlens_q,
+    out = torch_attention.paged_attention_torch(batch.query, batch.cache, batch.cu_seqlens_q,
                                             batch.context_lens, batch.block_tables, 0.125)
     k, v = _naive_context(batch.cache, batch.block_tables[0], 19)
     want = F.scaled_dot_product_attention(batch.query.transpose(0, 1), k.transpose(0, 1),
@@ -132,7 +132,7 @@ def test_write_kv_ref_matches_per_token_loop(gen, quantized):
         b, o = divmod(slot, batch.cache.block_size)
         for which, x, scale in ((0, key, batch.cache.k_scale), (1, value, batch.cache.v_scale)):
             expected[which, b, o] = ref.quantize_int8(x[i], scale) if quantized else x[i]
-    ref.write_kv_ref(key, value, batch.cache, batch.slot_mapping)
+    ref.write_kv_torch(key, value, batch.cache, batch.slot_mapping)
     assert torch.equal(batch.cache.kv.nan_to_num(), expected.nan_to_num())
 
 
@@ -145,12 +145,12 @@ def test_quantize_int8_rounds_half_to_even_and_clamps():
 def test_pack_unpack_ref_match_loops(gen):
     caches = [KVCacheLayer(torch.randn(2, 5, 4, 2, 8, generator=gen)) for _ in range(3)]
     ids = torch.tensor([3, 0, 4])
-    buffer = ref.pack_blocks_ref(caches, ids)
+    buffer = ref.pack_blocks_torch(caches, ids)
     for layer, cache in enumerate(caches):
         for j, b in enumerate(ids.tolist()):
             assert torch.equal(buffer[layer, :, j], cache.kv[:, b])
     dst = [KVCacheLayer(torch.zeros(2, 5, 4, 2, 8)) for _ in range(3)]
-    ref.unpack_blocks_ref(buffer, dst, torch.tensor([1, 2, 0]))
+    ref.unpack_blocks_torch(buffer, dst, torch.tensor([1, 2, 0]))
     for layer in range(3):
         for j, b in enumerate([1, 2, 0]):
             assert torch.equal(dst[layer].kv[:, b], buffer[layer, :, j])
@@ -161,7 +161,7 @@ def test_rms_norm_ref_formula(gen):
     x = torch.randn(3, 16, generator=gen)
     w = torch.randn(16, generator=gen)
     r = torch.randn(3, 16, generator=gen)
-    out, resid = ref.rms_norm_ref(x, w, 1e-5, r)
+    out, resid = ref.rms_norm_torch(x, w, 1e-5, r)
     h = x + r
     want = w * h / torch.sqrt((h * h).mean(-1, keepdim=True) + 1e-5)
     torch.testing.assert_close(out, want)
@@ -176,10 +176,10 @@ def test_rms_norm_ref_is_hugging_faces_formula_to_the_bit(gen, size, dtype):
     w = torch.randn(size, generator=gen).to(dtype)
     h = x.float()
     want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
-    assert torch.equal(ref.rms_norm_ref(x, w, 1e-6), want)
+    assert torch.equal(ref.rms_norm_torch(x, w, 1e-6), want)
     r = torch.randn(7, size, generator=gen).to(dtype)
-    out, resid = ref.rms_norm_ref(x, w, 1e-6, r)
-    assert torch.equal(resid, x + r) and torch.equal(out, ref.rms_norm_ref(x + r, w, 1e-6))
+    out, resid = ref.rms_norm_torch(x, w, 1e-6, r)
+    assert torch.equal(resid, x + r) and torch.equal(out, ref.rms_norm_torch(x + r, w, 1e-6))
 
 
 def test_rotary_ref_is_a_complex_rotation(gen):
@@ -188,7 +188,7 @@ def test_rotary_ref_is_a_complex_rotation(gen):
     theta = torch.rand(10, 4, generator=gen) * 6
     cache = torch.cat([theta.cos(), theta.sin()], -1)
     pos = torch.tensor([0, 9, 3, 3])
-    rq, rk = ref.rotary_ref(q, k, pos, cache)
+    rq, rk = ref.rotary_torch(q, k, pos, cache)
     for x, rx in ((q, rq), (k, rk)):
         z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones(4, 1, 4),
                                                                 theta[pos][:, None])
@@ -203,11 +203,11 @@ def test_rotary_ref_is_the_two_term_formula_to_the_bit(gen, dtype):
     theta = torch.rand(12, 4, generator=gen) * 6
     cache = torch.cat([theta.cos(), theta.sin()], -1)
     pos = torch.tensor([0, 11, 3, 3, 7])
-    table = ref.rope_table_ref(pos, cache)
+    table = ref.rope_table_torch(pos, cache)
     cos, sin = cache[pos].chunk(2, -1)
     cos, sin = cos[:, None], sin[:, None]
-    for x, with_table, without in zip((q, k), ref.rotary_ref(q, k, pos, cache, table),
-                                      ref.rotary_ref(q, k, pos, cache), strict=True):
+    for x, with_table, without in zip((q, k), ref.rotary_torch(q, k, pos, cache, table),
+                                      ref.rotary_torch(q, k, pos, cache), strict=True):
         x1, x2 = x.float().chunk(2, -1)
         want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).to(dtype)
         assert torch.equal(with_table, want) and torch.equal(without, want)
@@ -215,7 +215,7 @@ def test_rotary_ref_is_the_two_term_formula_to_the_bit(gen, dtype):
 
 def test_silu_and_mul_ref_formula(gen):
     x = torch.randn(3, 10, generator=gen)
-    torch.testing.assert_close(ref.silu_and_mul_ref(x), x[:, :5] * torch.sigmoid(x[:, :5])
+    torch.testing.assert_close(ref.silu_and_mul_torch(x), x[:, :5] * torch.sigmoid(x[:, :5])
                                * x[:, 5:])
 
 
@@ -227,9 +227,9 @@ def test_rotary_packed_ref_is_rotary_ref_to_the_bit(gen, dtype):
     theta = torch.rand(12, 4, generator=gen) * 6
     cache = torch.cat([theta.cos(), theta.sin()], -1)
     pos = torch.tensor([0, 11, 3, 3, 7])
-    table = ref.rope_table_ref(pos, cache)
-    want_q, want_k = ref.rotary_ref(q, k, pos, cache, table)
-    got_q, got_k = ref.rotary_packed_ref(qk, 4, pos, cache, table)
+    table = ref.rope_table_torch(pos, cache)
+    want_q, want_k = ref.rotary_torch(q, k, pos, cache, table)
+    got_q, got_k = ref.rotary_packed_torch(qk, 4, pos, cache, table)
     assert got_q.shape == q.shape and got_k.shape == k.shape
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 

@@ -1,6 +1,6 @@
-"""Torch reference implementations of every kernel but paged attention (``attention_ref``):
-the CPU serving path and the oracle the Triton kernels are tested against. No Python loops
-over sequences or blocks."""
+"""Every kernel but paged attention (``torch_attention``) in plain torch: the path the CPU
+serves with, and the oracle the Triton kernels are tested against. No Python loops over
+sequences or blocks."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def _quantize_into(x: torch.Tensor, scale: torch.Tensor, token_scale: torch.Tens
     return q
 
 
-def write_kv_ref(key: torch.Tensor, value: torch.Tensor, cache: KVCacheLayer,
-                 slot_mapping: torch.Tensor) -> None:
+def write_kv_torch(key: torch.Tensor, value: torch.Tensor, cache: KVCacheLayer,
+                   slot_mapping: torch.Tensor) -> None:
     """Scatter ``key``/``value`` (num_tokens, kv_heads, head_dim) into ``slot_mapping`` slots."""
     k_flat, v_flat = cache.slot_rows()  # (num_slots, kv_heads, head_dim) each
     if cache.is_quantized:
@@ -67,8 +67,8 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, cache: KVCacheLayer,
     v_flat.index_copy_(0, slot_mapping, as_dtype(value, v_flat.dtype))
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None):
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None):
     """RMSNorm in fp32 (as Hugging Face does). With ``residual``: returns (norm(x + r), x + r).
 
     fp32 is torch's fused ``rms_norm``, Hugging Face's formula to the bit. Other dtypes round
@@ -87,35 +87,35 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, residual)
 
 
-def rope_table_ref(positions: torch.Tensor,
-                   cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table_torch(positions: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of ``positions`` as (T, 1, D) fp32 across the whole head: ``(cos, cos)`` and
-    ``(-sin, sin)``, what :func:`rotary_ref` multiplies by. A model computes it once per
+    ``(-sin, sin)``, what :func:`rotary_torch` multiplies by. A model computes it once per
     forward for every layer."""
     cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)  # (T, D/2) each
     return torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]
 
 
-def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               cos_sin_cache: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE. q: (T, H, D), k: (T, KH, D), cos_sin_cache: (max_pos, D) = [cos | sin];
-    ``table``: :func:`rope_table_ref` of these positions, when the caller already has it.
+    ``table``: :func:`rope_table_torch` of these positions, when the caller already has it.
 
     ``x * (cos, cos) + (x2, x1) * (-sin, sin)`` is ``(x1 cos - x2 sin, x2 cos + x1 sin)`` to
     the bit: negation is exact, commutes with the product, and ``a - b`` is ``a + (-b)``."""
-    cos, sin = table if table is not None else rope_table_ref(positions, cos_sin_cache)
+    cos, sin = table if table is not None else rope_table_torch(positions, cos_sin_cache)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def rotary_packed_ref(qk: torch.Tensor, num_heads: int, positions: torch.Tensor,
-                      cos_sin_cache: torch.Tensor,
-                      table: tuple[torch.Tensor, torch.Tensor] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rotary_ref` of q and k packed as ``qk`` (T, heads + kv_heads, D), as they lie
+def rotary_packed_torch(qk: torch.Tensor, num_heads: int, positions: torch.Tensor,
+                        cos_sin_cache: torch.Tensor,
+                        table: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary_torch` of q and k packed as ``qk`` (T, heads + kv_heads, D), as they lie
     side by side in a fused qkv projection: one rotation for both (the same bits, half the
     ops); returns (q, k) as views of the rotated buffer."""
-    cos, sin = table if table is not None else rope_table_ref(positions, cos_sin_cache)
+    cos, sin = table if table is not None else rope_table_torch(positions, cos_sin_cache)
     rotated = _rotate(qk, cos, sin)
     return rotated[:, :num_heads], rotated[:, num_heads:]
 
@@ -125,13 +125,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return as_dtype(xf * cos + xf.roll(x.shape[-1] // 2, -1) * sin, x.dtype)
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """x: (T, 2 * I) = [gate | up] -> silu(gate) * up, (T, I)."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
-def pack_blocks_ref(caches: list[KVCacheLayer], block_ids: torch.Tensor) -> torch.Tensor:
+def pack_blocks_torch(caches: list[KVCacheLayer], block_ids: torch.Tensor) -> torch.Tensor:
     """Gather ``block_ids`` of every layer in ``caches`` into one contiguous buffer:
     (num_layers, 2, num_ids, block_size, kv_heads, head_dim)."""
     first = caches[0].kv
@@ -146,9 +146,10 @@ def pack_blocks_ref(caches: list[KVCacheLayer], block_ids: torch.Tensor) -> torc
     return out
 
 
-def unpack_blocks_ref(buffer: torch.Tensor, caches: list[KVCacheLayer],
-                      block_ids: torch.Tensor) -> None:
-    """Scatter a :func:`pack_blocks_ref` buffer into ``block_ids`` of every layer in ``caches``."""
+def unpack_blocks_torch(buffer: torch.Tensor, caches: list[KVCacheLayer],
+                        block_ids: torch.Tensor) -> None:
+    """Scatter a :func:`pack_blocks_torch` buffer into ``block_ids`` of every layer of ``caches``.
+    """
     for layer, cache in enumerate(caches):
         cache.kv.index_copy_(1, block_ids, buffer[layer])
 

@@ -1,5 +1,5 @@
-"""Torch references of paged attention: the CPU serving path's attention and the oracle the
-Triton attention kernels are tested against.
+"""Paged attention in plain torch: the attention the CPU serves with, and the oracle the Triton
+attention kernels are tested against.
 
 On the CPU one batched SDPA call costs far less than a call per sequence, so the sequences
 of a batch are padded to a common query and context length. Padding to the batch's longest
@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.kv_layout import KVCacheLayer
-from pdserve.kernels.reference import as_dtype, dequantize
+from pdserve.kernels.torch_ops import as_dtype, dequantize
 
 # a group holds the sequences whose context is at least this share of its longest one:
 # every sequence is padded to its group's longest query and context
 GROUP_SHARE = 0.5
 # what one more group costs, in padded work saved (query x key pairs x heads x head_dim): its
-# calls (a context gather, SDPA, views; ~10-15 us a layer on a 2-core CPU) cost about what
+# calls (a context gather, SDPA, views) cost about what
 # SDPA and the gather spend on this much padding
 SPLIT_COST = 100_000
 
@@ -155,9 +155,9 @@ def _padded_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: torch.Te
     return out.transpose(1, 2)[seq_of_token, local]
 
 
-def paged_attention_ref(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q: torch.Tensor,
-                        context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                        sliding_window: int | None = None) -> torch.Tensor:
+def paged_attention_torch(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q: torch.Tensor,
+                          context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                          sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of packed variable-length queries over their paged contexts.
 
     query: (num_tokens, num_heads, head_dim), sequences packed by ``cu_seqlens_q`` (num_seqs+1).
@@ -173,14 +173,14 @@ def paged_attention_ref(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q: 
         return query.new_empty(query.shape)
     single = q_lens == 1
     if bool(single.all()):
-        return paged_decode_attention_ref(query, cache, block_tables, context_lens, scale,
-                                          sliding_window)
+        return paged_decode_attention_torch(query, cache, block_tables, context_lens, scale,
+                                            sliding_window)
     if not bool(single.any()):
         return _multi_query_attention(query, cache, q_lens, context_lens, block_tables, scale,
                                       sliding_window).to(query.dtype)
     token_single = torch.repeat_interleave(single, q_lens)  # (num_tokens,)
     out = torch.empty_like(query)
-    out[token_single] = paged_decode_attention_ref(
+    out[token_single] = paged_decode_attention_torch(
         query[token_single], cache, block_tables[single], context_lens[single], scale,
         sliding_window)
     multi = ~single
@@ -275,9 +275,10 @@ def _decode_slots(block_tables: torch.Tensor, context_lens: torch.Tensor,
     return slots, mask
 
 
-def paged_decode_attention_ref(query: torch.Tensor, cache: KVCacheLayer, block_tables: torch.Tensor,
-                               context_lens: torch.Tensor, scale: float,
-                               sliding_window: int | None = None) -> torch.Tensor:
+def paged_decode_attention_torch(query: torch.Tensor, cache: KVCacheLayer,
+                                 block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                 scale: float, sliding_window: int | None = None
+                                 ) -> torch.Tensor:
     """One query token per sequence (its last position). query: (num_seqs, num_heads, head_dim)."""
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
