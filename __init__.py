@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # LLM pulls in models and torch; import it only when asked for.
     if name in ("LLM", "RequestOutput"):
+        # lazy: LLM pulls in models and torch; `import pdserve` stays light until asked for it
         from pdserve.engine import llm
 
         return getattr(llm, name)

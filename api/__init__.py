@@ -16,6 +16,7 @@ __all__ = sorted(_CLIENT_NAMES)
 
 def __getattr__(name: str):
     if name in _CLIENT_NAMES:
+        # lazy: the clients import grpc's aio stack; the generated messages alone do not
         from pdserve.api import client
 
         return getattr(client, name)

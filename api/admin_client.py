@@ -53,7 +53,6 @@ def worker_dict(worker: admin_pb2.Worker) -> dict:
 
 def _ledger(worker: admin_pb2.Worker) -> dict:
     """The worker's memory ledger ({} before its first heartbeat)."""
-    import json
 
     try:
         return json.loads(worker.ledger_json or "{}")

@@ -46,7 +46,7 @@ def generate(out_dir: Path | str, proto_dir: Path | str = API_DIR,
     """Compile ``protos`` (file names in ``proto_dir``) into ``out_dir``; returns the paths
     of the generated files."""
     try:
-        import grpc_tools  # noqa: F401
+        import grpc_tools  # noqa: F401  # lazy: grpcio-tools is a test dependency
     except ImportError as exc:
         raise RuntimeError("grpcio-tools is needed to regenerate code: "
                            "pip install 'pdserve[test]'") from exc

@@ -30,11 +30,19 @@ import argparse
 import asyncio
 import logging
 import random
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
+from pdserve.api.client import AsyncPdserveClient, PdserveError
 from pdserve.bench.stats import format_table, lognormal_lengths, percentile
+from pdserve.cluster.autoscale.config import AutoscaleConfig
+from pdserve.cluster.launcher import EmbeddedCluster
+from pdserve.cluster.options import ClusterOptions
+from pdserve.cluster.ray_env import init_ray
+from pdserve.router.core import RouterConfig
 
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -104,8 +112,6 @@ def step_trace(low: float, high: float, phases_s: tuple[float, float, float], se
 
 
 async def _one(client, record: Record, t0: float) -> None:
-    from pdserve.api.client import PdserveError
-
     request = record.request
     await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.monotonic()))
     last = None
@@ -130,7 +136,6 @@ async def _one(client, record: Record, t0: float) -> None:
 
 async def drive(target: str, trace: list[Request], t0: float) -> list[Record]:
     """Send every request at its arrival time (open loop); returns the records."""
-    from pdserve.api.client import AsyncPdserveClient
 
     records = [Record(r) for r in trace]
     async with AsyncPdserveClient(target) as client:
@@ -164,9 +169,6 @@ class PoolSampler(threading.Thread):
 def cluster_options(args, num_prefill: int, num_decode: int,
                     slos: dict[str, float] | None = None):
     """One setup's ClusterOptions; with ``slos``, autoscaled 1..2 per pool against them."""
-    from pdserve.cluster.autoscale.config import AutoscaleConfig
-    from pdserve.cluster.options import ClusterOptions
-    from pdserve.router.core import RouterConfig
 
     engine = dict(dtype="float32", memory_budget_bytes=512 << 20, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=64)
@@ -185,8 +187,6 @@ def cluster_options(args, num_prefill: int, num_decode: int,
 
 
 def run_setup(name: str, options, trace: list[Request]) -> SetupRun:
-    from pdserve.cluster.launcher import EmbeddedCluster
-
     with EmbeddedCluster(options) as cluster:
         cluster.wait_ready(120)
         for i in range(2 * (options.num_prefill + options.num_decode)):
@@ -262,9 +262,11 @@ def summary(runs: list[SetupRun], slos: dict[str, float]) -> str:
 
 
 def plot(runs: list[SetupRun], trace: list[Request], phases_s, path: str) -> str:
+    # lazy: plots only when asked; matplotlib takes a second to import
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: plots only when asked; matplotlib takes a second to import
     import matplotlib.pyplot as plt
 
     end = max([sum(phases_s), *(r.duration_s for r in runs)])
@@ -316,10 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     phases_s = tuple(float(x) for x in args.phase_s.split(","))
     if len(phases_s) != 3:
         parser.error("--phase-s takes three durations: low,high,low")
-    import shutil
-    import tempfile
 
-    from pdserve.cluster.ray_env import init_ray
 
     temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")
     ray = init_ray(temp_dir=temp_dir, num_cpus=16)  # logical: the pools share the cores

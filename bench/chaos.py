@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pdserve.bench import chaos_redis, chaos_routers
 from pdserve.bench.failover import ScenarioResult
 from pdserve.bench.stats import format_table
+from pdserve.models import tiny_model_dir
 
 
 def scenarios() -> dict[str, Callable[[str, int], ScenarioResult]]:
@@ -41,7 +42,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from pdserve.models import tiny_model_dir
 
     model = args.model or str(tiny_model_dir())
     results = [known[name](model, args.seed) for name in (args.scenario or sorted(known))]

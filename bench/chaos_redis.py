@@ -22,6 +22,10 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
+import redis
+
+from pdserve.api.admin_client import AdminClient, state_name
+from pdserve.api.client import PdserveClient, PdserveError
 from pdserve.bench.failover import (
     ChaosRequest,
     ScenarioResult,
@@ -31,6 +35,9 @@ from pdserve.bench.failover import (
     stream_all,
     tally,
 )
+from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
+from pdserve.cluster.pools.store import PoolStore
+from pdserve.cluster.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +57,6 @@ def embedded_redis(cluster):
 
 
 def redis_client(cluster):
-    import redis
-
     return redis.Redis.from_url(cluster.redis_url, socket_timeout=5)
 
 
@@ -90,9 +95,6 @@ def control_plane_restored(cluster) -> bool:
     """Redis holds again what the cluster knows (each pool's target, every live member and
     a record of every ready worker), the router is not degraded, every pool is at its target
     and the router's ports are saved."""
-    from pdserve.api.admin_client import AdminClient, state_name
-    from pdserve.cluster.pools.store import PoolStore
-    from pdserve.cluster.registry import Registry
 
     with AdminClient(cluster.target, timeout=5) as admin:
         pools, workers = admin.get_pools(), admin.list_workers()
@@ -115,7 +117,6 @@ def control_plane_restored(cluster) -> bool:
 
 def serves_a_request(cluster, timeout: float = 10.0) -> bool:
     """A new request completes (within ``timeout``)."""
-    from pdserve.api.client import PdserveClient, PdserveError
 
     try:
         with PdserveClient(cluster.target, timeout=timeout) as client:
@@ -165,8 +166,6 @@ class RecoveryWatch:
 
 
 def _cluster(model_dir: str):
-    from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
-
     return EmbeddedCluster(ClusterOptions(
         model=model_dir, num_prefill=1, num_decode=2, port=0, metrics_port=None,
         heartbeat_s=0.5, ttl_s=TTL_S,

@@ -37,15 +37,20 @@ from pathlib import Path
 
 import psutil
 
+from pdserve.api.client import AsyncPdserveClient
 from pdserve.bench.failover import (
     ScenarioResult,
     StreamRecord,
     chaos_requests,
     reference_tokens,
+    sigkill_busiest,
     stream_all,
     stream_one,
     tally,
 )
+from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
+from pdserve.cluster.processes import wait_gone
+from pdserve.router.core import RouterConfig
 from pdserve.testing import wait_for
 
 ORPHAN_S = 2.0  # router-killed: the workers' orphan_timeout_s
@@ -76,7 +81,6 @@ def forgotten_by_decode_workers(cluster, num_routers: int) -> bool:
 async def _two_routers(cluster, survivor, doomed) -> tuple[list[StreamRecord], float | None]:
     """Stream ``survivor`` through the first router and ``doomed`` through the second; kill
     the second once streams run; returns the survivor's records and kill -> freed time."""
-    from pdserve.api.client import AsyncPdserveClient
 
     freed: list[float] = []
 
@@ -98,9 +102,6 @@ async def _two_routers(cluster, survivor, doomed) -> tuple[list[StreamRecord], f
 
 
 def run_router_killed(model_dir: str, seed: int) -> ScenarioResult:
-    from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
-    from pdserve.router.core import RouterConfig
-
     options = ClusterOptions(model=model_dir, num_prefill=1, num_decode=1, num_routers=2,
                              port=0, metrics_port=None, orphan_timeout_s=ORPHAN_S,
                              router=RouterConfig(stats_interval_s=0.1), engine=ENGINE)
@@ -145,7 +146,6 @@ def sigterm_and_wait(proc: subprocess.Popen, times: int = 1, gap_s: float = 0.2,
                      timeout: float = 30.0) -> tuple[float | None, set[int]]:
     """SIGTERM ``proc`` ``times`` times ``gap_s`` apart; returns (seconds from the first
     SIGTERM until it and every process it had are gone, or None; the pids still running)."""
-    from pdserve.cluster.processes import wait_gone
 
     tree = process_tree(proc)
     start = time.monotonic()
@@ -190,8 +190,6 @@ def run_sigterm_under_load(model_dir: str, seed: int) -> ScenarioResult:
 async def _waves(cluster, first, second) -> tuple[list[StreamRecord], float | None]:
     """``first`` under way, SIGKILL the only decode worker, ``second`` once the router saw it
     go; returns every record and kill -> SERVING again."""
-    from pdserve.api.client import AsyncPdserveClient
-    from pdserve.bench.failover import sigkill_busiest
 
     ray, router = cluster._ray, cluster.router
     serving = lambda: ray.get(router.is_serving.remote(), timeout=30)  # noqa: E731
@@ -213,9 +211,6 @@ async def _waves(cluster, first, second) -> tuple[list[StreamRecord], float | No
 
 
 def run_workers_restarting(model_dir: str, seed: int) -> ScenarioResult:
-    from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
-    from pdserve.router.core import RouterConfig
-
     options = ClusterOptions(model=model_dir, num_prefill=1, num_decode=1, port=0,
                              metrics_port=None, engine=ENGINE,
                              router=RouterConfig(stats_interval_s=0.1, worker_wait_s=BOUND_S))

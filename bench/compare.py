@@ -27,6 +27,7 @@ their share from the same two.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import shutil
@@ -34,8 +35,19 @@ import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from pdserve.bench.serve import RequestOutcome, ServeOptions, compute_metrics, run_serve
-from pdserve.bench.workload import SyntheticShape
+import torch
+from safetensors.torch import save_file
+
+from pdserve.bench.plots import write_plots
+from pdserve.bench.report import dump_json
+from pdserve.bench.serve import ServeOptions, compute_metrics, run_serve
+from pdserve.bench.workload import RequestOutcome, SyntheticShape
+from pdserve.cluster.launcher import EmbeddedCluster
+from pdserve.cluster.options import ClusterOptions
+from pdserve.models import ModelConfig, tiny_model_dir
+from pdserve.models.loader import hf_tensor_shapes
+from pdserve.models.tiny import TINY_CONFIG
+from pdserve.router.core import RouterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +90,8 @@ class CompareOptions:
 def write_random_llama(path: Path, seed: int = 0, **overrides) -> Path:
     """A random Llama checkpoint (safetensors, config.json, the built-in tokenizer) without
     transformers: weights ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1)."""
-    import json
 
-    import torch
-    from safetensors.torch import save_file
 
-    from pdserve.models import ModelConfig, tiny_model_dir
-    from pdserve.models.loader import hf_tensor_shapes
-    from pdserve.models.tiny import TINY_CONFIG
 
     path.mkdir(parents=True, exist_ok=True)
     config = {**TINY_CONFIG, "head_dim": None, **COMPARE_MODEL, **overrides}
@@ -104,9 +110,6 @@ def write_random_llama(path: Path, seed: int = 0, **overrides) -> Path:
 
 
 def cluster_options(mode: str, model: str, opts: CompareOptions):
-    from pdserve.cluster.options import ClusterOptions
-    from pdserve.router.core import RouterConfig
-
     # No prefix cache: every rate replays the same prompts, which would otherwise be cached
     # after the first rate and cost no prefill at all.
     engine = dict(dtype="float32", memory_budget_bytes=opts.memory_budget_mib << 20,
@@ -132,7 +135,6 @@ def serve_options(target: str, opts: CompareOptions, rate: float, num_prompts: i
 def run_modes(model: str, opts: CompareOptions) -> dict[str, dict[float, dict]]:
     """mode -> rate -> the bench serve result (step 1): both clusters up at once, the rates
     interleaved (which mode goes first alternates), so the machine's noise hits both alike."""
-    from pdserve.cluster.launcher import EmbeddedCluster
 
     runs: dict[str, dict[float, dict]] = {mode: {} for mode in MODES}
     with contextlib.ExitStack() as stack:
@@ -194,7 +196,6 @@ def score(runs: dict[str, dict[float, dict]], slos: dict[str, float]) -> dict:
 
 def load_runs(path: str) -> dict[str, dict[float, dict]]:
     """The per-mode, per-rate results of a saved compare.json."""
-    import json
 
     doc = json.loads(Path(path).read_text())
     return {mode: {float(rate): result for rate, result in doc["runs"][mode].items()}
@@ -216,8 +217,6 @@ def _run_fresh(opts: CompareOptions) -> dict[str, dict[float, dict]]:
 
 def run_compare(opts: CompareOptions) -> dict:
     """Steps 1-3; returns the compare document (also written to ``output_dir``)."""
-    from pdserve.bench.plots import write_plots
-    from pdserve.bench.report import dump_json
 
     if opts.from_result:
         runs = load_runs(opts.from_result)

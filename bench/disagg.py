@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import pickle
+import random
 import statistics
 import tempfile
 import time
@@ -27,18 +28,24 @@ from pathlib import Path
 
 import torch
 
+from pdserve.api.client import AsyncPdserveClient
 from pdserve.bench.engine import write_random_llama
 from pdserve.bench.stats import format_table
 from pdserve.cluster.local import build_local_workers
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.messages import expand_deltas
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import measure_channel, measure_memcpy, measure_transfer
+from pdserve.models import tiny_model_dir
+from pdserve.models.tokenizer import Tokenizer
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
+from pdserve.router.fake_backend import FakeBackend
+from pdserve.router.grpc_server import GenerationServer
 
 MODEL = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
@@ -117,10 +124,6 @@ def ttft_table(model_dir: Path, lengths: list[int], repeats: int) -> str:
 
 
 async def _stream_overhead(num_tokens: int) -> float:
-    from pdserve.api.client import AsyncPdserveClient
-    from pdserve.router.fake_backend import FakeBackend
-    from pdserve.router.grpc_server import GenerationServer
-
     backend = FakeBackend(ModelSpec("fake", 1 << 20, 64, ()))
     server = GenerationServer(backend)
     port = await server.start("127.0.0.1", 0)
@@ -139,7 +142,6 @@ async def _stream_overhead(num_tokens: int) -> float:
 
 def _decoding_engine(batch: int) -> LLMEngine:
     """An engine on the built-in tiny model with ``batch`` requests past their first token."""
-    from pdserve.models import tiny_model_dir
 
     engine = LLMEngine(EngineParts.build(EngineConfig(
         model=str(tiny_model_dir()), num_kv_blocks=4096, max_num_seqs=batch,
@@ -191,11 +193,7 @@ class _PlainDecoder:
 def detokenize_line(repeats: int = 5) -> str:
     """Incremental detokenization per token, the DecodeStream path against the Python path,
     on English text and on random ids (what a random-weight model emits: split characters)."""
-    import random
 
-    from pdserve.engine.detokenizer import Detokenizer
-    from pdserve.models import tiny_model_dir
-    from pdserve.models.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(tiny_model_dir())
     text = tokenizer.encode("The quick brown fox jumps over the lazy dog, then rests. " * 20)

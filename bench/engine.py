@@ -41,6 +41,7 @@ LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 
 
 def write_random_llama(path: Path, **config) -> Path:
+    # lazy: transformers (seconds to import; a test dependency) only for the Hugging Face reference
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -52,6 +53,7 @@ def write_random_llama(path: Path, **config) -> Path:
 def write_random_mistral(path: Path, sliding_window: int, **config) -> Path:
     """A random Mistral checkpoint (``config`` as for Llama, without tied embeddings) whose
     attention has a sliding window."""
+    # lazy: transformers (seconds to import; a test dependency) only for the Hugging Face reference
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
@@ -261,6 +263,7 @@ def arrivals_line(model_dir: Path, batch: int = 64, every: int = 8, steps: int =
 
 
 def hf_static_tokens_per_s(model_dir: Path, prompts, max_tokens, batch_size: int) -> float:
+    # lazy: transformers (seconds to import; a test dependency) only for the Hugging Face reference
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

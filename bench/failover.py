@@ -26,7 +26,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve import LLM, SamplingParams
+from pdserve.api.client import AsyncPdserveClient, PdserveError
 from pdserve.bench.stats import format_table, summarize
+from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
+from pdserve.router.core import RouterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +100,6 @@ def chaos_requests(n: int, seed: int = 0, prefix: str = "c", min_tokens: int = 4
 def reference_tokens(model_dir: str, requests: list[ChaosRequest], **engine) -> list[list[int]]:
     """What the offline engine generates for the same requests (seeded draws are keyed by
     (seed, position), so they are the same on any worker)."""
-    from pdserve import LLM, SamplingParams
 
     llm = LLM(model_dir, **{"dtype": "float32", **engine})
     return [llm.generate([r.prompt], SamplingParams(**r.sampling), use_tqdm=False)[0].token_ids
@@ -105,7 +108,6 @@ def reference_tokens(model_dir: str, requests: list[ChaosRequest], **engine) -> 
 
 async def stream_one(client, request: ChaosRequest, record: StreamRecord, timeout: float) -> None:
     """Stream one request into ``record`` (tokens, chunk times, status code on failure)."""
-    from pdserve.api.client import PdserveError
 
     record.start = time.monotonic()
     try:
@@ -127,7 +129,6 @@ async def stream_all(target: str, requests: list[ChaosRequest],
     ``fault_after_tokens`` tokens, run ``fault`` (in a thread; a coroutine function runs on
     this loop instead, e.g. to start a process that must outlive the threads of the loop's
     pool). Returns (records, fault time)."""
-    from pdserve.api.client import AsyncPdserveClient
 
     records = [StreamRecord(r.request_id) for r in requests]
     fault_at = None
@@ -169,9 +170,6 @@ def resume_gaps(record: StreamRecord, fault_at: float) -> float | None:
 
 
 def run(num_requests: int, model: str | None, seed: int) -> str:
-    from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
-    from pdserve.router.core import RouterConfig
-
     # no prefix cache: the faulted pass would find the fault-free pass's prompts cached (the
     # re-prefill of a migration is then measured without the cache's help: the worst case)
     options = ClusterOptions(model=model, num_prefill=1, num_decode=2, port=0,

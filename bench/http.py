@@ -24,7 +24,9 @@ import json
 import statistics
 import time
 
+from pdserve.api.client import AsyncPdserveClient
 from pdserve.bench.stats import format_table
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import ModelSpec
 from pdserve.router.fake_backend import FakeBackend
 from pdserve.router.grpc_server import GenerationServer
@@ -34,8 +36,6 @@ MODEL = ModelSpec("fake", max_context_tokens=1 << 20, vocab_size=64, eos_token_i
 
 
 async def _in_process(backend: FakeBackend, num_tokens: int) -> float:
-    from pdserve.engine.sampling_params import SamplingParams
-
     params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
     start, count = time.perf_counter(), 0
     async for delta in backend.generate("bench", [1, 2], params, None):
@@ -44,8 +44,6 @@ async def _in_process(backend: FakeBackend, num_tokens: int) -> float:
 
 
 async def _grpc(port: int, num_tokens: int, api_key: str | None) -> float:
-    from pdserve.api.client import AsyncPdserveClient
-
     async with AsyncPdserveClient(f"127.0.0.1:{port}", api_key=api_key) as client:
         await client.generate([1, 2], max_tokens=4, ignore_eos=True)  # connect, warm up
         start, count = time.perf_counter(), 0
@@ -56,6 +54,7 @@ async def _grpc(port: int, num_tokens: int, api_key: str | None) -> float:
 
 
 async def _http_raw(port: int, num_tokens: int, api_key: str | None) -> float:
+    # lazy: a test dependency, needed only by the HTTP rows
     import httpx
 
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -74,6 +73,7 @@ async def _http_raw(port: int, num_tokens: int, api_key: str | None) -> float:
 
 
 async def _http_openai(port: int, num_tokens: int, api_key: str | None) -> float:
+    # lazy: a test dependency, needed only by the HTTP rows
     import openai
 
     async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1",

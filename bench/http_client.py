@@ -13,8 +13,7 @@ from __future__ import annotations
 import json
 import time
 
-from pdserve.bench.serve import RequestOutcome
-from pdserve.bench.workload import BenchRequest
+from pdserve.bench.workload import BenchRequest, RequestOutcome
 
 
 class HttpCompletions:
@@ -22,7 +21,7 @@ class HttpCompletions:
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None) -> None:
         try:
-            import httpx
+            import httpx  # lazy: optional (a test dependency), for --base-url only
         except ImportError:
             raise ValueError("--base-url needs the httpx package: pip install httpx") from None
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -39,6 +38,7 @@ class HttpCompletions:
     async def send(self, request: BenchRequest, request_id: str, t0: float,
                    timeout: float) -> RequestOutcome:
         """One streamed completion (``request_id`` is replaced by the server's)."""
+        # lazy: a test dependency, needed only by the HTTP rows
         import httpx
 
         out = RequestOutcome(request_id, request.prompt_len)

@@ -115,6 +115,7 @@ def _gqa_sdpa(q, k, v, causal):
 
 
 def decode_case(b: Bench, quantized: bool) -> Row:
+    # lazy: imports triton, which only the Triton rows need
     from pdserve.kernels.decode_attention import decode_attention
 
     seqs, ctx, heads, kv_heads, hd = (3, 40, 8, 2, 64) if b.tiny else (64, 4096, 32, 8, 128)
@@ -137,6 +138,7 @@ def decode_case(b: Bench, quantized: bool) -> Row:
 
 
 def prefill_case(b: Bench, num_seqs: int, quantized: bool = False) -> Row:
+    # lazy: imports triton, which only the Triton rows need
     from pdserve.kernels.prefill_attention import prefill_attention
 
     total, heads, kv_heads, hd = (48, 4, 2, 64) if b.tiny else (4096, 32, 8, 128)
@@ -160,6 +162,7 @@ def prefill_case(b: Bench, num_seqs: int, quantized: bool = False) -> Row:
 
 
 def pointwise_cases(b: Bench) -> list[Row]:
+    # lazy: imports triton, which only the Triton rows need
     from pdserve.kernels.activation import silu_and_mul
     from pdserve.kernels.norm import rms_norm
     from pdserve.kernels.rotary_embedding import rotary
@@ -194,6 +197,7 @@ def pointwise_cases(b: Bench) -> list[Row]:
 
 
 def kv_write_case(b: Bench, quantized: bool) -> Row:
+    # lazy: imports triton, which only the Triton rows need
     from pdserve.kernels.kv_write import write_kv
 
     tokens, kv_heads, hd, bs = (10, 2, 64, 16) if b.tiny else (4096, 8, 128, 16)
@@ -218,6 +222,7 @@ def kv_write_case(b: Bench, quantized: bool) -> Row:
 
 
 def block_copy_cases(b: Bench) -> list[Row]:
+    # lazy: imports triton, which only the Triton rows need
     from pdserve.kernels.block_copy import pack_blocks, unpack_blocks
 
     layers, blocks, ids_n, kv_heads, hd = (2, 6, 3, 2, 64) if b.tiny else (32, 1024, 256, 8, 128)

@@ -30,6 +30,7 @@ from pdserve.bench.stats import format_table
 from pdserve.engine import kv_quant
 from pdserve.engine.config import KV_INT8_SCALES
 from pdserve.engine.llm import LLM
+from pdserve.models import tiny_model_dir
 
 # name -> (family, config overrides, tokenizer: "words" (word-level, vocab_size words), "bpe"
 # (the tiny model's byte-level BPE), "+x100": layer 0's K and V projections scaled by 100)
@@ -56,6 +57,7 @@ EVAL_PROMPTS, EVAL_LEN, EVAL_SEED = 8, 128, 11
 
 def word_level_tokenizer(vocab_size: int):
     """A whitespace word-level tokenizer of ``vocab_size`` ids: [UNK], <s>, </s>, w0, w1, ..."""
+    # lazy: its names (models, Tokenizer) would shadow ours at module level
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = ["[UNK]", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
@@ -85,6 +87,7 @@ def scale_attention_kv(folder: Path, layer: int, factor: float) -> None:
 
 def write_shape(name: str, folder: Path, bpe_tokenizer_dir: Path, seed: int = 0) -> Path:
     """A random-weight fp32 checkpoint of shape ``name`` in ``folder``."""
+    # lazy: transformers (seconds to import; a test dependency) only for the Hugging Face reference
     import transformers  # (see the module docstring)
 
     family, overrides, tokenizer = SHAPES[name]
@@ -144,7 +147,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.gguf}: held-out text, {num_tokens} tokens, teacher-forced")
         print(format_table(["KV cache", "fp edges", "KL", "NLL", "PPL", "dNLL %", "top-1 %",
                             "B/token", "x fp16"], rows))
-    from pdserve.models import tiny_model_dir
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdserve-kv-int8-") as tmp:

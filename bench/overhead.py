@@ -24,9 +24,15 @@ import argparse
 import logging
 import time
 
-from pdserve.bench.serve import RequestOutcome, ServeOptions, compute_metrics, run_serve
+import torch
+
+from pdserve.bench.serve import ServeOptions, compute_metrics, run_serve
 from pdserve.bench.stats import format_table
-from pdserve.bench.workload import BenchRequest, SyntheticShape, synthetic_requests
+from pdserve.bench.workload import BenchRequest, RequestOutcome, SyntheticShape, synthetic_requests
+from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
+from pdserve.engine.llm import LLM
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.models import ModelConfig, tiny_model_dir
 
 FIGURES = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT P50 ms"),
            ("median_tpot_ms", "TPOT P50 ms"))
@@ -34,10 +40,7 @@ FIGURES = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT P50 m
 
 def offline(model: str, requests: list[BenchRequest], concurrency: int) -> dict:
     """``requests`` through the engine in this process, ``concurrency`` at a time."""
-    import torch
 
-    from pdserve.engine.llm import LLM
-    from pdserve.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
     engine = LLM(model, dtype="float32").engine
@@ -109,8 +112,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--paths", default="offline,grpc,http")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
-    from pdserve.models import ModelConfig, tiny_model_dir
 
     model = args.model or str(tiny_model_dir())
     shape = SyntheticShape(input_mean=args.input_len, output_mean=args.output_len, sigma=0.0)

@@ -1,4 +1,5 @@
-"""``pdserve plan``: the capacity arithmetic of DESIGN.md as a tool, from ``config.json`` alone.
+"""``pdserve plan``: the capacity arithmetic of ``engine/roofline.py`` as a tool, from
+``config.json`` alone.
 
 For a model on an accelerator (by name from ``accelerators.json``, by its three figures, or
 this machine measured now):
@@ -31,16 +32,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from pdserve.engine import memory
+from pdserve.engine.budget_check import meta_weight_bytes
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
-from pdserve.engine.roofline import BANDWIDTH, COMPUTE, StepCost
+from pdserve.engine.roofline import BANDWIDTH, COMPUTE, StepCost, copy_bandwidth, matmul_rate
 from pdserve.models import ModelConfig
 
 GiB = 1 << 30
 BATCH_MARGIN = 0.8  # max_batch = 80 % of the theoretical batch; workers planned 80 % busy
 PREFILL_TOKENS = 1000  # prefill_ms_per_1k_tokens: one prompt this long
-DEFAULT_MFU = 0.5  # prefill reaches 40-70 % of dense peak on GPUs (DESIGN.md)
+DEFAULT_MFU = 0.5  # the share of dense peak FLOPs a prefill is assumed to reach
 ACCELERATORS = Path(__file__).with_name("accelerators.json")
 
 
@@ -77,9 +80,7 @@ def measured_hardware(device: str, dtype: torch.dtype, memory_bytes: int | None 
                       ) -> Hardware:
     """This machine's ``device`` ("cpu" | "cuda"): matmul rate and copy bandwidth measured now
     (:func:`pdserve.engine.roofline.measure_peaks`); memory as the engine's default budget."""
-    from tqdm import tqdm
 
-    from pdserve.engine.roofline import copy_bandwidth, matmul_rate
 
     with tqdm(total=2, desc=f"measuring this {device}'s {dtype} matmul and copy",
               unit="test", leave=False) as bar, torch.inference_mode():
@@ -142,7 +143,6 @@ class PlanRequest:
 def model_weight_bytes(model_dir: str, mc: ModelConfig, dtype: torch.dtype) -> tuple[int, str]:
     """(bytes, how counted): the engine's count when the folder has weights, else the
     config's parameter count x dtype size."""
-    from pdserve.engine.budget_check import meta_weight_bytes
 
     try:
         return meta_weight_bytes(Path(model_dir), mc, dtype), "checkpoint tensors"

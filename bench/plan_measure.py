@@ -37,7 +37,10 @@ from pdserve.bench.plan import (
     roofline_ms,
 )
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.roofline import StepCost
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.parts import EngineParts
+from pdserve.engine.roofline import StepCost, copy_bandwidth, gemv_bandwidth, matmul_rate
+from pdserve.engine.sampling_params import SamplingParams
 
 GiB = 1 << 30
 MEASURE_BATCH = 16  # decode batch measured at most
@@ -92,9 +95,6 @@ def accelerator_with_memory(hbm_gib: float, tolerance: float = 0.03) -> Hardware
 
 
 def _engine(req: PlanRequest, hw: Hardware, margin: float):
-    from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.parts import EngineParts
-
     config = EngineConfig(model=req.model, dtype=req.dtype, device=hw.device,
                           kv_cache_dtype=req.kv_cache_dtype, block_size=req.block_size,
                           max_model_len=req.max_model_len, memory_budget_bytes=hw.memory_bytes,
@@ -106,7 +106,6 @@ def _engine(req: PlanRequest, hw: Hardware, margin: float):
 
 def _decode_forward(engine, batch: int, context: int) -> tuple[float, float]:
     """Median (forward s, whole step s) of pure decode steps at ``batch`` x ``context``."""
-    from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=DECODE_STEPS + 2, temperature=0.0, ignore_eos=True)
     prompt_len = context - 1 - DECODE_STEPS // 2  # the median step runs at ``context``
@@ -128,8 +127,6 @@ def _decode_forward(engine, batch: int, context: int) -> tuple[float, float]:
 
 
 def _prefill_forward(engine, tokens: int, repeats: int = 3) -> float:
-    from pdserve.engine.sampling_params import SamplingParams
-
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     vocab = engine.parts.model_config.vocab_size
     times = []
@@ -148,7 +145,6 @@ def measure(req: PlanRequest, hw: Hardware, plan: dict) -> dict:
     """Steps 1-3 of the module docstring; ``plan`` is :func:`make_plan` of ``req`` on ``hw``
     with the engine's margin. Returns the rows of predicted against measured: ``predicted`` at
     the copy bandwidth, ``predicted_gemv`` at what a one-row ``linear`` streams here."""
-    from pdserve.engine.roofline import gemv_bandwidth
 
     engine = _engine(req, hw, plan["margin_bytes"] / hw.memory_bytes if hw.memory_bytes else 0)
     ledger, runner = engine.parts.ledger, engine.parts.runner
@@ -186,7 +182,6 @@ def measure(req: PlanRequest, hw: Hardware, plan: dict) -> dict:
 
 def _probe_again(hw: Hardware, dtype: torch.dtype) -> Hardware:
     """``hw`` with its matmul rate and copy bandwidth the best of its probe and a new one."""
-    from pdserve.engine.roofline import copy_bandwidth, matmul_rate
 
     gpu = hw.device == "cuda"
     flops = matmul_rate(hw.device, dtype, 8192 if gpu else 2048, 5)

@@ -20,9 +20,11 @@ _STYLE = {"disaggregated": dict(color="tab:blue", marker="o"),
 
 
 def _pyplot():
+    # lazy: plots only when asked; matplotlib takes a second to import
     import matplotlib
 
     matplotlib.use("Agg")  # before pyplot: never a display
+    # lazy: plots only when asked; matplotlib takes a second to import
     import matplotlib.pyplot as plt
 
     return plt

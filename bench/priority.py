@@ -21,7 +21,14 @@ import logging
 import time
 from dataclasses import dataclass
 
+from pdserve import SamplingParams
 from pdserve.bench.stats import format_table, percentile, summarize
+from pdserve.cluster.local import build_local_workers
+from pdserve.engine.config import EngineConfig
+from pdserve.models import tiny_model_dir
+from pdserve.router.backend import ModelSpec
+from pdserve.router.core import Router, RouterConfig
+from pdserve.router.directory import StaticDirectory
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +59,6 @@ async def _one(router, request_id: str, prompt: list[int], params) -> Outcome:
 
 
 async def _cluster(model: str, policy: str, **router_kw):
-    from pdserve.cluster.local import build_local_workers
-    from pdserve.engine.config import EngineConfig
-    from pdserve.router.backend import ModelSpec
-    from pdserve.router.core import Router, RouterConfig
-    from pdserve.router.directory import StaticDirectory
-
     config = EngineConfig(model=model, dtype="float32", block_size=4, num_kv_blocks=DECODE_BLOCKS,
                           max_num_batched_tokens=64, scheduling_policy=policy)
     handles = build_local_workers(config, num_prefill=1, num_decode=1)
@@ -76,7 +77,6 @@ async def _close(handles, router) -> None:
 
 async def flood(model: str, policy: str) -> list[float]:
     """High-priority TTFTs while a low-priority burst holds the pool."""
-    from pdserve import SamplingParams
 
     handles, router = await _cluster(model, policy)
     try:
@@ -98,7 +98,6 @@ async def flood(model: str, policy: str) -> list[float]:
 
 async def storm(model: str, policy: str, with_big: bool, **router_kw):
     """(normal tokens/s, normal failures, decode preemptions, the big one's outcome)."""
-    from pdserve import SamplingParams
 
     handles, router = await _cluster(model, policy, **router_kw)
     try:
@@ -124,8 +123,6 @@ async def storm(model: str, policy: str, with_big: bool, **router_kw):
 
 
 def run(model: str | None, repeats: int = 3) -> str:
-    from pdserve.models import tiny_model_dir
-
     model = model or str(tiny_model_dir())
     lines = ["Flood: 32 low-priority requests, 8 high-priority ones arriving during it"]
     rows = []

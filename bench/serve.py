@@ -27,16 +27,23 @@ import asyncio
 import contextlib
 import datetime
 import functools
+import json
 import logging
 import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
+from tqdm import tqdm
+
+from pdserve.api.admin_client import AdminClient, trace_dict
+from pdserve.api.client import AsyncPdserveClient, PdserveError
+from pdserve.bench.http_client import HttpCompletions
 from pdserve.bench.phases import phase_split
 from pdserve.bench.stats import percentile
 from pdserve.bench.workload import (
     BenchRequest,
+    RequestOutcome,
     SyntheticShape,
     arrival_times,
     jsonl_requests,
@@ -98,25 +105,6 @@ class ServeOptions:
         arrival_times(0, self.request_rate, self.burstiness)  # validates both
 
 
-@dataclass
-class RequestOutcome:
-    """One request as the client saw it (seconds)."""
-
-    request_id: str
-    prompt_len: int  # the server's usage count when it sent one, else the dataset's
-    output_len: int = 0  # tokens received
-    ttft: float = 0.0
-    itl: list[float] = field(default_factory=list)  # gaps between later chunks
-    e2el: float = 0.0
-    start: float = 0.0  # sent at, from the benchmark's start
-    success: bool = False
-    error: str = ""  # status code and message of a failed request
-
-    @property
-    def tpot(self) -> float | None:
-        return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
-
-
 def build_requests(opts: ServeOptions, vocab_size: int, max_context: int) -> list[BenchRequest]:
     if opts.dataset == "jsonl":
         return jsonl_requests(opts.dataset_path, opts.num_prompts, opts.seed, vocab_size,
@@ -126,8 +114,6 @@ def build_requests(opts: ServeOptions, vocab_size: int, max_context: int) -> lis
 
 async def send_one(client, request: BenchRequest, request_id: str, t0: float,
                    timeout: float) -> RequestOutcome:
-    from pdserve.api.client import PdserveError
-
     out = RequestOutcome(request_id, request.prompt_len)
     start = time.perf_counter()
     out.start = start - t0
@@ -276,9 +262,7 @@ class WorkerSampler:
 def server_side(admin, request_ids: list[str], sampled: dict[str, dict]) -> dict:
     """Traces of ``request_ids`` -> ``phases``; workers' ledgers and sampled utilisation;
     the server's configuration. Each part is None when the server does not offer it."""
-    import json
 
-    from pdserve.api.admin_client import trace_dict
 
     out: dict = {"phases": None, "num_traces": 0, "workers": None, "server_config": None}
     try:
@@ -302,9 +286,6 @@ def server_side(admin, request_ids: list[str], sampled: dict[str, dict]) -> dict
 
 
 async def _benchmark(opts: ServeOptions) -> dict:
-    from pdserve.api.admin_client import AdminClient
-    from pdserve.api.client import AsyncPdserveClient
-
     security = {"api_key": opts.api_key, "tls": opts.tls}
     async with AsyncPdserveClient(opts.target, **security) as client:
         await client.wait_ready(max(opts.wait_ready_s, 1.0))
@@ -316,7 +297,6 @@ async def _benchmark(opts: ServeOptions) -> dict:
         sampler = WorkerSampler(admin)
         progress = None
         if not opts.disable_tqdm:
-            from tqdm import tqdm
 
             progress = tqdm(total=len(requests), desc=opts.progress_desc, unit="req")
         try:
@@ -350,7 +330,6 @@ async def _transport(opts: ServeOptions, client, model_name: str):
     if opts.base_url is None:
         yield functools.partial(send_one, client)
         return
-    from pdserve.bench.http_client import HttpCompletions
 
     async with HttpCompletions(opts.base_url, model_name, opts.api_key) as http:
         yield http.send

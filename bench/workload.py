@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.bench.stats import lognormal_lengths
@@ -34,6 +34,25 @@ class BenchRequest:
     prompt: str | list[int]  # text or token ids
     prompt_len: int  # tokens (text prompts: 0 until the server's usage says)
     output_len: int  # max_tokens (sent with ignore_eos, so exactly this many)
+
+
+@dataclass
+class RequestOutcome:
+    """One request as the client saw it (seconds)."""
+
+    request_id: str
+    prompt_len: int  # the server's usage count when it sent one, else the dataset's
+    output_len: int = 0  # tokens received
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)  # gaps between later chunks
+    e2el: float = 0.0
+    start: float = 0.0  # sent at, from the benchmark's start
+    success: bool = False
+    error: str = ""  # status code and message of a failed request
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
 
 
 @dataclass(frozen=True)

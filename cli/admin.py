@@ -11,6 +11,7 @@ import grpc
 
 from pdserve.api.admin_client import AdminClient, control_plane_dict, pool_dict, worker_dict
 from pdserve.api.client import PdserveError
+from pdserve.cli.checklist import format_checklist
 from pdserve.cli.common import add_client_security, admin_security, fail
 
 
@@ -65,7 +66,6 @@ def _admin_call(prog: str, target: str, timeout: float, fn, security: dict | Non
 
 
 def cmd_status(args) -> int:
-
     pools, workers, plane = _admin_call(
         "pdserve status", args.target, args.timeout,
         lambda admin: (admin.get_pools(), admin.list_workers(), _control_plane(admin)),
@@ -101,7 +101,6 @@ def cmd_status(args) -> int:
         if w["kv_int8"]:
             print(f"{w['worker_id']}: int8 KV {w['kv_int8']}")
     if args.checklist:
-        from pdserve.cli.checklist import format_checklist
 
         traces = _admin_call("pdserve status", args.target, args.timeout,
                              lambda admin: _latest_traces(admin, args.checklist),

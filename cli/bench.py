@@ -7,7 +7,6 @@ import json
 import sys
 
 from pdserve.api.client import PdserveError
-from pdserve.bench.compare import COMPARE_SHAPE, CompareOptions, run_compare
 from pdserve.bench.flags import (
     add_compare_flags,
     add_plan_flags,
@@ -70,6 +69,9 @@ def _cmd_bench_serve(args) -> int:
 
 
 def _cmd_bench_compare(args) -> int:
+    # lazy: starts clusters, so it imports torch and ray (seconds), which bench serve does not need
+    from pdserve.bench.compare import COMPARE_SHAPE, CompareOptions, run_compare
+
     prog = "pdserve bench compare"
     given = {k: v for k, v in dict(
         rates=args.rates, num_prompts=args.num_prompts, memory_budget_mib=args.memory_budget_mib,
@@ -97,7 +99,6 @@ def _cmd_bench_compare(args) -> int:
     print(f"\nwrote {options.output_dir}/compare.json and " + ", ".join(
         p.rsplit("/", 1)[-1] for p in doc["plots"]))
     if args.save_result:
-        from pdserve.bench.report import dump_json
 
         dump_json(doc, args.save_result)
     return 0

@@ -1,4 +1,4 @@
-"""The ``pdserve`` command line (DESIGN.md sections 4 and 7): ``serve``, ``generate``,
+"""The ``pdserve`` command line (docs/interfaces.md): ``serve``, ``generate``,
 ``demo``, the operator commands ``status`` and ``drain`` (clients of ``pdserve.v1.Admin``),
 ``bench serve`` / ``bench compare`` (load benchmarks) and ``plan`` (the capacity planner).
 
@@ -28,6 +28,7 @@ from pdserve.cli.common import (
 )
 from pdserve.cluster.credentials import SecretError, refuse_secret_in_argv, resolve_secrets
 from pdserve.cluster.options import ClusterOptions
+from pdserve.cluster.redis_server import redact_url
 
 logger = logging.getLogger(__name__)
 SETTINGS_HELP = ("Every setting is a field of EngineConfig, RouterConfig or ClusterOptions; only "
@@ -202,8 +203,6 @@ def _cmd_serve(args) -> int:
         cluster.start_router()
         cluster.start_workers()
         cluster.wait_ready(120)
-        from pdserve.cluster.redis_server import redact_url
-
         http = f", OpenAI HTTP on {cluster.http_url}/v1" if cluster.http_url else ""
         print(f"pdserve: serving {cluster.model} with {_shape(options)} worker(s)\n"
               f"pdserve: gRPC on {options.host}:{cluster.port}{http}, metrics on "
@@ -278,6 +277,7 @@ def _cmd_demo(args) -> int:
     options = _checked_options(args, demo_options(), "pdserve demo", environ={})
     seed = engine_config(options).seed
     if args.offline:
+        # lazy: imports torch (seconds), which --help, status, drain and generate do not need
         from pdserve.cli.offline_demo import run_offline_demo
 
         run_offline_demo(num_requests=args.requests, seed=seed, model=options.model,
@@ -293,6 +293,7 @@ def _cmd_demo(args) -> int:
         report = run_demo(num_requests=args.requests, concurrency=args.concurrency, seed=seed,
                           options=options)
     except Exception as exc:  # a worker's user error (MemoryBudgetError) becomes one message
+        # lazy: imports torch (seconds), which --help, status, drain and generate do not need
         from pdserve.cli.preflight import user_error
 
         failure = user_error(exc)

@@ -1,6 +1,6 @@
 """The secrets of ``pdserve serve`` and ``demo``: API keys and the Redis password come from files
 or the environment, never from the command line, where ``ps`` and shell history show them
-(DESIGN.md section 8).
+(docs/security.md).
 
 | secret            | flag (a file, or a URL)     | environment                              |
 |-------------------|-----------------------------|------------------------------------------|

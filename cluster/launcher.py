@@ -34,6 +34,7 @@ import time
 import uuid
 from dataclasses import replace
 
+import grpc
 import ray
 
 from pdserve.api.client import PdserveClient, PdserveError
@@ -62,6 +63,7 @@ from pdserve.cluster.ray_env import init_ray
 from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.router_actor import RouterSpec, router_name, start_router_actor
 from pdserve.engine.config import EngineConfig
+from pdserve.models import tiny_model_dir
 from pdserve.router.auth import TLSConfig
 
 logger = logging.getLogger(__name__)
@@ -131,7 +133,6 @@ class EmbeddedCluster:
             self.redis_url = self._redis.url
         self.store = PoolStore(self.redis_url, self.cluster_name)
         if opts.model is None:
-            from pdserve.models import tiny_model_dir
 
             self.model = str(tiny_model_dir())
             logger.info("no --model: serving the built-in tiny model (random weights) from %s",
@@ -272,7 +273,6 @@ class EmbeddedCluster:
         while not all(self._ray.get([r.is_serving.remote() for r in self.routers],
                                     timeout=timeout)):
             if time.monotonic() > deadline:
-                import grpc
 
                 raise PdserveError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                    f"server not SERVING after {timeout} s")

@@ -1,4 +1,4 @@
-"""What a worker actor asks Ray for, and on which nodes each pool lands (DESIGN.md section 7).
+"""What a worker actor asks Ray for, and on which nodes each pool lands (docs/autoscaling.md).
 
 A worker asks Ray for what it uses:
 

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ClusterOptions:
-    """What ``pdserve serve`` is asked for (DESIGN.md section 4), plus test knobs."""
+    """What ``pdserve serve`` is asked for (docs/interfaces.md), plus test knobs."""
 
     model: str | None = None  # checkpoint folder; None = the built-in tiny model
     num_prefill: int = 1  # prefill worker actors (disaggregated mode)

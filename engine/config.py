@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.spec_config import SpeculativeConfig
 from pdserve.kernels import BACKENDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,7 +76,6 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs or priority, "
                              f"got {self.scheduling_policy!r}")
         if self.speculative_config is not None:  # keys and ranges (the draft is checked at build)
-            from pdserve.engine.spec_config import SpeculativeConfig
 
             SpeculativeConfig.from_dict(self.speculative_config)
         _positive_int("block_size", self.block_size)

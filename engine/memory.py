@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
+from pdserve.engine.kv_quant import INT8_SCHEMES, token_scale_bytes_per_block
 from pdserve.kernels import KVCacheLayer
 from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE
+from pdserve.models import ModelConfig
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -132,7 +134,6 @@ def bytes_per_block(mc, block_size: int, layer_dtypes) -> int:
 def kv_bytes_per_block(mc, config: EngineConfig, layer_dtypes) -> int:
     """One block over all layers as the pool stores it: K/V, plus the int8 layers' dynamic
     token scales under ``config.kv_int8_scales``."""
-    from pdserve.engine.kv_quant import INT8_SCHEMES, token_scale_bytes_per_block
 
     scales = token_scale_bytes_per_block(mc, config.block_size,
                                          INT8_SCHEMES[config.kv_int8_scales])
@@ -177,7 +178,6 @@ def draft_footprint(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]
     spec = config.speculative_config
     if not spec or spec.get("method", "draft_model" if "model" in spec else None) != "draft_model":
         return 0, 0
-    from pdserve.models import ModelConfig
 
     mc = ModelConfig.from_dir(spec["model"])
     elt = torch.finfo(dtype).bits // 8

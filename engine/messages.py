@@ -172,6 +172,7 @@ class WorkerStats:
     @property
     def utilization(self):
         """:class:`~pdserve.engine.roofline.Utilization` of these figures (what binds now)."""
+        # lazy: roofline imports torch; the router reads these messages without it
         from pdserve.engine.roofline import Utilization
 
         return Utilization(self.flops_per_s, self.bytes_per_s, self.peak_flops_per_s,

@@ -4,7 +4,7 @@ A block's hash is ``sha256(salt || parent || token ids as little-endian int64)``
 ``parent`` is the previous block's hash (32 zero bytes for the first block). Chaining means a
 hit on block ``i`` implies the whole prefix ``[0, (i + 1) * block_size)`` matches.
 
-Why a cryptographic hash with a salt (DESIGN.md section 8): with a predictable hash (Python's
+Why a cryptographic hash with a salt (docs/security.md): with a predictable hash (Python's
 ``hash`` of a tuple) a tenant can craft a prompt whose block collides with another tenant's
 cached block and read the KV computed from someone else's prompt, or probe which prompts are
 cached. sha256 makes collisions infeasible; the salt, one per cluster, makes the hashes of one

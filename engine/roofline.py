@@ -1,7 +1,8 @@
 """What one step costs in FLOPs and bytes, what this device can do, and which of the two binds.
 
-The arithmetic of DESIGN.md's opening (prefill is compute-bound, decode bandwidth-bound), shared
-by the capacity planner (``pdserve plan``) and by every worker, which reports what binds it now.
+The arithmetic behind the prefill/decode split (prefill is compute-bound, decode
+bandwidth-bound; docs/architecture.md), shared by the capacity planner (``pdserve plan``) and
+by every worker, which reports what binds it now.
 
 Per step of ``num_tokens`` new tokens, ``attended`` (query, key) pairs (the sum over new tokens
 of the context each attends to), ``num_context`` KV tokens read and ``num_sampled`` logits rows:

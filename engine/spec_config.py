@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.models import ModelConfig
+
 METHODS = ("draft_model", "ngram")
 MAX_SPECULATIVE_TOKENS = 16
 _KEYS = {"draft_model": ("method", "model", "num_speculative_tokens"),
@@ -64,8 +66,6 @@ class SpeculativeConfig:
 
 
 def _check_draft(model: str, target, max_model_len: int | None) -> None:
-    from pdserve.models import ModelConfig
-
     draft = ModelConfig.from_dir(model)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config.model: the draft's vocab_size ({draft.vocab_size}) "

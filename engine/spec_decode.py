@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.engine.memory import allocate_kv_caches
 from pdserve.engine.messages import RequestDelta
 from pdserve.engine.model_runner import Chunk, ModelRunner
 from pdserve.engine.rejection_sampler import (
@@ -66,6 +67,7 @@ from pdserve.engine.sampler import SamplingRow, inverse_cdf_draw, is_penalized
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_config import SpeculativeConfig
+from pdserve.models import ModelConfig, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +158,6 @@ class DraftModelProposer:
 
     @classmethod
     def build(cls, config: SpeculativeConfig, parts) -> DraftModelProposer:
-        from pdserve.engine.memory import allocate_kv_caches
-        from pdserve.models import ModelConfig, load_model
-
         runner = parts.runner
         dtype = next(runner.model.parameters()).dtype
         mc = ModelConfig.from_dir(config.model)

@@ -1,5 +1,5 @@
 """Who may call the router and what each caller may do, checked the same way on every front
-door (DESIGN.md section 8).
+door (docs/security.md).
 
 Keys. Every key travels as ``Authorization: Bearer KEY`` (HTTP) or ``authorization: Bearer KEY``
 metadata (gRPC) and is compared in constant time over sha256 digests (:class:`ApiKey`), so

@@ -1,6 +1,7 @@
 """Errors the router raises or receives from a backend, each mapped to one gRPC status code.
 
-The mapping (applied by ``pdserve.router.grpc_server``) follows DESIGN.md section 4:
+The mapping (applied by ``pdserve.router.grpc_server``) is part of the public API
+(docs/interfaces.md):
 
 | exception                 | gRPC code          | when                                           |
 |---------------------------|--------------------|------------------------------------------------|

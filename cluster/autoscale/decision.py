@@ -1,7 +1,7 @@
 """The autoscaler's decision: (metrics snapshot, controller state, config, now) -> targets.
 
 One controller, two loops: the prefill pool and the decode pool each grow and shrink by the
-signal of their own phase (DESIGN.md section 7). :func:`decide` is a pure function; the
+signal of their own phase (docs/autoscaling.md). :func:`decide` is a pure function; the
 runner (``pdserve.cluster.autoscale.runner``) builds the :class:`MetricsSnapshot` in the
 router actor, calls it every tick and hands the new targets to the pool manager, which makes
 them true (a scale-down is a drain: the worker leaves routing, finishes its streams, exits).

@@ -12,8 +12,9 @@ import pytest
 from pdserve.bench.compare import CompareOptions, derive_slos, run_compare, score
 from pdserve.bench.plots import write_plots
 from pdserve.bench.report import dump_json, format_compare, format_serve
-from pdserve.bench.serve import RequestOutcome, ServeOptions, compute_metrics
+from pdserve.bench.serve import ServeOptions, compute_metrics
 from pdserve.bench.workload import (
+    RequestOutcome,
     SyntheticShape,
     arrival_times,
     jsonl_requests,
