@@ -51,7 +51,7 @@ from pdserve.bench.failover import (
 from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
 from pdserve.cluster.processes import wait_gone
 from pdserve.router.core import RouterConfig
-from pdserve.testing import wait_for
+from pdserve.testing.waits import wait_for
 
 ORPHAN_S = 2.0  # router-killed: the workers' orphan_timeout_s
 BOUND_S = 60.0  # a scenario that has not recovered by then reports no recovery

@@ -40,12 +40,12 @@ from pdserve.engine.parts import EngineParts
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import measure_channel, measure_memcpy, measure_transfer
 from pdserve.models import tiny_model_dir
-from pdserve.models.tokenizer import Tokenizer
+from pdserve.models.checkpoint import open_checkpoint
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
-from pdserve.router.fake_backend import FakeBackend
 from pdserve.router.grpc_server import GenerationServer
+from pdserve.testing.fake_backend import FakeBackend
 
 MODEL = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
@@ -195,7 +195,7 @@ def detokenize_line(repeats: int = 5) -> str:
     on English text and on random ids (what a random-weight model emits: split characters)."""
 
 
-    tokenizer = Tokenizer.from_dir(tiny_model_dir())
+    tokenizer = open_checkpoint(tiny_model_dir()).tokenizer()
     text = tokenizer.encode("The quick brown fox jumps over the lazy dog, then rests. " * 20)
     rng = random.Random(0)
     noise = [rng.randrange(tokenizer.vocab_size) for _ in range(len(text))]

@@ -1,7 +1,7 @@
 """Streaming overhead per token: ``python -m pdserve.bench.http [--tokens N] [--rounds R]``.
 
 Prints; never asserts. In one run, on this machine, the same zero-compute backend
-(``pdserve.router.fake_backend.FakeBackend``: no model, one token per delta) streams N tokens
+(``pdserve.testing.fake_backend.FakeBackend``: no model, one token per delta) streams N tokens
 through each front door, and the time per token is compared with iterating the backend in
 process:
 
@@ -28,9 +28,9 @@ from pdserve.api.client import AsyncPdserveClient
 from pdserve.bench.stats import format_table
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import ModelSpec
-from pdserve.router.fake_backend import FakeBackend
 from pdserve.router.grpc_server import GenerationServer
 from pdserve.router.http_server import HttpServer
+from pdserve.testing.fake_backend import FakeBackend
 
 MODEL = ModelSpec("fake", max_context_tokens=1 << 20, vocab_size=64, eos_token_ids=())
 

@@ -26,8 +26,13 @@ import torch
 from pdserve.bench.stats import format_table
 from pdserve.kernels import torch_ops as ref
 from pdserve.kernels.kv_layout import KVCacheLayer
-from pdserve.kernels.testing import TOLERANCE, random_paged_batch, random_scales, relative_error
 from pdserve.kernels.torch_attention import paged_attention_torch, paged_decode_attention_torch
+from pdserve.testing.paged_batches import (
+    TOLERANCE,
+    random_paged_batch,
+    random_scales,
+    relative_error,
+)
 
 DECODE_TARGET = 0.80  # of the measured copy bandwidth
 PREFILL_TARGET = 0.50  # of the measured bf16 matmul rate

@@ -32,7 +32,8 @@ from pdserve.bench.workload import BenchRequest, RequestOutcome, SyntheticShape,
 from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.models import ModelConfig, tiny_model_dir
+from pdserve.models import tiny_model_dir
+from pdserve.models.checkpoint import open_checkpoint
 
 FIGURES = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT P50 ms"),
            ("median_tpot_ms", "TPOT P50 ms"))
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model = args.model or str(tiny_model_dir())
     shape = SyntheticShape(input_mean=args.input_len, output_mean=args.output_len, sigma=0.0)
-    vocab = ModelConfig.from_dir(model).vocab_size
+    vocab = open_checkpoint(model).model_config.vocab_size
     paths = args.paths.split(",")
     # every run its own prompts (of the same lengths): a run repeating an earlier run's
     # prompts would be served from the prefix cache

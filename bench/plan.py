@@ -39,6 +39,7 @@ from pdserve.engine.budget_check import meta_weight_bytes
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
 from pdserve.engine.roofline import BANDWIDTH, COMPUTE, StepCost, copy_bandwidth, matmul_rate
 from pdserve.models import ModelConfig
+from pdserve.models.checkpoint import open_checkpoint
 
 GiB = 1 << 30
 BATCH_MARGIN = 0.8  # max_batch = 80 % of the theoretical batch; workers planned 80 % busy
@@ -143,9 +144,8 @@ class PlanRequest:
 def model_weight_bytes(model_dir: str, mc: ModelConfig, dtype: torch.dtype) -> tuple[int, str]:
     """(bytes, how counted): the engine's count when the folder has weights, else the
     config's parameter count x dtype size."""
-
     try:
-        return meta_weight_bytes(Path(model_dir), mc, dtype), "checkpoint tensors"
+        return meta_weight_bytes(open_checkpoint(model_dir), mc, dtype), "checkpoint tensors"
     except (FileNotFoundError, ValueError):
         return mc.weight_bytes(dtype), "config parameter count"
 
@@ -160,7 +160,7 @@ def roofline_ms(flops: int, nbytes: int, hw: Hardware, mfu: float) -> dict:
 
 def make_plan(req: PlanRequest, hw: Hardware, mc: ModelConfig | None = None) -> dict:
     """The plan (the ``--json`` document); see the module docstring."""
-    mc = mc or ModelConfig.from_dir(req.model)
+    mc = mc or open_checkpoint(req.model).model_config
     config = req.engine_config(hw.device)
     dtype = config.resolve_dtype(mc.torch_dtype, torch.device(hw.device))
     max_model_len = config.max_model_len or mc.max_position_embeddings

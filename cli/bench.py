@@ -99,7 +99,6 @@ def _cmd_bench_compare(args) -> int:
     print(f"\nwrote {options.output_dir}/compare.json and " + ", ".join(
         p.rsplit("/", 1)[-1] for p in doc["plots"]))
     if args.save_result:
-
         dump_json(doc, args.save_result)
     return 0
 
@@ -109,7 +108,7 @@ def cmd_plan(args) -> int:
     from pdserve.bench.plan import DEFAULT_MFU, PlanRequest, make_plan
     from pdserve.bench.plan_measure import choose_hardware, measure
     from pdserve.engine.config import EngineConfig
-    from pdserve.models import ModelConfig, tiny_model_dir
+    from pdserve.models import open_checkpoint, tiny_model_dir
 
     prog = "pdserve plan"
     model = args.model or str(tiny_model_dir())
@@ -117,7 +116,7 @@ def cmd_plan(args) -> int:
     if margin is None:  # the seed's arithmetic, or the engine's own margin when measuring
         margin = EngineConfig(model="").memory_safety_margin if args.measure else 0.0
     try:
-        mc = ModelConfig.from_dir(model)
+        mc = open_checkpoint(model).model_config
         reserve = args.activation_reserve_gib
         req = PlanRequest(model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           kv_int8_keep_edge_layers=args.kv_int8_keep_edge_layers,

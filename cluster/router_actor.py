@@ -60,8 +60,7 @@ from pdserve.cluster.pools.settings import PoolSettings
 from pdserve.cluster.pools.store import PoolStore
 from pdserve.cluster.registry import Registry
 from pdserve.models.chat_template import load_chat_template
-from pdserve.models.config import ModelConfig
-from pdserve.models.tokenizer import Tokenizer
+from pdserve.models.checkpoint import open_checkpoint
 from pdserve.router.admin_server import PoolInfo, WorkerInfo
 from pdserve.router.auth import TLSConfig
 from pdserve.router.backend import ModelSpec
@@ -137,10 +136,10 @@ class ModelPromptTools:
 def model_spec_for(model_dir: str, max_model_len: int | None = None,
                    model_name: str | None = None):
     """(ModelSpec, tokenizer or None) of a checkpoint folder, as the workers will serve it."""
-
-    mc = ModelConfig.from_dir(model_dir)
+    checkpoint = open_checkpoint(model_dir)
+    mc = checkpoint.model_config
     try:
-        tokenizer = Tokenizer.from_dir(model_dir)
+        tokenizer = checkpoint.tokenizer()
     except (FileNotFoundError, ValueError) as exc:
         logger.warning("no tokenizer (%s): token-id prompts only", exc)
         tokenizer = None

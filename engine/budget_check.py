@@ -6,8 +6,6 @@ the loader does; GGUF weights counted dequantized, as loaded), the activations f
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from pdserve.engine import memory
@@ -15,15 +13,15 @@ from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
 from pdserve.engine.parts import ResolvedModel
 from pdserve.kernels.linear import can_pack
 from pdserve.models import ModelConfig, build_model
-from pdserve.models.loader import weight_tensor_names
+from pdserve.models.checkpoint import Checkpoint
 
 
-def meta_weight_bytes(model_dir: Path, mc: ModelConfig, dtype: torch.dtype,
+def meta_weight_bytes(checkpoint: Checkpoint, mc: ModelConfig, dtype: torch.dtype,
                       packed_head: bool = False) -> int:
     """What ``engine.memory.weight_bytes`` will count for the loaded model, read from the
     safetensors headers and a ``meta``-device model (no weight is read). ``packed_head``: the
     engine packs its GEMMs, so a head tied to the embedding gets a copy of its own."""
-    names = weight_tensor_names(model_dir)  # safetensors headers or a GGUF's tensor table
+    names = checkpoint.tensor_names()  # safetensors headers or a GGUF's tensor table
     model = build_model(mc, dtype=dtype, device="meta")
     tied = "lm_head.weight" not in names
     if tied:
@@ -41,7 +39,6 @@ def check_engine_fits(config: EngineConfig) -> int | None:
     a pinned ``num_kv_blocks``). Raises what the worker would: :class:`MemoryBudgetError`,
     ``ValueError`` for a context longer than the model's, ``FileNotFoundError`` for a folder
     with no checkpoint."""
-    model_dir = Path(config.model)
     resolved = ResolvedModel.of(config)
     mc, device, dtype = resolved.model_config, resolved.device, resolved.dtype
     backend, max_model_len = resolved.backend, resolved.max_model_len
@@ -49,10 +46,10 @@ def check_engine_fits(config: EngineConfig) -> int | None:
     if budget is None and device.type == "cpu":
         budget = DEFAULT_CPU_MEMORY_BUDGET
     if budget is None or config.num_kv_blocks is not None:
-        weight_tensor_names(model_dir)  # a folder without weights still fails here
+        resolved.checkpoint.tensor_names()  # a folder without weights still fails here
         return None
     packs = config.cpu_packed_gemm and can_pack(torch.empty(1, 1, dtype=dtype, device=device))
-    weights = meta_weight_bytes(model_dir, mc, dtype, packed_head=packs)
+    weights = meta_weight_bytes(resolved.checkpoint, mc, dtype, packed_head=packs)
     activations = memory.estimate_activation_bytes(mc, config, dtype, max_model_len,
                                                    attention_scratch=backend == "torch")
     layer_dtypes = memory.kv_layer_dtypes(mc.num_hidden_layers, dtype, config)

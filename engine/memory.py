@@ -21,7 +21,7 @@ from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
 from pdserve.engine.kv_quant import INT8_SCHEMES, token_scale_bytes_per_block
 from pdserve.kernels import KVCacheLayer
 from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE
-from pdserve.models import ModelConfig
+from pdserve.models.checkpoint import open_checkpoint
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -179,7 +179,7 @@ def draft_footprint(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]
     if not spec or spec.get("method", "draft_model" if "model" in spec else None) != "draft_model":
         return 0, 0
 
-    mc = ModelConfig.from_dir(spec["model"])
+    mc = open_checkpoint(spec["model"]).model_config
     elt = torch.finfo(dtype).bits // 8
     return (mc.num_parameters() * elt,
             bytes_per_block(mc, config.block_size, [dtype] * mc.num_hidden_layers))

@@ -24,7 +24,8 @@ from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dty
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.roofline import StepCost, UtilizationMeter
 from pdserve.kernels import resolve_backend
-from pdserve.models import ModelConfig, Tokenizer, load_model
+from pdserve.models import Checkpoint, ModelConfig, Tokenizer
+from pdserve.models.checkpoint import open_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 class ResolvedModel:
     """What an engine config means on this machine, before any weight is read."""
 
+    checkpoint: Checkpoint
     model_config: ModelConfig
     device: torch.device
     dtype: torch.dtype  # the dtype weights and activations run in
@@ -41,14 +43,15 @@ class ResolvedModel:
 
     @classmethod
     def of(cls, config: EngineConfig) -> ResolvedModel:
-        mc = ModelConfig.from_dir(config.model)
+        checkpoint = open_checkpoint(config.model)
+        mc = checkpoint.model_config
         device = config.resolve_device()
         dtype = config.resolve_dtype(getattr(mc, "torch_dtype", None), device)
         max_model_len = config.max_model_len or mc.max_position_embeddings
         if max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({mc.max_position_embeddings})")
-        return cls(mc, device, dtype, resolve_backend(config.attention_backend, device),
+        return cls(checkpoint, mc, device, dtype, resolve_backend(config.attention_backend, device),
                    max_model_len)
 
 
@@ -72,13 +75,13 @@ class EngineParts:
         backend, max_model_len = resolved.backend, resolved.max_model_len
         if device.type == "cpu":
             keep_freed_host_memory()
-        model = load_model(config.model, dtype=dtype, device=device)
+        model = resolved.checkpoint.load(dtype, device)
         if config.cpu_packed_gemm:
             model.pack_linears()  # (a no-op but on a CPU in float32)
         ledger = plan_kv_pool(mc, config, model, dtype, device, max_model_len, backend)
         layer_dtypes = kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
         try:
-            tokenizer = Tokenizer.from_dir(config.model)
+            tokenizer = resolved.checkpoint.tokenizer()
         except (FileNotFoundError, ValueError) as exc:
             logger.info("no tokenizer (%s): token-id prompts only, empty text", exc)
             tokenizer = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.models import ModelConfig
+from pdserve.models.checkpoint import open_checkpoint
 
 METHODS = ("draft_model", "ngram")
 MAX_SPECULATIVE_TOKENS = 16
@@ -66,7 +66,7 @@ class SpeculativeConfig:
 
 
 def _check_draft(model: str, target, max_model_len: int | None) -> None:
-    draft = ModelConfig.from_dir(model)
+    draft = open_checkpoint(model).model_config
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config.model: the draft's vocab_size ({draft.vocab_size}) "
                          f"must equal the target's vocab_size ({target.vocab_size})")

@@ -67,7 +67,8 @@ from pdserve.engine.sampler import SamplingRow, inverse_cdf_draw, is_penalized
 from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_config import SpeculativeConfig
-from pdserve.models import ModelConfig, load_model
+from pdserve.models import load_model
+from pdserve.models.checkpoint import open_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class DraftModelProposer:
     def build(cls, config: SpeculativeConfig, parts) -> DraftModelProposer:
         runner = parts.runner
         dtype = next(runner.model.parameters()).dtype
-        mc = ModelConfig.from_dir(config.model)
+        mc = open_checkpoint(config.model).model_config
         model = load_model(config.model, dtype=dtype, device=runner.device)
         caches = allocate_kv_caches(mc, parts.ledger, [dtype] * mc.num_hidden_layers,
                                     runner.device)

@@ -1,7 +1,7 @@
 """Typed model configuration parsed from a Hugging Face checkpoint folder.
 
-``ModelConfig.from_dir(path)`` reads ``config.json`` (and ``generation_config.json`` when present)
-and normalises the differences between the four supported families and between the two ways
+``ModelConfig.from_hf_folder(path)`` reads ``config.json`` (and ``generation_config.json`` when
+present) and normalises the differences between the four supported families and between the two ways
 transformers writes RoPE settings:
 
 * old style: top-level ``rope_theta`` plus ``rope_scaling`` ({"type" | "rope_type": ..., "factor"})
@@ -217,14 +217,9 @@ class ModelConfig:
                              f"{self.layer_sliding_windows}")
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """Parse ``model_dir/config.json`` (+ generation_config.json when present), or the
-        metadata of a GGUF file / a folder holding one (:mod:`pdserve.models.gguf`)."""
-        from pdserve.models.gguf import GGUFCheckpoint, find_gguf_file
-
-        gguf_file = find_gguf_file(model_dir)
-        if gguf_file is not None:
-            return GGUFCheckpoint(gguf_file).model_config
+    def from_hf_folder(cls, model_dir: str | Path) -> ModelConfig:
+        """Parse ``model_dir/config.json`` (+ generation_config.json when present). Any
+        checkpoint, GGUF included: ``models.checkpoint.open_checkpoint(path).model_config``."""
         model_dir = Path(model_dir)
         path = model_dir / "config.json"
         if not path.is_file():

@@ -2,7 +2,7 @@
 
 ``LLM("model.gguf")``, ``pdserve serve --model model.gguf`` and a folder holding exactly one
 ``.gguf`` (and no ``config.json``) all come here through :func:`find_gguf_file`, which
-``ModelConfig.from_dir``, ``load_model`` and ``Tokenizer.from_dir`` call first.
+``models.checkpoint.open_checkpoint`` calls first.
 
 Steps, each with an error naming the file, key or tensor at fault:
 
@@ -41,10 +41,16 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from pdserve.models.config import ModelConfig
+from pdserve.models.gguf_tokenizer import tokenizer_from_metadata
+from pdserve.models.llama import build_model
+from pdserve.models.loader import check_tensors, copy_tensor
+from pdserve.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +108,6 @@ def _float(value) -> float:
 
 
 def _can_dequantize(qtype) -> bool:
-    import gguf
-
     if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
         return True
     # gguf.quants registers one class per type it can dequantize (BF16, Q*_0/1, K and IQ types)
@@ -121,12 +125,9 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 class GGUFCheckpoint:
     """One GGUF file: its metadata, config, tensor inventory, weights and tokenizer."""
 
+    format = "gguf"
+
     def __init__(self, path: str | Path):
-        try:
-            import gguf
-        except ImportError as exc:  # a dependency, but say what to do if it is missing
-            raise ImportError("loading .gguf files needs the gguf package: pip install gguf") \
-                from exc
         self.path = Path(path)
         try:
             self.reader = gguf.GGUFReader(self.path, "r")
@@ -248,10 +249,8 @@ class GGUFCheckpoint:
         return ModelConfig.from_dict(cfg, eos_token_ids=tuple(self.eos_token_ids),
                                      bos_token_id=cfg["bos_token_id"])
 
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         """The file's tokenizer (:mod:`pdserve.models.gguf_tokenizer`)."""
-        from pdserve.models.gguf_tokenizer import tokenizer_from_metadata
-
         return tokenizer_from_metadata(self.metadata, tuple(self.eos_token_ids), self.path.name)
 
     # -- tensors --------------------------------------------------------------------------
@@ -281,8 +280,6 @@ class GGUFCheckpoint:
 
     def dequantized(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as float32 in torch's shape, q/k rows unpermuted (llama)."""
-        import gguf
-
         tensor = self.tensors[name]
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = gguf.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
@@ -302,13 +299,12 @@ class GGUFCheckpoint:
             return None
         return self.dequantized(ROPE_FREQS).reshape(-1)
 
+    def tensor_names(self) -> set[str]:
+        """Hugging Face names of the file's weight tensors, from its tensor table."""
+        return set(self.inventory())
+
     def load(self, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
         """The model with every tensor dequantized to ``dtype`` on ``device``."""
-        from tqdm.auto import tqdm
-
-        from pdserve.models.llama import build_model
-        from pdserve.models.loader import check_tensors, copy_tensor
-
         start = time.perf_counter()
         config = self.model_config
         found = self.inventory()
@@ -333,8 +329,3 @@ class GGUFCheckpoint:
                     config.model_type, config.num_parameters() / 1e6, self.weight_types(),
                     time.perf_counter() - start)
         return model
-
-
-def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> torch.nn.Module:
-    return GGUFCheckpoint(path).load(dtype, device)

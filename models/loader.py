@@ -26,7 +26,6 @@ import torch
 from safetensors import safe_open
 
 from pdserve.models.config import ModelConfig
-from pdserve.models.gguf import GGUFCheckpoint, find_gguf_file, load_gguf_model
 from pdserve.models.llama import build_model
 
 logger = logging.getLogger(__name__)
@@ -173,21 +172,11 @@ def _copy_weights(model, config: ModelConfig, found, tie: bool) -> None:
                 copy_tensor(model, config, name, f.get_tensor(name))
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> torch.nn.Module:
-    """Load a Hugging Face checkpoint folder, or a GGUF file (or a folder holding one: see
-    :mod:`pdserve.models.gguf`); see the module docstring for the steps."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, "
-                         f"got {dtype}")
-    gguf_file = find_gguf_file(model_dir)
-    if gguf_file is not None:
-        return load_gguf_model(gguf_file, dtype=dtype, device=device)
+def load_hf_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype,
+                  device: torch.device | str) -> torch.nn.Module:
+    """Load a Hugging Face checkpoint folder whose config is ``config``; see the module
+    docstring for the steps."""
     start = time.perf_counter()
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"model folder {model_dir} does not exist")
-    config = ModelConfig.from_dir(model_dir)
     files = find_weight_files(model_dir)
     found = _inventory(files)
     tie = check_tensors(config, found)
@@ -201,14 +190,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     return model
 
 
-def weight_tensor_names(model_dir: str | Path) -> set[str]:
-    """Hugging Face names of the tensors a checkpoint holds, read from headers only (the
-    safetensors headers, or a GGUF file's tensor table); raises when there are no weights."""
-    gguf_file = find_gguf_file(model_dir)
-    if gguf_file is not None:
-        return set(GGUFCheckpoint(gguf_file).inventory())
+def hf_tensor_names(model_dir: Path) -> set[str]:
+    """Names of the tensors a Hugging Face folder holds, read from the safetensors headers
+    only; raises when there are no weights."""
     names: set[str] = set()
-    for path in find_weight_files(Path(model_dir)):
+    for path in find_weight_files(model_dir):
         with safe_open(path, framework="pt") as f:
             names.update(f.keys())
     return names

@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from pdserve.models.config import ModelConfig
+from pdserve.models.loader import hf_tensor_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ tokens, and the tokenizer turns them back into words that people can read and un
 
 def _train_tokenizer():
     """Byte-level BPE, deterministic for a given ``tokenizers`` version."""
+    # lazy: its names (models, Tokenizer) would shadow ours at module level
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -111,7 +113,6 @@ def _train_tokenizer():
 
 def _random_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
     """Seeded weights: matrices ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.1)."""
-    from pdserve.models.loader import hf_tensor_shapes
 
     gen = torch.Generator().manual_seed(TINY_SEED)
     tensors = {}

@@ -46,15 +46,10 @@ class Tokenizer:
         self.chat_template: str | None = chat_template  # Jinja template, when the model has one
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+    def from_hf_folder(cls, model_dir: str | Path) -> Tokenizer:
         """Read ``tokenizer.json`` (+ tokenizer_config.json, generation_config.json,
-        config.json when present) from a checkpoint folder; from a GGUF file (or a folder
-        holding one) build it from the metadata (:mod:`pdserve.models.gguf_tokenizer`)."""
-        from pdserve.models.gguf import GGUFCheckpoint, find_gguf_file
-
-        gguf_file = find_gguf_file(model_dir)
-        if gguf_file is not None:
-            return GGUFCheckpoint(gguf_file).tokenizer()
+        config.json when present) from a Hugging Face checkpoint folder. Any checkpoint, GGUF
+        included: ``models.checkpoint.open_checkpoint(path).tokenizer()``."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():

@@ -1,7 +1,7 @@
 """What the gRPC front door needs from whatever generates tokens behind it.
 
 Two implementations are planned: an in-process engine (colocated, one process) and the
-disaggregated router core (prefill + decode workers). ``pdserve.router.fake_backend`` is a
+disaggregated router core (prefill + decode workers). ``pdserve.testing.fake_backend`` is a
 model-free one for tests and for measuring the streaming overhead.
 
 Call order for one request, as ``pdserve.router.grpc_server`` makes it:

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from pdserve.router.fake_backend import FakeBackend
 from pdserve.router.grpc_server import GenerationServer
-from pdserve.testing import wait_for
+from pdserve.testing.fake_backend import FakeBackend
+from pdserve.testing.waits import wait_for
 
 
 class BackgroundServer:

@@ -11,9 +11,9 @@ import pytest
 
 from pdserve.cli.main import main
 from pdserve.router.admin_server import WorkerInfo
-from pdserve.router.fake_admin import FakeAdmin
-from pdserve.router.fake_backend import FakeBackend
 from pdserve.router.grpc_server import GenerationServer
+from pdserve.testing.fake_admin import FakeAdmin
+from pdserve.testing.fake_backend import FakeBackend
 
 WORKER_KEYS = {"worker_id", "role", "node", "pid", "state", "running", "waiting",
                "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts",

@@ -14,9 +14,9 @@ import pytest
 from pdserve.cli.main import main
 from pdserve.cluster.credentials import SecretError, resolve_secrets
 from pdserve.cluster.options import ClusterOptions
-from pdserve.router.fake_admin import FakeAdmin
-from pdserve.router.fake_backend import FakeBackend
 from pdserve.router.grpc_server import GenerationServer
+from pdserve.testing.fake_admin import FakeAdmin
+from pdserve.testing.fake_backend import FakeBackend
 
 SECRET = "s3cret-value-42"
 # A budget too small for any model: should the check under test let a command line through,

@@ -14,7 +14,7 @@ from pdserve.cluster.control_plane import ControlPlaneHealth, ResilientDirectory
 from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.router.metrics import RouterMetrics
-from pdserve.testing import wait_for
+from pdserve.testing.waits import wait_for
 
 
 class Remote:

@@ -6,7 +6,7 @@ import uuid
 
 from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.registry import Registry, WorkerRecord
-from pdserve.testing import wait_for
+from pdserve.testing.waits import wait_for
 
 
 def test_heartbeat_roundtrip_and_roles(redis_url):

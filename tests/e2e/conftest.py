@@ -33,7 +33,7 @@ import pytest
 from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
 from pdserve.cluster.processes import is_running
 from pdserve.cluster.redis_server import RedisServer, free_port
-from pdserve.testing import wait_for
+from pdserve.testing.waits import wait_for
 
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=32)
 WAIT_S = 30.0  # bound on waiting for an asynchronous effect
@@ -160,7 +160,7 @@ class Helpers:
 
         return asyncio.run(main())
 
-    wait_for = staticmethod(wait_for)  # pdserve.testing.wait_for: the one polling helper
+    wait_for = staticmethod(wait_for)  # pdserve.testing.waits.wait_for: the one polling helper
 
     @staticmethod
     def used_blocks(cluster: EmbeddedCluster) -> dict[str, int]:

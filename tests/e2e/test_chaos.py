@@ -4,8 +4,8 @@ loop made to raise, a step longer than the registry TTL, deadlines at a stalled 
 One 2 prefill + 2 decode cluster serves the module; every test ends with the pools back at
 their targets and every live worker's blocks back to zero. Every stream (greedy and seeded
 sampling) must be its request's draws at every position, which a lost or repeated token fails
-(``pdserve.draw_check``: up to float rounding, since a request's logits change in the last bits
-with the batch it shares).
+(``pdserve.testing.draw_check``: up to float rounding, since a request's logits change in the
+last bits with the batch it shares).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pdserve.bench.failover import (
     sigkill_busiest,
     stream_all,
 )
-from pdserve.draw_check import draw_problems
+from pdserve.testing.draw_check import draw_problems
 
 pytestmark = pytest.mark.e2e
 

@@ -223,7 +223,7 @@ def start_redis(statefulset: dict, secrets, machine: Machine, tmp_path) -> subpr
                             stderr=subprocess.STDOUT, start_new_session=True)
     port = next(iter(machine.ports["redis"].values()))
     client = redis.Redis(host="127.0.0.1", port=port, password=env["REDIS_PASSWORD"])
-    from pdserve.testing import wait_for
+    from pdserve.testing.waits import wait_for
 
     wait_for(lambda: proc.poll() is None and client.ping(), 20, "the chart's Redis")
     client.close()

@@ -22,7 +22,7 @@ import pytest
 
 from pdserve.bench.chaos_routers import error_lines, sigterm_and_wait
 from pdserve.bench.failover import StreamRecord, chaos_requests, stream_one
-from pdserve.testing import wait_for
+from pdserve.testing.waits import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

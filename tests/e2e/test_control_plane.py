@@ -5,8 +5,8 @@ heartbeats every 0.5 s). Under 16 live streams Redis is flushed, then SIGKILLed 
 again; then it stays down longer than the TTL while new requests arrive; then garbage is
 written into every key family the cluster uses; last, the router actor is killed while its
 workers look older than the start timeout. Every stream must complete with its request's
-draws (``pdserve.draw_check``), no worker may be replaced, no pool may shrink, and Redis must
-hold everything again within 10 s of being back (``bench.chaos_redis.control_plane_restored``,
+draws (``pdserve.testing.draw_check``), no worker may be replaced, no pool may shrink, and Redis
+must hold everything again within 10 s of being back (``bench.chaos_redis.control_plane_restored``,
 which the chaos scenarios use too). Tests run in file order on the shared cluster.
 """
 
@@ -33,7 +33,7 @@ from pdserve.bench.chaos_redis import (
 )
 from pdserve.bench.failover import chaos_requests, stream_all
 from pdserve.cluster.processes import is_running
-from pdserve.draw_check import draw_problems
+from pdserve.testing.draw_check import draw_problems
 
 pytestmark = pytest.mark.e2e
 

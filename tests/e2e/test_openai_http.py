@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from pdserve.api.client import ClientTLS, PdserveClient, PdserveError
-from pdserve.testing import make_test_certificates
+from pdserve.testing.certificates import make_test_certificates
 
 pytestmark = pytest.mark.e2e
 

@@ -21,9 +21,9 @@ from pdserve.bench.failover import (
     stream_all,
     stream_one,
 )
-from pdserve.draw_check import draw_problems
 from pdserve.router.core import RouterConfig
-from pdserve.testing import async_wait_for
+from pdserve.testing.draw_check import draw_problems
+from pdserve.testing.waits import async_wait_for
 
 pytestmark = pytest.mark.e2e
 

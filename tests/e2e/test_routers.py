@@ -24,7 +24,7 @@ import pytest
 
 from pdserve.bench.chaos_routers import decode_mailboxes, forgotten_by_decode_workers, kill_router
 from pdserve.bench.failover import StreamRecord, chaos_requests, stream_one
-from pdserve.testing import async_wait_for
+from pdserve.testing.waits import async_wait_for
 
 pytestmark = pytest.mark.e2e
 

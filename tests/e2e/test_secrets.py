@@ -32,7 +32,7 @@ import pytest
 from pdserve.api.admin_client import AdminClient
 from pdserve.api.client import PdserveError
 from pdserve.cluster.redis_server import find_redis_server, free_port
-from pdserve.testing import wait_for
+from pdserve.testing.waits import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

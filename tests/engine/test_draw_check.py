@@ -1,5 +1,5 @@
-"""The check the fault tests apply to streams (``pdserve.draw_check``), on the chaos tests' own
-workload, offline.
+"""The check the fault tests apply to streams (``pdserve.testing.draw_check``), on the chaos
+tests' own workload, offline.
 
 Batched, a seeded request's logits differ from the same request alone in the last bits, so its
 tokens may flip where a draw sits on a rounding boundary; the check accepts those and nothing
@@ -15,7 +15,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.failover import chaos_requests
-from pdserve.draw_check import draw_problems
+from pdserve.testing.draw_check import draw_problems
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ from pdserve.engine.kv_quant import (
 from pdserve.kernels import KVCacheLayer
 from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE
 from pdserve.kv_transfer import layers_nbytes, pack_layers, unpack_layers
-from pdserve.models import ModelConfig, Tokenizer, load_model
+from pdserve.models import load_model
+from pdserve.models.checkpoint import open_checkpoint
 
 SCHEMES = sorted(INT8_SCHEMES)
 
@@ -29,7 +30,7 @@ def model_dir(hf_checkpoint):
 
 
 def test_calibration_is_real_text_only(model_dir):
-    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer = open_checkpoint(model_dir).tokenizer()
     prompts, known = calibration_prompts(tokenizer, vocab_size=512, max_len=64)
     assert known == 1.0  # (a byte-level tokenizer has no unknown token)
     text_ids = [tokenizer.encode(t) for t in CALIBRATION_TEXTS]
@@ -38,7 +39,7 @@ def test_calibration_is_real_text_only(model_dir):
     # every prompt is a window of one calibration text: no random ids anywhere
     joined = [" ".join(map(str, ids)) for ids in text_ids]
     assert all(any(" ".join(map(str, p)) in j for j in joined) for p in prompts)
-    mc = ModelConfig.from_dir(model_dir)
+    mc = open_checkpoint(model_dir).model_config
     model = load_model(model_dir)
     with pytest.raises(ValueError, match="needs the checkpoint's tokenizer.*'token'"):
         calibrate_kv_scales(model, mc, [torch.int8] * 2, torch.device("cpu"), "torch", None)
@@ -49,11 +50,11 @@ def test_calibration_is_real_text_only(model_dir):
 
 
 def test_scales_are_per_channel_and_cover_calibration(model_dir):
-    mc = ModelConfig.from_dir(model_dir)
+    mc = open_checkpoint(model_dir).model_config
     model = load_model(model_dir)
     dtypes = [torch.int8] * mc.num_hidden_layers
     scales, calibration = calibrate_kv_scales(model, mc, dtypes, torch.device("cpu"), "torch",
-                                              Tokenizer.from_dir(model_dir),
+                                              open_checkpoint(model_dir).tokenizer(),
                                               scheme=INT8_SCHEMES["kivi"])
     assert calibration.source == "text" and calibration.num_tokens > 0
     assert len(scales) == mc.num_hidden_layers

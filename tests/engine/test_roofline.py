@@ -19,10 +19,12 @@ from pdserve.engine.roofline import (
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.worker_stats import engine_stats
 from pdserve.models import ModelConfig
+from pdserve.models.checkpoint import open_checkpoint
 
 
 def _tiny_cost(tiny_dir) -> tuple[ModelConfig, StepCost]:
-    mc = ModelConfig.from_dir(tiny_dir)  # hidden 128, 4 layers, 4 heads x 32, 2 KV heads, I 256
+    # hidden 128, 4 layers, 4 heads x 32, 2 KV heads, I 256
+    mc = open_checkpoint(tiny_dir).model_config
     return mc, StepCost.for_model(mc, weight_bytes=1000, kv_bytes_per_token=10)
 
 

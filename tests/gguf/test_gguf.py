@@ -15,7 +15,8 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.models import ModelConfig, Tokenizer, load_model
+from pdserve.models import load_model
+from pdserve.models.checkpoint import open_checkpoint
 
 PROMPTS = [list(range(3, 40)), [7, 300, 11, 42, 99, 5, 5, 17, 250, 480, 1]]
 MAX_TOKENS = 8
@@ -44,7 +45,7 @@ def _transformers(model) -> list[list[int]]:
 def test_config_and_f32_weights_equal_the_safetensors_checkpoint(name, gguf_file, hf_checkpoint):
     path = gguf_file(name, name=f"tiny {name}")
     ref_dir = hf_checkpoint(name)
-    ours, ref = ModelConfig.from_dir(path), ModelConfig.from_dir(ref_dir)
+    ours, ref = open_checkpoint(path).model_config, open_checkpoint(ref_dir).model_config
     for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                   "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "rms_norm_eps", "rope_theta", "tie_word_embeddings", "attention_bias",
@@ -98,7 +99,7 @@ def test_tokenizer_matches_transformers(kind, pre, gguf_file):
     from transformers import AutoTokenizer
 
     path = gguf_file("llama-gqa", tokenizer=kind, pre=pre, chat_template="{{ messages }}")
-    ours = Tokenizer.from_dir(path.parent)  # the folder holding the one .gguf
+    ours = open_checkpoint(path.parent).tokenizer()  # the folder holding the one .gguf
     ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     for text in TEXTS:
         ids = ours.encode(text)
@@ -133,7 +134,7 @@ def test_errors_name_what_is_unsupported(gguf_file, tmp_path):
     import numpy as np
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        ModelConfig.from_dir(tmp_path / "missing.gguf")
+        _ = open_checkpoint(tmp_path / "missing.gguf").model_config
     two = tmp_path / "two"
     two.mkdir()
     for name in ("a.gguf", "b.gguf"):
@@ -153,7 +154,7 @@ def test_errors_name_what_is_unsupported(gguf_file, tmp_path):
         return str(tmp_path / name)
 
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture.*'gpt2'"):
-        ModelConfig.from_dir(write("gpt2.gguf", "gpt2", {}))
+        _ = open_checkpoint(write("gpt2.gguf", "gpt2", {})).model_config
     ints = write("ints.gguf", "llama", {"token_embd.weight": np.zeros((8, 4), np.int32)})
     with pytest.raises(ValueError, match="has type I32, which the gguf package cannot"):
         from pdserve.models.gguf import GGUFCheckpoint

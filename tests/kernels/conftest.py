@@ -19,7 +19,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from pdserve.kernels.testing import new_seed, poison_  # noqa: E402
+from pdserve.testing.paged_batches import new_seed, poison_  # noqa: E402
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.testing import TOLERANCE, random_paged_batch, relative_error
 from pdserve.kernels.torch_attention import paged_decode_attention_torch
+from pdserve.testing.paged_batches import TOLERANCE, random_paged_batch, relative_error
 
 pytestmark = pytest.mark.triton
 

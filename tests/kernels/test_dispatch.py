@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve import kernels
-from pdserve.kernels.testing import TOLERANCE, random_paged_batch, relative_error
+from pdserve.testing.paged_batches import TOLERANCE, random_paged_batch, relative_error
 
 
 def test_resolve_backend():
@@ -62,7 +62,7 @@ def test_cpu_path_never_imports_triton():
     code = textwrap.dedent("""
         import sys, torch
         from pdserve import kernels
-        from pdserve.kernels.testing import random_paged_batch
+        from pdserve.testing.paged_batches import random_paged_batch
         from pdserve.models.attention import Attention, AttentionMetadata
         b = random_paged_batch([5], [5], 2, 1, 16, 4, torch.float32, torch.Generator())
         meta = AttentionMetadata(b.slot_mapping, b.cu_seqlens_q, b.context_lens,

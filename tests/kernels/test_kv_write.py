@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE, KVCacheLayer
-from pdserve.kernels.testing import poison_, random_scales
 from pdserve.kernels.torch_ops import dequantize, quantize_int8, write_kv_torch
+from pdserve.testing.paged_batches import poison_, random_scales
 
 pytestmark = pytest.mark.triton
 

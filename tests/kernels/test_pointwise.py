@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.testing import TOLERANCE, relative_error
 from pdserve.kernels.torch_ops import rms_norm_torch, rotary_torch, silu_and_mul_torch
+from pdserve.testing.paged_batches import TOLERANCE, relative_error
 
 pytestmark = pytest.mark.triton
 

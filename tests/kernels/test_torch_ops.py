@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from pdserve.kernels import torch_attention
 from pdserve.kernels import torch_ops as ref
 from pdserve.kernels.kv_layout import KVCacheLayer
-from pdserve.kernels.testing import TOLERANCE, random_paged_batch, relative_error
+from pdserve.testing.paged_batches import TOLERANCE, random_paged_batch, relative_error
 
 
 def _naive_context(cache: KVCacheLayer, table: torch.Tensor, ctx: int):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from pdserve.models.chat_template import ChatTemplateError, load_chat_template
-from pdserve.models.tokenizer import Tokenizer
+from pdserve.models.checkpoint import open_checkpoint
 
 CHATML = ("{{ bos_token }}{% for message in messages %}"
           "{% if loop.index0 == 0 and message['role'] != 'system' and false %}{% endif %}"
@@ -47,7 +47,7 @@ def test_renders_like_transformers(tmp_path, tiny_dir, where):
                                                  {"name": "tool_use", "template": "x"}],
                 "jinja_file": None}[where]
     folder = _checkpoint(tmp_path, tiny_dir, template, CHATML if where == "jinja_file" else None)
-    tokenizer = Tokenizer.from_dir(folder)
+    tokenizer = open_checkpoint(folder).tokenizer()
     ours = load_chat_template(folder, tokenizer)
     theirs = AutoTokenizer.from_pretrained(folder)
     for messages in CONVERSATIONS:
@@ -65,11 +65,11 @@ def test_renders_like_transformers(tmp_path, tiny_dir, where):
 
 def test_raise_exception_and_missing_template(tmp_path, tiny_dir):
     folder = _checkpoint(tmp_path, tiny_dir, STRICT)
-    template = load_chat_template(folder, Tokenizer.from_dir(folder))
+    template = load_chat_template(folder, open_checkpoint(folder).tokenizer())
     assert template.render(CONVERSATIONS[0], False) == "[user] Hello there\n</s>"
     with pytest.raises(ChatTemplateError, match="alternate"):
         template.render([{"role": "assistant", "content": "first"}])
-    assert load_chat_template(tiny_dir, Tokenizer.from_dir(tiny_dir)) is None
+    assert load_chat_template(tiny_dir, open_checkpoint(tiny_dir).tokenizer()) is None
     with pytest.raises(ValueError, match="compile"):
         load_chat_template(_checkpoint(tmp_path / "b", tiny_dir, "{% for %}"))
 

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from pdserve.models.checkpoint import open_checkpoint
 from pdserve.models.config import ModelConfig
 
 BASE = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
@@ -90,23 +91,23 @@ def test_sliding_windows():
 def test_eos_bos_from_generation_config_then_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, "eos_token_id": 7,
                                                       "bos_token_id": 5}))
-    c = ModelConfig.from_dir(tmp_path)
+    c = open_checkpoint(tmp_path).model_config
     assert c.eos_token_ids == (7,) and c.bos_token_id == 5
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7, 9]}))
-    c = ModelConfig.from_dir(tmp_path)
+    c = open_checkpoint(tmp_path).model_config
     assert c.eos_token_ids == (9, 7) and c.bos_token_id == 5
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 3,
                                                                  "bos_token_id": 4}))
-    c = ModelConfig.from_dir(tmp_path)
+    c = open_checkpoint(tmp_path).model_config
     assert c.eos_token_ids == (3,) and c.bos_token_id == 4
 
 
 def test_missing_config_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        ModelConfig.from_dir(tmp_path)
+        _ = open_checkpoint(tmp_path).model_config
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        ModelConfig.from_dir(tmp_path)
+        _ = open_checkpoint(tmp_path).model_config
 
 
 def test_dtype_field_both_spellings():
@@ -122,7 +123,7 @@ def test_kv_bytes_per_token():
 
 
 def test_num_parameters_matches_transformers(family_case, hf_model):
-    config = ModelConfig.from_dir(family_case.path)
+    config = open_checkpoint(family_case.path).model_config
     hf = hf_model(family_case.path)
     assert config.num_parameters() == sum(p.numel() for p in hf.parameters())
     assert config.weight_bytes(torch.bfloat16) == 2 * config.num_parameters()

@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from pdserve.models import Tokenizer, load_model, tiny_model_dir
+from pdserve.models import load_model, tiny_model_dir
+from pdserve.models.checkpoint import open_checkpoint
 from pdserve.models.tiny import TINY_FILES, TINY_VERSION
 
 TEXTS = ["Hello, world!", "", "  leading spaces and\ttabs\nnewlines", "ünïcödé 日本語 🙂",
@@ -17,7 +18,7 @@ TEXTS = ["Hello, world!", "", "  leading spaces and\ttabs\nnewlines", "ünïcöd
 
 
 def test_round_trip_and_bos(tiny_dir):
-    tok = Tokenizer.from_dir(tiny_dir)
+    tok = open_checkpoint(tiny_dir).tokenizer()
     assert tok.bos_token_id == 1 and tok.eos_token_ids == (2,)
     assert tok.vocab_size == 480
     for text in TEXTS:
@@ -36,21 +37,21 @@ def test_add_bos_token_in_tokenizer_config_wins(tiny_dir, tmp_path):
         shutil.copy(tiny_dir / name, tmp_path / name)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"add_bos_token": False, "bos_token": "<s>", "eos_token": {"content": "<pad>"}}))
-    tok = Tokenizer.from_dir(tmp_path)
+    tok = open_checkpoint(tmp_path).tokenizer()
     assert tok.encode("hi")[0] != 1
     assert tok.eos_token_ids == (2, 0)  # generation_config's eos plus tokenizer_config's
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True}))
-    tok = Tokenizer.from_dir(tmp_path)
+    tok = open_checkpoint(tmp_path).tokenizer()
     assert tok.encode("hi") == [1, *tok.encode("hi", add_special_tokens=False)]
 
 
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        Tokenizer.from_dir(tmp_path)
+        open_checkpoint(tmp_path).tokenizer()
 
 
 def test_checkpoint_tokenizers_stay_inside_model_vocab(family_case):
-    tok = Tokenizer.from_dir(family_case.path)
+    tok = open_checkpoint(family_case.path).tokenizer()
     vocab = json.loads((family_case.path / "config.json").read_text())["vocab_size"]
     assert tok.vocab_size <= vocab
     assert max(tok.encode(" ".join(TEXTS))) < vocab
@@ -69,7 +70,7 @@ def test_tiny_model_loads_and_runs_like_transformers(tiny_dir, hf_model):
     assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.vocab_size) == ("llama", 128, 4, 4, 2, 512)
     assert cfg.max_position_embeddings == 2048 and cfg.eos_token_ids == (2,)
-    ids = Tokenizer.from_dir(tiny_dir).encode("The quick brown fox")
+    ids = open_checkpoint(tiny_dir).tokenizer().encode("The quick brown fox")
     from pdserve.kernels import KVCacheLayer
     from pdserve.models.attention import AttentionMetadata
 

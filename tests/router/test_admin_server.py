@@ -12,10 +12,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.api import admin_pb2, admin_pb2_grpc
 from pdserve.router.admin_server import MAX_NAME_CHARS, MAX_TRACE_IDS, MAX_TRACE_LIMIT, WorkerInfo
-from pdserve.router.fake_admin import FakeAdmin
-from pdserve.router.fake_backend import FakeBackend
 from pdserve.router.grpc_server import GenerationServer
 from pdserve.router.metrics import RouterMetrics
+from pdserve.testing.fake_admin import FakeAdmin
+from pdserve.testing.fake_backend import FakeBackend
 
 WORKERS = [
     WorkerInfo("prefill-0", "prefill", "ready", "127.0.0.1", 101, 1, 2, 3, 64, 0.25),

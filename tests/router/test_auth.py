@@ -17,10 +17,10 @@ import pytest
 from pdserve.api.admin_client import AdminClient
 from pdserve.api.client import AsyncPdserveClient, ClientTLS, PdserveClient, PdserveError
 from pdserve.router.auth import Access, ApiKey, TLSConfig, is_loopback_peer, keys_from_file
-from pdserve.router.fake_admin import FakeAdmin
-from pdserve.router.fake_backend import FakeBackend
 from pdserve.router.grpc_server import GenerationServer
-from pdserve.testing import make_test_certificates
+from pdserve.testing.certificates import make_test_certificates
+from pdserve.testing.fake_admin import FakeAdmin
+from pdserve.testing.fake_backend import FakeBackend
 
 KEY = "test-key-123"
 ADMIN = "admin-key-456"

@@ -15,14 +15,14 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.cluster.local import LocalHandle, build_local_workers
-from pdserve.draw_check import draw_problems
 from pdserve.engine.config import EngineConfig
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import DeadlineExceededError, NoWorkersError
 from pdserve.router.flight import TRANSITIONS, Flight, Phase
-from pdserve.testing import async_wait_for
+from pdserve.testing.draw_check import draw_problems
+from pdserve.testing.waits import async_wait_for
 
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=32)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -81,8 +81,8 @@ def requests(n: int) -> list[tuple[list[int], SamplingParams]]:
 
 
 def assert_draws(model_dir, reqs, results) -> None:
-    """Every result is its request's draws (``pdserve.draw_check``: the offline tokens up to a
-    flip at a float-rounding boundary, since batching and re-prefill change the last bits)."""
+    """Every result is its request's draws (``pdserve.testing.draw_check``: the offline tokens up
+    to a flip at a float-rounding boundary, since batching and re-prefill change the last bits)."""
     assert [r for r in results if isinstance(r, Exception)] == []
     assert draw_problems(str(model_dir), reqs, results) == []
 

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import openai_protocol as oa
 from pdserve.router.errors import QueueFullError
-from pdserve.router.fake_backend import FakeBackend, FakePromptTools
 from pdserve.router.http_server import HttpServer
-from pdserve.testing import wait_for
+from pdserve.testing.fake_backend import FakeBackend, FakePromptTools
+from pdserve.testing.waits import wait_for
 
 KEY = "http-test-key"
 MODEL = "fake-counter"
@@ -406,7 +406,7 @@ def test_https_and_mutual_tls(loop, tmp_path):
     import ssl
 
     from pdserve.router.auth import TLSConfig
-    from pdserve.testing import make_test_certificates
+    from pdserve.testing.certificates import make_test_certificates
 
     certs = make_test_certificates(tmp_path)
     body = {"model": MODEL, "prompt": [1], "max_tokens": 2}

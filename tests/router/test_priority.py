@@ -11,13 +11,13 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.cluster.local import build_local_workers
-from pdserve.draw_check import draw_problems
 from pdserve.engine.config import EngineConfig
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import QueueFullError, RequestTooLargeError
-from pdserve.testing import async_wait_for
+from pdserve.testing.draw_check import draw_problems
+from pdserve.testing.waits import async_wait_for
 
 ENGINE = dict(dtype="float32", block_size=4, max_num_batched_tokens=32)
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -22,7 +22,7 @@ from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import RequestFailedError
-from pdserve.testing import async_wait_for
+from pdserve.testing.waits import async_wait_for
 
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=32)
 POISON_SEED = 13

@@ -16,7 +16,7 @@ from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.grpc_server import GenerationServer
-from pdserve.testing import async_wait_for
+from pdserve.testing.waits import async_wait_for
 
 
 def config_for(model_dir, **kw) -> EngineConfig:

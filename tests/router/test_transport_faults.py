@@ -17,7 +17,7 @@ from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import NoWorkersError
-from pdserve.testing import async_wait_for
+from pdserve.testing.waits import async_wait_for
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43], [27, 18]]
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -6,7 +6,7 @@ import time
 
 from pdserve import SamplingParams
 from pdserve.engine.messages import WorkRequest
-from pdserve.testing import wait_for
+from pdserve.testing.waits import wait_for
 
 PARAMS = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 

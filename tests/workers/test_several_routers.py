@@ -12,7 +12,7 @@ import pytest
 from pdserve import SamplingParams
 from pdserve.engine.llm_engine import NoCapacityError
 from pdserve.engine.messages import WorkRequest
-from pdserve.testing import wait_for
+from pdserve.testing.waits import wait_for
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 MEDIUM = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)

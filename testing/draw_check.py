@@ -37,7 +37,7 @@ def draw_problems(model_dir: str, requests: Sequence[tuple[list[int], SamplingPa
     stream has ``max_tokens`` tokens), no stop strings or stop ids, and a seed unless greedy.
     Penalties are applied as the sampler applies them.
     """
-    import transformers
+    import transformers  # lazy: a test dependency, seconds to import
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()

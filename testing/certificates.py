@@ -1,56 +1,12 @@
-"""Polling helpers for tests and benchmarks: wait for a condition, never a fixed sleep.
-
-``wait_for(predicate)`` calls ``predicate()`` until it returns something truthy and returns
-that value; after ``timeout`` seconds it raises AssertionError naming ``what`` and the last
-value seen. An exception raised by ``predicate`` counts as "not yet" (a server coming back, a
-worker starting) and is shown as the last value. ``async_wait_for`` is the same on an asyncio
-loop; its predicate may be a plain function or a coroutine function.
-"""
+"""Throwaway TLS certificates for tests: a CA, a server and a client certificate signed by it,
+and a stranger's self-signed one. Needs ``cryptography`` (a test dependency), imported only when
+a certificate is made."""
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import time
-from collections.abc import Callable
-
-
-def wait_for(predicate: Callable[[], object], timeout: float = 30.0, what: str = "a condition",
-             interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        last = _attempt(predicate)
-        if last and not isinstance(last, Exception):
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what} "
-                                 f"(last: {last!r})")
-        time.sleep(interval)
-
-
-async def async_wait_for(predicate: Callable[[], object], timeout: float = 30.0,
-                         what: str = "a condition", interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        last = _attempt(predicate)
-        if inspect.isawaitable(last):
-            try:
-                last = await last
-            except Exception as exc:  # noqa: BLE001 - not yet
-                last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what} "
-                                 f"(last: {last!r})")
-        await asyncio.sleep(interval)
-
-
-def _attempt(predicate):
-    try:
-        return predicate()
-    except Exception as exc:  # noqa: BLE001 - not yet
-        return exc
+import datetime
+import ipaddress
+from pathlib import Path
 
 
 def make_test_certificates(folder, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> dict:
@@ -59,8 +15,7 @@ def make_test_certificates(folder, hosts: tuple[str, ...] = ("127.0.0.1", "local
     "server_key", "client_cert", "client_key", "stranger_cert", "stranger_key"} -> path (the
     stranger's certificate is self-signed: a client no server here trusts). Needs
     ``cryptography`` (a test dependency)."""
-    from pathlib import Path
-
+    # lazy: cryptography is a test dependency
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
     folder = Path(folder)
@@ -80,9 +35,7 @@ def _issue(subject: str, issuer_key, issuer_name, *, ca: bool = False, usage=Non
            sans: tuple[str, ...] = ()):
     """A certificate for ``subject`` valid for a day, and its new EC key; self-signed when
     ``issuer_key`` is None. ``sans``: IP addresses or DNS names."""
-    import datetime
-    import ipaddress
-
+    # lazy: cryptography is a test dependency
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -114,7 +67,7 @@ def _issue(subject: str, issuer_key, issuer_name, *, ca: bool = False, usage=Non
 
 def _write_pem(folder, stem: str, cert, key) -> tuple[str, str]:
     """``cert`` and ``key`` as ``folder/stem.pem`` and ``folder/stem.key``; their paths."""
-    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives import serialization  # lazy: a test dependency
 
     cert_path, key_path = folder / f"{stem}.pem", folder / f"{stem}.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
