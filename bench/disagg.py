@@ -31,12 +31,12 @@ import torch
 from pdserve.api.client import AsyncPdserveClient
 from pdserve.bench.engine import write_random_llama
 from pdserve.bench.stats import format_table
-from pdserve.cluster.local import build_local_workers
+from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.messages import expand_deltas
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.protocol import expand_deltas
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import measure_channel, measure_memcpy, measure_transfer
 from pdserve.models import tiny_model_dir

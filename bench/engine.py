@@ -26,7 +26,7 @@ import torch
 
 from pdserve.bench.stats import format_table, lognormal_lengths
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.input_batch import DecodeRows
+from pdserve.engine.decode_rows import DecodeRows
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from pdserve import SamplingParams
 from pdserve.bench.stats import format_table, percentile, summarize
-from pdserve.cluster.local import build_local_workers
+from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.models import tiny_model_dir
 from pdserve.router.backend import ModelSpec

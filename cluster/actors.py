@@ -39,18 +39,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import ray
+import torch
 from ray.exceptions import RayActorError, RayTaskError
 
-from pdserve.cluster.local import LocalHandle
 from pdserve.cluster.node_placement import WorkerResources, actor_resources
 from pdserve.cluster.registry import Registry, WorkerRecord
+from pdserve.cluster.workers import ROLES, LocalHandle, TorchTransfer, build_worker
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import RequestFaultError, WorkRequest
-from pdserve.router.handles import NoCapacity
+from pdserve.engine.protocol import Refusal, RequestFaultError, WorkRequest
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "colocated")
 # Set in every worker process before any process group exists.
 WORKER_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
 
@@ -97,7 +96,6 @@ def limit_process_threads(log_level: str = "WARNING", num_threads: int = 1) -> N
     os.environ.update({"OMP_NUM_THREADS": str(num_threads), "MKL_NUM_THREADS": str(num_threads)})
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import torch
 
     torch.set_num_threads(num_threads)
     try:
@@ -106,28 +104,12 @@ def limit_process_threads(log_level: str = "WARNING", num_threads: int = 1) -> N
         pass
 
 
-def build_worker(spec: WorkerSpec):
-    """The plain worker a spec describes (in the calling process)."""
-    from pdserve.decode_worker.colocated import ColocatedWorker
-    from pdserve.decode_worker.worker import DecodeWorker
-    from pdserve.engine.parts import EngineParts
-    from pdserve.kv_transfer import TorchDistConnector, TransferEndpoint
-    from pdserve.prefill_worker.worker import PrefillWorker
-
-    device = str(spec.config.resolve_device())
+def build_spec_worker(spec: WorkerSpec):
+    """The plain worker a spec describes, in this (the actor's) process."""
     host = spec.transfer_host or ray.util.get_node_ip_address()
-    if spec.role == "colocated":
-        return ColocatedWorker(spec.worker_id, EngineParts.build(spec.config),
-                               orphan_timeout_s=spec.orphan_timeout_s)
-    if spec.role == "decode":
-        parts = EngineParts.build(DecodeWorker.config_for(spec.config))
-        make = lambda sink: TransferEndpoint(sink, host, 0, device,  # noqa: E731
-                                             join_token=spec.join_token)
-        return DecodeWorker(spec.worker_id, parts, make, lease_s=spec.lease_s,
-                            orphan_timeout_s=spec.orphan_timeout_s)
-    connector = TorchDistConnector(spec.worker_id, host, device, join_token=spec.join_token)
-    return PrefillWorker(spec.worker_id, EngineParts.build(PrefillWorker.config_for(spec.config)),
-                         connector)
+    transfer = TorchTransfer(host, str(spec.config.resolve_device()), spec.join_token)
+    return build_worker(spec.role, spec.worker_id, spec.config, transfer, lease_s=spec.lease_s,
+                        orphan_timeout_s=spec.orphan_timeout_s)
 
 
 class WorkerActor(LocalHandle):
@@ -138,7 +120,7 @@ class WorkerActor(LocalHandle):
 
     def __init__(self, spec: WorkerSpec):
         limit_process_threads(spec.log_level, spec.resources.torch_threads)
-        super().__init__(build_worker(spec))
+        super().__init__(build_spec_worker(spec))
         self.spec = spec
         self.registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="registry")
@@ -224,7 +206,8 @@ def start_worker_actor(spec: WorkerSpec, detached: bool = False,
 
 
 class RayHandle:
-    """The router's handle protocol over a worker actor (see ``pdserve.router.handles``);
+    """The worker protocol over a worker actor (``pdserve.engine.protocol``): the worker's
+    refusals and request faults reach the router as their own types, unwrapped from Ray's;
     ``router``: the name of the router actor holding it (its deltas are its own)."""
 
     def __init__(self, actor, worker_id: str, role: str, router: str = ""):
@@ -242,12 +225,8 @@ class RayHandle:
                 self.dead_at = time.time()
                 logger.warning("worker %s is dead", self.worker_id)
             raise
-        except NoCapacity as exc:  # a RayTaskError subclassing the cause
-            raise NoCapacity(str(_cause(exc))) from None
-        except RequestFaultError as exc:
-            raise RequestFaultError(str(_cause(exc))) from None
-        except ValueError as exc:
-            raise ValueError(str(_cause(exc))) from None
+        except (Refusal, RequestFaultError) as exc:  # a RayTaskError subclassing the cause
+            raise _cause(exc) from None
 
     async def stats(self):
         return await self._call("stats")

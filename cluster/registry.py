@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import redis
 
-from pdserve.engine.messages import WorkerStats
+from pdserve.engine.protocol import WorkerStats
 
 logger = logging.getLogger(__name__)
 

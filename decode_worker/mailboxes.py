@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.messages import StepDeltas, TokenDeltas, num_deltas
+from pdserve.engine.protocol import StepDeltas, TokenDeltas, num_deltas
 
 
 @dataclass(frozen=True)

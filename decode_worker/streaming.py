@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from pdserve.decode_worker.mailboxes import MailboxSizes, RouterMailboxes
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.messages import StepDeltas, WorkerStats
+from pdserve.engine.protocol import StepDeltas, WorkerStats
 
 logger = logging.getLogger(__name__)
 

@@ -45,14 +45,15 @@ from pdserve.decode_worker.mailboxes import RouterMailboxes
 from pdserve.decode_worker.streaming import StreamingWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.llm_engine import LLMEngine, NoCapacityError
-from pdserve.engine.messages import (
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.parts import EngineParts
+from pdserve.engine.protocol import (
+    NoRoomNow,
     RequestDelta,
     Reservation,
     WorkerStats,
     WorkRequest,
 )
-from pdserve.engine.parts import EngineParts
 from pdserve.engine.scheduling_policy import DecodeOnlyPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.worker_stats import engine_stats
@@ -103,7 +104,7 @@ class DecodeWorker(StreamingWorker):
 
     # -- public API (any thread) --------------------------------------------------------------
     def reserve(self, request: WorkRequest, router: str = "") -> Future:
-        """Future[Reservation]; raises ValueError (never fits) or NoCapacityError (not now).
+        """Future[Reservation]; fails with NeverFits or NoRoomNow when it declines.
         ``router`` (its actor name) owns the request once reserved."""
         return self.loop.call(self._reserve, request, router)
 
@@ -126,8 +127,8 @@ class DecodeWorker(StreamingWorker):
         seq = self.engine.sequence_for(request)
         try:
             self.engine.reserve_blocks(seq)
-        except NoCapacityError as exc:
-            raise NoCapacityError(f"decode worker {self.worker_id}: {exc}") from None
+        except NoRoomNow as exc:
+            raise NoRoomNow(f"decode worker {self.worker_id}: {exc}") from None
         seq.status = SequenceStatus.WAITING_FOR_KV
         key = TransferKey(next(self._transfer_ids), self.epoch)
         self.sink.expect(key, list(seq.block_table))

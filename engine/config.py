@@ -33,7 +33,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | int8
     kv_int8_keep_edge_layers: bool = False  # with int8: first and last layers stay in model
-    # dtype (measured: no gain with hybrid scales, 16 % less capacity on a 30-layer model)
+    # dtype (no quality gain with hybrid scales, less capacity: docs/kv_int8.md)
     kv_int8_scales: str = DEFAULT_KV_INT8_SCALES  # with int8: static | token | kivi | hybrid
     # (per-channel calibrated, per-token dynamic, or both; see pdserve.engine.kv_quant)
     num_kv_blocks: int | None = None  # pin the pool size instead of deriving it from the budget

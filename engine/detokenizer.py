@@ -65,8 +65,8 @@ class IncrementalDetokenizer:
     """Token ids -> text deltas that never end inside a multi-byte character.
 
     With a Hugging Face ``tokenizers`` tokenizer (ours wraps one) the per-token decodes run in
-    its ``DecodeStream`` (the same window rule, one call into Rust per token: 0.85 us a token
-    on the tiny model's tokenizer against 1.75 us for two decodes from Python); the
+    its ``DecodeStream`` (the same window rule, one call into Rust per token instead of two
+    decodes from Python: about half the time, docs/cpu-speed.md); the
     bookkeeping here mirrors its window, so the hold limit, ``flush`` and a window whose
     prefix changed take the Python path on the same state, and a fresh stream continues from
     there."""

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from pdserve.engine.messages import StepDeltas, WorkerStats, num_deltas
+from pdserve.engine.protocol import StepDeltas, WorkerStats, num_deltas
 
 logger = logging.getLogger(__name__)
 

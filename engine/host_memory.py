@@ -4,10 +4,8 @@ The CPU decode path gathers every sequence's context per layer into fresh buffer
 batch 64 on a ~100M model). glibc serves a request above its mmap threshold with a new mapping
 and unmaps it on free; the threshold adapts upward only to 32 MiB, so such buffers are mapped,
 faulted in page by page and unmapped again in every layer of every step. Raising the threshold
-and the trim threshold keeps them in the heap for reuse: measured on this project's CPU machine,
-a batch-64 decode step of the ~100M Llama went from 196-331 ms to 158-165 ms in fp32 and from
-132-189 ms to 92-94 ms in bf16 (``python -m pdserve.bench.engine``, section 1). The cost is
-that the process keeps its peak heap instead of returning it to the system.
+and the trim threshold keeps them in the heap for reuse (the figures: docs/cpu-speed.md). The
+cost is that the process keeps its peak heap instead of returning it to the system.
 
 Linux with glibc only; elsewhere (or with another allocator preloaded) this does nothing.
 ``PDSERVE_KEEP_HOST_MEMORY=0`` turns it off.

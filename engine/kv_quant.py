@@ -44,7 +44,7 @@ import torch
 from pdserve.engine.kv_calibration_text import CALIBRATION_TEXTS
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.schedule import ScheduledSequence
+from pdserve.engine.scheduler_output import ScheduledSequence
 from pdserve.engine.sequence import Sequence
 from pdserve.kernels import KVCacheLayer
 from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestDelta
-from pdserve.engine.messages import TokenDeltas
+from pdserve.engine.protocol import TokenDeltas
 from pdserve.engine.sampling_params import SamplingParams
 
 

@@ -19,9 +19,9 @@ off). Step:
    for requests with stop strings; the others' when their deltas are read (:meth:`render`).
 
 A pure decode step of every running sequence (nothing waits, nothing speculates) runs on the
-runner's persistent :class:`~pdserve.engine.input_batch.DecodeRows` instead: the batch's state
+runner's persistent :class:`~pdserve.engine.decode_rows.DecodeRows` instead: the batch's state
 is kept in arrays and moved on by diffs, and the step returns one compact
-:class:`~pdserve.engine.messages.TokenDeltas` for the rows that go on (``render`` expands it).
+:class:`~pdserve.engine.protocol.TokenDeltas` for the rows that go on (``render`` expands it).
 
 Workers never reach into the parts: what they need of the engine is a method here
 (``hand_off``, ``reserve_blocks``, ``release_blocks``, ``start_running``, ``render``,
@@ -37,8 +37,14 @@ import numpy as np
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import RequestDelta, StepDeltas, WorkRequest
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.protocol import (
+    NeverFits,
+    NoRoomNow,
+    RequestDelta,
+    StepDeltas,
+    WorkRequest,
+)
 from pdserve.engine.sampler import (
     Sampler,
     check_samplable,
@@ -47,8 +53,8 @@ from pdserve.engine.sampler import (
     sampling_row,
 )
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.schedule import ScheduledSequence, SchedulerConfig
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import ScheduledSequence, SchedulerConfig
 from pdserve.engine.scheduling_policy import SchedulingPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.spec_decode import Speculator
@@ -58,12 +64,9 @@ from pdserve.engine.text_stage import TextStage
 logger = logging.getLogger(__name__)
 
 
-class NoCapacityError(RuntimeError):
-    """The pool has no free blocks for this request right now (try another worker)."""
-
-
 class LLMEngine:
-    """Colocated continuous batching with chunked prefill (the baseline every mode is held to)."""
+    """The engine every role runs: continuous batching with chunked prefill over one KV pool
+    (a worker's role is its scheduling policy and step hooks, the module docstring)."""
 
     def __init__(self, parts: EngineParts, policy: SchedulingPolicy | None = None,
                  hooks: StepHooks | None = None, defer_text: bool = True):
@@ -87,7 +90,7 @@ class LLMEngine:
         self.speculator = Speculator.build(parts) if self.scheduler.policy.speculates else None
         if self.speculator is not None:
             self.scheduler.lookahead = self.speculator.num_lookahead
-        # pure decode steps on the persistent rows (engine/input_batch.py): not with hooks
+        # pure decode steps on the persistent rows (engine/decode_rows.py): not with hooks
         # that watch every step. False: every step takes the general path (what the rows are
         # tested against).
         self.persistent_batch = type(self.hooks) is StepHooks and self.speculator is None
@@ -111,19 +114,27 @@ class LLMEngine:
 
     def new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      seed: int | None = None) -> Sequence:
-        """A validated, untracked Sequence (ValueError naming what is wrong)."""
+        """A validated, untracked Sequence. NeverFits (a ValueError) naming what this engine can
+        never take: a prompt its model or tokenizer cannot read, a context longer than its
+        limit, more blocks than its pool, parameters no step can pack."""
         if request_id in self._sequences:
             raise ValueError(f"request_id {request_id!r} is already running")
-        token_ids = self.parts.encode_prompt(prompt)
-        limit = self.parts.max_model_len
-        if len(token_ids) + params.max_tokens > limit:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the context length {limit}")
-        if seed is None:
-            seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        seq = Sequence(request_id, token_ids, params, seed=seed)
-        self.scheduler.check_fits(seq)
-        check_samplable(seq)
+        try:
+            token_ids = self.parts.encode_prompt(prompt)
+            limit = self.parts.max_model_len
+            if len(token_ids) + params.max_tokens > limit:
+                raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens "
+                                 f"({params.max_tokens}) exceeds the context length {limit}")
+            if seed is None:
+                seed = params.seed if params.seed is not None else \
+                    self._seed_source.getrandbits(63)
+            seq = Sequence(request_id, token_ids, params, seed=seed)
+            self.scheduler.check_fits(seq)
+            check_samplable(seq)
+        except NeverFits:
+            raise
+        except ValueError as exc:
+            raise NeverFits(str(exc)) from None
         return seq
 
     def sequence_for(self, request: WorkRequest) -> Sequence:
@@ -203,10 +214,10 @@ class LLMEngine:
 
     def reserve_blocks(self, seq: Sequence) -> None:
         """Allocate blocks for every token of untracked ``seq`` (a decode reservation);
-        NoCapacityError when the pool has no room for it now."""
+        NoRoomNow when the pool has no room for it now."""
         bm = self.parts.block_manager
         if not bm.can_allocate(seq, seq.num_tokens):
-            raise NoCapacityError(f"{bm.num_allocatable_blocks} free KV blocks, request "
+            raise NoRoomNow(f"{bm.num_allocatable_blocks} free KV blocks, request "
                                   f"{seq.request_id} needs {bm.blocks_needed(seq, seq.num_tokens)}")
         bm.allocate(seq, seq.num_tokens)
 

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphs
-from pdserve.engine.input_batch import DecodeRows
+from pdserve.engine.decode_rows import DecodeRows
 from pdserve.engine.roofline import UtilizationMeter, attended_pairs
-from pdserve.engine.schedule import ScheduledSequence
+from pdserve.engine.scheduler_output import ScheduledSequence
 from pdserve.kernels import KVCacheLayer
 from pdserve.models.attention import AttentionMetadata
 

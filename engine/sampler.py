@@ -187,8 +187,8 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 
 def greedy_token_array(logits: torch.Tensor) -> np.ndarray:
     """:func:`greedy_tokens` as an int64 array. On CPU it is numpy's argmax over the same
-    memory (a SIMD scan, 3-4x faster than torch's reduction at batch 16-256; ties and NaN
-    pick the first index, as torch does)."""
+    memory (a SIMD scan, faster than torch's reduction; ties and NaN pick the first index,
+    as torch does)."""
     if numpy_viewable(logits):
         return logits.detach().numpy().argmax(axis=1)
     return logits.max(dim=1).indices.cpu().numpy()

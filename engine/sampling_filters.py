@@ -48,8 +48,8 @@ def _as_float(mask: torch.Tensor) -> torch.Tensor:
 
 def _numpy_pair(x: torch.Tensor, *per_row: torch.Tensor) -> bool:
     """``x`` and its per-row values are CPU tensors of one dtype numpy views: the
-    elementwise compares and arithmetic then run as numpy ops (2-3x faster than torch's at
-    (64, 512) float32), with the same results."""
+    elementwise compares and arithmetic then run as numpy ops (faster than torch's on small
+    CPU tensors: docs/cpu-speed.md), with the same results."""
     return numpy_viewable(x) and all(numpy_viewable(v) and v.dtype == x.dtype for v in per_row)
 
 
@@ -209,7 +209,7 @@ def _top_p_rows(weights: torch.Tensor, top_p: torch.Tensor,
 
 def _rank_limit(weights: torch.Tensor) -> int:
     """How many top-p candidates are ranked rather than radix-selected: all of them where
-    :func:`top_values` sorts with numpy (3x faster than the radix select at 32k tokens)."""
+    :func:`top_values` sorts with numpy (faster there than the radix select)."""
     if numpy_viewable(weights):
         return weights.shape[1]
     return _TOP_P_RANK_MAX

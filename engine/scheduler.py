@@ -29,8 +29,8 @@ from collections import deque
 from collections.abc import Callable
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.input_batch import DecodeRows
-from pdserve.engine.schedule import ScheduledSequence, SchedulerConfig, SchedulerOutput
+from pdserve.engine.decode_rows import DecodeRows
+from pdserve.engine.scheduler_output import ScheduledSequence, SchedulerConfig, SchedulerOutput
 from pdserve.engine.scheduling_policy import (
     DecodeOnlyPolicy,
     PrefillOnlyPolicy,

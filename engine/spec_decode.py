@@ -53,8 +53,8 @@ import numpy as np
 import torch
 
 from pdserve.engine.memory import allocate_kv_caches
-from pdserve.engine.messages import RequestDelta
 from pdserve.engine.model_runner import Chunk, ModelRunner
+from pdserve.engine.protocol import RequestDelta
 from pdserve.engine.rejection_sampler import (
     DRAFT_STREAM,
     DraftedRows,

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.messages import RequestDelta
-from pdserve.engine.schedule import ScheduledSequence
+from pdserve.engine.protocol import RequestDelta
+from pdserve.engine.scheduler_output import ScheduledSequence
 
 
 @dataclass

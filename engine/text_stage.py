@@ -6,9 +6,8 @@ appends token ids and :meth:`TextStage.render` makes the text later, on the thre
 the deltas: the actor thread that serves ``poll`` on a decode or colocated worker (it runs
 while the loop thread is in the next forward: on CUDA the step waits on the device there, and
 torch releases the GIL inside its ops), or the offline ``LLM`` between steps. Incremental
-detokenization costs about 0.85 us per token on the built-in tiny model's tokenizer through
-``tokenizers``' DecodeStream (1.75 us with two decodes from Python), in the order of a decode
-step's whole engine overhead per sequence at batch 64.
+detokenization costs about as much per token as a decode step's whole engine overhead per
+sequence (docs/cpu-speed.md), so keeping it out of the step matters.
 
 Rules that keep the two threads apart:
 
@@ -28,7 +27,7 @@ from __future__ import annotations
 import threading
 
 from pdserve.engine.detokenizer import Detokenizer
-from pdserve.engine.messages import RequestDelta, StepDeltas, TokenDeltas, expand_deltas
+from pdserve.engine.protocol import RequestDelta, StepDeltas, TokenDeltas, expand_deltas
 from pdserve.engine.sequence import Sequence
 
 

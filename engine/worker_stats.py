@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.messages import WorkerStats
+from pdserve.engine.protocol import WorkerStats
 from pdserve.engine.roofline import Utilization
 
 

@@ -70,7 +70,7 @@ def _gather_context(cache: KVCacheLayer, slots: torch.Tensor):
     flat = slots.view(-1)
 
     def rows(table: torch.Tensor) -> torch.Tensor:  # (num_slots, *row) -> (S, ctx, *row)
-        # a row gather (index_select): the same values as pool[slots], 1-4x faster on CPU
+        # a row gather (index_select): the same values as pool[slots], faster on CPU
         return table.index_select(0, flat).view(*slots.shape, *table.shape[1:])
 
     k_t, v_t = (None if t is None else rows(t.view(-1, t.shape[-1]))  # (S, ctx, kv_heads)

@@ -150,7 +150,7 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def payload_checksum(data: torch.Tensor) -> int:
     """Wrapping int64 sum of a uint8 tensor's 8-byte words plus its tail bytes (on its device).
 
-    One pass at memory speed (~5 GB/s on one CPU core); any single damaged byte changes it."""
+    One pass at memory speed; any single damaged byte changes it."""
     flat = as_bytes(data)
     nwords = flat.numel() // 8
     head = flat[: nwords * 8]

@@ -14,8 +14,8 @@ Every norm, rotary and activation goes through :mod:`pdserve.kernels` with
 ``backend=meta.backend``; attention goes through :class:`pdserve.models.attention.Attention`.
 
 Submodules are called through ``.forward``: these modules never carry hooks, and skipping
-``nn.Module.__call__`` takes 15 us (7 %) off a batch-1 decode forward of a 2-layer model on
-CPU, where the forward is bound by per-call overhead.
+``nn.Module.__call__`` saves per-call overhead, which bounds a small-batch CPU forward
+(docs/cpu-speed.md).
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineDeadError, EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.messages import (
+from pdserve.engine.parts import EngineParts
+from pdserve.engine.protocol import (
     PrefillResult,
     RequestDelta,
     RequestFaultError,
@@ -47,8 +48,7 @@ from pdserve.engine.messages import (
     WorkerStats,
     WorkRequest,
 )
-from pdserve.engine.parts import EngineParts
-from pdserve.engine.schedule import ScheduledSequence
+from pdserve.engine.scheduler_output import ScheduledSequence
 from pdserve.engine.scheduling_policy import PrefillOnlyPolicy
 from pdserve.engine.step_hooks import StepHooks
 from pdserve.engine.worker_stats import engine_stats

@@ -47,7 +47,7 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.engine.messages import (
+from pdserve.engine.protocol import (
     PrefillResult,
     RequestDelta,
     RequestFaultError,

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from typing import Protocol
 
-from pdserve.engine.messages import WorkerStats
+from pdserve.engine.protocol import WorkerStats
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from pdserve.engine.messages import WorkRequest
+from pdserve.engine.protocol import WorkRequest
 from pdserve.router.errors import DeadlineExceededError
 
 

@@ -28,7 +28,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.engine.messages import PrefillResult, WorkerStats
+from pdserve.engine.protocol import PrefillResult, WorkerStats
 from pdserve.router.metrics_http import start_metrics_server
 
 PREEMPTION_KINDS = ("recompute", "bounce")

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdserve.engine.messages import WorkerStats
 from pdserve.engine.prefix_hash import chained_block_hashes
+from pdserve.engine.protocol import WorkerStats
 
 __all__ = ["WorkerLoad", "chained_block_hashes", "pick_prefill", "rank_decode"]
 

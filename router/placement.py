@@ -3,7 +3,7 @@
 The request first waits its turn in the admission queue (``router.admission``: priority,
 then tenant fairness, then arrival). Holding the turn, it tries the workers of the role in
 rank order (``pairing.rank_decode``) until one takes it. A worker without room now
-(NoCapacity) is skipped; one that says the request can never fit (ValueError) counts toward
+(NoRoomNow) is skipped; one that says the request can never fit (NeverFits) counts toward
 RequestTooLargeError; any other failure is that worker's problem (it is suspected, and told to
 drop the request in case it holds it). When no worker has room the request waits for one to
 come back (a request leaving, or the next stats refresh), bounded by its deadline and
@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
+from pdserve.engine.protocol import NeverFits, NoRoomNow
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import (
@@ -26,7 +27,6 @@ from pdserve.router.errors import (
     RequestTooLargeError,
 )
 from pdserve.router.flight import Flight
-from pdserve.router.handles import NoCapacity
 from pdserve.router.pairing import WorkerLoad, rank_decode
 from pdserve.router.workers import Workers
 
@@ -47,7 +47,7 @@ class Placer:
                     place_on: Callable[[Flight, WorkerLoad], Awaitable]):
         """Try the ranked workers of ``role`` until one takes the request; wait when none can.
 
-        A worker without room now (NoCapacity) is skipped; ValueError means it can never hold
+        A worker without room now (NoRoomNow) is skipped; NeverFits means it can never hold
         the request (RequestTooLargeError once every worker says so); any other error is that
         worker's problem (its poller or the pool manager deals with it): skip it too.
         """
@@ -80,7 +80,7 @@ class Placer:
         started = time.monotonic()
         while True:
             candidates = rank_decode(self.workers.live(role))
-            too_large: list[ValueError] = []
+            too_large: list[NeverFits] = []
             for load in candidates:
                 worker_id = load.stats.worker_id
                 # Before the call: a colocated worker streams as soon as it has the request,
@@ -88,12 +88,12 @@ class Placer:
                 flight.decode_id = worker_id
                 try:
                     return await place_on(flight, load)
-                except NoCapacity:
+                except NoRoomNow:
                     pass
                 except DeadlineExceededError:
                     flight.decode_id = None
                     raise
-                except ValueError as exc:
+                except NeverFits as exc:
                     too_large.append(exc)
                 except Exception as exc:  # noqa: BLE001 - that worker's problem, not the request's
                     self.workers.suspect(worker_id, f"{role} call failed: {exc}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pdserve.engine.messages import RequestDelta
+from pdserve.engine.protocol import RequestDelta
 from pdserve.router.flight import Flight
 from pdserve.router.metrics import RouterMetrics
 

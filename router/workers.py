@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from pdserve.engine.messages import RequestDelta, expand_deltas
+from pdserve.engine.protocol import RequestDelta, expand_deltas
 from pdserve.router.config import RouterConfig
 from pdserve.router.directory import WorkerDirectory
 from pdserve.router.metrics import RouterMetrics

@@ -4,6 +4,8 @@ between folders form no cycle."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,16 +24,17 @@ MAY_IMPORT = {
     "api": {"net"},
     "prefill_worker": {"kernels", "models", "engine", "kv_transfer", "net"},
     "decode_worker": {"kernels", "models", "engine", "kv_transfer", "net"},
+    # the colocated worker streams as a decode worker does (decode_worker.streaming)
+    "colocated_worker": {"kernels", "models", "engine", "kv_transfer", "net", "decode_worker"},
     "router": {"engine", "api", "net"},
     "cluster": {"kernels", "models", "engine", "kv_transfer", "api", "net", "prefill_worker",
-                "decode_worker", "router"},
+                "decode_worker", "colocated_worker", "router"},
     "bench": {"kernels", "models", "engine", "kv_transfer", "api", "net", "prefill_worker",
-              "decode_worker", "router", "cluster", "testing"},
+              "decode_worker", "colocated_worker", "router", "cluster", "testing"},
     "cli": {"kernels", "models", "engine", "kv_transfer", "api", "net", "prefill_worker",
-            "decode_worker", "router", "cluster", "bench"},
+            "decode_worker", "colocated_worker", "router", "cluster", "bench"},
     "__init__": {"engine", "import_path"},  # the public facade: pdserve.LLM, SamplingParams
-    "testing": {"engine", "models", "kernels", "api", "router", "net"},
-    "draw_check": {"engine"},
+    "testing": {"kernels", "models", "engine", "api", "router", "net"},  # tests' and bench's
 }
 # Third-party packages only the floors that own them may import.
 OWNERS = {"ray": {"cluster", "bench", "cli"}, "redis": {"cluster", "bench", "cli"},
@@ -98,6 +101,41 @@ def test_no_backward_arrows(floor):
     assert not bad, "\n".join(bad)
 
 
+def late_imports(path: Path) -> list[ast.stmt]:
+    """The import statements inside a function or a class of ``path``."""
+    found = {}
+    for scope in ast.walk(ast.parse(path.read_text())):
+        if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found |= {n.lineno: n for n in ast.walk(scope)
+                      if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return [found[row] for row in sorted(found)]
+
+
+def has_reason(lines: list[str], node: ast.stmt) -> bool:
+    """``# lazy: why`` on the import's line or on the comment line above its group."""
+    row = node.lineno - 1
+    if "# lazy:" in lines[row]:
+        return True
+    row -= 1
+    while row >= 0 and lines[row].strip().startswith(("import ", "from ")):
+        row -= 1
+    while row >= 0 and lines[row].strip().startswith("#"):
+        if lines[row].strip().startswith("# lazy:"):
+            return True
+        row -= 1
+    return False
+
+
+def test_imports_sit_at_the_top_unless_a_reason_is_given():
+    """An import inside a function is for a heavy or optional dependency, and says why."""
+    bad = []
+    for path in package_files():
+        lines = path.read_text().split("\n")
+        bad += [f"{path.relative_to(ROOT)}:{n.lineno}: {lines[n.lineno - 1].strip()}"
+                for n in late_imports(path) if not has_reason(lines, n)]
+    assert not bad, f"{len(bad)} imports inside functions without '# lazy: why':\n" + "\n".join(bad)
+
+
 def test_no_bare_package_imports():
     bad = [f"{p.relative_to(ROOT)} imports {n}" for p in ROOT.rglob("*.py")
            if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
@@ -106,7 +144,7 @@ def test_no_bare_package_imports():
 
 
 ENGINE_INTERNALS = {"parts", "scheduler", "sampler", "runner", "block_manager"}
-WORKER_PACKAGES = ("prefill_worker", "decode_worker")
+WORKER_PACKAGES = ("prefill_worker", "decode_worker", "colocated_worker")
 
 
 @pytest.mark.parametrize("package", WORKER_PACKAGES)
@@ -122,3 +160,71 @@ def test_workers_run_the_engine_step_without_touching_its_internals(package):
             if isinstance(node, ast.FunctionDef) and node.name in ("step", "_step"):
                 offenders.append(f"{path.name}:{node.lineno} defines {node.name}()")
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize(("module", "absent"), [
+    ("pdserve.cli.main", ("torch", "ray")),  # --help, status, drain, generate, bench serve
+    ("pdserve.cluster", ("torch", "ray")),
+    ("pdserve.engine.protocol", ("torch",)),  # what the router reads of a worker
+    ("pdserve", ("torch",)),
+    *[(f"pdserve.testing.{m}", ("transformers", "cryptography", "pytest", "hypothesis"))
+      for m in ("waits", "certificates", "paged_batches", "fake_backend", "fake_admin",
+                "draw_check")],
+])
+def test_light_modules_stay_light(module, absent):
+    """What the '# lazy:' comments promise: these imports leave the heavy packages out."""
+    code = f"import sys, {module}; print(sorted(set({absent!r}) & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]", f"importing {module} imported {out}"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(("pdserve", *parts[:-1])) if parts[-1] == "__init__" else \
+        ".".join(("pdserve", *parts))
+
+
+def top_level_imports(path: Path, modules: set[str]) -> set[str]:
+    """The pdserve modules ``path`` imports at module level (``from a import b`` counts ``a.b``
+    when that is a module)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            submodules = {f"{node.module}.{a.name}" for a in node.names} & modules
+            found |= submodules if len(submodules) == len(node.names) else {node.module}
+    return {name for name in found if name in modules}
+
+
+def test_no_import_cycle_between_modules():
+    """No module imports itself back at module level, within a folder (models/ read the
+    checkpoint format in three places once) or across folders."""
+    files = {module_name(p): p for p in package_files()}
+    graph = {m: top_level_imports(p, set(files)) - {m} for m, p in files.items()}
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        if state.get(module) == "done":
+            return
+        assert state.get(module) != "open", " -> ".join((*path, module))
+        state[module] = "open"
+        for imported in sorted(graph[module]):
+            visit(imported, (*path, module))
+        state[module] = "done"
+
+    for module in sorted(graph):
+        visit(module, ())
+
+
+# What the router may read of the engine: the worker protocol and what a request carries.
+ROUTER_SEES_OF_ENGINE = {"pdserve.engine.protocol", "pdserve.engine.sampling_params",
+                         "pdserve.engine.prefix_hash"}
+
+
+def test_the_router_sees_workers_only_through_the_protocol():
+    bad = [f"{p.relative_to(ROOT)} imports {n}" for p in sorted((ROOT / "router").rglob("*.py"))
+           for n in imported_modules(p)
+           if n.startswith("pdserve.engine") and n not in ROUTER_SEES_OF_ENGINE]
+    assert not bad, "\n".join(bad)

@@ -9,3 +9,14 @@ from pdserve.cluster.redis_server import RedisServer
 def redis_url():
     with RedisServer() as server:
         yield server.url
+
+
+class Remote:
+    """An actor method for fakes of worker actors: ``.remote()`` returns an awaitable, as
+    Ray's does."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)

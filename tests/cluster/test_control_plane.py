@@ -16,15 +16,7 @@ from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.router.metrics import RouterMetrics
 from pdserve.testing.waits import wait_for
 
-
-class Remote:
-    """An actor method: ``.remote()`` returns an awaitable, as Ray's does."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return self.fn(*args)
+from .conftest import Remote
 
 
 class FakeWorker:

@@ -19,13 +19,7 @@ from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.engine.config import EngineConfig
 
-
-class Remote:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return self.fn(*args)
+from .conftest import Remote
 
 
 class FakeWorker:

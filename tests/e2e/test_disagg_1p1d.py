@@ -122,9 +122,8 @@ def test_server_stays_healthy_and_correct_after_bad_inputs(cluster, model_dir, e
 
 def test_ray_handle_translates_worker_errors(cluster, e2e):
     from pdserve.cluster.actors import RayHandle
-    from pdserve.engine.messages import WorkRequest
+    from pdserve.engine.protocol import NeverFits, NoRoomNow, WorkRequest
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.router.handles import NoCapacity
 
     handle = RayHandle(cluster.workers["decode-0"], "decode-0", "decode")
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -133,11 +132,11 @@ def test_ray_handle_translates_worker_errors(cluster, e2e):
         return WorkRequest(request_id, [7] * n, params, seed=1, arrival_time=time.time())
 
     async def main():
-        with pytest.raises(ValueError) as too_long:
+        with pytest.raises(NeverFits) as too_long:
             await handle.reserve(request("too-long", 4000))
         first = await handle.reserve(request("big-1", 1800))  # 450 of 512 blocks
         try:
-            with pytest.raises(NoCapacity):
+            with pytest.raises(NoRoomNow):
                 await handle.reserve(request("big-2", 1800))
         finally:
             await handle.abort(first.request_id)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.messages import RequestDelta
+from pdserve.engine.protocol import RequestDelta
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.seeded_uniforms import seed_key
 

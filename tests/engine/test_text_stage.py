@@ -14,8 +14,8 @@ import pytest
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.messages import TokenDeltas, expand_deltas
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.protocol import TokenDeltas, expand_deltas
 from pdserve.engine.sampling_params import SamplingParams
 
 

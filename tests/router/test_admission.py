@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.engine.messages import WorkRequest
+from pdserve.engine.protocol import WorkRequest
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.errors import QueueFullError
 from pdserve.router.flight import Flight

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.cluster.local import LocalHandle, build_local_workers
+from pdserve.cluster.workers import LocalHandle, build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router, RouterConfig
@@ -279,7 +279,7 @@ def test_overload_colocated_completes_everything(hf_checkpoint):
     assert used == [0]
 
 def test_stale_attempt_deltas_are_dropped():
-    from pdserve.engine.messages import RequestDelta, WorkRequest
+    from pdserve.engine.protocol import RequestDelta, WorkRequest
 
     router = Router(ModelSpec("t", 256, 509), StaticDirectory([]), tokenize=list)
     flight = Flight(WorkRequest("x", [1], GREEDY, 1, 0.0))
@@ -295,7 +295,7 @@ def test_stale_attempt_deltas_are_dropped():
 
 
 def test_transitions_outside_the_table_are_refused():
-    from pdserve.engine.messages import WorkRequest
+    from pdserve.engine.protocol import WorkRequest
 
     flight = Flight(WorkRequest("x", [1], GREEDY, 1, 0.0))
     with pytest.raises(RuntimeError, match="ADMITTED -> DECODING"):

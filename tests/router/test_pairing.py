@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.messages import WorkerStats
+from pdserve.engine.protocol import WorkerStats
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.router.pairing import WorkerLoad, chained_block_hashes, pick_prefill, rank_decode

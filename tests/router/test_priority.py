@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.cluster.local import build_local_workers
+from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router, RouterConfig

@@ -14,7 +14,7 @@ import asyncio
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.cluster.local import build_local_workers
+from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.seeded_uniforms import seed_key

@@ -9,9 +9,9 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.api.client import AsyncPdserveClient, PdserveError
-from pdserve.cluster.local import build_local_workers
+from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import TokenDeltas
+from pdserve.engine.protocol import TokenDeltas
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.local import build_local_workers
+from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import FaultKind, FaultPlan
 from pdserve.router.backend import ModelSpec

@@ -9,7 +9,7 @@ import asyncio
 
 import numpy as np
 
-from pdserve.engine.messages import RequestDelta, TokenDeltas, WorkerStats
+from pdserve.engine.protocol import RequestDelta, TokenDeltas, WorkerStats
 from pdserve.router.config import RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.metrics import RouterMetrics

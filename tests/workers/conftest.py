@@ -9,8 +9,8 @@ import pytest
 
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import WorkRequest
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.protocol import WorkRequest
 from pdserve.kv_transfer import FaultPlan, InProcConnector, InProcEndpoint, InProcHub
 from pdserve.prefill_worker.worker import PrefillWorker
 

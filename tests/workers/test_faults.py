@@ -10,7 +10,7 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.engine.engine_loop import EngineDeadError
-from pdserve.engine.messages import WorkRequest
+from pdserve.engine.protocol import WorkRequest
 from pdserve.testing.waits import wait_for
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

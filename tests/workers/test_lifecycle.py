@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from pdserve import SamplingParams
-from pdserve.engine.messages import WorkRequest
+from pdserve.engine.protocol import WorkRequest
 from pdserve.testing.waits import wait_for
 
 PARAMS = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
@@ -56,17 +56,17 @@ def test_abort_queued_prefill_fails_its_future(hf_checkpoint, make_pair):
     assert wait_for(lambda: pair.used_blocks() == (0, 0))
 
 
-def test_reserve_without_room_is_no_capacity(hf_checkpoint, make_pair):
+def test_reserve_without_room_is_no_room_now(hf_checkpoint, make_pair):
     import pytest
 
-    from pdserve.decode_worker.worker import NoCapacityError
+    from pdserve.engine.protocol import NeverFits, NoRoomNow
 
     pair = make_pair(hf_checkpoint("llama"), decode_blocks=24)
     pair.decode.reserve(request("a", 40)).result(5)  # 10 of 24 blocks
     pair.decode.reserve(request("b", 40)).result(5)  # 20 of 24 blocks
-    with pytest.raises(NoCapacityError):
+    with pytest.raises(NoRoomNow):
         pair.decode.reserve(request("c", 40)).result(5)
-    with pytest.raises(ValueError, match="max_tokens"):  # could never fit: not a capacity issue
+    with pytest.raises(NeverFits, match="max_tokens"):  # could never fit: not a capacity issue
         pair.decode.reserve(request("d", 80)).result(5)
     pair.decode.abort("b").result(5)
     pair.decode.abort("a").result(5)

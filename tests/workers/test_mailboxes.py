@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from pdserve.decode_worker.mailboxes import MailboxSizes, RouterMailboxes
-from pdserve.engine.messages import RequestDelta, TokenDeltas, expand_deltas
+from pdserve.engine.protocol import RequestDelta, TokenDeltas, expand_deltas
 
 
 def delta(request_id: str, token: int, last: bool = False, attempt: int = 1) -> RequestDelta:

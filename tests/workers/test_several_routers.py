@@ -10,8 +10,7 @@ import time
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.engine.llm_engine import NoCapacityError
-from pdserve.engine.messages import WorkRequest
+from pdserve.engine.protocol import NeverFits, NoRoomNow, WorkRequest
 from pdserve.testing.waits import wait_for
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -62,7 +61,7 @@ def test_many_aborted_and_refused_requests_leave_the_mailboxes_empty(hf_checkpoi
         reserved = WorkRequest(f"res-{i}", [3, 4, 5], SHORT, seed=1, arrival_time=time.time())
         pair.decode.reserve(reserved, router).result(5)
         too_big = WorkRequest(f"big-{i}", [3] * 200, SHORT, seed=1, arrival_time=time.time())
-        with pytest.raises((ValueError, NoCapacityError)):
+        with pytest.raises((NeverFits, NoRoomNow)):
             pair.decode.reserve(too_big, router).result(5)
         pair.decode.abort(running.request_id).result(5)
         pair.decode.abort(reserved.request_id).result(5)

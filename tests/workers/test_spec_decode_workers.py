@@ -10,9 +10,9 @@ import time
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.decode_worker.colocated import ColocatedWorker
-from pdserve.engine.messages import WorkRequest
+from pdserve.colocated_worker.worker import ColocatedWorker
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.protocol import WorkRequest
 
 from .conftest import engine_config
 

@@ -35,7 +35,7 @@ become ``None`` in the sequence's table; the rows keep the old id there (0 for a
 already ``None`` when read), which the attention kernels never read: they read only the
 window's blocks.
 
-``tests/engine/test_input_batch.py`` runs random traffic through an engine with the rows and
+``tests/engine/test_decode_rows.py`` runs random traffic through an engine with the rows and
 one whose every step takes the general path: every forward's tensors and every rendered delta
 are equal.
 """
@@ -48,7 +48,7 @@ from operator import attrgetter, is_
 import numpy as np
 import torch
 
-from pdserve.engine.messages import TokenDeltas
+from pdserve.engine.protocol import TokenDeltas
 from pdserve.engine.sampler import SamplingBatch, SamplingRow, is_penalized, takes_argmax
 from pdserve.engine.sequence import Sequence
 

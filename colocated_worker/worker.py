@@ -19,8 +19,8 @@ from pdserve.decode_worker.mailboxes import RouterMailboxes
 from pdserve.decode_worker.streaming import StreamingWorker
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.messages import WorkerStats, WorkRequest
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.protocol import WorkerStats, WorkRequest
 from pdserve.engine.worker_stats import engine_stats
 
 

@@ -1,4 +1,4 @@
-"""The persistent decode rows (engine/input_batch.py) equal a batch rebuilt every step.
+"""The persistent decode rows (engine/decode_rows.py) equal a batch rebuilt every step.
 
 Random traffic (arrivals, aborts, finishes, and preemptions from a pool too small for the
 load) runs on two engines: one whose pure decode steps run on the persistent rows, one whose
@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.engine import input_batch
+from pdserve.engine import decode_rows
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine, NoCapacityError
-from pdserve.engine.messages import WorkRequest
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelInput
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.protocol import NoRoomNow, WorkRequest
 from pdserve.engine.sampler import SamplingBatch, sampling_row
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduling_policy import DecodeOnlyPolicy
@@ -146,7 +146,7 @@ def test_array_ops_and_per_row_writes_for_rows_entering_blocks_each_match_rebuil
         tiny_dir, monkeypatch, few_rows):
     """The rows that enter a block in a step get their slots and blocks by array ops, or one
     at a time when they are few (``FEW_ROWS``): each way alone gives the rebuilt batches."""
-    monkeypatch.setattr(input_batch, "FEW_ROWS", few_rows)
+    monkeypatch.setattr(decode_rows, "FEW_ROWS", few_rows)
     _assert_same_as_rebuilding(tiny_dir, _traffic(random.Random(3), 90))
 
 
@@ -323,7 +323,7 @@ def _decode_traffic(engine: LLMEngine, seed: int, batches: list) -> dict[str, li
             seq = engine.sequence_for(request)
             try:
                 engine.reserve_blocks(seq)
-            except NoCapacityError:
+            except NoRoomNow:
                 continue
             out[request_id] = [_content(engine.start_running(seq, rng.randrange(1, 200)))]
         live = [r for r in out if engine.scheduler.get(r) is not None]

@@ -1,15 +1,38 @@
-"""Typed control messages between the router and the workers (sent over Ray calls).
+r"""The worker protocol: what the router and a worker say to each other, whatever hosts the
+worker (a Ray actor or this process).
 
-KV data never travels in these: it moves through ``pdserve.kv_transfer`` frames.
+- the calls (:class:`WorkerHandle` and its per-role kinds): the router only ever reaches a
+  worker through a handle with these methods;
+- the messages (typed dataclasses, sent over Ray calls; KV data never travels in them, it moves
+  through ``pdserve.kv_transfer`` frames): :class:`WorkRequest` in, :class:`Reservation` and
+  :class:`PrefillResult` back, a step's :class:`RequestDelta`\ s polled, :class:`WorkerStats`;
+- the refusals: :class:`NoRoomNow` (no free KV blocks now: try another worker, or wait) and
+  :class:`NeverFits` (this worker can never run the request), raised by the worker and seen
+  by the router as the same types through every handle; and :class:`RequestFaultError`, a
+  request that made a step fail.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from pdserve.engine.sampling_params import SamplingParams
+
+
+class Refusal(Exception):
+    """A worker declined a request; neither the request nor the worker is at fault."""
+
+
+class NoRoomNow(Refusal):
+    """No free KV blocks for the request right now: try another worker, or wait for room."""
+
+
+class NeverFits(Refusal, ValueError):
+    """This worker can never run the request: longer than its context, more KV blocks than its
+    pool holds, or ids and values its model cannot take. A client error naming the limit."""
 
 
 class RequestFaultError(RuntimeError):
@@ -177,3 +200,36 @@ class WorkerStats:
 
         return Utilization(self.flops_per_s, self.bytes_per_s, self.peak_flops_per_s,
                            self.peak_bytes_per_s, self.busy_fraction)
+
+
+class WorkerHandle(Protocol):
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+
+    async def stats(self) -> WorkerStats: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+
+class DecodeHandle(WorkerHandle, Protocol):
+    async def reserve(self, request: WorkRequest) -> Reservation:
+        """Blocks for the request under a lease; NoRoomNow or NeverFits when it declines."""
+        ...
+
+    async def renew(self, request_id: str) -> float | None:
+        """Extend the reservation's lease; its new deadline, or None if not reserved."""
+        ...
+
+    async def poll(self, timeout: float) -> StepDeltas: ...
+
+
+class PrefillHandle(WorkerHandle, Protocol):
+    async def prefill(self, request: WorkRequest, reservation: Reservation) -> PrefillResult: ...
+
+
+class ColocatedHandle(WorkerHandle, Protocol):
+    async def submit(self, request: WorkRequest) -> None:
+        """Queue the request; NeverFits when this worker can never run it."""
+        ...
+
+    async def poll(self, timeout: float) -> StepDeltas: ...

@@ -1,0 +1,149 @@
+"""Workers of every role, built one way: :func:`build_worker` is the only place a prefill,
+decode or colocated worker is made, inside a Ray worker actor (``cluster.actors``) as in this
+process (:func:`build_local_workers`: tests, benchmarks). What differs is how KV moves: over
+torch.distributed pair groups (:class:`TorchTransfer`) or in-process queues with fault
+injection (:class:`InProcTransfer`). :class:`LocalHandle` drives a worker through the worker
+protocol (``engine.protocol``); the Ray actor is a LocalHandle in its own process."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from pdserve.colocated_worker.worker import ColocatedWorker
+from pdserve.decode_worker.mailboxes import MailboxSizes
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.parts import EngineParts
+from pdserve.engine.protocol import StepDeltas, WorkRequest
+from pdserve.kv_transfer import (
+    FaultPlan,
+    InProcConnector,
+    InProcEndpoint,
+    InProcHub,
+    TorchDistConnector,
+    TransferEndpoint,
+)
+from pdserve.prefill_worker.worker import PrefillWorker
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class TorchTransfer:
+    """KV over 2-rank torch.distributed groups (gloo on CPU, NCCL on CUDA), as between
+    processes and nodes."""
+
+    host: str = "127.0.0.1"  # the decode endpoint's address
+    device: str = "cpu"
+    join_token: str = field(default="", repr=False)  # decode endpoints accept only holders
+
+    def endpoint(self, name: str, sink) -> TransferEndpoint:
+        return TransferEndpoint(sink, self.host, 0, self.device, join_token=self.join_token)
+
+    def connector(self, name: str) -> TorchDistConnector:
+        return TorchDistConnector(name, self.host, self.device, join_token=self.join_token)
+
+
+@dataclass(frozen=True)
+class InProcTransfer:
+    """KV through in-process queues shared by every worker of one ``hub``; ``fault_plan``
+    injects transfer faults on the prefill side."""
+
+    hub: InProcHub = field(default_factory=InProcHub)
+    fault_plan: FaultPlan | None = None
+
+    def endpoint(self, name: str, sink) -> InProcEndpoint:
+        return InProcEndpoint(self.hub, name, sink)
+
+    def connector(self, name: str) -> InProcConnector:
+        return InProcConnector(self.hub, name, fault_plan=self.fault_plan)
+
+
+def build_worker(role: str, worker_id: str, config: EngineConfig,
+                 transfer: TorchTransfer | InProcTransfer, *, lease_s: float = 60.0,
+                 orphan_timeout_s: float = 30.0, prefill_kwargs: dict | None = None):
+    """The plain worker of ``role``, its engine built from ``config`` in this process."""
+    if role == "colocated":
+        return ColocatedWorker(worker_id, EngineParts.build(config),
+                               orphan_timeout_s=orphan_timeout_s)
+    if role == "decode":
+        return DecodeWorker(worker_id, EngineParts.build(DecodeWorker.config_for(config)),
+                            functools.partial(transfer.endpoint, worker_id), lease_s=lease_s,
+                            orphan_timeout_s=orphan_timeout_s)
+    if role == "prefill":
+        return PrefillWorker(worker_id, EngineParts.build(PrefillWorker.config_for(config)),
+                             transfer.connector(worker_id), **(prefill_kwargs or {}))
+    raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+
+class LocalHandle:
+    """Any worker (prefill, decode, colocated) behind the router's async handle protocol.
+    ``router``: the name of the router calling (several routers share a decode or colocated
+    worker; each polls its own requests' deltas); one router in a process leaves it ""."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.worker_id = worker.worker_id
+        self.role = worker.role
+        self._poller = ThreadPoolExecutor(1, thread_name_prefix=f"poll-{self.worker_id}")
+
+    async def stats(self):
+        return await asyncio.wrap_future(self.worker.stats())
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.wrap_future(self.worker.abort(request_id))
+
+    async def reserve(self, request: WorkRequest, router: str = ""):
+        return await asyncio.wrap_future(self.worker.reserve(request, router))
+
+    async def renew(self, request_id: str):
+        return await asyncio.wrap_future(self.worker.renew(request_id))
+
+    async def prefill(self, request: WorkRequest, reservation):
+        return await asyncio.wrap_future(self.worker.prefill(request, reservation))
+
+    async def submit(self, request: WorkRequest, router: str = "") -> None:
+        await asyncio.wrap_future(self.worker.submit(request, router))
+
+    async def poll(self, timeout: float, router: str = "") -> StepDeltas:
+        """``router``'s deltas, a pure decode step's still compact (the router expands them:
+        one object to serialise per step when this handle is an actor's). Polls run one at a
+        time, whichever router asks."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._poller, functools.partial(
+            self.worker.poll, timeout, compact=True, router=router))
+
+    async def mailbox_sizes(self) -> MailboxSizes | None:
+        """What the worker's per-router mailboxes hold (None: a prefill worker has none)."""
+        mailboxes = getattr(self.worker, "mailboxes", None)
+        return None if mailboxes is None else mailboxes.sizes()
+
+    async def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
+        """Test hook: the worker's next engine step raises or stalls (``EngineLoop``)."""
+        self.worker.loop.inject_fault(kind, seconds)
+
+    def close(self) -> None:
+        self._poller.shutdown(wait=False, cancel_futures=True)
+        self.worker.close()
+
+
+def build_local_workers(config: EngineConfig, num_prefill: int = 1, num_decode: int = 1,
+                        colocated: bool = False, transport: str = "inproc",
+                        prefill_kwargs: dict | None = None, fault_plan: FaultPlan | None = None,
+                        lease_s: float = 60.0,
+                        orphan_timeout_s: float = 30.0) -> list[LocalHandle]:
+    """Workers in this process behind handles: ``num_decode`` colocated ones, or
+    ``num_decode`` decode and ``num_prefill`` prefill ones whose KV moves by ``transport``,
+    "inproc" (queues; ``fault_plan`` injects faults) or "torch" (gloo/NCCL pairs over
+    loopback, as between processes)."""
+    transfer = InProcTransfer(fault_plan=fault_plan) if transport == "inproc" else \
+        TorchTransfer(device=str(config.resolve_device()))
+    roles = ([("colocated", num_decode)] if colocated
+             else [("decode", num_decode), ("prefill", num_prefill)])
+    return [LocalHandle(build_worker(role, f"{role}-{i}", config, transfer, lease_s=lease_s,
+                                     orphan_timeout_s=orphan_timeout_s,
+                                     prefill_kwargs=prefill_kwargs))
+            for role, count in roles for i in range(count)]
