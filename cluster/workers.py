@@ -63,9 +63,11 @@ class InProcTransfer:
 
 
 def build_worker(role: str, worker_id: str, config: EngineConfig,
-                 transfer: TorchTransfer | InProcTransfer, *, lease_s: float = 60.0,
-                 orphan_timeout_s: float = 30.0, prefill_kwargs: dict | None = None):
-    """The plain worker of ``role``, its engine built from ``config`` in this process."""
+                 transfer: TorchTransfer | InProcTransfer | None = None, *,
+                 lease_s: float = 60.0, orphan_timeout_s: float = 30.0,
+                 prefill_kwargs: dict | None = None):
+    """The plain worker of ``role``, its engine built from ``config`` in this process;
+    ``transfer`` moves the KV of a prefill or decode worker (a colocated one moves none)."""
     if role == "colocated":
         return ColocatedWorker(worker_id, EngineParts.build(config),
                                orphan_timeout_s=orphan_timeout_s)

@@ -7,12 +7,10 @@ import uuid
 
 import pytest
 
-from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.cluster.workers import InProcTransfer, build_worker
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.parts import EngineParts
 from pdserve.engine.protocol import WorkRequest
-from pdserve.kv_transfer import FaultPlan, InProcConnector, InProcEndpoint, InProcHub
-from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.kv_transfer import FaultPlan
 
 
 def engine_config(model_dir, **overrides) -> EngineConfig:
@@ -26,18 +24,12 @@ class Pair:
 
     def __init__(self, model_dir, fault_plan: FaultPlan | None = None, lease_s: float = 30.0,
                  prefill_kwargs: dict | None = None, decode_blocks: int = 128, **cfg):
-        self.hub = InProcHub()
+        transfer = InProcTransfer(fault_plan=fault_plan)
         name = uuid.uuid4().hex[:8]
-        dcfg = DecodeWorker.config_for(engine_config(model_dir, num_kv_blocks=decode_blocks,
-                                                     **cfg))
-        self.decode = DecodeWorker(f"d-{name}", EngineParts.build(dcfg),
-                                   lambda sink: InProcEndpoint(self.hub, f"d-{name}", sink),
-                                   lease_s=lease_s)
-        self.prefill = PrefillWorker(
-            f"p-{name}", EngineParts.build(PrefillWorker.config_for(engine_config(model_dir,
-                                                                                 **cfg))),
-            InProcConnector(self.hub, f"p-{name}", fault_plan=fault_plan),
-            **(prefill_kwargs or {}))
+        self.decode = build_worker("decode", f"d-{name}", engine_config(
+            model_dir, num_kv_blocks=decode_blocks, **cfg), transfer, lease_s=lease_s)
+        self.prefill = build_worker("prefill", f"p-{name}", engine_config(model_dir, **cfg),
+                                    transfer, prefill_kwargs=prefill_kwargs)
 
     def generate(self, request_id: str, prompt: list[int], params, timeout: float = 60.0):
         """Run one request through reserve -> prefill -> decode; returns (tokens, reason)."""

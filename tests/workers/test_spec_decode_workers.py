@@ -10,8 +10,8 @@ import time
 import pytest
 
 from pdserve import SamplingParams
+from pdserve.cluster.workers import build_worker
 from pdserve.colocated_worker.worker import ColocatedWorker
-from pdserve.engine.parts import EngineParts
 from pdserve.engine.protocol import WorkRequest
 
 from .conftest import engine_config
@@ -73,8 +73,8 @@ def test_decode_and_colocated_workers_greedy_equal_hf(hf_checkpoint, family_para
             assert pair.prefill.engine.speculator is None
             assert pair.prefill.engine.parts.ledger.draft_bytes == 0  # no room kept for it
             pair.close()
-            worker = ColocatedWorker(f"c-{family}", EngineParts.build(
-                engine_config(model_dir, speculative_config=spec)))
+            worker = build_worker("colocated", f"c-{family}",
+                                  engine_config(model_dir, speculative_config=spec))
             try:
                 assert colocated_generate(worker, prompts, params) == expected, \
                     f"colocated {label}"
