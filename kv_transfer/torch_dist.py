@@ -1,54 +1,11 @@
 """The real transport: one 2-rank torch.distributed process group per (P, D) pair.
 
-No global world (the rendezvous pieces: ``kv_transfer.rendezvous``). D hosts a ``TCPStore``
-(``TransferEndpoint``) holding a random session id; its ``address`` goes into the registry.
-Who may pair is the join policy both sides build from the cluster's join secret
-(``join_token``): authenticated joins when one is set; with the empty string, none at all
-(anyone who reaches the store pairs, as the module ``rendezvous`` says). A P sender joins
-lazily, on its first frame:
-
-1. P opens a store client to D's address, reads the session id, takes a pair index
-   ``idx = add("next", 1)`` and pushes its join on the join queue: ``"idx peer_id nonce mac"``
-   with a fresh random nonce and an HMAC-SHA256, keyed by the secret, over the session and
-   ``"idx peer_id nonce"`` (open: ``"idx peer_id"``). The secret never travels.
-2. D's listener drains the queue in batches and drops, cheaply and without answering, what
-   is not a join: oversized (before decoding), a MAC that does not verify (before parsing,
-   compared in constant time), a pair index already seen or never handed out (a replay).
-   For a valid join it writes its answer, accepted (or refused at ``max_peers``), on the
-   accept key; key and answers are HMACs of the join too (open: ``accept/idx``, ``1``/``0``),
-   so no one else can predict, pre-set or fake them. Accepted, it starts the peer's thread.
-3. P waits for that key until its join timeout (``connect_timeout_s``) and verifies the
-   answer; none in time (a wrong secret, or a flood ahead of it), refused, or one that does
-   not verify: TransferError, and the connector tries a new pair on the next use.
-4. Both build the group on the pair's store prefix, an HMAC of the join (open: ``pair/idx/``),
-   whose values are signed (``SignedStore``) so no one can redirect either side, D as rank 0,
-   P as rank 1: ``ProcessGroupGloo`` for CPU pools, ``ProcessGroupNCCL`` for CUDA pools
-   (``ChannelConfig.backend`` overrides; gloo with CUDA tensors stages through host memory).
-5. Handshake on the new group (``prove_pair``; none when open): D sends a 32-byte proof, P
-   checks it before anything else leaves P and answers with its own, which D checks; a wrong
-   proof ends the pair on that side.
-6. Frames flow P -> D only: ``send([header])`` then ``send([payload])``; the loop receives the
-   header, then the payload into the sink's buffer (or scratch), see ``receiver.py``.
-
-Liveness: every op is bounded by ``peer_timeout_s`` (the group's timeout); idle senders send
-HEARTBEAT every ``heartbeat_s``, so a silent or dead peer breaks the pair within the timeout;
-a dead process's sockets close at once. A broken pair is torn down on both sides: P's pending
-futures fail with TransferError and its connector builds a new pair on the next use; D fails
-the pair's open keys and calls ``sink.on_peer_lost``. A gloo recv cannot be interrupted, so
-``TransferEndpoint.close`` ends each loop at its peer's next frame (a heartbeat at the latest).
-
-Exposure: the store listens only on ``host`` (a socket bound here and handed to the store,
-never every interface) and has no access control of its own: the join policy keeps strangers'
-pairs out, and what a client of the store can still do (read it, race a pair's gloo
-connection, delay joins) is listed in ``rendezvous``. Every frame is bounded by what the sink
-can ever accept (a whole pool: ``sink.max_payload_bytes``), so a header announcing more ends
-the pair before anything is allocated; the sink then checks each frame against its reservation.
-
-Alignment matters more than usual here: gloo aborts the whole process when a message's size
-differs from the posted receive, so the loop posts a payload receive only for a header that
-passed validation, always with the header's exact size, and ends the pair on any bad header.
-On NCCL, set ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` in worker processes so a timed-out pair is
-torn down rather than the process (untested here: no GPU on the development machines).
+No global world: D hosts a ``TCPStore`` (``TransferEndpoint``), a P sender joins it lazily on
+its first frame (an HMAC-authenticated join when the cluster has a join secret; the pieces are
+in ``kv_transfer.rendezvous``), both build a gloo (CPU) or NCCL (CUDA) group on the pair's
+store prefix, and frames flow P -> D only, header then payload. Every op is bounded by
+``peer_timeout_s``; a broken pair is torn down on both sides and rebuilt on the next use.
+docs/kv-transfer-rendezvous.md walks the join step by step, with what each side checks.
 """
 
 from __future__ import annotations
