@@ -44,9 +44,9 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.cluster.node_placement import WorkerResources, actor_resources
 from pdserve.cluster.registry import Registry, WorkerRecord
-from pdserve.cluster.workers import ROLES, LocalHandle, TorchTransfer, build_worker
+from pdserve.cluster.workers import LocalHandle, TorchTransfer, build_worker
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.protocol import Refusal, RequestFaultError, WorkRequest
+from pdserve.engine.protocol import ROLES, Refusal, RequestFaultError, WorkRequest
 
 logger = logging.getLogger(__name__)
 

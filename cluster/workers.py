@@ -17,7 +17,7 @@ from pdserve.decode_worker.mailboxes import MailboxSizes
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.protocol import StepDeltas, WorkRequest
+from pdserve.engine.protocol import ROLES, StepDeltas, WorkRequest
 from pdserve.kv_transfer import (
     FaultPlan,
     InProcConnector,
@@ -27,8 +27,6 @@ from pdserve.kv_transfer import (
     TransferEndpoint,
 )
 from pdserve.prefill_worker.worker import PrefillWorker
-
-ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,7 @@ def build_worker(role: str, worker_id: str, config: EngineConfig,
 
 
 class LocalHandle:
-    """Any worker (prefill, decode, colocated) behind the router's async handle protocol.
+    """Any worker (prefill, decode, colocated) in this process behind the worker protocol.
     ``router``: the name of the router calling (several routers share a decode or colocated
     worker; each polls its own requests' deltas); one router in a process leaves it ""."""
 

@@ -21,6 +21,8 @@ import numpy as np
 
 from pdserve.engine.sampling_params import SamplingParams
 
+ROLES = ("prefill", "decode", "colocated")  # a worker's role, WorkerHandle.role
+
 
 class Refusal(Exception):
     """A worker declined a request; neither the request nor the worker is at fault."""
@@ -167,7 +169,7 @@ class WorkerStats:
     """A worker's load and memory, for the registry, the router's pairing and metrics."""
 
     worker_id: str
-    role: str  # "prefill" | "decode" | "colocated"
+    role: str  # one of ROLES
     total_blocks: int
     free_blocks: int  # allocatable now (free + evictable cached)
     used_blocks: int  # owned by requests or reservations

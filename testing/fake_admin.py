@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdserve.engine.protocol import ROLES
 from pdserve.router.admin_server import (
     ControlPlaneInfo,
     PoolInfo,
@@ -16,8 +17,6 @@ from pdserve.router.admin_server import (
     WorkerDeadError,
     WorkerInfo,
 )
-
-ROLES = ("prefill", "decode", "colocated")
 
 
 class FakeAdmin:
