@@ -1,45 +1,12 @@
 """The autoscaler's decision: (metrics snapshot, controller state, config, now) -> targets.
 
 One controller, two loops: the prefill pool and the decode pool each grow and shrink by the
-signal of their own phase (docs/autoscaling.md). :func:`decide` is a pure function; the
-runner (``pdserve.cluster.autoscale.runner``) builds the :class:`MetricsSnapshot` in the
-router actor, calls it every tick and hands the new targets to the pool manager, which makes
-them true (a scale-down is a drain: the worker leaves routing, finishes its streams, exits).
-
-Signals, per pool of N workers (ready + starting: a starting worker counts as capacity):
-
-* prefill, up: queued prompt tokens per worker above ``prefill_queue_up_tokens``, or the
-  prefill pool's TTFT P90 over the window above ``ttft_slo_ms`` (its part of TTFT: queue +
-  compute + KV send at the worker, so time spent waiting for decode room, a decode signal,
-  never grows prefill);
-* decode, up: the mean decode load above ``decode_load_up`` (a worker's load is the larger of
-  its KV usage ratio and (running + waiting) / ``max_num_seqs``), or the ITL P90 over the
-  window above ``itl_slo_ms``;
-* down, either pool: the load spread over N-1 workers (averaged over the window, so a load
-  that flickers between heartbeats counts for its mean) stays under the down thresholds,
-  which sit below the up ones: queued tokens / (N-1) under ``prefill_queue_down_tokens`` and the
-  prefill workers' busy fractions (forward time / wall time) summed / (N-1) under
-  ``prefill_busy_down`` (a queue is empty below saturation, the busy time is not), decode
-  load summed / (N-1) under ``decode_load_down``, and the latency P90 projected on N-1
-  workers under ``down_slo_fraction`` x its SLO (no samples in the window: no latency). The
-  projection is the latency's floor (the lowest P90 the pool has shown: what no load adds)
-  plus the rest scaled by N/(N-1), the rest taken as proportional to the load per worker.
-  After a step down the new load is below the down threshold, so below the up one: no
-  flapping.
-
-Rules: at most one step per pool per ``scale_interval_s``; up once an up signal has held for
-``scale_up_delay_s``, down once every signal has been low for ``scale_down_delay_s``; no step
-down within ``scale_down_grace_s`` of the pool's last step up; latency signals do not grow a
-pool while one of its workers is starting (the window still shows the smaller pool), and no
-pool grows on a signal before it has caught up with its target; ``min_*`` / ``max_*`` bound
-each pool and ``max_workers`` both together (when both want to grow and only one may, the
-larger signal / threshold goes first). A target outside [min, max] (an operator's) is brought
-back one step per interval.
-
-Predictive floor (``predictive``, off by default; Dynamo's planner formula): each pool is kept
-at least at ceil(arrival rate x mean length / per-worker capacity), prompt tokens for prefill,
-output tokens for decode. The capacity is the configured one or, when not given, the highest
-per-worker rate measured so far in a window whose P90 met the SLO.
+signal of their own phase. :func:`decide` is a pure function; the runner
+(``pdserve.cluster.autoscale.runner``) builds the :class:`MetricsSnapshot` in the router actor,
+calls it every tick and hands the new targets to the pool manager, which makes them true (a
+scale-down is a drain). The signals, the rules that keep it from flapping (down thresholds
+below up ones, judged on the load spread over N-1 workers; fast up, slow down, one step per
+interval) and the optional predictive floor: docs/autoscaling.md.
 """
 
 from __future__ import annotations
