@@ -1,5 +1,6 @@
 """The benchmark commands of ``pdserve``: ``bench serve`` and ``bench compare`` (load
-benchmarks) and ``plan`` (the capacity planner)."""
+benchmarks) and ``plan`` (the capacity planner). Like ``cli.main``, importing it loads neither
+torch nor ray: ``bench compare`` and ``plan`` import what needs them where they run."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def _cmd_bench_serve(args) -> int:
 
 
 def _cmd_bench_compare(args) -> int:
-    # lazy: starts clusters, so it imports torch and ray (seconds), which bench serve does not need
+    # lazy: starts clusters, so torch and ray (see the module docstring)
     from pdserve.bench.compare import COMPARE_SHAPE, CompareOptions, run_compare
 
     prog = "pdserve bench compare"
@@ -104,7 +105,7 @@ def _cmd_bench_compare(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
+    # lazy: torch (see the module docstring)
     from pdserve.bench.plan import DEFAULT_MFU, PlanRequest, make_plan
     from pdserve.bench.plan_measure import choose_hardware, measure
     from pdserve.engine.config import EngineConfig
@@ -151,14 +152,14 @@ def cmd_plan(args) -> int:
 
 
 def _has_cuda() -> bool:
-    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
+    # lazy: torch (see the module docstring)
     import torch
 
     return torch.cuda.is_available()
 
 
 def _torch_device(kind: str):
-    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
+    # lazy: torch (see the module docstring)
     import torch
 
     return torch.device(kind)

@@ -5,6 +5,10 @@
 The operator commands live in ``cli/admin.py``, the benchmark and planner commands in
 ``cli/bench.py``, what they share in ``cli/common.py``. Output to the terminal happens only in
 the command functions of these modules; the rest of pdserve logs.
+
+Importing this module loads neither torch nor ray (seconds between them): ``--help``,
+``status``, ``drain``, ``generate`` and ``bench serve`` need neither, so the commands that do
+import their heavy modules where they run (``tests/test_layout.py`` pins it).
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _serve_settings(parser: argparse.ArgumentParser) -> None:
-    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
+    # lazy: torch (see the module docstring)
     from pdserve.cli.settings import add_setting_flags
 
     add_setting_flags(parser, ClusterOptions())
@@ -99,7 +103,7 @@ def _add_generate(sub) -> None:
 
 
 def _demo_settings(parser: argparse.ArgumentParser) -> None:
-    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
+    # lazy: torch (see the module docstring)
     from pdserve.cli.demo import demo_options
     from pdserve.cli.settings import add_setting_flags
 
@@ -162,7 +166,7 @@ def _checked_options(args, base, prog: str, environ=os.environ):
     ports and host checked and the engine's memory plan checked in this process
     (:mod:`pdserve.cli.preflight`) before anything starts. A user error exits 2 with one
     message naming the flags that fix it."""
-    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
+    # lazy: torch (see the module docstring)
     from pdserve.cli.preflight import check_cluster, check_listen_addresses, check_tls_files
     from pdserve.cli.settings import SettingsError, name_flags, options_from_args
     from pdserve.engine.memory import MemoryBudgetError
@@ -186,7 +190,7 @@ def _checked_options(args, base, prog: str, environ=os.environ):
 
 
 def _cmd_serve(args) -> int:
-    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
+    # lazy: torch (see the module docstring)
     from pdserve.cli.preflight import user_error
     from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
 
@@ -268,7 +272,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
+    # lazy: torch (see the module docstring)
     from pdserve.cli.demo import demo_options
     from pdserve.cli.settings import engine_config
 
@@ -277,13 +281,13 @@ def _cmd_demo(args) -> int:
     options = _checked_options(args, demo_options(), "pdserve demo", environ={})
     seed = engine_config(options).seed
     if args.offline:
-        # lazy: imports torch (seconds), which --help, status, drain and generate do not need
+        # lazy: torch (see the module docstring)
         from pdserve.cli.offline_demo import run_offline_demo
 
         run_offline_demo(num_requests=args.requests, seed=seed, model=options.model,
                          engine=options.engine)
         return 0
-    # lazy: imports torch (seconds), which --help, status, drain and generate do not need
+    # lazy: torch (see the module docstring)
     from pdserve.cli.demo import format_report, run_demo
 
     model = options.model or "built-in tiny model, random weights"
@@ -293,7 +297,7 @@ def _cmd_demo(args) -> int:
         report = run_demo(num_requests=args.requests, concurrency=args.concurrency, seed=seed,
                           options=options)
     except Exception as exc:  # a worker's user error (MemoryBudgetError) becomes one message
-        # lazy: imports torch (seconds), which --help, status, drain and generate do not need
+        # lazy: torch (see the module docstring)
         from pdserve.cli.preflight import user_error
 
         failure = user_error(exc)

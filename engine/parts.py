@@ -24,8 +24,7 @@ from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dty
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.roofline import StepCost, UtilizationMeter
 from pdserve.kernels import resolve_backend
-from pdserve.models import Checkpoint, ModelConfig, Tokenizer
-from pdserve.models.checkpoint import open_checkpoint
+from pdserve.models import Checkpoint, ModelConfig, Tokenizer, open_checkpoint
 
 logger = logging.getLogger(__name__)
 

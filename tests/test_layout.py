@@ -49,7 +49,7 @@ def floor_of(path: Path) -> str:
 def package_files() -> list[Path]:
     return [p for p in sorted(ROOT.rglob("*.py"))
             if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
-            and p.relative_to(ROOT).parts[0] not in ("tests", "helm", "docs")]
+            and p.relative_to(ROOT).parts[0] not in ("tests", "helm", "docs", "build", "dist")]
 
 
 def imported_modules(path: Path) -> set[str]:
