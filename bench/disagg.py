@@ -8,7 +8,7 @@ In one run, on this machine:
    and 4k prompt tokens, with and without layer-wise overlap of sends and compute;
 3. streaming overhead per token: the gRPC server and client with a zero-compute backend;
 4. shipping a decode step's deltas from a worker to the router (what a worker actor's ``poll``
-   returns, pickled as Ray pickles it): one RequestDelta per token against the compact form,
+   returns, pickled as Ray pickles it): one RequestDelta per token against StepDeltas' columns,
    at batch 64 and 256 on the built-in tiny model (its tokenizer makes the text).
 Workers run in this process on their own threads (the serving path on CPU uses torch kernels).
 Both ends of the loopback channel share this machine's cores with the pack/scatter copies, so
@@ -36,7 +36,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.protocol import expand_deltas
+from pdserve.engine.protocol import StepDeltas
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import measure_channel, measure_memcpy, measure_transfer
 from pdserve.models import tiny_model_dir
@@ -157,22 +157,24 @@ def _decoding_engine(batch: int) -> LLMEngine:
 
 def shipping_table(batches: list[int], steps: int) -> str:
     """Per token: the worker's side (render the text, pickle) and the router's (unpickle,
-    expand to RequestDelta), both forms on two engines stepped in turn."""
+    read each RequestDelta), both encodings on two engines stepped in turn: StepDeltas' own
+    (a pure decode step's tokens as columns) and one RequestDelta each."""
     rows = []
     for batch in batches:
         engines = {"RequestDelta each": _decoding_engine(batch),
-                   "compact": _decoding_engine(batch)}
+                   "columns": _decoding_engine(batch)}
         worker = dict.fromkeys(engines, 0.0)
         router, size, tokens = dict(worker), dict(worker), dict(worker)
         for _ in range(steps):
             for name, engine in engines.items():
                 deltas = engine.step()
                 start = time.perf_counter()
-                rendered = (engine.render_compact(deltas) if name == "compact"
-                            else engine.render(deltas))
+                rendered = engine.render(deltas)
+                if name == "RequestDelta each":
+                    rendered = StepDeltas(rendered)  # (iterating makes one object per request)
                 blob = pickle.dumps(rendered, protocol=5)
                 shipped = time.perf_counter()
-                tokens[name] += len(expand_deltas(pickle.loads(blob)))
+                tokens[name] += sum(1 for _ in pickle.loads(blob))  # what the router reads
                 router[name] += time.perf_counter() - shipped
                 worker[name] += shipped - start
                 size[name] += len(blob)

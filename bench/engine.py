@@ -94,7 +94,8 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int,
     request ``i``'s prompt has ``prompt_len + i % spread`` tokens (``spread`` 1: every row
     enters a new block in the same step; the block size: a few rows do in every step), and
     it decodes greedily or with ``sampling`` (SamplingParams fields; seed ``i``).
-    ``render_s`` gets the time of rendering each step's deltas (the reader's side)."""
+    ``render_s`` gets the time of rendering each step's deltas and reading each of them as a
+    RequestDelta (the reader's side: a worker's poll renders, the router reads)."""
     for i in range(batch):
         params = SamplingParams(max_tokens=steps + 4, ignore_eos=True,
                                 **(dict(sampling, seed=i) if sampling else {"temperature": 0.0}))
@@ -108,7 +109,8 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int,
         deltas = engine.step()
         stats.append(engine.last_step)
         start = time.perf_counter()
-        engine.render(deltas)
+        for _ in engine.render(deltas):
+            pass
         if render_s is not None:
             render_s.append(time.perf_counter() - start)
     while engine.has_unfinished_requests():

@@ -109,12 +109,10 @@ class LocalHandle:
         await asyncio.wrap_future(self.worker.submit(request, router))
 
     async def poll(self, timeout: float, router: str = "") -> StepDeltas:
-        """``router``'s deltas, a pure decode step's still compact (the router expands them:
-        one object to serialise per step when this handle is an actor's). Polls run one at a
-        time, whichever router asks."""
+        """``router``'s deltas. Polls run one at a time, whichever router asks."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._poller, functools.partial(
-            self.worker.poll, timeout, compact=True, router=router))
+            self.worker.poll, timeout, router=router))
 
     async def mailbox_sizes(self) -> MailboxSizes | None:
         """What the worker's per-router mailboxes hold (None: a prefill worker has none)."""

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.protocol import StepDeltas, TokenDeltas, num_deltas
+from pdserve.engine.protocol import StepDeltas
 
 
 @dataclass(frozen=True)
@@ -109,46 +109,28 @@ class RouterMailboxes:
     def take(self, router: str) -> StepDeltas:
         """The deltas other routers' polls left for ``router``."""
         with self._lock:
-            return self._boxes.pop(router, [])
+            return self._boxes.pop(router, None) or StepDeltas()
 
     def sort(self, deltas: StepDeltas, router: str) -> StepDeltas:
         """``router``'s share of freshly drained ``deltas``; the rest wait in their owners'
-        boxes (a forgotten router's are dropped, but for final ones: the poller's). A compact
-        delta is split by owner (kept whole when one router owns it all). A final delta ends
-        its request's owner entry (of the same attempt)."""
-        mine: StepDeltas = []
+        boxes (a forgotten router's are dropped, but for final ones: the poller's). A final
+        delta ends its request's owner entry (of the same attempt)."""
+        def owner(request_id: str, attempt: int, final: bool) -> str | None:
+            owner, owned_attempt = self._owners.get(request_id, (router, None))
+            if final:
+                if owned_attempt == attempt:
+                    del self._owners[request_id]
+                return router if owner is None else owner
+            return owner
+
         with self._lock:
-            for delta in deltas:
-                if isinstance(delta, TokenDeltas):
-                    self._sort_compact(delta, router, mine)
-                    continue
-                owner, attempt = self._owners.get(delta.request_id, (router, None))
-                if delta.finish_reason is not None:
-                    if attempt == delta.attempt:
-                        del self._owners[delta.request_id]
-                    owner = router if owner is None else owner
-                self._put(owner, router, delta, mine)
-        return mine
+            shares = deltas.split(owner)
+            for other, share in shares.items():
+                if other != router:
+                    self._boxes.setdefault(other, StepDeltas()).extend(share)
+        return shares.get(router) or StepDeltas()
 
     def sizes(self) -> MailboxSizes:
         with self._lock:
-            return MailboxSizes(len(self._owners), sum(map(num_deltas, self._boxes.values())),
+            return MailboxSizes(len(self._owners), sum(map(len, self._boxes.values())),
                                 len(self._heard))
-
-    def _sort_compact(self, compact: TokenDeltas, router: str, mine: StepDeltas) -> None:
-        owners = [self._owners.get(request_id, (router, None))[0]
-                  for request_id in compact.request_ids]
-        if owners.count(owners[0]) == len(owners):
-            self._put(owners[0], router, compact, mine)
-            return
-        rows: dict[str | None, list[int]] = {}
-        for row, owner in enumerate(owners):
-            rows.setdefault(owner, []).append(row)
-        for owner, index in rows.items():
-            self._put(owner, router, compact.select(index), mine)
-
-    def _put(self, owner: str | None, router: str, delta, mine: StepDeltas) -> None:
-        if owner == router:
-            mine.append(delta)
-        elif owner is not None:
-            self._boxes.setdefault(owner, []).append(delta)

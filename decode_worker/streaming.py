@@ -26,19 +26,18 @@ class StreamingWorker:
     mailboxes: RouterMailboxes
     orphan_timeout_s: float  # a router silent this long is gone: its requests are freed
 
-    def poll(self, timeout: float | None = None, compact: bool = False,
-             router: str = "") -> StepDeltas:
+    def poll(self, timeout: float | None = None, router: str = "") -> StepDeltas:
         """``router``'s deltas: those another router's poll left for it, else what the worker
         produced since the last poll (blocks up to ``timeout`` when none), their text made
-        here. ``compact``: a pure decode step's go on as one TokenDeltas (what the router's
-        handle ships), else one RequestDelta each. One poll at a time (the handle's thread)."""
+        here. One poll at a time (the handle's thread)."""
         self.mailboxes.polled(router)
         mine = self.mailboxes.take(router)
         if mine:
             return mine
-        deltas = self.loop.outbox.drain(timeout)
-        rendered = self.engine.render_compact(deltas) if compact else self.engine.render(deltas)
-        return self.mailboxes.take(router) + self.mailboxes.sort(rendered, router)
+        rendered = self.engine.render(self.loop.outbox.drain(timeout))
+        mine = self.mailboxes.take(router)
+        mine.extend(self.mailboxes.sort(rendered, router))
+        return mine
 
     def mailbox_sizes(self) -> MailboxSizes:
         return self.mailboxes.sizes()

@@ -27,10 +27,15 @@ The rows mirror the scheduler's ``running_version`` they were synced at (``versi
 Each step moves the arrays on in place (a sync, a drop or wider tables make new ones), so
 the runner's CPU tensors over them (``ModelRunner.prepare_rows``) are made once per arrays,
 and a :class:`~pdserve.engine.model_runner.ModelInput` of the rows holds for its own step
-only. What outlives the step is copied: a compact delta's counters, and the per-row lists,
+only. What outlives the step is copied: the counters of its deltas, and the per-row lists,
 which a sync or a drop replaces rather than edits.
 
-With a sliding window, blocks that fell out of it are freed (:meth:`leaving_window`) and
+The rows belong to the model runner (``ModelRunner.prepare`` syncs them from a
+:class:`~pdserve.engine.scheduler_output.SchedulerOutput` of a pure decode step); the
+scheduler never reads them: it gives the sequences their blocks and counts their progress,
+and the rows read the new blocks from the tables (:meth:`DecodeRows.read_new_blocks`).
+
+With a sliding window, blocks that fell out of it are freed by the scheduler and
 become ``None`` in the sequence's table; the rows keep the old id there (0 for an entry
 already ``None`` when read), which the attention kernels never read: they read only the
 window's blocks.
@@ -48,7 +53,7 @@ from operator import attrgetter, is_
 import numpy as np
 import torch
 
-from pdserve.engine.protocol import TokenDeltas
+from pdserve.engine.protocol import StepDeltas
 from pdserve.engine.sampler import SamplingBatch, SamplingRow, is_penalized, takes_argmax
 from pdserve.engine.sequence import Sequence
 
@@ -84,8 +89,6 @@ class DecodeRows:
         self.context_lens = np.zeros(0, np.int32)  # positions + 1
         self.max_context_len = self.num_context = 0  # max and sum of context_lens
         self.needs_block: list[int] = []  # rows whose position starts a block not yet theirs
-        self.filled: list[int] = []  # after advance: rows whose step completed a block
-        self.joined: list[int] = []  # rows the last sync read from their sequences
         self.tables = np.zeros((0, 8), np.int32)  # block tables; entries past num_blocks: 0
         self.tables_tensor = torch.from_numpy(self.tables)  # the same memory
         self.max_blocks = 0
@@ -138,7 +141,6 @@ class DecodeRows:
     def _append(self, seqs: list[Sequence], tables: list[list]) -> list[Sequence]:
         """Fresh rows for ``seqs`` after every current row (which stay as they are)."""
         n, k = len(self.seqs), len(seqs)
-        self.joined = list(range(n, n + k))
         grown = np.zeros((n + k, self._table_width(max(map(len, tables)))), np.int32)
         grown[:n, :self.tables.shape[1]] = self.tables
         for row, table in enumerate(tables, n):
@@ -217,14 +219,13 @@ class DecodeRows:
         kept, fresh = np.flatnonzero(old >= 0), np.flatnonzero(old < 0)
         if len(kept):
             state[:, kept] = self.state[:, old[kept]]
-        self.joined = fresh.tolist()
-        fresh_seqs = [seqs[j] for j in self.joined]
+        fresh_seqs = [seqs[j] for j in fresh.tolist()]
         if fresh_seqs:
             state[:, fresh] = np.array(list(map(self._fresh_row, fresh_seqs)), np.int64).T
         state[NUM_BLOCKS] = num_blocks
         self.state = state
-        self._look_up_slots(fresh)
-        self.needs_block = np.flatnonzero(state[SLOTS] < 0).tolist()
+        # fresh rows, and kept rows entering a block (their tables were just read again)
+        self.needs_block = self._look_up_slots(np.flatnonzero(state[SLOTS] < 0))
         self.context_lens = (state[POSITIONS] + 1).astype(np.int32)
         self._batch_totals()
         return fresh_seqs
@@ -308,9 +309,24 @@ class DecodeRows:
         state = self.state
         return SamplingBatch.from_columns(state[SAMPLING:], state[NUM_OUTPUT], penalized)
 
-    def blocks_added(self, rows: list[int], blocks: list[int]) -> None:
-        """Each of ``rows`` (from :attr:`needs_block`) was given its next block, ``blocks[i]``
-        for ``rows[i]`` (now the last entry of its sequence's table)."""
+    def read_new_blocks(self) -> None:
+        """The rows in :attr:`needs_block` were each given their next block (the scheduler
+        appended it to their sequence's table): read it there."""
+        rows = self.needs_block
+        if not rows:
+            return
+        num_blocks = self.state[NUM_BLOCKS]
+        blocks = []
+        for row in rows:
+            seq, column = self.seqs[row], int(num_blocks[row])
+            if column >= len(seq.block_table):
+                raise RuntimeError(f"{seq.request_id}: no KV block for position "
+                                   f"{seq.num_computed_tokens}; the scheduler gave it none")
+            blocks.append(seq.block_table[column])
+        self._blocks_added(rows, blocks)
+
+    def _blocks_added(self, rows: list[int], blocks: list[int]) -> None:
+        """Each of ``rows`` got its next block, ``blocks[i]`` for ``rows[i]``."""
         state, bs = self.state, self.block_size
         num_blocks = state[NUM_BLOCKS]
         if len(rows) <= FEW_ROWS:  # one at a time
@@ -341,13 +357,12 @@ class DecodeRows:
             self._set_tables(np.pad(self.tables, ((0, 0), (0, width - self.tables.shape[1]))))
 
     def advance(self, token_ids: list[int], tokens: np.ndarray) -> None:
-        """Every row computed its position and sampled ``token_ids[row]`` (``tokens``: the same
-        as an array): each sequence gets the token and one more computed token, and the rows
-        move to the next position (a row entering a new block looks its slot up, or waits in
-        :attr:`needs_block` for the scheduler to give it one)."""
+        """Every row computed its position (``num_computed_tokens``, which the scheduler
+        moved on) and sampled ``token_ids[row]`` (``tokens``: the same as an array): each
+        sequence gets its token, and the rows move to the next position (a row entering a
+        new block looks its slot up, or waits in :attr:`needs_block` for the scheduler to
+        give it one)."""
         list(map(list.append, self._token_lists, token_ids))
-        for seq in self.seqs:
-            seq.num_computed_tokens += 1
         state = self.state
         state[TOKENS] = tokens
         state[POSITIONS:SLOTS + 1] += 1  # positions and slots, one op
@@ -355,20 +370,9 @@ class DecodeRows:
         self.context_lens += 1
         self.max_context_len += 1
         self.num_context += len(self.seqs)
-        filled = np.flatnonzero(state[POSITIONS] % self.block_size == 0)
-        self.filled = filled.tolist()  # (the rows whose new position starts a block)
-        if self.filled:
-            self.needs_block = self._look_up_slots(filled)
-
-    def leaving_window(self) -> list[int]:
-        """After :meth:`advance`: the rows that may hold blocks out of the window, whose step
-        pushed one out or that joined at this step's sync (a decode worker's request brings
-        its whole prompt's blocks); ``BlockManager.free_out_of_window`` frees them."""
-        oldest = self.state[POSITIONS] - (self.window - 1)  # the next query's first visible key
-        rows = np.flatnonzero((oldest > 0) & (oldest % self.block_size == 0)).tolist()
-        if self.joined:
-            rows, self.joined = sorted(set(rows).union(self.joined)), []
-        return rows
+        entering = np.flatnonzero(state[POSITIONS] % self.block_size == 0)
+        if len(entering):
+            self.needs_block = self._look_up_slots(entering)
 
     def first_tokens_sent(self) -> None:
         """Every row has had its first token (after a step's deltas)."""
@@ -376,15 +380,21 @@ class DecodeRows:
             self.state[FIRST] = 0
             self.any_first = False
 
-    def compact_deltas(self, token_ids: list[int], skip: list[int]) -> TokenDeltas:
-        """After :meth:`advance`: the compact delta of every row but ``skip`` (ascending)."""
+    def new_token_deltas(self, token_ids: list[int], skip: list[int]) -> StepDeltas:
+        """After :meth:`advance`: the deltas of every row but ``skip`` (ascending), each
+        adding its one token ``token_ids[row]``."""
+        if skip:
+            keep = np.ones(len(self.seqs), bool)
+            keep[skip] = False
+            index = np.flatnonzero(keep)
+            counts = self.state[NUM_PROMPT:NUM_OUTPUT + 1, index]  # (a copy)
+            rows = index.tolist()
+            return StepDeltas.new_tokens([self.request_ids[i] for i in rows],
+                                         [token_ids[i] for i in rows],
+                                         [self.attempts[i] for i in rows], counts[0], counts[1])
         counts = self.state[NUM_PROMPT:NUM_OUTPUT + 1].copy()  # (the next step moves state)
-        every = TokenDeltas(self.request_ids, token_ids, self.attempts, counts[0], counts[1])
-        if not skip:
-            return every
-        rest = np.ones(len(self.seqs), bool)
-        rest[skip] = False
-        return every.select(np.flatnonzero(rest).tolist())
+        return StepDeltas.new_tokens(self.request_ids, token_ids, self.attempts, counts[0],
+                                     counts[1])
 
     def ending(self, eos_token_ids) -> np.ndarray:
         """After :meth:`advance`: the rows whose token goes through the per-token stop rules:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from pdserve.engine.protocol import StepDeltas, WorkerStats, num_deltas
+from pdserve.engine.protocol import RequestDelta, StepDeltas, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -50,29 +50,26 @@ class DeltaOutbox:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._items: StepDeltas = []
-        self._size = 0  # per-request deltas in _items (a TokenDeltas counts its requests)
+        self._items = StepDeltas()
         self._cond = threading.Condition()
 
-    def put_many(self, deltas: StepDeltas) -> None:
+    def put_many(self, deltas: StepDeltas | list[RequestDelta]) -> None:
         if deltas:
             with self._cond:
                 self._items.extend(deltas)
-                self._size += num_deltas(deltas)
                 self._cond.notify_all()
 
     def drain(self, timeout: float | None = None) -> StepDeltas:
-        """What steps put since the last drain (compact deltas still compact: the reader
-        renders them)."""
+        """What steps put since the last drain (the reader renders them)."""
         with self._cond:
             if not self._items and timeout:
                 self._cond.wait(timeout)
-            items, self._items, self._size = self._items, [], 0
+            items, self._items = self._items, StepDeltas()
             return items
 
     @property
     def is_full(self) -> bool:
-        return self._size >= self.capacity
+        return len(self._items) >= self.capacity
 
 
 @dataclasses.dataclass

@@ -44,7 +44,7 @@ import torch
 from pdserve.engine.kv_calibration_text import CALIBRATION_TEXTS
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler_output import ScheduledSequence
+from pdserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.kernels import KVCacheLayer
 from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE
@@ -276,7 +276,7 @@ def teacher_forced_logits(model, caches: list[KVCacheLayer], block_size: int,
         blocks = -(-len(prompt) // block_size)
         seq.block_table = list(range(first, first + blocks))
         first += blocks
-        batch = runner.prepare([ScheduledSequence(seq, len(prompt))])
+        batch = runner.prepare(SchedulerOutput([ScheduledSequence(seq, len(prompt))]))
         hidden = model(batch.input_ids, batch.positions, caches, batch.metadata)
         logits.append(model.compute_logits(hidden).float())
     return logits

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, fields
 from tqdm.auto import tqdm
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine, RequestDelta
-from pdserve.engine.protocol import TokenDeltas
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.protocol import RequestDelta, StepDeltas
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -38,7 +38,7 @@ class RequestOutput:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
     def add_token(self, token_id: int, text: str, now: float) -> None:
-        """One token of a compact delta (never the last, no logprobs)."""
+        """A delta that only adds one token (not the last, no logprobs)."""
         if self.first_token_time is None:
             self.first_token_time = now
         self.token_ids.append(token_id)
@@ -114,15 +114,21 @@ class LLM:
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine went idle with requests unfinished")
                 step = self.engine.step()
-                now = time.monotonic()
-                for delta in self.engine.render_compact(step):
-                    if isinstance(delta, TokenDeltas):  # (none of these is final)
-                        for request_id, token_id, text in zip(
-                                delta.request_ids, delta.token_ids, delta.texts, strict=True):
-                            outputs[request_id].add_token(token_id, text, now)
-                        continue
-                    out = outputs[delta.request_id]
-                    out.add(delta, now)
-                    if delta.finish_reason is not None:
-                        pending -= 1
-                        bar.update(1)
+                finished = self._take(self.engine.render(step), outputs, time.monotonic())
+                if finished:
+                    pending -= finished
+                    bar.update(finished)
+
+    @staticmethod
+    def _take(deltas: StepDeltas, outputs: dict[str, RequestOutput], now: float) -> int:
+        """Add a step's deltas to their outputs; returns how many requests finished."""
+        finished = 0
+
+        def add(delta: RequestDelta) -> None:
+            nonlocal finished
+            outputs[delta.request_id].add(delta, now)
+            finished += delta.finish_reason is not None
+
+        deltas.read(lambda request_id, token_id, text:
+                    outputs[request_id].add_token(token_id, text, now), add)
+        return finished

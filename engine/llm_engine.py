@@ -8,20 +8,19 @@ forward: a prefill worker ships KV layers while the forward runs and hands finis
 off). Step:
 
 1. ``scheduler.schedule()`` picks sequences and how many tokens each computes (plus draft slots
-   for speculating decodes, whose drafts the speculator then proposes);
-2. ``hooks.before_forward`` sees the sequences that sample this step (and may return a per-layer
-   callback), ``runner.run()`` runs the flat batch and returns logits of the sequences whose
-   chunk reaches their last token, then ``hooks.after_forward``;
+   for speculating decodes, whose drafts the speculator then proposes), or, when every
+   running sequence decodes, a pure decode step of them all (``output.decodes``);
+2. ``runner.prepare(output)`` makes the flat batch (a pure decode step moves the runner's
+   persistent :class:`~pdserve.engine.decode_rows.DecodeRows` on by what changed);
+   ``hooks.before_forward`` sees the sequences that sample this step (and may return a
+   per-layer callback), ``runner.run()`` runs the batch and returns logits of the sequences
+   whose chunk reaches their last token, then ``hooks.after_forward``;
 3. ``scheduler.update()`` advances ``num_computed_tokens`` and caches full blocks;
-4. the sampler draws one token per such sequence (the speculator verifies drafts instead); stop
-   checks follow, and finished sequences free their blocks through ``scheduler.finish``;
-   ``hooks.after_sample`` decides which deltas the step returns. Text is made in the step only
-   for requests with stop strings; the others' when their deltas are read (:meth:`render`).
-
-A pure decode step of every running sequence (nothing waits, nothing speculates) runs on the
-runner's persistent :class:`~pdserve.engine.decode_rows.DecodeRows` instead: the batch's state
-is kept in arrays and moved on by diffs, and the step returns one compact
-:class:`~pdserve.engine.protocol.TokenDeltas` for the rows that go on (``render`` expands it).
+4. the sampler draws one token per such sequence (the speculator verifies drafts instead; a
+   pure decode step draws from the rows' arrays); stop checks follow, and finished sequences
+   free their blocks through ``scheduler.finish``; ``hooks.after_sample`` decides which
+   deltas the step returns. Text is made in the step only for requests with stop strings;
+   the others' when their deltas are read (:meth:`render`).
 
 Workers never reach into the parts: what they need of the engine is a method here
 (``hand_off``, ``reserve_blocks``, ``release_blocks``, ``start_running``, ``render``,
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.decode_rows import DecodeRows
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.protocol import (
     NeverFits,
@@ -90,13 +90,22 @@ class LLMEngine:
         self.speculator = Speculator.build(parts) if self.scheduler.policy.speculates else None
         if self.speculator is not None:
             self.scheduler.lookahead = self.speculator.num_lookahead
-        # pure decode steps on the persistent rows (engine/decode_rows.py): not with hooks
-        # that watch every step. False: every step takes the general path (what the rows are
-        # tested against).
+        # pure decode steps on the runner's persistent rows (engine/decode_rows.py): not
+        # with hooks that watch every step
         self.persistent_batch = type(self.hooks) is StepHooks and self.speculator is None
         # an int8 KV cache whose scales or dequantized values overflow shows as non-finite
         # logits: each step checks them, and fails the rows that have them (loudly)
         self._int8_kv = cfg.kv_int8_scales if cfg.kv_cache_dtype == "int8" else None
+
+    @property
+    def persistent_batch(self) -> bool:
+        """Whether pure decode steps run on the runner's persistent rows (False: every step
+        is scheduled and batched from scratch, what the rows are tested against)."""
+        return self.scheduler.pure_decode_steps
+
+    @persistent_batch.setter
+    def persistent_batch(self, on: bool) -> None:
+        self.scheduler.pure_decode_steps = on
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -166,17 +175,10 @@ class LLMEngine:
         self._sequences[seq.request_id] = seq
         self.text.track(seq)
 
-    def render(self, deltas: StepDeltas) -> list[RequestDelta]:
-        """One RequestDelta per request per step, with the deferred text filled in (any
-        thread; once per delta, in the order the steps made them). Every reader of a step's
-        deltas calls it."""
+    def render(self, deltas: StepDeltas) -> StepDeltas:
+        """``deltas`` with the deferred text filled in (any thread; once per delta, in the
+        order the steps made them). Every reader of a step's deltas calls it."""
         return self.text.render(deltas)
-
-    def render_compact(self, deltas: StepDeltas) -> StepDeltas:
-        """:meth:`render` with compact deltas kept compact and their ``texts`` filled in:
-        what a worker ships to the router (one object per step for the rows that go on) and
-        what the offline LLM reads."""
-        return self.text.render_compact(deltas)
 
     def expire(self, now: float) -> list[RequestDelta]:
         """Abort every tracked request whose deadline (``time.time()``) has passed."""
@@ -232,8 +234,8 @@ class LLMEngine:
         seq.num_computed_tokens = seq.num_tokens
         self.track(seq)
         try:
-            delta = self.render([self.append_token(seq, first_token_id, None,
-                                                   time.monotonic())])[0]
+            delta = self.append_token(seq, first_token_id, None, time.monotonic())
+            self.render(StepDeltas([delta]))
             if not seq.is_finished:
                 self.scheduler.add_running(seq)
         except Exception:
@@ -272,43 +274,37 @@ class LLMEngine:
     def step(self) -> StepDeltas:
         """One step; its deltas go through :meth:`render` before anyone reads them."""
         start = time.perf_counter()
-        if self.persistent_batch and self.scheduler.schedule_rows(self.parts.runner.rows):
-            return self._step_rows(start)
         output = self.scheduler.schedule()
-        bounced = self._hand_back(output.bounced)
+        deltas = StepDeltas(self._hand_back(output.bounced))
         if output.is_empty:
             self.last_step = StepStats()
-            return bounced
+            return deltas
         sampling = [item for item in output.scheduled if item.samples]
         if self.speculator is not None:  # drafts ride in the batch after each decode's token
             self.speculator.propose(output.scheduled)
-        batch = self.parts.runner.prepare(output.scheduled)
+        runner = self.parts.runner
+        batch = runner.prepare(output)
         after_layer = self.hooks.before_forward(sampling)
         forward_start = time.perf_counter()
-        logits = self.parts.runner.run(batch, after_layer)
+        logits = runner.run(batch, after_layer)
         forward_s = time.perf_counter() - forward_start
         self.hooks.after_forward()
         self.scheduler.update(output)
-        if self.speculator is None:
-            deltas = self.sample_and_emit(sampling, logits)
-        else:  # verify drafts, append the accepted tokens, roll rejected slots back
-            deltas = self.speculator.emit(self, sampling, logits)
-        deltas = self.hooks.after_sample(sampling, deltas)
-        self.last_step = StepStats(output.num_batched_tokens, len(output.scheduled), forward_s,
+        if output.decodes is not None:  # every row samples, from the runner's rows
+            deltas.extend(self._sample_and_emit_rows(runner.rows, logits))
+        else:
+            if self.speculator is None:
+                made = self.sample_and_emit(sampling, logits)
+            else:  # verify drafts, append the accepted tokens, roll rejected slots back
+                made = self.speculator.emit(self, sampling, logits)
+            deltas.extend(self.hooks.after_sample(sampling, made))
+        self.last_step = StepStats(output.num_batched_tokens, output.num_seqs, forward_s,
                                    time.perf_counter() - start)
-        return bounced + deltas
+        return deltas
 
-    def _step_rows(self, start: float) -> StepDeltas:
-        """A pure decode step of every running sequence on the persistent rows (the same as
-        the general step, scheduled by ``Scheduler.schedule_rows``): array ops for the batch,
-        the sampling, the progress and the stop rules, one compact delta for the rows that
-        go on; a row that ends or has its own stop rules takes the per-token path."""
-        runner = self.parts.runner
-        rows = runner.rows
-        batch = runner.prepare_rows()
-        forward_start = time.perf_counter()
-        logits = runner.run(batch)
-        forward_s = time.perf_counter() - forward_start
+    def _sample_and_emit_rows(self, rows: DecodeRows, logits: torch.Tensor) -> StepDeltas:
+        """A pure decode step's tokens, drawn by array ops over the rows (one per row), and
+        their deltas (:meth:`_emit_rows`)."""
         faults = self._non_finite_rows(logits)
         if rows.all_greedy:
             tokens, logprobs = greedy_token_array(logits), None
@@ -322,12 +318,9 @@ class LLMEngine:
             faults.update(failed)
             tokens = np.asarray(token_ids, np.int64)
         rows.advance(token_ids, tokens)
-        self.scheduler.update_rows(rows)
-        deltas = self._emit_rows(rows, token_ids, logprobs, faults)
-        self.last_step = StepStats(len(rows), len(rows), forward_s, time.perf_counter() - start)
-        return deltas
+        return self._emit_rows(rows, token_ids, logprobs, faults)
 
-    def _emit_rows(self, rows, token_ids: list[int], logprobs: list | None,
+    def _emit_rows(self, rows: DecodeRows, token_ids: list[int], logprobs: list | None,
                    faults: dict[int, Exception]) -> StepDeltas:
         """The deltas of a rows step (after ``rows.advance``): one compact delta for the rows
         that go on, the per-token path for the others (and the rows at fault, which end
@@ -338,15 +331,14 @@ class LLMEngine:
             per_token = rows.ending(self.parts.eos_token_ids).tolist()
             if faults:
                 per_token = sorted(set(per_token).union(faults))
-        compact = rows.compact_deltas(token_ids, per_token)
-        deltas: StepDeltas = [compact] if len(compact) else []
+        deltas = rows.new_token_deltas(token_ids, per_token)
         if per_token:
             version, now = self.scheduler.running_version, time.monotonic()
-            deltas += [self._fault(rows.seqs[i], faults[i]) if i in faults
-                       else self._token_appended_or_fault(rows.seqs[i], token_ids[i],
-                                                          logprobs[i] if logprobs else None,
-                                                          now)
-                       for i in per_token]
+            deltas.extend([self._fault(rows.seqs[i], faults[i]) if i in faults
+                           else self._token_appended_or_fault(
+                               rows.seqs[i], token_ids[i], logprobs[i] if logprobs else None,
+                               now)
+                           for i in per_token])
             ended = [i for i in per_token if rows.seqs[i].is_finished]
             if ended and rows.version == version == self.scheduler.running_version - len(ended):
                 rows.drop(ended, self.scheduler.running_version)  # only these left running

@@ -19,7 +19,7 @@ import torch
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.decode_rows import DecodeRows
 from pdserve.engine.roofline import UtilizationMeter, attended_pairs
-from pdserve.engine.scheduler_output import ScheduledSequence
+from pdserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pdserve.kernels import KVCacheLayer
 from pdserve.models.attention import AttentionMetadata
 
@@ -77,14 +77,23 @@ class ModelRunner:
         self._aranged_n, self._aranged_pair = -1, (self._aranged, self._aranged32)
         self._rows_views: tuple | None = None  # (key, host views, tables): _host_views
 
-    def prepare(self, scheduled: list[ScheduledSequence]) -> ModelInput:
-        """The flat batch of ``scheduled``: a pure decode step syncs the persistent
-        :class:`DecodeRows` and reads them; any other step is built from scratch."""
+    def prepare(self, output: SchedulerOutput) -> ModelInput:
+        """The flat batch of a step: a pure decode step (``output.decodes``) moves the
+        persistent :class:`DecodeRows` on by what changed (synced when the running set did,
+        the blocks its rows entered read from their tables) and reads them, as does a step
+        of decodes alone; any other step is built from scratch."""
+        rows = self.rows
+        if output.decodes is not None:
+            if rows.version != output.decodes_version:
+                rows.sync(output.decodes, output.decodes_version)
+            rows.read_new_blocks()
+            return self.prepare_rows()
+        scheduled = output.scheduled
         # (a sequence with speculative drafts brings several tokens: the general path)
         if all(item.is_decode and not item.draft_token_ids for item in scheduled):
-            self.rows.sync([item.seq for item in scheduled])
+            rows.sync([item.seq for item in scheduled])
             return self.prepare_rows()
-        self.rows.invalidate()
+        rows.invalidate()
         return self._prepare_general(scheduled)
 
     def prepare_rows(self) -> ModelInput:
@@ -179,13 +188,6 @@ class ModelRunner:
             sample_indices=_on(sample_indices, dev),
             num_attended=attended_pairs(starts.tolist(), q_lens.tolist()),
             num_context=int(starts.sum()) + len(input_ids))
-
-    @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence],
-                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Run one step; returns fp32 logits (num_sampled, vocab) in the order of ``scheduled``.
-        ``after_layer(i)`` is called as soon as layer ``i``'s K/V are written."""
-        return self.run(self.prepare(scheduled), after_layer)
 
     @torch.inference_mode()
     def run(self, batch: ModelInput,

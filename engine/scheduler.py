@@ -9,9 +9,12 @@ Lifecycle of one step (the engine drives it):
    waiting. If no running sequence went short, waiting sequences are admitted FCFS: prefix
    cache first (``match_prefix``), then a chunk of what remains, while ``max_num_seqs`` and
    the budget allow. Returns a :class:`SchedulerOutput` in batch order.
+   With ``pure_decode_steps`` on, a step in which every running sequence decodes is a pure
+   decode step instead: ``SchedulerOutput.decodes`` lists them all, and those entering a new
+   block have it in their tables (see ``_schedule_pure_decode``).
 2. The model runner computes ``seq.token_ids[start : start + num_new_tokens]`` for every
-   :class:`ScheduledSequence`; the engine samples one token for those whose ``samples`` is
-   True.
+   :class:`ScheduledSequence` (each sequence's last token in a pure decode step); the engine
+   samples one token for those whose ``samples`` is True (every one in a pure decode step).
 3. ``update(output)``: advance ``num_computed_tokens``, register full blocks in the prefix
    cache, free blocks that left the sliding window. Call it before ``finish``.
 4. The engine appends sampled tokens, decides stop, and calls ``finish(seq, status)`` (or
@@ -29,7 +32,6 @@ from collections import deque
 from collections.abc import Callable
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.decode_rows import DecodeRows
 from pdserve.engine.scheduler_output import ScheduledSequence, SchedulerConfig, SchedulerOutput
 from pdserve.engine.scheduling_policy import (
     DecodeOnlyPolicy,
@@ -63,12 +65,22 @@ class Scheduler:
         self.policy = policy if policy is not None else SchedulingPolicy()
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted ones go to the front
         self.running: list[Sequence] = []  # admission order; the tail is preempted first
-        self.running_version = 0  # counts changes to ``running`` (DecodeRows mirror one)
+        self.running_version = 0  # counts changes to ``running`` (the runner's rows mirror one)
         self._seqs: dict[str, Sequence] = {}  # request_id -> every waiting or running seq
         self.num_preemptions = 0  # preemptions since start, every kind
         self.num_bounces = 0  # of which handed back to the router (decode role)
         # speculative decoding (set by the engine): draft slots a decode may get this step
         self.lookahead: Callable[[Sequence], int] | None = None
+        # a step in which every running sequence decodes is scheduled as a pure decode step
+        # (SchedulerOutput.decodes, which the engine runs on the runner's persistent rows,
+        # and turns on); False: as any step, one ScheduledSequence each
+        self.pure_decode_steps = False
+        self._decodes: list[Sequence] = []  # the latest pure decode step's sequences
+        self._decodes_version = -1  # the running_version they are
+        # sequences that need a block at the next pure decode step (None: not known, every
+        # sequence is checked), and those that joined running since the latest schedule()
+        self._due: list[Sequence] | None = None
+        self._joined: list[Sequence] = []
 
     # ---- counts -------------------------------------------------------------------------
 
@@ -139,9 +151,11 @@ class Scheduler:
 
     def _join_running(self, seq: Sequence) -> None:
         """Every change to ``running`` goes through here or :meth:`_leave_running`: the
-        version they count is what DecodeRows mirror."""
+        version they count is what the runner's rows mirror; a pure decode step checks
+        the sequences that joined since the last one."""
         self.running.append(seq)
         self.running_version += 1
+        self._joined.append(seq)
 
     def _leave_running(self, seq: Sequence) -> bool:
         if not _remove(self.running, seq):
@@ -185,6 +199,11 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule_pure_decode() if self.pure_decode_steps else None
+        self._joined = []
+        if out is not None:
+            return out
+        self._due = None  # (a general step moves sequences on in its own way)
         out = SchedulerOutput()
         budget, short, deferred = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not short:  # never admit while the running set is short of blocks
@@ -199,6 +218,44 @@ class Scheduler:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
         return out
+
+    def _schedule_pure_decode(self) -> SchedulerOutput | None:
+        """A pure decode step of every running sequence when that is what the general
+        schedule would do: nothing waits (or every seat is taken), the policy gives decodes
+        one token each, none speculates, every running sequence has one token left to
+        compute, all fit the step's limits, and the sequences entering a new block get one.
+        None when the step needs the general schedule."""
+        cfg = self.config
+        if (not self.policy.decodes_take_one_token or self.lookahead is not None
+                or not self.running
+                or (self.waiting and len(self.running) < cfg.max_num_seqs)):
+            return None  # (with every seat taken, the general schedule would admit no one)
+        running = SequenceStatus.RUNNING  # (joined or due, then finished: no longer)
+        due, joined = self._due, [s for s in self._joined if s.status == running]
+        if due is None or self._decodes_version != self.running_version:
+            seqs = (self.policy.order_running(self.running) if self.policy.by_priority
+                    else list(self.running))  # (all decodes: FCFS order is admission order)
+            if len(seqs) > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
+                return None
+            if due is None:  # not known since a general step: every sequence is checked
+                joined = seqs
+            if any(len(s.token_ids) - s.num_computed_tokens != 1 for s in joined):
+                return None
+            self._decodes, self._decodes_version = seqs, self.running_version
+        seqs, bs = self._decodes, self.block_manager.block_size
+        if due is None or joined:  # (in the step's order, as the general schedule would)
+            due = [s for s in seqs if s.num_computed_tokens == len(s.block_table) * bs]
+        else:  # those the last step's update noted, less any that finished since
+            due = [s for s in due if s.status == running]
+        if due and self.block_manager.append_block_each(due) is None:
+            return None  # the general schedule preempts
+        self._due = None  # (update() finds the next step's)
+        now = time.monotonic()
+        for seq in joined:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        return SchedulerOutput(decodes=seqs, decodes_version=self.running_version,
+                               joined=list(joined), num_batched_tokens=len(seqs))
 
     def _schedule_running(self, out: SchedulerOutput,
                           budget: int) -> tuple[int, bool, list[Sequence]]:
@@ -336,50 +393,11 @@ class Scheduler:
             budget -= n
         return budget
 
-    def schedule_rows(self, rows: DecodeRows) -> bool:
-        """Schedule a pure decode step of every running sequence on the persistent ``rows``
-        when that is what :meth:`schedule` would do: nothing waits (or every seat is taken),
-        the policy gives decodes one token each, none speculates, every running sequence has
-        one token left to compute, and all fit the step's limits. Rows that reach a new
-        block get it. False when the step needs :meth:`schedule` (the rows are then stale)."""
-        cfg = self.config
-        if (not self.policy.decodes_take_one_token or self.lookahead is not None
-                or not self.running
-                or (self.waiting and len(self.running) < cfg.max_num_seqs)):
-            return False  # (with every seat taken, schedule() would admit no one either)
-        if rows.version != self.running_version:
-            seqs = self.policy.order_running(self.running)
-            if len(seqs) > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
-                return False
-            fresh = rows.sync(seqs, self.running_version)  # kept rows are decodes already
-            if any(len(s.token_ids) - s.num_computed_tokens != 1 for s in fresh):
-                rows.invalidate()
-                return False
-            now = time.monotonic()
-            for seq in fresh:
-                if seq.first_scheduled_time is None:
-                    seq.first_scheduled_time = now
-        entering = rows.needs_block  # (each needs exactly one: its tables cover the rest)
-        if entering:
-            blocks = self.block_manager.append_block_each([rows.seqs[row] for row in entering])
-            if blocks is None:
-                rows.invalidate()  # the general schedule preempts
-                return False
-            rows.blocks_added(entering, blocks)
-        return True
-
-    def update_rows(self, rows: DecodeRows) -> None:
-        """After :meth:`DecodeRows.advance`: cache the blocks the step filled, free those
-        that left a sliding window."""
-        bm = self.block_manager
-        if bm.enable_prefix_caching and rows.filled:
-            bm.cache_filled_blocks([rows.seqs[row] for row in rows.filled])
-        if bm.sliding_window is not None:
-            for row in rows.leaving_window():
-                bm.free_out_of_window(rows.seqs[row])
-
     def update(self, output: SchedulerOutput) -> None:
         """After the model ran: advance progress, cache full blocks, free out-of-window blocks."""
+        if output.decodes is not None:
+            self._update_pure_decode(output)
+            return
         bm = self.block_manager
         bs = bm.block_size
         # only a block filled by this step gets hashed; only a window frees blocks
@@ -397,3 +415,25 @@ class Scheduler:
                 bm.cache_computed_blocks(seq)
             if windowed:
                 bm.free_out_of_window(seq)
+
+    def _update_pure_decode(self, output: SchedulerOutput) -> None:
+        """:meth:`update` of a pure decode step: every sequence computed one more token; note
+        those whose next position starts a block they do not have (the next pure decode step
+        gives them one)."""
+        bm = self.block_manager
+        bs = bm.block_size
+        filled = []
+        for seq in output.decodes:  # (runs per sequence per step: keep it lean)
+            seq.num_computed_tokens += 1
+            if not seq.num_computed_tokens % bs:
+                filled.append(seq)
+        if filled and bm.enable_prefix_caching:
+            bm.cache_filled_blocks(filled)
+        self._due = [s for s in filled if s.num_computed_tokens == len(s.block_table) * bs]
+        window = bm.sliding_window
+        if window is not None:  # those whose step pushed a block out, and those that joined
+            joined = set(map(id, output.joined))  # (a decode worker's bring whole prompts)
+            for seq in output.decodes:
+                oldest = seq.num_computed_tokens - (window - 1)  # next query's first key
+                if (oldest > 0 and not oldest % bs) or id(seq) in joined:
+                    bm.free_out_of_window(seq)

@@ -71,10 +71,19 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)  # preempted in this schedule()
     bounced: list[Sequence] = field(default_factory=list)  # preempted and handed back (ended)
     num_batched_tokens: int = 0  # sum of num_new_tokens (and draft slots)
+    # a pure decode step (``scheduled`` empty): every running sequence, in batch order,
+    # computes its last token and samples the next; the blocks it enters are in its table
+    decodes: list[Sequence] | None = None
+    decodes_version: int = -1  # the scheduler's running_version that ``decodes`` is
+    joined: list[Sequence] = field(default_factory=list)  # in ``decodes``, new to them
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.decodes
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decodes) if self.decodes is not None else len(self.scheduled)
 
     def add(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> None:
         """Schedule ``num_new_tokens`` of ``seq`` (and ``num_lookahead`` draft slots)."""

@@ -5,7 +5,8 @@ Roles differ in two kinds of policy object, never in a copy of ``LLMEngine.step`
 scheduling policy (``engine.scheduling_policy``: what is scheduled) and these hooks (what
 happens around the forward). The prefill worker's hooks open the KV shipments of the prompts
 a step completes and hand them off; every other role keeps the default, which adds nothing
-(and lets pure decode steps run on the persistent rows, which call no hook).
+(and lets pure decode steps run on the runner's persistent rows: they sample no
+``ScheduledSequence`` a hook could watch).
 """
 
 from __future__ import annotations

@@ -27,12 +27,8 @@ from __future__ import annotations
 import threading
 
 from pdserve.engine.detokenizer import Detokenizer
-from pdserve.engine.protocol import RequestDelta, StepDeltas, TokenDeltas, expand_deltas
+from pdserve.engine.protocol import StepDeltas
 from pdserve.engine.sequence import Sequence
-
-
-def _key(request_id: str, attempt: int) -> tuple[str, int]:
-    return request_id, attempt
 
 
 class TextStage:
@@ -57,7 +53,7 @@ class TextStage:
             self._inline[seq.request_id] = detok
         else:
             with self._lock:
-                self._deferred[_key(seq.request_id, seq.attempt)] = detok
+                self._deferred[seq.request_id, seq.attempt] = detok
 
     def append(self, request_id: str, token_id: int) -> tuple[str, bool]:
         """In the step: (text, a stop string completed) of an inline request; ("", False)
@@ -78,47 +74,31 @@ class TextStage:
         """The request left this engine without a final delta to render."""
         self._inline.pop(request_id, None)
         with self._lock:
-            self._deferred.pop(_key(request_id, attempt), None)
+            self._deferred.pop((request_id, attempt), None)
 
     @property
     def defers(self) -> bool:
         """Requests without stop strings get their text in :meth:`render`, not in the step."""
         return self._defer or self._tokenizer is None
 
-    def render(self, deltas: StepDeltas) -> list[RequestDelta]:
-        """Expand compact deltas and fill in the text of deferred requests' deltas, in order
-        (any thread). Each delta must be rendered once, and a request's in the order made."""
-        return expand_deltas(self.render_compact(deltas))
-
-    def render_compact(self, deltas: StepDeltas) -> StepDeltas:
-        """:meth:`render` with compact deltas kept compact, their ``texts`` filled in (all ""
-        without a tokenizer: nothing is deferred then)."""
+    def render(self, deltas: StepDeltas) -> StepDeltas:
+        """Fill in the text of deferred requests' deltas, in order (any thread), and return
+        ``deltas``. Each delta must be rendered once, and a request's in the order made."""
         with self._lock:
-            for item in deltas:
-                if isinstance(item, TokenDeltas):
-                    item.texts = self._texts(item)
-                else:
-                    self._render(item)
+            deltas.fill_text(self._piece, self._end)
         return deltas
 
-    def _texts(self, compact: TokenDeltas) -> list[str]:
-        """Each token's text (none of them is final); "" for a request aborted since."""
-        deferred = self._deferred
-        return [detok.append(token_id).text if detok is not None else ""
-                for detok, token_id in zip(
-                    map(deferred.get, map(_key, compact.request_ids, compact.attempts)),
-                    compact.token_ids, strict=True)]
+    def _piece(self, request_id: str, attempt: int, token_id: int) -> str:
+        """A deferred request's text of its next token ("" if not deferred: inline, or
+        aborted since)."""
+        detok = self._deferred.get((request_id, attempt))
+        return "" if detok is None else detok.append(token_id).text
 
-    def _render(self, delta: RequestDelta) -> None:
-        key = _key(delta.request_id, delta.attempt)
-        detok = self._deferred.get(key)
-        if detok is None:
-            return
-        for token_id in delta.new_token_ids:
-            delta.text += detok.append(token_id).text
-        if delta.finish_reason is not None:
-            delta.text += detok.flush()
-            del self._deferred[key]
+    def _end(self, request_id: str, attempt: int) -> str:
+        """A deferred request's held-back text, after its final delta's tokens (its
+        detokenizer goes)."""
+        detok = self._deferred.pop((request_id, attempt), None)
+        return "" if detok is None else detok.flush()
 
     @property
     def num_deferred(self) -> int:

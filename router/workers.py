@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from pdserve.engine.protocol import RequestDelta, expand_deltas
+from pdserve.engine.protocol import RequestDelta
 from pdserve.router.config import RouterConfig
 from pdserve.router.directory import WorkerDirectory
 from pdserve.router.metrics import RouterMetrics
@@ -134,7 +134,7 @@ class Workers:
             except Exception as exc:  # noqa: BLE001 - the worker is gone
                 self._worker_lost(handle.worker_id, f"poll failed: {exc}")
                 return
-            for delta in expand_deltas(deltas):
+            for delta in deltas:
                 self._route(handle, delta)
 
     def _worker_lost(self, worker_id: str, why: str) -> None:

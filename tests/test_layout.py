@@ -228,3 +228,20 @@ def test_the_router_sees_workers_only_through_the_protocol():
            for n in imported_modules(p)
            if n.startswith("pdserve.engine") and n not in ROUTER_SEES_OF_ENGINE]
     assert not bad, "\n".join(bad)
+
+
+def test_the_scheduler_never_sees_the_runners_rows():
+    """The persistent decode rows are the model runner's; the scheduler hands it what changed
+    (a SchedulerOutput) and never imports the runner or its rows."""
+    bad = [f"{name} imports {n}" for name in ("scheduler.py", "scheduler_output.py")
+           for n in imported_modules(ROOT / "engine" / name)
+           if n in ("pdserve.engine.decode_rows", "pdserve.engine.model_runner")]
+    assert not bad, "\n".join(bad)
+
+
+def test_one_module_knows_how_deltas_are_encoded():
+    """StepDeltas (engine/protocol.py) alone chooses the encoding: no other module names its
+    parts or tests a delta's type against them."""
+    bad = [f"{p.relative_to(ROOT)}" for p in package_files()
+           if p != ROOT / "engine" / "protocol.py" and "_NewTokens" in p.read_text()]
+    assert not bad, "\n".join(bad)

@@ -8,15 +8,15 @@ import re
 from pdserve.bench.disagg import detokenize_line, shipping_table
 
 
-def test_shipping_table_prints_both_forms_and_compact_is_smaller():
+def test_shipping_table_prints_both_forms_and_columns_are_smaller():
     table = shipping_table([4], 3)
     sizes = {}
     for line in table.splitlines()[2:]:
         batch, form, _, _, size = re.split(r"\s{2,}", line.strip())
         assert batch == "4"
         sizes[form] = float(size)
-    assert set(sizes) == {"RequestDelta each", "compact"}
-    assert sizes["compact"] < sizes["RequestDelta each"]
+    assert set(sizes) == {"RequestDelta each", "columns"}
+    assert sizes["columns"] < sizes["RequestDelta each"]
 
 
 def test_detokenize_line_prints_both_paths():

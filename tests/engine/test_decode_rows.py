@@ -36,7 +36,7 @@ def _engine(tiny_dir, rebuild: bool) -> LLMEngine:
     if rebuild:
         engine.persistent_batch = False
         runner = parts.runner
-        runner.prepare = runner._prepare_general  # the reference: no persistent state
+        runner.prepare = lambda output: runner._prepare_general(output.scheduled)  # no rows
     return engine
 
 
@@ -162,14 +162,15 @@ def _count_window_frees(engine: LLMEngine) -> None:
     """Count the blocks freed for leaving the window in rows steps (``engine.window_frees``)."""
     rows, bm, scheduler = engine.parts.runner.rows, engine.parts.block_manager, engine.scheduler
     engine.window_frees = 0
-    update_rows = scheduler.update_rows
+    update = scheduler.update
 
-    def counted(rows_) -> None:
+    def counted(output) -> None:
         used = bm.num_used_blocks
-        update_rows(rows_)
-        engine.window_frees += used - bm.num_used_blocks
+        update(output)
+        if output.decodes is not None:
+            engine.window_frees += used - bm.num_used_blocks
 
-    scheduler.update_rows = counted
+    scheduler.update = counted
     assert bm.sliding_window == rows.window == 8
 
 
@@ -200,27 +201,20 @@ def _assert_same_as_rebuilding(model_dir, events, window: int | None = None,
 
 
 def _count_rows_steps(engine: LLMEngine) -> list[int]:
-    """The batch sizes of the steps that run on the persistent rows, as they happen."""
+    """The batch sizes of the pure decode steps (those the scheduler hands the runner's
+    persistent rows), as they happen."""
     sizes: list[int] = []
     runner = engine.parts.runner
-    prepare_rows = runner.prepare_rows
-    general = runner.prepare
+    prepare = runner.prepare
 
-    def counted():
-        if not in_general:
+    def counted(output):
+        batch = prepare(output)
+        if output.decodes is not None:
+            assert len(runner.rows) == len(output.decodes)
             sizes.append(len(runner.rows))
-        return prepare_rows()
+        return batch
 
-    in_general = []
-
-    def general_prepare(scheduled):  # its pure decode steps read the rows too: not counted
-        in_general.append(True)
-        try:
-            return general(scheduled)
-        finally:
-            in_general.pop()
-
-    runner.prepare_rows, runner.prepare = counted, general_prepare
+    runner.prepare = counted
     return sizes
 
 
@@ -374,9 +368,14 @@ def test_a_full_house_with_a_queue_still_decodes_on_the_rows(tiny_dir):
         engine = LLMEngine(parts)
         engine.persistent_batch = rows_on
         queued = []  # requests waiting at each step on the rows
-        schedule_rows = engine.scheduler.schedule_rows
-        engine.scheduler.schedule_rows = lambda rows: (
-            schedule_rows(rows) and (queued.append(len(engine.scheduler.waiting)) or True))
+        schedule = engine.scheduler.schedule
+
+        def schedule_noting_the_queue():
+            output = schedule()
+            if output.decodes is not None:
+                queued.append(len(engine.scheduler.waiting))
+            return output
+        engine.scheduler.schedule = schedule_noting_the_queue
         out: dict[str, list] = {}
         for i in range(5):
             engine.add_request(f"q{i}", [4 + i, 5, 6], SamplingParams(

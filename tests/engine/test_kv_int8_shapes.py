@@ -115,13 +115,13 @@ def test_non_finite_values_in_the_step_fail_the_request_loudly(shape_dir, caplog
     engine = llm.engine
     engine.add_request("victim", [5, 6, 7, 8], SamplingParams(max_tokens=8, temperature=0.0,
                                                              ignore_eos=True))
-    deltas = engine.render(engine.step())  # its prompt, and token 0
+    deltas = list(engine.render(engine.step()))  # its prompt, and token 0
     assert deltas[0].finish_reason is None
     with torch.inference_mode():  # (the scales were made there)
         for cache in engine.kv_caches:
             cache.v_scale.fill_(float("inf"))  # every value read back is inf or NaN
     with caplog.at_level("ERROR"):
-        last = engine.render(engine.step())[-1]
+        last = list(engine.render(engine.step()))[-1]
     assert last.finish_reason == "abort" and last.faulted
     assert "non-finite logits with the int8 KV cache" in last.error
     assert "victim" in caplog.text

@@ -15,7 +15,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.protocol import TokenDeltas, expand_deltas
+from pdserve.engine.protocol import StepDeltas
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -36,10 +36,10 @@ def _expected_text(parts, prompt_ids: list[int], output_ids: list[int]) -> str:
 def test_the_step_leaves_text_to_render_and_render_fills_it(parts):
     engine = LLMEngine(parts)
     seq = engine.add_request("a", "Hello there, tiny model", _params())
-    raw = []
+    raw = StepDeltas()
     while engine.has_unfinished_requests():
-        raw += engine.step()
-    assert all(d.text == "" for d in expand_deltas(raw))  # no text made in the step
+        raw.extend(engine.step())
+    assert all(d.text == "" for d in raw)  # no text made in the step
     assert engine.text.num_deferred == 1
     text = "".join(d.text for d in engine.render(raw))
     assert text and text == _expected_text(parts, seq.prompt_token_ids, seq.output_token_ids)
@@ -49,17 +49,17 @@ def test_the_step_leaves_text_to_render_and_render_fills_it(parts):
 def test_stop_strings_are_detokenized_in_the_step(parts):
     probe = LLMEngine(parts)
     probe.add_request("p", "Hello there, tiny model", _params())
-    deltas = []
+    deltas = StepDeltas()
     while probe.has_unfinished_requests():
-        deltas += probe.step()
+        deltas.extend(probe.step())
     full = "".join(d.text for d in probe.render(deltas))
     stop = full[3:6]  # three characters the model will write: the stop string
     engine = LLMEngine(parts)
     engine.add_request("s", "Hello there, tiny model", _params(stop=[stop]))
-    deltas = []
+    deltas = StepDeltas()
     while engine.has_unfinished_requests():
-        deltas += engine.step()
-    assert deltas[-1].finish_reason == "stop" and len(deltas) < 12
+        deltas.extend(engine.step())
+    assert list(deltas)[-1].finish_reason == "stop" and len(deltas) < 12
     assert "".join(d.text for d in deltas) == full[:full.index(stop)]  # no render needed
 
 
@@ -103,9 +103,9 @@ def test_abort_drops_deferred_state_and_a_later_attempt_starts_fresh(parts):
     engine.abort("m")
     assert engine.text.num_deferred == 0
     seq = engine.add_request("m", "Hello there", _params())  # same id again
-    deltas = []
+    deltas = StepDeltas()
     while engine.has_unfinished_requests():
-        deltas += engine.step()
+        deltas.extend(engine.step())
     text = "".join(d.text for d in engine.render(deltas))
     assert text == _expected_text(parts, seq.prompt_token_ids, seq.output_token_ids)
 
@@ -119,8 +119,8 @@ def test_offline_llm_text_equals_the_detokenizer(tiny_dir):
         assert o.text == _expected_text(llm.engine.parts, o.prompt_token_ids, o.token_ids)
 
 
-def test_offline_llm_reads_compact_deltas_as_render_would(tiny_dir):
-    """The offline LLM takes the rows' compact deltas as they are (``render_compact``, no
+def test_offline_llm_reads_column_deltas_as_render_would(tiny_dir):
+    """The offline LLM reads a pure decode step's tokens from their columns (``read``, no
     RequestDelta per token): its outputs equal an engine's whose every step is general."""
     from pdserve.engine.llm import LLM
 
@@ -130,13 +130,18 @@ def test_offline_llm_reads_compact_deltas_as_render_would(tiny_dir):
     llm, reference = LLM(str(tiny_dir), num_kv_blocks=256), LLM(str(tiny_dir), num_kv_blocks=256)
     reference.engine.persistent_batch = False
     calls = []
-    render_compact = llm.engine.render_compact
-    llm.engine.render_compact = lambda step: calls.extend(
-        len(d) for d in step if isinstance(d, TokenDeltas)) or render_compact(step)
+    read = StepDeltas.read
 
+    def counting_read(deltas, token, delta):
+        read(deltas, lambda *args: calls.append(1) or token(*args), delta)
+
+    StepDeltas.read = counting_read
     def outputs(engine_llm):
         return [(o.token_ids, o.text, o.finish_reason, o.first_token_time is not None)
                 for o in engine_llm.generate(prompts, params, use_tqdm=False)]
 
-    assert outputs(llm) == outputs(reference)
-    assert sum(calls) > 20  # most tokens came compact
+    try:
+        assert outputs(llm) == outputs(reference)
+    finally:
+        StepDeltas.read = read
+    assert sum(calls) > 20  # most tokens came as columns

@@ -11,7 +11,6 @@ from pdserve import LLM, SamplingParams
 from pdserve.api.client import AsyncPdserveClient, PdserveError
 from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.protocol import TokenDeltas
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
@@ -184,8 +183,8 @@ def test_seeded_sampling_text_stop_and_logprobs_match_offline(hf_checkpoint, bui
                                    dict(colocated=True, num_decode=1)],
                          ids=["1P1D", "colocated"])
 def test_compact_deltas_reach_the_client_as_offline_text(hf_checkpoint, build):
-    """Workers ship a pure decode step's deltas compact (one TokenDeltas, texts filled); the
-    router expands them: every request's tokens and text equal the offline LLM's."""
+    """Workers ship a pure decode step's deltas as columns (StepDeltas' encoding, texts
+    filled); the router reads them: every request's tokens and text equal the offline LLM's."""
     model_dir = hf_checkpoint("llama")
     offline = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=96)
     prompts = ["The quick brown fox", "Hello there, how are", "One two three four five"]
@@ -202,7 +201,7 @@ def test_compact_deltas_reach_the_client_as_offline_text(hf_checkpoint, build):
 
             async def spy(timeout, poll=poll):
                 deltas = await poll(timeout)
-                compact.extend(len(d) for d in deltas if isinstance(d, TokenDeltas))
+                deltas.read(lambda *token: compact.append(1), lambda delta: None)
                 return deltas
             handle.poll = spy
         router = Router(ModelSpec("t", 256, 509), StaticDirectory(handles),
@@ -222,5 +221,5 @@ def test_compact_deltas_reach_the_client_as_offline_text(hf_checkpoint, build):
 
     got, compact, used = asyncio.run(main())
     assert [(g.token_ids, g.text) for g in got] == [(w.token_ids, w.text) for w in want]
-    assert sum(compact) > 10  # most tokens came compact
+    assert sum(compact) > 10  # most tokens came as columns
     assert used == [0] * len(used)

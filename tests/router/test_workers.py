@@ -9,7 +9,7 @@ import asyncio
 
 import numpy as np
 
-from pdserve.engine.protocol import RequestDelta, TokenDeltas, WorkerStats
+from pdserve.engine.protocol import RequestDelta, StepDeltas, WorkerStats
 from pdserve.router.config import RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.metrics import RouterMetrics
@@ -60,9 +60,9 @@ def test_membership_streams_and_a_lost_worker():
         assert workers.is_ready() and await workers.wait_ready(0)
         assert [w.stats.worker_id for w in workers.live("decode")] == ["d0"]
 
-        # a compact delta reaches route() as one RequestDelta per request
-        decode.polls.put_nowait([TokenDeltas(["a", "b"], [5, 6], [1, 1], np.array([3, 3]),
-                                             np.array([2, 2]))])
+        # a step's columns reach route() as one RequestDelta per request
+        decode.polls.put_nowait(StepDeltas.new_tokens(["a", "b"], [5, 6], [1, 1],
+                                                      np.array([3, 3]), np.array([2, 2])))
         await _settle()
         assert [(w, d.request_id, d.new_token_ids) for w, d in routed] == [
             ("d0", "a", [5]), ("d0", "b", [6])]

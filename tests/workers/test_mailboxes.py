@@ -7,11 +7,18 @@ from __future__ import annotations
 import numpy as np
 
 from pdserve.decode_worker.mailboxes import MailboxSizes, RouterMailboxes
-from pdserve.engine.protocol import RequestDelta, TokenDeltas, expand_deltas
+from pdserve.engine.protocol import RequestDelta, StepDeltas
 
 
 def delta(request_id: str, token: int, last: bool = False, attempt: int = 1) -> RequestDelta:
     return RequestDelta(request_id, [token], "", "length" if last else None, attempt=attempt)
+
+
+def steps(*items: RequestDelta | StepDeltas) -> StepDeltas:
+    out = StepDeltas()
+    for item in items:
+        out.extend(item if isinstance(item, StepDeltas) else [item])
+    return out
 
 
 class Clock:
@@ -27,18 +34,18 @@ def test_each_router_gets_its_own_deltas_in_order():
     boxes.claim("a1", 1, "router")
     boxes.claim("b1", 1, "router-1")
     # router-1's poll drains deltas of both: router's wait in its box.
-    mine = boxes.sort([delta("a1", 1), delta("b1", 10), delta("a1", 2)], "router-1")
+    mine = boxes.sort(steps(delta("a1", 1), delta("b1", 10), delta("a1", 2)), "router-1")
     assert [(d.request_id, d.new_token_ids) for d in mine] == [("b1", [10])]
-    later = boxes.sort([delta("a1", 3, last=True)], "router")
-    assert [d.new_token_ids for d in boxes.take("router") + later] == [[1], [2], [3]]
-    assert boxes.take("router") == [] and boxes.take("router-1") == []
+    later = boxes.sort(steps(delta("a1", 3, last=True)), "router")
+    assert [d.new_token_ids for d in steps(boxes.take("router"), later)] == [[1], [2], [3]]
+    assert not boxes.take("router") and not boxes.take("router-1")
 
 
 def test_unclaimed_deltas_go_to_the_poller_and_owners_end_with_the_last_delta():
     boxes = RouterMailboxes()
-    assert [d.request_id for d in boxes.sort([delta("x", 1)], "router")] == ["x"]
+    assert [d.request_id for d in boxes.sort(steps(delta("x", 1)), "router")] == ["x"]
     boxes.claim("y", 1, "router-1")
-    boxes.sort([delta("y", 1, last=True)], "router")
+    boxes.sort(steps(delta("y", 1, last=True)), "router")
     assert [d.request_id for d in boxes.take("router-1")] == ["y"]
     assert boxes.sizes() == MailboxSizes(num_owned=0, num_boxed=0, num_routers=1)
 
@@ -47,9 +54,9 @@ def test_the_last_delta_of_an_older_attempt_keeps_the_newer_attempts_owner():
     boxes = RouterMailboxes()
     boxes.claim("r", 1, "router-1")
     boxes.claim("r", 2, "router-1")  # retried on the same worker before attempt 1's end came
-    boxes.sort([delta("r", 0, last=True, attempt=1)], "router")
+    boxes.sort(steps(delta("r", 0, last=True, attempt=1)), "router")
     assert boxes.sizes().num_owned == 1
-    boxes.sort([delta("r", 5, attempt=2)], "router")
+    boxes.sort(steps(delta("r", 5, attempt=2)), "router")
     assert [d.attempt for d in boxes.take("router-1")] == [1, 2]  # still router-1's
 
 
@@ -60,7 +67,7 @@ def test_the_orphan_clock_is_per_router():
     boxes.claim("a2", 1, "router")
     boxes.claim("b1", 1, "router-1")
     boxes.polled("router")
-    boxes.sort([delta("a1", 1), delta("b1", 2)], "router-1")  # router-1's poll at t=0
+    boxes.sort(steps(delta("a1", 1), delta("b1", 2)), "router-1")  # router-1's poll at t=0
     for t in (1.0, 2.0, 3.0, 3.5):  # router-1 keeps polling, router is silent
         clock.now = t
         boxes.polled("router-1")
@@ -75,7 +82,7 @@ def test_the_orphan_clock_is_per_router():
     # ignores them; "router" itself, polling first, would learn why) and end their entries
     ends = [delta("a1", 7), RequestDelta("a1", [], "", "abort", attempt=1, error="gone"),
             RequestDelta("a2", [], "", "abort", attempt=1, error="gone")]
-    assert boxes.sort(ends, "router-1") == ends[1:]
+    assert list(boxes.sort(steps(*ends), "router-1")) == ends[1:]
     assert boxes.sizes() == MailboxSizes(num_owned=1, num_boxed=0, num_routers=1)
 
 
@@ -93,22 +100,25 @@ def test_a_claim_starts_the_clock_of_a_router_that_never_polled_and_idle_routers
     assert boxes.silent(3.0) == [] and boxes.sizes().num_routers == 0
 
 
-def compact(*pairs: tuple[str, int]) -> TokenDeltas:
+def compact(*pairs: tuple[str, int]) -> StepDeltas:
+    """A pure decode step's deltas (columns), texts filled."""
     ids, tokens = [p[0] for p in pairs], [p[1] for p in pairs]
-    return TokenDeltas(ids, tokens, [1] * len(ids), np.full(len(ids), 5),
-                       np.arange(len(ids)) + 1, [f"t{t}" for t in tokens])
+    made = StepDeltas.new_tokens(ids, tokens, [1] * len(ids), np.full(len(ids), 5),
+                                 np.arange(len(ids)) + 1)
+    made.fill_text(lambda request_id, attempt, token_id: f"t{token_id}", lambda *_: "")
+    return made
 
 
-def test_a_compact_delta_is_split_by_owner_and_kept_whole_for_one():
+def test_a_compact_delta_is_split_by_owner():
     boxes = RouterMailboxes()
     boxes.claim("a1", 1, "router")
     boxes.claim("a2", 1, "router")
     boxes.claim("b1", 1, "router-1")
     whole = compact(("a1", 1), ("a2", 2))
-    assert boxes.sort([whole], "router") == [whole]  # one owner: the same object
-    mine = boxes.sort([delta("a1", 3), compact(("a1", 4), ("b1", 40), ("a2", 5))], "router-1")
-    assert [(d.request_id, d.new_token_ids, d.text) for d in expand_deltas(mine)] == [
-        ("b1", [40], "t40")]
-    theirs = expand_deltas(boxes.take("router"))
+    assert list(boxes.sort(whole, "router")) == list(whole)
+    mine = boxes.sort(steps(delta("a1", 3), compact(("a1", 4), ("b1", 40), ("a2", 5))),
+                      "router-1")
+    assert [(d.request_id, d.new_token_ids, d.text) for d in mine] == [("b1", [40], "t40")]
+    theirs = list(boxes.take("router"))
     assert [(d.request_id, d.new_token_ids, d.text, d.num_output_tokens) for d in theirs] == [
         ("a1", [3], "", 0), ("a1", [4], "t4", 1), ("a2", [5], "t5", 3)]
