@@ -33,7 +33,7 @@ which a sync or a drop replaces rather than edits.
 The rows belong to the model runner (``ModelRunner.prepare`` syncs them from a
 :class:`~pdserve.engine.scheduler_output.SchedulerOutput` of a pure decode step); the
 scheduler never reads them: it gives the sequences their blocks and counts their progress,
-and the rows read the new blocks from the tables (:meth:`DecodeRows.read_new_blocks`).
+and hands the rows the blocks it appended (:meth:`DecodeRows.blocks_added`).
 
 With a sliding window, blocks that fell out of it are freed by the scheduler and
 become ``None`` in the sequence's table; the rows keep the old id there (0 for an entry
@@ -309,20 +309,24 @@ class DecodeRows:
         state = self.state
         return SamplingBatch.from_columns(state[SAMPLING:], state[NUM_OUTPUT], penalized)
 
-    def read_new_blocks(self) -> None:
-        """The rows in :attr:`needs_block` were each given their next block (the scheduler
-        appended it to their sequence's table): read it there."""
+    def blocks_added(self, seqs: list[Sequence], blocks: list[int]) -> None:
+        """``seqs`` were each given their next block, ``blocks[i]`` for ``seqs[i]`` (the last
+        entry of its table now): the rows in :attr:`needs_block` take theirs. In a steady
+        step they are those sequences, in order; after a sync, whose reading of the tables
+        may have found some, each row's block is read from its table. A row left without a
+        block is a scheduling bug, and raises."""
         rows = self.needs_block
         if not rows:
             return
-        num_blocks = self.state[NUM_BLOCKS]
-        blocks = []
-        for row in rows:
-            seq, column = self.seqs[row], int(num_blocks[row])
-            if column >= len(seq.block_table):
-                raise RuntimeError(f"{seq.request_id}: no KV block for position "
-                                   f"{seq.num_computed_tokens}; the scheduler gave it none")
-            blocks.append(seq.block_table[column])
+        if len(rows) != len(seqs) or not all(map(is_, map(self.seqs.__getitem__, rows), seqs)):
+            num_blocks = self.state[NUM_BLOCKS]
+            tables = [self.seqs[row].block_table for row in rows]
+            columns = [int(num_blocks[row]) for row in rows]
+            for row, table, column in zip(rows, tables, columns, strict=True):
+                if column >= len(table):
+                    raise RuntimeError(f"{self.seqs[row].request_id}: no KV block for its next "
+                                       "position; the scheduler gave it none")
+            blocks = [table[column] for table, column in zip(tables, columns, strict=True)]
         self._blocks_added(rows, blocks)
 
     def _blocks_added(self, rows: list[int], blocks: list[int]) -> None:

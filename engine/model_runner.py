@@ -80,13 +80,13 @@ class ModelRunner:
     def prepare(self, output: SchedulerOutput) -> ModelInput:
         """The flat batch of a step: a pure decode step (``output.decodes``) moves the
         persistent :class:`DecodeRows` on by what changed (synced when the running set did,
-        the blocks its rows entered read from their tables) and reads them, as does a step
+        the blocks its rows entered added) and reads them, as does a step
         of decodes alone; any other step is built from scratch."""
         rows = self.rows
         if output.decodes is not None:
             if rows.version != output.decodes_version:
                 rows.sync(output.decodes, output.decodes_version)
-            rows.read_new_blocks()
+            rows.blocks_added(output.grown, output.new_blocks)
             return self.prepare_rows()
         scheduled = output.scheduled
         # (a sequence with speculative drafts brings several tokens: the general path)

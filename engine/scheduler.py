@@ -247,7 +247,8 @@ class Scheduler:
             due = [s for s in seqs if s.num_computed_tokens == len(s.block_table) * bs]
         else:  # those the last step's update noted, less any that finished since
             due = [s for s in due if s.status == running]
-        if due and self.block_manager.append_block_each(due) is None:
+        blocks = self.block_manager.append_block_each(due) if due else []
+        if blocks is None:
             return None  # the general schedule preempts
         self._due = None  # (update() finds the next step's)
         now = time.monotonic()
@@ -255,7 +256,8 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
         return SchedulerOutput(decodes=seqs, decodes_version=self.running_version,
-                               joined=list(joined), num_batched_tokens=len(seqs))
+                               joined=list(joined), grown=due, new_blocks=blocks,
+                               num_batched_tokens=len(seqs))
 
     def _schedule_running(self, out: SchedulerOutput,
                           budget: int) -> tuple[int, bool, list[Sequence]]:
@@ -424,8 +426,8 @@ class Scheduler:
         bs = bm.block_size
         filled = []
         for seq in output.decodes:  # (runs per sequence per step: keep it lean)
-            seq.num_computed_tokens += 1
-            if not seq.num_computed_tokens % bs:
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
+            if not computed % bs:
                 filled.append(seq)
         if filled and bm.enable_prefix_caching:
             bm.cache_filled_blocks(filled)

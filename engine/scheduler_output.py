@@ -72,10 +72,13 @@ class SchedulerOutput:
     bounced: list[Sequence] = field(default_factory=list)  # preempted and handed back (ended)
     num_batched_tokens: int = 0  # sum of num_new_tokens (and draft slots)
     # a pure decode step (``scheduled`` empty): every running sequence, in batch order,
-    # computes its last token and samples the next; the blocks it enters are in its table
+    # computes its last token and samples the next; the blocks it enters are appended to
+    # the tables (and listed in ``grown`` and ``new_blocks``)
     decodes: list[Sequence] | None = None
     decodes_version: int = -1  # the scheduler's running_version that ``decodes`` is
     joined: list[Sequence] = field(default_factory=list)  # in ``decodes``, new to them
+    grown: list[Sequence] = field(default_factory=list)  # in ``decodes``, given a block
+    new_blocks: list[int] = field(default_factory=list)  # the block each of ``grown`` got
 
     @property
     def is_empty(self) -> bool:
