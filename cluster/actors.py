@@ -39,14 +39,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import ray
+import redis
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
+from pdserve.cluster.kv_streams import KVStreams
 from pdserve.cluster.node_placement import WorkerResources, actor_resources
 from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.cluster.workers import LocalHandle, TorchTransfer, build_worker
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.protocol import ROLES, Refusal, RequestFaultError, WorkRequest
+from pdserve.engine.protocol import ROLES, KVEvents, Refusal, RequestFaultError, WorkRequest
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +125,7 @@ class WorkerActor(LocalHandle):
         super().__init__(build_spec_worker(spec))
         self.spec = spec
         self.registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
+        self.kv_streams = KVStreams(self.registry.client, spec.cluster, self.registry.ttl_ms)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="registry")
         self._heartbeat: asyncio.Task | None = None
         self._closed = False
@@ -152,8 +155,19 @@ class WorkerActor(LocalHandle):
         if stats is None:  # nothing published yet
             return
         record = WorkerRecord.from_stats(stats, os.getpid())
-        await asyncio.get_running_loop().run_in_executor(self._io, self.registry.heartbeat,
-                                                         record)
+        events = await self.drain_kv_events()  # (lost if Redis is down: routers resync)
+        await asyncio.get_running_loop().run_in_executor(self._io, self._publish, record,
+                                                         events)
+
+    def _publish(self, record: WorkerRecord, events: KVEvents | None) -> None:
+        """The KV event batch first, then the record: a record never names a batch
+        (``kv_events_number``) that a reader of the stream could not have seen."""
+        if events is not None:
+            try:
+                self.kv_streams.publish(self.spec.worker_id, events)
+            except redis.RedisError as exc:  # the batch is lost: the routers see the gap
+                logger.warning("%s: KV events not published: %s", self.spec.worker_id, exc)
+        self.registry.heartbeat(record)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -249,6 +263,9 @@ class RayHandle:
     async def poll(self, timeout: float):
         return await self._call("poll", timeout, self.router)
 
+    async def kv_snapshot(self):
+        return await self._call("kv_snapshot")
+
 
 def _cause(exc: BaseException) -> BaseException:
     return exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
@@ -262,6 +279,7 @@ class RedisDirectory:
         self.namespace = namespace
         self.router = router  # the router actor's name, given to every handle
         self._handles: dict[str, RayHandle] = {}
+        self.kv_streams = KVStreams(registry.client, registry.cluster, registry.ttl_ms)
         # worker_id -> (heartbeat_time, stats): the same object until a newer heartbeat, so
         # the router keeps counting what it sent since (WorkerLoad.refresh)
         self._stats: dict[str, tuple[float, object]] = {}
@@ -288,6 +306,15 @@ class RedisDirectory:
                 self._handles[record.worker_id] = handle
             live.append((handle, self._stats_of(record)))
         return live
+
+    async def kv_events(self, worker_ids: list[str]) -> list[tuple[str, KVEvents]]:
+        """New batches from the workers' KV event streams (none while Redis is away: the
+        index then resyncs what it missed)."""
+        try:
+            return await asyncio.to_thread(self.kv_streams.read, worker_ids)
+        except redis.RedisError as exc:
+            logger.info("KV event streams unread: %s", exc)
+            return []
 
     def _lookup(self, record: WorkerRecord) -> RayHandle | None:
         try:

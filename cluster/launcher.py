@@ -181,6 +181,7 @@ class EmbeddedCluster:
                           http_port=opts.http_port, api_key=opts.api_key,
                           admin_api_key=opts.admin_api_key,
                           priority_api_keys=opts.priority_api_keys, tls=self.tls(),
+                          prefix_cache_salt=self._engine_config().prefix_cache_salt,
                           reflection=opts.reflection,
                           max_concurrent_rpcs=opts.max_concurrent_rpcs,
                           autoscale=opts.autoscale if opts.autoscale.enabled and first else None,

@@ -60,6 +60,8 @@ class WorkerRecord:
     spec_num_drafts: int = 0  # speculative decoding: sequence-steps that verified drafts
     spec_num_draft_tokens: int = 0  # drafts proposed and verified (a counter)
     spec_num_accepted_tokens: int = 0  # drafts the target accepted (a counter)
+    kv_log_id: str = ""  # the worker's KV event log (a new one: its cache started afresh)
+    kv_events_number: int = 0  # its last batch published
 
     @classmethod
     def from_stats(cls, stats: WorkerStats, pid: int = 0) -> WorkerRecord:
@@ -71,7 +73,7 @@ class WorkerRecord:
                    stats.error or "", stats.num_bounces, stats.flops_per_s, stats.bytes_per_s,
                    stats.peak_flops_per_s, stats.peak_bytes_per_s, stats.busy_fraction,
                    stats.spec_num_drafts, stats.spec_num_draft_tokens,
-                   stats.spec_num_accepted_tokens)
+                   stats.spec_num_accepted_tokens, stats.kv_log_id, stats.kv_events_number)
 
     def to_stats(self) -> WorkerStats:
         return WorkerStats(self.worker_id, self.role, self.total_blocks, self.free_blocks,
@@ -86,7 +88,8 @@ class WorkerRecord:
                            busy_fraction=self.busy_fraction,
                            spec_num_drafts=self.spec_num_drafts,
                            spec_num_draft_tokens=self.spec_num_draft_tokens,
-                           spec_num_accepted_tokens=self.spec_num_accepted_tokens)
+                           spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+                           kv_log_id=self.kv_log_id, kv_events_number=self.kv_events_number)
 
     def to_hash(self) -> dict[str, str]:
         return {f.name: str(int(v) if isinstance(v, bool) else v)
@@ -159,6 +162,7 @@ class Registry:
     def __init__(self, redis_url: str, cluster: str = "default", ttl_s: float = 10.0,
                  on_malformed: Callable[[str, int], None] | None = None):
         self.client = redis_client(redis_url)
+        self.cluster = cluster
         self.prefix = f"pdserve:{cluster}:worker:"
         self.ttl_ms = int(ttl_s * 1000)
         self.on_malformed = on_malformed

@@ -105,6 +105,8 @@ class RouterSpec:
     priority_api_keys: tuple[str, ...] = field(default=(), repr=False)  # inference keys that
     # may also ask priority < 0
     tls: TLSConfig | None = None  # TLS (mutual with a client CA) for gRPC and HTTP
+    prefix_cache_salt: str | None = field(default=None, repr=False)  # the workers' salt: the
+    # router hashes prompts as they do to read its KV index (None: no prefix-aware choice)
     reflection: bool = True  # gRPC server reflection
     max_concurrent_rpcs: int | None = None  # gRPC calls / HTTP connections in progress, at most
     autoscale: AutoscaleConfig | None = None  # the autoscaler (needs pools; None or not
@@ -211,7 +213,8 @@ class RouterActor:
         store = PoolStore(spec.redis_url, spec.cluster, health.count_malformed)
         self.directory = ResilientDirectory(registry, cluster_namespace(spec.cluster), spec.name,
                                             health)
-        self.router = Router(model, self.directory, tokenize, spec.config, metrics)
+        self.router = Router(model, self.directory, tokenize, spec.config, metrics,
+                             prefix_cache_salt=spec.prefix_cache_salt)
         await self.router.start()
         if spec.pools is not None:
             self.pools = PoolManager(store, registry, spec.pools, cluster_namespace(spec.cluster),

@@ -17,7 +17,7 @@ from pdserve.decode_worker.mailboxes import MailboxSizes
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.protocol import ROLES, StepDeltas, WorkRequest
+from pdserve.engine.protocol import ROLES, KVEvents, KVSnapshot, StepDeltas, WorkRequest
 from pdserve.kv_transfer import (
     FaultPlan,
     InProcConnector,
@@ -113,6 +113,14 @@ class LocalHandle:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._poller, functools.partial(
             self.worker.poll, timeout, router=router))
+
+    async def kv_snapshot(self) -> KVSnapshot | None:
+        """Every block hash the worker's prefix cache holds (read on its engine loop)."""
+        return await asyncio.wrap_future(self.worker.loop.call(self.worker.engine.kv_snapshot))
+
+    async def drain_kv_events(self) -> KVEvents | None:
+        """The worker's prefix-cache changes since the last drain (as the next batch)."""
+        return self.worker.engine.drain_kv_events()
 
     async def mailbox_sizes(self) -> MailboxSizes | None:
         """What the worker's per-router mailboxes hold (None: a prefill worker has none)."""

@@ -73,6 +73,9 @@ class BlockManager:
         self.num_prefix_queries = 0  # match_prefix calls
         self.num_prefix_query_tokens = 0  # tokens looked up by match_prefix
         self.num_prefix_hit_tokens = 0  # tokens served from the prefix cache
+        # a KVEventLog (engine/kv_events.py) told of every hash the cache gains and loses,
+        # when the worker publishes its cache to the routers (None: nobody listens)
+        self.events = None
 
     # ---- counts -------------------------------------------------------------------------
 
@@ -110,6 +113,10 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def held_hashes(self) -> frozenset[bytes]:
+        """Every hash the prefix cache can match now (cached or in use)."""
+        return frozenset(self._hash_to_block)
 
     def block_hash(self, block_id: int) -> bytes | None:
         """The prefix-cache hash block_id holds, or None."""
@@ -226,6 +233,8 @@ class BlockManager:
                 and h not in self._hash_to_block:
             self._block_hashes[block_id] = h
             self._hash_to_block[h] = block_id
+            if self.events is not None:
+                self.events.stored(h)
 
     def withhold_last_block(self) -> int:
         """Take the highest block id out of the pool for good (before any allocation) and
@@ -276,8 +285,11 @@ class BlockManager:
             block_id = self._free.popleft()
         else:
             block_id, _ = self._cached.popitem(last=False)  # evict least recently used
-            del self._hash_to_block[self._block_hashes[block_id]]
+            evicted = self._block_hashes[block_id]
+            del self._hash_to_block[evicted]
             self._block_hashes[block_id] = None
+            if self.events is not None:
+                self.events.removed(evicted)
         self._ref_counts[block_id] = 1
         return block_id
 

@@ -24,7 +24,7 @@ off). Step:
 
 Workers never reach into the parts: what they need of the engine is a method here
 (``hand_off``, ``reserve_blocks``, ``release_blocks``, ``start_running``, ``render``,
-``kv_caches``). docs/engine-step.md has the whole picture.
+``kv_caches``, ``drain_kv_events``, ``kv_snapshot``). docs/engine-step.md has the whole picture.
 """
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.decode_rows import DecodeRows
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.protocol import (
+    KVEvents,
+    KVSnapshot,
     NeverFits,
     NoRoomNow,
     RequestDelta,
@@ -243,6 +245,18 @@ class LLMEngine:
             self.scheduler.abort(seq.request_id)
             raise
         return delta
+
+    def drain_kv_events(self) -> KVEvents | None:
+        """The prefix cache's changes since the last call, as the next numbered batch (None:
+        no change, or prefix caching off); any thread. What the routers' index is fed."""
+        events = self.parts.block_manager.events
+        return None if events is None else events.drain()
+
+    def kv_snapshot(self) -> KVSnapshot | None:
+        """Every block hash the prefix cache holds, as of the last batch drained (loop
+        thread; None with prefix caching off)."""
+        bm = self.parts.block_manager
+        return None if bm.events is None else bm.events.snapshot(bm.held_hashes())
 
     @property
     def kv_caches(self) -> list:

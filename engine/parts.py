@@ -14,6 +14,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, cuda_capture
 from pdserve.engine.host_memory import keep_freed_host_memory
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_quant import (
     INT8_SCHEMES,
     Calibration,
@@ -96,6 +97,8 @@ class EngineParts:
                                      enable_prefix_caching=config.enable_prefix_caching,
                                      sliding_window=mc.sliding_window,
                                      hash_salt=_salt_bytes(config.prefix_cache_salt))
+        if config.enable_prefix_caching:  # what the routers' prefix index is fed from
+            block_manager.events = KVEventLog()
         logger.info("engine ready: %s", ", ".join(f"{k} {v}" for k, v in ledger.rows()))
         parts = cls(config, mc, tokenizer, runner, block_manager, ledger, max_model_len,
                     tuple(mc.eos_token_ids))

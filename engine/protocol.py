@@ -6,6 +6,8 @@ worker (a Ray actor or this process).
 - the messages (typed dataclasses, sent over Ray calls; KV data never travels in them, it moves
   through ``pdserve.kv_transfer`` frames): :class:`WorkRequest` in, :class:`Reservation` and
   :class:`PrefillResult` back, a step's :class:`RequestDelta`\ s polled, :class:`WorkerStats`;
+- a worker's KV events (:class:`KVEvents`, :class:`KVSnapshot`): what its prefix cache holds,
+  by block hash, for the routers' shared index;
 - the refusals: :class:`NoRoomNow` (no free KV blocks now: try another worker, or wait) and
   :class:`NeverFits` (this worker can never run the request), raised by the worker and seen
   by the router as the same types through every handle; and :class:`RequestFaultError`, a
@@ -227,6 +229,30 @@ class StepDeltas:
         return out
 
 
+@dataclass(frozen=True)
+class KVEvents:
+    """One batch of a worker's prefix-cache changes, by block hash (``engine.prefix_hash``:
+    salted, so token ids never leave the worker). ``number`` counts the batches of one event
+    log (``log_id``, new with each engine) from 1: a reader that gets a number other than its
+    last + 1, or another log's, has missed some and resyncs from a :class:`KVSnapshot`. A
+    hash is in one list at most: its state at the end of the batch."""
+
+    log_id: str
+    number: int
+    stored: tuple[bytes, ...]  # blocks now cached (and matchable) on the worker
+    removed: tuple[bytes, ...]  # blocks evicted since
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """Every block hash a worker's prefix cache holds, as of its log's batch ``number``
+    (batches up to it are in; later ones apply on top)."""
+
+    log_id: str
+    number: int
+    hashes: frozenset[bytes]
+
+
 @dataclass
 class Reservation:
     """Blocks a decode worker holds for one request until its KV arrives (a lease)."""
@@ -282,6 +308,8 @@ class WorkerStats:
     spec_num_drafts: int = 0  # speculative decoding counters: sequence-steps that verified drafts
     spec_num_draft_tokens: int = 0  # drafts proposed and verified
     spec_num_accepted_tokens: int = 0  # drafts the target accepted
+    kv_log_id: str = ""  # the engine's KV event log (KVEvents.log_id; "": prefix caching off)
+    kv_events_number: int = 0  # the last batch of it drained (a reader behind it missed some)
 
     @property
     def utilization(self):

@@ -23,7 +23,9 @@ def engine_stats(worker_id: str, role: str, engine: LLMEngine, num_reserved: int
         engine.parts.ledger.to_dict(), transfer_address, num_bounces=sched.num_bounces,
         flops_per_s=util.flops_per_s, bytes_per_s=util.bytes_per_s,
         peak_flops_per_s=util.peak_flops_per_s, peak_bytes_per_s=util.peak_bytes_per_s,
-        busy_fraction=util.busy_fraction, **spec_stats(engine))
+        busy_fraction=util.busy_fraction,
+        kv_log_id="" if bm.events is None else bm.events.log_id,
+        kv_events_number=0 if bm.events is None else bm.events.number, **spec_stats(engine))
 
 
 def spec_stats(engine: LLMEngine) -> dict:

@@ -23,7 +23,6 @@ class RouterConfig:
     # being replaced) before it fails UNAVAILABLE; its deadline may end the wait sooner
     poll_timeout_s: float = 0.05  # long-poll wait of each decode worker poller
     stats_interval_s: float = 0.25  # worker stats refresh period
-    prefix_memory_blocks: int = 8192  # prompt block hashes remembered per prefill worker
     scheduling_policy: str = "fcfs"  # fcfs | priority: order of the waiting queue
     priority_aging_s: float = 10.0  # a waiting request gains one priority level per this long
     max_request_kv_fraction: float = 1.0  # most of a decode worker's KV one request may hold

@@ -70,7 +70,7 @@ from pdserve.router.flight import AttemptFailed, Flight, Phase
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import WorkerLoad, pick_prefill
 from pdserve.router.placement import Placer
-from pdserve.router.trace import RequestTrace, observe
+from pdserve.router.trace import RequestTrace, observe, routing_of
 from pdserve.router.workers import Workers
 
 __all__ = ["RequestTrace", "Router", "RouterConfig"]
@@ -87,8 +87,12 @@ class Router:
 
     def __init__(self, spec: ModelSpec, directory: WorkerDirectory,
                  tokenize: Callable[[str], list[int]], config: RouterConfig | None = None,
-                 metrics: RouterMetrics | None = None):
+                 metrics: RouterMetrics | None = None, prefix_cache_salt: str | None = None):
+        """``prefix_cache_salt``: the workers' (``EngineConfig.prefix_cache_salt``), so the
+        router hashes a prompt's blocks as their prefix caches do and finds the prefill worker
+        that holds most of it (None: the queues alone choose)."""
         self.spec = spec
+        self._salt = None if prefix_cache_salt is None else prefix_cache_salt.encode()
         self._tokenize = tokenize
         self.config = config or RouterConfig()
         self.metrics = metrics or RouterMetrics()
@@ -270,7 +274,8 @@ class Router:
         self.metrics.observe_prefill(flight.prefill_id, result)
         if flight.trace is None:
             flight.trace = RequestTrace(flight.request_id, 0.0, 0.0, result.queue_time_s,
-                                        result.prefill_time_s, result.transfer_time_s)
+                                        result.prefill_time_s, result.transfer_time_s,
+                                        prefill_routing=routing_of(flight.prefill_choice))
         flight.move_to(Phase.DECODING)
         yield result.first
         if result.first.finish_reason is None:
@@ -368,10 +373,10 @@ class Router:
             await self._placer.wait_for_room(flight)
         block_size = int(loads[0].stats.ledger.get("block_size", 16))
         prompt = flight.request.prompt_token_ids + flight.request.output_token_ids
-        load, hashes = pick_prefill(loads, prompt, block_size)
-        load.pending_tokens += len(prompt)
-        load.remember(hashes, self.config.prefix_memory_blocks)
-        flight.prefill_id = load.stats.worker_id
+        choice = pick_prefill(loads, prompt, block_size, self.workers.kv_index, self._salt)
+        load = choice.load
+        load.pending_tokens += len(prompt) - choice.hit_blocks * block_size
+        flight.prefill_id, flight.prefill_choice = load.stats.worker_id, choice
         return load
 
     async def _renew_lease(self, flight: Flight, reservation: Reservation) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from typing import Protocol
 
-from pdserve.engine.protocol import WorkerStats
+from pdserve.engine.protocol import KVEvents, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -14,6 +14,11 @@ logger = logging.getLogger(__name__)
 class WorkerDirectory(Protocol):
     async def snapshot(self) -> list[tuple[object, WorkerStats]]:
         """(handle, latest stats) of every live worker."""
+        ...
+
+    async def kv_events(self, worker_ids: list[str]) -> list[tuple[str, KVEvents]]:
+        """The KV event batches these workers published since the last call, in order per
+        worker (what was lost on the way shows as a gap in their numbers)."""
         ...
 
 
@@ -35,3 +40,15 @@ class StaticDirectory:
             else:
                 live.append((handle, stats))
         return live
+
+    async def kv_events(self, worker_ids: list[str]) -> list[tuple[str, KVEvents]]:
+        """Each worker's batch drained from its engine in this process (a second router of
+        the same process drains its own share: the index of each sees gaps and resyncs)."""
+        wanted, batches = set(worker_ids), []
+        for handle in self.handles:
+            drain = getattr(handle, "drain_kv_events", None)
+            if handle.worker_id in wanted and drain is not None:
+                events = await drain()
+                if events is not None:
+                    batches.append((handle.worker_id, events))
+        return batches

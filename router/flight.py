@@ -74,6 +74,7 @@ class Flight:
     num_retries: int = 0  # failed attempts before the first token
     num_migrations: int = 0  # failed attempts after it
     prefill_id: str | None = None  # the current attempt's prefill worker
+    prefill_choice: object | None = None  # why it was chosen (pairing.PrefillChoice)
     decode_id: str | None = None  # the worker streaming deltas (decode or colocated)
     trace: object | None = None  # RequestTrace, set once the first prefill returns
     tenant: str | None = None  # who sent it (fair turns inside a priority level)

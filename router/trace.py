@@ -11,6 +11,26 @@ from pdserve.router.metrics import RouterMetrics
 
 
 @dataclass
+class PrefillRouting:
+    """The prefill routing decision: the worker chosen, the prompt blocks the KV index says
+    its prefix cache held, its cost (queued prompt tokens less the hit's), the runner-up."""
+
+    worker_id: str
+    hit_blocks: int
+    cost: int
+    runner_up: str | None
+    runner_up_cost: int | None
+
+
+def routing_of(choice) -> PrefillRouting | None:
+    """The trace's record of a ``pairing.PrefillChoice`` (None: no choice was made)."""
+    if choice is None:
+        return None
+    return PrefillRouting(choice.load.stats.worker_id, choice.hit_blocks, choice.cost,
+                          choice.runner_up, choice.runner_up_cost)
+
+
+@dataclass
 class RequestTrace:
     """Where one finished request's time went (seconds)."""
 
@@ -26,6 +46,7 @@ class RequestTrace:
     finish_reason: str | None = None
     num_retries: int = 0  # failed attempts before the first token
     num_migrations: int = 0  # attempts moved to new workers after the first token
+    prefill_routing: PrefillRouting | None = None  # how its first prefill worker was chosen
 
     @property
     def tpot(self) -> float:

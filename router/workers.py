@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pdserve.engine.protocol import RequestDelta
 from pdserve.router.config import RouterConfig
 from pdserve.router.directory import WorkerDirectory
+from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import WorkerLoad
 
@@ -39,6 +40,7 @@ class Workers:
         self._pollers: dict[str, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []  # the refresh loop, background aborts
         self._ready = asyncio.Event()  # set while is_ready()
+        self.kv_index = KVIndex()  # the prefill workers' prefix caches, from their KV events
 
     async def start(self) -> None:
         await self.refresh()
@@ -94,6 +96,31 @@ class Workers:
             logger.info("worker %s left the registry: no new requests go to it", worker_id)
             self._metrics.remove_worker(self.loads.pop(worker_id).stats.role, worker_id)
         self._note_readiness()
+        await self._refresh_kv_index([(h, s) for h, s in snapshot if s.role == "prefill"])
+
+    async def _refresh_kv_index(self, prefill: list) -> None:
+        """Apply the prefill workers' new KV event batches to the index; a worker whose entry
+        missed a batch (or that is new to it) is resynced from a snapshot it sends."""
+        index = self.kv_index
+        ids = [stats.worker_id for _, stats in prefill]
+        for worker_id in set(index.worker_ids) - set(ids):
+            index.forget(worker_id)
+        for worker_id, events in await self.directory.kv_events(ids):
+            index.apply(worker_id, events)
+        for _, stats in prefill:
+            index.note_latest(stats.worker_id, stats.kv_log_id, stats.kv_events_number)
+        stale = [(handle, stats.worker_id) for handle, stats in prefill
+                 if stats.kv_log_id and index.needs_snapshot(stats.worker_id)]
+        snapshots = await asyncio.gather(*(self._kv_snapshot(handle) for handle, _ in stale),
+                                         return_exceptions=True)
+        for (_, worker_id), snapshot in zip(stale, snapshots, strict=True):
+            if isinstance(snapshot, BaseException):
+                logger.info("no KV snapshot from %s yet: %s", worker_id, snapshot)
+            elif snapshot is not None:
+                index.reset(worker_id, snapshot)
+
+    async def _kv_snapshot(self, handle):
+        return await asyncio.wait_for(handle.kv_snapshot(), self._config.rpc_timeout_s)
 
     async def _refresh_loop(self) -> None:
         while True:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.protocol import WorkerStats
+from pdserve.engine.protocol import KVSnapshot, WorkerStats
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
+from pdserve.router.kv_index import KVIndex
 from pdserve.router.pairing import WorkerLoad, chained_block_hashes, pick_prefill, rank_decode
 
 
@@ -21,15 +22,21 @@ def test_decode_prefers_free_blocks_then_fewer_running():
     assert rank_decode(loads)[0].stats.worker_id == "b"
 
 
-def test_prefill_prefers_short_queue_unless_prefix_is_cached():
+def test_prefill_prefers_short_queue_unless_the_index_says_the_prefix_is_cached():
     system = list(range(100, 164))  # 4 blocks of 16
+    salt = b"cluster-salt"
     busy, idle = WorkerLoad(stats("busy", "prefill", queued=40)), \
         WorkerLoad(stats("idle", "prefill", queued=0))
-    load, _ = pick_prefill([busy, idle], system + [1, 2], 16)
-    assert load is idle
-    busy.remember(chained_block_hashes(system, 16, b""), capacity=100)
-    load, _ = pick_prefill([busy, idle], system + [3, 4], 16)
-    assert load is busy  # 64 cached tokens outweigh 40 queued ones
+    index = KVIndex()
+    choice = pick_prefill([busy, idle], system + [1, 2], 16, index, salt)
+    assert (choice.load, choice.hit_blocks, choice.runner_up) == (idle, 0, "busy")
+    index.reset("busy", KVSnapshot("log", 0, frozenset(chained_block_hashes(system, 16, salt))))
+    choice = pick_prefill([busy, idle], system + [3, 4], 16, index, salt)
+    assert choice.load is busy and choice.hit_blocks == 4  # 64 cached tokens outweigh 40
+    assert (choice.cost, choice.runner_up, choice.runner_up_cost) == (40 - 64, "idle", 0)
+    # without the cluster's salt the router cannot read the index: the queues alone choose
+    assert pick_prefill([busy, idle], system + [3, 4], 16, index, None).load is idle
+    assert pick_prefill([busy], system, 16, index, salt).runner_up is None
 
 
 def test_router_hashes_match_the_prefix_cache():
@@ -42,10 +49,3 @@ def test_router_hashes_match_the_prefix_cache():
     assert chained_block_hashes(list(range(10, 22)), 4, b"cluster-salt") == cached
     assert all(len(h) == 32 for h in cached)  # sha256 digests
     assert chained_block_hashes(list(range(10, 22)), 4, b"other-salt") != cached
-
-
-def test_remember_is_bounded_lru():
-    load = WorkerLoad(stats("p", "prefill"))
-    load.remember([1, 2, 3], capacity=3)
-    load.remember([4], capacity=3)
-    assert list(load.recent_hashes) == [2, 3, 4]

@@ -1,0 +1,66 @@
+"""Prefix-aware routing on the KV index: a router that never routed a prompt sends its prefix
+to the prefill worker whose cache holds it, knowing only what the workers published."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.cluster.workers import build_local_workers
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.backend import ModelSpec
+from pdserve.router.core import Router
+from pdserve.router.directory import StaticDirectory
+
+SALT = "cluster-salt"
+PROMPT = [(7 * i) % 300 + 3 for i in range(26)]  # six full blocks of 4, then two tokens
+
+
+async def run(router: Router, request_id: str, prompt: list[int]):
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    async for _ in router.generate(request_id, prompt, params, None):
+        pass
+    return router.traces[-1]
+
+
+def test_a_router_that_started_late_sends_a_cached_prefix_to_its_holder(tiny_dir):
+    config = EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=96,
+                          prefix_cache_salt=SALT)
+    handles = build_local_workers(config, num_prefill=2, num_decode=1)
+    by_id = {h.worker_id: h for h in handles}
+    prefill = sorted(h.worker_id for h in handles if h.role == "prefill")
+    holder, other = prefill[1], prefill[0]  # (the queues alone would choose prefill[0])
+    spec = ModelSpec("t", 256, 509, ())
+
+    async def main():
+        # the first router sees only the holder: the prompt is cached there
+        first = Router(spec, StaticDirectory([h for h in handles if h.worker_id != other]),
+                       tokenize=list, prefix_cache_salt=SALT)
+        await first.start()
+        assert (await run(first, "warm", PROMPT)).prefill_routing.worker_id == holder
+        await first.stop()
+        late = Router(spec, StaticDirectory(handles), tokenize=list, prefix_cache_salt=SALT)
+        await late.start()
+        try:
+            index = late.workers.kv_index
+            held = by_id[holder].worker.engine.parts.block_manager.held_hashes()
+            assert index.held(holder) == held and len(held) >= 6
+            assert index.held(other) == frozenset()
+            trace = await run(late, "again", PROMPT[:24] + [9, 9, 9])
+            routing = trace.prefill_routing
+            assert routing.worker_id == holder and routing.hit_blocks == 6
+            assert routing.runner_up == other and routing.runner_up_cost == 0
+        finally:
+            await late.stop()
+        # (one router at a time: routers in one process share the workers' outboxes)
+        blind = Router(spec, StaticDirectory(handles), tokenize=list)  # without the salt
+        await blind.start()
+        try:
+            assert (await run(blind, "blind", PROMPT[:24] + [8])).prefill_routing.worker_id \
+                == other
+        finally:
+            await blind.stop()
+            for h in handles:
+                h.close()
+
+    asyncio.run(main())
