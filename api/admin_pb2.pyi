@@ -21,7 +21,7 @@ WORKER_STATE_DRAINING: WorkerState
 WORKER_STATE_DEAD: WorkerState
 
 class Worker(_message.Message):
-    __slots__ = ("worker_id", "role", "node", "pid", "state", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts", "error", "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding", "ledger_json")
+    __slots__ = ("worker_id", "role", "node", "pid", "state", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts", "error", "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding", "ledger_json", "prefix_hit_tokens", "prefix_query_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,8 @@ class Worker(_message.Message):
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     BINDING_FIELD_NUMBER: _ClassVar[int]
     LEDGER_JSON_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     node: str
@@ -56,7 +58,9 @@ class Worker(_message.Message):
     busy_fraction: float
     binding: str
     ledger_json: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., error: _Optional[str] = ..., compute_utilization: _Optional[float] = ..., bandwidth_utilization: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., binding: _Optional[str] = ..., ledger_json: _Optional[str] = ...) -> None: ...
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., error: _Optional[str] = ..., compute_utilization: _Optional[float] = ..., bandwidth_utilization: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., binding: _Optional[str] = ..., ledger_json: _Optional[str] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestTrace(_message.Message):
     __slots__ = ("request_id", "ttft_s", "e2e_s", "queue_s", "prefill_s", "transfer_s", "decode_s", "prompt_tokens", "output_tokens", "finish_reason", "retries", "migrations")

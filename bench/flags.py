@@ -7,7 +7,7 @@ import argparse
 import math
 
 from pdserve.bench.serve import GOODPUT_METRICS, METRICS, ServeOptions
-from pdserve.bench.workload import SyntheticShape
+from pdserve.bench.workload import DATASETS, SyntheticShape
 
 GiB = 1 << 30
 
@@ -51,7 +51,9 @@ def add_workload_flags(parser) -> None:
                         help="gamma shape of the gaps between arrivals (1 = Poisson)")
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="requests in flight at most (default: no limit)")
-    parser.add_argument("--dataset", choices=("synthetic", "jsonl"), default="synthetic")
+    parser.add_argument("--dataset", choices=DATASETS, default="synthetic",
+                        help="synthetic: random prompts; prefix: conversations over shared "
+                             "system prompts, resending their history; jsonl: --dataset-path")
     parser.add_argument("--dataset-path", default=None, metavar="FILE",
                         help='jsonl: one {"prompt": ...} or {"prompt_len": N} per line, with an '
                              'optional "output_len"')

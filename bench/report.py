@@ -33,6 +33,8 @@ def format_serve(result: dict) -> str:
         lines.append(_line("SLO attainment:", f"{result['slo_attainment']:.1%}"))
     lines += [_line("Output token throughput (tok/s):", result["output_throughput"]),
               _line("Total Token throughput (tok/s):", result["total_token_throughput"])]
+    if result.get("prefix_hit_rate") is not None:
+        lines.append(_line("Prefix cache hit rate:", f"{result['prefix_hit_rate']:.1%}"))
     for metric, title in _TITLES.items():
         keys = [k for k in result if k.endswith(f"_{metric}_ms")]
         if not keys:

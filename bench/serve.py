@@ -42,11 +42,13 @@ from pdserve.bench.http_client import HttpCompletions
 from pdserve.bench.phases import phase_split
 from pdserve.bench.stats import percentile
 from pdserve.bench.workload import (
+    DATASETS,
     BenchRequest,
     RequestOutcome,
     SyntheticShape,
     arrival_times,
     jsonl_requests,
+    prefix_requests,
     synthetic_requests,
 )
 
@@ -68,7 +70,7 @@ class ServeOptions:
     burstiness: float = 1.0  # gamma shape of the gaps (1 = Poisson)
     max_concurrency: int | None = None  # requests in flight at most
     seed: int = 0
-    dataset: str = "synthetic"  # synthetic | jsonl
+    dataset: str = "synthetic"  # synthetic | prefix | jsonl
     dataset_path: str | None = None  # the jsonl file
     shape: SyntheticShape = field(default_factory=SyntheticShape)
     goodput: dict[str, float] = field(default_factory=dict)  # metric -> SLO in ms
@@ -98,8 +100,9 @@ class ServeOptions:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
-        if self.dataset not in ("synthetic", "jsonl"):
-            raise ValueError(f"dataset must be synthetic or jsonl, got {self.dataset!r}")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, "
+                             f"got {self.dataset!r}")
         if self.dataset == "jsonl" and not self.dataset_path:
             raise ValueError("dataset jsonl needs dataset_path")
         arrival_times(0, self.request_rate, self.burstiness)  # validates both
@@ -109,6 +112,9 @@ def build_requests(opts: ServeOptions, vocab_size: int, max_context: int) -> lis
     if opts.dataset == "jsonl":
         return jsonl_requests(opts.dataset_path, opts.num_prompts, opts.seed, vocab_size,
                               max_context, opts.shape)
+    if opts.dataset == "prefix":
+        return prefix_requests(opts.num_prompts, opts.seed, vocab_size, max_context,
+                               opts.shape)
     return synthetic_requests(opts.num_prompts, opts.seed, vocab_size, max_context, opts.shape)
 
 
@@ -259,6 +265,27 @@ class WorkerSampler:
         return out
 
 
+def prefix_counters(admin) -> tuple[int, int] | None:
+    """(prompt tokens the prefix caches served, prompt tokens looked up) summed over the
+    workers that prefill (None: the server does not report them)."""
+    try:
+        workers = [w for w in admin.list_workers() if w.role in ("prefill", "colocated")]
+    except Exception as exc:  # noqa: BLE001 - an older or foreign server
+        logger.info("no prefix counters: %s", exc)
+        return None
+    return (sum(w.prefix_hit_tokens for w in workers),
+            sum(w.prefix_query_tokens for w in workers))
+
+
+def hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The cluster's prefix-cache hit rate over the run: served / looked-up prompt tokens
+    between the two readings (None: not reported, or nothing looked up; a worker replaced
+    meanwhile restarts its counters and makes the figure too low)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return max(0, after[0] - before[0]) / (after[1] - before[1])
+
+
 def server_side(admin, request_ids: list[str], sampled: dict[str, dict]) -> dict:
     """Traces of ``request_ids`` -> ``phases``; workers' ledgers and sampled utilisation;
     the server's configuration. Each part is None when the server does not offer it."""
@@ -300,6 +327,7 @@ async def _benchmark(opts: ServeOptions) -> dict:
 
             progress = tqdm(total=len(requests), desc=opts.progress_desc, unit="req")
         try:
+            before = await asyncio.to_thread(prefix_counters, admin)
             sampler.start()
             async with _transport(opts, client, info.model_name) as send:
                 outcomes, duration = await send_all(send, requests, arrivals, run_id,
@@ -308,6 +336,8 @@ async def _benchmark(opts: ServeOptions) -> dict:
             await sampler.stop()
             side = await asyncio.to_thread(server_side, admin, [o.request_id for o in outcomes],
                                            sampler.summary())
+            side["prefix_hit_rate"] = hit_rate(before,
+                                               await asyncio.to_thread(prefix_counters, admin))
         finally:
             if progress is not None:
                 progress.close()

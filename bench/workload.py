@@ -3,6 +3,12 @@
 * ``synthetic``: token-id prompts whose input and output lengths are log-normal (long-tailed,
   ShareGPT-like means ~220 in / ~200 out by default), each request capped so prompt + output
   fits the model's context.
+* ``prefix``: what a prefix cache is for: conversations over a few shared system prompts
+  (each about ``input_mean`` tokens), each turn resending the whole history (system prompt,
+  earlier questions and answers) plus a new question. The next turn is a random
+  conversation's; an answer is
+  random ids of the turn's output length (the client cannot know the model's), so the part a
+  prefix cache can serve is the history, as with a real chat client.
 * ``jsonl``: one request per line, ``{"prompt": "text"}`` or ``{"prompt": [ids]}`` or
   ``{"prompt_len": N}`` (N random ids), with an optional ``"output_len"`` (else drawn as the
   synthetic output lengths are). Lines are used in file order, cycled if ``n`` exceeds them.
@@ -24,6 +30,7 @@ from pathlib import Path
 from pdserve.bench.stats import lognormal_lengths
 
 FIRST_ID = 3  # random prompt ids start here (0-2 are pad/bos/eos in the built-in model)
+DATASETS = ("synthetic", "prefix", "jsonl")  # what ``pdserve bench serve --dataset`` takes
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,34 @@ def synthetic_requests(n: int, seed: int, vocab_size: int, max_context: int,
     for i, (n_in, n_out) in enumerate(zip(inputs, outputs, strict=True)):
         n_out = min(n_out, max_context - n_in)
         out.append(BenchRequest(i, random_ids(rng, n_in, vocab_size), n_in, n_out))
+    return out
+
+
+NUM_SYSTEM_PROMPTS = 4  # the prefix dataset's shared system prompts
+NUM_CONVERSATIONS = 16  # its conversations, one of them writing at each turn
+QUESTION_TOKENS = (16, 64)  # a new question's length, drawn uniformly
+
+
+def prefix_requests(n: int, seed: int, vocab_size: int, max_context: int,
+                    shape: SyntheticShape = SyntheticShape()) -> list[BenchRequest]:
+    """``n`` turns of conversations over shared system prompts (see the module docstring);
+    a conversation whose history no longer fits the context starts over."""
+    rng = random.Random(seed)
+    system = [random_ids(rng, max(shape.min_input, int(shape.input_mean)), vocab_size)
+              for _ in range(NUM_SYSTEM_PROMPTS)]
+    outputs = lognormal_lengths(rng, n, shape.output_mean, shape.sigma,
+                                shape.min_output, max_context // 4)
+    histories = [list(system[c % NUM_SYSTEM_PROMPTS]) for c in range(NUM_CONVERSATIONS)]
+    out = []
+    for i, n_out in enumerate(outputs):
+        c = rng.randrange(NUM_CONVERSATIONS)  # (whichever user writes next)
+        question = random_ids(rng, rng.randint(*QUESTION_TOKENS), vocab_size)
+        if len(histories[c]) + len(question) + n_out > max_context:
+            histories[c] = list(system[c % NUM_SYSTEM_PROMPTS])  # a new conversation
+        prompt = histories[c] + question
+        n_out = min(n_out, max_context - len(prompt))
+        out.append(BenchRequest(i, prompt, len(prompt), n_out))
+        histories[c] = prompt + random_ids(rng, n_out, vocab_size)  # its answer
     return out
 
 

@@ -41,6 +41,7 @@ from pdserve.cluster.node_placement import PLACEMENTS
 from pdserve.cluster.options import ClusterOptions
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, DTYPES, KV_CACHE_DTYPES, EngineConfig
 from pdserve.kernels import BACKENDS
+from pdserve.router.config import PREFILL_ROUTINGS
 from pdserve.router.core import RouterConfig
 
 MiB = 1 << 20
@@ -77,6 +78,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("engine", "attention_backend"): BACKENDS,
     ("engine", "scheduling_policy"): ("fcfs", "priority"),
     ("cluster", "pool_placement"): PLACEMENTS,
+    ("router", "prefill_routing"): PREFILL_ROUTINGS,
 }
 # Help for fields whose source has no comment.
 FALLBACK_HELP: dict[tuple[str, str], str] = {

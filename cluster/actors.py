@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 WORKER_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
 
 
+KV_EVENTS_S = 0.1  # how often a worker actor publishes its KV events (cluster/kv_streams.py)
+
+
 def cluster_namespace(cluster: str) -> str:
     """The Ray namespace holding one cluster's named actors."""
     return f"pdserve-{cluster}"
@@ -128,6 +131,8 @@ class WorkerActor(LocalHandle):
         self.kv_streams = KVStreams(self.registry.client, spec.cluster, self.registry.ttl_ms)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="registry")
         self._heartbeat: asyncio.Task | None = None
+        self._kv_publisher: asyncio.Task | None = None
+        self._kv_published = 0  # the last KV event batch this actor tried to publish
         self._closed = False
 
     async def ready(self) -> dict:
@@ -135,6 +140,7 @@ class WorkerActor(LocalHandle):
         if self._heartbeat is None:
             await self._beat()
             self._heartbeat = asyncio.create_task(self._heartbeat_loop())
+            self._kv_publisher = asyncio.create_task(self._kv_loop())
         return self._where()
 
     async def ping(self) -> dict:
@@ -155,19 +161,32 @@ class WorkerActor(LocalHandle):
         if stats is None:  # nothing published yet
             return
         record = WorkerRecord.from_stats(stats, os.getpid())
-        events = await self.drain_kv_events()  # (lost if Redis is down: routers resync)
-        await asyncio.get_running_loop().run_in_executor(self._io, self._publish, record,
-                                                         events)
+        await asyncio.get_running_loop().run_in_executor(self._io, self._write_record, record)
 
-    def _publish(self, record: WorkerRecord, events: KVEvents | None) -> None:
-        """The KV event batch first, then the record: a record never names a batch
-        (``kv_events_number``) that a reader of the stream could not have seen."""
-        if events is not None:
-            try:
-                self.kv_streams.publish(self.spec.worker_id, events)
-            except redis.RedisError as exc:  # the batch is lost: the routers see the gap
-                logger.warning("%s: KV events not published: %s", self.spec.worker_id, exc)
+    def _write_record(self, record: WorkerRecord) -> None:
+        """On the registry thread, after every batch published before it, so the record never
+        names a batch (``kv_events_number``) that a reader of the stream could not have seen."""
+        record.kv_events_number = self._kv_published
         self.registry.heartbeat(record)
+
+    async def _kv_loop(self) -> None:
+        """Publish the engine's KV events every KV_EVENTS_S (the routers' index lags by about
+        that plus their stats refresh)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(KV_EVENTS_S)
+            try:
+                events = await self.drain_kv_events()
+                if events is not None:
+                    await loop.run_in_executor(self._io, self._publish_kv, events)
+            except Exception as exc:  # noqa: BLE001 - the routers resync what is lost
+                logger.info("%s: KV events not published: %s", self.spec.worker_id, exc)
+
+    def _publish_kv(self, events: KVEvents) -> None:
+        try:
+            self.kv_streams.publish(self.spec.worker_id, events)
+        finally:  # (published or lost: a reader behind this number resyncs)
+            self._kv_published = events.number
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -188,8 +207,9 @@ class WorkerActor(LocalHandle):
         if self._closed:
             return
         self._closed = True
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+        for task in (self._heartbeat, self._kv_publisher):
+            if task is not None:
+                task.cancel()
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(self._io, self.registry.remove, self.spec.worker_id)

@@ -50,7 +50,8 @@ def worker_info(member: Member, record: WorkerRecord | None, now: float) -> Work
                       record.used_blocks, record.total_blocks,
                       max(0.0, now - record.heartbeat_time), rec.restarts, error,
                       util.compute, util.bandwidth, util.busy_fraction, util.binding,
-                      json.loads(record.ledger_json or "{}"))
+                      json.loads(record.ledger_json or "{}"), record.prefix_hit_tokens,
+                      record.prefix_query_tokens)
 
 
 class ClusterAdmin:

@@ -3,8 +3,9 @@
 Key ``pdserve:<cluster>:kv:<worker_id>``, a Redis stream whose entries are the worker's
 :class:`~pdserve.engine.protocol.KVEvents` batches (fields ``log``, ``n``, ``s``, ``r``: the log
 id, the batch number, then the stored and removed 32-byte hashes, concatenated). The worker
-adds one entry per heartbeat that has changes, trims the stream to about ``maxlen`` entries
-and gives it the registry's TTL, so a dead worker's stream leaves with its record.
+actor adds an entry every ``KV_EVENTS_S`` (0.1 s) that its cache changed, trims the stream to
+``maxlen`` entries and gives it the registry's TTL, so a dead worker's stream leaves with its
+record.
 
 Each router reads every stream from where it stopped. Whatever it misses (a trimmed stream, a
 Redis restart, a batch whose write failed, a router that started late) shows as a gap in the

@@ -73,6 +73,8 @@ class WorkerInfo:
     busy_fraction: float = 0.0  # forward seconds / wall seconds (recent steps)
     binding: str = ""  # "compute" | "bandwidth" | "idle" ("" unknown)
     ledger: dict = dataclasses.field(default_factory=dict, hash=False)  # MemoryLedger.to_dict()
+    prefix_hit_tokens: int = 0  # prompt tokens its prefix cache served (a counter)
+    prefix_query_tokens: int = 0  # prompt tokens it looked up there (a counter)
 
     def __post_init__(self) -> None:
         if self.state not in WORKER_STATES:
@@ -127,7 +129,8 @@ def worker_pb(info: WorkerInfo) -> admin_pb2.Worker:
         restarts=info.restarts, error=info.error,
         compute_utilization=info.compute_utilization,
         bandwidth_utilization=info.bandwidth_utilization, busy_fraction=info.busy_fraction,
-        binding=info.binding, ledger_json=json.dumps(info.ledger, sort_keys=True))
+        binding=info.binding, ledger_json=json.dumps(info.ledger, sort_keys=True),
+        prefix_hit_tokens=info.prefix_hit_tokens, prefix_query_tokens=info.prefix_query_tokens)
     if info.heartbeat_age_s is not None:
         worker.heartbeat_age_s = info.heartbeat_age_s
     return worker

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PREFILL_ROUTINGS = ("prefix", "round-robin")  # RouterConfig.prefill_routing
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -23,11 +25,16 @@ class RouterConfig:
     # being replaced) before it fails UNAVAILABLE; its deadline may end the wait sooner
     poll_timeout_s: float = 0.05  # long-poll wait of each decode worker poller
     stats_interval_s: float = 0.25  # worker stats refresh period
+    prefill_routing: str = "prefix"  # prefix: the prefill worker with the least queued work
+    # after the prompt blocks the KV index says it holds; round-robin: each in turn
     scheduling_policy: str = "fcfs"  # fcfs | priority: order of the waiting queue
     priority_aging_s: float = 10.0  # a waiting request gains one priority level per this long
     max_request_kv_fraction: float = 1.0  # most of a decode worker's KV one request may hold
 
     def __post_init__(self) -> None:
+        if self.prefill_routing not in PREFILL_ROUTINGS:
+            raise ValueError(f"prefill_routing must be one of {', '.join(PREFILL_ROUTINGS)}, "
+                             f"got {self.prefill_routing!r}")
         for name in ("max_requests_in_flight", "max_tokens_in_flight", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import math
 import random
@@ -93,6 +94,7 @@ class Router:
         that holds most of it (None: the queues alone choose)."""
         self.spec = spec
         self._salt = None if prefix_cache_salt is None else prefix_cache_salt.encode()
+        self._prefill_turns = itertools.count()  # prefill_routing round-robin
         self._tokenize = tokenize
         self.config = config or RouterConfig()
         self.metrics = metrics or RouterMetrics()
@@ -373,6 +375,9 @@ class Router:
             await self._placer.wait_for_room(flight)
         block_size = int(loads[0].stats.ledger.get("block_size", 16))
         prompt = flight.request.prompt_token_ids + flight.request.output_token_ids
+        if self.config.prefill_routing == "round-robin":
+            loads = [sorted(loads, key=lambda w: w.stats.worker_id)[
+                next(self._prefill_turns) % len(loads)]]
         choice = pick_prefill(loads, prompt, block_size, self.workers.kv_index, self._salt)
         load = choice.load
         load.pending_tokens += len(prompt) - choice.hit_blocks * block_size

@@ -12,12 +12,14 @@ import pytest
 from pdserve.bench.compare import CompareOptions, derive_slos, run_compare, score
 from pdserve.bench.plots import write_plots
 from pdserve.bench.report import dump_json, format_compare, format_serve
-from pdserve.bench.serve import ServeOptions, compute_metrics
+from pdserve.bench.serve import ServeOptions, compute_metrics, hit_rate
 from pdserve.bench.workload import (
+    NUM_SYSTEM_PROMPTS,
     RequestOutcome,
     SyntheticShape,
     arrival_times,
     jsonl_requests,
+    prefix_requests,
     synthetic_requests,
 )
 
@@ -90,6 +92,25 @@ def test_synthetic_trace_is_seeded_and_fits_the_context():
     mean_in = sum(r.prompt_len for r in wide) / len(wide)
     assert 180 < mean_in < 260  # ShareGPT-like ~220 (log-normal, long tail)
     assert max(r.prompt_len for r in wide) > 3 * mean_in
+
+
+def test_prefix_trace_resends_each_conversations_history_over_shared_system_prompts():
+    shape = SyntheticShape(input_mean=100, output_mean=20, sigma=0.5)
+    trace = prefix_requests(64, 3, vocab_size=512, max_context=400, shape=shape)
+    assert trace == prefix_requests(64, 3, vocab_size=512, max_context=400, shape=shape)
+    assert all(r.prompt_len + r.output_len <= 400 and r.output_len >= 1 for r in trace)
+    assert all(len(r.prompt) == r.prompt_len and 3 <= min(r.prompt) for r in trace)
+    systems = {tuple(r.prompt[:100]) for r in trace}
+    assert len(systems) == NUM_SYSTEM_PROMPTS  # every prompt opens with one of them
+    resent = [r for r in trace[1:] if any(
+        len(e.prompt) > 100 and r.prompt[:len(e.prompt)] == e.prompt for e in trace[:r.index])]
+    assert len(resent) > len(trace) // 2  # a turn resends its conversation's history
+
+
+def test_hit_rate_is_the_runs_share_of_looked_up_tokens_the_caches_served():
+    assert hit_rate((100, 1000), (400, 2000)) == pytest.approx(0.3)
+    assert hit_rate(None, (1, 2)) is None and hit_rate((5, 10), (5, 10)) is None
+    assert hit_rate((500, 1000), (0, 1500)) == 0.0  # a replaced worker restarted its counters
 
 
 def test_arrivals_poisson_gamma_and_inf():

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import ModelSpec
+from pdserve.router.config import RouterConfig
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
 
@@ -64,3 +67,31 @@ def test_a_router_that_started_late_sends_a_cached_prefix_to_its_holder(tiny_dir
                 h.close()
 
     asyncio.run(main())
+
+
+def test_round_robin_prefill_routing_takes_the_workers_in_turn(tiny_dir):
+    config = EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=96,
+                          prefix_cache_salt=SALT)
+    handles = build_local_workers(config, num_prefill=2, num_decode=1)
+
+    async def main():
+        router = Router(ModelSpec("t", 256, 509, ()), StaticDirectory(handles), tokenize=list,
+                        config=RouterConfig(prefill_routing="round-robin"),
+                        prefix_cache_salt=SALT)
+        await router.start()
+        try:
+            routings = []
+            for i in range(4):
+                routings.append((await run(router, f"r{i}", PROMPT)).prefill_routing)
+                await router.workers.refresh()  # (the index takes the new blocks in)
+            return routings
+        finally:
+            await router.stop()
+            for h in handles:
+                h.close()
+
+    routings = asyncio.run(main())
+    assert [r.worker_id for r in routings] == ["prefill-0", "prefill-1"] * 2
+    assert routings[2].hit_blocks == 6  # the index still says what the chosen one held
+    with pytest.raises(ValueError, match="prefill_routing must be one of prefix, round-robin"):
+        RouterConfig(prefill_routing="random")
