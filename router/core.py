@@ -71,7 +71,7 @@ from pdserve.router.flight import AttemptFailed, Flight, Phase
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import WorkerLoad, pick_prefill
 from pdserve.router.placement import Placer
-from pdserve.router.trace import RequestTrace, observe, routing_of
+from pdserve.router.trace import RequestTrace, observe
 from pdserve.router.workers import Workers
 
 __all__ = ["RequestTrace", "Router", "RouterConfig"]
@@ -277,7 +277,7 @@ class Router:
         if flight.trace is None:
             flight.trace = RequestTrace(flight.request_id, 0.0, 0.0, result.queue_time_s,
                                         result.prefill_time_s, result.transfer_time_s,
-                                        prefill_routing=routing_of(flight.prefill_choice))
+                                        prefill_routing=flight.prefill_routing)
         flight.move_to(Phase.DECODING)
         yield result.first
         if result.first.finish_reason is None:
@@ -378,10 +378,10 @@ class Router:
         if self.config.prefill_routing == "round-robin":
             loads = [sorted(loads, key=lambda w: w.stats.worker_id)[
                 next(self._prefill_turns) % len(loads)]]
-        choice = pick_prefill(loads, prompt, block_size, self.workers.kv_index, self._salt)
-        load = choice.load
-        load.pending_tokens += len(prompt) - choice.hit_blocks * block_size
-        flight.prefill_id, flight.prefill_choice = load.stats.worker_id, choice
+        load, routing = pick_prefill(loads, prompt, block_size, self.workers.kv_index,
+                                     self._salt)
+        load.pending_tokens += len(prompt) - routing.hit_blocks * block_size
+        flight.prefill_id, flight.prefill_routing = load.stats.worker_id, routing
         return load
 
     async def _renew_lease(self, flight: Flight, reservation: Reservation) -> None:

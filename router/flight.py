@@ -32,6 +32,7 @@ from enum import IntEnum
 
 from pdserve.engine.protocol import WorkRequest
 from pdserve.router.errors import DeadlineExceededError
+from pdserve.router.pairing import PrefillRouting
 
 
 class Phase(IntEnum):
@@ -74,7 +75,7 @@ class Flight:
     num_retries: int = 0  # failed attempts before the first token
     num_migrations: int = 0  # failed attempts after it
     prefill_id: str | None = None  # the current attempt's prefill worker
-    prefill_choice: object | None = None  # why it was chosen (pairing.PrefillChoice)
+    prefill_routing: PrefillRouting | None = None  # why it was chosen
     decode_id: str | None = None  # the worker streaming deltas (decode or colocated)
     trace: object | None = None  # RequestTrace, set once the first prefill returns
     tenant: str | None = None  # who sent it (fair turns inside a priority level)

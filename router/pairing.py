@@ -16,7 +16,7 @@ from pdserve.engine.prefix_hash import chained_block_hashes
 from pdserve.engine.protocol import WorkerStats
 from pdserve.router.kv_index import KVIndex
 
-__all__ = ["PrefillChoice", "WorkerLoad", "chained_block_hashes", "pick_prefill",
+__all__ = ["PrefillRouting", "WorkerLoad", "chained_block_hashes", "pick_prefill",
            "rank_decode"]
 
 
@@ -44,10 +44,10 @@ def rank_decode(loads: list[WorkerLoad]) -> list[WorkerLoad]:
 
 
 @dataclass(frozen=True)
-class PrefillChoice:
+class PrefillRouting:
     """Which prefill worker computes a prompt, and why (the request's trace keeps it)."""
 
-    load: WorkerLoad
+    worker_id: str
     hit_blocks: int  # the prompt's leading blocks its prefix cache holds (the KV index's)
     cost: int  # prompt tokens queued on it, less the hit's tokens
     runner_up: str | None = None  # the next best worker (None: the only one)
@@ -55,16 +55,18 @@ class PrefillChoice:
 
 
 def pick_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_size: int,
-                 index: KVIndex, salt: bytes | None) -> PrefillChoice:
+                 index: KVIndex, salt: bytes | None) -> tuple[WorkerLoad, PrefillRouting]:
     """The prefill worker with the least work left after its prefix-cache hit: queued
     prompt tokens (and those this router sent since its stats) less the tokens of the
     prompt's leading blocks the KV index says it holds. ``salt``: the cluster's prefix-cache
     salt (None: unknown, so no hit is counted and the queues alone decide)."""
     hashes = [] if salt is None else chained_block_hashes(prompt_token_ids, block_size, salt)
-    ranked = sorted(
-        (w.stats.queued_tokens + w.pending_tokens - hit * block_size, w.stats.worker_id, hit, w)
-        for w in loads
-        for hit in (index.matched_blocks(w.stats.worker_id, hashes),))
-    cost, _, hit, best = ranked[0]
-    second = ranked[1] if len(ranked) > 1 else None
-    return PrefillChoice(best, hit, cost, second and second[1], second and second[0])
+    hits = {w.stats.worker_id: index.matched_blocks(w.stats.worker_id, hashes) for w in loads}
+
+    def cost(w: WorkerLoad) -> int:
+        return w.stats.queued_tokens + w.pending_tokens - hits[w.stats.worker_id] * block_size
+
+    best, *others = sorted(loads, key=lambda w: (cost(w), w.stats.worker_id))
+    second = others[0] if others else None
+    return best, PrefillRouting(best.stats.worker_id, hits[best.stats.worker_id], cost(best),
+                                second and second.stats.worker_id, second and cost(second))

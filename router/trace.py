@@ -8,26 +8,7 @@ from dataclasses import dataclass
 from pdserve.engine.protocol import RequestDelta
 from pdserve.router.flight import Flight
 from pdserve.router.metrics import RouterMetrics
-
-
-@dataclass
-class PrefillRouting:
-    """The prefill routing decision: the worker chosen, the prompt blocks the KV index says
-    its prefix cache held, its cost (queued prompt tokens less the hit's), the runner-up."""
-
-    worker_id: str
-    hit_blocks: int
-    cost: int
-    runner_up: str | None
-    runner_up_cost: int | None
-
-
-def routing_of(choice) -> PrefillRouting | None:
-    """The trace's record of a ``pairing.PrefillChoice`` (None: no choice was made)."""
-    if choice is None:
-        return None
-    return PrefillRouting(choice.load.stats.worker_id, choice.hit_blocks, choice.cost,
-                          choice.runner_up, choice.runner_up_cost)
+from pdserve.router.pairing import PrefillRouting
 
 
 @dataclass

@@ -28,15 +28,15 @@ def test_prefill_prefers_short_queue_unless_the_index_says_the_prefix_is_cached(
     busy, idle = WorkerLoad(stats("busy", "prefill", queued=40)), \
         WorkerLoad(stats("idle", "prefill", queued=0))
     index = KVIndex()
-    choice = pick_prefill([busy, idle], system + [1, 2], 16, index, salt)
-    assert (choice.load, choice.hit_blocks, choice.runner_up) == (idle, 0, "busy")
+    load, routing = pick_prefill([busy, idle], system + [1, 2], 16, index, salt)
+    assert (load, routing.hit_blocks, routing.runner_up) == (idle, 0, "busy")
     index.reset("busy", KVSnapshot("log", 0, frozenset(chained_block_hashes(system, 16, salt))))
-    choice = pick_prefill([busy, idle], system + [3, 4], 16, index, salt)
-    assert choice.load is busy and choice.hit_blocks == 4  # 64 cached tokens outweigh 40
-    assert (choice.cost, choice.runner_up, choice.runner_up_cost) == (40 - 64, "idle", 0)
+    load, routing = pick_prefill([busy, idle], system + [3, 4], 16, index, salt)
+    assert load is busy and routing.hit_blocks == 4  # 64 cached tokens outweigh 40
+    assert (routing.cost, routing.runner_up, routing.runner_up_cost) == (40 - 64, "idle", 0)
     # without the cluster's salt the router cannot read the index: the queues alone choose
-    assert pick_prefill([busy, idle], system + [3, 4], 16, index, None).load is idle
-    assert pick_prefill([busy], system, 16, index, salt).runner_up is None
+    assert pick_prefill([busy, idle], system + [3, 4], 16, index, None)[0] is idle
+    assert pick_prefill([busy], system, 16, index, salt)[1].runner_up is None
 
 
 def test_router_hashes_match_the_prefix_cache():
