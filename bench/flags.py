@@ -76,7 +76,9 @@ def add_workload_flags(parser) -> None:
 
 
 def add_serve_flags(parser) -> None:
-    parser.add_argument("--target", default="127.0.0.1:50051", help="server gRPC HOST:PORT")
+    parser.add_argument("--target", default="127.0.0.1:50051",
+                        help="server gRPC HOST:PORT, or a comma list of one cluster's routers "
+                             "(request i goes to router i mod n)")
     parser.add_argument("--base-url", default=None, metavar="URL",
                         help="send the traffic to the OpenAI HTTP API here (e.g. "
                              "http://127.0.0.1:8000); --target still gives the model info and "

@@ -6,9 +6,12 @@
    OpenAI HTTP API with ``base_url``: :mod:`pdserve.bench.http_client`), at most
    ``max_concurrency`` in flight (a request's clock starts when it is sent, as in vLLM), with
    a progress bar. Each is sent greedy with ``ignore_eos``, so it generates ``output_len``.
+   With several gRPC targets (routers of one cluster), request ``i`` goes to target
+   ``i mod n``, as a load balancer without session affinity would send it.
 3. Meanwhile sample the workers (Admin ``ListWorkers``) once a second: what binds each one.
-4. Afterwards read the server's side (Admin ``GetTraces`` for these request ids, workers'
-   memory ledgers, ``GetConfig``); a server without the Admin service still gets a result.
+4. Afterwards read the server's side (Admin ``GetTraces`` for these request ids from every
+   target that serves Admin, workers' memory ledgers, ``GetConfig``); a server without the
+   Admin service still gets a result.
 5. :func:`compute_metrics` turns the client's timings into the result keys of vLLM's
    ``bench serve`` (``duration``, ``completed``, ``request_goodput``, ``mean_ttft_ms``,
    ``p99_itl_ms``, ...), so scripts written against it read these too; pdserve adds
@@ -26,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import functools
 import json
 import logging
 import math
@@ -62,7 +64,8 @@ GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 class ServeOptions:
     """What ``pdserve bench serve`` is asked for (its flags)."""
 
-    target: str = "127.0.0.1:50051"  # gRPC HOST:PORT (model info and Admin reports too)
+    target: str = "127.0.0.1:50051"  # gRPC HOST:PORT, or a comma list of one cluster's
+    # routers that the requests are spread over (the first gives the model info and workers)
     base_url: str | None = None  # send the traffic over OpenAI HTTP here instead of gRPC
     wait_ready_s: float = 0.0  # wait this long for health SERVING (0: check once)
     num_prompts: int = 200
@@ -106,6 +109,15 @@ class ServeOptions:
         if self.dataset == "jsonl" and not self.dataset_path:
             raise ValueError("dataset jsonl needs dataset_path")
         arrival_times(0, self.request_rate, self.burstiness)  # validates both
+        if not all(self.targets):
+            raise ValueError(f"target must be HOST:PORT or a comma list of them, "
+                             f"got {self.target!r}")
+        if self.base_url is not None and len(self.targets) > 1:
+            raise ValueError("several targets spread gRPC traffic; with base_url give one")
+
+    @property
+    def targets(self) -> list[str]:
+        return [t.strip() for t in self.target.split(",")]
 
 
 def build_requests(opts: ServeOptions, vocab_size: int, max_context: int) -> list[BenchRequest]:
@@ -277,6 +289,20 @@ def prefix_counters(admin) -> tuple[int, int] | None:
             sum(w.prefix_query_tokens for w in workers))
 
 
+def settled_prefix_counters(admin, before: tuple[int, int] | None, looked_up: int,
+                            wait_s: float = 10.0) -> tuple[int, int] | None:
+    """The counters once the workers report at least ``looked_up`` more looked-up prompt
+    tokens than ``before`` (the run's prompts: each prefill looks its prompt up once; the
+    figures reach Admin with the workers' heartbeats), or as they stand after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        after = prefix_counters(admin)
+        if before is None or after is None or after[1] - before[1] >= looked_up \
+                or time.monotonic() > deadline:
+            return after
+        time.sleep(0.25)
+
+
 def hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
     """The cluster's prefix-cache hit rate over the run: served / looked-up prompt tokens
     between the two readings (None: not reported, or nothing looked up; a worker replaced
@@ -286,18 +312,21 @@ def hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> f
     return max(0, after[0] - before[0]) / (after[1] - before[1])
 
 
-def server_side(admin, request_ids: list[str], sampled: dict[str, dict]) -> dict:
-    """Traces of ``request_ids`` -> ``phases``; workers' ledgers and sampled utilisation;
-    the server's configuration. Each part is None when the server does not offer it."""
-
-
+def server_side(admins: list, request_ids: list[str], sampled: dict[str, dict]) -> dict:
+    """Traces of ``request_ids`` (each router keeps those it routed; a router without the
+    Admin service gives none) -> ``phases``; from the
+    first admin, workers' ledgers and sampled utilisation and the server's configuration.
+    Each part is None when the server does not offer it."""
     out: dict = {"phases": None, "num_traces": 0, "workers": None, "server_config": None}
-    try:
-        traces = [trace_dict(t) for t in admin.get_traces(request_ids)]
-        out["num_traces"] = len(traces)
-        out["phases"] = phase_split(traces) if traces else None
-    except Exception as exc:  # noqa: BLE001 - an older or foreign server
-        logger.info("no traces: %s", exc)
+    traces = []
+    for admin in admins:
+        try:
+            traces += [trace_dict(t) for t in admin.get_traces(request_ids)]
+        except Exception as exc:  # noqa: BLE001 - an older or foreign server
+            logger.info("no traces: %s", exc)
+    out["num_traces"] = len(traces)
+    out["phases"] = phase_split(traces) if traces else None
+    admin = admins[0]
     try:
         out["workers"] = {w.worker_id: {"role": w.role, "ledger": json.loads(w.ledger_json or
                                                                             "{}"),
@@ -314,34 +343,34 @@ def server_side(admin, request_ids: list[str], sampled: dict[str, dict]) -> dict
 
 async def _benchmark(opts: ServeOptions) -> dict:
     security = {"api_key": opts.api_key, "tls": opts.tls}
-    async with AsyncPdserveClient(opts.target, **security) as client:
-        await client.wait_ready(max(opts.wait_ready_s, 1.0))
-        info = await client.model_info(timeout=30)
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(AsyncPdserveClient(t, **security))
+                   for t in opts.targets]
+        for client in clients:
+            await client.wait_ready(max(opts.wait_ready_s, 1.0))
+        info = await clients[0].model_info(timeout=30)
         requests = build_requests(opts, info.vocab_size, info.max_context_tokens)
         arrivals = arrival_times(len(requests), opts.request_rate, opts.burstiness, opts.seed)
         run_id = f"bench-{uuid.uuid4().hex[:8]}"
-        admin = AdminClient(opts.target, timeout=30, api_key=opts.admin_api_key, tls=opts.tls)
-        sampler = WorkerSampler(admin)
+        admins = [stack.enter_context(contextlib.closing(
+            AdminClient(t, timeout=30, api_key=opts.admin_api_key, tls=opts.tls)))
+            for t in opts.targets]
+        sampler = WorkerSampler(admins[0])
         progress = None
         if not opts.disable_tqdm:
-
-            progress = tqdm(total=len(requests), desc=opts.progress_desc, unit="req")
-        try:
-            before = await asyncio.to_thread(prefix_counters, admin)
-            sampler.start()
-            async with _transport(opts, client, info.model_name) as send:
-                outcomes, duration = await send_all(send, requests, arrivals, run_id,
-                                                    opts.max_concurrency, opts.timeout_s,
-                                                    progress)
-            await sampler.stop()
-            side = await asyncio.to_thread(server_side, admin, [o.request_id for o in outcomes],
-                                           sampler.summary())
-            side["prefix_hit_rate"] = hit_rate(before,
-                                               await asyncio.to_thread(prefix_counters, admin))
-        finally:
-            if progress is not None:
-                progress.close()
-            admin.close()
+            progress = stack.enter_context(tqdm(total=len(requests), desc=opts.progress_desc,
+                                                unit="req"))
+        before = await asyncio.to_thread(prefix_counters, admins[0])
+        sampler.start()
+        async with _transport(opts, clients, info.model_name) as send:
+            outcomes, duration = await send_all(send, requests, arrivals, run_id,
+                                                opts.max_concurrency, opts.timeout_s, progress)
+        await sampler.stop()
+        side = await asyncio.to_thread(server_side, admins, [o.request_id for o in outcomes],
+                                       sampler.summary())
+        looked_up = sum(o.prompt_len for o in outcomes if o.success)
+        side["prefix_hit_rate"] = hit_rate(before, await asyncio.to_thread(
+            settled_prefix_counters, admins[0], before, looked_up))
     result = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "pdserve",
               "target": opts.target, "base_url": opts.base_url, "model_id": info.model_name,
               "num_prompts": opts.num_prompts, "request_rate": opts.request_rate,
@@ -355,10 +384,13 @@ async def _benchmark(opts: ServeOptions) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def _transport(opts: ServeOptions, client, model_name: str):
-    """``send(request, request_id, t0, timeout)`` over gRPC, or over HTTP with ``base_url``."""
+async def _transport(opts: ServeOptions, clients: list, model_name: str):
+    """``send(request, request_id, t0, timeout)`` over gRPC (request ``i`` to client
+    ``i mod n``), or over HTTP with ``base_url``."""
     if opts.base_url is None:
-        yield functools.partial(send_one, client)
+        def send(request: BenchRequest, *args):
+            return send_one(clients[request.index % len(clients)], request, *args)
+        yield send
         return
 
     async with HttpCompletions(opts.base_url, model_name, opts.api_key) as http:

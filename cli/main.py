@@ -208,8 +208,9 @@ def _cmd_serve(args) -> int:
         cluster.start_workers()
         cluster.wait_ready(120)
         http = f", OpenAI HTTP on {cluster.http_url}/v1" if cluster.http_url else ""
+        grpc = ", ".join(f"{options.host}:{port}" for port in cluster.ports)  # each router's
         print(f"pdserve: serving {cluster.model} with {_shape(options)} worker(s)\n"
-              f"pdserve: gRPC on {options.host}:{cluster.port}{http}, metrics on "
+              f"pdserve: gRPC on {grpc}{http}, metrics on "
               f"{cluster.metrics_url}, Redis {redact_url(cluster.redis_url)}\n"
               f"pdserve: {_security_line(options)}\n"
               f"pdserve: Ctrl-C or SIGTERM stops everything", file=sys.stderr, flush=True)

@@ -5,6 +5,7 @@ found through the one registry in Redis; one cluster serves the module, in this 
    with a short deadline fails DEADLINE_EXCEEDED saying what it waited for;
 2. every router serves the offline engine's greedy tokens; many aborted and refused requests
    through two routers leave the decode worker's mailboxes and owner map empty;
+   ``bench serve`` spreads a prefix-heavy workload over two routers in turn;
 3. the third router killed mid-stream: its requests are freed on the workers within
    ``orphan_timeout_s`` while the others keep polling, and the first router's streams finish
    with the right tokens;
@@ -103,6 +104,19 @@ def test_every_router_serves_and_aborted_requests_leave_no_owner(cluster, model_
     e2e.wait_for(lambda: all((s.num_owned, s.num_boxed) == (0, 0)
                              for s in decode_mailboxes(cluster)), 30,
                  "every decode worker's owner map and mailboxes empty")
+
+
+def test_bench_spreads_conversations_over_two_routers(cluster):
+    from pdserve.bench.serve import ServeOptions, run_serve
+    from pdserve.bench.workload import SyntheticShape
+
+    result = run_serve(ServeOptions(target=",".join(cluster.targets[:2]), dataset="prefix",
+                                    num_prompts=12, max_concurrency=4, disable_tqdm=True,
+                                    shape=SyntheticShape(input_mean=64, output_mean=4)))
+    # request i went to router i mod 2; only the first router serves Admin (and its traces)
+    assert (result["completed"], result["failed"], result["num_traces"]) == (12, 0, 6)
+    # the 4 system prompts are shared by 16 conversations: turns after the first hit
+    assert result["prefix_hit_rate"] > 0
 
 
 async def _stream_with_deadline(targets, requests, deadline_s: float) -> list[StreamRecord]:
