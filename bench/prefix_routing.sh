@@ -1,32 +1,56 @@
 #!/usr/bin/env bash
-# Prefill routing on the KV index against round-robin, one after the other on this machine:
-# `pdserve serve` with 2 prefill + 1 decode workers on the built-in tiny model (or MODEL=DIR),
-# then `pdserve bench serve --dataset prefix` (conversations over shared system prompts that
-# resend their history). Prints the cluster's prefix-cache hit rate beside TTFT and
-# throughput for each; the JSON results go to OUT (default /tmp/pdserve-prefix-routing).
+# Prefill routing on the KV index against round-robin, with 1 and with 2 routers, one server
+# at a time on this machine: `pdserve serve` with PREFILL prefill + DECODE decode workers on
+# the built-in tiny model (or MODEL=DIR), then `pdserve bench serve --dataset prefix`
+# (conversations over shared system prompts that resend their history), its requests spread
+# over the routers in turn. Prints the cluster's prefix-cache hit rate beside TTFT and
+# throughput for each; the JSON results and logs go to OUT (default /tmp/pdserve-prefix-routing).
+# KV_BLOCKS pins every worker's KV pool (so the prefill caches cannot hold every conversation).
 # Run from the repository root after `make venv`: bash bench/prefix_routing.sh
 set -euo pipefail
 OUT=${OUT:-/tmp/pdserve-prefix-routing}
-PORT=${PORT:-50071}
 PROMPTS=${PROMPTS:-128}
-MODEL_FLAG=()
-if [[ -n "${MODEL:-}" ]]; then MODEL_FLAG=(--model "$MODEL"); fi
+CONCURRENCY=${CONCURRENCY:-8}
+INPUT_MEAN=${INPUT_MEAN:-200}
+PREFILL=${PREFILL:-2}
+DECODE=${DECODE:-1}
+ROUTERS=${ROUTERS:-"1 2"}
+ROUTINGS=${ROUTINGS:-"prefix round-robin"}
+SERVE_FLAGS=()
+if [[ -n "${MODEL:-}" ]]; then SERVE_FLAGS+=(--model "$MODEL"); fi
+if [[ -n "${KV_BLOCKS:-}" ]]; then SERVE_FLAGS+=(--num-kv-blocks "$KV_BLOCKS"); fi
+if [[ -n "${MAX_MODEL_LEN:-}" ]]; then SERVE_FLAGS+=(--max-model-len "$MAX_MODEL_LEN"); fi
 mkdir -p "$OUT"
-for routing in prefix round-robin; do
-  .venv/bin/pdserve serve "${MODEL_FLAG[@]}" --prefill 2 --decode 1 --worker-cpus 0 \
-    --port "$PORT" --metrics-port none --prefill-routing "$routing" > "$OUT/serve-$routing.log" 2>&1 &
-  server=$!
-  .venv/bin/pdserve bench serve --target "127.0.0.1:$PORT" --wait-ready-s 180 --dataset prefix \
-    --num-prompts "$PROMPTS" --max-concurrency 8 --input-mean 200 --output-mean 16 \
-    --disable-tqdm --save-result "$OUT/$routing.json" > "$OUT/bench-$routing.log" 2>&1 || true
-  kill -INT "$server"
-  wait "$server" || true
-  .venv/bin/python - "$OUT/$routing.json" "$routing" <<'PY'
+for routers in $ROUTERS; do
+  for routing in $ROUTINGS; do
+    label="$routing-$routers"
+    log="$OUT/serve-$label.log"
+    .venv/bin/pdserve serve "${SERVE_FLAGS[@]}" --prefill "$PREFILL" --decode "$DECODE" \
+      --routers "$routers" --worker-cpus 0 --port 0 --metrics-port none \
+      --prefill-routing "$routing" > "$log" 2>&1 &
+    server=$!
+    # every router's gRPC address, from the line `pdserve serve` prints once it serves
+    targets=""
+    for _ in $(seq 600); do
+      targets=$(sed -n 's/^pdserve: gRPC on \(.*\), metrics on .*/\1/p' "$log" | tr -d ' ')
+      if [[ -n "$targets" ]] || ! kill -0 "$server" 2>/dev/null; then break; fi
+      sleep 0.5
+    done
+    if [[ -z "$targets" ]]; then echo "$label: the server did not start, see $log"; exit 1; fi
+    .venv/bin/pdserve bench serve --target "$targets" --wait-ready-s 180 --dataset prefix \
+      --num-prompts "$PROMPTS" --max-concurrency "$CONCURRENCY" --input-mean "$INPUT_MEAN" \
+      --output-mean 16 --disable-tqdm --save-result "$OUT/$label.json" \
+      > "$OUT/bench-$label.log" 2>&1 || true
+    kill -INT "$server"
+    wait "$server" || true
+    .venv/bin/python - "$OUT/$label.json" "$routing" "$routers" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 hit = r.get("prefix_hit_rate")
-print(f"{sys.argv[2]:>12}: prefix hit rate {hit:.1%} | TTFT P50 {r['median_ttft_ms']:.1f} ms, "
+print(f"{sys.argv[2]:>12}, {sys.argv[3]} router(s): prefix hit rate "
+      f"{'n/a' if hit is None else f'{hit:.1%}'} | TTFT P50 {r['median_ttft_ms']:.1f} ms, "
       f"P99 {r['p99_ttft_ms']:.1f} ms | output {r['output_throughput']:.1f} tok/s | "
-      f"{r['completed']} of {r['num_prompts']} completed" if hit is not None else "no hit rate")
+      f"{r['completed']} of {r['num_prompts']} completed", flush=True)
 PY
+  done
 done

@@ -62,6 +62,7 @@ class WorkerRecord:
     spec_num_accepted_tokens: int = 0  # drafts the target accepted (a counter)
     kv_log_id: str = ""  # the worker's KV event log (a new one: its cache started afresh)
     kv_events_number: int = 0  # its last batch published
+    taken_at: float = 0.0  # wall clock: every call the worker received before it is counted
 
     @classmethod
     def from_stats(cls, stats: WorkerStats, pid: int = 0) -> WorkerRecord:
@@ -73,7 +74,8 @@ class WorkerRecord:
                    stats.error or "", stats.num_bounces, stats.flops_per_s, stats.bytes_per_s,
                    stats.peak_flops_per_s, stats.peak_bytes_per_s, stats.busy_fraction,
                    stats.spec_num_drafts, stats.spec_num_draft_tokens,
-                   stats.spec_num_accepted_tokens, stats.kv_log_id, stats.kv_events_number)
+                   stats.spec_num_accepted_tokens, stats.kv_log_id, stats.kv_events_number,
+                   stats.taken_at)
 
     def to_stats(self) -> WorkerStats:
         return WorkerStats(self.worker_id, self.role, self.total_blocks, self.free_blocks,
@@ -89,7 +91,8 @@ class WorkerRecord:
                            spec_num_drafts=self.spec_num_drafts,
                            spec_num_draft_tokens=self.spec_num_draft_tokens,
                            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
-                           kv_log_id=self.kv_log_id, kv_events_number=self.kv_events_number)
+                           kv_log_id=self.kv_log_id, kv_events_number=self.kv_events_number,
+                           taken_at=self.taken_at)
 
     def to_hash(self) -> dict[str, str]:
         return {f.name: str(int(v) if isinstance(v, bool) else v)

@@ -100,6 +100,7 @@ class EngineLoop:
         self._fault: _Fault | None = None
         self._snapshot: WorkerStats | None = None
         self._published_at = 0.0
+        self._calls_run_at = 0.0  # wall clock: every call received before it has run
         self.error: str | None = None  # why the loop died (None while it runs)
         self.busy_since: float | None = None  # time.monotonic() the running step began
 
@@ -144,6 +145,7 @@ class EngineLoop:
         try:
             item = self._calls.get(timeout=self._idle_wait_s) if block else self._calls.get_nowait()
         except queue.Empty:
+            self._calls_run_at = time.time()
             return
         while item is not None:
             fn, args, future = item
@@ -155,6 +157,7 @@ class EngineLoop:
             try:
                 item = self._calls.get_nowait()
             except queue.Empty:
+                self._calls_run_at = time.time()
                 return
 
     def _run(self) -> None:
@@ -194,6 +197,8 @@ class EngineLoop:
         if self._stats is None or (not force and now - self._published_at < self._stats_interval_s):
             return
         self._snapshot = self._stats()
+        if self._calls_run_at:  # a step may have run since: calls received then wait
+            self._snapshot.taken_at = self._calls_run_at
         self._published_at = now
 
     def _die(self, error: str) -> None:

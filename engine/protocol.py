@@ -310,6 +310,7 @@ class WorkerStats:
     spec_num_accepted_tokens: int = 0  # drafts the target accepted
     kv_log_id: str = ""  # the engine's KV event log (KVEvents.log_id; "": prefix caching off)
     kv_events_number: int = 0  # the last batch of it drained (a reader behind it missed some)
+    taken_at: float = 0.0  # wall clock: every call the worker received before it is counted
 
     @property
     def utilization(self):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.protocol import WorkerStats
 from pdserve.engine.roofline import Utilization
@@ -10,7 +12,8 @@ from pdserve.engine.roofline import Utilization
 def engine_stats(worker_id: str, role: str, engine: LLMEngine, num_reserved: int = 0,
                  transfer_address: str = "") -> WorkerStats:
     """A worker's load and memory as the router and the registry see them, and what its
-    recent forward passes achieved against the device's measured peaks."""
+    recent forward passes achieved against the device's measured peaks. Taken on the
+    engine's loop thread, which has run every call received before now (``taken_at``)."""
     bm, sched = engine.parts.block_manager, engine.scheduler
     meter = engine.parts.runner.meter
     util = meter.snapshot() if meter is not None else Utilization()
@@ -25,7 +28,8 @@ def engine_stats(worker_id: str, role: str, engine: LLMEngine, num_reserved: int
         peak_flops_per_s=util.peak_flops_per_s, peak_bytes_per_s=util.peak_bytes_per_s,
         busy_fraction=util.busy_fraction,
         kv_log_id="" if bm.events is None else bm.events.log_id,
-        kv_events_number=0 if bm.events is None else bm.events.number, **spec_stats(engine))
+        kv_events_number=0 if bm.events is None else bm.events.number,
+        taken_at=time.time(), **spec_stats(engine))
 
 
 def spec_stats(engine: LLMEngine) -> dict:

@@ -27,6 +27,10 @@ class RouterConfig:
     stats_interval_s: float = 0.25  # worker stats refresh period
     prefill_routing: str = "prefix"  # prefix: the prefill worker with the least queued work
     # after the prompt blocks the KV index says it holds; round-robin: each in turn
+    prefix_overlap_weight: float = 1.0  # prefix routing: a prompt token the KV index says a
+    # prefill worker holds counts as this many queued prompt tokens less (0: queues alone)
+    prefill_kv_usage_weight: float = 0.0  # prefix routing: a prefill worker's share of KV
+    # blocks in use, times this, counts as that many queued prompt tokens more
     scheduling_policy: str = "fcfs"  # fcfs | priority: order of the waiting queue
     priority_aging_s: float = 10.0  # a waiting request gains one priority level per this long
     max_request_kv_fraction: float = 1.0  # most of a decode worker's KV one request may hold
@@ -41,6 +45,9 @@ class RouterConfig:
         for name in ("migration_limit", "max_bounces"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("prefix_overlap_weight", "prefill_kv_usage_weight"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
         for name in ("rpc_timeout_s", "prefill_timeout_s", "stream_timeout_s", "worker_wait_s",
                      "poll_timeout_s", "stats_interval_s"):
             if not getattr(self, name) > 0:

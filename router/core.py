@@ -338,14 +338,14 @@ class Router:
         handle = self.workers.handles[load.stats.worker_id]
         reservation = await flight.bounded(lambda: handle.reserve(flight.request),
                                           self.config.rpc_timeout_s, "reserve")
-        load.pending_blocks += reservation.num_blocks
+        load.sent(blocks=reservation.num_blocks)
         return reservation
 
     async def _submit(self, flight: Flight, load: WorkerLoad) -> None:
         handle = self.workers.handles[load.stats.worker_id]
         await flight.bounded(lambda: handle.submit(flight.request),
                             self.config.rpc_timeout_s, "submit")
-        load.pending_tokens += len(flight.request.prompt_token_ids)
+        load.sent(tokens=len(flight.request.prompt_token_ids))
 
     async def _prefill(self, flight: Flight, reservation: Reservation) -> PrefillResult:
         load = await self._pick_prefill(flight)
@@ -379,8 +379,9 @@ class Router:
             loads = [sorted(loads, key=lambda w: w.stats.worker_id)[
                 next(self._prefill_turns) % len(loads)]]
         load, routing = pick_prefill(loads, prompt, block_size, self.workers.kv_index,
-                                     self._salt)
-        load.pending_tokens += len(prompt) - routing.hit_blocks * block_size
+                                     self._salt, self.config.prefix_overlap_weight,
+                                     self.config.prefill_kv_usage_weight)
+        load.sent(tokens=len(prompt) - routing.hit_blocks * block_size)
         flight.prefill_id, flight.prefill_routing = load.stats.worker_id, routing
         return load
 

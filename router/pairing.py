@@ -1,16 +1,19 @@
 """Pairing policy: which decode worker reserves, which prefill worker computes.
 
-Decode: the worker with the most free blocks after the reservations this router made since
-its last stats refresh, then the fewest running requests. Prefill: the fewest queued prompt
-tokens (including what this router sent since the refresh) minus the prompt tokens its prefix
-cache holds, which the router reads off its KV index (``router/kv_index.py``, fed by the
-workers' KV events; every router sees the same) by the prompt's chained block hashes (the
-engine's own salted sha256, ``pdserve.engine.prefix_hash``, with the cluster's salt).
+Decode: the worker with the most free blocks after the reservations this router made that its
+stats do not count yet, then the fewest running requests. Prefill: the lowest cost in prompt
+tokens of work (:func:`pick_prefill`): queued prompt tokens (with those this router sent that
+the stats do not count yet), less the prompt tokens its prefix cache holds, plus a term for
+its KV usage, with weights from ``RouterConfig``. The router reads the cached tokens off its
+KV index (``router/kv_index.py``, fed by the workers' KV events; every router sees the same)
+by the prompt's chained block hashes (the engine's own salted sha256,
+``pdserve.engine.prefix_hash``, with the cluster's salt).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from pdserve.engine.prefix_hash import chained_block_hashes
 from pdserve.engine.protocol import WorkerStats
@@ -22,16 +25,32 @@ __all__ = ["PrefillRouting", "WorkerLoad", "chained_block_hashes", "pick_prefill
 
 @dataclass
 class WorkerLoad:
-    """The router's view of one worker: last stats plus what it sent since."""
+    """The router's view of one worker: its last stats plus what this router sent it that
+    those stats do not count yet."""
 
     stats: WorkerStats
-    pending_blocks: int = 0  # reserved by this router since the stats were taken
-    pending_tokens: int = 0  # prompt tokens sent for prefill since the stats were taken
+    # (wall clock, blocks reserved, prompt tokens sent for prefill) per call this router made
+    _sent: list[tuple[float, int, int]] = field(default_factory=list)
 
     def refresh(self, stats: WorkerStats) -> None:
-        if stats is self.stats:  # the directory has nothing newer (e.g. no heartbeat since)
+        """Take newer stats: what they count (sent before ``stats.taken_at``) leaves the
+        pending sums; stats of unknown age (``taken_at`` 0) count everything."""
+        if stats is self.stats:
             return
-        self.stats, self.pending_blocks, self.pending_tokens = stats, 0, 0
+        self.stats = stats
+        self._sent = [s for s in self._sent if s[0] > stats.taken_at] if stats.taken_at else []
+
+    def sent(self, blocks: int = 0, tokens: int = 0) -> None:
+        """This router reserved ``blocks`` on the worker, or sent it ``tokens`` to prefill."""
+        self._sent.append((time.time(), blocks, tokens))
+
+    @property
+    def pending_blocks(self) -> int:
+        return sum(s[1] for s in self._sent)
+
+    @property
+    def pending_tokens(self) -> int:
+        return sum(s[2] for s in self._sent)
 
     @property
     def free_blocks(self) -> int:
@@ -49,22 +68,29 @@ class PrefillRouting:
 
     worker_id: str
     hit_blocks: int  # the prompt's leading blocks its prefix cache holds (the KV index's)
-    cost: int  # prompt tokens queued on it, less the hit's tokens
+    cost: float  # pick_prefill's cost of this worker (lowest wins)
     runner_up: str | None = None  # the next best worker (None: the only one)
-    runner_up_cost: int | None = None
+    runner_up_cost: float | None = None
 
 
 def pick_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_size: int,
-                 index: KVIndex, salt: bytes | None) -> tuple[WorkerLoad, PrefillRouting]:
-    """The prefill worker with the least work left after its prefix-cache hit: queued
-    prompt tokens (and those this router sent since its stats) less the tokens of the
-    prompt's leading blocks the KV index says it holds. ``salt``: the cluster's prefix-cache
-    salt (None: unknown, so no hit is counted and the queues alone decide)."""
+                 index: KVIndex, salt: bytes | None, overlap_weight: float = 1.0,
+                 kv_usage_weight: float = 0.0) -> tuple[WorkerLoad, PrefillRouting]:
+    """The prefill worker of lowest cost, in prompt tokens of work:
+
+        queued prompt tokens (its stats, plus those this router sent since)
+        - overlap_weight * the tokens of the prompt's leading blocks the KV index says it holds
+        + kv_usage_weight * the share of its KV blocks in use
+
+    ties broken by worker id. ``salt``: the cluster's prefix-cache salt (None: unknown, so no
+    hit is counted and the queues alone decide)."""
     hashes = [] if salt is None else chained_block_hashes(prompt_token_ids, block_size, salt)
     hits = {w.stats.worker_id: index.matched_blocks(w.stats.worker_id, hashes) for w in loads}
 
-    def cost(w: WorkerLoad) -> int:
-        return w.stats.queued_tokens + w.pending_tokens - hits[w.stats.worker_id] * block_size
+    def cost(w: WorkerLoad) -> float:
+        usage = w.stats.used_blocks / w.stats.total_blocks if w.stats.total_blocks else 0.0
+        return (w.stats.queued_tokens + w.pending_tokens + kv_usage_weight * usage
+                - overlap_weight * hits[w.stats.worker_id] * block_size)
 
     best, *others = sorted(loads, key=lambda w: (cost(w), w.stats.worker_id))
     second = others[0] if others else None

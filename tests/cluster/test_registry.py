@@ -48,7 +48,8 @@ def test_stats_roundtrip_through_redis(redis_url):
 
     reg = Registry(redis_url, cluster=uuid.uuid4().hex)
     stats = WorkerStats("d2", "decode", 64, 50, 10, 4, 2, 1, 12, 3, 40, 100,
-                        {"weight_bytes": 1024, "kv_dtype": "float32"}, "127.0.0.1:7", False)
+                        {"weight_bytes": 1024, "kv_dtype": "float32"}, "127.0.0.1:7", False,
+                        taken_at=1765000000.25, kv_log_id="log", kv_events_number=9)
     reg.heartbeat(WorkerRecord.from_stats(stats, pid=42))
     [record] = reg.workers()
     assert record.pid == 42 and record.heartbeat_time > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.protocol import KVSnapshot, WorkerStats
 from pdserve.engine.sampling_params import SamplingParams
@@ -18,8 +20,31 @@ def test_decode_prefers_free_blocks_then_fewer_running():
     loads = [WorkerLoad(stats("a", free=50)), WorkerLoad(stats("b", free=90, running=9)),
              WorkerLoad(stats("c", free=90, running=1))]
     assert [w.stats.worker_id for w in rank_decode(loads)] == ["c", "b", "a"]
-    loads[2].pending_blocks = 60  # reservations made since the last refresh count
+    loads[2].sent(blocks=60)  # reservations its stats do not count yet count
     assert rank_decode(loads)[0].stats.worker_id == "b"
+
+
+def test_what_a_router_sent_counts_until_stats_taken_after_it_arrive():
+    import dataclasses
+    import time
+
+    load = WorkerLoad(dataclasses.replace(stats("d", free=100), taken_at=time.time()))
+    load.sent(blocks=10, tokens=100)
+    before = time.time()
+    load.sent(blocks=5, tokens=50)
+    assert (load.free_blocks, load.pending_tokens) == (85, 150)
+    # the same record read again (a new object, no newer heartbeat) still misses both
+    load.refresh(dataclasses.replace(load.stats))
+    assert (load.free_blocks, load.pending_tokens) == (85, 150)
+    # stats taken between the two calls count the first one (its 10 blocks are in free=90)
+    load.refresh(dataclasses.replace(stats("d", free=90), taken_at=before))
+    assert (load.free_blocks, load.pending_tokens) == (85, 50)
+    load.refresh(dataclasses.replace(stats("d", free=85), taken_at=time.time()))
+    assert (load.free_blocks, load.pending_tokens) == (85, 0)
+    # stats of unknown age (taken_at 0) count everything sent before them
+    load.sent(blocks=3)
+    load.refresh(stats("d", free=82))
+    assert load.free_blocks == 82
 
 
 def test_prefill_prefers_short_queue_unless_the_index_says_the_prefix_is_cached():
@@ -37,6 +62,36 @@ def test_prefill_prefers_short_queue_unless_the_index_says_the_prefix_is_cached(
     # without the cluster's salt the router cannot read the index: the queues alone choose
     assert pick_prefill([busy, idle], system + [3, 4], 16, index, None)[0] is idle
     assert pick_prefill([busy], system, 16, index, salt)[1].runner_up is None
+
+
+def test_prefill_cost_weights():
+    system = list(range(100, 164))  # 4 blocks of 16, cached on "busy"
+    salt = b"cluster-salt"
+    busy, idle = WorkerLoad(stats("busy", "prefill", queued=40)), \
+        WorkerLoad(stats("idle", "prefill", queued=0))
+    index = KVIndex()
+    index.reset("busy", KVSnapshot("log", 0, frozenset(chained_block_hashes(system, 16, salt))))
+    prompt = system + [3, 4]
+    # a cached token weighs half a queued one: 40 - 32 > 0
+    load, routing = pick_prefill([busy, idle], prompt, 16, index, salt, overlap_weight=0.5)
+    assert load is idle and (routing.runner_up, routing.runner_up_cost) == ("busy", 40 - 32)
+    assert pick_prefill([busy, idle], prompt, 16, index, salt, overlap_weight=0)[0] is idle
+    # busy's KV is 28 of 128 blocks in use (the stats above), idle's half full
+    idle.stats.used_blocks = 64
+    load, routing = pick_prefill([busy, idle], prompt, 16, index, salt, overlap_weight=0,
+                                 kv_usage_weight=200)
+    assert load is busy and routing.cost == 40 + 200 * 28 / 128
+    assert routing.runner_up_cost == 200 * 64 / 128
+
+
+def test_prefill_weights_are_checked():
+    from pdserve.router.config import RouterConfig
+
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="prefix_overlap_weight must be >= 0"):
+            RouterConfig(prefix_overlap_weight=bad)
+        with pytest.raises(ValueError, match="prefill_kv_usage_weight must be >= 0"):
+            RouterConfig(prefill_kv_usage_weight=bad)
 
 
 def test_router_hashes_match_the_prefix_cache():
