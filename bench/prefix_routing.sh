@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Prefill routing on the KV index against round-robin, with 1 and with 2 routers, one server
-# at a time on this machine: `pdserve serve` with PREFILL prefill + DECODE decode workers on
-# the built-in tiny model (or MODEL=DIR), then `pdserve bench serve --dataset prefix`
-# (conversations over shared system prompts that resend their history), its requests spread
-# over the routers in turn. Prints the cluster's prefix-cache hit rate beside TTFT and
-# throughput for each; the JSON results and logs go to OUT (default /tmp/pdserve-prefix-routing).
-# KV_BLOCKS pins every worker's KV pool (so the prefill caches cannot hold every conversation).
+# at a time on this machine: `pdserve serve` with PREFILL prefill + DECODE decode workers
+# (default 2 + 2) on the built-in tiny model (or MODEL=DIR, e.g. SmolLM2-135M from the peer
+# set-up), then `pdserve bench serve --dataset prefix` (conversations over shared system
+# prompts that resend their history), its requests spread over the routers in turn. Every
+# worker's KV pool is pinned to KV_BLOCKS (default 512 blocks of 16 tokens) and the context to
+# MAX_MODEL_LEN (default 1024), so one prefill worker's cache cannot hold every conversation.
+# Prints the cluster's prefix-cache hit rate beside TTFT and throughput for each; the JSON
+# results and logs go to OUT (default /tmp/pdserve-prefix-routing).
 # Run from the repository root after `make venv`: bash bench/prefix_routing.sh
 set -euo pipefail
 OUT=${OUT:-/tmp/pdserve-prefix-routing}
@@ -13,13 +15,11 @@ PROMPTS=${PROMPTS:-128}
 CONCURRENCY=${CONCURRENCY:-8}
 INPUT_MEAN=${INPUT_MEAN:-200}
 PREFILL=${PREFILL:-2}
-DECODE=${DECODE:-1}
+DECODE=${DECODE:-2}
 ROUTERS=${ROUTERS:-"1 2"}
 ROUTINGS=${ROUTINGS:-"prefix round-robin"}
-SERVE_FLAGS=()
+SERVE_FLAGS=(--num-kv-blocks "${KV_BLOCKS:-512}" --max-model-len "${MAX_MODEL_LEN:-1024}")
 if [[ -n "${MODEL:-}" ]]; then SERVE_FLAGS+=(--model "$MODEL"); fi
-if [[ -n "${KV_BLOCKS:-}" ]]; then SERVE_FLAGS+=(--num-kv-blocks "$KV_BLOCKS"); fi
-if [[ -n "${MAX_MODEL_LEN:-}" ]]; then SERVE_FLAGS+=(--max-model-len "$MAX_MODEL_LEN"); fi
 mkdir -p "$OUT"
 for routers in $ROUTERS; do
   for routing in $ROUTINGS; do

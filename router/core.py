@@ -336,16 +336,18 @@ class Router:
 
     async def _reserve_on(self, flight: Flight, load: WorkerLoad) -> Reservation:
         handle = self.workers.handles[load.stats.worker_id]
+        at = time.time()  # stats taken after the call began may count it
         reservation = await flight.bounded(lambda: handle.reserve(flight.request),
                                           self.config.rpc_timeout_s, "reserve")
-        load.sent(blocks=reservation.num_blocks)
+        load.sent(blocks=reservation.num_blocks, at=at)
         return reservation
 
     async def _submit(self, flight: Flight, load: WorkerLoad) -> None:
         handle = self.workers.handles[load.stats.worker_id]
+        at = time.time()
         await flight.bounded(lambda: handle.submit(flight.request),
                             self.config.rpc_timeout_s, "submit")
-        load.sent(tokens=len(flight.request.prompt_token_ids))
+        load.sent(tokens=len(flight.request.prompt_token_ids), at=at)
 
     async def _prefill(self, flight: Flight, reservation: Reservation) -> PrefillResult:
         load = await self._pick_prefill(flight)

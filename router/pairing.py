@@ -40,9 +40,10 @@ class WorkerLoad:
         self.stats = stats
         self._sent = [s for s in self._sent if s[0] > stats.taken_at] if stats.taken_at else []
 
-    def sent(self, blocks: int = 0, tokens: int = 0) -> None:
-        """This router reserved ``blocks`` on the worker, or sent it ``tokens`` to prefill."""
-        self._sent.append((time.time(), blocks, tokens))
+    def sent(self, blocks: int = 0, tokens: int = 0, at: float | None = None) -> None:
+        """This router reserved ``blocks`` on the worker, or sent it ``tokens`` to prefill,
+        with a call it began at ``at`` (wall clock; None: now)."""
+        self._sent.append((time.time() if at is None else at, blocks, tokens))
 
     @property
     def pending_blocks(self) -> int:
