@@ -69,7 +69,7 @@ from pdserve.router.errors import (
 )
 from pdserve.router.flight import AttemptFailed, Flight, Phase
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pairing import WorkerLoad, pick_prefill
+from pdserve.router.pairing import PrefillRouting, WorkerLoad, rank_prefill
 from pdserve.router.placement import Placer
 from pdserve.router.trace import RequestTrace, observe
 from pdserve.router.workers import Workers
@@ -287,7 +287,18 @@ class Router:
             await self.workers.abort_on(flight.decode_id, flight.request_id)
 
     async def _colocated(self, flight: Flight) -> AsyncIterator[RequestDelta]:
-        await self._placer.place(flight, "colocated", self._submit)
+        routings: dict[str, PrefillRouting] = {}
+
+        def rank(loads: list[WorkerLoad]) -> list[WorkerLoad]:  # a colocated worker prefills
+            ranked = self._rank_prefill(flight, loads) if loads else []
+            routings.update((w.stats.worker_id, r) for w, r in ranked)
+            return [w for w, _ in ranked]
+
+        async def submit(flight: Flight, load: WorkerLoad) -> None:
+            flight.prefill_routing = routings[load.stats.worker_id]
+            await self._submit(flight, load)
+
+        await self._placer.place(flight, "colocated", submit, rank)
         flight.move_to(Phase.DECODING)
         async for delta in self._drain(flight):
             yield delta
@@ -347,7 +358,7 @@ class Router:
         at = time.time()
         await flight.bounded(lambda: handle.submit(flight.request),
                             self.config.rpc_timeout_s, "submit")
-        load.sent(tokens=len(flight.request.prompt_token_ids), at=at)
+        load.sent(tokens=self._uncached_tokens(flight, load), at=at)
 
     async def _prefill(self, flight: Flight, reservation: Reservation) -> PrefillResult:
         load = await self._pick_prefill(flight)
@@ -375,17 +386,35 @@ class Router:
             if time.monotonic() - started > self.config.worker_wait_s:
                 raise AttemptFailed("worker_lost", "no prefill workers")
             await self._placer.wait_for_room(flight)
+        load, flight.prefill_routing = self._rank_prefill(flight, loads)[0]
+        flight.prefill_id = load.stats.worker_id
+        load.sent(tokens=self._uncached_tokens(flight, load))
+        return load
+
+    def _rank_prefill(self, flight: Flight,
+                      loads: list[WorkerLoad]) -> list[tuple[WorkerLoad, PrefillRouting]]:
+        """The workers that would prefill the request (its prompt and any output it carries
+        when it moves), in the order ``prefill_routing`` tries them: lowest cost first, or in
+        turn (round-robin: no runner-up was weighed, so the routings name none)."""
         block_size = int(loads[0].stats.ledger.get("block_size", 16))
         prompt = flight.request.prompt_token_ids + flight.request.output_token_ids
+        ranked = rank_prefill(loads, prompt, block_size, self.workers.kv_index, self._salt,
+                              self.config.prefix_overlap_weight,
+                              self.config.prefill_kv_usage_weight)
         if self.config.prefill_routing == "round-robin":
-            loads = [sorted(loads, key=lambda w: w.stats.worker_id)[
-                next(self._prefill_turns) % len(loads)]]
-        load, routing = pick_prefill(loads, prompt, block_size, self.workers.kv_index,
-                                     self._salt, self.config.prefix_overlap_weight,
-                                     self.config.prefill_kv_usage_weight)
-        load.sent(tokens=len(prompt) - routing.hit_blocks * block_size)
-        flight.prefill_id, flight.prefill_routing = load.stats.worker_id, routing
-        return load
+            ranked = sorted(((w, dataclasses.replace(r, runner_up=None, runner_up_cost=None))
+                             for w, r in ranked), key=lambda wr: wr[0].stats.worker_id)
+            turn = next(self._prefill_turns) % len(ranked)
+            ranked = ranked[turn:] + ranked[:turn]
+        return ranked
+
+    @staticmethod
+    def _uncached_tokens(flight: Flight, load: WorkerLoad) -> int:
+        """The prompt tokens ``load`` has to compute for ``flight`` (its routing's hit off)."""
+        block_size = int(load.stats.ledger.get("block_size", 16))
+        hit = flight.prefill_routing.hit_blocks if flight.prefill_routing else 0
+        return (len(flight.request.prompt_token_ids) + len(flight.request.output_token_ids)
+                - hit * block_size)
 
     async def _renew_lease(self, flight: Flight, reservation: Reservation) -> None:
         """Keep the reservation alive while the prefill call is pending (see module doc)."""

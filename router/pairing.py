@@ -20,7 +20,7 @@ from pdserve.engine.protocol import WorkerStats
 from pdserve.router.kv_index import KVIndex
 
 __all__ = ["PrefillRouting", "WorkerLoad", "chained_block_hashes", "pick_prefill",
-           "rank_decode"]
+           "rank_decode", "rank_prefill"]
 
 
 @dataclass
@@ -74,17 +74,19 @@ class PrefillRouting:
     runner_up_cost: float | None = None
 
 
-def pick_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_size: int,
+def rank_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_size: int,
                  index: KVIndex, salt: bytes | None, overlap_weight: float = 1.0,
-                 kv_usage_weight: float = 0.0) -> tuple[WorkerLoad, PrefillRouting]:
-    """The prefill worker of lowest cost, in prompt tokens of work:
+                 kv_usage_weight: float = 0.0) -> list[tuple[WorkerLoad, PrefillRouting]]:
+    """The workers that would prefill a prompt, lowest cost first, each with its routing
+    (the runner-up: the next in this order). The cost, in prompt tokens of work:
 
-        queued prompt tokens (its stats, plus those this router sent since)
+        queued prompt tokens (its stats, plus those this router sent that they do not count)
         - overlap_weight * the tokens of the prompt's leading blocks the KV index says it holds
         + kv_usage_weight * the share of its KV blocks in use
 
-    ties broken by worker id. ``salt``: the cluster's prefix-cache salt (None: unknown, so no
-    hit is counted and the queues alone decide)."""
+    ties broken by the most free blocks, then the fewest running requests, then worker id.
+    ``salt``: the cluster's prefix-cache salt (None: unknown, so no hit is counted and the
+    queues alone decide)."""
     hashes = [] if salt is None else chained_block_hashes(prompt_token_ids, block_size, salt)
     hits = {w.stats.worker_id: index.matched_blocks(w.stats.worker_id, hashes) for w in loads}
 
@@ -93,7 +95,19 @@ def pick_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_siz
         return (w.stats.queued_tokens + w.pending_tokens + kv_usage_weight * usage
                 - overlap_weight * hits[w.stats.worker_id] * block_size)
 
-    best, *others = sorted(loads, key=lambda w: (cost(w), w.stats.worker_id))
-    second = others[0] if others else None
-    return best, PrefillRouting(best.stats.worker_id, hits[best.stats.worker_id], cost(best),
-                                second and second.stats.worker_id, second and cost(second))
+    ranked = sorted(((cost(w), w) for w in loads), key=lambda cw: (
+        cw[0], -cw[1].free_blocks, cw[1].stats.num_running, cw[1].stats.worker_id))
+    out = []
+    for i, (c, w) in enumerate(ranked):
+        next_cost, next_load = ranked[i + 1] if i + 1 < len(ranked) else (None, None)
+        out.append((w, PrefillRouting(w.stats.worker_id, hits[w.stats.worker_id], c,
+                                      next_load and next_load.stats.worker_id, next_cost)))
+    return out
+
+
+def pick_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_size: int,
+                 index: KVIndex, salt: bytes | None, overlap_weight: float = 1.0,
+                 kv_usage_weight: float = 0.0) -> tuple[WorkerLoad, PrefillRouting]:
+    """The prefill worker of lowest cost (:func:`rank_prefill`) and why."""
+    return rank_prefill(loads, prompt_token_ids, block_size, index, salt, overlap_weight,
+                        kv_usage_weight)[0]

@@ -2,7 +2,8 @@
 
 The request first waits its turn in the admission queue (``router.admission``: priority,
 then tenant fairness, then arrival). Holding the turn, it tries the workers of the role in
-rank order (``pairing.rank_decode``) until one takes it. A worker without room now
+rank order (decode: ``pairing.rank_decode``; colocated: the router's prefill routing, since
+a colocated worker computes the prompt) until one takes it. A worker without room now
 (NoRoomNow) is skipped; one that says the request can never fit (NeverFits) counts toward
 RequestTooLargeError; any other failure is that worker's problem (it is suspected, and told to
 drop the request in case it holds it). When no worker has room the request waits for one to
@@ -44,8 +45,10 @@ class Placer:
         self.room = room  # set whenever a request leaves (blocks came back)
 
     async def place(self, flight: Flight, role: str,
-                    place_on: Callable[[Flight, WorkerLoad], Awaitable]):
-        """Try the ranked workers of ``role`` until one takes the request; wait when none can.
+                    place_on: Callable[[Flight, WorkerLoad], Awaitable],
+                    rank: Callable[[list[WorkerLoad]], list[WorkerLoad]] = rank_decode):
+        """Try the workers of ``role`` in ``rank`` order until one takes the request; wait
+        when none can.
 
         A worker without room now (NoRoomNow) is skipped; NeverFits means it can never hold
         the request (RequestTooLargeError once every worker says so); any other error is that
@@ -55,7 +58,7 @@ class Placer:
             while True:
                 await self._take_turn(flight)
                 try:
-                    return await self._place_now(flight, role, place_on)
+                    return await self._place_now(flight, role, place_on, rank)
                 except _Outranked:
                     continue  # back in the queue behind a better request
                 finally:
@@ -75,11 +78,12 @@ class Placer:
                                  retry_after_s=self.queue.retry_after_s()) from None
 
     async def _place_now(self, flight: Flight, role: str,
-                         place_on: Callable[[Flight, WorkerLoad], Awaitable]):
+                         place_on: Callable[[Flight, WorkerLoad], Awaitable],
+                         rank: Callable[[list[WorkerLoad]], list[WorkerLoad]]):
         cfg = self.config
         started = time.monotonic()
         while True:
-            candidates = rank_decode(self.workers.live(role))
+            candidates = rank(self.workers.live(role))
             too_large: list[NeverFits] = []
             for load in candidates:
                 worker_id = load.stats.worker_id

@@ -27,7 +27,8 @@ class RequestTrace:
     finish_reason: str | None = None
     num_retries: int = 0  # failed attempts before the first token
     num_migrations: int = 0  # attempts moved to new workers after the first token
-    prefill_routing: PrefillRouting | None = None  # how its first prefill worker was chosen
+    prefill_routing: PrefillRouting | None = None  # how the worker that computed its prompt
+    # was chosen (the first prefill worker, or the colocated worker)
 
     @property
     def tpot(self) -> float:
@@ -62,7 +63,7 @@ def observe(flight: Flight, delta: RequestDelta, metrics: RouterMetrics) -> Requ
 def _colocated_trace(flight: Flight, delta: RequestDelta, metrics: RouterMetrics) -> RequestTrace:
     """The trace of a request no prefill worker returned: a colocated worker's first token
     says how long the request queued there and how long its prefill took."""
-    trace = RequestTrace(flight.request_id, 0.0, 0.0)
+    trace = RequestTrace(flight.request_id, 0.0, 0.0, prefill_routing=flight.prefill_routing)
     if delta.queue_time_s is not None and delta.prefill_time_s is not None:
         trace.queue, trace.prefill = delta.queue_time_s, delta.prefill_time_s
         labels = ("colocated", flight.decode_id or "")

@@ -96,11 +96,13 @@ class Workers:
             logger.info("worker %s left the registry: no new requests go to it", worker_id)
             self._metrics.remove_worker(self.loads.pop(worker_id).stats.role, worker_id)
         self._note_readiness()
-        await self._refresh_kv_index([(h, s) for h, s in snapshot if s.role == "prefill"])
+        await self._refresh_kv_index([(h, s) for h, s in snapshot
+                                      if s.role in ("prefill", "colocated")])
 
     async def _refresh_kv_index(self, prefill: list) -> None:
-        """Apply the prefill workers' new KV event batches to the index; a worker whose entry
-        missed a batch (or that is new to it) is resynced from a snapshot it sends."""
+        """Apply the new KV event batches of the workers that prefill (prefill and colocated)
+        to the index; a worker whose entry missed a batch (or that is new to it) is resynced
+        from a snapshot it sends."""
         index = self.kv_index
         ids = [stats.worker_id for _, stats in prefill]
         for worker_id in set(index.worker_ids) - set(ids):

@@ -69,6 +69,36 @@ def test_a_router_that_started_late_sends_a_cached_prefix_to_its_holder(tiny_dir
     asyncio.run(main())
 
 
+def test_a_colocated_pool_is_routed_on_the_index_too(tiny_dir):
+    config = EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=96,
+                          prefix_cache_salt=SALT)
+    handles = build_local_workers(config, num_decode=2, colocated=True)
+    ids = sorted(h.worker_id for h in handles)
+
+    async def main():
+        router = Router(ModelSpec("t", 256, 509, ()), StaticDirectory(handles), tokenize=list,
+                        prefix_cache_salt=SALT)
+        await router.start()
+        try:
+            first = (await run(router, "warm", PROMPT)).prefill_routing
+            await router.workers.refresh()  # (the index takes the new blocks in)
+            other = (await run(router, "other", [5] * 26)).prefill_routing
+            await router.workers.refresh()  # (its stats no longer count "other" as queued)
+            again = (await run(router, "again", PROMPT[:24] + [9, 9, 9])).prefill_routing
+            return first, other, again
+        finally:
+            await router.stop()
+            for h in handles:
+                h.close()
+
+    first, other, again = asyncio.run(main())
+    assert first.worker_id in ids and first.hit_blocks == 0
+    # the prompt's prefix goes back to the worker that computed it, whatever else it runs
+    assert again.worker_id == first.worker_id and again.hit_blocks == 6
+    assert {again.worker_id, again.runner_up} == set(ids)
+    assert again.cost < again.runner_up_cost and other.hit_blocks == 0
+
+
 def test_round_robin_prefill_routing_takes_the_workers_in_turn(tiny_dir):
     config = EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=96,
                           prefix_cache_salt=SALT)
