@@ -11,8 +11,8 @@ Per request, as ``Router.generate`` drives it (states and transitions: ``router.
    (``pairing.rank_decode``) reserves blocks under a lease; one without room is skipped; when
    none has room the request waits (up to its deadline, or ``reserve_wait_s``) instead of
    failing; a request no decode worker could ever hold -> RequestTooLargeError. (Colocated:
-   ``submit`` to the least loaded worker.)
-3. PREFILLING: the best prefill worker (``pairing.pick_prefill``) computes the prompt, ships
+   ``submit`` to the colocated worker of least prefill cost, ``pairing.rank_prefill``.)
+3. PREFILLING: the best prefill worker (``pairing.rank_prefill``) computes the prompt, ships
    the KV into the reservation and returns token 0, streamed at once (TTFT). While the call is
    pending the router renews the reservation's lease, so a prompt queued behind others at the
    prefill worker never loses its blocks.

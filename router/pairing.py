@@ -1,13 +1,14 @@
 """Pairing policy: which decode worker reserves, which prefill worker computes.
 
 Decode: the worker with the most free blocks after the reservations this router made that its
-stats do not count yet, then the fewest running requests. Prefill: the lowest cost in prompt
-tokens of work (:func:`pick_prefill`): queued prompt tokens (with those this router sent that
-the stats do not count yet), less the prompt tokens its prefix cache holds, plus a term for
-its KV usage, with weights from ``RouterConfig``. The router reads the cached tokens off its
-KV index (``router/kv_index.py``, fed by the workers' KV events; every router sees the same)
-by the prompt's chained block hashes (the engine's own salted sha256,
-``pdserve.engine.prefix_hash``, with the cluster's salt).
+stats do not count yet, then the fewest running requests. Prefill (and colocated, whose
+workers compute their prompts too): the lowest cost in prompt tokens of work
+(:func:`rank_prefill`): queued prompt tokens (with those this router sent that the stats do
+not count yet), less the prompt tokens its prefix cache holds, plus a term for its KV usage,
+with weights from ``RouterConfig``. The router reads the cached tokens off its KV index
+(``router/kv_index.py``, fed by the workers' KV events; every router sees the same) by the
+prompt's chained block hashes (the engine's own salted sha256, ``pdserve.engine.prefix_hash``,
+with the cluster's salt).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from pdserve.engine.prefix_hash import chained_block_hashes
 from pdserve.engine.protocol import WorkerStats
 from pdserve.router.kv_index import KVIndex
 
-__all__ = ["PrefillRouting", "WorkerLoad", "chained_block_hashes", "pick_prefill",
-           "rank_decode", "rank_prefill"]
+__all__ = ["PrefillRouting", "WorkerLoad", "chained_block_hashes", "rank_decode",
+           "rank_prefill"]
 
 
 @dataclass
@@ -65,12 +66,13 @@ def rank_decode(loads: list[WorkerLoad]) -> list[WorkerLoad]:
 
 @dataclass(frozen=True)
 class PrefillRouting:
-    """Which prefill worker computes a prompt, and why (the request's trace keeps it)."""
+    """Which worker (prefill or colocated) computes a prompt, and why (the request's trace
+    keeps it)."""
 
     worker_id: str
     hit_blocks: int  # the prompt's leading blocks its prefix cache holds (the KV index's)
-    cost: float  # pick_prefill's cost of this worker (lowest wins)
-    runner_up: str | None = None  # the next best worker (None: the only one)
+    cost: float  # rank_prefill's cost of this worker (lowest first)
+    runner_up: str | None = None  # the next worker in rank (None: the last or only one)
     runner_up_cost: float | None = None
 
 
@@ -104,10 +106,3 @@ def rank_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_siz
                                       next_load and next_load.stats.worker_id, next_cost)))
     return out
 
-
-def pick_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_size: int,
-                 index: KVIndex, salt: bytes | None, overlap_weight: float = 1.0,
-                 kv_usage_weight: float = 0.0) -> tuple[WorkerLoad, PrefillRouting]:
-    """The prefill worker of lowest cost (:func:`rank_prefill`) and why."""
-    return rank_prefill(loads, prompt_token_ids, block_size, index, salt, overlap_weight,
-                        kv_usage_weight)[0]

@@ -9,7 +9,7 @@ from pdserve.engine.protocol import KVSnapshot, WorkerStats
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.router.kv_index import KVIndex
-from pdserve.router.pairing import WorkerLoad, chained_block_hashes, pick_prefill, rank_decode
+from pdserve.router.pairing import WorkerLoad, chained_block_hashes, rank_decode, rank_prefill
 
 
 def stats(worker_id, role="decode", free=100, running=0, queued=0) -> WorkerStats:
@@ -45,6 +45,10 @@ def test_what_a_router_sent_counts_until_stats_taken_after_it_arrive():
     load.sent(blocks=3)
     load.refresh(stats("d", free=82))
     assert load.free_blocks == 82
+
+
+def pick_prefill(*args, **kwargs):
+    return rank_prefill(*args, **kwargs)[0]
 
 
 def test_prefill_prefers_short_queue_unless_the_index_says_the_prefix_is_cached():
