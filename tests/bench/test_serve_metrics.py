@@ -80,6 +80,12 @@ def test_options_name_the_bad_field():
         ServeOptions(burstiness=0)
     with pytest.raises(ValueError, match="dataset_path"):
         ServeOptions(dataset="jsonl")
+    with pytest.raises(ValueError, match="target must be HOST:PORT or a comma list"):
+        ServeOptions(target="127.0.0.1:1,,127.0.0.1:2")
+    with pytest.raises(ValueError, match="with base_url give one"):
+        ServeOptions(target="127.0.0.1:1,127.0.0.1:2", base_url="http://127.0.0.1:3")
+    assert ServeOptions(target="127.0.0.1:1, 127.0.0.1:2").targets == ["127.0.0.1:1",
+                                                                       "127.0.0.1:2"]
 
 
 def test_synthetic_trace_is_seeded_and_fits_the_context():
