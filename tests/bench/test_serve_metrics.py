@@ -88,12 +88,19 @@ def test_options_name_the_bad_field():
                                                                        "127.0.0.1:2"]
 
 
+def _seeded_trace_that_fits(build, n: int, seed: int, max_context: int, shape):
+    """``build``'s trace, checked: the same for the same seed, every request within the
+    context with at least one output token, prompt ids past the special ones."""
+    trace = build(n, seed, vocab_size=512, max_context=max_context, shape=shape)
+    assert trace == build(n, seed, vocab_size=512, max_context=max_context, shape=shape)
+    assert all(r.prompt_len + r.output_len <= max_context and r.output_len >= 1 for r in trace)
+    assert all(len(r.prompt) == r.prompt_len and 3 <= min(r.prompt) for r in trace)
+    return trace
+
+
 def test_synthetic_trace_is_seeded_and_fits_the_context():
     shape = SyntheticShape(input_mean=220, output_mean=200, sigma=1.0)
-    a = synthetic_requests(200, 7, vocab_size=512, max_context=256, shape=shape)
-    assert a == synthetic_requests(200, 7, vocab_size=512, max_context=256, shape=shape)
-    assert all(r.prompt_len + r.output_len <= 256 and r.output_len >= 1 for r in a)
-    assert all(len(r.prompt) == r.prompt_len and 3 <= min(r.prompt) for r in a)
+    _seeded_trace_that_fits(synthetic_requests, 200, 7, 256, shape)
     wide = synthetic_requests(2000, 1, vocab_size=512, max_context=1 << 20)
     mean_in = sum(r.prompt_len for r in wide) / len(wide)
     assert 180 < mean_in < 260  # ShareGPT-like ~220 (log-normal, long tail)
@@ -102,10 +109,7 @@ def test_synthetic_trace_is_seeded_and_fits_the_context():
 
 def test_prefix_trace_resends_each_conversations_history_over_shared_system_prompts():
     shape = SyntheticShape(input_mean=100, output_mean=20, sigma=0.5)
-    trace = prefix_requests(64, 3, vocab_size=512, max_context=400, shape=shape)
-    assert trace == prefix_requests(64, 3, vocab_size=512, max_context=400, shape=shape)
-    assert all(r.prompt_len + r.output_len <= 400 and r.output_len >= 1 for r in trace)
-    assert all(len(r.prompt) == r.prompt_len and 3 <= min(r.prompt) for r in trace)
+    trace = _seeded_trace_that_fits(prefix_requests, 64, 3, 400, shape)
     systems = {tuple(r.prompt[:100]) for r in trace}
     assert len(systems) == NUM_SYSTEM_PROMPTS  # every prompt opens with one of them
     resent = [r for r in trace[1:] if any(
