@@ -41,7 +41,7 @@ from pdserve.cluster.node_placement import PLACEMENTS
 from pdserve.cluster.options import ClusterOptions
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, DTYPES, KV_CACHE_DTYPES, EngineConfig
 from pdserve.kernels import BACKENDS
-from pdserve.router.config import PREFILL_ROUTINGS
+from pdserve.router.config import DISAGGREGATION_MODES, PREFILL_ROUTINGS
 from pdserve.router.core import RouterConfig
 
 MiB = 1 << 20
@@ -79,6 +79,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("engine", "scheduling_policy"): ("fcfs", "priority"),
     ("cluster", "pool_placement"): PLACEMENTS,
     ("router", "prefill_routing"): PREFILL_ROUTINGS,
+    ("router", "disaggregation"): DISAGGREGATION_MODES,
 }
 # Help for fields whose source has no comment.
 FALLBACK_HELP: dict[tuple[str, str], str] = {

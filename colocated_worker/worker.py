@@ -20,7 +20,7 @@ from pdserve.decode_worker.streaming import StreamingWorker
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.protocol import WorkerStats, WorkRequest
+from pdserve.engine.protocol import WorkerStats
 from pdserve.engine.worker_stats import engine_stats
 
 
@@ -36,11 +36,6 @@ class ColocatedWorker(StreamingWorker):
                                self.engine.has_unfinished_requests, tick=self._tick,
                                stats=self._stats, on_death=self._fail_everything).start()
 
-    def submit(self, request: WorkRequest, router: str = "") -> Future:
-        """Future[None]; raises ValueError when the request can never be served here.
-        ``router`` (its actor name) owns the request once queued."""
-        return self.loop.call(self._submit, request, router)
-
     def abort(self, request_id: str) -> Future:
         return self.loop.call(self._abort, request_id)
 
@@ -48,10 +43,6 @@ class ColocatedWorker(StreamingWorker):
         self.loop.stop()
 
     # -- loop thread --------------------------------------------------------------------------
-    def _submit(self, request: WorkRequest, router: str) -> None:
-        self.engine.add_work(request)
-        self.mailboxes.claim(request.request_id, request.attempt, router)
-
     def _abort(self, request_id: str) -> None:
         """The router's abort: its final delta (no error) only ends the owner entry."""
         delta = self.engine.abort(request_id)

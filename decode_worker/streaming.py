@@ -1,7 +1,7 @@
 """What the decode and colocated workers share: an engine stepping on its own loop thread,
-whose deltas the routers poll (each its own requests', ``decode_worker.mailboxes``) and whose
-stats they read, and the per-router orphan clock that frees the requests of a router gone
-silent."""
+which takes prompts to prefill itself (``submit``), whose deltas the routers poll (each its
+own requests', ``decode_worker.mailboxes``) and whose stats they read, and the per-router
+orphan clock that frees the requests of a router gone silent."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from pdserve.decode_worker.mailboxes import MailboxSizes, RouterMailboxes
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.protocol import StepDeltas, WorkerStats
+from pdserve.engine.protocol import StepDeltas, WorkerStats, WorkRequest
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +25,15 @@ class StreamingWorker:
     loop: EngineLoop
     mailboxes: RouterMailboxes
     orphan_timeout_s: float  # a router silent this long is gone: its requests are freed
+
+    def submit(self, request: WorkRequest, router: str = "") -> Future:
+        """Queue the request to be prefilled and decoded here: Future[None]; raises ValueError
+        when it can never be served here. ``router`` (its actor name) owns it once queued."""
+        return self.loop.call(self._submit, request, router)
+
+    def _submit(self, request: WorkRequest, router: str) -> None:
+        self.engine.add_work(request)
+        self.mailboxes.claim(request.request_id, request.attempt, router)
 
     def poll(self, timeout: float | None = None, router: str = "") -> StepDeltas:
         """``router``'s deltas: those another router's poll left for it, else what the worker

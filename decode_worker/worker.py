@@ -26,6 +26,10 @@ Lifecycle of one request on a decode worker D:
    reports the error in its stats). Every end makes a final delta, which ends the request's
    owner entry when a poll sorts it.
 
+Instead of 1-3, ``submit(request, router)`` queues a prompt to prefill here, chunked into the
+decode steps as on a colocated worker, its token 0 streamed from here (the router's conditional
+disaggregation, ``router.pairing.prefill_location``).
+
 All engine state is touched only on the loop thread (``EngineLoop``); public methods return
 futures. D keeps no prefix cache: received blocks are never matched by hash.
 """
@@ -54,7 +58,7 @@ from pdserve.engine.protocol import (
     WorkerStats,
     WorkRequest,
 )
-from pdserve.engine.scheduling_policy import DecodeOnlyPolicy
+from pdserve.engine.scheduling_policy import DecodePolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.worker_stats import engine_stats
 from pdserve.kv_transfer import KVReceiver, ReservedBlocksSink, TransferError, TransferKey
@@ -83,7 +87,7 @@ class DecodeWorker(StreamingWorker):
             raise ValueError("a decode worker's pool must be built with "
                              "enable_prefix_caching=False (use DecodeWorker.config_for)")
         self.worker_id = worker_id
-        self.engine = LLMEngine(parts, policy=DecodeOnlyPolicy(parts.config.scheduling_policy))
+        self.engine = LLMEngine(parts, policy=DecodePolicy(parts.config.scheduling_policy))
         self.lease_s = lease_s
         self.orphan_timeout_s = orphan_timeout_s
         self.sink = ReservedBlocksSink(parts.runner.kv_caches, on_complete=self._on_kv_complete,

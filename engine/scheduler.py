@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.scheduler_output import ScheduledSequence, SchedulerConfig, SchedulerOutput
 from pdserve.engine.scheduling_policy import (
-    DecodeOnlyPolicy,
+    DecodePolicy,
     PrefillOnlyPolicy,
     SchedulingPolicy,
 )
@@ -42,7 +42,7 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DecodeOnlyPolicy", "PrefillOnlyPolicy", "ScheduledSequence", "Scheduler",
+__all__ = ["DecodePolicy", "PrefillOnlyPolicy", "ScheduledSequence", "Scheduler",
            "SchedulerConfig", "SchedulerOutput", "SchedulingPolicy"]
 
 
@@ -126,9 +126,7 @@ class Scheduler:
         self._seqs[seq.request_id] = seq
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new prompt. ValueError if it can never fit or the role takes no prompts."""
-        if not self.policy.accepts_prompts:
-            raise ValueError(f"a {self.policy.name} scheduler takes no prompts; use add_running")
+        """Queue a new prompt. ValueError if it can never fit."""
         if seq.block_table or seq.num_computed_tokens:
             raise ValueError(f"{seq.request_id}: a new sequence must hold no blocks and no "
                              f"computed tokens")

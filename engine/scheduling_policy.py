@@ -9,8 +9,8 @@ a policy answers five questions, each a short pure function:
 4. ``next_waiting``: which waiting sequence is admitted next?
 5. ``defers``: does a running prefill chunk yield this step to a better waiting request?
 
-plus two constants saying which entry points the role accepts (``add`` for prompts,
-``add_running`` for sequences whose KV was computed elsewhere). A worker role picks its
+plus a constant saying whether the role accepts ``add_running`` (sequences whose KV was
+computed elsewhere); every role takes prompts through ``add``. A worker role picks its
 policy at construction; the scheduler has no role flags.
 """
 
@@ -40,7 +40,6 @@ class SchedulingPolicy:
     """
 
     name = "colocated"
-    accepts_prompts = True  # Scheduler.add takes new prompts
     accepts_running = True  # Scheduler.add_running takes already computed sequences
     preempt_kind = "recompute"  # a victim recomputes here ("bounce": handed back instead)
     speculates = True  # decodes may take speculative drafts (EngineConfig.speculative_config)
@@ -117,14 +116,16 @@ class PrefillOnlyPolicy(SchedulingPolicy):
         return super().num_new_tokens(seq, num_computed_tokens, budget, enable_chunked_prefill)
 
 
-class DecodeOnlyPolicy(SchedulingPolicy):
-    """Decode worker: sequences arrive computed through ``add_running``.
+class DecodePolicy(SchedulingPolicy):
+    """Decode worker: sequences arrive computed through ``add_running``, except the prompts
+    the router chooses to prefill here (conditional disaggregation, ``router.pairing``),
+    which arrive through ``add`` and are chunked into the decode steps as a colocated
+    worker's are.
 
     A preempted sequence is handed back (``preempt_kind = "bounce"``): its blocks are freed
-    and the worker tells the router, which re-prefills it on the prefill pool and reserves
-    again when room returns; a decode worker never runs a prefill.
+    and the worker tells the router, which places it again (prefilling it anew) when room
+    returns.
     """
 
     name = "decode"
-    accepts_prompts = False
     preempt_kind = "bounce"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREFILL_ROUTINGS = ("prefix", "round-robin")  # RouterConfig.prefill_routing
+DISAGGREGATION_MODES = ("always", "auto", "never")  # RouterConfig.disaggregation
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,12 @@ class RouterConfig:
     # prefill worker holds counts as this many queued prompt tokens less (0: queues alone)
     prefill_kv_usage_weight: float = 0.0  # prefix routing: a prefill worker's share of KV
     # blocks in use, times this, counts as that many queued prompt tokens more
+    disaggregation: str = "always"  # with prefill and decode pools, where a prompt is
+    # computed: always on a prefill worker; auto: on the decode worker itself when that is
+    # sooner (the prefill queue and the KV transfer against the decode worker's queue) and
+    # the prompt is short; never: always there
+    max_local_prefill_length: int = 1024  # auto: longest prompt (tokens to compute) a decode
+    # worker prefills itself, which bounds the stall it adds to that worker's decode steps
     scheduling_policy: str = "fcfs"  # fcfs | priority: order of the waiting queue
     priority_aging_s: float = 10.0  # a waiting request gains one priority level per this long
     max_request_kv_fraction: float = 1.0  # most of a decode worker's KV one request may hold
@@ -39,6 +46,12 @@ class RouterConfig:
         if self.prefill_routing not in PREFILL_ROUTINGS:
             raise ValueError(f"prefill_routing must be one of {', '.join(PREFILL_ROUTINGS)}, "
                              f"got {self.prefill_routing!r}")
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation must be one of {', '.join(DISAGGREGATION_MODES)}, "
+                             f"got {self.disaggregation!r}")
+        if self.max_local_prefill_length < 0:
+            raise ValueError(f"max_local_prefill_length must be >= 0, "
+                             f"got {self.max_local_prefill_length}")
         for name in ("max_requests_in_flight", "max_tokens_in_flight", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -12,6 +12,9 @@ Per request, as ``Router.generate`` drives it (states and transitions: ``router.
    none has room the request waits (up to its deadline, or ``reserve_wait_s``) instead of
    failing; a request no decode worker could ever hold -> RequestTooLargeError. (Colocated:
    ``submit`` to the colocated worker of least prefill cost, ``pairing.rank_prefill``.)
+   Before that, conditional disaggregation (``RouterConfig.disaggregation``,
+   ``pairing.prefill_location``) may choose to prefill on the decode worker itself: the
+   request is then ``submit``-ted to it as to a colocated worker, and skips PREFILLING.
 3. PREFILLING: the best prefill worker (``pairing.rank_prefill``) computes the prompt, ships
    the KV into the reservation and returns token 0, streamed at once (TTFT). While the call is
    pending the router renews the reservation's lease, so a prompt queued behind others at the
@@ -69,7 +72,15 @@ from pdserve.router.errors import (
 )
 from pdserve.router.flight import AttemptFailed, Flight, Phase
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pairing import PrefillRouting, WorkerLoad, rank_prefill
+from pdserve.router.pairing import (
+    PrefillLocation,
+    PrefillRouting,
+    TransferCost,
+    WorkerLoad,
+    prefill_location,
+    rank_decode,
+    rank_prefill,
+)
 from pdserve.router.placement import Placer
 from pdserve.router.trace import RequestTrace, observe
 from pdserve.router.workers import Workers
@@ -95,6 +106,7 @@ class Router:
         self.spec = spec
         self._salt = None if prefix_cache_salt is None else prefix_cache_salt.encode()
         self._prefill_turns = itertools.count()  # prefill_routing round-robin
+        self._transfer_cost = TransferCost()  # KV block transfer vs prompt token prefill
         self._tokenize = tokenize
         self.config = config or RouterConfig()
         self.metrics = metrics or RouterMetrics()
@@ -270,14 +282,27 @@ class Router:
         self.metrics.migrations.labels(failure.reason).inc()
 
     async def _disaggregated(self, flight: Flight) -> AsyncIterator[RequestDelta]:
+        flight.prefill_location = self._prefill_location(flight)
+        self.metrics.prefill_location.labels(flight.prefill_location.location).inc()
+        if flight.prefill_location.location == "local":
+            flight.prefill_routing = None
+            await self._placer.place(flight, "decode", self._submit)
+            flight.move_to(Phase.DECODING)
+            async for delta in self._drain(flight):
+                yield delta
+            return
         reservation = await self._reserve(flight)
         flight.move_to(Phase.PREFILLING)
         result = await self._prefill(flight, reservation)
         self.metrics.observe_prefill(flight.prefill_id, result)
+        self._transfer_cost.observe(len(_attempt_tokens(flight)) - result.num_cached_tokens,
+                                    result.prefill_time_s,
+                                    reservation.num_blocks, result.transfer_time_s)
         if flight.trace is None:
             flight.trace = RequestTrace(flight.request_id, 0.0, 0.0, result.queue_time_s,
                                         result.prefill_time_s, result.transfer_time_s,
-                                        prefill_routing=flight.prefill_routing)
+                                        prefill_routing=flight.prefill_routing,
+                                        prefill_location=flight.prefill_location)
         flight.move_to(Phase.DECODING)
         yield result.first
         if result.first.finish_reason is None:
@@ -342,6 +367,22 @@ class Router:
             return "no prefill worker is ready"
         return "no worker is ready"
 
+    def _prefill_location(self, flight: Flight) -> PrefillLocation:
+        """Where this attempt's prompt is computed: as ``disaggregation`` says, or with
+        "auto" by ``pairing.prefill_location`` against the decode worker placing would try
+        first and the prefill worker of least cost."""
+        mode = self.config.disaggregation
+        decodes, prefills = self.workers.live("decode"), self.workers.live("prefill")
+        if mode != "auto" or not decodes:  # (no decode worker: placing waits for one)
+            return PrefillLocation("local" if mode == "never" else "remote")
+        decode = rank_decode(decodes)[0]
+        block_size = int(decode.stats.ledger.get("block_size", 16))
+        num_tokens = len(_attempt_tokens(flight))
+        best = self._prefill_costs(flight, prefills)[0][1] if prefills else None
+        return prefill_location(self.config.max_local_prefill_length, num_tokens, decode, best,
+                                -(-num_tokens // block_size),
+                                self._transfer_cost.tokens_per_block)
+
     async def _reserve(self, flight: Flight) -> Reservation:
         return await self._placer.place(flight, "decode", self._reserve_on)
 
@@ -396,11 +437,7 @@ class Router:
         """The workers that would prefill the request (its prompt and any output it carries
         when it moves), in the order ``prefill_routing`` tries them: lowest cost first, or in
         turn (round-robin: no runner-up was weighed, so the routings name none)."""
-        block_size = int(loads[0].stats.ledger.get("block_size", 16))
-        prompt = flight.request.prompt_token_ids + flight.request.output_token_ids
-        ranked = rank_prefill(loads, prompt, block_size, self.workers.kv_index, self._salt,
-                              self.config.prefix_overlap_weight,
-                              self.config.prefill_kv_usage_weight)
+        ranked = self._prefill_costs(flight, loads)
         if self.config.prefill_routing == "round-robin":
             ranked = sorted(((w, dataclasses.replace(r, runner_up=None, runner_up_cost=None))
                              for w, r in ranked), key=lambda wr: wr[0].stats.worker_id)
@@ -408,13 +445,20 @@ class Router:
             ranked = ranked[turn:] + ranked[:turn]
         return ranked
 
+    def _prefill_costs(self, flight: Flight,
+                       loads: list[WorkerLoad]) -> list[tuple[WorkerLoad, PrefillRouting]]:
+        """``pairing.rank_prefill`` of ``loads`` for the request, lowest cost first."""
+        block_size = int(loads[0].stats.ledger.get("block_size", 16))
+        return rank_prefill(loads, _attempt_tokens(flight), block_size, self.workers.kv_index,
+                            self._salt, self.config.prefix_overlap_weight,
+                            self.config.prefill_kv_usage_weight)
+
     @staticmethod
     def _uncached_tokens(flight: Flight, load: WorkerLoad) -> int:
         """The prompt tokens ``load`` has to compute for ``flight`` (its routing's hit off)."""
         block_size = int(load.stats.ledger.get("block_size", 16))
         hit = flight.prefill_routing.hit_blocks if flight.prefill_routing else 0
-        return (len(flight.request.prompt_token_ids) + len(flight.request.output_token_ids)
-                - hit * block_size)
+        return len(_attempt_tokens(flight)) - hit * block_size
 
     async def _renew_lease(self, flight: Flight, reservation: Reservation) -> None:
         """Keep the reservation alive while the prefill call is pending (see module doc)."""
@@ -476,3 +520,8 @@ class Router:
                                                                   Phase.DECODING):
                 flight.queue.put_nowait(AttemptFailed("worker_lost",
                                                       f"worker {worker_id} lost: {why}"))
+
+
+def _attempt_tokens(flight: Flight) -> list[int]:
+    """The tokens an attempt prefills: the prompt, then the outputs already streamed."""
+    return flight.request.prompt_token_ids + flight.request.output_token_ids

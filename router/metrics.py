@@ -158,6 +158,10 @@ class RouterMetrics:
         self.migrations = Counter("pdserve_request_migrations", "Requests moved to new workers "
                                   "after their first token, by why the attempt failed",
                                   ("reason",), registry=r)
+        self.prefill_location = Counter("pdserve_prefill_location", "Disaggregated attempts "
+                                        "by where their prompt was computed: remote (a prefill "
+                                        "worker) or local (the decode worker)",
+                                        ("location",), registry=r)
         self.worker_restarts = Counter("pdserve_worker_restarts", "Dead workers replaced by "
                                        "the pool manager", ("role",), registry=r)
         self.requests_failed = Counter("pdserve_requests_failed", "Generate calls that ended "

@@ -1,4 +1,5 @@
-"""Pairing policy: which decode worker reserves, which prefill worker computes.
+"""Pairing policy: which decode worker reserves, which prefill worker computes, and whether
+the decode worker computes the prompt itself (conditional disaggregation).
 
 Decode: the worker with the most free blocks after the reservations this router made that its
 stats do not count yet, then the fewest running requests. Prefill (and colocated, whose
@@ -8,7 +9,7 @@ not count yet), less the prompt tokens its prefix cache holds, plus a term for i
 with weights from ``RouterConfig``. The router reads the cached tokens off its KV index
 (``router/kv_index.py``, fed by the workers' KV events; every router sees the same) by the
 prompt's chained block hashes (the engine's own salted sha256, ``pdserve.engine.prefix_hash``,
-with the cluster's salt).
+with the cluster's salt). Where the prompt is computed: :func:`prefill_location`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from pdserve.engine.prefix_hash import chained_block_hashes
 from pdserve.engine.protocol import WorkerStats
 from pdserve.router.kv_index import KVIndex
 
-__all__ = ["PrefillRouting", "WorkerLoad", "chained_block_hashes", "rank_decode",
-           "rank_prefill"]
+__all__ = ["PrefillLocation", "PrefillRouting", "TransferCost", "WorkerLoad",
+           "chained_block_hashes", "prefill_location", "rank_decode", "rank_prefill"]
 
 
 @dataclass
@@ -106,3 +107,68 @@ def rank_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_siz
                                       next_load and next_load.stats.worker_id, next_cost)))
     return out
 
+
+
+class TransferCost:
+    """What shipping one KV block costs against prefilling one prompt token, as the router
+    saw it on the remote prefills it made: averages (exponentially weighted, ``weight`` to the
+    newest) of a request's transfer time per block (token 0 sampled -> the last frame sent)
+    and of its prefill time per computed token (first chunk -> token 0; a chunk that shared
+    its step with others counts the whole step)."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self.block_s: float | None = None
+        self.token_s: float | None = None
+
+    def observe(self, tokens: int, prefill_s: float, blocks: int, transfer_s: float) -> None:
+        """One remote prefill: ``tokens`` computed in ``prefill_s``, ``blocks`` sent in
+        ``transfer_s``."""
+        if tokens > 0 and prefill_s > 0:
+            self.token_s = self._mix(self.token_s, prefill_s / tokens)
+        if blocks > 0 and transfer_s >= 0:
+            self.block_s = self._mix(self.block_s, transfer_s / blocks)
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.weight * (new - old)
+
+    @property
+    def tokens_per_block(self) -> float:
+        """Prompt tokens of prefill that cost what one block's transfer does (0: not seen)."""
+        if not self.block_s or not self.token_s:
+            return 0.0
+        return self.block_s / self.token_s
+
+
+@dataclass(frozen=True)
+class PrefillLocation:
+    """Where a disaggregated request's prompt is computed, and why (the trace keeps it)."""
+
+    location: str  # "remote": a prefill worker, its KV shipped; "local": the decode worker
+    # prompt tokens of work before token 0 at each (:func:`prefill_location`; None: not
+    # weighed, the mode "always" or "never" decided alone)
+    local_cost: float | None = None
+    remote_cost: float | None = None
+
+
+def prefill_location(max_local_tokens: int, num_tokens: int, decode: WorkerLoad,
+                     prefill: PrefillRouting | None, num_blocks: int,
+                     tokens_per_block: float) -> PrefillLocation:
+    """Conditional disaggregation's rule (``RouterConfig.disaggregation`` "auto"): where to
+    compute a prompt of ``num_tokens`` (prompt and any output it carries) that holds
+    ``num_blocks`` KV blocks, ``decode`` being the decode worker it would go to and ``prefill``
+    the routing of the best prefill worker (None: there is none). The cheaper place, in prompt
+    tokens of work before the first token:
+
+        local  = decode's queued prompt tokens + num_tokens   (decode workers cache no prefix)
+        remote = prefill.cost + num_tokens + num_blocks * tokens_per_block
+
+    (``prefill.cost`` is the prefill worker's queue less the prefix it holds, as ranked by
+    :func:`rank_prefill`; ``tokens_per_block``: :class:`TransferCost`.) Local only when
+    ``num_tokens <= max_local_tokens``, which bounds the stall a local prefill adds to the
+    decode worker's running requests, and only when strictly cheaper: ties go remote."""
+    local = decode.stats.queued_tokens + decode.pending_tokens + num_tokens
+    remote = (float("inf") if prefill is None
+              else prefill.cost + num_tokens + num_blocks * tokens_per_block)
+    where = "local" if num_tokens <= max_local_tokens and local < remote else "remote"
+    return PrefillLocation(where, local, remote)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pdserve.engine.protocol import RequestDelta
 from pdserve.router.flight import Flight
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pairing import PrefillRouting
+from pdserve.router.pairing import PrefillLocation, PrefillRouting
 
 
 @dataclass
@@ -29,6 +29,8 @@ class RequestTrace:
     num_migrations: int = 0  # attempts moved to new workers after the first token
     prefill_routing: PrefillRouting | None = None  # how the worker that computed its prompt
     # was chosen (the first prefill worker, or the colocated worker)
+    prefill_location: PrefillLocation | None = None  # disaggregated: where the prompt was
+    # computed (a prefill worker, or the decode worker itself) and why
 
     @property
     def tpot(self) -> float:
@@ -61,12 +63,15 @@ def observe(flight: Flight, delta: RequestDelta, metrics: RouterMetrics) -> Requ
 
 
 def _colocated_trace(flight: Flight, delta: RequestDelta, metrics: RouterMetrics) -> RequestTrace:
-    """The trace of a request no prefill worker returned: a colocated worker's first token
-    says how long the request queued there and how long its prefill took."""
-    trace = RequestTrace(flight.request_id, 0.0, 0.0, prefill_routing=flight.prefill_routing)
+    """The trace of a request no prefill worker returned: the first token of the colocated
+    worker, or of the decode worker that prefilled it, says how long the request queued there
+    and how long its prefill took."""
+    trace = RequestTrace(flight.request_id, 0.0, 0.0, prefill_routing=flight.prefill_routing,
+                         prefill_location=flight.prefill_location)
     if delta.queue_time_s is not None and delta.prefill_time_s is not None:
         trace.queue, trace.prefill = delta.queue_time_s, delta.prefill_time_s
-        labels = ("colocated", flight.decode_id or "")
+        role = "colocated" if flight.prefill_location is None else "decode"
+        labels = (role, flight.decode_id or "")
         metrics.queue.labels(*labels).observe(trace.queue)
         metrics.prefill.labels(*labels).observe(trace.prefill)
     return trace

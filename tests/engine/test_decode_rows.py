@@ -25,7 +25,7 @@ from pdserve.engine.parts import EngineParts
 from pdserve.engine.protocol import NoRoomNow, WorkRequest
 from pdserve.engine.sampler import SamplingBatch, sampling_row
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduling_policy import DecodeOnlyPolicy
+from pdserve.engine.scheduling_policy import DecodePolicy
 
 
 def _engine(tiny_dir, rebuild: bool) -> LLMEngine:
@@ -295,7 +295,7 @@ def test_a_decode_that_must_preempt_leaves_the_rows_for_the_general_step(tiny_di
 def _decode_engine(tiny_dir, rows_on: bool) -> LLMEngine:
     parts = EngineParts.build(EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=40,
                                            max_num_seqs=12))
-    engine = LLMEngine(parts, policy=DecodeOnlyPolicy())
+    engine = LLMEngine(parts, policy=DecodePolicy())
     engine.persistent_batch = rows_on
     return engine
 

@@ -10,7 +10,7 @@ from pdserve import SamplingParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.scheduling_policy import (
-    DecodeOnlyPolicy,
+    DecodePolicy,
     PrefillOnlyPolicy,
     SchedulingPolicy,
 )
@@ -104,7 +104,7 @@ def test_fcfs_lets_the_running_prefill_keep_its_chunk():
 
 
 def test_the_lowest_priority_running_request_is_bounced_on_a_decode_worker():
-    sched = make(DecodeOnlyPolicy("priority"), num_blocks=7)
+    sched = make(DecodePolicy("priority"), num_blocks=7)
     seqs = []
     for i, priority in enumerate([0, 9, 1]):  # 9 is the victim though not the newest
         s = seq(f"r{i}", 7, priority, max_tokens=8, arrival=i)

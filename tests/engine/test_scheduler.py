@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import (
-    DecodeOnlyPolicy,
+    DecodePolicy,
     PrefillOnlyPolicy,
     Scheduler,
     SchedulerConfig,
@@ -193,9 +193,7 @@ def test_refusals_name_the_field_and_limit():
     windowed = make_sched(num_blocks=4, block_size=4, max_model_len=64, window=8)
     windowed.add(req("long-but-windowed", 40, max_tokens=20))  # ceil(8 / 4) + 2 = 4 blocks
     windowed.abort("long-but-windowed")
-    decode = make_sched(policy=DecodeOnlyPolicy())
-    with pytest.raises(ValueError, match="add_running"):
-        decode.add(req("p", 4))
+    decode = make_sched(policy=DecodePolicy())
     with pytest.raises(ValueError, match="block_table"):
         uncovered = req("u", 4)
         uncovered.num_computed_tokens = 4
@@ -296,7 +294,7 @@ def test_prefill_only_policy_hands_off_after_the_prompt():
 
 
 def test_decode_only_policy_continues_committed_sequences():
-    sched = make_sched(num_blocks=7, block_size=4, policy=DecodeOnlyPolicy())
+    sched = make_sched(num_blocks=7, block_size=4, policy=DecodePolicy())
     seqs = [computed_elsewhere(sched.block_manager, f"r{i}", 9, max_tokens=6) for i in range(2)]
     for seq in seqs:
         sched.add_running(seq)
@@ -310,7 +308,7 @@ def test_decode_only_policy_continues_committed_sequences():
 
 
 def test_running_sequences_beyond_max_num_seqs_take_turns():
-    sched = make_sched(max_seqs=1, policy=DecodeOnlyPolicy())
+    sched = make_sched(max_seqs=1, policy=DecodePolicy())
     seqs = [computed_elsewhere(sched.block_manager, f"r{i}", [i] * 5, max_tokens=3)
             for i in range(2)]
     for seq in seqs:

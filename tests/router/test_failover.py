@@ -178,6 +178,18 @@ def test_decode_failure_mid_stream_migrates_without_a_lost_token(hf_checkpoint, 
     assert victims <= {t.request_id for t in c.router.traces if t.num_migrations}
 
 
+@pytest.mark.parametrize("fault", [kill, crash_loop], ids=["killed", "loop-raised"])
+def test_a_decode_worker_lost_while_it_prefills_locally_moves_its_requests(hf_checkpoint, fault):
+    model_dir = hf_checkpoint("llama")
+    config = RouterConfig(stats_interval_s=0.05, worker_wait_s=5.0, disaggregation="never")
+    reqs, results, victims, used, c = run_with_fault(model_dir, fault, config, num_prefill=1,
+                                                     num_decode=2)
+    assert_draws(model_dir, reqs, results)
+    assert victims and used == [0, 0]
+    assert victims <= {t.request_id for t in c.router.traces if t.num_migrations}
+    assert {t.prefill_location.location for t in c.router.traces} == {"local"}
+
+
 def test_colocated_worker_failure_migrates_to_another(hf_checkpoint):
     model_dir = hf_checkpoint("llama")
     reqs, results, victims, used, _ = run_with_fault(model_dir, crash_loop,

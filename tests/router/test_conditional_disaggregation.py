@@ -1,0 +1,160 @@
+"""Conditional disaggregation: the router prefills a prompt on the decode worker itself when
+its cost model says that is cheaper and the prompt is short; the tokens stay the same."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.cluster.workers import build_local_workers
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.protocol import WorkerStats
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.backend import ModelSpec
+from pdserve.router.config import RouterConfig
+from pdserve.router.core import Router
+from pdserve.router.directory import StaticDirectory
+from pdserve.router.pairing import PrefillRouting, TransferCost, WorkerLoad, prefill_location
+
+LOCATION = "pdserve_prefill_location_total"
+
+
+def decode_load(queued: int = 0, pending: int = 0) -> WorkerLoad:
+    load = WorkerLoad(WorkerStats("d", "decode", 128, 100, 28, 0, 0, 0, queued, 0, 0, 0))
+    if pending:
+        load.sent(tokens=pending, at=1.0)
+    return load
+
+
+def best_prefill(cost: float) -> PrefillRouting:
+    return PrefillRouting("p", hit_blocks=0, cost=cost)
+
+
+@pytest.mark.parametrize("decode, prefill, tokens_per_block, where", [
+    (decode_load(), best_prefill(0), 2.0, "local"),  # only the transfer differs: local
+    (decode_load(), best_prefill(0), 0.0, "remote"),  # transfer not measured yet: a tie
+    (decode_load(queued=30), best_prefill(0), 2.0, "remote"),  # 130 > 100 + 10 * 2
+    (decode_load(pending=30), best_prefill(0), 2.0, "remote"),  # sent, not in stats yet
+    (decode_load(queued=30), best_prefill(50), 0.0, "local"),  # the prefill queue is deeper
+    (decode_load(), best_prefill(-64), 2.0, "remote"),  # the prefill worker holds the prefix
+    (decode_load(), None, 0.0, "local"),  # no prefill worker at all
+])
+def test_auto_takes_the_cheaper_place(decode, prefill, tokens_per_block, where):
+    got = prefill_location(1024, 100, decode, prefill, 10, tokens_per_block)
+    assert got.location == where
+    assert got.local_cost == decode.stats.queued_tokens + decode.pending_tokens + 100
+    expected_remote = (float("inf") if prefill is None
+                       else prefill.cost + 100 + 10 * tokens_per_block)
+    assert got.remote_cost == expected_remote
+
+
+def test_a_prompt_over_the_local_limit_goes_remote_however_cheap():
+    assert prefill_location(99, 100, decode_load(), None, 10, 2.0).location == "remote"
+    assert prefill_location(100, 100, decode_load(), None, 10, 2.0).location == "local"
+
+
+def test_transfer_cost_is_a_weighted_average_of_what_was_seen():
+    cost = TransferCost(weight=0.5)
+    assert cost.tokens_per_block == 0.0
+    cost.observe(tokens=100, prefill_s=1.0, blocks=10, transfer_s=0.5)  # 0.01 s/token
+    assert cost.tokens_per_block == pytest.approx(5.0)  # 0.05 s/block
+    cost.observe(tokens=100, prefill_s=1.0, blocks=10, transfer_s=1.5)  # 0.15 s/block
+    assert cost.tokens_per_block == pytest.approx(10.0)  # (0.05 + 0.15) / 2 / 0.01
+    cost.observe(tokens=0, prefill_s=0.0, blocks=0, transfer_s=0.0)  # nothing computed: kept
+    assert cost.tokens_per_block == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("field, value", [("disaggregation", "sometimes"),
+                                          ("max_local_prefill_length", -1)])
+def test_config_names_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        RouterConfig(**{field: value})
+
+
+def _cluster(tiny_dir, num_decode=1):
+    config = EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=96)
+    return build_local_workers(config, num_prefill=1, num_decode=num_decode)
+
+
+async def _generate(router: Router, request_id: str, prompt: list[int], max_tokens: int = 8):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    tokens = []
+    async for delta in router.generate(request_id, prompt, params, None):
+        tokens += delta.token_ids
+    trace = next(t for t in reversed(router.traces) if t.request_id == request_id)
+    return tokens, trace
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + 7 * i) % 500 + 3 for i in range(n)]
+
+
+def _run(handles, config: RouterConfig, body):
+    async def main():
+        router = Router(ModelSpec("t", 256, 509, ()), StaticDirectory(handles), tokenize=list,
+                        config=config)
+        await router.start()
+        try:
+            return await body(router)
+        finally:
+            await router.stop()
+
+    try:
+        return asyncio.run(main())
+    finally:
+        for h in handles:
+            h.close()
+
+
+def test_local_prefill_gives_the_remote_tokens_and_leaves_the_prefill_worker_idle(tiny_dir):
+    prompts = [_prompt(n, seed) for seed, n in enumerate((5, 23, 40))]
+
+    async def always(router):
+        return [await _generate(router, f"a{i}", p) for i, p in enumerate(prompts)]
+
+    async def never(router):  # all at once: the local prefills share decode steps
+        return await asyncio.gather(*(_generate(router, f"n{i}", p)
+                                      for i, p in enumerate(prompts)))
+
+    remote = _run(_cluster(tiny_dir), RouterConfig(disaggregation="always"), always)
+    handles = _cluster(tiny_dir)
+    prefill = next(h for h in handles if h.role == "prefill")
+    local = _run(handles, RouterConfig(disaggregation="never"), never)
+    assert [tokens for tokens, _ in local] == [tokens for tokens, _ in remote]
+    assert all(len(tokens) == 8 for tokens, _ in local)
+    assert [t.prefill_location.location for _, t in remote] == ["remote"] * 3
+    assert [t.prefill_location.location for _, t in local] == ["local"] * 3
+    assert all(t.transfer == 0 and t.prefill > 0 and t.prefill_routing is None
+               for _, t in local)
+    assert prefill.worker.engine.parts.block_manager.num_prefix_query_tokens == 0
+
+
+def test_auto_prefills_short_prompts_locally_once_the_transfer_is_measured(tiny_dir):
+    config = RouterConfig(disaggregation="auto", max_local_prefill_length=32)
+    handles = _cluster(tiny_dir)
+    prefill = next(h for h in handles if h.role == "prefill")
+
+    async def body(router):
+        first = await _generate(router, "first", _prompt(12, 1))  # no transfer seen: a tie
+        tokens_per_block = router._transfer_cost.tokens_per_block
+        await router.workers.refresh()  # stats that count the first prompt as done
+        short = await _generate(router, "short", _prompt(12, 2))
+        await router.workers.refresh()
+        long = await _generate(router, "long", _prompt(40, 3))  # over the limit
+        registry = router.metrics.registry
+        counts = {where: registry.get_sample_value(LOCATION, {"location": where})
+                  for where in ("local", "remote")}
+        return first[1], short[1], long[1], counts, tokens_per_block
+
+    first, short, long, counts, tokens_per_block = _run(handles, config, body)
+    assert first.prefill_location.location == "remote" and first.transfer > 0
+    assert tokens_per_block > 0
+    assert short.prefill_location.location == "local"
+    assert short.prefill_location.local_cost == 12
+    assert short.prefill_location.remote_cost == pytest.approx(12 + 3 * tokens_per_block)
+    assert long.prefill_location.location == "remote"
+    assert long.prefill_location.local_cost == 40  # cheaper, but over the limit
+    assert counts == {"local": 1, "remote": 2}
+    # the prefill worker computed the first and the long prompt only
+    assert prefill.worker.engine.parts.block_manager.num_prefix_query_tokens == 12 + 40
