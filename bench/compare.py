@@ -1,16 +1,18 @@
-"""``pdserve bench compare``: disaggregated (1 prefill + 1 decode) against colocated (2
-workers) on the same machine, the same model, the same seeded trace, at a sweep of rates.
+"""``pdserve bench compare``: disaggregated (1 prefill + 1 decode, every prompt on the
+prefill worker), auto (the same two workers, conditional disaggregation: a short prompt may be
+prefilled on the decode worker) and colocated (2 workers) on the same machine, the same model,
+the same seeded trace, at a sweep of rates.
 
-1. Start both embedded clusters (two workers each) in one Ray, warm each up, then for each
-   rate run ``pdserve bench serve`` (:mod:`pdserve.bench.serve`) on one and then the other
-   (the order alternating per rate, so the machine's noise hits both modes alike): the same
+1. Start the modes' embedded clusters (two workers each) in one Ray, warm each up, then for
+   each rate run ``pdserve bench serve`` (:mod:`pdserve.bench.serve`) on one after the other
+   (the order reversing per rate, so the machine's noise hits every mode alike): the same
    prompts and output lengths each time, arrivals of the same seeded gamma process scaled to
    the rate. Only one cluster has traffic at a time; the idle one's workers sleep.
 2. SLOs: the ``goodput`` given, else derived after the sweep from the lowest rate (nearly
    unloaded): TTFT SLO = 3 x the better mode's median TTFT there, TPOT SLO = 2 x its median
    TPOT. Each request is good when it meets both; attainment = good / sent.
-3. Report per mode the highest swept rate whose attainment is >= 90 % and the ratio
-   disaggregated / colocated, and write ``compare.json`` and the plots
+3. Report per mode the highest swept rate whose attainment is >= 90 % and its ratio to
+   colocated's, and write ``compare.json`` and the plots
    (:mod:`pdserve.bench.plots`) into the output folder. ``from_result`` re-scores a saved
    ``compare.json`` (other SLOs) and redraws its plots without running anything.
 
@@ -51,7 +53,8 @@ from pdserve.router.core import RouterConfig
 
 logger = logging.getLogger(__name__)
 
-MODES = ("disaggregated", "colocated")
+MODES = ("disaggregated", "auto", "colocated")
+DISAGGREGATION = {"disaggregated": "always", "auto": "auto"}  # RouterConfig.disaggregation
 ATTAINMENT = 0.9  # the headline: the highest rate at >= 90 % SLO attainment
 TTFT_SLO_SCALE = 3.0  # derived SLOs: these many times the lowest rate's median
 TPOT_SLO_SCALE = 2.0  # (token pacing is what colocated prefill chunks disturb)
@@ -66,6 +69,7 @@ class CompareOptions:
     """What ``pdserve bench compare`` is asked for."""
 
     model: str | None = None  # None: a random Llama of COMPARE_MODEL written for the run
+    modes: tuple[str, ...] = MODES  # which of MODES to run
     rates: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 4.0)  # requests/s
     num_prompts: int = 16  # per rate
     seed: int = 0
@@ -85,6 +89,11 @@ class CompareOptions:
         if not self.rates or any(not r > 0 for r in self.rates):
             raise ValueError("rates must be a non-empty list of numbers > 0")
         self.rates = tuple(sorted(self.rates))
+        unknown = set(self.modes) - set(MODES)
+        if not self.modes or unknown:
+            raise ValueError(f"modes must be a non-empty list of {', '.join(MODES)}, "
+                             f"got {', '.join(self.modes)}")
+        self.modes = tuple(m for m in MODES if m in self.modes)
 
 
 def write_random_llama(path: Path, seed: int = 0, **overrides) -> Path:
@@ -115,12 +124,14 @@ def cluster_options(mode: str, model: str, opts: CompareOptions):
     engine = dict(dtype="float32", memory_budget_bytes=opts.memory_budget_mib << 20,
                   max_num_batched_tokens=opts.max_num_batched_tokens,
                   enable_prefix_caching=False)
-    shape = (dict(num_prefill=1, num_decode=1) if mode == "disaggregated"
-             else dict(colocated=True, num_decode=2))
-    # worker_cpus=0: both clusters share one Ray whose CPUs would otherwise all go to the
+    shape = (dict(colocated=True, num_decode=2) if mode == "colocated"
+             else dict(num_prefill=1, num_decode=1))
+    router = RouterConfig(stats_interval_s=0.25,
+                          disaggregation=DISAGGREGATION.get(mode, "always"))
+    # worker_cpus=0: the clusters share one Ray whose CPUs would otherwise all go to the
     # first; every worker still runs one torch thread.
     return ClusterOptions(model=model, port=0, metrics_port=None, engine=engine,
-                          router=RouterConfig(stats_interval_s=0.25), worker_cpus=0, **shape)
+                          router=router, worker_cpus=0, **shape)
 
 
 def serve_options(target: str, opts: CompareOptions, rate: float, num_prompts: int,
@@ -133,13 +144,14 @@ def serve_options(target: str, opts: CompareOptions, rate: float, num_prompts: i
 
 
 def run_modes(model: str, opts: CompareOptions) -> dict[str, dict[float, dict]]:
-    """mode -> rate -> the bench serve result (step 1): both clusters up at once, the rates
-    interleaved (which mode goes first alternates), so the machine's noise hits both alike."""
-
-    runs: dict[str, dict[float, dict]] = {mode: {} for mode in MODES}
+    """mode -> rate -> the bench serve result (step 1): every mode's cluster up at once, the
+    rates interleaved (the modes' order reverses per rate), so the machine's noise hits every
+    mode alike."""
+    modes = opts.modes
+    runs: dict[str, dict[float, dict]] = {mode: {} for mode in modes}
     with contextlib.ExitStack() as stack:
         clusters = {}
-        for mode in MODES:  # the first starts Ray (and stops it last), the second joins it
+        for mode in modes:  # the first starts Ray (and stops it last), the others join it
             cluster = EmbeddedCluster(cluster_options(mode, model, opts))
             stack.callback(cluster.stop)
             cluster.start()
@@ -148,7 +160,7 @@ def run_modes(model: str, opts: CompareOptions) -> dict[str, dict[float, dict]]:
             run_serve(replace(serve_options(cluster.target, opts, math.inf, 2,
                                             f"{mode} warm-up"), seed=opts.seed + 1))
         for i, rate in enumerate(opts.rates):
-            for mode in (MODES if i % 2 == 0 else MODES[::-1]):
+            for mode in (modes if i % 2 == 0 else modes[::-1]):
                 logger.info("%s: rate %g req/s", mode, rate)
                 runs[mode][rate] = run_serve(serve_options(
                     clusters[mode].target, opts, rate, opts.num_prompts, f"{mode} {rate:g} req/s"))
@@ -172,7 +184,8 @@ def derive_slos(runs: dict[str, dict[float, dict]]) -> dict[str, float]:
 
 def score(runs: dict[str, dict[float, dict]], slos: dict[str, float]) -> dict:
     """Per mode and rate: P99 TTFT/TPOT, goodput and attainment against ``slos``; the
-    highest rate at >= ATTAINMENT per mode and the ratio (step 3)."""
+    highest rate at >= ATTAINMENT per mode and each mode's ratio to colocated's (step 3:
+    ``ratio`` is disaggregated's)."""
     table: dict[str, dict[float, dict]] = {}
     for mode, by_rate in runs.items():
         table[mode] = {}
@@ -189,9 +202,11 @@ def score(runs: dict[str, dict[float, dict]], slos: dict[str, float]) -> dict:
                 "phases": result.get("phases")}
     best = {mode: max((r for r, row in rows.items() if row["slo_attainment"] >= ATTAINMENT),
                       default=None) for mode, rows in table.items()}
-    d, c = best.get("disaggregated"), best.get("colocated")
-    return {"table": table, "best_rate": best,
-            "ratio": d / c if d is not None and c else None}
+    c = best.get("colocated")
+    ratios = {mode: (rate / c if rate is not None and c else None)
+              for mode, rate in best.items() if mode != "colocated"}
+    return {"table": table, "best_rate": best, "ratios": ratios,
+            "ratio": ratios.get("disaggregated")}
 
 
 def load_runs(path: str) -> dict[str, dict[float, dict]]:

@@ -114,6 +114,10 @@ def add_compare_flags(parser) -> None:
                                                       "Llama written for the run, see --help)")
     parser.add_argument("--rates", type=_float_list, default=None,
                         help="comma list of request rates to sweep (req/s)")
+    parser.add_argument("--modes", type=lambda text: tuple(text.split(",")), default=None,
+                        help="comma list of the modes to run: disaggregated (1P+1D, every "
+                             "prompt on the prefill worker), auto (1P+1D, conditional "
+                             "disaggregation), colocated (2 workers); default all three")
     parser.add_argument("--output-dir", default="pdserve-compare", metavar="DIR",
                         help="where compare.json and the PNG plots go")
     parser.add_argument("--memory-budget-mib", type=int, default=None,

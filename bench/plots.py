@@ -16,7 +16,8 @@ from pathlib import Path
 from pdserve.bench.phases import PHASES
 
 _STYLE = {"disaggregated": dict(color="tab:blue", marker="o"),
-          "colocated": dict(color="tab:orange", marker="s")}
+          "colocated": dict(color="tab:orange", marker="s"),
+          "auto": dict(color="tab:green", marker="^")}
 
 
 def _pyplot():

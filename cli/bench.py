@@ -29,15 +29,16 @@ from pdserve.cli.common import add_client_security, admin_security, client_secur
 
 def add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="load benchmarks: serve (a running server), compare "
-                                         "(disaggregated vs colocated)")
+                                         "(disaggregated, auto and colocated)")
     kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,compare}")
     serve = kinds.add_parser("serve", help="send a seeded trace to a running server; vLLM's "
                                            "bench serve result keys plus the phase split")
     add_serve_flags(serve)
     add_client_security(serve, admin=True)  # the admin key reads the server-side phases
-    compare = kinds.add_parser("compare", help="disaggregated (1P+1D) vs colocated (2 workers) "
-                                               "on the embedded cluster at a sweep of rates; "
-                                               "JSON and PNG plots")
+    compare = kinds.add_parser("compare", help="disaggregated (1P+1D), auto (1P+1D, conditional "
+                                               "disaggregation) and colocated (2 workers) on "
+                                               "the embedded cluster at a sweep of rates; JSON "
+                                               "and PNG plots")
     add_compare_flags(compare)
 
 
@@ -75,7 +76,8 @@ def _cmd_bench_compare(args) -> int:
 
     prog = "pdserve bench compare"
     given = {k: v for k, v in dict(
-        rates=args.rates, num_prompts=args.num_prompts, memory_budget_mib=args.memory_budget_mib,
+        rates=args.rates, modes=args.modes, num_prompts=args.num_prompts,
+        memory_budget_mib=args.memory_budget_mib,
         max_num_batched_tokens=args.max_num_batched_tokens).items() if v is not None}
     try:
         options = CompareOptions(
@@ -88,8 +90,7 @@ def _cmd_bench_compare(args) -> int:
         fail(prog, str(exc))
     if options.from_result is None:
         print(f"pdserve bench compare: {len(options.rates)} rates x {options.num_prompts} "
-              "requests, disaggregated (1 prefill + 1 decode) and colocated (2 workers), "
-              "interleaved...", flush=True)
+              f"requests, {', '.join(options.modes)}, interleaved...", flush=True)
     try:
         doc = run_compare(options)
     except (OSError, KeyError, ValueError) as exc:

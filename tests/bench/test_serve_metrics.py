@@ -170,25 +170,36 @@ def _fake_run(rate: float, slow: float, rng: random.Random) -> dict:
 def test_compare_scoring_and_plots(tmp_path):
     rng = random.Random(0)
     runs = {"disaggregated": {r: _fake_run(r, 1.0, rng) for r in (1.0, 2.0, 4.0)},
+            "auto": {r: _fake_run(r, 0.5, rng) for r in (1.0, 2.0, 4.0)},
             "colocated": {r: _fake_run(r, 2.0, rng) for r in (1.0, 2.0, 4.0)}}
     derived = derive_slos(runs)  # the better mode at the lowest rate: TTFT x 3, TPOT x 2
-    assert derived["ttft"] == pytest.approx(3 * runs["disaggregated"][1.0]["median_ttft_ms"])
-    assert derived["tpot"] == pytest.approx(2 * runs["disaggregated"][1.0]["median_tpot_ms"])
+    assert derived["ttft"] == pytest.approx(3 * runs["auto"][1.0]["median_ttft_ms"])
+    assert derived["tpot"] == pytest.approx(2 * runs["auto"][1.0]["median_tpot_ms"])
     slos = {"ttft": 1000.0, "tpot": 25.0}  # TPOT is 10 ms x rate x slowness here
     scored = score(runs, slos)
     att = {m: [scored["table"][m][r]["slo_attainment"] for r in (1.0, 2.0, 4.0)]
            for m in runs}
-    assert att == {"disaggregated": [1.0, 1.0, 0.0], "colocated": [1.0, 0.0, 0.0]}
-    assert scored["best_rate"] == {"disaggregated": 2.0, "colocated": 1.0}
+    assert att == {"disaggregated": [1.0, 1.0, 0.0], "auto": [1.0, 1.0, 1.0],
+                   "colocated": [1.0, 0.0, 0.0]}
+    assert scored["best_rate"] == {"disaggregated": 2.0, "auto": 4.0, "colocated": 1.0}
+    assert scored["ratios"] == {"disaggregated": 2.0, "auto": 4.0}
     assert scored["ratio"] == 2.0
     doc = {**scored, "slos_ms": slos, "slos_derived": True, "attainment_target": 0.9}
-    assert "highest rate at >= 90% SLO attainment" in format_compare(doc)
+    text = format_compare(doc)
+    assert "highest rate at >= 90% SLO attainment" in text
+    assert "disaggregated / colocated: 2.00x" in text and "auto / colocated: 4.00x" in text
     paths = write_plots(doc, tmp_path / "plots")
     assert sorted(p.name for p in paths) == ["goodput_vs_rate.png", "p99_tpot_vs_rate.png",
                                              "p99_ttft_vs_rate.png", "phases.png"]
     for p in paths:
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_compare_modes_are_checked():
+    assert CompareOptions(modes=("colocated", "auto")).modes == ("auto", "colocated")
+    with pytest.raises(ValueError, match="modes"):
+        CompareOptions(modes=("disaggregated", "sometimes"))
 
 
 def test_compare_rescores_a_saved_result(tmp_path):
