@@ -67,7 +67,8 @@ def trace_dict(trace: admin_pb2.RequestTrace) -> dict:
             "decode": trace.decode_s, "num_prompt_tokens": trace.prompt_tokens,
             "num_output_tokens": trace.output_tokens,
             "finish_reason": trace.finish_reason or None, "num_retries": trace.retries,
-            "num_migrations": trace.migrations}
+            "num_migrations": trace.migrations,
+            "prefill_location": trace.prefill_location or None}
 
 
 def pool_dict(pool: admin_pb2.Pool) -> dict:

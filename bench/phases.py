@@ -40,3 +40,25 @@ def phase_split(traces) -> dict[str, dict[str, float]]:
                       "p50_ms": 1e3 * percentile(values, 50),
                       "p99_ms": 1e3 * percentile(values, 99), "share": sum(values) / total}
     return out
+
+
+def prefill_locations(traces) -> dict[str, int] | None:
+    """How many of ``traces`` had their prompt computed where: {"remote": n, "local": m}
+    (conditional disaggregation); None when no trace says (colocated workers, an older
+    server)."""
+    counts = {"remote": 0, "local": 0}
+    for trace in traces:
+        where = _location(as_dict(trace).get("prefill_location"))
+        if where in counts:
+            counts[where] += 1
+    return counts if any(counts.values()) else None
+
+
+def _location(value) -> str | None:
+    """A trace's location: a string (Admin's dict) or a ``PrefillLocation`` (as a dict)."""
+    return value.get("location") if isinstance(value, dict) else value
+
+
+def format_prefill_locations(counts: dict[str, int]) -> str:
+    return (f"prompts computed on a prefill worker (KV shipped): {counts['remote']}, on the "
+            f"decode worker itself: {counts['local']} (--disaggregation)")

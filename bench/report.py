@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from pdserve.bench.phases import PHASES
+from pdserve.bench.phases import PHASES, format_prefill_locations
 from pdserve.bench.stats import format_table
 
 _TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
@@ -48,6 +48,8 @@ def format_serve(result: dict) -> str:
     if result.get("phases"):
         lines += ["", f"where the time went (router traces of {result['num_traces']} requests; "
                       "router = TTFT no worker timed)", format_phases(result["phases"])]
+    if result.get("prefill_locations"):
+        lines.append(format_prefill_locations(result["prefill_locations"]))
     if result.get("workers"):
         lines += ["", "workers while serving (sampled each second)",
                   format_workers(result["workers"])]

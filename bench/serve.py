@@ -41,7 +41,7 @@ from tqdm import tqdm
 from pdserve.api.admin_client import AdminClient, trace_dict
 from pdserve.api.client import AsyncPdserveClient, PdserveError
 from pdserve.bench.http_client import HttpCompletions
-from pdserve.bench.phases import phase_split
+from pdserve.bench.phases import phase_split, prefill_locations
 from pdserve.bench.stats import percentile
 from pdserve.bench.workload import (
     DATASETS,
@@ -317,7 +317,8 @@ def server_side(admins: list, request_ids: list[str], sampled: dict[str, dict]) 
     Admin service gives none) -> ``phases``; from the
     first admin, workers' ledgers and sampled utilisation and the server's configuration.
     Each part is None when the server does not offer it."""
-    out: dict = {"phases": None, "num_traces": 0, "workers": None, "server_config": None}
+    out: dict = {"phases": None, "num_traces": 0, "prefill_locations": None, "workers": None,
+                 "server_config": None}
     traces = []
     for admin in admins:
         try:
@@ -326,6 +327,7 @@ def server_side(admins: list, request_ids: list[str], sampled: dict[str, dict]) 
             logger.info("no traces: %s", exc)
     out["num_traces"] = len(traces)
     out["phases"] = phase_split(traces) if traces else None
+    out["prefill_locations"] = prefill_locations(traces)
     admin = admins[0]
     try:
         out["workers"] = {w.worker_id: {"role": w.role, "ledger": json.loads(w.ledger_json or

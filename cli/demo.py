@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from pdserve.api.client import AsyncPdserveClient
-from pdserve.bench.phases import PHASES, phase_seconds
+from pdserve.bench.phases import (
+    PHASES,
+    format_prefill_locations,
+    phase_seconds,
+    prefill_locations,
+)
 from pdserve.bench.stats import format_table, summarize
 from pdserve.cli.offline_demo import make_prompts
 from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
@@ -155,6 +160,9 @@ def format_report(report: DemoReport) -> str:
     rows = [[name, summarize(v)["mean"] * 1000, summarize(v)["p50"] * 1000,
              summarize(v)["p99"] * 1000] for name, v in phases]
     lines.append(format_table(["phase", "mean", "P50", "P99"], rows))
+    locations = prefill_locations(traces)
+    if locations:
+        lines.append(format_prefill_locations(locations))
     lines.append("\nmemory ledger per worker")
     lines.append(format_table(
         ["worker", "role", "weights MiB", "activations MiB", "KV pool MiB", "KV blocks",

@@ -142,7 +142,8 @@ def trace_pb(trace: RequestTrace) -> admin_pb2.RequestTrace:
         prefill_s=trace.prefill, transfer_s=trace.transfer, decode_s=trace.decode,
         prompt_tokens=trace.num_prompt_tokens, output_tokens=trace.num_output_tokens,
         finish_reason=trace.finish_reason or "", retries=trace.num_retries,
-        migrations=trace.num_migrations)
+        migrations=trace.num_migrations,
+        prefill_location=trace.prefill_location.location if trace.prefill_location else "")
 
 
 def pool_pb(info: PoolInfo) -> admin_pb2.Pool:

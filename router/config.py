@@ -32,7 +32,7 @@ class RouterConfig:
     # prefill worker holds counts as this many queued prompt tokens less (0: queues alone)
     prefill_kv_usage_weight: float = 0.0  # prefix routing: a prefill worker's share of KV
     # blocks in use, times this, counts as that many queued prompt tokens more
-    disaggregation: str = "always"  # with prefill and decode pools, where a prompt is
+    disaggregation: str = "auto"  # with prefill and decode pools, where a prompt is
     # computed: always on a prefill worker; auto: on the decode worker itself when that is
     # sooner (the prefill queue and the KV transfer against the decode worker's queue) and
     # the prompt is short; never: always there

@@ -399,7 +399,9 @@ class Router:
         at = time.time()
         await flight.bounded(lambda: handle.submit(flight.request),
                             self.config.rpc_timeout_s, "submit")
-        load.sent(tokens=self._uncached_tokens(flight, load), at=at)
+        block_size = int(load.stats.ledger.get("block_size", 16))
+        load.sent(blocks=-(-len(_attempt_tokens(flight)) // block_size),
+                  tokens=self._uncached_tokens(flight, load), at=at)
 
     async def _prefill(self, flight: Flight, reservation: Reservation) -> PrefillResult:
         load = await self._pick_prefill(flight)

@@ -166,9 +166,11 @@ def prefill_location(max_local_tokens: int, num_tokens: int, decode: WorkerLoad,
     (``prefill.cost`` is the prefill worker's queue less the prefix it holds, as ranked by
     :func:`rank_prefill`; ``tokens_per_block``: :class:`TransferCost`.) Local only when
     ``num_tokens <= max_local_tokens``, which bounds the stall a local prefill adds to the
-    decode worker's running requests, and only when strictly cheaper: ties go remote."""
+    decode worker's running requests, when the decode worker has the blocks free now (a
+    reservation would wait for them in the router's queue, in the queue's order; a local
+    prefill would wait at the worker), and only when strictly cheaper: ties go remote."""
     local = decode.stats.queued_tokens + decode.pending_tokens + num_tokens
     remote = (float("inf") if prefill is None
               else prefill.cost + num_tokens + num_blocks * tokens_per_block)
-    where = "local" if num_tokens <= max_local_tokens and local < remote else "remote"
-    return PrefillLocation(where, local, remote)
+    allowed = num_tokens <= max_local_tokens and num_blocks <= decode.free_blocks
+    return PrefillLocation("local" if allowed and local < remote else "remote", local, remote)

@@ -21,6 +21,7 @@ from pdserve.bench.failover import (
     sigkill_busiest,
     stream_all,
 )
+from pdserve.router.config import RouterConfig
 from pdserve.testing.draw_check import draw_problems
 
 pytestmark = pytest.mark.e2e
@@ -30,7 +31,9 @@ ENGINE = dict(num_kv_blocks=512)
 
 @pytest.fixture(scope="module")
 def cluster(start_cluster, model_dir):
-    c = start_cluster(model_dir, num_prefill=2, num_decode=2, engine=ENGINE)
+    # every prompt on a prefill worker: these faults are the disaggregated path's
+    c = start_cluster(model_dir, num_prefill=2, num_decode=2, engine=ENGINE,
+                      router=RouterConfig(disaggregation="always"))
     yield c
     c.stop()
 

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.api.client import AsyncPdserveClient, PdserveClient, PdserveError
 from pdserve.cluster.processes import is_running
+from pdserve.router.config import RouterConfig
 from pdserve.router.grpc_server import SERVICE_NAME
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +36,8 @@ def cluster(start_cluster, model_dir):
             seen["health"] = client.health(timeout=10)
 
     c = start_cluster(model_dir, own_redis=True, stage=before_workers, num_prefill=1,
-                      num_decode=1, engine=dict(num_kv_blocks=512))
+                      num_decode=1, engine=dict(num_kv_blocks=512),
+                      router=RouterConfig(disaggregation="always"))  # every KV shipped
     c.health_before_workers = seen["health"]
     yield c
     c.stop()

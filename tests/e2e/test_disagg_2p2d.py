@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.router.config import RouterConfig
+
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 8
@@ -17,7 +19,8 @@ def model_dir(hf_checkpoint):
 
 @pytest.fixture(scope="module")
 def cluster(start_cluster, model_dir):
-    c = start_cluster(model_dir, num_prefill=2, num_decode=2)
+    c = start_cluster(model_dir, num_prefill=2, num_decode=2,
+                      router=RouterConfig(disaggregation="always"))  # every KV shipped
     yield c
     c.stop()
 

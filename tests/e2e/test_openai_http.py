@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from pdserve.api.client import ClientTLS, PdserveClient, PdserveError
+from pdserve.router.config import RouterConfig
 from pdserve.testing.certificates import make_test_certificates
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +36,8 @@ def certs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(start_cluster, chat_model, certs):
     cluster = start_cluster(chat_model, http_port=0, api_key=KEY, tls_cert=certs["server_cert"],
-                            tls_key=certs["server_key"])
+                            tls_key=certs["server_key"],  # prompts on the prefill worker:
+                            router=RouterConfig(disaggregation="always"))  # its prefix cache
     yield cluster
     cluster.stop()
 

@@ -7,15 +7,19 @@ import asyncio
 
 import pytest
 
+from pdserve.api.admin_client import trace_dict
+from pdserve.bench.phases import prefill_locations
 from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.protocol import WorkerStats
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.admin_server import trace_pb
 from pdserve.router.backend import ModelSpec
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.pairing import PrefillRouting, TransferCost, WorkerLoad, prefill_location
+from pdserve.router.trace import RequestTrace
 
 LOCATION = "pdserve_prefill_location_total"
 
@@ -52,6 +56,14 @@ def test_auto_takes_the_cheaper_place(decode, prefill, tokens_per_block, where):
 def test_a_prompt_over_the_local_limit_goes_remote_however_cheap():
     assert prefill_location(99, 100, decode_load(), None, 10, 2.0).location == "remote"
     assert prefill_location(100, 100, decode_load(), None, 10, 2.0).location == "local"
+
+
+def test_a_decode_worker_without_the_blocks_free_prefills_nothing_itself():
+    load = decode_load()  # 100 blocks free
+    assert prefill_location(1024, 100, load, None, 100, 2.0).location == "local"
+    assert prefill_location(1024, 100, load, None, 101, 2.0).location == "remote"
+    load.sent(blocks=1, at=1.0)  # reserved by this router since the stats
+    assert prefill_location(1024, 100, load, None, 100, 2.0).location == "remote"
 
 
 def test_transfer_cost_is_a_weighted_average_of_what_was_seen():
@@ -145,9 +157,9 @@ def test_auto_prefills_short_prompts_locally_once_the_transfer_is_measured(tiny_
         registry = router.metrics.registry
         counts = {where: registry.get_sample_value(LOCATION, {"location": where})
                   for where in ("local", "remote")}
-        return first[1], short[1], long[1], counts, tokens_per_block
+        return first[1], short[1], long[1], counts, tokens_per_block, list(router.traces)
 
-    first, short, long, counts, tokens_per_block = _run(handles, config, body)
+    first, short, long, counts, tokens_per_block, traces = _run(handles, config, body)
     assert first.prefill_location.location == "remote" and first.transfer > 0
     assert tokens_per_block > 0
     assert short.prefill_location.location == "local"
@@ -158,3 +170,9 @@ def test_auto_prefills_short_prompts_locally_once_the_transfer_is_measured(tiny_
     assert counts == {"local": 1, "remote": 2}
     # the prefill worker computed the first and the long prompt only
     assert prefill.worker.engine.parts.block_manager.num_prefix_query_tokens == 12 + 40
+    # what bench serve and the demo print, from the router's traces or Admin's
+    assert prefill_locations(traces) == {"remote": 2, "local": 1}
+    over_admin = [trace_dict(trace_pb(t)) for t in traces]
+    assert [t["prefill_location"] for t in over_admin] == ["remote", "local", "remote"]
+    assert prefill_locations(over_admin) == {"remote": 2, "local": 1}
+    assert prefill_locations([trace_dict(trace_pb(RequestTrace("c", 0.1, 0.2)))]) is None

@@ -74,7 +74,7 @@ def test_bounce_preemption_keeps_tokens_and_never_prefills_on_decode(hf_checkpoi
             for i in range(6)]
 
     async def main():
-        handles, router = await serve(model_dir, decode_blocks=30)
+        handles, router = await serve(model_dir, decode_blocks=30, disaggregation="always")
         decode = next(h.worker for h in handles if h.role == "decode")
         sizes = never_prefills(decode)
         try:
@@ -95,6 +95,35 @@ def test_bounce_preemption_keeps_tokens_and_never_prefills_on_decode(hf_checkpoi
     assert bounces >= 1 and set(sizes) == {1}  # preempted, and only ever decoded
     assert used == [0, 0]
     assert not any(t.num_migrations for t in traces)  # a bounce is not a failure
+
+
+def test_a_request_prefilled_on_the_decode_worker_bounces_and_is_placed_again(hf_checkpoint):
+    """The same overflow with every prompt prefilled on the decode worker itself: a victim is
+    handed back, prefilled there again (prompt + its tokens so far) and loses no token."""
+    model_dir = hf_checkpoint("llama")
+    reqs = [([(9 * i + j) % 300 + 3 for j in range(10)],
+             dataclasses.replace(SEEDED if i % 2 else GREEDY, priority=i % 3))
+            for i in range(6)]
+
+    async def main():
+        handles, router = await serve(model_dir, decode_blocks=30, disaggregation="never")
+        decode = next(h.worker for h in handles if h.role == "decode")
+        try:
+            results = await asyncio.wait_for(asyncio.gather(
+                *(collect(router, f"r{i}", p, params, [])
+                  for i, (p, params) in enumerate(reqs))), 120)
+            bounces = decode.engine.scheduler.num_bounces
+            return results, bounces, await idle(handles), list(router.traces)
+        finally:
+            await router.stop()
+            for h in handles:
+                h.close()
+
+    results, bounces, used, traces = asyncio.run(main())
+    assert draw_problems(str(model_dir), reqs, results) == []
+    assert bounces >= 1 and used == [0, 0]
+    assert {t.prefill_location.location for t in traces} == {"local"}
+    assert not any(t.num_migrations for t in traces)
 
 
 def test_bounces_are_bounded_per_request(hf_checkpoint):
