@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from pdserve.cluster.autoscale.config import AutoscaleConfig, config_file_values
 from pdserve.cluster.node_placement import PLACEMENTS
-from pdserve.cluster.options import ClusterOptions
+from pdserve.cluster.options import POOL_DEVICES, ClusterOptions
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, DTYPES, KV_CACHE_DTYPES, EngineConfig
 from pdserve.kernels import BACKENDS
 from pdserve.router.config import DISAGGREGATION_MODES, PREFILL_ROUTINGS
@@ -78,6 +78,8 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("engine", "attention_backend"): BACKENDS,
     ("engine", "scheduling_policy"): ("fcfs", "priority"),
     ("cluster", "pool_placement"): PLACEMENTS,
+    ("cluster", "prefill_device"): POOL_DEVICES,
+    ("cluster", "decode_device"): POOL_DEVICES,
     ("router", "prefill_routing"): PREFILL_ROUTINGS,
     ("router", "disaggregation"): DISAGGREGATION_MODES,
 }

@@ -44,6 +44,7 @@ from pdserve.cluster.named_actors import adoptable_router, named_workers
 from pdserve.cluster.node_placement import (
     WorkerResources,
     actor_resources,
+    check_one_device_type,
     resolve_device,
     worker_resources,
 )
@@ -193,20 +194,23 @@ class EmbeddedCluster:
         # Loopback for a local Ray; on a joined (maybe multi-node) cluster each worker
         # announces its node's address.
         transfer_host = "127.0.0.1" if opts.ray_address is None else ""
-        # The device every worker uses, decided once here (pdserve.cluster.node_placement): a CUDA
+        # Each pool's device, decided once here (pdserve.cluster.node_placement): a CUDA
         # worker asks Ray for its GPU, so it can see one.
         cluster = self._ray.cluster_resources() if self._ray is not None else {}
-        device = resolve_device(config.device, cluster)
-        if device == "cuda" and self._owns_ray:
+        roles = list(self.pool_targets())
+        asked = {role: opts.device_of(role, config.device) for role in roles}
+        check_one_device_type(asked)
+        devices = {role: resolve_device(device, cluster) for role, device in asked.items()}
+        check_one_device_type(devices)
+        if "cuda" in devices.values() and self._owns_ray:
             opts.check_local_gpus(int(cluster.get("GPU", 0)))
-        config = replace(config, device=device)
-        resources = worker_resources(device, opts.worker_cpus, opts.pool_placement,
-                                     opts.worker_gpus)
-        return [WorkerSpec(role, role, config, self.redis_url, self.cluster_name, transfer_host,
-                           opts.heartbeat_s, opts.ttl_s, opts.lease_s,
-                           orphan_timeout_s=opts.orphan_timeout_s, log_level=opts.log_level,
-                           join_token=self.derived_secret("kv-join"), resources=resources)
-                for role in self.pool_targets()]
+        return [WorkerSpec(role, role, replace(config, device=devices[role]), self.redis_url,
+                           self.cluster_name, transfer_host, opts.heartbeat_s, opts.ttl_s,
+                           opts.lease_s, orphan_timeout_s=opts.orphan_timeout_s,
+                           log_level=opts.log_level, join_token=self.derived_secret("kv-join"),
+                           resources=worker_resources(devices[role], opts.worker_cpus_of(role),
+                                                      opts.pool_placement, opts.worker_gpus))
+                for role in roles]
 
     def pool_targets(self) -> dict[str, int]:
         """role -> the pool size the options ask for (to start with, when autoscaled)."""

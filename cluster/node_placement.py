@@ -70,6 +70,20 @@ def resolve_device(device: str, cluster_resources: dict[str, float]) -> str:
     return device
 
 
+def check_one_device_type(devices: dict[str, str]) -> None:
+    """ValueError when the pools' ``devices`` (role -> "cpu" | "cuda"; "auto", not resolved
+    yet, is not compared) differ: the KV
+    of a prefill worker is sent from its device and received on the decode worker's over one
+    torch.distributed backend (NCCL between GPUs, gloo between CPUs); a GPU pool beside a CPU
+    pool would need the blocks staged through host memory on the way, which is not built."""
+    chosen = {role: device for role, device in devices.items() if device != "auto"}
+    if len(set(chosen.values())) > 1:
+        which = ", ".join(f"{role} on {device}" for role, device in sorted(chosen.items()))
+        raise ValueError(f"the pools' devices differ ({which}): KV blocks move between pools "
+                         f"of one device type only (NCCL between GPUs, gloo between CPUs); "
+                         f"give --prefill-device and --decode-device the same device")
+
+
 def worker_resources(device: str, worker_cpus: int, placement: str = "auto",
                      worker_gpus: float = 1.0) -> WorkerResources:
     """What each worker asks for on ``device`` ("cpu" | "cuda", already resolved)."""

@@ -19,6 +19,8 @@ from pdserve.router.core import RouterConfig
 
 logger = logging.getLogger(__name__)
 
+POOL_DEVICES = ("auto", "cpu", "cuda")  # ClusterOptions.prefill_device / decode_device
+
 
 @dataclass
 class ClusterOptions:
@@ -77,6 +79,12 @@ class ClusterOptions:
     # threads (0: asks for none and runs one)
     worker_gpus: float = 1.0  # GPUs each CUDA worker asks Ray for (0.5: two share one GPU,
     # each with its own --memory-budget-mib)
+    prefill_worker_cpus: int | None = None  # CPUs (and torch threads) of each prefill
+    # worker (None: worker_cpus): prefill is bound by compute
+    decode_worker_cpus: int | None = None  # of each decode or colocated worker (None:
+    # worker_cpus): decode is bound by memory bandwidth, which more threads share
+    prefill_device: str | None = None  # auto | cpu | cuda for the prefill pool (None: device)
+    decode_device: str | None = None  # for the decode or colocated pool (None: device)
     pool_placement: str = "auto"  # auto: each pool on the nodes advertising its Ray resource
     # pdserve_<role> when any does, else anywhere; require: only there; any: anywhere
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # pool autoscaler
@@ -123,6 +131,13 @@ class ClusterOptions:
             raise ValueError(f"worker_cpus must be >= 0, got {self.worker_cpus}")
         if not 0 < self.worker_gpus <= 1:
             raise ValueError(f"worker_gpus must be in (0, 1], got {self.worker_gpus}")
+        for role in ("prefill", "decode"):
+            cpus, device = getattr(self, f"{role}_worker_cpus"), getattr(self, f"{role}_device")
+            if cpus is not None and cpus < 0:
+                raise ValueError(f"{role}_worker_cpus must be >= 0, got {cpus}")
+            if device is not None and device not in POOL_DEVICES:
+                raise ValueError(f"{role}_device must be one of {', '.join(POOL_DEVICES)}, "
+                                 f"got {device!r}")
         if self.pool_placement not in PLACEMENTS:
             raise ValueError(f"pool_placement must be one of {PLACEMENTS}, "
                              f"got {self.pool_placement!r}")
@@ -149,6 +164,17 @@ class ClusterOptions:
                                  f"({self.max_workers_per_pool}): lower it, or raise "
                                  f"max_workers_per_pool")
 
+    def worker_cpus_of(self, role: str) -> int:
+        """CPUs each worker of pool ``role`` asks for (a colocated pool takes decode's)."""
+        own = self.prefill_worker_cpus if role == "prefill" else self.decode_worker_cpus
+        return self.worker_cpus if own is None else own
+
+    def device_of(self, role: str, device: str) -> str:
+        """The device setting of pool ``role`` ("auto" | "cpu" | "cuda", not resolved yet);
+        ``device``: the engine's, which a pool without its own follows."""
+        own = self.prefill_device if role == "prefill" else self.decode_device
+        return device if own is None else own
+
     def initial_targets(self) -> dict[str, int]:
         """role -> the pool size to start with (within the autoscaler's bounds when on)."""
         if self.colocated:
@@ -170,19 +196,20 @@ class ClusterOptions:
         """CPUs a local Ray (no ``ray_address``) advertises: ``ray_num_cpus``, or the
         machine's ``cores`` raised to what the pools ask for at their largest. ValueError when
         an explicit ``ray_num_cpus`` cannot hold them (workers would wait forever)."""
-        needed = self.worker_cpus * self.max_workers()
+        per_worker = max(self.worker_cpus_of(role) for role in self.initial_targets())
+        needed = per_worker * self.max_workers()  # (any mix of the pools the budget allows)
         if self.ray_num_cpus is not None:
             if self.ray_num_cpus < needed:
                 raise ValueError(
                     f"ray_num_cpus ({self.ray_num_cpus}) cannot hold {self.max_workers()} "
-                    f"workers asking {self.worker_cpus} CPU(s) each (worker_cpus): raise "
-                    f"ray_num_cpus to {needed}, or lower worker_cpus")
+                    f"workers asking up to {per_worker} CPU(s) each (worker_cpus and the "
+                    f"pools' own): raise ray_num_cpus to {needed}, or lower them")
             return self.ray_num_cpus
         cores = cores or os.cpu_count() or 1
         if needed > cores:
-            logger.warning("%d workers x %d CPU(s) (--worker-cpus) on %d cores: the local Ray "
-                           "advertises %d CPUs and the workers share the cores",
-                           self.max_workers(), self.worker_cpus, cores, needed)
+            logger.warning("%d workers x up to %d CPU(s) (--worker-cpus) on %d cores: the local "
+                           "Ray advertises %d CPUs and the workers share the cores",
+                           self.max_workers(), per_worker, cores, needed)
         return max(cores, needed)
 
     def check_local_gpus(self, gpus: int) -> None:

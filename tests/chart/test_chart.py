@@ -138,6 +138,20 @@ def test_replicas_and_resources_follow_values(render):
         assert flags in args
 
 
+def test_a_pool_may_have_its_own_worker_cpus(render):
+    from pdserve.cli.main import build_parser
+    from pdserve.cli.settings import options_from_args
+    from pdserve.cluster.options import ClusterOptions
+
+    rendered = render({"workerCpus": 2, "prefill": {"workerCpus": 4}})
+    assert group(rendered, "prefill")["rayStartParams"]["num-cpus"] == "4"
+    assert group(rendered, "decode")["rayStartParams"]["num-cpus"] == "2"
+    args = controller_args(rendered)
+    options = options_from_args(build_parser().parse_args(args), ClusterOptions())
+    assert [options.worker_cpus_of(role) for role in ("prefill", "decode")] == [4, 2]
+    assert "--decode-worker-cpus" not in args
+
+
 def test_gpu_values_give_gpu_limits_and_workers_that_ask_ray_for_them(values_files, render):
     rendered = render(values_files["gpu"])
     for role in ("prefill", "decode"):
@@ -312,7 +326,8 @@ def test_router_service_and_grpc_health(render, values_files):
 @pytest.mark.parametrize("values, message", [
     ({"prefill": {"engineArgs": {"dtype": "float16"}},
       "decode": {"engineArgs": {"dtype": "bfloat16"}}}, "differ"),
-    ({"prefill": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "nvidia.com/gpu"),
+    ({"prefill": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "one device type only"),
+    ({"decode": {"workerCpus": 0}}, "workerCpus"),
     ({"prefill": {"replicas": 0}}, "replicas"),
     ({"router": {"servce": {}}}, "servce"),
     ({"redis": {"enabled": False}}, "url"),

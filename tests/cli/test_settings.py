@@ -200,6 +200,35 @@ def test_lease_reaches_the_worker_specs(tiny_dir):
     assert {(s.lease_s, s.heartbeat_s, s.ttl_s) for s in specs} == {(7.5, 0.5, 4.0)}
 
 
+def test_each_pool_has_its_own_cpus_and_device(tiny_dir):
+    from pdserve.cluster.launcher import EmbeddedCluster
+
+    def specs(*argv):
+        cluster = EmbeddedCluster(_options(*argv))
+        cluster.model, cluster.redis_url = str(tiny_dir), "redis://127.0.0.1:1"
+        return {s.role: (s.resources.num_cpus, s.resources.torch_threads, s.config.device)
+                for s in cluster.worker_specs()}
+
+    assert specs("--worker-cpus", "2") == {"prefill": (2, 2, "cpu"), "decode": (2, 2, "cpu")}
+    assert specs("--prefill-worker-cpus", "3", "--decode-worker-cpus", "0") == {
+        "prefill": (3, 3, "cpu"), "decode": (0, 1, "cpu")}
+    assert specs("--colocated", "--decode-worker-cpus", "2", "--prefill-worker-cpus", "5") == {
+        "colocated": (2, 2, "cpu")}  # a colocated pool takes decode's settings
+    assert specs("--device", "cuda", "--prefill-device", "cpu", "--decode-device", "cpu") \
+        == {"prefill": (1, 1, "cpu"), "decode": (1, 1, "cpu")}
+    with pytest.raises(ValueError, match="decode on cpu, prefill on cuda.*same device"):
+        specs("--prefill-device", "cuda", "--decode-device", "cpu")  # (before resolving)
+
+
+def test_pool_settings_name_the_bad_field():
+    with pytest.raises(ValueError, match="prefill_worker_cpus must be >= 0"):
+        ClusterOptions(prefill_worker_cpus=-1)
+    with pytest.raises(ValueError, match="decode_device must be one of auto, cpu, cuda"):
+        ClusterOptions(decode_device="tpu")
+    opts = ClusterOptions(prefill_worker_cpus=4, num_prefill=2, num_decode=2)
+    assert opts.local_ray_cpus(cores=2) == 16  # 4 workers at up to 4 CPUs each
+
+
 @pytest.fixture
 def no_cluster(monkeypatch):
     """A user error must fail before anything starts: starting one fails the test at once."""

@@ -1,6 +1,6 @@
-"""Conditional disaggregation on worker actors: with ``--disaggregation auto`` a short prompt
-is prefilled on the decode actor itself, a long one on the prefill actor, and greedy tokens
-equal the offline engine's either way."""
+"""Pools that differ, on worker actors: with ``--disaggregation auto`` a short prompt is
+prefilled on the decode actor itself, a long one on the prefill actor, and greedy tokens equal
+the offline engine's either way; each pool runs the torch threads it was given."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ def model_dir(hf_checkpoint):
 
 @pytest.fixture(scope="module")
 def cluster(start_cluster, model_dir):
-    c = start_cluster(model_dir, num_prefill=1, num_decode=1, router=RouterConfig(
-        disaggregation="auto", max_local_prefill_length=LOCAL_LIMIT))
+    c = start_cluster(model_dir, num_prefill=1, num_decode=1, prefill_worker_cpus=2,
+                      router=RouterConfig(disaggregation="auto",
+                                          max_local_prefill_length=LOCAL_LIMIT))
     yield c
     c.stop()
 
@@ -53,3 +54,9 @@ def test_short_prompts_on_the_decode_actor_long_ones_shipped(cluster, model_dir,
     assert counts["remote"] >= 4 and counts["local"] >= 1
     assert counts["local"] + counts["remote"] == len(prompts)
     assert e2e.wait_idle(cluster) == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_each_pool_runs_the_threads_it_asked_for(cluster):
+    stats = cluster.worker_stats()
+    threads = {s.role: s.ledger["num_threads"] for s in stats.values()}
+    assert threads == {"prefill": 2, "decode": 1}
