@@ -16,7 +16,10 @@ The servers:
   thread and keeps the other core for its API server);
 * ``pdserve-colocated``: one colocated worker with one CPU (the counterpart of vLLM's one model
   thread);
-* ``pdserve-1p1d``: one prefill and one decode worker, one CPU each.
+* ``pdserve-1p1d``: one prefill and one decode worker, one CPU each (conditional
+  disaggregation, the default: a prompt may be prefilled on the decode worker);
+* ``pdserve-1p1d-always``: the same with every prompt on the prefill worker
+  (``--disaggregation always``; not in the default ``--servers``).
 
 Where the peer is not installed (no ``vllm`` executable), it says so and exits 0.
 """
@@ -70,6 +73,8 @@ def servers(vllm: str, model: str, port: int) -> list[Server]:
                Path(model).name),
         Server("pdserve-1p1d", [*pdserve, "--prefill", "1", "--decode", "1"], quiet,
                Path(model).name),
+        Server("pdserve-1p1d-always", [*pdserve, "--prefill", "1", "--decode", "1",
+                                       "--disaggregation", "always"], quiet, Path(model).name),
     ]
 
 
