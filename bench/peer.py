@@ -89,9 +89,11 @@ def vllm_preload(vllm: str) -> dict[str, str]:
 
 def start(server: Server, port: int, log: Path) -> subprocess.Popen:
     """Start ``server`` and wait until its ``/health`` answers."""
+    # cwd: not the clone's root, whose kernels/ folder would hide the package of that name
+    # that transformers imports in vLLM's processes (pdserve's own imports guard against it)
     proc = subprocess.Popen(server.command, env={**os.environ, **server.env},
                             stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=log.parent)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -124,6 +126,7 @@ def bench_point(vllm: str, server: Server, port: int, tokenizer: str, args, out:
                 concurrency: int | None, rate: float | None) -> dict:
     """One ``vllm bench serve`` point against the running server; its JSON result."""
     point = f"c{concurrency or 'inf'}-r{rate or 'inf'}"
+    out.mkdir(parents=True, exist_ok=True)
     name = f"{server.name}-{point}.json"
     # the same prompts for every server at this point, other prompts at every other point
     # (a point repeating the last one's prompts would be served from the prefix cache)
@@ -141,7 +144,7 @@ def bench_point(vllm: str, server: Server, port: int, tokenizer: str, args, out:
     if concurrency is not None:
         command += ["--max-concurrency", str(concurrency)]
     result = subprocess.run(command, env={**os.environ, **server.env}, capture_output=True,
-                            text=True, timeout=1800)
+                            text=True, timeout=1800, cwd=out)
     if result.returncode != 0:
         raise RuntimeError(f"vllm bench serve against {server.name} failed: "
                            f"{result.stdout[-1500:]}{result.stderr[-1500:]}")
@@ -165,7 +168,7 @@ def rows_of(results: dict, sitting: int) -> list[list]:
 
 def run(args) -> str:
     points = [(c, None) for c in args.concurrency] + [(None, args.rate)]
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # (absolute: the servers and the client run elsewhere)
     out.mkdir(parents=True, exist_ok=True)
     table = []
     for sitting in range(1, args.sittings + 1):
@@ -209,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
               "model to a Hugging Face folder, then pass --vllm and --model")
         return
     args.vllm, args.servers = vllm, args.servers.split(",")
+    args.model = str(Path(args.model).resolve())
     print(run(args))
 
 

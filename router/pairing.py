@@ -108,7 +108,6 @@ def rank_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_siz
     return out
 
 
-
 class TransferCost:
     """What shipping one KV block costs against prefilling one prompt token, as the router
     saw it on the remote prefills it made: averages (exponentially weighted, ``weight`` to the
