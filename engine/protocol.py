@@ -336,6 +336,11 @@ class DecodeHandle(WorkerHandle, Protocol):
         """Blocks for the request under a lease; NoRoomNow or NeverFits when it declines."""
         ...
 
+    async def submit(self, request: WorkRequest) -> None:
+        """Queue the request to be prefilled here (conditional disaggregation); NeverFits
+        when this worker can never run it."""
+        ...
+
     async def renew(self, request_id: str) -> float | None:
         """Extend the reservation's lease; its new deadline, or None if not reserved."""
         ...

@@ -38,6 +38,9 @@ class RouterConfig:
     # the prompt is short; never: always there
     max_local_prefill_length: int = 1024  # auto: longest prompt (tokens to compute) a decode
     # worker prefills itself, which bounds the stall it adds to that worker's decode steps
+    local_prefill_stall_weight: float = 1.0  # auto: a local prefill's tokens count this many
+    # times more per request decoding on that worker (each one's next token waits for them);
+    # 0: the request's own first token alone decides
     scheduling_policy: str = "fcfs"  # fcfs | priority: order of the waiting queue
     priority_aging_s: float = 10.0  # a waiting request gains one priority level per this long
     max_request_kv_fraction: float = 1.0  # most of a decode worker's KV one request may hold
@@ -58,7 +61,8 @@ class RouterConfig:
         for name in ("migration_limit", "max_bounces"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("prefix_overlap_weight", "prefill_kv_usage_weight"):
+        for name in ("prefix_overlap_weight", "prefill_kv_usage_weight",
+                     "local_prefill_stall_weight"):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
         for name in ("rpc_timeout_s", "prefill_timeout_s", "stream_timeout_s", "worker_wait_s",

@@ -381,7 +381,8 @@ class Router:
         best = self._prefill_costs(flight, prefills)[0][1] if prefills else None
         return prefill_location(self.config.max_local_prefill_length, num_tokens, decode, best,
                                 -(-num_tokens // block_size),
-                                self._transfer_cost.tokens_per_block)
+                                self._transfer_cost.tokens_per_block,
+                                self.config.local_prefill_stall_weight)
 
     async def _reserve(self, flight: Flight) -> Reservation:
         return await self._placer.place(flight, "decode", self._reserve_on)

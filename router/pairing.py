@@ -151,24 +151,29 @@ class PrefillLocation:
 
 
 def prefill_location(max_local_tokens: int, num_tokens: int, decode: WorkerLoad,
-                     prefill: PrefillRouting | None, num_blocks: int,
-                     tokens_per_block: float) -> PrefillLocation:
+                     prefill: PrefillRouting | None, num_blocks: int, tokens_per_block: float,
+                     stall_weight: float = 1.0) -> PrefillLocation:
     """Conditional disaggregation's rule (``RouterConfig.disaggregation`` "auto"): where to
     compute a prompt of ``num_tokens`` (prompt and any output it carries) that holds
     ``num_blocks`` KV blocks, ``decode`` being the decode worker it would go to and ``prefill``
     the routing of the best prefill worker (None: there is none). The cheaper place, in prompt
-    tokens of work before the first token:
+    tokens of work (time) added to the requests' latencies:
 
-        local  = decode's queued prompt tokens + num_tokens   (decode workers cache no prefix)
+        local  = decode's queued prompt tokens + num_tokens
+                 + stall_weight * decode's running requests * num_tokens
         remote = prefill.cost + num_tokens + num_blocks * tokens_per_block
 
-    (``prefill.cost`` is the prefill worker's queue less the prefix it holds, as ranked by
-    :func:`rank_prefill`; ``tokens_per_block``: :class:`TransferCost`.) Local only when
+    The first two terms of each are this request's wait for its first token (decode workers
+    cache no prefix); the third of local is the wait a local prefill adds to the next token of
+    every request decoding on that worker (``stall_weight`` 0: the request's own first token
+    alone decides). ``prefill.cost`` is the prefill worker's queue less the prefix it holds, as
+    ranked by :func:`rank_prefill`; ``tokens_per_block``: :class:`TransferCost`. Local only when
     ``num_tokens <= max_local_tokens``, which bounds the stall a local prefill adds to the
     decode worker's running requests, when the decode worker has the blocks free now (a
     reservation would wait for them in the router's queue, in the queue's order; a local
     prefill would wait at the worker), and only when strictly cheaper: ties go remote."""
-    local = decode.stats.queued_tokens + decode.pending_tokens + num_tokens
+    local = (decode.stats.queued_tokens + decode.pending_tokens + num_tokens
+             + stall_weight * decode.stats.num_running * num_tokens)
     remote = (float("inf") if prefill is None
               else prefill.cost + num_tokens + num_blocks * tokens_per_block)
     allowed = num_tokens <= max_local_tokens and num_blocks <= decode.free_blocks

@@ -24,8 +24,8 @@ from pdserve.router.trace import RequestTrace
 LOCATION = "pdserve_prefill_location_total"
 
 
-def decode_load(queued: int = 0, pending: int = 0) -> WorkerLoad:
-    load = WorkerLoad(WorkerStats("d", "decode", 128, 100, 28, 0, 0, 0, queued, 0, 0, 0))
+def decode_load(queued: int = 0, pending: int = 0, running: int = 0) -> WorkerLoad:
+    load = WorkerLoad(WorkerStats("d", "decode", 128, 100, 28, 0, running, 0, queued, 0, 0, 0))
     if pending:
         load.sent(tokens=pending, at=1.0)
     return load
@@ -53,6 +53,17 @@ def test_auto_takes_the_cheaper_place(decode, prefill, tokens_per_block, where):
     assert got.remote_cost == expected_remote
 
 
+def test_requests_decoding_on_the_worker_count_the_stall_a_local_prefill_adds():
+    busy = decode_load(running=3)  # each of the three waits 100 tokens more for its next one
+    got = prefill_location(1024, 100, busy, best_prefill(0), 10, 2.0)
+    assert (got.location, got.local_cost, got.remote_cost) == ("remote", 400, 120)
+    assert prefill_location(1024, 100, busy, best_prefill(0), 10, 2.0, stall_weight=0.5) \
+        .local_cost == 250
+    assert prefill_location(1024, 100, busy, best_prefill(0), 10, 2.0, stall_weight=0) \
+        .location == "local"  # the request's own first token alone: no transfer
+    assert prefill_location(1024, 100, busy, best_prefill(300), 10, 2.0).location == "local"
+
+
 def test_a_prompt_over_the_local_limit_goes_remote_however_cheap():
     assert prefill_location(99, 100, decode_load(), None, 10, 2.0).location == "remote"
     assert prefill_location(100, 100, decode_load(), None, 10, 2.0).location == "local"
@@ -78,7 +89,9 @@ def test_transfer_cost_is_a_weighted_average_of_what_was_seen():
 
 
 @pytest.mark.parametrize("field, value", [("disaggregation", "sometimes"),
-                                          ("max_local_prefill_length", -1)])
+                                          ("max_local_prefill_length", -1),
+                                          ("local_prefill_stall_weight", -1.0),
+                                          ("local_prefill_stall_weight", float("nan"))])
 def test_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         RouterConfig(**{field: value})
