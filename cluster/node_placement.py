@@ -72,10 +72,10 @@ def resolve_device(device: str, cluster_resources: dict[str, float]) -> str:
 
 def check_one_device_type(devices: dict[str, str]) -> None:
     """ValueError when the pools' ``devices`` (role -> "cpu" | "cuda"; "auto", not resolved
-    yet, is not compared) differ: the KV
-    of a prefill worker is sent from its device and received on the decode worker's over one
-    torch.distributed backend (NCCL between GPUs, gloo between CPUs); a GPU pool beside a CPU
-    pool would need the blocks staged through host memory on the way, which is not built."""
+    yet, is not compared) differ: the KV of a prefill worker is sent from its device and
+    received on the decode worker's over one torch.distributed backend (NCCL between GPUs,
+    gloo between CPUs); a GPU pool beside a CPU pool would need the blocks staged through host
+    memory on the way, which is not built."""
     chosen = {role: device for role, device in devices.items() if device != "auto"}
     if len(set(chosen.values())) > 1:
         which = ", ".join(f"{role} on {device}" for role, device in sorted(chosen.items()))
