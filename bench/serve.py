@@ -314,9 +314,9 @@ def hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> f
 
 def server_side(admins: list, request_ids: list[str], sampled: dict[str, dict]) -> dict:
     """Traces of ``request_ids`` (each router keeps those it routed; a router without the
-    Admin service gives none) -> ``phases``; from the
-    first admin, workers' ledgers and sampled utilisation and the server's configuration.
-    Each part is None when the server does not offer it."""
+    Admin service gives none) -> ``phases`` and ``prefill_locations``; from the first admin,
+    workers' ledgers and sampled utilisation and the server's configuration. Each part is
+    None when the server does not offer it."""
     out: dict = {"phases": None, "num_traces": 0, "prefill_locations": None, "workers": None,
                  "server_config": None}
     traces = []

@@ -131,13 +131,7 @@ class ClusterOptions:
             raise ValueError(f"worker_cpus must be >= 0, got {self.worker_cpus}")
         if not 0 < self.worker_gpus <= 1:
             raise ValueError(f"worker_gpus must be in (0, 1], got {self.worker_gpus}")
-        for role in ("prefill", "decode"):
-            cpus, device = getattr(self, f"{role}_worker_cpus"), getattr(self, f"{role}_device")
-            if cpus is not None and cpus < 0:
-                raise ValueError(f"{role}_worker_cpus must be >= 0, got {cpus}")
-            if device is not None and device not in POOL_DEVICES:
-                raise ValueError(f"{role}_device must be one of {', '.join(POOL_DEVICES)}, "
-                                 f"got {device!r}")
+        self._check_pool_settings()
         if self.pool_placement not in PLACEMENTS:
             raise ValueError(f"pool_placement must be one of {PLACEMENTS}, "
                              f"got {self.pool_placement!r}")
@@ -148,6 +142,16 @@ class ClusterOptions:
                 > self.autoscale.budget:
             raise ValueError(f"num_prefill + num_decode ({self.num_prefill + self.num_decode}) "
                              f"exceed the autoscaler's max_workers ({self.autoscale.budget})")
+
+    def _check_pool_settings(self) -> None:
+        """Each pool's own CPUs and device, where given."""
+        for role in ("prefill", "decode"):
+            cpus, device = getattr(self, f"{role}_worker_cpus"), getattr(self, f"{role}_device")
+            if cpus is not None and cpus < 0:
+                raise ValueError(f"{role}_worker_cpus must be >= 0, got {cpus}")
+            if device is not None and device not in POOL_DEVICES:
+                raise ValueError(f"{role}_device must be one of {', '.join(POOL_DEVICES)}, "
+                                 f"got {device!r}")
 
     def _check_pool_sizes(self) -> None:
         if self.max_workers_per_pool < 1:

@@ -209,18 +209,17 @@ class Router:
         pools = self.workers.live("decode") or self.workers.live("colocated")
         if fraction >= 1 or not pools:
             return
-        largest = max(pools, key=lambda w: w.stats.total_blocks).stats
-        block_size = int(largest.ledger.get("block_size", 16))
+        largest = max(pools, key=lambda w: w.stats.total_blocks)
         request = flight.request
         tokens = len(request.prompt_token_ids) + request.params.max_tokens
-        needed, allowed = -(-tokens // block_size), int(fraction * largest.total_blocks)
-        room = allowed * block_size - len(request.prompt_token_ids)
+        needed, allowed = largest.blocks_for(tokens), int(fraction * largest.stats.total_blocks)
+        room = allowed * largest.block_size - len(request.prompt_token_ids)
         if needed > allowed and flight.fit_max_tokens and room >= 1:
             request.params = dataclasses.replace(request.params, max_tokens=room)
         elif needed > allowed:
             raise RequestTooLargeError(
                 f"prompt + max_tokens ({tokens} tokens) needs {needed} KV blocks, more than "
-                f"max_request_kv_fraction {fraction:g} of a worker's {largest.total_blocks} "
+                f"max_request_kv_fraction {fraction:g} of a worker's {largest.stats.total_blocks} "
                 f"blocks ({allowed}); shorten the prompt or max_tokens")
 
     def _release(self, flight: Flight) -> None:
@@ -376,11 +375,10 @@ class Router:
         if mode != "auto" or not decodes:  # (no decode worker: placing waits for one)
             return PrefillLocation("local" if mode == "never" else "remote")
         decode = rank_decode(decodes)[0]
-        block_size = int(decode.stats.ledger.get("block_size", 16))
         num_tokens = len(_attempt_tokens(flight))
         best = self._prefill_costs(flight, prefills)[0][1] if prefills else None
         return prefill_location(self.config.max_local_prefill_length, num_tokens, decode, best,
-                                -(-num_tokens // block_size),
+                                decode.blocks_for(num_tokens),
                                 self._transfer_cost.tokens_per_block,
                                 self.config.local_prefill_stall_weight)
 
@@ -400,8 +398,7 @@ class Router:
         at = time.time()
         await flight.bounded(lambda: handle.submit(flight.request),
                             self.config.rpc_timeout_s, "submit")
-        block_size = int(load.stats.ledger.get("block_size", 16))
-        load.sent(blocks=-(-len(_attempt_tokens(flight)) // block_size),
+        load.sent(blocks=load.blocks_for(len(_attempt_tokens(flight))),
                   tokens=self._uncached_tokens(flight, load), at=at)
 
     async def _prefill(self, flight: Flight, reservation: Reservation) -> PrefillResult:
@@ -451,17 +448,16 @@ class Router:
     def _prefill_costs(self, flight: Flight,
                        loads: list[WorkerLoad]) -> list[tuple[WorkerLoad, PrefillRouting]]:
         """``pairing.rank_prefill`` of ``loads`` for the request, lowest cost first."""
-        block_size = int(loads[0].stats.ledger.get("block_size", 16))
-        return rank_prefill(loads, _attempt_tokens(flight), block_size, self.workers.kv_index,
-                            self._salt, self.config.prefix_overlap_weight,
+        return rank_prefill(loads, _attempt_tokens(flight), loads[0].block_size,
+                            self.workers.kv_index, self._salt,
+                            self.config.prefix_overlap_weight,
                             self.config.prefill_kv_usage_weight)
 
     @staticmethod
     def _uncached_tokens(flight: Flight, load: WorkerLoad) -> int:
         """The prompt tokens ``load`` has to compute for ``flight`` (its routing's hit off)."""
-        block_size = int(load.stats.ledger.get("block_size", 16))
         hit = flight.prefill_routing.hit_blocks if flight.prefill_routing else 0
-        return len(_attempt_tokens(flight)) - hit * block_size
+        return len(_attempt_tokens(flight)) - hit * load.block_size
 
     async def _renew_lease(self, flight: Flight, reservation: Reservation) -> None:
         """Keep the reservation alive while the prefill call is pending (see module doc)."""

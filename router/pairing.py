@@ -59,6 +59,15 @@ class WorkerLoad:
     def free_blocks(self) -> int:
         return self.stats.free_blocks - self.pending_blocks
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block of the worker's pool (its ledger's; 16 when it names none)."""
+        return int(self.stats.ledger.get("block_size", 16))
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks that ``num_tokens`` tokens hold on this worker."""
+        return -(-num_tokens // self.block_size)
+
 
 def rank_decode(loads: list[WorkerLoad]) -> list[WorkerLoad]:
     """Candidates for a reservation, best first (draining workers excluded by the caller)."""
