@@ -17,6 +17,7 @@ import torch
 from pdserve.models.config import ModelConfig
 from pdserve.models.gguf import GGUFCheckpoint, find_gguf_file
 from pdserve.models.loader import SUPPORTED_DTYPES, hf_tensor_names, load_hf_model
+from pdserve.models.tensor_parallel import TensorShard
 from pdserve.models.tokenizer import Tokenizer
 
 
@@ -33,7 +34,11 @@ class Checkpoint(Protocol):
         """Hugging Face names of the weight tensors, read without loading them."""
         ...
 
-    def load(self, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module: ...
+    def load(self, dtype: torch.dtype, device: torch.device | str,
+             shard: TensorShard | None = None) -> torch.nn.Module:
+        """The model in ``dtype`` on ``device``; with ``shard``, that tensor parallel rank's
+        part of it."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -53,8 +58,9 @@ class HFCheckpoint:
     def tensor_names(self) -> set[str]:
         return hf_tensor_names(self.path)
 
-    def load(self, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
-        return load_hf_model(self.path, self.model_config, dtype, device)
+    def load(self, dtype: torch.dtype, device: torch.device | str,
+             shard: TensorShard | None = None) -> torch.nn.Module:
+        return load_hf_model(self.path, self.model_config, dtype, device, shard)
 
 
 def open_checkpoint(path: str | Path) -> HFCheckpoint | GGUFCheckpoint:

@@ -50,6 +50,7 @@ from pdserve.models.config import ModelConfig
 from pdserve.models.gguf_tokenizer import tokenizer_from_metadata
 from pdserve.models.llama import build_model
 from pdserve.models.loader import check_tensors, copy_tensor
+from pdserve.models.tensor_parallel import TensorShard
 from pdserve.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -303,20 +304,23 @@ class GGUFCheckpoint:
         """Hugging Face names of the file's weight tensors, from its tensor table."""
         return set(self.inventory())
 
-    def load(self, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
-        """The model with every tensor dequantized to ``dtype`` on ``device``."""
+    def load(self, dtype: torch.dtype, device: torch.device | str,
+             shard: TensorShard | None = None) -> torch.nn.Module:
+        """The model with every tensor dequantized to ``dtype`` on ``device`` (with ``shard``,
+        that tensor parallel rank's part)."""
         start = time.perf_counter()
         config = self.model_config
         found = self.inventory()
         tie = check_tensors(config, found, source=self.path.name)
-        model = build_model(config, dtype=dtype, device=device)
+        model = build_model(config if shard is None else shard.local_config(config),
+                            dtype=dtype, device=device)
         if tie:
             model.tie_weights()
         by_hf = {_hf_name(n): n for n in self.tensors if n != ROPE_FREQS}
         names = [n for n in found if not (tie and n == "lm_head.weight")]
         for hf_name in tqdm(names, desc=f"dequantizing {self.path.name}", unit="tensor",
                             disable=None):
-            copy_tensor(model, config, hf_name, self.dequantized(by_hf[hf_name]))
+            copy_tensor(model, config, hf_name, self.dequantized(by_hf[hf_name]), shard)
         factors = self.rope_freq_factors()
         if factors is not None:
             if factors.numel() != config.head_dim // 2:

@@ -147,6 +147,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        # tensor parallel: sums, in place, the ranks' partial outputs of o_proj and down_proj
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, positions, hidden, residual, cache, meta, rope):
         backend = meta.backend
@@ -156,8 +158,13 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm.forward(hidden, residual, backend=backend)
         hidden = self.self_attn.forward(positions, hidden, cache, meta, rope)
+        if self.all_reduce is not None:
+            self.all_reduce(hidden)
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual, backend=backend)
-        return self.mlp.forward(hidden, backend), residual
+        hidden = self.mlp.forward(hidden, backend)
+        if self.all_reduce is not None:
+            self.all_reduce(hidden)
+        return hidden, residual
 
 
 class DecoderModel(nn.Module):
@@ -244,6 +251,13 @@ class LlamaForCausalLM(nn.Module):
         """(T, hidden) -> (T, vocab) float32."""
         logits = klinear.linear(hidden, self.lm_head.weight, None, self.lm_head_packed)
         return as_dtype(logits, torch.float32)
+
+    def join_tensor_group(self, all_reduce: Callable[[torch.Tensor], None]) -> None:
+        """Run as one rank of a tensor parallel group (a model built from a
+        :class:`~pdserve.models.tensor_parallel.TensorShard`'s local config): every block's
+        output is summed across the ranks with ``all_reduce`` (in place)."""
+        for layer in self.model.layers:
+            layer.all_reduce = all_reduce
 
     def pack_linears(self) -> None:
         """Pack every linear layer and the head for the CPU's GEMM (a no-op elsewhere). A head

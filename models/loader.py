@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from pdserve.models.config import ModelConfig
 from pdserve.models.llama import build_model
+from pdserve.models.tensor_parallel import TensorShard
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +139,10 @@ def check_tensors(config: ModelConfig, found: dict[str, tuple[Path, tuple[int, .
     return tie
 
 
-def _target(model: torch.nn.Module, config: ModelConfig,
-            name: str) -> tuple[torch.nn.Parameter, int]:
-    """Our parameter for HF tensor ``name`` and the row offset its data starts at."""
+def _target(model: torch.nn.Module, name: str) -> tuple[torch.nn.Parameter, int]:
+    """Our parameter for HF tensor ``name`` and the row offset its data starts at (in the
+    model's own shapes: a tensor parallel rank's model is smaller than the checkpoint's)."""
+    config = model.config
     parts = name.split(".")
     offset = 0
     if len(parts) >= 2 and parts[-2] in _FUSED:
@@ -153,14 +155,19 @@ def _target(model: torch.nn.Module, config: ModelConfig,
     return model.get_parameter(".".join(parts)), offset
 
 
-def copy_tensor(model, config: ModelConfig, name: str, tensor: torch.Tensor) -> None:
-    """Copy HF tensor ``name`` into its (possibly fused) parameter of ``model``."""
-    param, offset = _target(model, config, name)
+def copy_tensor(model, config: ModelConfig, name: str, tensor: torch.Tensor,
+                shard: TensorShard | None = None) -> None:
+    """Copy HF tensor ``name`` of the checkpoint whose config is ``config`` into its (possibly
+    fused) parameter of ``model``; with ``shard``, only that tensor parallel rank's part."""
+    if shard is not None:
+        tensor = shard.slice(config, name, tensor)
+    param, offset = _target(model, name)
     with torch.no_grad():
         param[offset:offset + tensor.shape[0]].copy_(tensor)
 
 
-def _copy_weights(model, config: ModelConfig, found, tie: bool) -> None:
+def _copy_weights(model, config: ModelConfig, found, tie: bool,
+                  shard: TensorShard | None) -> None:
     by_file: dict[Path, list[str]] = {}
     for name, (path, _) in found.items():
         if name.endswith(_IGNORED_SUFFIXES) or (tie and name == "lm_head.weight"):
@@ -169,21 +176,24 @@ def _copy_weights(model, config: ModelConfig, found, tie: bool) -> None:
     for path, names in by_file.items():
         with safe_open(path, framework="pt") as f:
             for name in names:
-                copy_tensor(model, config, name, f.get_tensor(name))
+                copy_tensor(model, config, name, f.get_tensor(name), shard)
 
 
 def load_hf_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype,
-                  device: torch.device | str) -> torch.nn.Module:
+                  device: torch.device | str,
+                  shard: TensorShard | None = None) -> torch.nn.Module:
     """Load a Hugging Face checkpoint folder whose config is ``config``; see the module
-    docstring for the steps."""
+    docstring for the steps. With ``shard``: that tensor parallel rank's model, built from its
+    local config (:mod:`pdserve.models.tensor_parallel`)."""
     start = time.perf_counter()
     files = find_weight_files(model_dir)
     found = _inventory(files)
     tie = check_tensors(config, found)
-    model = build_model(config, dtype=dtype, device=device)
+    model = build_model(config if shard is None else shard.local_config(config), dtype=dtype,
+                        device=device)
     if tie:
         model.tie_weights()
-    _copy_weights(model, config, found, tie)
+    _copy_weights(model, config, found, tie, shard)
     logger.info("loaded %s (%s, %.1fM params, %d file(s)) in %.2fs", model_dir.name,
                 config.model_type, config.num_parameters() / 1e6, len(files),
                 time.perf_counter() - start)
