@@ -41,6 +41,7 @@ class ColocatedWorker(StreamingWorker):
 
     def close(self) -> None:
         self.loop.stop()
+        self.engine.close()
 
     # -- loop thread --------------------------------------------------------------------------
     def _abort(self, request_id: str) -> None:

@@ -55,6 +55,9 @@ class EngineConfig:
     # workers, vLLM's keys: {"method": "draft_model", "model": DIR, "num_speculative_tokens":
     # K} or {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
     # "prompt_lookup_min": M} (docs/speculative_decoding.md); None: off
+    tensor_parallel_size: int = 1  # ranks computing one engine, each 1/N of every layer's
+    # heads and MLP (one process per rank on the worker's machine; gloo on CPU, NCCL on CUDA);
+    # memory_budget_bytes is per rank
     prefix_cache_salt: str | None = None  # secret mixed into every prefix-cache block hash,
     # one per cluster (the launcher generates it); None: each engine draws its own
 
@@ -78,6 +81,11 @@ class EngineConfig:
         if self.speculative_config is not None:  # keys and ranges (the draft is checked at build)
 
             SpeculativeConfig.from_dict(self.speculative_config)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and self.kv_cache_dtype == "int8":
+            raise ValueError("kv_cache_dtype='int8' with tensor_parallel_size > 1 is not "
+                             "supported (the int8 calibration runs the model on one rank); "
+                             "use kv_cache_dtype='auto'")
         _positive_int("block_size", self.block_size)
         _positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive_int("memory_budget_bytes", self.memory_budget_bytes, allow_none=True)

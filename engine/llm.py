@@ -67,6 +67,17 @@ class LLM:
         self.engine = LLMEngine.from_config(EngineConfig(model=str(model), **engine_kwargs))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop what the engine runs beside this process (tensor parallel ranks); also done
+        when the LLM is collected or the interpreter exits."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.parts.tokenizer

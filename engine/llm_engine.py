@@ -258,6 +258,10 @@ class LLMEngine:
         bm = self.parts.block_manager
         return None if bm.events is None else bm.events.snapshot(bm.held_hashes())
 
+    def close(self) -> None:
+        """Stop what the engine runs beside this process (its tensor parallel ranks)."""
+        self.parts.close()
+
     @property
     def kv_caches(self) -> list:
         """The KV pool, one entry per layer (what a prefill worker packs and ships)."""

@@ -189,6 +189,9 @@ class ModelRunner:
             num_attended=attended_pairs(starts.tolist(), q_lens.tolist()),
             num_context=int(starts.sum()) + len(input_ids))
 
+    def close(self) -> None:
+        """Release what the runner holds beyond its tensors (nothing on one rank)."""
+
     @torch.inference_mode()
     def run(self, batch: ModelInput,
             after_layer: Callable[[int], None] | None = None) -> torch.Tensor:

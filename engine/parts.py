@@ -24,8 +24,10 @@ from pdserve.engine.kv_quant import (
 from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dtypes, plan_kv_pool
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.roofline import StepCost, UtilizationMeter
+from pdserve.engine.tensor_parallel import Followers, TensorParallelRunner
 from pdserve.kernels import resolve_backend
 from pdserve.models import Checkpoint, ModelConfig, Tokenizer, open_checkpoint
+from pdserve.models.tensor_parallel import TensorShard
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,18 @@ class ResolvedModel:
         return cls(checkpoint, mc, device, dtype, resolve_backend(config.attention_backend, device),
                    max_model_len)
 
+    def load_model(self, config: EngineConfig, shard: TensorShard | None = None,
+                   device: torch.device | None = None) -> torch.nn.Module:
+        """The weights on ``device`` (default: this machine's), packed for the CPU's GEMM
+        when ``config`` says so; with ``shard``, one tensor parallel rank's part."""
+        device = self.device if device is None else device
+        if device.type == "cpu":
+            keep_freed_host_memory()
+        model = self.checkpoint.load(self.dtype, device, shard)
+        if config.cpu_packed_gemm:
+            model.pack_linears()  # (a no-op but on a CPU in float32)
+        return model
+
 
 @dataclass
 class EngineParts:
@@ -70,15 +84,30 @@ class EngineParts:
 
     @classmethod
     def build(cls, config: EngineConfig) -> EngineParts:
+        """The parts of ``config``'s engine; with ``tensor_parallel_size`` N > 1, this process
+        is rank 0 and starts ranks 1..N-1 (engine/tensor_parallel.py), which load alongside."""
         resolved = ResolvedModel.of(config)
+        size = config.tensor_parallel_size
+        shard = None
+        if size > 1:
+            shard = TensorShard(0, size)
+            shard.check(resolved.model_config)
+        followers = Followers.start(config) if size > 1 else None
+        try:
+            return cls._build(config, resolved, shard, followers)
+        except BaseException:
+            if followers is not None:
+                followers.stop()
+            raise
+
+    @classmethod
+    def _build(cls, config: EngineConfig, resolved: ResolvedModel, shard: TensorShard | None,
+               followers: Followers | None) -> EngineParts:
         mc, device, dtype = resolved.model_config, resolved.device, resolved.dtype
         backend, max_model_len = resolved.backend, resolved.max_model_len
-        if device.type == "cpu":
-            keep_freed_host_memory()
-        model = resolved.checkpoint.load(dtype, device)
-        if config.cpu_packed_gemm:
-            model.pack_linears()  # (a no-op but on a CPU in float32)
-        ledger = plan_kv_pool(mc, config, model, dtype, device, max_model_len, backend)
+        model = resolved.load_model(config, shard)
+        local = model.config  # this rank's shapes (mc itself without tensor parallelism)
+        ledger = plan_kv_pool(local, config, model, dtype, device, max_model_len, backend)
         layer_dtypes = kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
         try:
             tokenizer = resolved.checkpoint.tokenizer()
@@ -89,10 +118,16 @@ class EngineParts:
             config, ledger, caches = _int8_pool(config, resolved, model, ledger, layer_dtypes,
                                                 tokenizer)
         else:
-            caches = allocate_kv_caches(mc, ledger, layer_dtypes, device)
-        runner = ModelRunner(model, caches, config.block_size, device, backend, max_model_len)
+            caches = allocate_kv_caches(local, ledger, layer_dtypes, device)
+        runner_args = (model, caches, config.block_size, device, backend, max_model_len)
+        if followers is None:
+            runner = ModelRunner(*runner_args)
+        else:
+            model.join_tensor_group(followers.join(ledger, device).all_reduce)
+            runner = TensorParallelRunner(*runner_args, followers=followers)
         runner.meter = UtilizationMeter(
-            StepCost.for_model(mc, ledger.weight_bytes, ledger.kv_bytes_per_token), device, dtype)
+            StepCost.for_model(local, ledger.weight_bytes, ledger.kv_bytes_per_token), device,
+            dtype)
         block_manager = BlockManager(ledger.num_kv_blocks, config.block_size,
                                      enable_prefix_caching=config.enable_prefix_caching,
                                      sliding_window=mc.sliding_window,
@@ -102,9 +137,14 @@ class EngineParts:
         logger.info("engine ready: %s", ", ".join(f"{k} {v}" for k, v in ledger.rows()))
         parts = cls(config, mc, tokenizer, runner, block_manager, ledger, max_model_len,
                     tuple(mc.eos_token_ids))
-        if device.type == "cuda" and backend == "triton" and not config.enforce_eager:
+        if (device.type == "cuda" and backend == "triton" and not config.enforce_eager
+                and followers is None):
             parts.capture_decode_graphs()
         return parts
+
+    def close(self) -> None:
+        """Release what outlives the Python objects: a tensor parallel engine's followers."""
+        self.runner.close()
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Validate a prompt and return its token ids (ValueError naming ``prompt``)."""

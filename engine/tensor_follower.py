@@ -1,0 +1,71 @@
+"""A follower rank of a tensor parallel engine: ``python -m pdserve.engine.tensor_follower
+--store HOST:PORT --rank R --size N``, started by rank 0 (:class:`Followers.start`).
+
+1. Read the engine config from rank 0's store; load this rank's shard of the model.
+2. Wait for rank 0's memory ledger; allocate this rank's KV pool (its K/V heads, as many blocks
+   as rank 0's); answer "ready" (or the error, which rank 0 raises).
+3. Join the group; run every forward rank 0 broadcasts until it says stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pickle
+
+import torch
+
+from pdserve.engine.memory import allocate_kv_caches, kv_layer_dtypes
+from pdserve.engine.parts import ResolvedModel
+from pdserve.engine.tensor_parallel import (
+    START_TIMEOUT_S,
+    FollowerSpec,
+    TensorGroup,
+    connect_store,
+    rank_device,
+    watch_parent,
+)
+from pdserve.models.tensor_parallel import TensorShard
+
+logger = logging.getLogger(__name__)
+
+
+def serve(address: str, rank: int, size: int) -> None:
+    store = connect_store(address, START_TIMEOUT_S)
+    spec: FollowerSpec = pickle.loads(store.get("spec"))
+    torch.set_num_threads(spec.num_threads)
+    try:
+        resolved = ResolvedModel.of(spec.config)
+        device = rank_device(resolved.device, rank)
+        model = resolved.load_model(spec.config, TensorShard(rank, size), device)
+        ledger = pickle.loads(store.get("ledger"))
+        layer_dtypes = kv_layer_dtypes(model.config.num_hidden_layers, resolved.dtype,
+                                       spec.config)
+        caches = allocate_kv_caches(model.config, ledger, layer_dtypes, device)
+    except Exception as exc:
+        store.set(f"ready/{rank}", f"{type(exc).__name__}: {exc}")
+        raise
+    store.set(f"ready/{rank}", "")
+    group = TensorGroup(store, rank, size, device)
+    model.join_tensor_group(group.all_reduce)
+    logger.info("tensor parallel rank %d/%d ready on %s", rank, size, device)
+    while (batch := group.recv_batch(resolved.backend)) is not None:
+        input_ids, positions, meta = batch
+        model(input_ids, positions, caches, meta)
+    logger.info("tensor parallel rank %d stopped", rank)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--store", required=True, help="rank 0's store, HOST:PORT")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--size", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(message)s")
+    watch_parent()
+    serve(args.store, args.rank, args.size)
+
+
+if __name__ == "__main__":
+    main()

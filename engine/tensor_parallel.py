@@ -1,0 +1,254 @@
+"""Tensor parallel engines: one engine computed by a group of N ranks, each holding 1/N of
+every layer's heads and MLP (the splits: :mod:`pdserve.models.tensor_parallel`).
+
+Rank 0 is the engine as at N=1: scheduler, block manager, sampling, the KV handoff. Ranks
+1..N-1 are follower processes it starts on its own machine (``python -m
+pdserve.engine.tensor_follower``), so a worker's ranks are placed together and restarted as
+one. Each rank's KV pool holds its own K/V heads of the same blocks: block ids mean the same
+on every rank, and only rank 0 keeps the block tables.
+
+Formation, in order, over a ``TCPStore`` on loopback that rank 0 hosts:
+
+1. :meth:`Followers.start`: rank 0 publishes the engine config and starts the followers,
+   which load their shards while rank 0 loads its own.
+2. :meth:`Followers.join`: rank 0 publishes its memory ledger (the block count every rank
+   allocates); each follower allocates its pool and answers "ready" or its error.
+3. All ranks form one gloo (CPU) or NCCL (CUDA) group.
+
+Per step, rank 0's :class:`TensorParallelRunner` broadcasts the flat batch (a fixed header,
+then one int64 tensor of tokens, positions, slots, offsets, lengths and block tables) and
+every rank runs the same forward; the decoder all-reduces after each block's output
+projections. Only rank 0 computes logits. A follower whose rank 0 is gone exits (its parent
+changes, or the group breaks); rank 0's next forward then raises, its engine loop dies and the
+worker is restarted with a new group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.memory import MemoryLedger
+from pdserve.engine.model_runner import ModelInput, ModelRunner
+from pdserve.models.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+FOLLOWER_MODULE = "pdserve.engine.tensor_follower"
+OP_STOP, OP_FORWARD = 0, 1
+# op, num_tokens, num_seqs, block table width, max_query_len, max_context_len
+HEADER_WORDS = 6
+STEP_TIMEOUT_S = 300.0  # a collective inside a step waits this long for the other ranks
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower waits this long for the next step
+START_TIMEOUT_S = 900.0  # followers load their shards and allocate within this
+
+
+@dataclass(frozen=True)
+class FollowerSpec:
+    """What rank 0 tells its followers through the store, before they load."""
+
+    config: EngineConfig  # the engine's (the followers resolve the model from it)
+    num_threads: int  # torch intra-op threads of each rank (rank 0's)
+
+
+def store_address(store: dist.TCPStore) -> str:
+    return f"127.0.0.1:{store.port}"
+
+
+def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the rank-th GPU of the worker's, or the CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+class TensorGroup:
+    """One rank's side of its group: the all-reduce the decoder calls, and the step batches
+    rank 0 sends and the followers receive."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device):
+        self.rank, self.size, self.device = rank, size, device
+        store = dist.PrefixStore("tensor-group", store)
+        timeout = datetime.timedelta(seconds=STEP_TIMEOUT_S)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            self._pg = dist.ProcessGroupGloo(store, rank, size, opts)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the ranks, in place (every rank ends with the same values)."""
+        self._pg.allreduce([tensor]).wait()
+
+    def _broadcast(self, tensor: torch.Tensor, timeout: datetime.timedelta | None = None):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        if timeout is not None:
+            opts.timeout = timeout
+        self._pg.broadcast([tensor], opts).wait()
+
+    # -- rank 0 ----------------------------------------------------------------------------
+    def send_batch(self, batch: ModelInput) -> None:
+        meta = batch.metadata
+        num_seqs, width = meta.block_tables.shape
+        header = torch.tensor([OP_FORWARD, len(batch.input_ids), num_seqs, width,
+                               meta.max_query_len, meta.max_context_len], dtype=torch.int64)
+        body = torch.cat([t.reshape(-1).to(torch.int64) for t in (
+            batch.input_ids, batch.positions, meta.slot_mapping, meta.cu_seqlens_q,
+            meta.context_lens, meta.block_tables)])
+        self._broadcast(header.to(self.device))
+        self._broadcast(body.to(self.device))
+
+    def send_stop(self) -> None:
+        self._broadcast(torch.tensor([OP_STOP] + [0] * (HEADER_WORDS - 1),
+                                     dtype=torch.int64, device=self.device))
+
+    # -- followers ---------------------------------------------------------------------------
+    def recv_batch(self, backend: str) -> tuple[torch.Tensor, torch.Tensor,
+                                                 AttentionMetadata] | None:
+        """The next step's (input_ids, positions, metadata), or None when rank 0 stops the
+        group; waits as long as the engine idles."""
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+        self._broadcast(header, IDLE_TIMEOUT)
+        op, num_tokens, num_seqs, width, max_query_len, max_context_len = header.tolist()
+        if op == OP_STOP:
+            return None
+        sizes = [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs * width]
+        body = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
+        self._broadcast(body)
+        input_ids, positions, slots, cu_seqlens, context_lens, tables = body.split(sizes)
+        meta = AttentionMetadata(
+            slot_mapping=slots, cu_seqlens_q=cu_seqlens.to(torch.int32),
+            context_lens=context_lens.to(torch.int32),
+            block_tables=tables.to(torch.int32).view(num_seqs, width),
+            max_query_len=max_query_len, max_context_len=max_context_len, backend=backend)
+        return input_ids, positions, meta
+
+
+def _stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Followers:
+    """Rank 0's handle on ranks 1..N-1: the processes it started, then their group."""
+
+    def __init__(self, store: dist.TCPStore, procs: list[subprocess.Popen], size: int):
+        self._store, self._procs, self.size = store, procs, size
+        self.group: TensorGroup | None = None
+        self._finalizer = weakref.finalize(self, _stop_processes, procs, 0.0)
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> Followers:
+        """Publish the spec and start ranks 1..N-1 (step 1); they begin loading at once."""
+        size = config.tensor_parallel_size
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        store.set("spec", pickle.dumps(FollowerSpec(config, torch.get_num_threads())))
+        procs = [subprocess.Popen([sys.executable, "-m", FOLLOWER_MODULE, "--store",
+                                   store_address(store), "--rank", str(rank), "--size",
+                                   str(size)])
+                 for rank in range(1, size)]
+        logger.info("tensor parallel: started ranks 1..%d (pids %s)", size - 1,
+                    ", ".join(str(p.pid) for p in procs))
+        return cls(store, procs, size)
+
+    def join(self, ledger: MemoryLedger, device: torch.device) -> TensorGroup:
+        """Publish the ledger, wait for every follower's pool (step 2), form the group
+        (step 3). Raises RuntimeError with a follower's own error when one fails."""
+        self._store.set("ledger", pickle.dumps(ledger))
+        waiting = {rank: f"ready/{rank}" for rank in range(1, self.size)}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while waiting:
+            for rank, key in list(waiting.items()):
+                if self._store.check([key]):
+                    error = self._store.get(key).decode()
+                    if error:
+                        raise RuntimeError(f"tensor parallel rank {rank} failed to start: "
+                                           f"{error}")
+                    del waiting[rank]
+                elif (code := self._procs[rank - 1].poll()) is not None:
+                    raise RuntimeError(f"tensor parallel rank {rank} exited with code {code} "
+                                       f"while starting (its log is above)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor parallel ranks {sorted(waiting)} were not ready "
+                                   f"within {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
+        self.group = TensorGroup(self._store, 0, self.size, device)
+        logger.info("tensor parallel: group of %d formed", self.size)
+        return self.group
+
+    def stop(self) -> None:
+        """Tell the followers to exit, then reap them (killed after a grace period)."""
+        if self.group is not None:
+            try:
+                self.group.send_stop()
+            except Exception as exc:  # a broken group: the followers exit on their own
+                logger.warning("tensor parallel: stop message not delivered (%s)", exc)
+            self.group = None
+        else:
+            for proc in self._procs:
+                proc.kill()
+        _stop_processes(self._procs)
+        self._finalizer.detach()
+
+    def alive(self) -> list[bool]:
+        return [proc.poll() is None for proc in self._procs]
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: every forward is first broadcast to the followers, which run it on
+    their shards in step (the decoder's all-reduces keep the ranks together)."""
+
+    def __init__(self, *args, followers: Followers, **kwargs):
+        super().__init__(*args, **kwargs)
+        if followers.group is None:
+            raise ValueError("the followers have not joined a group yet")
+        self.followers = followers
+        self.group = followers.group
+
+    def run(self, batch: ModelInput,
+            after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        self.group.send_batch(batch)
+        return super().run(batch, after_layer)
+
+    def close(self) -> None:
+        self.followers.stop()
+
+
+def watch_parent(poll_s: float = 1.0) -> None:
+    """Exit this process (a follower) as soon as the process that started it is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="tensor-parent-watch", daemon=True).start()
