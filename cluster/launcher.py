@@ -209,7 +209,8 @@ class EmbeddedCluster:
                            opts.lease_s, orphan_timeout_s=opts.orphan_timeout_s,
                            log_level=opts.log_level, join_token=self.derived_secret("kv-join"),
                            resources=worker_resources(devices[role], opts.worker_cpus_of(role),
-                                                      opts.pool_placement, opts.worker_gpus))
+                                                      opts.pool_placement, opts.worker_gpus,
+                                                      opts.ranks_per_worker))
                 for role in roles]
 
     def pool_targets(self) -> dict[str, int]:

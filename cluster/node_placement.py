@@ -85,14 +85,16 @@ def check_one_device_type(devices: dict[str, str]) -> None:
 
 
 def worker_resources(device: str, worker_cpus: int, placement: str = "auto",
-                     worker_gpus: float = 1.0) -> WorkerResources:
-    """What each worker asks for on ``device`` ("cpu" | "cuda", already resolved)."""
+                     worker_gpus: float = 1.0, ranks: int = 1) -> WorkerResources:
+    """What each worker asks for on ``device`` ("cpu" | "cuda", already resolved): per
+    tensor parallel rank (``ranks`` of them, one process each) ``worker_cpus`` CPUs and
+    threads, and ``worker_gpus`` GPU on CUDA."""
     if worker_cpus < 0:
         raise ValueError(f"worker_cpus must be >= 0, got {worker_cpus}")
     if not 0 < worker_gpus <= 1:
         raise ValueError(f"worker_gpus must be in (0, 1], got {worker_gpus}")
-    return WorkerResources(num_cpus=float(worker_cpus),
-                           num_gpus=worker_gpus if device == "cuda" else 0.0,
+    return WorkerResources(num_cpus=float(worker_cpus * ranks),
+                           num_gpus=worker_gpus * ranks if device == "cuda" else 0.0,
                            torch_threads=max(1, worker_cpus), placement=placement)
 
 

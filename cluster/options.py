@@ -132,6 +132,7 @@ class ClusterOptions:
         if not 0 < self.worker_gpus <= 1:
             raise ValueError(f"worker_gpus must be in (0, 1], got {self.worker_gpus}")
         self._check_pool_settings()
+        self._check_tensor_parallel()
         if self.pool_placement not in PLACEMENTS:
             raise ValueError(f"pool_placement must be one of {PLACEMENTS}, "
                              f"got {self.pool_placement!r}")
@@ -152,6 +153,26 @@ class ClusterOptions:
             if device is not None and device not in POOL_DEVICES:
                 raise ValueError(f"{role}_device must be one of {', '.join(POOL_DEVICES)}, "
                                  f"got {device!r}")
+
+    def _check_tensor_parallel(self) -> None:
+        """Tensor parallel workers: colocated only, whole GPUs."""
+        ranks = self.ranks_per_worker
+        if ranks == 1:
+            return
+        if not self.colocated:
+            raise ValueError(f"tensor_parallel_size ({ranks}) needs colocated workers "
+                             f"(--colocated): each rank holds only its K/V heads, and moving "
+                             f"KV between a prefill and a decode group rank by rank is not "
+                             f"built yet")
+        if self.worker_gpus != 1:
+            raise ValueError(f"tensor_parallel_size ({ranks}) gives each rank a whole GPU: "
+                             f"worker_gpus must be 1, got {self.worker_gpus}")
+
+    @property
+    def ranks_per_worker(self) -> int:
+        """Processes (tensor parallel ranks) each worker runs, each on worker_cpus CPUs (and
+        one GPU on CUDA): the engine's tensor_parallel_size."""
+        return int(self.engine.get("tensor_parallel_size", 1))
 
     def _check_pool_sizes(self) -> None:
         if self.max_workers_per_pool < 1:
@@ -200,7 +221,8 @@ class ClusterOptions:
         """CPUs a local Ray (no ``ray_address``) advertises: ``ray_num_cpus``, or the
         machine's ``cores`` raised to what the pools ask for at their largest. ValueError when
         an explicit ``ray_num_cpus`` cannot hold them (workers would wait forever)."""
-        per_worker = max(self.worker_cpus_of(role) for role in self.initial_targets())
+        per_worker = max(self.worker_cpus_of(role)
+                         for role in self.initial_targets()) * self.ranks_per_worker
         needed = per_worker * self.max_workers()  # (any mix of the pools the budget allows)
         if self.ray_num_cpus is not None:
             if self.ray_num_cpus < needed:
@@ -219,7 +241,7 @@ class ClusterOptions:
     def check_local_gpus(self, gpus: int) -> None:
         """ValueError when a local Ray's ``gpus`` cannot hold the CUDA pools at their largest
         (a worker that finds no GPU would wait forever)."""
-        needed = self.worker_gpus * self.max_workers()
+        needed = self.worker_gpus * self.ranks_per_worker * self.max_workers()
         if needed > gpus + 1e-9:
             share = max(0.01, gpus / self.max_workers())
             raise ValueError(

@@ -26,6 +26,7 @@ VLLM_NAMES = {  # vLLM's flag -> our (section, field)
     "--enable-chunked-prefill": ("engine", "enable_chunked_prefill"),
     "--attention-backend": ("engine", "attention_backend"), "--seed": ("engine", "seed"),
     "--device": ("engine", "device"),
+    "--tensor-parallel-size": ("engine", "tensor_parallel_size"),
 }
 
 
@@ -218,6 +219,24 @@ def test_each_pool_has_its_own_cpus_and_device(tiny_dir):
         == {"prefill": (1, 1, "cpu"), "decode": (1, 1, "cpu")}
     with pytest.raises(ValueError, match="decode on cpu, prefill on cuda.*same device"):
         specs("--prefill-device", "cuda", "--decode-device", "cpu")  # (before resolving)
+
+
+def test_a_tensor_parallel_worker_asks_for_each_rank(tiny_dir):
+    """--tensor-parallel-size N: each colocated worker asks Ray for N x its CPUs (one process
+    per rank, each with worker_cpus threads); a disaggregated pool refuses it, saying why."""
+    from pdserve.cluster.launcher import EmbeddedCluster
+
+    cluster = EmbeddedCluster(_options("--colocated", "--tensor-parallel-size", "2",
+                                       "--worker-cpus", "3", "--decode", "2"))
+    cluster.model, cluster.redis_url = str(tiny_dir), "redis://127.0.0.1:1"
+    [spec] = cluster.worker_specs()
+    assert (spec.resources.num_cpus, spec.resources.torch_threads) == (6, 3)
+    assert spec.config.tensor_parallel_size == 2
+    assert cluster.options.local_ray_cpus(cores=2) == 12  # 2 workers x 2 ranks x 3 CPUs
+    with pytest.raises(ValueError, match="tensor_parallel_size \\(2\\) needs colocated"):
+        _options("--tensor-parallel-size", "2")
+    with pytest.raises(ValueError, match="worker_gpus must be 1"):
+        _options("--colocated", "--tensor-parallel-size", "2", "--worker-gpus", "0.5")
 
 
 def test_pool_settings_name_the_bad_field():

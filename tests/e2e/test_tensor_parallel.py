@@ -1,0 +1,58 @@
+"""A tensor parallel colocated worker over real Ray: each worker is a group of two ranks (the
+actor's process and a follower it starts), served through gRPC. Greedy output equals the
+offline engine; a killed rank takes its worker down as one and the pool replaces it with a
+whole new group; the requests that met the broken group move to it, no token lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+
+from pdserve.engine.tensor_parallel import FOLLOWER_MODULE
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 8
+
+
+def _followers() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", FOLLOWER_MODULE], capture_output=True, text=True)
+    return {int(pid) for pid in out.stdout.split()}
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster, model_dir):
+    before = _followers()
+    c = start_cluster(model_dir, colocated=True, num_decode=1,
+                      engine=dict(num_kv_blocks=256, tensor_parallel_size=2))
+    c.followers_before = before
+    yield c
+    c.stop()
+
+
+def test_tp2_worker_greedy_equals_offline(cluster, model_dir, e2e):
+    prompts = e2e.prompts(0, 6)
+    results = e2e.generate_all(cluster.target, prompts, MAX_TOKENS)
+    assert [r.token_ids for r in results] == e2e.reference(model_dir, prompts, MAX_TOKENS)
+    assert len(_followers() - cluster.followers_before) == 1  # one follower for one worker
+
+
+def test_a_killed_rank_restarts_its_worker_as_one_group(cluster, model_dir, e2e):
+    [victim] = _followers() - cluster.followers_before
+    [old] = [w.worker_id for w in cluster.refresh_workers() if w.state != "dead"]
+    os.kill(victim, signal.SIGKILL)
+    # the first step fails on the broken group; the requests move to the replacement
+    during = e2e.prompts(1, 2)
+    results = e2e.generate_all(cluster.target, during, MAX_TOKENS)
+    assert [r.token_ids for r in results] == e2e.reference(model_dir, during, MAX_TOKENS)
+    e2e.wait_for(lambda: {w.worker_id for w in cluster.refresh_workers()
+                          if w.state == "ready"} - {old},
+                 what="a new tensor parallel worker in place of the one whose rank died")
+    prompts = e2e.prompts(2, 4)
+    results = e2e.generate_all(cluster.target, prompts, MAX_TOKENS)
+    assert [r.token_ids for r in results] == e2e.reference(model_dir, prompts, MAX_TOKENS)
+    new = _followers() - cluster.followers_before
+    assert len(new) == 1 and victim not in new
