@@ -47,6 +47,7 @@ def worker_dict(worker: admin_pb2.Worker) -> dict:
         "busy_fraction": round(worker.busy_fraction, 4), "binding": worker.binding,
         "device": _ledger(worker).get("device", ""),
         "torch_threads": _ledger(worker).get("num_threads", 0),
+        "tensor_parallel_size": _ledger(worker).get("tensor_parallel_size", 1),
         "kv_int8": _ledger(worker).get("kv_int8", ""),  # scheme, calibration, start-up check
     }
 

@@ -2,7 +2,8 @@
 # The checks that need a GPU, in one run, for a machine that has python3 with torch, Triton,
 # transformers, tokenizers and safetensors and nothing of this project installed (ray, Redis
 # and the front doors are not needed): the real CUDA-graph capture test and the decoder on the
-# compiled Triton kernels, then the CUDA-graph and kernel benchmarks. Each part's output goes
+# compiled Triton kernels, then the CUDA-graph and kernel benchmarks, and on a machine with two
+# GPUs or more the tensor parallel benchmark (TP=1 vs TP=2 over NCCL). Each part's output goes
 # to $OUT (or a temporary folder) as well as to the terminal; a failing part does not stop the
 # next. About 3-6 minutes on an H200, most of it Triton compiling.
 #   bash bench/device_check.sh      (PYTHON=... picks the interpreter; python3 by default)
@@ -25,5 +26,11 @@ run tests "$python" -m pytest -q -p no:cacheprovider \
   tests/engine/test_cuda_graphs.py tests/models/test_triton_backend.py
 run cuda_graphs "$python" -m pdserve.bench.cuda_graphs
 run kernels "$python" -m pdserve.bench.kernels
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$gpus" -ge 2 ]; then  # TP=1 vs TP=2 prefill and decode over NCCL, tokens compared
+  run tensor_parallel "$python" -m pdserve.bench.tensor_parallel --device cuda --sizes 1,2
+else
+  echo "== tensor_parallel: skipped, $gpus GPU(s) visible (TP=2 needs 2)"
+fi
 echo "== outputs in $out; status $status"
 exit $status

@@ -135,11 +135,14 @@ def _control_plane_line(plane: dict) -> str:
 
 
 def _device(worker: dict) -> str:
-    """"cpu x2" (torch threads) or the GPU, as the worker's ledger says; "-" before it."""
+    """"cpu x2" (torch threads) or the GPU, as the worker's ledger says, then "TP2" for a
+    tensor parallel group (per rank); "-" before its first heartbeat."""
     device = worker["device"]
     if not device:
         return "-"
-    return f"{device} x{worker['torch_threads']}" if device == "cpu" else device
+    ranks = worker["tensor_parallel_size"]
+    label = f"{device} x{worker['torch_threads']}" if device == "cpu" else device
+    return label if ranks == 1 else f"{label} TP{ranks}"
 
 
 def _latest_traces(admin, limit: int) -> list | None:

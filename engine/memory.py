@@ -49,6 +49,8 @@ class MemoryLedger:
     # many blocks as the target's), inside the budget
     kv_int8: str = ""  # int8 pools: the scheme, what its scales were calibrated on and how it
     # compared with the model dtype at start-up (kv_quant.Calibration.describe)
+    tensor_parallel_size: int = 1  # ranks computing the engine; every figure here is one
+    # rank's (each holds its share of the heads and the MLP, and as many KV blocks)
 
     @property
     def kv_token_capacity(self) -> int:
@@ -57,8 +59,10 @@ class MemoryLedger:
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) rows for printing."""
         mib = lambda b: f"{b / (1 << 20):,.1f} MiB"  # noqa: E731
+        ranks = (f", tensor parallel over {self.tensor_parallel_size} ranks (figures per rank)"
+                 if self.tensor_parallel_size > 1 else "")
         return [
-            ("device", f"{self.device}, {self.num_threads} torch thread(s)"),
+            ("device", f"{self.device}, {self.num_threads} torch thread(s){ranks}"),
             ("budget", mib(self.budget_bytes)),
             ("weights", mib(self.weight_bytes) + (f" ({self.weights_source})"
                                                   if self.weights_source else "")),
@@ -211,7 +215,7 @@ def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.
         kv_bytes_per_token=per_block // config.block_size, kv_dtype=kv_dtype,
         num_kv_blocks_model_dtype=num_blocks * per_block // model_dtype_block,
         weights_source=getattr(model, "weights_source", ""), device=device_label(device),
-        num_threads=torch.get_num_threads(),
+        num_threads=torch.get_num_threads(), tensor_parallel_size=config.tensor_parallel_size,
         draft_bytes=draft_weights + num_blocks * draft_per_block)
 
 

@@ -92,6 +92,10 @@ class EngineParts:
         if size > 1:
             shard = TensorShard(0, size)
             shard.check(resolved.model_config)
+            gpus = torch.cuda.device_count() if resolved.device.type == "cuda" else size
+            if gpus < size:
+                raise ValueError(f"tensor_parallel_size ({size}) needs a GPU per rank; this "
+                                 f"process sees {gpus}")
         followers = Followers.start(config) if size > 1 else None
         try:
             return cls._build(config, resolved, shard, followers)

@@ -37,6 +37,8 @@ def serve(address: str, rank: int, size: int) -> None:
     try:
         resolved = ResolvedModel.of(spec.config)
         device = rank_device(resolved.device, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL's communicator uses the current device
         model = resolved.load_model(spec.config, TensorShard(rank, size), device)
         ledger = pickle.loads(store.get("ledger"))
         layer_dtypes = kv_layer_dtypes(model.config.num_hidden_layers, resolved.dtype,

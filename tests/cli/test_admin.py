@@ -18,7 +18,7 @@ from pdserve.testing.fake_backend import FakeBackend
 WORKER_KEYS = {"worker_id", "role", "node", "pid", "state", "running", "waiting",
                "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts",
                "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding",
-               "device", "torch_threads", "kv_int8"}
+               "device", "torch_threads", "tensor_parallel_size", "kv_int8"}
 
 
 @pytest.fixture
@@ -74,7 +74,8 @@ def test_status_json_is_one_object_with_pools_and_workers(server, capsys):
                                  "heartbeat_age_s": 0.5, "restarts": 0,
                                  "compute_utilization": 0.05, "bandwidth_utilization": 0.4,
                                  "busy_fraction": 0.9, "binding": "bandwidth", "device": "cpu",
-                                 "torch_threads": 2, "kv_int8": "hybrid calibrated on text"}
+                                 "torch_threads": 2, "tensor_parallel_size": 1,
+                                 "kv_int8": "hybrid calibrated on text"}
     assert by_id["decode-2"]["state"] == "starting"
     assert by_id["decode-2"]["heartbeat_age_s"] is None
     assert by_id["decode-1"]["state"] == "dead"

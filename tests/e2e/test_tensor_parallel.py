@@ -5,6 +5,7 @@ whole new group; the requests that met the broken group move to it, no token los
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -27,7 +28,7 @@ def _followers() -> set[int]:
 def cluster(start_cluster, model_dir):
     before = _followers()
     c = start_cluster(model_dir, colocated=True, num_decode=1,
-                      engine=dict(num_kv_blocks=256, tensor_parallel_size=2))
+                      engine=dict(num_kv_blocks=256, tensor_parallel_size=2, device="cpu"))
     c.followers_before = before
     yield c
     c.stop()
@@ -38,6 +39,18 @@ def test_tp2_worker_greedy_equals_offline(cluster, model_dir, e2e):
     results = e2e.generate_all(cluster.target, prompts, MAX_TOKENS)
     assert [r.token_ids for r in results] == e2e.reference(model_dir, prompts, MAX_TOKENS)
     assert len(_followers() - cluster.followers_before) == 1  # one follower for one worker
+
+
+def test_status_shows_each_worker_as_a_group(cluster, capsys):
+    from pdserve.cli.main import main
+
+    assert main(["status", "--target", cluster.target, "--json"]) == 0
+    [worker] = json.loads(capsys.readouterr().out)["workers"]
+    assert (worker["role"], worker["tensor_parallel_size"]) == ("colocated", 2)
+    assert main(["status", "--target", cluster.target]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith(worker["worker_id"]))
+    assert "cpu x1 TP2" in row
 
 
 def test_a_killed_rank_restarts_its_worker_as_one_group(cluster, model_dir, e2e):

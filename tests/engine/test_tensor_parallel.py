@@ -25,7 +25,8 @@ from pdserve.engine.tensor_parallel import FOLLOWER_MODULE, Followers
 transformers = pytest.importorskip("transformers")
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=16)
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=96,
+              max_num_batched_tokens=16)
 # FAMILY_PARAMS entries whose heads and MLP split two ways (llama-mha-odd has 3 heads and
 # llama3-rope 3 K/V heads: refused below)
 SPLITTABLE = ["llama-gqa", "qwen2-bias-tied", "qwen3-qknorm", "mistral-window",
@@ -178,8 +179,8 @@ def test_followers_exit_when_rank_0_is_killed(hf_checkpoint, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import sys, time
         from pdserve import LLM
-        llm = LLM({str(hf_checkpoint("llama-gqa"))!r}, tensor_parallel_size=2, dtype="float32",
-                  block_size=4, num_kv_blocks=16)
+        llm = LLM({str(hf_checkpoint("llama-gqa"))!r}, tensor_parallel_size=2, device="cpu",
+                  dtype="float32", block_size=4, num_kv_blocks=16)
         print(*(p.pid for p in llm.engine.parts.runner.followers._procs), flush=True)
         time.sleep(600)
     """))
