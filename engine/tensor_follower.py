@@ -48,7 +48,7 @@ def serve(address: str, rank: int, size: int) -> None:
         store.set(f"ready/{rank}", f"{type(exc).__name__}: {exc}")
         raise
     store.set(f"ready/{rank}", "")
-    group = TensorGroup(store, rank, size, device)
+    group = TensorGroup(store, rank, size, device, spec.step_timeout_s)
     model.join_tensor_group(group.all_reduce)
     logger.info("tensor parallel rank %d/%d ready on %s", rank, size, device)
     while (batch := group.recv_batch(resolved.backend)) is not None:

@@ -62,6 +62,7 @@ class FollowerSpec:
 
     config: EngineConfig  # the engine's (the followers resolve the model from it)
     num_threads: int  # torch intra-op threads of each rank (rank 0's)
+    step_timeout_s: float  # how long a collective inside a step waits for the other ranks
 
 
 def store_address(store: dist.TCPStore) -> str:
@@ -83,10 +84,11 @@ class TensorGroup:
     """One rank's side of its group: the all-reduce the decoder calls, and the step batches
     rank 0 sends and the followers receive."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device):
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device,
+                 step_timeout_s: float):
         self.rank, self.size, self.device = rank, size, device
         store = dist.PrefixStore("tensor-group", store)
-        timeout = datetime.timedelta(seconds=STEP_TIMEOUT_S)
+        timeout = datetime.timedelta(seconds=step_timeout_s)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
@@ -159,8 +161,10 @@ def _stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> N
 class Followers:
     """Rank 0's handle on ranks 1..N-1: the processes it started, then their group."""
 
-    def __init__(self, store: dist.TCPStore, procs: list[subprocess.Popen], size: int):
+    def __init__(self, store: dist.TCPStore, procs: list[subprocess.Popen], size: int,
+                 step_timeout_s: float):
         self._store, self._procs, self.size = store, procs, size
+        self.step_timeout_s = step_timeout_s
         self.group: TensorGroup | None = None
         self._finalizer = weakref.finalize(self, _stop_processes, procs, 0.0)
 
@@ -170,14 +174,15 @@ class Followers:
         size = config.tensor_parallel_size
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-        store.set("spec", pickle.dumps(FollowerSpec(config, torch.get_num_threads())))
+        spec = FollowerSpec(config, torch.get_num_threads(), STEP_TIMEOUT_S)
+        store.set("spec", pickle.dumps(spec))
         procs = [subprocess.Popen([sys.executable, "-m", FOLLOWER_MODULE, "--store",
                                    store_address(store), "--rank", str(rank), "--size",
                                    str(size)])
                  for rank in range(1, size)]
         logger.info("tensor parallel: started ranks 1..%d (pids %s)", size - 1,
                     ", ".join(str(p.pid) for p in procs))
-        return cls(store, procs, size)
+        return cls(store, procs, size, spec.step_timeout_s)
 
     def join(self, ledger: MemoryLedger, device: torch.device) -> TensorGroup:
         """Publish the ledger, wait for every follower's pool (step 2), form the group
@@ -200,7 +205,7 @@ class Followers:
                 raise RuntimeError(f"tensor parallel ranks {sorted(waiting)} were not ready "
                                    f"within {START_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
-        self.group = TensorGroup(self._store, 0, self.size, device)
+        self.group = TensorGroup(self._store, 0, self.size, device, self.step_timeout_s)
         logger.info("tensor parallel: group of %d formed", self.size)
         return self.group
 

@@ -20,6 +20,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
+from pdserve.engine import tensor_parallel
 from pdserve.engine.tensor_parallel import FOLLOWER_MODULE, Followers
 
 transformers = pytest.importorskip("transformers")
@@ -143,6 +144,19 @@ def test_close_ends_every_rank(hf_checkpoint):
     assert followers.alive() == [True]
     llm.close()
     assert followers.alive() == [False]
+
+
+def test_an_idle_spell_longer_than_the_step_timeout_keeps_the_group(
+        hf_checkpoint, monkeypatch):
+    """Followers wait for the next step as long as the engine idles; the step timeout bounds
+    only the collectives inside a step."""
+    monkeypatch.setattr(tensor_parallel, "STEP_TIMEOUT_S", 1.0)
+    with LLM(str(hf_checkpoint("llama-gqa")), tensor_parallel_size=2, **ENGINE) as llm:
+        first = [o.token_ids for o in llm.generate(_prompts(2), GREEDY, use_tqdm=False)]
+        time.sleep(3.0)
+        assert llm.engine.parts.runner.followers.alive() == [True]
+        again = [o.token_ids for o in llm.generate(_prompts(2), GREEDY, use_tqdm=False)]
+    assert again == first
 
 
 def test_a_killed_follower_fails_the_step_at_once(hf_checkpoint):
