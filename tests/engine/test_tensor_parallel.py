@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.config import EngineConfig
 from pdserve.engine import tensor_parallel
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.tensor_parallel import FOLLOWER_MODULE, Followers
 
 transformers = pytest.importorskip("transformers")
