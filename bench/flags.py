@@ -160,6 +160,8 @@ def add_plan_flags(parser) -> None:
     parser.add_argument("--mfu", type=float, default=None,
                         help="fraction of peak FLOPs prefill reaches (default 0.5; 1.0 with "
                              "--measure, whose peak is this machine's measured matmul rate)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="devices per worker, each holding 1/N of every layer (default 1)")
     parser.add_argument("--rate", type=float, default=None, help="requests/s to plan for")
     parser.add_argument("--isl", type=int, default=None, help="input tokens per request")
     parser.add_argument("--osl", type=int, default=None, help="output tokens per request")

@@ -22,6 +22,11 @@ this machine measured now):
    each planned 80 % busy (queues grow without bound near 100 %); decode workers by Little's
    law: rate x osl x step time requests decode at once, each worker holds ``max_batch`` of
    them (the 20 % margin is in ``max_batch`` already).
+
+With ``tensor_parallel_size`` N, a worker is N devices and every figure of steps 1-4 is one
+rank's: its share of the heads and the MLP (embedding and head whole), its K/V heads of every
+block (``models/tensor_parallel.py``), its step's bytes and FLOPs. The collectives between the
+ranks are not in the step times (they depend on the interconnect).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
 from pdserve.engine.roofline import BANDWIDTH, COMPUTE, StepCost, copy_bandwidth, matmul_rate
 from pdserve.models import ModelConfig
 from pdserve.models.checkpoint import open_checkpoint
+from pdserve.models.tensor_parallel import TensorShard
 
 GiB = 1 << 30
 BATCH_MARGIN = 0.8  # max_batch = 80 % of the theoretical batch; workers planned 80 % busy
@@ -114,6 +120,7 @@ class PlanRequest:
     mfu: float = DEFAULT_MFU
     max_num_batched_tokens: int = 2048  # the engine settings the activation estimate uses
     max_num_seqs: int = 256
+    tensor_parallel_size: int = 1  # devices per worker, each holding 1/N of every layer
     rate: float | None = None  # requests/s to serve
     isl: int | None = None  # input tokens per request
     osl: int | None = None  # output tokens per request
@@ -128,6 +135,9 @@ class PlanRequest:
             raise ValueError("rate, isl and osl must be > 0")
         if self.avg_context is not None and self.avg_context < 1:
             raise ValueError(f"avg_context must be >= 1, got {self.avg_context}")
+        if isinstance(self.tensor_parallel_size, bool) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
 
     def engine_config(self, device: str) -> EngineConfig:
         edges = {} if self.kv_int8_keep_edge_layers is None else {
@@ -138,7 +148,15 @@ class PlanRequest:
                             max_model_len=self.max_model_len,
                             memory_safety_margin=self.memory_safety_margin,
                             max_num_batched_tokens=self.max_num_batched_tokens,
-                            max_num_seqs=self.max_num_seqs)
+                            max_num_seqs=self.max_num_seqs,
+                            tensor_parallel_size=self.tensor_parallel_size)
+
+    def rank_config(self, mc: ModelConfig) -> ModelConfig:
+        """The config one rank computes (``mc`` itself without tensor parallelism); raises
+        ValueError naming the setting when the model does not split."""
+        if self.tensor_parallel_size == 1:
+            return mc
+        return TensorShard(0, self.tensor_parallel_size).local_config(mc)
 
 
 def model_weight_bytes(model_dir: str, mc: ModelConfig, dtype: torch.dtype) -> tuple[int, str]:
@@ -160,7 +178,8 @@ def roofline_ms(flops: int, nbytes: int, hw: Hardware, mfu: float) -> dict:
 
 def make_plan(req: PlanRequest, hw: Hardware, mc: ModelConfig | None = None) -> dict:
     """The plan (the ``--json`` document); see the module docstring."""
-    mc = mc or open_checkpoint(req.model).model_config
+    full = mc or open_checkpoint(req.model).model_config
+    mc = req.rank_config(full)  # what one rank holds and computes
     config = req.engine_config(hw.device)
     dtype = config.resolve_dtype(mc.torch_dtype, torch.device(hw.device))
     max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -186,7 +205,8 @@ def make_plan(req: PlanRequest, hw: Hardware, mc: ModelConfig | None = None) -> 
         "model": req.model, "model_type": mc.model_type, "hardware": asdict(hw),
         "dtype": str(dtype).removeprefix("torch."), "kv_cache_dtype": req.kv_cache_dtype,
         "block_size": config.block_size, "max_model_len": max_model_len,
-        "avg_context": context, "mfu": req.mfu, "num_parameters": mc.num_parameters(),
+        "avg_context": context, "mfu": req.mfu, "num_parameters": full.num_parameters(),
+        "tensor_parallel_size": req.tensor_parallel_size,
         "kv_bytes_per_token": kv_per_token, "weight_bytes": weights,
         "weights_counted_from": weights_from, "activation_reserve_bytes": reserve,
         "activation_reserve_from": ("given" if req.activation_reserve_bytes is not None
@@ -216,4 +236,6 @@ def worker_counts(req: PlanRequest, cost: StepCost, hw: Hardware, batch: int,
     return {"rate": req.rate, "isl": req.isl, "osl": req.osl,
             "prefill_s_per_request": prefill_s, "requests_decoding": decoding,
             "num_prefill_workers": num_prefill, "num_decode_workers": num_decode,
+            "num_devices": None if num_decode is None
+            else (num_prefill + num_decode) * req.tensor_parallel_size,
             "pd_ratio": None if num_decode is None else f"{num_prefill}:{num_decode}"}

@@ -148,12 +148,16 @@ def format_plan(plan: dict) -> str:
     hw = plan["hardware"]
     gib = lambda b: f"{b / (1 << 30):,.2f} GiB"  # noqa: E731
     d, p = plan["decode"], plan["prefill"]
+    ranks = plan["tensor_parallel_size"]
     rows = [
         ["hardware", f"{hw['name']}: {gib(hw['memory_bytes'])}, "
                      f"{hw['bandwidth_bytes_per_s'] / 1e9:,.0f} GB/s, "
                      f"{hw['peak_flops_per_s'] / 1e12:,.1f} TFLOPS ({hw['source']})"],
         ["model", f"{plan['model']} ({plan['model_type']}, {plan['num_parameters']:,} "
                   f"parameters, {plan['dtype']}, KV {plan['kv_cache_dtype']})"],
+        *([["tensor parallel", f"{ranks} devices per worker; weights, KV, batch and step "
+                                f"times below are one rank's (collectives not counted)"]]
+          if ranks > 1 else []),
         ["weights", f"{gib(plan['weight_bytes'])} (from the {plan['weights_counted_from']})"],
         ["activation reserve", f"{gib(plan['activation_reserve_bytes'])} "
                                f"({plan['activation_reserve_from']})"],
@@ -177,7 +181,8 @@ def format_plan(plan: dict) -> str:
         rows.append([f"workers for {plan['rate']:g} req/s",
                      f"{plan['num_prefill_workers']} prefill + {plan['num_decode_workers']} "
                      f"decode (P:D {plan['pd_ratio']}; {plan['isl']} in / {plan['osl']} out, "
-                     f"{plan['requests_decoding']:.1f} requests decoding at once)"])
+                     f"{plan['requests_decoding']:.1f} requests decoding at once)"
+                     + (f", {plan['num_devices']} devices" if ranks > 1 else "")])
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{label:<{width}}  {text}" for label, text in rows)
 

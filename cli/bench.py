@@ -127,6 +127,7 @@ def cmd_plan(args) -> int:
                           activation_reserve_bytes=None if reserve is None
                           else int(reserve * (1 << 30)), memory_safety_margin=margin,
                           mfu=args.mfu or (1.0 if args.measure else DEFAULT_MFU),
+                          tensor_parallel_size=args.tensor_parallel_size,
                           rate=args.rate, isl=args.isl, osl=args.osl)
         device = (args.device or ("cuda" if _has_cuda() else "cpu")).lower()
         if args.measure and device not in ("cpu", "cuda"):

@@ -81,21 +81,50 @@ def test_gqa_int8_kv_and_worker_counts(tmp_path):
     assert plan["pd_ratio"] == f"{plan['num_prefill_workers']}:{plan['num_decode_workers']}"
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_planner_blocks_equal_engine_blocks(tiny_dir, kv_cache_dtype):
+def test_tensor_parallel_plans_one_rank(tmp_path, capsys):
+    """Llama-3-8B at TP=2 on H100s: each rank holds half of every layer's linear weights and
+    4 of the 8 K/V heads (embedding, head and norms whole), so more requests fit per rank."""
+    model = _config_dir(tmp_path, "llama3-8b", LLAMA3_8B)
+    h100 = accelerators()["H100"]
+    req = dict(dtype="bfloat16", activation_reserve_bytes=8 * GiB, rate=4.0, isl=2048, osl=512)
+    one = make_plan(PlanRequest(model, **req), h100)
+    two = make_plan(PlanRequest(model, tensor_parallel_size=2, **req), h100)
+    h, i, v, kv = 4096, 14336, 128256, 1024
+    linear = h * h + 2 * kv * h + h * h + 3 * h * i
+    assert two["weight_bytes"] == 2 * (2 * v * h + h + 32 * (linear // 2 + 2 * h))
+    assert two["kv_bytes_per_token"] == one["kv_bytes_per_token"] // 2 == 32 * 2 * 4 * 128 * 2
+    assert two["num_parameters"] == one["num_parameters"]  # the model's, not the rank's
+    assert two["max_batch"] > 2 * one["max_batch"]  # half the KV per token, more free memory
+    assert two["num_devices"] == 2 * (two["num_prefill_workers"] + two["num_decode_workers"])
+    assert main(["plan", "--model", model, "--device", "H100", "--dtype", "bfloat16",
+                 "--tensor-parallel-size", "2"]) == 0
+    assert "2 devices per worker" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--model", model, "--device", "H100", "--tensor-parallel-size", "3"])
+    assert exc.value.code == 2
+    assert "tensor_parallel_size (3) must divide the model's num_attention_heads (32)" \
+        in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kv_cache_dtype", "tensor_parallel_size"),
+                         [("auto", 1), ("int8", 1), ("auto", 2)])
+def test_planner_blocks_equal_engine_blocks(tiny_dir, kv_cache_dtype, tensor_parallel_size):
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.parts import EngineParts
 
     budget = 96 << 20
     engine = EngineParts.build(EngineConfig(model=str(tiny_dir), dtype="float32", block_size=8,
-                                            kv_cache_dtype=kv_cache_dtype,
+                                            kv_cache_dtype=kv_cache_dtype, device="cpu",
                                             memory_budget_bytes=budget,
-                                            max_num_batched_tokens=256))
+                                            max_num_batched_tokens=256,
+                                            tensor_parallel_size=tensor_parallel_size))
+    engine.close()  # (the ledger is rank 0's plan; the ranks are not needed)
     hw = Hardware("this CPU", budget, 1e10, 1e11, "test", device="cpu")
     plan = make_plan(PlanRequest(str(tiny_dir), dtype="float32", block_size=8,
                                  kv_cache_dtype=kv_cache_dtype,
                                  memory_safety_margin=engine.config.memory_safety_margin,
-                                 max_num_batched_tokens=256), hw)
+                                 max_num_batched_tokens=256,
+                                 tensor_parallel_size=tensor_parallel_size), hw)
     ledger = engine.ledger
     assert plan["weight_bytes"] == ledger.weight_bytes
     assert plan["activation_reserve_bytes"] == ledger.activation_bytes
