@@ -7,6 +7,11 @@ unreachable); pools are the manager's targets (Redis holds their copy) with the 
 counted; traces are the router's, the config is each pool's engine settings (secrets hidden)
 and the router's, and the control plane is whether Redis answers
 (``pdserve.cluster.control_plane``).
+
+Only the first router ("router") runs the pool manager. Every other router serves Admin too,
+through :class:`ForwardingAdmin`: pools, workers, drains, targets, config and control plane
+are asked of the first router's actor, so a Service that spreads operators over the routers
+answers alike everywhere; traces stay each router's own (the requests it served).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pdserve.cluster.pools.manager import Member, PoolManager
 from pdserve.cluster.pools.plan import DEAD, DRAINING, READY, STARTING
 from pdserve.cluster.registry import WorkerRecord
 from pdserve.router.admin_server import (
+    AdminUnavailableError,
     ControlPlaneInfo,
     PoolInfo,
     UnknownWorkerError,
@@ -35,6 +41,16 @@ SECRET_FIELDS = ("prefix_cache_salt",)  # engine settings GetConfig never shows
 
 def _public(engine: dict) -> dict:
     return {k: ("<secret>" if k in SECRET_FIELDS and v else v) for k, v in engine.items()}
+
+
+def select_traces(traces: Iterable[RequestTrace], request_ids: list[str],
+                  limit: int) -> list[RequestTrace]:
+    """The traces of ``request_ids``, or the latest ``limit`` when none are named."""
+    kept = list(traces)
+    if not request_ids:
+        return kept[-limit:]
+    wanted = set(request_ids)
+    return [t for t in kept if t.request_id in wanted]
 
 
 def worker_info(member: Member, record: WorkerRecord | None, now: float) -> WorkerInfo:
@@ -67,11 +83,8 @@ class ClusterAdmin:
         self._router_config = router_config
 
     async def traces(self, request_ids: list[str], limit: int) -> list[RequestTrace]:
-        kept = list(self._traces()) if self._traces is not None else []
-        if not request_ids:
-            return kept[-limit:]
-        wanted = set(request_ids)
-        return [t for t in kept if t.request_id in wanted]
+        return select_traces(self._traces() if self._traces is not None else [],
+                             request_ids, limit)
 
     async def config(self) -> dict:
         targets = self.manager.targets
@@ -122,3 +135,68 @@ class ClusterAdmin:
         ready, starting = states.count(READY), states.count(STARTING)
         return PoolInfo(role, target, ready + starting, ready, starting, states.count(DRAINING),
                         restarts, self.manager.last_error.get(role, ""))
+
+
+# What a router without the pool manager asks of the one that runs it (RouterActor.admin_call).
+FORWARDED = ("list_workers", "drain_worker", "get_pools", "set_pool_target", "config",
+             "control_plane")
+FORWARD_TIMEOUT_S = 10.0
+
+
+class ForwardingAdmin:
+    """``AdminBackend`` of a router that does not run the pools: every call but ``traces``
+    goes to the first router's actor (``lookup()`` finds its handle; looked up again after a
+    failure, as Ray may have restarted it). Its errors come back as raised there (unknown
+    worker, bad size); an unreachable first router is :class:`AdminUnavailableError`."""
+
+    def __init__(self, lookup: Callable[[], object],
+                 traces: Callable[[], Iterable[RequestTrace]] | None = None,
+                 timeout_s: float = FORWARD_TIMEOUT_S):
+        self._lookup = lookup
+        self._handle = None
+        self._traces = traces
+        self._timeout_s = timeout_s
+
+    async def _call(self, method: str, *args):
+        try:
+            if self._handle is None:
+                self._handle = await asyncio.to_thread(self._lookup)
+            ref = self._handle.admin_call.remote(method, *args)
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._timeout_s)
+        except (UnknownWorkerError, WorkerDeadError, ValueError) as exc:
+            if not _unreachable(exc):  # the first router's answer: raise it as it was raised
+                raise getattr(exc, "cause", None) or exc from None
+            error = exc
+        except Exception as exc:  # noqa: BLE001 - actor gone, timed out, Ray unreachable
+            error = exc
+        self._handle = None
+        raise AdminUnavailableError(
+            f"the router that runs the pools (the first, 'router') did not answer "
+            f"({type(error).__name__}: {error}); try again, or ask it directly") from error
+
+    async def list_workers(self) -> list[WorkerInfo]:
+        return await self._call("list_workers")
+
+    async def drain_worker(self, worker_id: str) -> WorkerInfo:
+        return await self._call("drain_worker", worker_id)
+
+    async def get_pools(self) -> list[PoolInfo]:
+        return await self._call("get_pools")
+
+    async def set_pool_target(self, role: str, size: int) -> PoolInfo:
+        return await self._call("set_pool_target", role, size)
+
+    async def config(self) -> dict:
+        return await self._call("config")
+
+    async def control_plane(self) -> ControlPlaneInfo:
+        return await self._call("control_plane")
+
+    async def traces(self, request_ids: list[str], limit: int) -> list[RequestTrace]:
+        return select_traces(self._traces() if self._traces is not None else [],
+                             request_ids, limit)
+
+
+def _unreachable(exc: Exception) -> bool:
+    """Whether a ValueError is Ray's "no such actor" (the first router is not up)."""
+    return isinstance(exc, ValueError) and "Failed to look up actor" in str(exc)

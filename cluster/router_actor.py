@@ -51,7 +51,7 @@ from pathlib import Path
 import ray
 
 from pdserve.cluster.actors import cluster_namespace, limit_process_threads
-from pdserve.cluster.admin import ClusterAdmin
+from pdserve.cluster.admin import FORWARDED, ClusterAdmin, ForwardingAdmin
 from pdserve.cluster.autoscale.config import AutoscaleConfig
 from pdserve.cluster.autoscale.runner import AutoscaleRunner
 from pdserve.cluster.control_plane import ControlPlaneHealth, ResilientDirectory
@@ -61,7 +61,7 @@ from pdserve.cluster.pools.store import PoolStore
 from pdserve.cluster.registry import Registry
 from pdserve.models.chat_template import load_chat_template
 from pdserve.models.checkpoint import open_checkpoint
-from pdserve.router.admin_server import PoolInfo, WorkerInfo
+from pdserve.router.admin_server import AdminUnavailableError, PoolInfo, WorkerInfo
 from pdserve.router.auth import TLSConfig
 from pdserve.router.backend import ModelSpec
 from pdserve.router.core import RequestTrace, Router, RouterConfig
@@ -165,7 +165,7 @@ class RouterActor:
         self.directory: ResilientDirectory | None = None
         self.pools: PoolManager | None = None
         self.autoscaler: AutoscaleRunner | None = None
-        self.admin: ClusterAdmin | None = None
+        self.admin: ClusterAdmin | ForwardingAdmin | None = None
         self._metrics_server = None
         self._info: dict | None = None  # start()'s answer once serving
         self._start_lock: asyncio.Lock | None = None
@@ -227,6 +227,10 @@ class RouterActor:
                 await self.autoscaler.start()
             self.admin = ClusterAdmin(self.pools, traces=lambda: self.router.traces,
                                       router_config=spec.config)
+        else:  # Admin answers here too, from the router that runs the pools
+            namespace = cluster_namespace(spec.cluster)
+            self.admin = ForwardingAdmin(lambda: ray.get_actor(ROUTER_NAME, namespace=namespace),
+                                         traces=lambda: self.router.traces)
         port, metrics_port = await self._serve(store, metrics)
         self.directory.keep(functools.partial(store.ensure_router, port, metrics_port, spec.name))
         logger.info("router serving %s on %s:%d", model.model_name, spec.host, port)
@@ -288,6 +292,15 @@ class RouterActor:
     async def set_serving(self, serving: bool) -> None:
         if self.server is not None:
             self.server.set_serving(serving)
+
+    async def admin_call(self, method: str, *args):
+        """An Admin call forwarded by another router (``cluster.admin.FORWARDED``); only the
+        router that runs the pools answers."""
+        if method not in FORWARDED:
+            raise ValueError(f"{method!r} is not an Admin call routers forward")
+        if not isinstance(self.admin, ClusterAdmin):
+            raise AdminUnavailableError(f"router {self.spec.name!r} does not run the pools")
+        return await getattr(self.admin, method)(*args)
 
     async def set_pool_targets(self, targets: dict[str, int]) -> None:
         for role, size in targets.items():

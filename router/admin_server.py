@@ -48,6 +48,10 @@ class UnknownWorkerError(LookupError):
     """No worker has this id."""
 
 
+class AdminUnavailableError(Exception):
+    """The component that answers this Admin call cannot be reached now (try again)."""
+
+
 class WorkerDeadError(Exception):
     """The worker is dead: it cannot be drained (the pool manager replaces it)."""
 
@@ -155,6 +159,7 @@ def pool_pb(info: PoolInfo) -> admin_pb2.Pool:
 _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (UnknownWorkerError, grpc.StatusCode.NOT_FOUND),
     (WorkerDeadError, grpc.StatusCode.FAILED_PRECONDITION),
+    (AdminUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
 import time
 import urllib.request
@@ -113,10 +114,33 @@ def test_bench_spreads_conversations_over_two_routers(cluster):
     result = run_serve(ServeOptions(target=",".join(cluster.targets[:2]), dataset="prefix",
                                     num_prompts=12, max_concurrency=4, disable_tqdm=True,
                                     shape=SyntheticShape(input_mean=64, output_mean=4)))
-    # request i went to router i mod 2; only the first router serves Admin (and its traces)
-    assert (result["completed"], result["failed"], result["num_traces"]) == (12, 0, 6)
+    # request i went to router i mod 2; each router's Admin gives the traces of its own
+    assert (result["completed"], result["failed"], result["num_traces"]) == (12, 0, 12)
     # the 4 system prompts are shared by 16 conversations: turns after the first hit
     assert result["prefix_hit_rate"] > 0
+
+
+def test_every_router_answers_admin_as_the_first_does(cluster, capsys):
+    """Operators reach any router (a Service spreads them): the others ask the first router,
+    which runs the pools, and answer alike; its errors keep their codes."""
+    from pdserve.api.admin_client import AdminClient
+    from pdserve.cli.main import main
+
+    reports = []
+    for target in cluster.targets:
+        assert main(["status", "--target", target, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        reports.append((report["pools"], sorted(w["worker_id"] for w in report["workers"]),
+                        report["control_plane"]["degraded"]))
+    assert reports[1:] == reports[:1] * (len(reports) - 1)
+    with pytest.raises(SystemExit) as exc:
+        main(["drain", "--target", cluster.targets[2], "no-such-worker"])
+    assert exc.value.code != 0
+    err = capsys.readouterr().err
+    assert "unknown worker 'no-such-worker'" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    with AdminClient(cluster.targets[1]) as admin:
+        assert admin.get_config()["pools"].keys() == {"prefill", "decode"}
 
 
 async def _stream_with_deadline(targets, requests, deadline_s: float) -> list[StreamRecord]:
