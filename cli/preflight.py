@@ -44,13 +44,13 @@ def check_cluster(options: ClusterOptions, model_dir: str) -> None:
         logger.info("--ray-address: the memory budget is checked by the workers themselves")
         return
     config = EngineConfig(model=model_dir, **options.engine)
+    check_engine_fits(config)  # (first: a model that cannot split is named before the CPUs)
     try:
         options.local_ray_cpus()
         if config.device != "cpu" and torch.cuda.is_available():  # CUDA workers, one GPU each
             options.check_local_gpus(torch.cuda.device_count())
     except ValueError as exc:
         raise SettingsError(name_flags("cluster", str(exc))) from None
-    check_engine_fits(config)
 
 
 def check_tls_files(options: ClusterOptions) -> None:

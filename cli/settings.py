@@ -382,16 +382,20 @@ def _built(section: str, build: Callable[[], object]):
     except SettingsError:
         raise
     except ValueError as exc:
-        raise SettingsError(name_flags(section, str(exc))) from None
+        # ClusterOptions holds the engine settings too, and its checks may name them
+        sections = (section, "engine") if section == "cluster" else (section,)
+        raise SettingsError(name_flags(sections, str(exc))) from None
 
 
-def name_flags(section: str, message: str) -> str:
-    """``message`` (a config's ValueError) prefixed with the flags of the fields it names."""
+def name_flags(section: str | tuple[str, ...], message: str) -> str:
+    """``message`` (a config's ValueError) prefixed with the flags of the fields it names
+    (fields of ``section``, or of any of several)."""
     if message.startswith("argument"):
         return message
+    sections = (section,) if isinstance(section, str) else section
     flags = {}
     for s in all_settings():
-        if s.section == section:
+        if s.section in sections:
             match = re.search(rf"(?<![\w-]){re.escape(s.name)}(?![\w-])", message)
             if match:
                 flags[s.flag] = match.start()

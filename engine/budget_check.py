@@ -14,6 +14,7 @@ from pdserve.engine.parts import ResolvedModel
 from pdserve.kernels.linear import can_pack
 from pdserve.models import ModelConfig, build_model
 from pdserve.models.checkpoint import Checkpoint
+from pdserve.models.tensor_parallel import TensorShard
 
 
 def meta_weight_bytes(checkpoint: Checkpoint, mc: ModelConfig, dtype: torch.dtype,
@@ -37,10 +38,13 @@ def check_engine_fits(config: EngineConfig) -> int | None:
     """Plan ``config``'s KV pool as a worker on this machine would; returns the number of
     blocks (None when the budget is this process's to guess: CUDA with no explicit budget, or
     a pinned ``num_kv_blocks``). Raises what the worker would: :class:`MemoryBudgetError`,
-    ``ValueError`` for a context longer than the model's, ``FileNotFoundError`` for a folder
-    with no checkpoint."""
+    ``ValueError`` for a context longer than the model's or a model that does not split
+    ``tensor_parallel_size`` ways, ``FileNotFoundError`` for a folder with no checkpoint.
+    With tensor parallelism the plan is one rank's (each rank has the budget)."""
     resolved = ResolvedModel.of(config)
     mc, device, dtype = resolved.model_config, resolved.device, resolved.dtype
+    if config.tensor_parallel_size > 1:
+        mc = TensorShard(0, config.tensor_parallel_size).local_config(mc)
     backend, max_model_len = resolved.backend, resolved.max_model_len
     budget = config.memory_budget_bytes
     if budget is None and device.type == "cpu":

@@ -280,6 +280,9 @@ def _run_cli(capsys, *argv: str) -> tuple[int, str]:
     (["--max-model-len", "1000000"], ["--max-model-len"]),
     (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512", "--max-model-len",
       "1024"], ["--max-num-batched-tokens", "--max-model-len"]),
+    (["--colocated", "--tensor-parallel-size", "3"], ["--tensor-parallel-size"]),
+    (["--colocated", "--tensor-parallel-size", str(2**63)], ["--tensor-parallel-size"]),
+    (["--tensor-parallel-size", "2"], ["--tensor-parallel-size", "--colocated"]),
 ])
 @pytest.mark.parametrize("command", ["serve", "demo"])
 def test_bad_values_exit_2_with_one_message_naming_the_flag(capsys, no_cluster, tiny_dir,
