@@ -116,15 +116,24 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     def send_layers(self, key: TransferKey, layer_start: int, layer_end: int,
-                    payload: torch.Tensor, num_blocks: int | None = None) -> Future:
+                    payload: torch.Tensor, num_blocks: int | None = None,
+                    heads: tuple[int, int] | None = None) -> Future:
         """Queue layers ``[layer_start, layer_end)`` of ``key``: ``payload`` is the contiguous
         (num_layers, 2, num_blocks, block_size, kv_heads, head_dim) tensor of
         ``framing.pack_layers`` (or flat bytes plus ``num_blocks``). The caller must not
-        modify it until the future resolves (to the number of payload bytes sent)."""
+        modify it until the future resolves (to the number of payload bytes sent).
+        ``heads``: the K/V heads it carries, in the full model's numbering (None: all)."""
 
     @abc.abstractmethod
-    def send_commit(self, key: TransferKey, first_token_id: int) -> Future:
-        """Queue COMMIT for ``key`` after its last layers."""
+    def send_commit(self, key: TransferKey, first_token_id: int, sharded: bool = False
+                    ) -> Future:
+        """Queue COMMIT for ``key`` after its last layers; ``sharded``: other channels may
+        still carry shares of its heads (the receiver then waits for every head)."""
+
+    @abc.abstractmethod
+    def send_share(self, key: TransferKey) -> Future:
+        """Queue the end of this channel's share of ``key`` (head-sliced layers of a transfer
+        whose COMMIT travels on another channel)."""
 
     @abc.abstractmethod
     def send_abort(self, key: TransferKey) -> Future:
@@ -157,17 +166,20 @@ class KVReceiveSink(Protocol):
     thread, in frame order; calls for different peers may run concurrently."""
 
     def payload_buffer(self, key: TransferKey, layer_start: int, layer_end: int,
-                       nbytes: int) -> torch.Tensor | None:
+                       nbytes: int, heads: tuple[int, int] | None = None
+                       ) -> torch.Tensor | None:
         """A contiguous uint8 tensor of ``nbytes`` to receive into, or None when ``key`` is
         unknown, stale or aborted (the payload is then drained into scratch and dropped).
         Raising ValueError fails the key (``on_failed``) and drains the payload."""
 
     def on_layers(self, key: TransferKey, layer_start: int, layer_end: int,
-                  buffer: torch.Tensor) -> None:
-        """``buffer`` (from ``payload_buffer``) is filled: scatter it into the reserved blocks."""
+                  buffer: torch.Tensor, heads: tuple[int, int] | None = None) -> None:
+        """``buffer`` (from ``payload_buffer``) is filled: scatter it into the reserved blocks
+        (``heads``: the K/V heads it carries, full model numbering; None: all of the pool's)."""
 
-    def on_commit(self, key: TransferKey, first_token_id: int) -> None:
-        """Every LAYERS frame of ``key`` arrived intact; the request may start decoding."""
+    def on_commit(self, key: TransferKey, first_token_id: int, sharded: bool = False) -> None:
+        """Every LAYERS frame of ``key`` sent on this channel arrived intact; the request may
+        start decoding (``sharded``: once every head has arrived, from any channel)."""
 
     def on_abort(self, key: TransferKey) -> None:
         """The sender aborted ``key``. Must be idempotent and ignore unknown keys."""

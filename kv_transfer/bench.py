@@ -28,7 +28,7 @@ from pdserve.kv_transfer.rendezvous import (
     resolve_backend,
     store_client,
 )
-from pdserve.kv_transfer.sink import ReservedBlocksSink
+from pdserve.kv_transfer.sink import ReservedBlocksSink, mark_covered
 from pdserve.kv_transfer.torch_dist import TorchDistConnector, TransferEndpoint
 
 
@@ -141,11 +141,11 @@ def measure_transfer(num_layers: int = 8, num_blocks: int = 64, block_size: int 
 class _NullSink(ReservedBlocksSink):
     """Accepts every frame of an expected key and writes nothing (measures the transport)."""
 
-    def on_layers(self, key, layer_start, layer_end, buffer) -> None:
+    def on_layers(self, key, layer_start, layer_end, buffer, heads=None) -> None:
         with self._lock:
             entry = self._expected.get(key)
-        if entry is not None:
-            entry.layers.update(range(layer_start, layer_end))
+            if entry is not None:
+                mark_covered(entry, layer_start, layer_end, self._pool_heads(heads))
 
 
 @dataclass(frozen=True)

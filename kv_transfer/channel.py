@@ -40,6 +40,9 @@ class _Job:
     layer_end: int = 0  # LAYERS: one past the last layer
     arg: int = 0  # LAYERS: num_blocks; COMMIT: first token id
     count: int = 0  # COMMIT: LAYERS frames sent for the key
+    heads: tuple[int, int] | None = None  # LAYERS: K/V heads carried (None: all)
+    share: bool = False  # COMMIT: the end of this channel's share of the key
+    sharded: bool = False  # COMMIT: the transfer's; shares may be on other channels
     payload: torch.Tensor | None = None  # LAYERS: flat uint8 payload
     ready: object = None  # torch.cuda.Event recorded on the caller's stream, for CUDA payloads
     future: Future = field(default_factory=Future)  # resolved with payload bytes sent
@@ -97,7 +100,8 @@ class ThreadedSender(KVSender):
             return not self._jobs and not self._busy and not self._open
 
     def send_layers(self, key: TransferKey, layer_start: int, layer_end: int,
-                    payload: torch.Tensor, num_blocks: int | None = None) -> Future:
+                    payload: torch.Tensor, num_blocks: int | None = None,
+                    heads: tuple[int, int] | None = None) -> Future:
         """See :meth:`KVSender.send_layers`. ``payload`` is the 6-D packed tensor
         (num_layers, 2, num_blocks, block_size, kv_heads, head_dim), or flat bytes together
         with ``num_blocks``."""
@@ -116,7 +120,7 @@ class ThreadedSender(KVSender):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         job = _Job(FrameKind.LAYERS, key, layer_start, layer_end, arg=num_blocks,
-                   payload=as_bytes(payload))
+                   payload=as_bytes(payload), heads=heads)
         if payload.is_cuda:
             job.ready = torch.cuda.Event()
             job.ready.record(torch.cuda.current_stream(payload.device))
@@ -124,13 +128,21 @@ class ThreadedSender(KVSender):
             self._open[key] = self._open.get(key, 0) + 1
         return self._submit(job)
 
-    def send_commit(self, key: TransferKey, first_token_id: int) -> Future:
+    def send_commit(self, key: TransferKey, first_token_id: int, sharded: bool = False
+                    ) -> Future:
         _check_key(key)
         if first_token_id < 0:
             raise ValueError(f"first_token_id must be >= 0, got {first_token_id}")
         with self._cond:
             count = self._open.pop(key, 0)
-        return self._submit(_Job(FrameKind.COMMIT, key, arg=int(first_token_id), count=count))
+        return self._submit(_Job(FrameKind.COMMIT, key, arg=int(first_token_id), count=count,
+                                 sharded=sharded))
+
+    def send_share(self, key: TransferKey) -> Future:
+        _check_key(key)
+        with self._cond:
+            count = self._open.pop(key, 0)
+        return self._submit(_Job(FrameKind.COMMIT, key, count=count, share=True))
 
     def send_abort(self, key: TransferKey) -> Future:
         _check_key(key)
@@ -250,7 +262,8 @@ class ThreadedSender(KVSender):
                              layer_start=job.layer_start, layer_end=job.layer_end, arg=job.arg,
                              count=job.count,
                              payload_nbytes=0 if payload is None else payload.numel(),
-                             payload_sum=checksum)
+                             payload_sum=checksum, heads=job.heads, share=job.share,
+                             sharded=job.sharded)
         self._send_frame(encode_header(header), payload)
         if payload is not None:
             self.bytes_sent += payload.numel()

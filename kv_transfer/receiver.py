@@ -92,7 +92,7 @@ class PeerDispatcher:
             return self._drop()
         try:
             buffer = self.sink.payload_buffer(key, header.layer_start, header.layer_end,
-                                              header.payload_nbytes)
+                                              header.payload_nbytes, header.heads)
             if buffer is not None:
                 _check_buffer(buffer, header.payload_nbytes)
         except Exception as exc:  # the sink refused the frame: the key cannot complete
@@ -152,7 +152,7 @@ class PeerDispatcher:
                                           f"of {key}: {damage}"))
             return
         try:
-            self.sink.on_layers(key, header.layer_start, header.layer_end, buffer)
+            self.sink.on_layers(key, header.layer_start, header.layer_end, buffer, header.heads)
         except Exception as exc:
             logger.exception("sink.on_layers failed for %s", key)
             self._fail(key, TransferError(f"sink failed to store layers of {key}: {exc}"))
@@ -170,7 +170,8 @@ class PeerDispatcher:
             self._call(self.sink.on_failed, key, TransferError(
                 f"{key}: {received} of {header.count} layer frames arrived before COMMIT"))
             return
-        self._call(self.sink.on_commit, key, header.arg)
+        if not header.share:  # a share's frames are all in; the sink completes on its heads
+            self._call(self.sink.on_commit, key, header.arg, header.sharded)
 
     def _fail(self, key: TransferKey, error: TransferError) -> None:
         self._open.pop(key, None)

@@ -13,6 +13,11 @@ buffer it is about to reuse is still being unpacked. Commit, abort and failure n
 through the same thread, so they follow every scatter queued before them. Scatters happen under
 a write lock that ``forget`` also takes: once ``forget`` returns, nothing writes that key's
 blocks any more.
+
+Tensor parallel pools (``kv_heads``: which K/V heads of the model this pool holds) take
+head-sliced frames from several senders: a key completes once every head of every layer has
+arrived and its COMMIT has (a sharded COMMIT may come first and waits for the rest), or, for a
+rank that never sees the COMMIT (``complete_on_heads``), once every head has arrived.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,8 +42,9 @@ class _Expected:
     """One reservation waiting for its KV."""
 
     block_ids: torch.Tensor  # int64 ids of the reserved blocks, on the pool's device
-    layers: set[int] = field(default_factory=set)  # layers written so far
+    covered: torch.Tensor  # (num_layers, kv_heads) bool: what has been written so far
     bytes_received: int = 0  # payload bytes written so far
+    first_token_id: int | None = None  # from a sharded COMMIT that came before every head
 
 
 class ReservedBlocksSink:
@@ -48,11 +54,15 @@ class ReservedBlocksSink:
                  on_complete: Callable[[TransferKey, int], None] | None = None,
                  on_failure: Callable[[TransferKey, TransferError], None] | None = None,
                  on_peer_lost: Callable[[str, TransferError], None] | None = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", first_head: int = 0,
+                 complete_on_heads: bool = False) -> None:
         if not caches:
             raise ValueError("caches must hold at least one layer")
         self.caches = caches
         self.num_layers = len(caches)
+        self.first_head = first_head  # the model's K/V head this pool's head 0 is
+        self.num_heads = caches[0].kv.shape[3]
+        self.complete_on_heads = complete_on_heads  # complete without a COMMIT (a TP rank)
         self.device = caches[0].kv.device
         self._on_complete = on_complete
         self._on_failure = on_failure
@@ -76,7 +86,8 @@ class ReservedBlocksSink:
         with self._lock:
             if key in self._expected:
                 raise ValueError(f"key {key} is already expected")
-            self._expected[key] = _Expected(ids)
+            self._expected[key] = _Expected(ids, torch.zeros(self.num_layers, self.num_heads,
+                                                             dtype=torch.bool))
 
     def forget(self, key: TransferKey) -> bool:
         """Stop accepting frames for ``key``; True if it was expected. Idempotent. After it
@@ -99,8 +110,19 @@ class ReservedBlocksSink:
             return len(self._expected)
 
     # -- KVReceiveSink ----------------------------------------------------------------------
+    def _pool_heads(self, heads: tuple[int, int] | None) -> tuple[int, int] | None:
+        """A frame's heads (model numbering) as this pool's; ValueError when not all here."""
+        if heads is None:
+            return None
+        local = (heads[0] - self.first_head, heads[1] - self.first_head)
+        if not 0 <= local[0] < local[1] <= self.num_heads:
+            raise ValueError(f"K/V heads {list(heads)} are not all in this pool (heads "
+                             f"{self.first_head}..{self.first_head + self.num_heads - 1})")
+        return local
+
     def payload_buffer(self, key: TransferKey, layer_start: int, layer_end: int,
-                       nbytes: int) -> torch.Tensor | None:
+                       nbytes: int, heads: tuple[int, int] | None = None
+                       ) -> torch.Tensor | None:
         with self._lock:
             entry = self._expected.get(key)
         if entry is None:
@@ -108,7 +130,8 @@ class ReservedBlocksSink:
         if not 0 <= layer_start < layer_end <= self.num_layers:
             raise ValueError(f"layer range [{layer_start}, {layer_end}) outside the pool's "
                              f"{self.num_layers} layers")
-        expected = layers_nbytes(self.caches, entry.block_ids.numel(), layer_start, layer_end)
+        expected = layers_nbytes(self.caches, entry.block_ids.numel(), layer_start, layer_end,
+                                 self._pool_heads(heads))
         if nbytes != expected:
             raise ValueError(f"payload of {nbytes} bytes, expected {expected} for "
                              f"{entry.block_ids.numel()} blocks x {layer_end - layer_start} "
@@ -127,16 +150,17 @@ class ReservedBlocksSink:
         return buf[:nbytes]
 
     def on_layers(self, key: TransferKey, layer_start: int, layer_end: int,
-                  buffer: torch.Tensor) -> None:
-        future = self._unpacker.submit(self._scatter, key, layer_start, layer_end, buffer)
+                  buffer: torch.Tensor, heads: tuple[int, int] | None = None) -> None:
+        future = self._unpacker.submit(self._scatter, key, layer_start, layer_end, buffer,
+                                       self._pool_heads(heads))
         if hasattr(self._local, "pending"):
             self._local.pending[self._local.slot] = future
         else:  # a buffer the sink did not lend (direct callers): wait, it may be reused
             future.result()
 
     def _scatter(self, key: TransferKey, layer_start: int, layer_end: int,
-                 buffer: torch.Tensor) -> None:
-        """On the unpack thread."""
+                 buffer: torch.Tensor, heads: tuple[int, int] | None = None) -> None:
+        """On the unpack thread (``heads``: this pool's numbering)."""
         with self._write_lock:
             with self._lock:
                 entry = self._expected.get(key)
@@ -144,31 +168,48 @@ class ReservedBlocksSink:
                 return
             try:
                 unpack_layers(buffer, self.caches, entry.block_ids, layer_start, layer_end,
-                              backend=self._backend)
+                              backend=self._backend, heads=heads)
                 error = None
             except Exception as exc:  # noqa: BLE001 - fail the key, keep the thread
                 logger.exception("scatter failed for %s", key)
                 error = TransferError(f"scatter into blocks failed: {exc}")
             with self._lock:
-                entry.layers.update(range(layer_start, layer_end))
+                mark_covered(entry, layer_start, layer_end, heads)
                 entry.bytes_received += buffer.numel()
         if error is not None:
             self._fail_now(key, error)
+        else:
+            self._complete_if_whole(key)
 
-    def on_commit(self, key: TransferKey, first_token_id: int) -> None:
-        self._unpacker.submit(self._commit, key, first_token_id)
+    def on_commit(self, key: TransferKey, first_token_id: int, sharded: bool = False) -> None:
+        self._unpacker.submit(self._commit, key, first_token_id, sharded)
 
-    def _commit(self, key: TransferKey, first_token_id: int) -> None:
+    def _commit(self, key: TransferKey, first_token_id: int, sharded: bool = False) -> None:
         with self._lock:
-            entry = self._expected.pop(key, None)
-        if entry is None:
-            return
-        if len(entry.layers) != self.num_layers:
-            missing = sorted(set(range(self.num_layers)) - entry.layers)
+            entry = self._expected.get(key)
+            if entry is None:
+                return
+            entry.first_token_id = first_token_id
+            missing = (~entry.covered.all(dim=1)).nonzero().flatten().tolist()
+            if missing and not sharded:
+                del self._expected[key]
+        if missing and not sharded:
             self._fail(key, TransferError(f"{key} committed with layers {missing} missing"))
             return
+        self._complete_if_whole(key)  # (a sharded commit waits for the other shares)
+
+    def _complete_if_whole(self, key: TransferKey) -> None:
+        """Complete ``key`` once every head of every layer is in and its COMMIT came (or, with
+        ``complete_on_heads``, on the heads alone)."""
+        with self._lock:
+            entry = self._expected.get(key)
+            if entry is None or not bool(entry.covered.all()):
+                return
+            if entry.first_token_id is None and not self.complete_on_heads:
+                return
+            del self._expected[key]
         if self._on_complete is not None:
-            self._on_complete(key, first_token_id)
+            self._on_complete(key, entry.first_token_id)
 
     def on_abort(self, key: TransferKey) -> None:
         self.on_failed(key, TransferError(f"{key} aborted by the prefill worker"))
@@ -188,3 +229,12 @@ class ReservedBlocksSink:
     def _fail(self, key: TransferKey, error: TransferError) -> None:
         if self._on_failure is not None:
             self._on_failure(key, error)
+
+
+def mark_covered(entry: _Expected, layer_start: int, layer_end: int,
+                 heads: tuple[int, int] | None) -> None:
+    """Record layers ``[layer_start, layer_end)`` (``heads`` of them, None: all) as written."""
+    if heads is None:
+        entry.covered[layer_start:layer_end] = True
+    else:
+        entry.covered[layer_start:layer_end, heads[0]:heads[1]] = True

@@ -61,9 +61,9 @@ class RecordingSink(ReservedBlocksSink):
 
     live: list[RecordingSink] = []  # closed by no_thread_leak at the end of each test
 
-    def __init__(self, caches):
+    def __init__(self, caches, **kwargs):
         super().__init__(caches, on_complete=self._complete, on_failure=self._failure,
-                         on_peer_lost=self._lost)
+                         on_peer_lost=self._lost, **kwargs)
         RecordingSink.live.append(self)
         self.cond = threading.Condition()
         self.completed: dict[TransferKey, int] = {}
@@ -72,11 +72,11 @@ class RecordingSink(ReservedBlocksSink):
         self.ended: set[TransferKey] = set()
         self.late_layers: list[TransferKey] = []  # on_layers after the key ended (must stay [])
 
-    def on_layers(self, key, layer_start, layer_end, buffer):
+    def on_layers(self, key, layer_start, layer_end, buffer, heads=None):
         with self.cond:
             if key in self.ended:
                 self.late_layers.append(key)
-        super().on_layers(key, layer_start, layer_end, buffer)
+        super().on_layers(key, layer_start, layer_end, buffer, heads)
 
     def on_abort(self, key):
         with self.cond:

@@ -64,7 +64,9 @@ def _tamper(index: int, value: int, fix_sum: bool) -> torch.Tensor:
     (10, -8, "payload_nbytes"),
     (10, 1 << 40, "payload_nbytes"),
     (10, 3 * 2 * 512 + 1, "whole number"),
-    (12, 6, "flags"),
+    (12, 8, "unknown flags"),
+    (12, 2, "share and sharded are for COMMIT"),  # a LAYERS frame
+    (9, (5 << 32) | 5, "bad K/V head range"),
 ])
 def test_bad_fields_rejected(index, value, match):
     with pytest.raises(FramingError, match=match):
