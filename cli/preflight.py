@@ -17,6 +17,7 @@ memory; there the worker's error, unwrapped by :func:`user_error`, is what the u
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import re
@@ -44,13 +45,30 @@ def check_cluster(options: ClusterOptions, model_dir: str) -> None:
         logger.info("--ray-address: the memory budget is checked by the workers themselves")
         return
     config = EngineConfig(model=model_dir, **options.engine)
-    check_engine_fits(config)  # (first: a model that cannot split is named before the CPUs)
+    for role in options.initial_targets():  # (first: a model that cannot split is named first)
+        _check_pool_fits(options, role, config)
     try:
         options.local_ray_cpus()
         if config.device != "cpu" and torch.cuda.is_available():  # CUDA workers, one GPU each
             options.check_local_gpus(torch.cuda.device_count())
     except ValueError as exc:
         raise SettingsError(name_flags("cluster", str(exc))) from None
+
+
+def _check_pool_fits(options: ClusterOptions, role: str, config: EngineConfig) -> None:
+    """check_engine_fits for one pool's group size; a size the pool's own flag set and the
+    model cannot split names that flag."""
+    ranks = options.ranks_of(role)
+    try:
+        check_engine_fits(dataclasses.replace(config, tensor_parallel_size=ranks))
+    except MemoryBudgetError:
+        raise
+    except ValueError as exc:
+        pool = "prefill" if role == "prefill" else "decode"
+        if "tensor_parallel_size" in str(exc) and \
+                getattr(options, f"{pool}_tensor_parallel_size") is not None:
+            raise SettingsError(f"argument --{pool}-tensor-parallel-size: {exc}") from None
+        raise
 
 
 def check_tls_files(options: ClusterOptions) -> None:

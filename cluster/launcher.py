@@ -204,13 +204,15 @@ class EmbeddedCluster:
         check_one_device_type(devices)
         if "cuda" in devices.values() and self._owns_ray:
             opts.check_local_gpus(int(cluster.get("GPU", 0)))
-        return [WorkerSpec(role, role, replace(config, device=devices[role]), self.redis_url,
+        return [WorkerSpec(role, role, replace(config, device=devices[role],
+                                               tensor_parallel_size=opts.ranks_of(role)),
+                           self.redis_url,
                            self.cluster_name, transfer_host, opts.heartbeat_s, opts.ttl_s,
                            opts.lease_s, orphan_timeout_s=opts.orphan_timeout_s,
                            log_level=opts.log_level, join_token=self.derived_secret("kv-join"),
                            resources=worker_resources(devices[role], opts.worker_cpus_of(role),
                                                       opts.pool_placement, opts.worker_gpus,
-                                                      opts.ranks_per_worker))
+                                                      opts.ranks_of(role)))
                 for role in roles]
 
     def pool_targets(self) -> dict[str, int]:

@@ -85,6 +85,10 @@ class ClusterOptions:
     # worker_cpus): decode is bound by memory bandwidth, which more threads share
     prefill_device: str | None = None  # auto | cpu | cuda for the prefill pool (None: device)
     decode_device: str | None = None  # for the decode or colocated pool (None: device)
+    prefill_tensor_parallel_size: int | None = None  # ranks of each prefill worker (None:
+    # the engine's tensor_parallel_size): prefill gains FLOPs from more devices
+    decode_tensor_parallel_size: int | None = None  # ranks of each decode or colocated
+    # worker (None: the engine's tensor_parallel_size)
     pool_placement: str = "auto"  # auto: each pool on the nodes advertising its Ray resource
     # pdserve_<role> when any does, else anywhere; require: only there; any: anywhere
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # pool autoscaler
@@ -155,24 +159,25 @@ class ClusterOptions:
                                  f"got {device!r}")
 
     def _check_tensor_parallel(self) -> None:
-        """Tensor parallel workers: colocated only, whole GPUs."""
-        ranks = self.ranks_per_worker
-        if ranks == 1:
-            return
-        if not self.colocated:
-            raise ValueError(f"tensor_parallel_size ({ranks}) needs colocated workers "
-                             f"(--colocated): each rank holds only its K/V heads, and moving "
-                             f"KV between a prefill and a decode group rank by rank is not "
-                             f"built yet")
-        if self.worker_gpus != 1:
+        """Each pool's group size; tensor parallel ranks take whole GPUs."""
+        for role in ("prefill", "decode"):
+            own = getattr(self, f"{role}_tensor_parallel_size")
+            if own is not None and (isinstance(own, bool) or not isinstance(own, int)
+                                    or own < 1):
+                raise ValueError(f"{role}_tensor_parallel_size must be a positive integer, "
+                                 f"got {own!r}")
+        ranks = max(self.ranks_of(role) for role in ("prefill", "decode"))
+        if ranks > 1 and self.worker_gpus != 1:
             raise ValueError(f"tensor_parallel_size ({ranks}) gives each rank a whole GPU: "
                              f"worker_gpus must be 1, got {self.worker_gpus}")
 
-    @property
-    def ranks_per_worker(self) -> int:
-        """Processes (tensor parallel ranks) each worker runs, each on worker_cpus CPUs (and
-        one GPU on CUDA): the engine's tensor_parallel_size."""
-        return int(self.engine.get("tensor_parallel_size", 1))
+    def ranks_of(self, role: str) -> int:
+        """Processes (tensor parallel ranks) each worker of pool ``role`` runs, each on its
+        pool's CPUs (and one GPU on CUDA): the pool's own size, else the engine's
+        tensor_parallel_size (a colocated pool takes decode's)."""
+        own = (self.prefill_tensor_parallel_size if role == "prefill"
+               else self.decode_tensor_parallel_size)
+        return int(self.engine.get("tensor_parallel_size", 1)) if own is None else own
 
     def _check_pool_sizes(self) -> None:
         if self.max_workers_per_pool < 1:
@@ -221,8 +226,8 @@ class ClusterOptions:
         """CPUs a local Ray (no ``ray_address``) advertises: ``ray_num_cpus``, or the
         machine's ``cores`` raised to what the pools ask for at their largest. ValueError when
         an explicit ``ray_num_cpus`` cannot hold them (workers would wait forever)."""
-        per_worker = max(self.worker_cpus_of(role)
-                         for role in self.initial_targets()) * self.ranks_per_worker
+        per_worker = max(self.worker_cpus_of(role) * self.ranks_of(role)
+                         for role in self.initial_targets())
         needed = per_worker * self.max_workers()  # (any mix of the pools the budget allows)
         if self.ray_num_cpus is not None:
             if self.ray_num_cpus < needed:
@@ -241,7 +246,8 @@ class ClusterOptions:
     def check_local_gpus(self, gpus: int) -> None:
         """ValueError when a local Ray's ``gpus`` cannot hold the CUDA pools at their largest
         (a worker that finds no GPU would wait forever)."""
-        needed = self.worker_gpus * self.ranks_per_worker * self.max_workers()
+        needed = self.worker_gpus * self.max_workers() * max(
+            self.ranks_of(role) for role in self.initial_targets())
         if needed > gpus + 1e-9:
             share = max(0.01, gpus / self.max_workers())
             raise ValueError(

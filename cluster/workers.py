@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 from pdserve.colocated_worker.worker import ColocatedWorker
 from pdserve.decode_worker.mailboxes import MailboxSizes
+from pdserve.decode_worker.ranks import DecodeRank
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.protocol import ROLES, KVEvents, KVSnapshot, StepDeltas, WorkRequest
+from pdserve.engine.tensor_parallel import RankRole
 from pdserve.kv_transfer import (
     FaultPlan,
     InProcConnector,
@@ -26,6 +28,7 @@ from pdserve.kv_transfer import (
     TorchDistConnector,
     TransferEndpoint,
 )
+from pdserve.prefill_worker.ranks import PrefillRank
 from pdserve.prefill_worker.worker import PrefillWorker
 
 
@@ -70,13 +73,30 @@ def build_worker(role: str, worker_id: str, config: EngineConfig,
         return ColocatedWorker(worker_id, EngineParts.build(config),
                                orphan_timeout_s=orphan_timeout_s)
     if role == "decode":
-        return DecodeWorker(worker_id, EngineParts.build(DecodeWorker.config_for(config)),
-                            functools.partial(transfer.endpoint, worker_id), lease_s=lease_s,
-                            orphan_timeout_s=orphan_timeout_s)
+        parts = EngineParts.build(DecodeWorker.config_for(config),
+                                  _rank_role(role, worker_id, config, transfer))
+        return DecodeWorker(worker_id, parts, functools.partial(transfer.endpoint, worker_id),
+                            lease_s=lease_s, orphan_timeout_s=orphan_timeout_s)
     if role == "prefill":
-        return PrefillWorker(worker_id, EngineParts.build(PrefillWorker.config_for(config)),
-                             transfer.connector(worker_id), **(prefill_kwargs or {}))
+        parts = EngineParts.build(PrefillWorker.config_for(config),
+                                  _rank_role(role, worker_id, config, transfer))
+        return PrefillWorker(worker_id, parts, transfer.connector(worker_id),
+                             **(prefill_kwargs or {}))
     raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+
+def _rank_role(role: str, worker_id: str, config: EngineConfig,
+               transfer: TorchTransfer | InProcTransfer) -> RankRole | None:
+    """What the follower ranks of a tensor parallel prefill or decode worker do: move their
+    own K/V heads, over the real transport (in-process queues do not cross processes)."""
+    if config.tensor_parallel_size == 1:
+        return None
+    if not isinstance(transfer, TorchTransfer):
+        raise ValueError("a tensor parallel prefill or decode worker moves KV from every rank's "
+                         "process: it needs the torch.distributed transport")
+    if role == "decode":
+        return RankRole.of(DecodeRank, transfer.host, transfer.join_token)
+    return RankRole.of(PrefillRank, worker_id, transfer.host, transfer.join_token)
 
 
 class LocalHandle:

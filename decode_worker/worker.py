@@ -26,6 +26,10 @@ Lifecycle of one request on a decode worker D:
    reports the error in its stats). Every end makes a final delta, which ends the request's
    owner entry when a poll sorts it.
 
+A tensor parallel decode worker (its engine a group of ranks) mirrors each reservation onto its
+follower ranks, each receiving its own K/V heads on its own endpoint (``decode_worker.ranks``);
+step 3 then waits until every rank has reported its heads in.
+
 Instead of 1-3, ``submit(request, router)`` queues a prompt to prefill here, chunked into the
 decode steps as on a colocated worker, its token 0 streamed from here (the router's conditional
 disaggregation, ``router.pairing.prefill_location``).
@@ -46,6 +50,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pdserve.decode_worker.mailboxes import RouterMailboxes
+from pdserve.decode_worker.ranks import TRANSFER_ADDRESS, report_name
 from pdserve.decode_worker.streaming import StreamingWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
@@ -90,9 +95,13 @@ class DecodeWorker(StreamingWorker):
         self.engine = LLMEngine(parts, policy=DecodePolicy(parts.config.scheduling_policy))
         self.lease_s = lease_s
         self.orphan_timeout_s = orphan_timeout_s
-        self.sink = ReservedBlocksSink(parts.runner.kv_caches, on_complete=self._on_kv_complete,
+        self.sink = ReservedBlocksSink(self.engine.kv_caches, on_complete=self._on_kv_complete,
                                        on_failure=self._on_kv_failed)
         self.endpoint = make_endpoint(self.sink)
+        self.ranks = self.engine.ranks  # the follower ranks (None on one rank)
+        self.rank_addresses: tuple[str, ...] = () if self.ranks is None else (
+            self.endpoint.address, *self.ranks.published(TRANSFER_ADDRESS))
+        self._waiting_ranks: dict[TransferKey, int] = {}  # rank 0's heads in, token 0
         self.epoch = random.getrandbits(62)  # this incarnation: older frames never match
         self._transfer_ids = itertools.count(1)
         self._reserved: dict[str, _Reserved] = {}
@@ -136,18 +145,25 @@ class DecodeWorker(StreamingWorker):
         seq.status = SequenceStatus.WAITING_FOR_KV
         key = TransferKey(next(self._transfer_ids), self.epoch)
         self.sink.expect(key, list(seq.block_table))
+        if self.ranks is not None:
+            self.ranks.call_ranks("expect", key.transfer_id, key.epoch, list(seq.block_table))
         deadline = time.time() + self.lease_s
         self._reserved[seq.request_id] = _Reserved(seq, key, deadline)
         self._by_key[key] = seq.request_id
         self.mailboxes.claim(seq.request_id, seq.attempt, router)
         return Reservation(seq.request_id, self.worker_id, self.endpoint.address,
-                           key.transfer_id, key.epoch, len(seq.block_table), deadline)
+                           key.transfer_id, key.epoch, len(seq.block_table), deadline,
+                           self.rank_addresses)
 
     def _release(self, request_id: str) -> _Reserved | None:
         entry = self._reserved.pop(request_id, None)
         if entry is not None:
             self._by_key.pop(entry.key, None)
             self.sink.forget(entry.key)
+            self._waiting_ranks.pop(entry.key, None)
+            if self.ranks is not None:
+                self.ranks.call_ranks("forget", entry.key.transfer_id, entry.key.epoch)
+                self.ranks.clear_reports(report_name(entry.key))
             self.engine.release_blocks(entry.seq)
             entry.seq.status = SequenceStatus.FINISHED_ABORTED
         return entry
@@ -192,10 +208,11 @@ class DecodeWorker(StreamingWorker):
         self.loop.outbox.put_many(self.engine.abort_all(error))
 
     def _commit(self, key: TransferKey, first_token_id: int) -> None:
-        request_id = self._by_key.pop(key, None)
-        if request_id is None:  # aborted or expired meanwhile
+        if key not in self._by_key:  # aborted or expired meanwhile
             return
-        self._by_key[key] = request_id  # until it runs, a failure releases it as reserved
+        if self.ranks is not None and not self._ranks_in(key, first_token_id):
+            return  # (a follower's heads still on the way: _tick looks again)
+        request_id = self._by_key[key]  # until it runs, a failure releases it as reserved
         try:
             # token 0 was streamed by the prefill worker: its delta is not sent again
             self.engine.start_running(self._reserved[request_id].seq, first_token_id)
@@ -206,7 +223,25 @@ class DecodeWorker(StreamingWorker):
         self._by_key.pop(key, None)
         self._reserved.pop(request_id)
 
+    def _ranks_in(self, key: TransferKey, first_token_id: int) -> bool:
+        """Whether every follower rank has its heads of ``key`` (rank 0's are in); a rank that
+        failed fails the request. Not yet: the key waits in ``_waiting_ranks``."""
+        reports = self.ranks.reports(report_name(key))
+        failed = next((r for r in reports if r), None)
+        if failed is None and None in reports:
+            self._waiting_ranks[key] = first_token_id
+            return False
+        self._waiting_ranks.pop(key, None)
+        self.ranks.clear_reports(report_name(key))
+        if failed is not None:
+            self._fail(self._by_key[key], f"KV transfer failed on a tensor parallel rank: "
+                                          f"{failed}")
+            return False
+        return True
+
     def _tick(self) -> None:
+        for key, first_token_id in list(self._waiting_ranks.items()):
+            self._commit(key, first_token_id)
         now = time.time()
         for request_id, entry in list(self._reserved.items()):
             if entry.seq.deadline is not None and entry.seq.deadline < now:

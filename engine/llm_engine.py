@@ -61,6 +61,7 @@ from pdserve.engine.scheduling_policy import SchedulingPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.spec_decode import Speculator
 from pdserve.engine.step_hooks import StepHooks, StepStats
+from pdserve.engine.tensor_parallel import TensorParallelRunner
 from pdserve.engine.text_stage import TextStage
 
 logger = logging.getLogger(__name__)
@@ -261,6 +262,13 @@ class LLMEngine:
     def close(self) -> None:
         """Stop what the engine runs beside this process (its tensor parallel ranks)."""
         self.parts.close()
+
+    @property
+    def ranks(self) -> TensorParallelRunner | None:
+        """The tensor parallel group's rank 0 (its followers' roles reached through it:
+        ``call_ranks``, ``step_extras``, ``published``, ``reports``); None on one rank."""
+        runner = self.parts.runner
+        return runner if isinstance(runner, TensorParallelRunner) else None
 
     @property
     def kv_caches(self) -> list:

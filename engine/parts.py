@@ -24,7 +24,7 @@ from pdserve.engine.kv_quant import (
 from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dtypes, plan_kv_pool
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.roofline import StepCost, UtilizationMeter
-from pdserve.engine.tensor_parallel import Followers, TensorParallelRunner
+from pdserve.engine.tensor_parallel import Followers, RankRole, TensorParallelRunner
 from pdserve.kernels import resolve_backend
 from pdserve.models import Checkpoint, ModelConfig, Tokenizer, open_checkpoint
 from pdserve.models.tensor_parallel import TensorShard
@@ -83,9 +83,10 @@ class EngineParts:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     @classmethod
-    def build(cls, config: EngineConfig) -> EngineParts:
+    def build(cls, config: EngineConfig, rank_role: RankRole | None = None) -> EngineParts:
         """The parts of ``config``'s engine; with ``tensor_parallel_size`` N > 1, this process
-        is rank 0 and starts ranks 1..N-1 (engine/tensor_parallel.py), which load alongside."""
+        is rank 0 and starts ranks 1..N-1 (engine/tensor_parallel.py), which load alongside
+        and take ``rank_role`` (what a worker's ranks do besides the forward)."""
         resolved = ResolvedModel.of(config)
         size = config.tensor_parallel_size
         shard = None
@@ -96,7 +97,7 @@ class EngineParts:
             if gpus < size:
                 raise ValueError(f"tensor_parallel_size ({size}) needs a GPU per rank; this "
                                  f"process sees {gpus}")
-        followers = Followers.start(config) if size > 1 else None
+        followers = Followers.start(config, rank_role) if size > 1 else None
         try:
             return cls._build(config, resolved, shard, followers)
         except BaseException:

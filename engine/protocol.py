@@ -264,6 +264,8 @@ class Reservation:
     epoch: int  # fencing epoch: frames of another epoch are dropped
     num_blocks: int  # blocks reserved (prompt tokens / block size, rounded up)
     lease_deadline: float  # time.time() after which the decode worker frees the blocks
+    rank_addresses: tuple[str, ...] = ()  # a tensor parallel decode worker: each rank's KV
+    # endpoint in rank order (the first is transfer_address); each takes only its K/V heads
 
 
 @dataclass

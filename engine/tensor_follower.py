@@ -5,11 +5,16 @@
 2. Wait for rank 0's memory ledger; allocate this rank's KV pool (its K/V heads, as many blocks
    as rank 0's); answer "ready" (or the error, which rank 0 raises).
 3. Join the group; run every forward rank 0 broadcasts until it says stop.
+
+A worker whose ranks do more than the forward (move their heads of the KV) names a
+:class:`RankRole`: the follower builds it before answering ready, hands it each forward's
+extras and runs the calls rank 0 makes on it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import pickle
 
@@ -18,8 +23,10 @@ import torch
 from pdserve.engine.memory import allocate_kv_caches, kv_layer_dtypes
 from pdserve.engine.parts import ResolvedModel
 from pdserve.engine.tensor_parallel import (
+    OP_CALL,
     START_TIMEOUT_S,
     FollowerSpec,
+    RankContext,
     TensorGroup,
     connect_store,
     rank_device,
@@ -44,6 +51,9 @@ def serve(address: str, rank: int, size: int) -> None:
         layer_dtypes = kv_layer_dtypes(model.config.num_hidden_layers, resolved.dtype,
                                        spec.config)
         caches = allocate_kv_caches(model.config, ledger, layer_dtypes, device)
+        role = None if spec.role is None else _load(spec.role.path)(
+            RankContext(model, caches, rank, size, device, spec.config, resolved.model_config,
+                        store), *spec.role.args)
     except Exception as exc:
         store.set(f"ready/{rank}", f"{type(exc).__name__}: {exc}")
         raise
@@ -51,10 +61,36 @@ def serve(address: str, rank: int, size: int) -> None:
     group = TensorGroup(store, rank, size, device, spec.step_timeout_s)
     model.join_tensor_group(group.all_reduce)
     logger.info("tensor parallel rank %d/%d ready on %s", rank, size, device)
-    while (batch := group.recv_batch(resolved.backend)) is not None:
-        input_ids, positions, meta = batch
-        model(input_ids, positions, caches, meta)
+    try:
+        while (message := group.recv(resolved.backend)) is not None:
+            if message.op == OP_CALL:
+                group.count_failures(not _call(role, *message.payload))
+                continue
+            input_ids, positions, meta = message.batch
+            extras = message.payload
+            after_layer = None if extras is None else role.before_forward(extras)
+            model(input_ids, positions, caches, meta, after_layer=after_layer)
+            if extras is not None:
+                role.after_forward(extras)
+    finally:
+        if role is not None:
+            role.close()
     logger.info("tensor parallel rank %d stopped", rank)
+
+
+def _load(path: str) -> type:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _call(role, method: str, args: tuple) -> bool:
+    """Run one of rank 0's calls on the role; False (logged) when it raised."""
+    try:
+        getattr(role, method)(*args)
+        return True
+    except Exception:
+        logger.exception("tensor parallel call %s failed", method)
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,13 +44,15 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.memory import MemoryLedger
 from pdserve.engine.model_runner import ModelInput, ModelRunner
 from pdserve.models.attention import AttentionMetadata
+from pdserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 FOLLOWER_MODULE = "pdserve.engine.tensor_follower"
-OP_STOP, OP_FORWARD = 0, 1
-# op, num_tokens, num_seqs, block table width, max_query_len, max_context_len
-HEADER_WORDS = 6
+OP_STOP, OP_FORWARD, OP_CALL = 0, 1, 2
+# op, num_tokens, num_seqs, block table width, max_query_len, max_context_len, and the bytes
+# of the pickled extras (FORWARD) or call (CALL) that follow the body
+HEADER_WORDS = 7
 STEP_TIMEOUT_S = 300.0  # a collective inside a step waits this long for the other ranks
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower waits this long for the next step
 START_TIMEOUT_S = 900.0  # followers load their shards and allocate within this
@@ -63,6 +65,7 @@ class FollowerSpec:
     config: EngineConfig  # the engine's (the followers resolve the model from it)
     num_threads: int  # torch intra-op threads of each rank (rank 0's)
     step_timeout_s: float  # how long a collective inside a step waits for the other ranks
+    role: RankRole | None = None  # what they do besides the forward (None: nothing)
 
 
 def store_address(store: dist.TCPStore) -> str:
@@ -111,31 +114,52 @@ class TensorGroup:
         self._pg.broadcast([tensor], opts).wait()
 
     # -- rank 0 ----------------------------------------------------------------------------
-    def send_batch(self, batch: ModelInput) -> None:
+    def send_batch(self, batch: ModelInput, extras: object = None) -> None:
+        """A step's batch, with what the followers' role needs for it (``extras``)."""
         meta = batch.metadata
         num_seqs, width = meta.block_tables.shape
+        blob = _pickled(extras)
         header = torch.tensor([OP_FORWARD, len(batch.input_ids), num_seqs, width,
-                               meta.max_query_len, meta.max_context_len], dtype=torch.int64)
+                               meta.max_query_len, meta.max_context_len, blob.numel()],
+                              dtype=torch.int64)
         body = torch.cat([t.reshape(-1).to(torch.int64) for t in (
             batch.input_ids, batch.positions, meta.slot_mapping, meta.cu_seqlens_q,
             meta.context_lens, meta.block_tables)])
         self._broadcast(header.to(self.device))
         self._broadcast(body.to(self.device))
+        if blob.numel():
+            self._broadcast(blob.to(self.device))
+
+    def send_call(self, method: str, args: tuple) -> int:
+        """Have every follower's role run ``method(*args)``; returns how many failed."""
+        blob = _pickled((method, args))
+        self._broadcast(torch.tensor([OP_CALL, 0, 0, 0, 0, 0, blob.numel()],
+                                     dtype=torch.int64, device=self.device))
+        self._broadcast(blob.to(self.device))
+        return self.count_failures(False)
+
+    def count_failures(self, failed: bool) -> int:
+        """Every rank says whether its part failed; returns how many did (all ranks)."""
+        flag = torch.tensor([int(failed)], dtype=torch.int64, device=self.device)
+        self.all_reduce(flag)
+        return int(flag.item())
 
     def send_stop(self) -> None:
         self._broadcast(torch.tensor([OP_STOP] + [0] * (HEADER_WORDS - 1),
                                      dtype=torch.int64, device=self.device))
 
     # -- followers ---------------------------------------------------------------------------
-    def recv_batch(self, backend: str) -> tuple[torch.Tensor, torch.Tensor,
-                                                 AttentionMetadata] | None:
-        """The next step's (input_ids, positions, metadata), or None when rank 0 stops the
-        group; waits as long as the engine idles."""
+    def recv(self, backend: str) -> Message | None:
+        """The next message from rank 0, or None when it stops the group; waits as long as
+        the engine idles."""
         header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
         self._broadcast(header, IDLE_TIMEOUT)
-        op, num_tokens, num_seqs, width, max_query_len, max_context_len = header.tolist()
+        op, num_tokens, num_seqs, width, max_query_len, max_context_len, nbytes = \
+            header.tolist()
         if op == OP_STOP:
             return None
+        if op == OP_CALL:
+            return Message(op, payload=self._recv_pickled(nbytes))
         sizes = [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs * width]
         body = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
         self._broadcast(body)
@@ -145,7 +169,66 @@ class TensorGroup:
             context_lens=context_lens.to(torch.int32),
             block_tables=tables.to(torch.int32).view(num_seqs, width),
             max_query_len=max_query_len, max_context_len=max_context_len, backend=backend)
-        return input_ids, positions, meta
+        return Message(op, (input_ids, positions, meta),
+                       self._recv_pickled(nbytes) if nbytes else None)
+
+    def _recv_pickled(self, nbytes: int) -> object:
+        blob = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._broadcast(blob)
+        return pickle.loads(blob.cpu().numpy().tobytes())
+
+
+@dataclass
+class Message:
+    """What a follower receives: a forward (its batch, and its role's extras) or a call."""
+
+    op: int  # OP_FORWARD | OP_CALL
+    batch: tuple | None = None  # FORWARD: (input_ids, positions, AttentionMetadata)
+    payload: object = None  # FORWARD: the extras (or None); CALL: (method, args)
+
+
+def _pickled(obj: object) -> torch.Tensor:
+    if obj is None:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """What followers do besides the forward, for a worker whose ranks take part in more
+    (receiving or sending their heads of the KV): ``path`` names the class ("module:Class",
+    imported by the follower), built with a :class:`RankContext` and ``args``. Its methods:
+    ``before_forward(extras)`` (may return ``after_layer(i)``), ``after_forward(extras)``,
+    whatever rank 0 calls by name (:meth:`TensorParallelRunner.call_ranks`), ``close()``."""
+
+    path: str
+    args: tuple = ()
+
+    @classmethod
+    def of(cls, role: type, *args) -> RankRole:
+        return cls(f"{role.__module__}:{role.__qualname__}", args)
+
+
+@dataclass
+class RankContext:
+    """What a follower's role is built from: its shard, its pool, its place in the group."""
+
+    model: torch.nn.Module  # this rank's shard
+    caches: list  # this rank's KV pool: its K/V heads of every block
+    rank: int
+    size: int
+    device: torch.device
+    config: EngineConfig  # the engine's
+    model_config: ModelConfig  # the whole model's (the shard's is model.config)
+    store: dist.Store
+
+    def publish(self, name: str, value: str) -> None:
+        """A value rank 0 reads once the group has formed (:meth:`Followers.published`)."""
+        self.store.set(f"published/{name}/{self.rank}", value)
+
+    def report(self, name: str, value: str) -> None:
+        """A value rank 0 polls (:meth:`TensorParallelRunner.reports`)."""
+        self.store.set(f"report/{name}/{self.rank}", value)
 
 
 def _stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
@@ -169,12 +252,12 @@ class Followers:
         self._finalizer = weakref.finalize(self, _stop_processes, procs, 0.0)
 
     @classmethod
-    def start(cls, config: EngineConfig) -> Followers:
+    def start(cls, config: EngineConfig, role: RankRole | None = None) -> Followers:
         """Publish the spec and start ranks 1..N-1 (step 1); they begin loading at once."""
         size = config.tensor_parallel_size
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-        spec = FollowerSpec(config, torch.get_num_threads(), STEP_TIMEOUT_S)
+        spec = FollowerSpec(config, torch.get_num_threads(), STEP_TIMEOUT_S, role)
         store.set("spec", pickle.dumps(spec))
         procs = [subprocess.Popen([sys.executable, "-m", FOLLOWER_MODULE, "--store",
                                    store_address(store), "--rank", str(rank), "--size",
@@ -209,6 +292,20 @@ class Followers:
         logger.info("tensor parallel: group of %d formed", self.size)
         return self.group
 
+    def published(self, name: str) -> list[str]:
+        """What each follower's role published under ``name`` while starting, in rank order."""
+        return [self._store.get(f"published/{name}/{rank}").decode()
+                for rank in range(1, self.size)]
+
+    def reports(self, name: str) -> list[str | None]:
+        """Each follower's report ``name`` (None: not yet), in rank order."""
+        keys = [f"report/{name}/{rank}" for rank in range(1, self.size)]
+        return [self._store.get(k).decode() if self._store.check([k]) else None for k in keys]
+
+    def clear_reports(self, name: str) -> None:
+        for rank in range(1, self.size):
+            self._store.delete_key(f"report/{name}/{rank}")
+
     def stop(self) -> None:
         """Tell the followers to exit, then reap them (killed after a grace period)."""
         if self.group is not None:
@@ -237,11 +334,30 @@ class TensorParallelRunner(ModelRunner):
             raise ValueError("the followers have not joined a group yet")
         self.followers = followers
         self.group = followers.group
+        self.step_extras: object = None  # what the followers' role gets with the next batch
 
     def run(self, batch: ModelInput,
             after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        self.group.send_batch(batch)
+        extras, self.step_extras = self.step_extras, None
+        self.group.send_batch(batch, extras)
         return super().run(batch, after_layer)
+
+    def call_ranks(self, method: str, *args) -> None:
+        """Run ``method(*args)`` on every follower's role and wait for all; RuntimeError when
+        one fails (its log says why)."""
+        failed = self.group.send_call(method, args)
+        if failed:
+            raise RuntimeError(f"{failed} tensor parallel rank(s) failed {method}; their logs "
+                               f"say why")
+
+    def published(self, name: str) -> list[str]:
+        return self.followers.published(name)
+
+    def reports(self, name: str) -> list[str | None]:
+        return self.followers.reports(name)
+
+    def clear_reports(self, name: str) -> None:
+        self.followers.clear_reports(name)
 
     def close(self) -> None:
         self.followers.stop()

@@ -94,3 +94,24 @@ class TensorShard:
             width = tensor.shape[1] // self.size
             return tensor.narrow(1, self.rank * width, width)
         return tensor
+
+
+def head_routes(config: ModelConfig, sender: TensorShard,
+                receivers: int) -> list[tuple[int, tuple[int, int]]]:
+    """Which K/V heads ``sender`` (a rank of a group that computed the KV) ships to each rank
+    of a group of ``receivers`` ranks that takes it: ``[(receiver rank, (first, end))]`` in
+    the model's head numbering. Every receiver gets each of its heads exactly once, from the
+    lowest sender rank that holds it (ranks replicating a head leave it to the first)."""
+    first = sender.first_kv_head(config)
+    end = first + sender.num_kv_heads(config)
+    if sender.rank > 0:  # heads a lower rank holds are its to send
+        lower = TensorShard(sender.rank - 1, sender.size)
+        first = max(first, lower.first_kv_head(config) + lower.num_kv_heads(config))
+    routes = []
+    for rank in range(receivers):
+        receiver = TensorShard(rank, receivers)
+        start = max(first, receiver.first_kv_head(config))
+        stop = min(end, receiver.first_kv_head(config) + receiver.num_kv_heads(config))
+        if start < stop:
+            routes.append((rank, (start, stop)))
+    return routes

@@ -24,6 +24,12 @@ worker refuses new work (its stats carry the error).
 
 A migrated request arrives with ``output_token_ids``: P computes prompt + those tokens and
 samples the next output position, which is the new token 0 of that attempt.
+
+Tensor parallel groups on either side (this worker's engine on several ranks, or a reservation
+naming several decode rank endpoints): each rank ships only the K/V heads each decode rank
+holds (``prefill_worker.ranks``; rank 0 hands its followers the step's shipments with the
+batch), the COMMIT goes to the decode worker's rank 0 marked sharded, and every other channel
+a rank used closes its share of the key.
 """
 
 from __future__ import annotations
@@ -52,7 +58,9 @@ from pdserve.engine.scheduler_output import ScheduledSequence
 from pdserve.engine.scheduling_policy import PrefillOnlyPolicy
 from pdserve.engine.step_hooks import StepHooks
 from pdserve.engine.worker_stats import engine_stats
-from pdserve.kv_transfer import KVConnector, KVSender, TransferError, TransferKey, pack_layers
+from pdserve.kv_transfer import KVConnector, KVSender, TransferError, TransferKey
+from pdserve.models.tensor_parallel import TensorShard
+from pdserve.prefill_worker.ranks import Routes, Shipment, StepShipments
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +75,15 @@ class _Target:
 
     reservation: Reservation
     result: Future  # Future[PrefillResult]
+    routes: Routes  # where this rank's heads of the KV go
     arrival: float = field(default_factory=time.monotonic)
-    sender: KVSender | None = None
     frames: list[Future] = field(default_factory=list)
     bytes_sent: int = 0
+
+    @property
+    def sender(self) -> KVSender:
+        """The channel to the decode worker's rank 0: the COMMIT's."""
+        return self.routes.sends[0][0]
 
     @property
     def key(self) -> TransferKey:
@@ -100,6 +113,9 @@ class PrefillWorker(StepHooks):
         self.overlap = overlap
         self.layers_per_frame = layers_per_frame
         self.frames = frame_ranges(parts.runner.kv_caches, layers_per_frame)
+        self.ranks = self.engine.ranks  # the follower ranks (None on one rank)
+        self.model_config = parts.model_config
+        self.shard = TensorShard(0, parts.config.tensor_parallel_size)
         self._frame_ending = {end - 1: (start, end) for start, end in self.frames}
         self._targets: dict[str, _Target] = {}
         self._shipments: list[tuple[_Target, torch.Tensor]] = []  # this step's, in sampling order
@@ -135,9 +151,10 @@ class PrefillWorker(StepHooks):
 
     # -- loop thread --------------------------------------------------------------------------
     def _admit(self, request: WorkRequest, reservation: Reservation, result: Future) -> None:
-        sender = self.connector.sender(reservation.transfer_address)  # connects lazily
+        routes = Routes(self.model_config, self.shard, self.connector,  # connect lazily
+                        _addresses(reservation))
         self.engine.add_work(request)
-        self._targets[request.request_id] = _Target(reservation, result, sender=sender)
+        self._targets[request.request_id] = _Target(reservation, result, routes)
 
     def _abort(self, request_id: str, why: str = "aborted") -> None:
         target = self._targets.pop(request_id, None)
@@ -162,6 +179,10 @@ class PrefillWorker(StepHooks):
         frame of layers ships as soon as the forward has written it."""
         self._shipments = [(self._targets[item.seq.request_id], self._block_ids(item.seq))
                            for item in sampling]
+        if self.ranks is not None and self._shipments:
+            self.ranks.step_extras = StepShipments(tuple(self.frames), tuple(
+                Shipment(t.key.transfer_id, t.key.epoch, _addresses(t.reservation),
+                         tuple(ids.tolist())) for t, ids in self._shipments))
         if not (self.overlap and self._shipments):
             return None
 
@@ -190,15 +211,16 @@ class PrefillWorker(StepHooks):
     def _send_layers(self, start: int, end: int) -> None:
         caches = self.engine.kv_caches
         for target, block_ids in self._shipments:
-            payload = pack_layers(caches, block_ids, start, end)
-            target.bytes_sent += payload.numel() * payload.element_size()
-            target.frames.append(target.sender.send_layers(target.key, start, end, payload,
-                                                           num_blocks=block_ids.numel()))
+            frames, nbytes = target.routes.ship(target.key, caches, block_ids, start, end)
+            target.frames += frames
+            target.bytes_sent += nbytes
 
     def _finish_prefill(self, item: ScheduledSequence, delta: RequestDelta,
                         sampled_at: float) -> None:
         seq = item.seq
         target = self._targets.pop(seq.request_id)
+        for sender, _heads in target.routes.sends[1:]:  # the other decode ranks' channels
+            target.frames.append(sender.send_share(target.key))
         if delta.faulted:  # the request made the step fail: the engine aborted it, alone
             target.frames.append(target.sender.send_abort(target.key))
             target.result.set_exception(RequestFaultError(f"{seq.request_id}: {delta.error}"))
@@ -207,7 +229,8 @@ class PrefillWorker(StepHooks):
             target.frames.append(target.sender.send_abort(target.key))
         else:
             self.engine.hand_off(seq)  # payloads are copies: its blocks are free now
-            target.frames.append(target.sender.send_commit(target.key, delta.new_token_ids[0]))
+            target.frames.append(target.sender.send_commit(
+                target.key, delta.new_token_ids[0], sharded=target.routes.sharded))
         timings = (seq.first_scheduled_time - target.arrival,
                    sampled_at - seq.first_scheduled_time)
         last = target.frames[-1]
@@ -230,6 +253,11 @@ class PrefillWorker(StepHooks):
 
     def _stats(self) -> WorkerStats:
         return engine_stats(self.worker_id, self.role, self.engine)
+
+
+def _addresses(reservation: Reservation) -> tuple[str, ...]:
+    """The decode worker's rank endpoints (its one endpoint when it is not split)."""
+    return reservation.rank_addresses or (reservation.transfer_address,)
 
 
 def frame_ranges(caches, layers_per_frame: int) -> list[tuple[int, int]]:

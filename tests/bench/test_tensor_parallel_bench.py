@@ -3,8 +3,6 @@ size and phase, each with its ratio to TP=1, and the greedy comparison."""
 
 from __future__ import annotations
 
-import re
-
 from pdserve.bench import tensor_parallel
 
 
@@ -17,4 +15,4 @@ def test_tp_bench_prints_every_size_and_phase(tiny_dir):
         for phase, n in (("prefill", "16"), ("decode", "1"), ("decode", "4"))]
     assert all(r[-1] == "same" for r in rows)
     assert all(r[5] == "1.00" for r in rows[:3])
-    assert all(re.fullmatch(r"\d+\.\d\d", r[5]) for r in rows[3:])
+    assert all(float(r[5]) > 0 for r in rows[3:])  # each a ratio to TP=1

@@ -222,21 +222,29 @@ def test_each_pool_has_its_own_cpus_and_device(tiny_dir):
 
 
 def test_a_tensor_parallel_worker_asks_for_each_rank(tiny_dir):
-    """--tensor-parallel-size N: each colocated worker asks Ray for N x its CPUs (one process
-    per rank, each with worker_cpus threads); a disaggregated pool refuses it, saying why."""
+    """--tensor-parallel-size N, or a pool's own size: each worker asks Ray for N x its CPUs
+    (one process per rank, each with its pool's threads) and its engine runs N ranks."""
     from pdserve.cluster.launcher import EmbeddedCluster
 
-    cluster = EmbeddedCluster(_options("--colocated", "--tensor-parallel-size", "2",
-                                       "--worker-cpus", "3", "--decode", "2"))
-    cluster.model, cluster.redis_url = str(tiny_dir), "redis://127.0.0.1:1"
-    [spec] = cluster.worker_specs()
-    assert (spec.resources.num_cpus, spec.resources.torch_threads) == (6, 3)
-    assert spec.config.tensor_parallel_size == 2
-    assert cluster.options.local_ray_cpus(cores=2) == 12  # 2 workers x 2 ranks x 3 CPUs
-    with pytest.raises(ValueError, match="tensor_parallel_size \\(2\\) needs colocated"):
-        _options("--tensor-parallel-size", "2")
+    def specs(*argv):
+        cluster = EmbeddedCluster(_options(*argv))
+        cluster.model, cluster.redis_url = str(tiny_dir), "redis://127.0.0.1:1"
+        return {s.role: (s.resources.num_cpus, s.resources.torch_threads,
+                         s.config.tensor_parallel_size) for s in cluster.worker_specs()}
+
+    assert specs("--worker-cpus", "3", "--prefill-tensor-parallel-size", "2") == {
+        "prefill": (6, 3, 2), "decode": (3, 3, 1)}
+    assert specs("--tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1") == {
+        "prefill": (2, 1, 2), "decode": (1, 1, 1)}
+    assert specs("--colocated", "--decode-tensor-parallel-size", "2",
+                 "--prefill-tensor-parallel-size", "4") == {"colocated": (2, 1, 2)}
+    options = _options("--colocated", "--tensor-parallel-size", "2", "--worker-cpus", "3",
+                       "--decode", "2")
+    assert options.local_ray_cpus(cores=2) == 12  # 2 workers x 2 ranks x 3 CPUs
+    with pytest.raises(ValueError, match="prefill_tensor_parallel_size must be a positive"):
+        ClusterOptions(prefill_tensor_parallel_size=0)
     with pytest.raises(ValueError, match="worker_gpus must be 1"):
-        _options("--colocated", "--tensor-parallel-size", "2", "--worker-gpus", "0.5")
+        _options("--decode-tensor-parallel-size", "2", "--worker-gpus", "0.5")
 
 
 def test_pool_settings_name_the_bad_field():
@@ -282,7 +290,7 @@ def _run_cli(capsys, *argv: str) -> tuple[int, str]:
       "1024"], ["--max-num-batched-tokens", "--max-model-len"]),
     (["--colocated", "--tensor-parallel-size", "3"], ["--tensor-parallel-size"]),
     (["--colocated", "--tensor-parallel-size", str(2**63)], ["--tensor-parallel-size"]),
-    (["--tensor-parallel-size", "2"], ["--tensor-parallel-size", "--colocated"]),
+    (["--prefill-tensor-parallel-size", "3"], ["--prefill-tensor-parallel-size"]),
 ])
 @pytest.mark.parametrize("command", ["serve", "demo"])
 def test_bad_values_exit_2_with_one_message_naming_the_flag(capsys, no_cluster, tiny_dir,

@@ -13,6 +13,7 @@ import subprocess
 import pytest
 
 from pdserve.engine.tensor_parallel import FOLLOWER_MODULE
+from pdserve.router.config import RouterConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -69,3 +70,22 @@ def test_a_killed_rank_restarts_its_worker_as_one_group(cluster, model_dir, e2e)
     assert [r.token_ids for r in results] == e2e.reference(model_dir, prompts, MAX_TOKENS)
     new = _followers() - cluster.followers_before
     assert len(new) == 1 and victim not in new
+
+
+@pytest.mark.parametrize(("prefill_ranks", "decode_ranks"), [(2, 1), (1, 2)])
+def test_disaggregated_pools_of_different_group_sizes(start_cluster, model_dir, e2e,
+                                                      prefill_ranks, decode_ranks):
+    """P TP=2 -> D TP=1 and P TP=1 -> D TP=2: every decode rank receives exactly its K/V
+    heads from the prefill ranks that hold them; greedy equals the offline engine."""
+    cluster = start_cluster(model_dir, num_prefill=1, num_decode=1,
+                            prefill_tensor_parallel_size=prefill_ranks,
+                            decode_tensor_parallel_size=decode_ranks,
+                            router=RouterConfig(disaggregation="always"),  # KV always moves
+                            engine=dict(num_kv_blocks=256, device="cpu"))
+    try:
+        prompts = e2e.prompts(3, 6)
+        results = e2e.generate_all(cluster.target, prompts, MAX_TOKENS)
+        assert [r.token_ids for r in results] == e2e.reference(model_dir, prompts, MAX_TOKENS)
+        assert e2e.wait_idle(cluster) == {"prefill-0": 0, "decode-0": 0}
+    finally:
+        cluster.stop()

@@ -93,3 +93,25 @@ def test_kv_heads_neither_divisible_nor_dividing_are_refused():
 def test_a_rank_outside_the_group_is_refused(rank):
     with pytest.raises(ValueError, match="outside a group of 2"):
         TensorShard(rank, 2)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4, 8])
+def test_head_routes_give_every_receiver_each_of_its_heads_once(kv_heads):
+    from pdserve.models.tensor_parallel import head_routes
+
+    config = dataclasses.replace(CONFIG, num_attention_heads=8, num_key_value_heads=kv_heads)
+    for senders in (1, 2, 4, 8):
+        for receivers in (1, 2, 4, 8):
+            got: dict[int, list[int]] = {r: [] for r in range(receivers)}
+            for rank in range(senders):
+                shard = TensorShard(rank, senders)
+                held = range(shard.first_kv_head(config),
+                             shard.first_kv_head(config) + shard.num_kv_heads(config))
+                for receiver, (first, end) in head_routes(config, shard, receivers):
+                    assert set(range(first, end)) <= set(held)  # only what it holds
+                    got[receiver] += range(first, end)
+            for receiver in range(receivers):
+                shard = TensorShard(receiver, receivers)
+                want = list(range(shard.first_kv_head(config),
+                                  shard.first_kv_head(config) + shard.num_kv_heads(config)))
+                assert sorted(got[receiver]) == want, (senders, receivers, receiver)
