@@ -11,7 +11,8 @@ business (``decode_worker.mailboxes``).
 Liveness never depends on how long a step takes: after each step and tick the loop publishes
 the worker's stats (:meth:`snapshot`), which heartbeats read without waiting for the loop.
 
-If the loop dies (an exception escapes a step), ``on_death`` runs once on the loop thread so the
+If the loop dies (an exception escapes a step, or a call raises :class:`EngineBrokenError`),
+``on_death`` runs once on the loop thread so the
 worker can fail every request it holds, :attr:`error` is set, the snapshot carries the error,
 pending and later calls fail at once with :class:`EngineDeadError`. ``inject_fault`` makes the
 next step raise or stall (tests of these paths on real workers).
@@ -36,6 +37,11 @@ FAULT_KINDS = ("raise", "stall")
 
 class EngineDeadError(RuntimeError):
     """The worker's engine loop died; it takes no more work and is being replaced."""
+
+
+class EngineBrokenError(RuntimeError):
+    """The engine cannot go on (a tensor parallel rank is gone or disagrees): raised by a
+    call, it fails that call and then kills the loop, as a failed step does."""
 
 
 class InjectedFault(RuntimeError):
@@ -152,6 +158,9 @@ class EngineLoop:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))
+                except EngineBrokenError as exc:
+                    future.set_exception(exc)
+                    raise  # the loop dies: the worker is replaced
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     future.set_exception(exc)
             try:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_loop import EngineBrokenError
 from pdserve.engine.memory import MemoryLedger
 from pdserve.engine.model_runner import ModelInput, ModelRunner
 from pdserve.models.attention import AttentionMetadata
@@ -343,12 +344,17 @@ class TensorParallelRunner(ModelRunner):
         return super().run(batch, after_layer)
 
     def call_ranks(self, method: str, *args) -> None:
-        """Run ``method(*args)`` on every follower's role and wait for all; RuntimeError when
-        one fails (its log says why)."""
-        failed = self.group.send_call(method, args)
+        """Run ``method(*args)`` on every follower's role and wait for all. A rank that failed
+        it, or a group that broke, leaves the ranks out of step: EngineBrokenError, which
+        ends the engine loop, so the worker is replaced as one."""
+        try:
+            failed = self.group.send_call(method, args)
+        except Exception as exc:
+            raise EngineBrokenError(f"tensor parallel group broken during {method}: "
+                                    f"{exc}") from exc
         if failed:
-            raise RuntimeError(f"{failed} tensor parallel rank(s) failed {method}; their logs "
-                               f"say why")
+            raise EngineBrokenError(f"{failed} tensor parallel rank(s) failed {method}; "
+                                    f"their logs say why")
 
     def published(self, name: str) -> list[str]:
         return self.followers.published(name)

@@ -89,3 +89,41 @@ def test_disaggregated_pools_of_different_group_sizes(start_cluster, model_dir, 
         assert e2e.wait_idle(cluster) == {"prefill-0": 0, "decode-0": 0}
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def split_pools(start_cluster, model_dir):
+    """1P+1D, each worker a group of two ranks."""
+    before = _followers()
+    c = start_cluster(model_dir, num_prefill=1, num_decode=1, prefill_tensor_parallel_size=2,
+                      decode_tensor_parallel_size=2,
+                      router=RouterConfig(disaggregation="always"),
+                      engine=dict(num_kv_blocks=256, device="cpu"))
+    c.followers_before = before
+    yield c
+    c.stop()
+
+
+def _follower_of(cluster, role: str) -> int:
+    """The follower process of the ready ``role`` worker (a child of its actor's process)."""
+    import psutil
+
+    [pid] = [w.pid for w in cluster.refresh_workers() if w.role == role and w.state == "ready"]
+    [child] = [p.pid for p in psutil.Process(pid).children()
+               if FOLLOWER_MODULE in " ".join(p.cmdline())]
+    return child
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_killed_rank_of_a_split_pool_loses_no_request(split_pools, model_dir, e2e, role):
+    """A follower rank killed: its worker fails its next step, the pool replaces the whole
+    group, and the requests move on with their tokens intact."""
+    victim = _follower_of(split_pools, role)
+    os.kill(victim, signal.SIGKILL)
+    prompts = e2e.prompts(7, 4)
+    results = e2e.generate_all(split_pools.target, prompts, MAX_TOKENS)
+    assert [r.token_ids for r in results] == e2e.reference(model_dir, prompts, MAX_TOKENS)
+    e2e.wait_for(lambda: _follower_of(split_pools, role) != victim,
+                 what=f"a new {role} group in place of the one whose rank died")
+    results = e2e.generate_all(split_pools.target, prompts, MAX_TOKENS)
+    assert [r.token_ids for r in results] == e2e.reference(model_dir, prompts, MAX_TOKENS)
