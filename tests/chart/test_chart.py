@@ -152,6 +152,26 @@ def test_a_pool_may_have_its_own_worker_cpus(render):
     assert "--decode-worker-cpus" not in args
 
 
+def test_a_pool_may_run_tensor_parallel_workers(render):
+    """prefill.tensorParallelSize 2: its pods advertise two ranks' CPUs (and need two GPUs),
+    the controller passes the pool's flag, and pdserve reads it back as that pool's size."""
+    from pdserve.cli.main import build_parser
+    from pdserve.cli.settings import options_from_args
+    from pdserve.cluster.options import ClusterOptions
+
+    rendered = render({"workerCpus": 3, "prefill": {"tensorParallelSize": 2}})
+    assert group(rendered, "prefill")["rayStartParams"]["num-cpus"] == "6"
+    assert group(rendered, "decode")["rayStartParams"]["num-cpus"] == "3"
+    args = controller_args(rendered)
+    options = options_from_args(build_parser().parse_args(args), ClusterOptions())
+    assert [options.ranks_of(role) for role in ("prefill", "decode")] == [2, 1]
+    assert "--decode-tensor-parallel-size" not in args
+    gpus = {"limits": {"nvidia.com/gpu": 2}}
+    on_gpus = render({"prefill": {"tensorParallelSize": 2, "resources": gpus},
+                      "decode": {"resources": gpus}})
+    assert group(on_gpus, "prefill")["rayStartParams"]["num-gpus"] == "2"
+
+
 def test_gpu_values_give_gpu_limits_and_workers_that_ask_ray_for_them(values_files, render):
     rendered = render(values_files["gpu"])
     for role in ("prefill", "decode"):
@@ -328,6 +348,10 @@ def test_router_service_and_grpc_health(render, values_files):
       "decode": {"engineArgs": {"dtype": "bfloat16"}}}, "differ"),
     ({"prefill": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "one device type only"),
     ({"decode": {"workerCpus": 0}}, "workerCpus"),
+    ({"decode": {"tensorParallelSize": 0}}, "tensorParallelSize"),
+    ({"prefill": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}},
+      "decode": {"resources": {"limits": {"nvidia.com/gpu": 1}}}},
+     "prefill.tensorParallelSize \\(2\\) needs a GPU per rank"),
     ({"prefill": {"replicas": 0}}, "replicas"),
     ({"router": {"servce": {}}}, "servce"),
     ({"redis": {"enabled": False}}, "url"),
