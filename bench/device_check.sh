@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one run, for a machine that has python3 with torch, Triton,
 # transformers, tokenizers and safetensors and nothing of this project installed (ray, Redis
-# and the front doors are not needed): the real CUDA-graph capture test and the decoder on the
-# compiled Triton kernels, then the CUDA-graph and kernel benchmarks, and on a machine with two
-# GPUs or more the tensor parallel benchmark (TP=1 vs TP=2 over NCCL). Each part's output goes
-# to $OUT (or a temporary folder) as well as to the terminal; a failing part does not stop the
-# next. About 3-6 minutes on an H200, most of it Triton compiling.
+# and the front doors are not needed): the real CUDA-graph capture test, the decoder on the
+# compiled Triton kernels and KV from a GPU pool into a CPU pool, then the CUDA-graph and
+# kernel benchmarks, and on a machine with two GPUs or more the tensor parallel benchmark
+# (TP=1 vs TP=2 over NCCL). Each part's output goes to $OUT (or a temporary folder) as well as
+# to the terminal; a failing part does not stop the next. About 3-6 minutes on an H200, most
+# of it Triton compiling.
 #   bash bench/device_check.sh      (PYTHON=... picks the interpreter; python3 by default)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,7 +24,8 @@ run() {  # run NAME COMMAND...: tee its output to $out/NAME.txt, remember a fail
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 run tests "$python" -m pytest -q -p no:cacheprovider \
-  tests/engine/test_cuda_graphs.py tests/models/test_triton_backend.py
+  tests/engine/test_cuda_graphs.py tests/models/test_triton_backend.py \
+  tests/kv_transfer/test_gpu_to_cpu.py
 run cuda_graphs "$python" -m pdserve.bench.cuda_graphs
 run kernels "$python" -m pdserve.bench.kernels
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)

@@ -49,8 +49,10 @@ def check_cluster(options: ClusterOptions, model_dir: str) -> None:
         _check_pool_fits(options, role, config)
     try:
         options.local_ray_cpus()
-        if config.device != "cpu" and torch.cuda.is_available():  # CUDA workers, one GPU each
-            options.check_local_gpus(torch.cuda.device_count())
+        if torch.cuda.is_available():  # CUDA workers, one GPU per rank
+            options.check_local_gpus(torch.cuda.device_count(), [
+                role for role in options.initial_targets()
+                if options.device_of(role, config.device) != "cpu"])
     except ValueError as exc:
         raise SettingsError(name_flags("cluster", str(exc))) from None
 

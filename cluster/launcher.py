@@ -44,7 +44,7 @@ from pdserve.cluster.named_actors import adoptable_router, named_workers
 from pdserve.cluster.node_placement import (
     WorkerResources,
     actor_resources,
-    check_one_device_type,
+    check_pool_devices,
     resolve_device,
     worker_resources,
 )
@@ -199,11 +199,12 @@ class EmbeddedCluster:
         cluster = self._ray.cluster_resources() if self._ray is not None else {}
         roles = list(self.pool_targets())
         asked = {role: opts.device_of(role, config.device) for role in roles}
-        check_one_device_type(asked)
+        check_pool_devices(asked)
         devices = {role: resolve_device(device, cluster) for role, device in asked.items()}
-        check_one_device_type(devices)
+        check_pool_devices(devices)
         if "cuda" in devices.values() and self._owns_ray:
-            opts.check_local_gpus(int(cluster.get("GPU", 0)))
+            opts.check_local_gpus(int(cluster.get("GPU", 0)),
+                                  [role for role, device in devices.items() if device == "cuda"])
         return [WorkerSpec(role, role, replace(config, device=devices[role],
                                                tensor_parallel_size=opts.ranks_of(role)),
                            self.redis_url,

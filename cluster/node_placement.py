@@ -70,18 +70,15 @@ def resolve_device(device: str, cluster_resources: dict[str, float]) -> str:
     return device
 
 
-def check_one_device_type(devices: dict[str, str]) -> None:
+def check_pool_devices(devices: dict[str, str]) -> None:
     """ValueError when the pools' ``devices`` (role -> "cpu" | "cuda"; "auto", not resolved
-    yet, is not compared) differ: the KV of a prefill worker is sent from its device and
-    received on the decode worker's over one torch.distributed backend (NCCL between GPUs,
-    gloo between CPUs); a GPU pool beside a CPU pool would need the blocks staged through host
-    memory on the way, which is not built."""
-    chosen = {role: device for role, device in devices.items() if device != "auto"}
-    if len(set(chosen.values())) > 1:
-        which = ", ".join(f"{role} on {device}" for role, device in sorted(chosen.items()))
-        raise ValueError(f"the pools' devices differ ({which}): KV blocks move between pools "
-                         f"of one device type only (NCCL between GPUs, gloo between CPUs); "
-                         f"give --prefill-device and --decode-device the same device")
+    yet, is not compared) cannot exchange KV: NCCL between GPUs, gloo between CPUs, and from a
+    GPU prefill pool to a CPU decode pool over gloo with the blocks staged through host memory;
+    a CPU prefill pool feeding a GPU decode pool is not built."""
+    if devices.get("prefill") == "cpu" and devices.get("decode") == "cuda":
+        raise ValueError("prefill on cpu, decode on cuda: KV moves from GPU prefill workers "
+                         "to CPU decode workers (staged through host memory), not the other "
+                         "way; give --prefill-device cuda, or --decode-device cpu")
 
 
 def worker_resources(device: str, worker_cpus: int, placement: str = "auto",

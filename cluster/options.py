@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pdserve.cluster.autoscale.config import SCALED_ROLES, AutoscaleConfig
@@ -243,11 +244,16 @@ class ClusterOptions:
                            self.max_workers(), per_worker, cores, needed)
         return max(cores, needed)
 
-    def check_local_gpus(self, gpus: int) -> None:
-        """ValueError when a local Ray's ``gpus`` cannot hold the CUDA pools at their largest
-        (a worker that finds no GPU would wait forever)."""
-        needed = self.worker_gpus * self.max_workers() * max(
-            self.ranks_of(role) for role in self.initial_targets())
+    def check_local_gpus(self, gpus: int, roles: Iterable[str] | None = None) -> None:
+        """ValueError when a local Ray's ``gpus`` cannot hold the CUDA pools (``roles``;
+        default: every pool) at their largest (a worker that finds no GPU would wait
+        forever)."""
+        roles = set(self.initial_targets()) if roles is None else set(roles)
+        if not roles:
+            return
+        workers = (self.max_workers() if roles >= set(self.initial_targets())
+                   else sum(self.initial_targets()[role] for role in roles))
+        needed = self.worker_gpus * workers * max(self.ranks_of(role) for role in roles)
         if needed > gpus + 1e-9:
             share = max(0.01, gpus / self.max_workers())
             raise ValueError(

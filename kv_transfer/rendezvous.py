@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 NEXT_KEY = "pdserve/kv/next"  # pair index counter
 JOIN_KEY = "pdserve/kv/join"  # queue of join messages (a policy's format)
 SESSION_KEY = "pdserve/kv/session"  # the endpoint's random session id, part of every MAC
+BACKEND_KEY = "pdserve/kv/backend"  # the backend the endpoint receives over (gloo | nccl)
 ACCEPT_KEY = "pdserve/kv/accept/"  # + idx (open) or a derived name (secret) -> D's answer
 PAIR_KEY = "pdserve/kv/pair/"  # + idx (open) or a derived name (secret) + "/": group prefix
 MAX_JOIN_BYTES = 512  # a longer join message is hostile or broken: dropped unread

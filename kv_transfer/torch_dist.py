@@ -23,6 +23,7 @@ from pdserve.kv_transfer.channel import LRUConnector, ThreadedSender
 from pdserve.kv_transfer.framing import HEADER_WORDS, decode_header
 from pdserve.kv_transfer.receiver import PeerDispatcher
 from pdserve.kv_transfer.rendezvous import (
+    BACKEND_KEY,
     SESSION_KEY,
     JoinQueue,
     PairJoin,
@@ -66,6 +67,7 @@ class TorchDistSender(ThreadedSender):
             store = store_client(self.address, self.config.connect_timeout_s)
         except Exception as exc:
             raise TransferError(f"cannot reach decode endpoint {self.address}: {exc}") from exc
+        self._follow_backend(store)
         try:
             join = request_pair(store, self._policy, self.peer_id,
                                 self.config.connect_timeout_s)
@@ -81,6 +83,21 @@ class TorchDistSender(ThreadedSender):
                                 f"{exc}") from exc
         logger.info("%s: pair %d with %s up (%s)", self.peer_id, join.idx, self.address,
                     self._backend)
+
+    def _follow_backend(self, store) -> None:
+        """Take the endpoint's backend where it differs: a GPU prefill worker sends to a CPU
+        decode pool over gloo, each payload staged through host memory (``_send_frame``).
+        The other way (a CPU pool's KV into a GPU pool over NCCL) is refused, saying so."""
+        theirs = store.get(BACKEND_KEY).decode() if store.check([BACKEND_KEY]) else None
+        if theirs is None or theirs == self._backend:
+            return
+        if theirs != "gloo":
+            raise TransferError(f"decode endpoint {self.address} receives over {theirs} (GPU "
+                                f"KV) and this sender's KV is on the CPU: run the prefill pool "
+                                f"on GPUs too, or the decode pool on CPUs")
+        logger.info("%s: %s receives over gloo: staging KV through host memory", self.peer_id,
+                    self.address)
+        self._backend, self._wire = "gloo", torch.device("cpu")
 
     def _send_frame(self, header: torch.Tensor, payload: torch.Tensor | None) -> None:
         pg = self._pg
@@ -145,6 +162,7 @@ class TransferEndpoint(KVReceiver):
         self._address = f"{host}:{self._store.port}"
         session = new_session()
         self._store.set(SESSION_KEY, session)
+        self._store.set(BACKEND_KEY, self._backend)  # a sender on another device follows it
         self._joins = JoinQueue(self._store, join_policy(join_token), session)
         self._lock = threading.Lock()
         self._peers: dict[int, tuple[str, threading.Thread]] = {}

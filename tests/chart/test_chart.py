@@ -152,6 +152,20 @@ def test_a_pool_may_have_its_own_worker_cpus(render):
     assert "--decode-worker-cpus" not in args
 
 
+def test_gpu_prefill_pods_may_feed_cpu_decode_pods(render):
+    from pdserve.cli.main import build_parser
+    from pdserve.cli.settings import options_from_args
+    from pdserve.cluster.options import ClusterOptions
+
+    rendered = render({"prefill": {"resources": {"limits": {"nvidia.com/gpu": 1}}}})
+    assert group(rendered, "prefill")["rayStartParams"]["num-gpus"] == "1"
+    assert "num-gpus" not in group(rendered, "decode")["rayStartParams"]
+    options = options_from_args(build_parser().parse_args(controller_args(rendered)),
+                                ClusterOptions())
+    assert [options.device_of(role, options.engine["device"])
+            for role in ("prefill", "decode")] == ["cuda", "cpu"]
+
+
 def test_a_pool_may_run_tensor_parallel_workers(render):
     """prefill.tensorParallelSize 2: its pods advertise two ranks' CPUs (and need two GPUs),
     the controller passes the pool's flag, and pdserve reads it back as that pool's size."""
@@ -346,7 +360,7 @@ def test_router_service_and_grpc_health(render, values_files):
 @pytest.mark.parametrize("values, message", [
     ({"prefill": {"engineArgs": {"dtype": "float16"}},
       "decode": {"engineArgs": {"dtype": "bfloat16"}}}, "differ"),
-    ({"prefill": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "one device type only"),
+    ({"decode": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "not the other way"),
     ({"decode": {"workerCpus": 0}}, "workerCpus"),
     ({"decode": {"tensorParallelSize": 0}}, "tensorParallelSize"),
     ({"prefill": {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}},

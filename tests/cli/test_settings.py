@@ -217,8 +217,8 @@ def test_each_pool_has_its_own_cpus_and_device(tiny_dir):
         "colocated": (2, 2, "cpu")}  # a colocated pool takes decode's settings
     assert specs("--device", "cuda", "--prefill-device", "cpu", "--decode-device", "cpu") \
         == {"prefill": (1, 1, "cpu"), "decode": (1, 1, "cpu")}
-    with pytest.raises(ValueError, match="decode on cpu, prefill on cuda.*same device"):
-        specs("--prefill-device", "cuda", "--decode-device", "cpu")  # (before resolving)
+    with pytest.raises(ValueError, match="prefill on cpu, decode on cuda.*not the other way"):
+        specs("--prefill-device", "cpu", "--decode-device", "cuda")  # (before resolving)
 
 
 def test_a_tensor_parallel_worker_asks_for_each_rank(tiny_dir):

@@ -59,6 +59,16 @@ def test_the_actor_options_carry_the_resources():
         WorkerResources(placement="nodes")
 
 
+def test_kv_moves_from_gpu_prefill_to_cpu_decode_not_back():
+    from pdserve.cluster.node_placement import check_pool_devices
+
+    for ok in ({"prefill": "cuda", "decode": "cpu"}, {"prefill": "cuda", "decode": "cuda"},
+               {"prefill": "cpu", "decode": "cpu"}, {"prefill": "auto", "decode": "cuda"}):
+        check_pool_devices(ok)
+    with pytest.raises(ValueError, match="prefill on cpu, decode on cuda.*--prefill-device"):
+        check_pool_devices({"prefill": "cpu", "decode": "cuda"})
+
+
 def test_cuda_pools_larger_than_the_local_gpus_fail_with_the_fix_named():
     from pdserve.cluster.options import ClusterOptions
 
@@ -67,6 +77,11 @@ def test_cuda_pools_larger_than_the_local_gpus_fail_with_the_fix_named():
                                          r"worker_gpus to 0.5"):
         ClusterOptions(num_prefill=1, num_decode=1).check_local_gpus(1)
     ClusterOptions(num_prefill=1, num_decode=1, worker_gpus=0.5).check_local_gpus(1)
+    # a GPU prefill pool feeding CPU decode workers: only the prefill workers need GPUs
+    ClusterOptions(num_prefill=1, num_decode=3).check_local_gpus(1, ["prefill"])
+    with pytest.raises(ValueError, match="need 2 GPUs"):
+        ClusterOptions(num_prefill=1, num_decode=3,
+                       prefill_tensor_parallel_size=2).check_local_gpus(1, ["prefill"])
     assert worker_resources("cuda", 1, worker_gpus=0.5).num_gpus == 0.5
     assert worker_resources("cpu", 1, worker_gpus=0.5).num_gpus == 0.0
     with pytest.raises(ValueError, match="worker_gpus"):

@@ -251,3 +251,38 @@ def test_bench_helpers_report_rates(no_thread_leak):
     assert measure_memcpy(nbytes=1 << 16, iters=1) > 0
     assert measure_transfer(num_layers=2, num_blocks=2, block_size=4, kv_heads=1, head_dim=8,
                             iters=1, include_pack=False) > 0
+
+
+def test_a_sender_follows_a_gloo_endpoints_backend(kv, no_thread_leak):
+    """A sender set for NCCL (as a GPU prefill worker's is) pairs with a CPU decode
+    endpoint over gloo, its payloads staged through host memory, and the blocks arrive."""
+    import dataclasses
+
+    dst = kv.make_pool(30)
+    sink = kv.RecordingSink(dst)
+    endpoint = TransferEndpoint(sink, config=kv.FAST)
+    connector = TorchDistConnector("prefill-gpu",
+                                   config=dataclasses.replace(kv.FAST, backend="nccl"))
+    try:
+        assert kv.transfer_works(endpoint, sink, connector, TransferKey(3, 1))
+    finally:
+        connector.close()
+        endpoint.close()
+
+
+def test_a_cpu_sender_refuses_an_nccl_endpoint_saying_why(kv, no_thread_leak):
+    import dataclasses
+
+    sink = kv.RecordingSink(kv.make_pool(32))
+    endpoint = TransferEndpoint(sink, config=dataclasses.replace(kv.FAST, backend="nccl"))
+    connector = TorchDistConnector("prefill-cpu", config=kv.FAST)
+    try:
+        sender = connector.sender(endpoint.address)
+        payload = kv.make_pool(33)[0].kv[None, :, :1].contiguous()  # one block of one layer
+        future = sender.send_layers(TransferKey(4, 1), 0, 1, payload)
+        error = future.exception(10)
+        assert isinstance(error, TransferError)
+        assert "receives over nccl" in str(error) and "prefill pool on GPUs" in str(error)
+    finally:
+        connector.close()
+        endpoint.close()
