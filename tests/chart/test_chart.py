@@ -48,6 +48,15 @@ def controller_args(rendered) -> list[str]:
         "containers"][0]["args"]
 
 
+def controller_options(args: list[str]):
+    """The ClusterOptions ``pdserve serve`` builds from the controller's arguments."""
+    from pdserve.cli.main import build_parser
+    from pdserve.cli.settings import options_from_args
+    from pdserve.cluster.options import ClusterOptions
+
+    return options_from_args(build_parser().parse_args(args), ClusterOptions())
+
+
 @pytest.mark.parametrize("name", CI_FILES)
 def test_lint_strict(name, values_files):
     import helm_python
@@ -139,29 +148,20 @@ def test_replicas_and_resources_follow_values(render):
 
 
 def test_a_pool_may_have_its_own_worker_cpus(render):
-    from pdserve.cli.main import build_parser
-    from pdserve.cli.settings import options_from_args
-    from pdserve.cluster.options import ClusterOptions
-
     rendered = render({"workerCpus": 2, "prefill": {"workerCpus": 4}})
     assert group(rendered, "prefill")["rayStartParams"]["num-cpus"] == "4"
     assert group(rendered, "decode")["rayStartParams"]["num-cpus"] == "2"
     args = controller_args(rendered)
-    options = options_from_args(build_parser().parse_args(args), ClusterOptions())
+    options = controller_options(args)
     assert [options.worker_cpus_of(role) for role in ("prefill", "decode")] == [4, 2]
     assert "--decode-worker-cpus" not in args
 
 
 def test_gpu_prefill_pods_may_feed_cpu_decode_pods(render):
-    from pdserve.cli.main import build_parser
-    from pdserve.cli.settings import options_from_args
-    from pdserve.cluster.options import ClusterOptions
-
     rendered = render({"prefill": {"resources": {"limits": {"nvidia.com/gpu": 1}}}})
     assert group(rendered, "prefill")["rayStartParams"]["num-gpus"] == "1"
     assert "num-gpus" not in group(rendered, "decode")["rayStartParams"]
-    options = options_from_args(build_parser().parse_args(controller_args(rendered)),
-                                ClusterOptions())
+    options = controller_options(controller_args(rendered))
     assert [options.device_of(role, options.engine["device"])
             for role in ("prefill", "decode")] == ["cuda", "cpu"]
 
@@ -169,15 +169,11 @@ def test_gpu_prefill_pods_may_feed_cpu_decode_pods(render):
 def test_a_pool_may_run_tensor_parallel_workers(render):
     """prefill.tensorParallelSize 2: its pods advertise two ranks' CPUs (and need two GPUs),
     the controller passes the pool's flag, and pdserve reads it back as that pool's size."""
-    from pdserve.cli.main import build_parser
-    from pdserve.cli.settings import options_from_args
-    from pdserve.cluster.options import ClusterOptions
-
     rendered = render({"workerCpus": 3, "prefill": {"tensorParallelSize": 2}})
     assert group(rendered, "prefill")["rayStartParams"]["num-cpus"] == "6"
     assert group(rendered, "decode")["rayStartParams"]["num-cpus"] == "3"
     args = controller_args(rendered)
-    options = options_from_args(build_parser().parse_args(args), ClusterOptions())
+    options = controller_options(args)
     assert [options.ranks_of(role) for role in ("prefill", "decode")] == [2, 1]
     assert "--decode-tensor-parallel-size" not in args
     gpus = {"limits": {"nvidia.com/gpu": 2}}
