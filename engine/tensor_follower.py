@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import pickle
 
 import torch
@@ -24,9 +25,12 @@ from pdserve.engine.memory import allocate_kv_caches, kv_layer_dtypes
 from pdserve.engine.parts import ResolvedModel
 from pdserve.engine.tensor_parallel import (
     OP_CALL,
+    SECRET_ENV,
     START_TIMEOUT_S,
     FollowerSpec,
     RankContext,
+    SignedStore,
+    Signer,
     TensorGroup,
     connect_store,
     rank_device,
@@ -37,8 +41,8 @@ from pdserve.models.tensor_parallel import TensorShard
 logger = logging.getLogger(__name__)
 
 
-def serve(address: str, rank: int, size: int) -> None:
-    store = connect_store(address, START_TIMEOUT_S)
+def serve(address: str, rank: int, size: int, signer: Signer) -> None:
+    store = SignedStore(connect_store(address, START_TIMEOUT_S), signer)
     spec: FollowerSpec = pickle.loads(store.get("spec"))
     torch.set_num_threads(spec.num_threads)
     try:
@@ -58,7 +62,7 @@ def serve(address: str, rank: int, size: int) -> None:
         store.set(f"ready/{rank}", f"{type(exc).__name__}: {exc}")
         raise
     store.set(f"ready/{rank}", "")
-    group = TensorGroup(store, rank, size, device, spec.step_timeout_s)
+    group = TensorGroup(store, rank, size, device, spec.step_timeout_s, signer)
     model.join_tensor_group(group.all_reduce)
     logger.info("tensor parallel rank %d/%d ready on %s", rank, size, device)
     try:
@@ -101,8 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(message)s")
+    secret = os.environ.pop(SECRET_ENV, "")
+    if not secret:
+        parser.error(f"{SECRET_ENV} is not set: followers are started by their rank 0")
     watch_parent()
-    serve(args.store, args.rank, args.size)
+    serve(args.store, args.rank, args.size, Signer(bytes.fromhex(secret)))
 
 
 if __name__ == "__main__":

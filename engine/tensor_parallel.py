@@ -26,9 +26,11 @@ worker is restarted with a new group.
 from __future__ import annotations
 
 import datetime
+import hmac
 import logging
 import os
 import pickle
+import secrets
 import subprocess
 import sys
 import threading
@@ -57,6 +59,8 @@ HEADER_WORDS = 7
 STEP_TIMEOUT_S = 300.0  # a collective inside a step waits this long for the other ranks
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower waits this long for the next step
 START_TIMEOUT_S = 900.0  # followers load their shards and allocate within this
+SECRET_ENV = "PDSERVE_TENSOR_GROUP_SECRET"  # how rank 0 hands its followers the group's key
+MAC_BYTES = 32  # HMAC-SHA256
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,49 @@ class FollowerSpec:
 
 def store_address(store: dist.TCPStore) -> str:
     return f"127.0.0.1:{store.port}"
+
+
+class TamperedError(RuntimeError):
+    """A value in the group's store or a broadcast message that no rank of the group wrote."""
+
+
+class Signer:
+    """HMAC-SHA256 under the group's secret, which rank 0 draws and hands its followers in
+    their environment (``SECRET_ENV``): a local process that reaches the loopback store or
+    slips into the group cannot pass a value off as a rank's."""
+
+    def __init__(self, secret: bytes):
+        self._secret = secret
+
+    def sign(self, label: str, value: bytes) -> bytes:
+        return hmac.new(self._secret, label.encode() + b"\0" + value, "sha256").digest() + value
+
+    def open(self, label: str, signed: bytes) -> bytes:
+        value = signed[MAC_BYTES:]
+        if not hmac.compare_digest(self.sign(label, value)[:MAC_BYTES], signed[:MAC_BYTES]):
+            raise TamperedError(f"{label!r} is not signed by this tensor parallel group")
+        return value
+
+
+class SignedStore:
+    """The group's store, every value signed under its key (:class:`Signer`)."""
+
+    def __init__(self, store: dist.Store, signer: Signer):
+        self.raw = store  # (the process group's own rendezvous uses it as it is)
+        self._signer = signer
+
+    def set(self, key: str, value: bytes | str) -> None:
+        value = value.encode() if isinstance(value, str) else value
+        self.raw.set(key, self._signer.sign(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._signer.open(key, self.raw.get(key))
+
+    def check(self, key: str) -> bool:
+        return self.raw.check([key])
+
+    def delete(self, key: str) -> None:
+        self.raw.delete_key(key)
 
 
 def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
@@ -88,10 +135,11 @@ class TensorGroup:
     """One rank's side of its group: the all-reduce the decoder calls, and the step batches
     rank 0 sends and the followers receive."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device,
-                 step_timeout_s: float):
+    def __init__(self, store: SignedStore, rank: int, size: int, device: torch.device,
+                 step_timeout_s: float, signer: Signer):
         self.rank, self.size, self.device = rank, size, device
-        store = dist.PrefixStore("tensor-group", store)
+        self._signer = signer  # the pickled extras and calls are signed
+        store = dist.PrefixStore("tensor-group", store.raw)
         timeout = datetime.timedelta(seconds=step_timeout_s)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
@@ -119,7 +167,7 @@ class TensorGroup:
         """A step's batch, with what the followers' role needs for it (``extras``)."""
         meta = batch.metadata
         num_seqs, width = meta.block_tables.shape
-        blob = _pickled(extras)
+        blob = self._pickled(extras)
         header = torch.tensor([OP_FORWARD, len(batch.input_ids), num_seqs, width,
                                meta.max_query_len, meta.max_context_len, blob.numel()],
                               dtype=torch.int64)
@@ -133,7 +181,7 @@ class TensorGroup:
 
     def send_call(self, method: str, args: tuple) -> int:
         """Have every follower's role run ``method(*args)``; returns how many failed."""
-        blob = _pickled((method, args))
+        blob = self._pickled((method, args))
         self._broadcast(torch.tensor([OP_CALL, 0, 0, 0, 0, 0, blob.numel()],
                                      dtype=torch.int64, device=self.device))
         self._broadcast(blob.to(self.device))
@@ -173,10 +221,16 @@ class TensorGroup:
         return Message(op, (input_ids, positions, meta),
                        self._recv_pickled(nbytes) if nbytes else None)
 
+    def _pickled(self, obj: object) -> torch.Tensor:
+        if obj is None:
+            return torch.empty(0, dtype=torch.uint8)
+        signed = self._signer.sign("message", pickle.dumps(obj))
+        return torch.frombuffer(bytearray(signed), dtype=torch.uint8)
+
     def _recv_pickled(self, nbytes: int) -> object:
         blob = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._broadcast(blob)
-        return pickle.loads(blob.cpu().numpy().tobytes())
+        return pickle.loads(self._signer.open("message", blob.cpu().numpy().tobytes()))
 
 
 @dataclass
@@ -186,12 +240,6 @@ class Message:
     op: int  # OP_FORWARD | OP_CALL
     batch: tuple | None = None  # FORWARD: (input_ids, positions, AttentionMetadata)
     payload: object = None  # FORWARD: the extras (or None); CALL: (method, args)
-
-
-def _pickled(obj: object) -> torch.Tensor:
-    if obj is None:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -221,7 +269,7 @@ class RankContext:
     device: torch.device
     config: EngineConfig  # the engine's
     model_config: ModelConfig  # the whole model's (the shard's is model.config)
-    store: dist.Store
+    store: SignedStore
 
     def publish(self, name: str, value: str) -> None:
         """A value rank 0 reads once the group has formed (:meth:`Followers.published`)."""
@@ -245,9 +293,10 @@ def _stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> N
 class Followers:
     """Rank 0's handle on ranks 1..N-1: the processes it started, then their group."""
 
-    def __init__(self, store: dist.TCPStore, procs: list[subprocess.Popen], size: int,
-                 step_timeout_s: float):
+    def __init__(self, store: SignedStore, procs: list[subprocess.Popen], size: int,
+                 step_timeout_s: float, signer: Signer):
         self._store, self._procs, self.size = store, procs, size
+        self._signer = signer
         self.step_timeout_s = step_timeout_s
         self.group: TensorGroup | None = None
         self._finalizer = weakref.finalize(self, _stop_processes, procs, 0.0)
@@ -256,17 +305,21 @@ class Followers:
     def start(cls, config: EngineConfig, role: RankRole | None = None) -> Followers:
         """Publish the spec and start ranks 1..N-1 (step 1); they begin loading at once."""
         size = config.tensor_parallel_size
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                            timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        secret = secrets.token_bytes(32)
+        signer = Signer(secret)
+        store = SignedStore(raw, signer)
         spec = FollowerSpec(config, torch.get_num_threads(), STEP_TIMEOUT_S, role)
         store.set("spec", pickle.dumps(spec))
+        env = {**os.environ, SECRET_ENV: secret.hex()}
         procs = [subprocess.Popen([sys.executable, "-m", FOLLOWER_MODULE, "--store",
-                                   store_address(store), "--rank", str(rank), "--size",
-                                   str(size)])
+                                   store_address(raw), "--rank", str(rank), "--size",
+                                   str(size)], env=env)
                  for rank in range(1, size)]
         logger.info("tensor parallel: started ranks 1..%d (pids %s)", size - 1,
                     ", ".join(str(p.pid) for p in procs))
-        return cls(store, procs, size, spec.step_timeout_s)
+        return cls(store, procs, size, spec.step_timeout_s, signer)
 
     def join(self, ledger: MemoryLedger, device: torch.device) -> TensorGroup:
         """Publish the ledger, wait for every follower's pool (step 2), form the group
@@ -276,7 +329,7 @@ class Followers:
         deadline = time.monotonic() + START_TIMEOUT_S
         while waiting:
             for rank, key in list(waiting.items()):
-                if self._store.check([key]):
+                if self._store.check(key):
                     error = self._store.get(key).decode()
                     if error:
                         raise RuntimeError(f"tensor parallel rank {rank} failed to start: "
@@ -289,7 +342,8 @@ class Followers:
                 raise RuntimeError(f"tensor parallel ranks {sorted(waiting)} were not ready "
                                    f"within {START_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
-        self.group = TensorGroup(self._store, 0, self.size, device, self.step_timeout_s)
+        self.group = TensorGroup(self._store, 0, self.size, device, self.step_timeout_s,
+                                 self._signer)
         logger.info("tensor parallel: group of %d formed", self.size)
         return self.group
 
@@ -301,11 +355,11 @@ class Followers:
     def reports(self, name: str) -> list[str | None]:
         """Each follower's report ``name`` (None: not yet), in rank order."""
         keys = [f"report/{name}/{rank}" for rank in range(1, self.size)]
-        return [self._store.get(k).decode() if self._store.check([k]) else None for k in keys]
+        return [self._store.get(k).decode() if self._store.check(k) else None for k in keys]
 
     def clear_reports(self, name: str) -> None:
         for rank in range(1, self.size):
-            self._store.delete_key(f"report/{name}/{rank}")
+            self._store.delete(f"report/{name}/{rank}")
 
     def stop(self) -> None:
         """Tell the followers to exit, then reap them (killed after a grace period)."""

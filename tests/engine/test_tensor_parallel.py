@@ -206,3 +206,38 @@ def test_followers_exit_when_rank_0_is_killed(hf_checkpoint, tmp_path):
         proc.kill()
         proc.wait()
     assert _wait_gone(pids) == []
+
+
+def test_the_groups_store_takes_only_values_its_ranks_signed():
+    """A local process that reaches the loopback store cannot pass a value off as a rank's
+    (a forged report would start a request whose heads never arrived)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from pdserve.engine.tensor_parallel import SignedStore, Signer, TamperedError
+
+    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=5))
+    store = SignedStore(raw, Signer(b"k" * 32))
+    store.set("report/kv/1/1/1", "")
+    assert store.get("report/kv/1/1/1") == b""
+    raw.set("report/kv/1/1/1", b"")  # written by someone without the key
+    with pytest.raises(TamperedError, match="not signed by this tensor parallel group"):
+        store.get("report/kv/1/1/1")
+    SignedStore(raw, Signer(b"x" * 32)).set("spec", b"pickle")  # another group's key
+    with pytest.raises(TamperedError):
+        store.get("spec")
+    store.set("published/a/1", "x")
+    raw.set("published/a/1", raw.get("published/a/1")[:-1] + b"y")  # the value changed
+    with pytest.raises(TamperedError):
+        store.get("published/a/1")
+
+
+def test_a_follower_started_by_hand_refuses_to_run():
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_TENSOR_GROUP_SECRET"}
+    out = subprocess.run([sys.executable, "-m", FOLLOWER_MODULE, "--store", "127.0.0.1:1",
+                          "--rank", "1", "--size", "2"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert out.returncode == 2
+    assert "PDSERVE_TENSOR_GROUP_SECRET is not set" in out.stderr
