@@ -253,11 +253,16 @@ class ClusterOptions:
             return
         workers = (self.max_workers() if roles >= set(self.initial_targets())
                    else sum(self.initial_targets()[role] for role in roles))
-        needed = self.worker_gpus * workers * max(self.ranks_of(role) for role in roles)
+        ranks = max(self.ranks_of(role) for role in roles)
+        needed = self.worker_gpus * workers * ranks
         if needed > gpus + 1e-9:
-            share = max(0.01, gpus / self.max_workers())
+            if ranks > 1:  # tensor parallel ranks take whole GPUs
+                raise ValueError(f"{workers} workers of {ranks} tensor parallel ranks need "
+                                 f"{needed:g} GPUs and this machine has {gpus}: run fewer "
+                                 f"workers, or smaller groups")
+            share = max(0.01, gpus / workers)
             raise ValueError(
-                f"{self.max_workers()} workers asking {self.worker_gpus:g} GPU each "
+                f"{workers} workers asking {self.worker_gpus:g} GPU each "
                 f"(worker_gpus) need {needed:g} GPUs and this machine has {gpus}: lower "
                 f"worker_gpus to {share:.2g} (workers share a GPU; give each a "
                 f"memory_budget_bytes), or run fewer workers")

@@ -14,7 +14,7 @@ through the same thread, so they follow every scatter queued before them. Scatte
 a write lock that ``forget`` also takes: once ``forget`` returns, nothing writes that key's
 blocks any more.
 
-Tensor parallel pools (``kv_heads``: which K/V heads of the model this pool holds) take
+Tensor parallel pools (``first_head``: the model's K/V head the pool's first head is) take
 head-sliced frames from several senders: a key completes once every head of every layer has
 arrived and its COMMIT has (a sharded COMMIT may come first and waits for the rest), or, for a
 rank that never sees the COMMIT (``complete_on_heads``), once every head has arrived.

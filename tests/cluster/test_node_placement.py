@@ -79,7 +79,7 @@ def test_cuda_pools_larger_than_the_local_gpus_fail_with_the_fix_named():
     ClusterOptions(num_prefill=1, num_decode=1, worker_gpus=0.5).check_local_gpus(1)
     # a GPU prefill pool feeding CPU decode workers: only the prefill workers need GPUs
     ClusterOptions(num_prefill=1, num_decode=3).check_local_gpus(1, ["prefill"])
-    with pytest.raises(ValueError, match="need 2 GPUs"):
+    with pytest.raises(ValueError, match="1 workers of 2 tensor parallel ranks need 2 GPUs"):
         ClusterOptions(num_prefill=1, num_decode=3,
                        prefill_tensor_parallel_size=2).check_local_gpus(1, ["prefill"])
     assert worker_resources("cuda", 1, worker_gpus=0.5).num_gpus == 0.5
