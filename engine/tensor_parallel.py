@@ -18,8 +18,13 @@ Formation, in order, over a ``TCPStore`` on loopback that rank 0 hosts:
 Per step, rank 0's :class:`TensorParallelRunner` broadcasts the flat batch (a fixed header,
 then one int64 tensor of tokens, positions, slots, offsets, lengths and block tables) and
 every rank runs the same forward; the decoder all-reduces after each block's output
-projections. Only rank 0 computes logits. A follower whose rank 0 is gone exits (its parent
-changes, or the group breaks); rank 0's next forward then raises, its engine loop dies and the
+projections. Only rank 0 computes logits. A worker whose ranks do more than the forward
+names a :class:`RankRole` its followers build: it gets each batch's extras and the calls rank
+0 makes between steps (``call_ranks``). Values in the store and pickled messages are signed
+under a key only the group holds (:class:`Signer`).
+
+A follower whose rank 0 is gone exits (its parent changes, or the group breaks); a follower
+that is gone breaks the group: rank 0's next collective raises, its engine loop dies and the
 worker is restarted with a new group.
 """
 

@@ -17,6 +17,8 @@ the partial results (the model's ``join_tensor_group``):
 A rank's model is the plain decoder built from :meth:`TensorShard.local_config` (the same
 config with 1/n of the heads and of the MLP), so the attention, the KV pool and the memory
 ledger need no change: each rank's KV pool holds its own K/V heads for every block.
+:func:`head_routes` says which of its heads a rank ships to each rank of another group (a
+prefill group's KV into a decode group of another size).
 """
 
 from __future__ import annotations
