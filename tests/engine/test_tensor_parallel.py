@@ -28,10 +28,12 @@ transformers = pytest.importorskip("transformers")
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=96,
               max_num_batched_tokens=16)
-# FAMILY_PARAMS entries whose heads and MLP split two ways (llama-mha-odd has 3 heads and
-# llama3-rope 3 K/V heads: refused below)
-SPLITTABLE = ["llama-gqa", "qwen2-bias-tied", "qwen3-qknorm", "mistral-window",
-              "qwen2-layer-window"]
+# Every FAMILY_PARAMS entry, with the fewest overrides that let it split two ways where its
+# own shapes cannot (llama-mha-odd has 3 heads, llama3-rope 3 K/V heads: both refused below)
+SPLITTABLE = {"llama-gqa": {}, "qwen2-bias-tied": {}, "qwen3-qknorm": {},
+              "mistral-window": {}, "qwen2-layer-window": {},
+              "llama-mha-odd": dict(num_attention_heads=4, num_key_value_heads=4),
+              "llama3-rope": dict(num_key_value_heads=2)}
 
 
 def _prompts(n: int = 3, seed: int = 0) -> list[list[int]]:
@@ -65,7 +67,7 @@ def _status(pid: int) -> str:
 
 @pytest.mark.parametrize("name", SPLITTABLE)
 def test_tp2_greedy_equals_hf(name, hf_checkpoint, hf_greedy):
-    path = hf_checkpoint(name)
+    path = hf_checkpoint(name, **SPLITTABLE[name])
     prompts = _prompts()
     with LLM(str(path), tensor_parallel_size=2, **ENGINE) as llm:
         ours = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
