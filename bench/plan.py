@@ -154,9 +154,7 @@ class PlanRequest:
     def rank_config(self, mc: ModelConfig) -> ModelConfig:
         """The config one rank computes (``mc`` itself without tensor parallelism); raises
         ValueError naming the setting when the model does not split."""
-        if self.tensor_parallel_size == 1:
-            return mc
-        return TensorShard(0, self.tensor_parallel_size).local_config(mc)
+        return TensorShard.rank_config(mc, self.tensor_parallel_size)
 
 
 def model_weight_bytes(model_dir: str, mc: ModelConfig, dtype: torch.dtype) -> tuple[int, str]:

@@ -43,8 +43,7 @@ def check_engine_fits(config: EngineConfig) -> int | None:
     With tensor parallelism the plan is one rank's (each rank has the budget)."""
     resolved = ResolvedModel.of(config)
     mc, device, dtype = resolved.model_config, resolved.device, resolved.dtype
-    if config.tensor_parallel_size > 1:
-        mc = TensorShard(0, config.tensor_parallel_size).local_config(mc)
+    mc = TensorShard.rank_config(mc, config.tensor_parallel_size)
     backend, max_model_len = resolved.backend, resolved.max_model_len
     budget = config.memory_budget_bytes
     if budget is None and device.type == "cpu":

@@ -66,6 +66,7 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower waits this long for th
 START_TIMEOUT_S = 900.0  # followers load their shards and allocate within this
 SECRET_ENV = "PDSERVE_TENSOR_GROUP_SECRET"  # how rank 0 hands its followers the group's key
 MAC_BYTES = 32  # HMAC-SHA256
+LOOPBACK = "127.0.0.1"  # a worker's ranks share its machine: their store and group stay on it
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class FollowerSpec:
 
 
 def store_address(store: dist.TCPStore) -> str:
-    return f"127.0.0.1:{store.port}"
+    return f"{LOOPBACK}:{store.port}"
 
 
 class TamperedError(RuntimeError):
@@ -153,7 +154,7 @@ class TensorGroup:
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
             self._pg = dist.ProcessGroupGloo(store, rank, size, opts)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -310,7 +311,7 @@ class Followers:
     def start(cls, config: EngineConfig, role: RankRole | None = None) -> Followers:
         """Publish the spec and start ranks 1..N-1 (step 1); they begin loading at once."""
         size = config.tensor_parallel_size
-        raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        raw = dist.TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False,
                             timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
         secret = secrets.token_bytes(32)
         signer = Signer(secret)

@@ -74,6 +74,12 @@ class TensorShard:
             num_key_value_heads=self.num_kv_heads(config),
             intermediate_size=config.intermediate_size // self.size)
 
+    @staticmethod
+    def rank_config(config: ModelConfig, size: int) -> ModelConfig:
+        """What each rank of a group of ``size`` computes (``config`` itself when alone; every
+        rank's shapes are rank 0's)."""
+        return config if size == 1 else TensorShard(0, size).local_config(config)
+
     def slice(self, config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the Hugging Face tensor ``name`` of the full model ``config``
         (the tensor itself when replicated)."""

@@ -77,6 +77,11 @@ class Routes:
                                              num_blocks=block_ids.numel(), heads=heads))
         return frames, nbytes
 
+    def end_shares(self, key: TransferKey, skip: int = 0) -> list:
+        """Close this rank's share of ``key`` on its routes after the first ``skip`` (rank 0
+        skips the decode rank 0 channel, where its COMMIT goes); the frames' futures."""
+        return [sender.send_share(key) for sender, _heads in self.sends[skip:]]
+
 
 class PrefillRank:
     """A follower rank's shipping half (see the module docstring)."""
@@ -86,6 +91,7 @@ class PrefillRank:
         self.shard = TensorShard(context.rank, context.size)
         self.connector = TorchDistConnector(f"{worker_id}.rank{context.rank}", host,
                                             context.device, join_token=join_token)
+        self._plans: list = []  # the current step's (key, block ids, routes)
 
     def before_forward(self, step: StepShipments):
         ends = {end - 1: (start, end) for start, end in step.frames}
@@ -103,8 +109,7 @@ class PrefillRank:
 
     def after_forward(self, step: StepShipments) -> None:
         for key, _ids, routes in self._plans:
-            for sender, _heads in routes.sends:
-                sender.send_share(key)
+            routes.end_shares(key)
         self._plans = []
 
     def close(self) -> None:

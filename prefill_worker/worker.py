@@ -219,8 +219,7 @@ class PrefillWorker(StepHooks):
                         sampled_at: float) -> None:
         seq = item.seq
         target = self._targets.pop(seq.request_id)
-        for sender, _heads in target.routes.sends[1:]:  # the other decode ranks' channels
-            target.frames.append(sender.send_share(target.key))
+        target.frames += target.routes.end_shares(target.key, skip=1)  # other decode ranks
         if delta.faulted:  # the request made the step fail: the engine aborted it, alone
             target.frames.append(target.sender.send_abort(target.key))
             target.result.set_exception(RequestFaultError(f"{seq.request_id}: {delta.error}"))
