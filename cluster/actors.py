@@ -147,7 +147,7 @@ class WorkerActor(LocalHandle):
         """Liveness for the pool manager, answered without touching the engine loop:
         {worker_id, role, pid, node_ip, loop_alive, error}."""
         loop = getattr(self.worker, "loop", None)
-        error = getattr(loop, "error", None)
+        error = getattr(loop, "failure", None)  # a dead rank shows here while a step waits
         alive = bool(getattr(loop, "is_alive", True)) and error is None
         return {**self._where(), "loop_alive": alive,
                 "error": None if error is None else str(error)}

@@ -34,7 +34,8 @@ class ColocatedWorker(StreamingWorker):
         self.mailboxes = RouterMailboxes()
         self.loop = EngineLoop(f"colocated-{worker_id}", self.engine.step,
                                self.engine.has_unfinished_requests, tick=self._tick,
-                               stats=self._stats, on_death=self._fail_everything).start()
+                               stats=self._stats, on_death=self._fail_everything,
+                               watch=self.engine.broken).start()
 
     def abort(self, request_id: str) -> Future:
         return self.loop.call(self._abort, request_id)

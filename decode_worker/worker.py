@@ -109,7 +109,8 @@ class DecodeWorker(StreamingWorker):
         self.mailboxes = RouterMailboxes()
         self.loop = EngineLoop(f"decode-{worker_id}", self.engine.step,
                                self.engine.has_unfinished_requests, tick=self._tick,
-                               stats=self._stats, on_death=self._fail_everything).start()
+                               stats=self._stats, on_death=self._fail_everything,
+                               watch=self.engine.broken).start()
 
     @staticmethod
     def config_for(config: EngineConfig) -> EngineConfig:

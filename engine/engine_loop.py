@@ -11,10 +11,13 @@ business (``decode_worker.mailboxes``).
 Liveness never depends on how long a step takes: after each step and tick the loop publishes
 the worker's stats (:meth:`snapshot`), which heartbeats read without waiting for the loop.
 
-If the loop dies (an exception escapes a step, or a call raises :class:`EngineBrokenError`),
-``on_death`` runs once on the loop thread so the
-worker can fail every request it holds, :attr:`error` is set, the snapshot carries the error,
-pending and later calls fail at once with :class:`EngineDeadError`. ``inject_fault`` makes the
+If the loop dies (an exception escapes a step, a call raises :class:`EngineBrokenError`, or
+``watch`` names a part the engine needs that is gone), ``on_death`` runs once on the loop
+thread so the worker can fail every request it holds, :attr:`error` is set, the snapshot
+carries the error, pending and later calls fail at once with :class:`EngineDeadError`.
+:attr:`failure` reports what ``watch`` names at once, even while a step waits on the part that
+is gone (a collective with a dead tensor parallel rank), so the worker's liveness check fails
+and the worker is replaced whether or not that step ever returns. ``inject_fault`` makes the
 next step raise or stall (tests of these paths on real workers).
 """
 
@@ -90,7 +93,8 @@ class EngineLoop:
     def __init__(self, name: str, step: Callable[[], StepDeltas],
                  has_work: Callable[[], bool], *, tick: Callable[[], None] | None = None,
                  stats: Callable[[], WorkerStats] | None = None,
-                 on_death: Callable[[str], None] | None = None, idle_wait_s: float = 0.05,
+                 on_death: Callable[[str], None] | None = None,
+                 watch: Callable[[], str | None] | None = None, idle_wait_s: float = 0.05,
                  stats_interval_s: float = 0.1, outbox_capacity: int = 1 << 16):
         self.outbox = DeltaOutbox(outbox_capacity)
         self._step = step
@@ -98,9 +102,11 @@ class EngineLoop:
         self._tick = tick  # periodic housekeeping (deadlines, leases), on the loop thread
         self._stats = stats
         self._on_death = on_death
+        self._watch = watch  # why the engine cannot go on though this thread runs, or None
         self._idle_wait_s = idle_wait_s
         self._stats_interval_s = stats_interval_s
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls_lock = threading.Lock()  # a call is queued before the loop's last drain
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._fault: _Fault | None = None
@@ -118,12 +124,13 @@ class EngineLoop:
     def call(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the loop thread; the future holds its result or exception."""
         future: Future = Future()
-        if self.error is not None:
-            future.set_exception(EngineDeadError(f"engine loop died: {self.error}"))
-        elif self._stopping.is_set():
-            future.set_exception(RuntimeError("engine loop is stopped"))
-        else:
-            self._calls.put((fn, args, future))
+        with self._calls_lock:
+            if self.error is not None:
+                future.set_exception(EngineDeadError(f"engine loop died: {self.error}"))
+            elif self._stopping.is_set():
+                future.set_exception(RuntimeError("engine loop is stopped"))
+            else:
+                self._calls.put((fn, args, future))
         return future
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -133,8 +140,16 @@ class EngineLoop:
             self._thread.join(timeout)
 
     @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve: the loop died (:attr:`error`), or ``watch`` names a
+        part that is gone though a step may still be waiting on it; None while it can."""
+        if self.error is not None:
+            return self.error
+        return None if self._watch is None else self._watch()
+
+    @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._thread.is_alive() and self.failure is None
 
     def snapshot(self) -> WorkerStats | None:
         """The stats published after the latest step or tick (no wait on the loop)."""
@@ -173,6 +188,8 @@ class EngineLoop:
         last_tick = 0.0
         try:
             while not self._stopping.is_set():
+                if self._watch is not None and (gone := self._watch()) is not None:
+                    raise EngineBrokenError(gone)
                 can_step = not self.outbox.is_full
                 self._run_calls(block=not (can_step and self._has_work()))
                 if self._tick is not None and time.monotonic() - last_tick >= self._idle_wait_s:
@@ -223,10 +240,11 @@ class EngineLoop:
     def _fail_pending(self) -> None:
         error = (EngineDeadError(f"engine loop died: {self.error}") if self.error is not None
                  else RuntimeError("engine loop stopped"))
-        while True:
-            try:
-                item = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None and item[2].set_running_or_notify_cancel():
-                item[2].set_exception(error)
+        with self._calls_lock:  # error or stopping is set: no call is queued after this
+            while True:
+                try:
+                    item = self._calls.get_nowait()
+                except queue.Empty:
+                    return
+                if item is not None and item[2].set_running_or_notify_cancel():
+                    item[2].set_exception(error)

@@ -263,6 +263,12 @@ class LLMEngine:
         """Stop what the engine runs beside this process (its tensor parallel ranks)."""
         self.parts.close()
 
+    def broken(self) -> str | None:
+        """Why this engine cannot step any more though its process runs (one of its tensor
+        parallel ranks has exited); None while it can. Safe from any thread."""
+        ranks = self.ranks
+        return None if ranks is None else ranks.followers.exited()
+
     @property
     def ranks(self) -> TensorParallelRunner | None:
         """The tensor parallel group's rank 0 (its followers' roles reached through it:

@@ -36,6 +36,7 @@ import logging
 import os
 import pickle
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -383,6 +384,19 @@ class Followers:
 
     def alive(self) -> list[bool]:
         return [proc.poll() is None for proc in self._procs]
+
+    def exited(self) -> str | None:
+        """Which rank's process has ended while the group runs (None: every rank runs, or
+        the group was stopped). A collective with that rank fails, or waits out the step
+        timeout: either way the group is broken."""
+        if self.group is None:
+            return None
+        for rank, proc in enumerate(self._procs, start=1):
+            if (code := proc.poll()) is not None:
+                how = (f"killed by {signal.Signals(-code).name}" if code < 0
+                       else f"exit code {code}")
+                return f"tensor parallel rank {rank} (pid {proc.pid}) exited: {how}"
+        return None
 
 
 class TensorParallelRunner(ModelRunner):

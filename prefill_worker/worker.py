@@ -122,7 +122,8 @@ class PrefillWorker(StepHooks):
         self._sampled_at = 0.0
         self.loop = EngineLoop(f"prefill-{worker_id}", self.engine.step,
                                self.engine.has_unfinished_requests, tick=self._tick,
-                               stats=self._stats, on_death=self._fail_everything).start()
+                               stats=self._stats, on_death=self._fail_everything,
+                               watch=self.engine.broken).start()
 
     # -- public API (any thread) --------------------------------------------------------------
     def prefill(self, request: WorkRequest, reservation: Reservation) -> Future:

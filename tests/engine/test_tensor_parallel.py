@@ -146,6 +146,7 @@ def test_close_ends_every_rank(hf_checkpoint):
     assert followers.alive() == [True]
     llm.close()
     assert followers.alive() == [False]
+    assert llm.engine.broken() is None  # stopped on purpose: not a broken group
 
 
 def test_an_idle_spell_longer_than_the_step_timeout_keeps_the_group(
@@ -168,8 +169,12 @@ def test_a_killed_follower_fails_the_step_at_once(hf_checkpoint):
     try:
         llm.generate(_prompts(1), GREEDY, use_tqdm=False)
         pid = llm.engine.parts.runner.followers._procs[0].pid
+        assert llm.engine.broken() is None
         os.kill(pid, signal.SIGKILL)
         _wait_gone([pid])
+        # what a worker's liveness check reports, even while a step would wait on the rank
+        assert llm.engine.broken() == f"tensor parallel rank 1 (pid {pid}) exited: " \
+                                      f"killed by SIGKILL"
         start = time.monotonic()
         with pytest.raises(RuntimeError):
             llm.generate(_prompts(1), GREEDY, use_tqdm=False)
