@@ -5,7 +5,9 @@ Membership and load come from the directory (``refresh``, every ``stats_interval
 worker that leaves the registry takes no new requests, but its streams go on until its poll
 fails: only a failed poll (the process or its engine loop really died) loses a worker, so
 liveness never depends on step time. A failed call on a worker (``suspect``) only keeps new
-work away from it until the directory next reports it. ``wait_ready`` is how a request waits
+work away from it until the directory reports stats the worker took after the failure (a
+worker whose engine died publishes none; a record written before the failure does not bring
+it back). ``wait_ready`` is how a request waits
 for the workers it needs (start-up, a pool being replaced): it wakes as soon as they are.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from pdserve.engine.protocol import RequestDelta
@@ -38,6 +41,7 @@ class Workers:
         self.loads: dict[str, WorkerLoad] = {}  # workers that take new requests
         self.handles: dict = {}  # every worker seen and not lost (streams may go on)
         self._pollers: dict[str, asyncio.Task] = {}
+        self._suspected: dict[str, float] = {}  # worker id -> time.time() a call on it failed
         self._tasks: list[asyncio.Task] = []  # the refresh loop, background aborts
         self._ready = asyncio.Event()  # set while is_ready()
         self.kv_index = KVIndex()  # the prefill workers' prefix caches, from their KV events
@@ -84,14 +88,18 @@ class Workers:
         for handle, stats in snapshot:
             seen.add(stats.worker_id)
             self.handles[stats.worker_id] = handle
+            if stats.role != "prefill" and stats.worker_id not in self._pollers:
+                self._pollers[stats.worker_id] = asyncio.create_task(self._poll(handle))
+            self._metrics.set_worker(stats)
+            if self._still_suspected(stats):
+                continue
             load = self.loads.get(stats.worker_id)
             if load is None:
                 self.loads[stats.worker_id] = WorkerLoad(stats)
             else:
                 load.refresh(stats)
-            self._metrics.set_worker(stats)
-            if stats.role != "prefill" and stats.worker_id not in self._pollers:
-                self._pollers[stats.worker_id] = asyncio.create_task(self._poll(handle))
+        for worker_id in set(self._suspected) - seen:
+            del self._suspected[worker_id]
         for worker_id in set(self.loads) - seen:  # no new work; its streams go on
             logger.info("worker %s left the registry: no new requests go to it", worker_id)
             self._metrics.remove_worker(self.loads.pop(worker_id).stats.role, worker_id)
@@ -148,11 +156,24 @@ class Workers:
         self._tasks.append(asyncio.create_task(self.abort_on(worker_id, request_id)))
 
     def suspect(self, worker_id: str, why: str) -> None:
-        """A call on the worker failed: route nothing new to it until the directory next
-        reports it (a dead one never comes back; a live one does at the next refresh)."""
+        """A call on the worker failed: route nothing new to it until the directory reports
+        stats it took since (a dead one never comes back; a live one does at the first
+        refresh after its next heartbeat)."""
         logger.warning("worker %s: %s", worker_id, why)
+        self._suspected[worker_id] = time.time()
         self.loads.pop(worker_id, None)
         self._note_readiness()
+
+    def _still_suspected(self, stats) -> bool:
+        """Whether ``stats`` are older than the failed call that made their worker suspect
+        (stats of unknown age, ``taken_at`` 0, clear it)."""
+        suspected_at = self._suspected.get(stats.worker_id)
+        if suspected_at is None:
+            return False
+        if stats.taken_at and stats.taken_at <= suspected_at:
+            return True
+        del self._suspected[stats.worker_id]
+        return False
 
     async def _poll(self, handle) -> None:
         while True:
@@ -168,6 +189,7 @@ class Workers:
 
     def _worker_lost(self, worker_id: str, why: str) -> None:
         logger.warning("worker %s lost: %s", worker_id, why)
+        self._suspected.pop(worker_id, None)
         load = self.loads.pop(worker_id, None)
         self.handles.pop(worker_id, None)
         if load is not None:

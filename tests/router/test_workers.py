@@ -6,6 +6,7 @@ tests/router/test_failover.py and the e2e tests run the same paths over real wor
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 
@@ -23,9 +24,11 @@ class ScriptedHandle:
         self.worker_id, self.role = worker_id, role
         self.polls: asyncio.Queue = asyncio.Queue()
         self.aborted: list[str] = []
+        self.taken_at = 0.0  # the stats' age (0: unknown)
 
     async def stats(self) -> WorkerStats:
-        return WorkerStats(self.worker_id, self.role, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0)
+        return WorkerStats(self.worker_id, self.role, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0,
+                           taken_at=self.taken_at)
 
     async def poll(self, timeout: float):
         item = await self.polls.get()
@@ -102,6 +105,25 @@ def test_a_suspect_worker_takes_no_new_requests_until_the_next_refresh():
         await workers.refresh()
         assert [w.stats.worker_id for w in workers.live("colocated")] == ["d0"] and lost == []
         assert await asyncio.wait_for(waiting, 1)  # woken by the refresh, not its timeout
+        await workers.stop()
+
+    asyncio.run(scenario())
+
+
+def test_stats_taken_before_the_failed_call_do_not_clear_a_suspect():
+    """A worker whose engine died is still listed with the stats of its last heartbeat until
+    it is replaced: those must not bring it back, or a request's retries all land on it."""
+    async def scenario():
+        worker = ScriptedHandle("p0", "prefill")
+        workers, _routed, _lost = _workers([worker, ScriptedHandle("d0", "decode")])
+        worker.taken_at = time.time()
+        await workers.start()
+        workers.suspect("p0", "prefill failed: engine loop died")
+        await workers.refresh()  # the same stats as before the failure
+        assert workers.live("prefill") == [] and "p0" in workers.handles
+        worker.taken_at = time.time() + 1  # a heartbeat since: it lives
+        await workers.refresh()
+        assert [w.stats.worker_id for w in workers.live("prefill")] == ["p0"]
         await workers.stop()
 
     asyncio.run(scenario())
