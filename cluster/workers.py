@@ -73,8 +73,7 @@ def build_worker(role: str, worker_id: str, config: EngineConfig,
         return ColocatedWorker(worker_id, EngineParts.build(config),
                                orphan_timeout_s=orphan_timeout_s)
     if role == "decode":
-        parts = EngineParts.build(DecodeWorker.config_for(config),
-                                  _rank_role(role, worker_id, config, transfer))
+        parts = EngineParts.build(config, _rank_role(role, worker_id, config, transfer))
         return DecodeWorker(worker_id, parts, functools.partial(transfer.endpoint, worker_id),
                             lease_s=lease_s, orphan_timeout_s=orphan_timeout_s)
     if role == "prefill":

@@ -34,13 +34,19 @@ Instead of 1-3, ``submit(request, router)`` queues a prompt to prefill here, chu
 decode steps as on a colocated worker, its token 0 streamed from here (the router's conditional
 disaggregation, ``router.pairing.prefill_location``).
 
+D keeps a prefix cache like any engine (unless ``enable_prefix_caching`` is off): a request's
+blocks are hashed once it runs (its KV is in), and stay cached after it ends. In step 1 the
+leading blocks of a new reservation that the cache holds are shared, not allocated; the
+reservation says how many (``num_cached_blocks``), the prefill worker sends only the blocks
+after them, and the sink expects only those. At least one block is always sent (the prefix
+match leaves the prompt's last token out).
+
 All engine state is touched only on the loop thread (``EngineLoop``); public methods return
-futures. D keeps no prefix cache: received blocks are never matched by hash.
+futures.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import random
@@ -52,7 +58,6 @@ from dataclasses import dataclass
 from pdserve.decode_worker.mailboxes import RouterMailboxes
 from pdserve.decode_worker.ranks import TRANSFER_ADDRESS, report_name
 from pdserve.decode_worker.streaming import StreamingWorker
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
@@ -88,9 +93,6 @@ class DecodeWorker(StreamingWorker):
     def __init__(self, worker_id: str, parts: EngineParts,
                  make_endpoint: Callable[[ReservedBlocksSink], KVReceiver],
                  lease_s: float = 60.0, orphan_timeout_s: float = 30.0):
-        if parts.block_manager.enable_prefix_caching:
-            raise ValueError("a decode worker's pool must be built with "
-                             "enable_prefix_caching=False (use DecodeWorker.config_for)")
         self.worker_id = worker_id
         self.engine = LLMEngine(parts, policy=DecodePolicy(parts.config.scheduling_policy))
         self.lease_s = lease_s
@@ -111,10 +113,6 @@ class DecodeWorker(StreamingWorker):
                                self.engine.has_unfinished_requests, tick=self._tick,
                                stats=self._stats, on_death=self._fail_everything,
                                watch=self.engine.broken).start()
-
-    @staticmethod
-    def config_for(config: EngineConfig) -> EngineConfig:
-        return dataclasses.replace(config, enable_prefix_caching=False)
 
     # -- public API (any thread) --------------------------------------------------------------
     def reserve(self, request: WorkRequest, router: str = "") -> Future:
@@ -140,21 +138,22 @@ class DecodeWorker(StreamingWorker):
             raise ValueError(f"request_id {request.request_id!r} is already reserved")
         seq = self.engine.sequence_for(request)
         try:
-            self.engine.reserve_blocks(seq)
+            num_cached = self.engine.reserve_blocks(seq)
         except NoRoomNow as exc:
             raise NoRoomNow(f"decode worker {self.worker_id}: {exc}") from None
         seq.status = SequenceStatus.WAITING_FOR_KV
         key = TransferKey(next(self._transfer_ids), self.epoch)
-        self.sink.expect(key, list(seq.block_table))
+        to_receive = list(seq.block_table[num_cached:])  # the cached prefix is here already
+        self.sink.expect(key, to_receive)
         if self.ranks is not None:
-            self.ranks.call_ranks("expect", key.transfer_id, key.epoch, list(seq.block_table))
+            self.ranks.call_ranks("expect", key.transfer_id, key.epoch, to_receive)
         deadline = time.time() + self.lease_s
         self._reserved[seq.request_id] = _Reserved(seq, key, deadline)
         self._by_key[key] = seq.request_id
         self.mailboxes.claim(seq.request_id, seq.attempt, router)
         return Reservation(seq.request_id, self.worker_id, self.endpoint.address,
                            key.transfer_id, key.epoch, len(seq.block_table), deadline,
-                           self.rank_addresses)
+                           self.rank_addresses, num_cached_blocks=num_cached)
 
     def _release(self, request_id: str) -> _Reserved | None:
         entry = self._reserved.pop(request_id, None)

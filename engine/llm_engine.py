@@ -217,14 +217,22 @@ class LLMEngine:
         self.parts.block_manager.free(seq)
         self.untrack(seq.request_id)
 
-    def reserve_blocks(self, seq: Sequence) -> None:
-        """Allocate blocks for every token of untracked ``seq`` (a decode reservation);
-        NoRoomNow when the pool has no room for it now."""
+    def reserve_blocks(self, seq: Sequence) -> int:
+        """Blocks for every token of untracked ``seq`` (a decode reservation): the leading
+        blocks its prefix cache holds are shared, the rest allocated. Returns how many leading
+        blocks were cached (their KV need not be sent); NoRoomNow, with nothing held, when the
+        pool has no room for the rest now."""
         bm = self.parts.block_manager
-        if not bm.can_allocate(seq, seq.num_tokens):
+        bm.match_prefix(seq)
+        if not bm.can_allocate(seq, seq.num_tokens - seq.num_computed_tokens):
+            needed = bm.blocks_needed(seq, seq.num_tokens - seq.num_computed_tokens)
+            bm.free(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
             raise NoRoomNow(f"{bm.num_allocatable_blocks} free KV blocks, request "
-                                  f"{seq.request_id} needs {bm.blocks_needed(seq, seq.num_tokens)}")
-        bm.allocate(seq, seq.num_tokens)
+                            f"{seq.request_id} needs {needed}")
+        num_cached = seq.num_computed_tokens // bm.block_size
+        bm.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+        return num_cached
 
     def release_blocks(self, seq: Sequence) -> None:
         """Free the blocks of an untracked ``seq`` (a reservation that ends before it runs)."""
@@ -235,6 +243,7 @@ class LLMEngine:
         the token runs through the same stop rules and detokenizer here, so later deltas
         continue exactly where the prefill worker left off. Returns token 0's delta."""
         seq.num_computed_tokens = seq.num_tokens
+        self.parts.block_manager.cache_computed_blocks(seq)  # its prompt's blocks are in
         self.track(seq)
         try:
             delta = self.append_token(seq, first_token_id, None, time.monotonic())

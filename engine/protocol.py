@@ -266,6 +266,8 @@ class Reservation:
     lease_deadline: float  # time.time() after which the decode worker frees the blocks
     rank_addresses: tuple[str, ...] = ()  # a tensor parallel decode worker: each rank's KV
     # endpoint in rank order (the first is transfer_address); each takes only its K/V heads
+    num_cached_blocks: int = 0  # leading blocks the decode worker's prefix cache holds: the
+    # prefill worker sends only the blocks after them
 
 
 @dataclass

@@ -178,7 +178,7 @@ class PrefillWorker(StepHooks):
     def before_forward(self, sampling: list[ScheduledSequence]):
         """Open the shipments of the prompts that complete this step; with ``overlap``, each
         frame of layers ships as soon as the forward has written it."""
-        self._shipments = [(self._targets[item.seq.request_id], self._block_ids(item.seq))
+        self._shipments = [(self._targets[item.seq.request_id], self._blocks_to_send(item.seq))
                            for item in sampling]
         if self.ranks is not None and self._shipments:
             self.ranks.step_extras = StepShipments(tuple(self.frames), tuple(
@@ -205,8 +205,10 @@ class PrefillWorker(StepHooks):
         self._shipments = []
         return []  # token 0 reaches the router in the PrefillResult, not as a delta
 
-    def _block_ids(self, seq) -> torch.Tensor:
-        ids = [0 if b is None else b for b in seq.block_table]  # None: out of the window
+    def _blocks_to_send(self, seq) -> torch.Tensor:
+        """The prompt's blocks after those the decode worker's prefix cache holds."""
+        skip = self._targets[seq.request_id].reservation.num_cached_blocks
+        ids = [0 if b is None else b for b in seq.block_table[skip:]]  # None: out of the window
         return torch.tensor(ids, dtype=torch.int64, device=self.engine.device)
 
     def _send_layers(self, start: int, end: int) -> None:

@@ -73,6 +73,7 @@ from pdserve.router.errors import (
 from pdserve.router.flight import AttemptFailed, Flight, Phase
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import (
+    DecodeRouting,
     PrefillLocation,
     PrefillRouting,
     TransferCost,
@@ -285,7 +286,7 @@ class Router:
         self.metrics.prefill_location.labels(flight.prefill_location.location).inc()
         if flight.prefill_location.location == "local":
             flight.prefill_routing = None
-            await self._placer.place(flight, "decode", self._submit)
+            await self._place_on_decode(flight, self._submit)
             flight.move_to(Phase.DECODING)
             async for delta in self._drain(flight):
                 yield delta
@@ -296,12 +297,15 @@ class Router:
         self.metrics.observe_prefill(flight.prefill_id, result)
         self._transfer_cost.observe(len(_attempt_tokens(flight)) - result.num_cached_tokens,
                                     result.prefill_time_s,
-                                    reservation.num_blocks, result.transfer_time_s)
+                                    reservation.num_blocks - reservation.num_cached_blocks,
+                                    result.transfer_time_s)
         if flight.trace is None:
             flight.trace = RequestTrace(flight.request_id, 0.0, 0.0, result.queue_time_s,
                                         result.prefill_time_s, result.transfer_time_s,
                                         prefill_routing=flight.prefill_routing,
-                                        prefill_location=flight.prefill_location)
+                                        prefill_location=flight.prefill_location,
+                                        decode_routing=flight.decode_routing,
+                                        decode_cached_blocks=reservation.num_cached_blocks)
         flight.move_to(Phase.DECODING)
         yield result.first
         if result.first.finish_reason is None:
@@ -374,16 +378,39 @@ class Router:
         decodes, prefills = self.workers.live("decode"), self.workers.live("prefill")
         if mode != "auto" or not decodes:  # (no decode worker: placing waits for one)
             return PrefillLocation("local" if mode == "never" else "remote")
-        decode = rank_decode(decodes)[0]
+        decode, routing = self._decode_costs(flight, decodes)[0]
         num_tokens = len(_attempt_tokens(flight))
         best = self._prefill_costs(flight, prefills)[0][1] if prefills else None
         return prefill_location(self.config.max_local_prefill_length, num_tokens, decode, best,
                                 decode.blocks_for(num_tokens),
                                 self._transfer_cost.tokens_per_block,
-                                self.config.local_prefill_stall_weight)
+                                self.config.local_prefill_stall_weight, routing.hit_blocks)
+
+    def _decode_costs(self, flight: Flight,
+                      loads: list[WorkerLoad]) -> list[tuple[WorkerLoad, DecodeRouting]]:
+        """``pairing.rank_decode`` of ``loads`` for the request, best first."""
+        return rank_decode(loads, _attempt_tokens(flight), self.workers.kv_index, self._salt,
+                           self.config.prefix_overlap_weight)
+
+    async def _place_on_decode(self, flight: Flight, place_on):
+        """Place ``flight`` on a decode worker in ``rank_decode``'s order (``place_on``: reserve
+        its blocks, or submit its prompt to compute there); the routing of the worker that
+        took it goes to ``flight.decode_routing``."""
+        routings: dict[str, DecodeRouting] = {}
+
+        def rank(loads: list[WorkerLoad]) -> list[WorkerLoad]:
+            ranked = self._decode_costs(flight, loads) if loads else []
+            routings.update((w.stats.worker_id, r) for w, r in ranked)
+            return [w for w, _ in ranked]
+
+        async def on(flight: Flight, load: WorkerLoad):
+            flight.decode_routing = routings[load.stats.worker_id]
+            return await place_on(flight, load)
+
+        return await self._placer.place(flight, "decode", on, rank)
 
     async def _reserve(self, flight: Flight) -> Reservation:
-        return await self._placer.place(flight, "decode", self._reserve_on)
+        return await self._place_on_decode(flight, self._reserve_on)
 
     async def _reserve_on(self, flight: Flight, load: WorkerLoad) -> Reservation:
         handle = self.workers.handles[load.stats.worker_id]

@@ -32,7 +32,7 @@ from enum import IntEnum
 
 from pdserve.engine.protocol import WorkRequest
 from pdserve.router.errors import DeadlineExceededError
-from pdserve.router.pairing import PrefillLocation, PrefillRouting
+from pdserve.router.pairing import DecodeRouting, PrefillLocation, PrefillRouting
 
 
 class Phase(IntEnum):
@@ -76,6 +76,7 @@ class Flight:
     num_migrations: int = 0  # failed attempts after it
     prefill_id: str | None = None  # the current attempt's prefill worker
     prefill_routing: PrefillRouting | None = None  # why it was chosen
+    decode_routing: DecodeRouting | None = None  # why the decode worker was chosen
     prefill_location: PrefillLocation | None = None  # prefill or decode worker, and why
     decode_id: str | None = None  # the worker streaming deltas (decode or colocated)
     trace: object | None = None  # RequestTrace, set once the first prefill returns

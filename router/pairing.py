@@ -1,8 +1,9 @@
 """Pairing policy: which decode worker reserves, which prefill worker computes, and whether
 the decode worker computes the prompt itself (conditional disaggregation).
 
-Decode: the worker with the most free blocks after the reservations this router made that its
-stats do not count yet, then the fewest running requests. Prefill (and colocated, whose
+Decode (:func:`rank_decode`): the most room for the request, counting as room the prompt's
+leading blocks its prefix cache holds (neither allocated nor received), then the fewest running
+requests. Prefill (and colocated, whose
 workers compute their prompts too): the lowest cost in prompt tokens of work
 (:func:`rank_prefill`): queued prompt tokens (with those this router sent that the stats do
 not count yet), less the prompt tokens its prefix cache holds, plus a term for its KV usage,
@@ -21,7 +22,7 @@ from pdserve.engine.prefix_hash import chained_block_hashes
 from pdserve.engine.protocol import WorkerStats
 from pdserve.router.kv_index import KVIndex
 
-__all__ = ["PrefillLocation", "PrefillRouting", "TransferCost", "WorkerLoad",
+__all__ = ["DecodeRouting", "PrefillLocation", "PrefillRouting", "TransferCost", "WorkerLoad",
            "chained_block_hashes", "prefill_location", "rank_decode", "rank_prefill"]
 
 
@@ -69,9 +70,54 @@ class WorkerLoad:
         return -(-num_tokens // self.block_size)
 
 
-def rank_decode(loads: list[WorkerLoad]) -> list[WorkerLoad]:
-    """Candidates for a reservation, best first (draining workers excluded by the caller)."""
-    return sorted(loads, key=lambda w: (-w.free_blocks, w.stats.num_running, w.stats.worker_id))
+@dataclass(frozen=True)
+class DecodeRouting:
+    """Which decode worker a request's blocks were asked of, and why (the trace keeps it)."""
+
+    worker_id: str
+    hit_blocks: int  # the prompt's leading blocks its prefix cache holds (the KV index's)
+    room: float  # rank_decode's score (highest first)
+    runner_up: str | None = None  # the next worker in rank (None: the last or only one)
+    runner_up_room: float | None = None
+
+
+def rank_decode(loads: list[WorkerLoad], prompt_token_ids: list[int] = (),
+                index: KVIndex | None = None, salt: bytes | None = None,
+                overlap_weight: float = 1.0) -> list[tuple[WorkerLoad, DecodeRouting]]:
+    """The decode workers that could take a request, best first, each with its routing (the
+    runner-up: the next in this order). The score, in KV blocks, highest first:
+
+        free blocks (its stats, less those this router reserved that they do not count)
+        + overlap_weight * the prompt's leading blocks the KV index says its cache holds
+
+    (a held block is neither allocated again nor sent, so the first term plus the second is
+    the room the worker has left once it holds the request, when the weight is 1), ties
+    broken by the fewest running requests, then worker id. Draining workers are excluded by
+    the caller; with no ``index`` or ``salt`` the free blocks alone decide."""
+    block_size = loads[0].block_size if loads else 16
+    hits = _hit_blocks(loads, prompt_token_ids, block_size, index, salt)
+
+    def room(w: WorkerLoad) -> float:
+        return w.free_blocks + overlap_weight * hits[w.stats.worker_id]
+
+    ranked = sorted(((room(w), w) for w in loads),
+                    key=lambda rw: (-rw[0], rw[1].stats.num_running, rw[1].stats.worker_id))
+    out = []
+    for i, (r, w) in enumerate(ranked):
+        next_room, next_load = ranked[i + 1] if i + 1 < len(ranked) else (None, None)
+        out.append((w, DecodeRouting(w.stats.worker_id, hits[w.stats.worker_id], r,
+                                     next_load and next_load.stats.worker_id, next_room)))
+    return out
+
+
+def _hit_blocks(loads: list[WorkerLoad], prompt_token_ids: list[int], block_size: int,
+                index: KVIndex | None, salt: bytes | None) -> dict[str, int]:
+    """Each worker's count of the prompt's leading blocks the index says it holds (0 for all
+    when the index or the salt is unknown)."""
+    hashes = ([] if index is None or salt is None
+              else chained_block_hashes(prompt_token_ids, block_size, salt))
+    return {w.stats.worker_id: index.matched_blocks(w.stats.worker_id, hashes) if hashes else 0
+            for w in loads}
 
 
 @dataclass(frozen=True)
@@ -99,8 +145,7 @@ def rank_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_siz
     ties broken by the most free blocks, then the fewest running requests, then worker id.
     ``salt``: the cluster's prefix-cache salt (None: unknown, so no hit is counted and the
     queues alone decide)."""
-    hashes = [] if salt is None else chained_block_hashes(prompt_token_ids, block_size, salt)
-    hits = {w.stats.worker_id: index.matched_blocks(w.stats.worker_id, hashes) for w in loads}
+    hits = _hit_blocks(loads, prompt_token_ids, block_size, index, salt)
 
     def cost(w: WorkerLoad) -> float:
         usage = w.stats.used_blocks / w.stats.total_blocks if w.stats.total_blocks else 0.0
@@ -161,29 +206,34 @@ class PrefillLocation:
 
 def prefill_location(max_local_tokens: int, num_tokens: int, decode: WorkerLoad,
                      prefill: PrefillRouting | None, num_blocks: int, tokens_per_block: float,
-                     stall_weight: float = 1.0) -> PrefillLocation:
+                     stall_weight: float = 1.0, decode_hit_blocks: int = 0) -> PrefillLocation:
     """Conditional disaggregation's rule (``RouterConfig.disaggregation`` "auto"): where to
     compute a prompt of ``num_tokens`` (prompt and any output it carries) that holds
-    ``num_blocks`` KV blocks, ``decode`` being the decode worker it would go to and ``prefill``
-    the routing of the best prefill worker (None: there is none). The cheaper place, in prompt
+    ``num_blocks`` KV blocks, ``decode`` being the decode worker it would go to, whose prefix
+    cache holds the first ``decode_hit_blocks`` of them (the KV index's), and ``prefill`` the
+    routing of the best prefill worker (None: there is none). The cheaper place, in prompt
     tokens of work (time) added to the requests' latencies:
 
-        local  = decode's queued prompt tokens + num_tokens
-                 + stall_weight * decode's running requests * num_tokens
-        remote = prefill.cost + num_tokens + num_blocks * tokens_per_block
+        local  = decode's queued prompt tokens + uncached
+                 + stall_weight * decode's running requests * uncached
+        remote = prefill.cost + num_tokens + (num_blocks - decode_hit_blocks) * tokens_per_block
 
-    The first two terms of each are this request's wait for its first token (decode workers
-    cache no prefix); the third of local is the wait a local prefill adds to the next token of
-    every request decoding on that worker (``stall_weight`` 0: the request's own first token
-    alone decides). ``prefill.cost`` is the prefill worker's queue less the prefix it holds, as
-    ranked by :func:`rank_prefill`; ``tokens_per_block``: :class:`TransferCost`. Local only when
-    ``num_tokens <= max_local_tokens``, which bounds the stall a local prefill adds to the
-    decode worker's running requests, when the decode worker has the blocks free now (a
-    reservation would wait for them in the router's queue, in the queue's order; a local
-    prefill would wait at the worker), and only when strictly cheaper: ties go remote."""
-    local = (decode.stats.queued_tokens + decode.pending_tokens + num_tokens
-             + stall_weight * decode.stats.num_running * num_tokens)
+    with ``uncached`` = num_tokens less the tokens of the decode worker's hit blocks. The first
+    two terms of each are this request's wait for its first token; the third of local is the
+    wait a local prefill adds to the next token of every request decoding on that worker
+    (``stall_weight`` 0: the request's own first token alone decides), the third of remote the
+    transfer of the blocks the decode worker lacks. ``prefill.cost`` is the prefill worker's
+    queue less the prefix it holds, as ranked by :func:`rank_prefill`; ``tokens_per_block``:
+    :class:`TransferCost`. Local only when ``uncached <= max_local_tokens``, which bounds the
+    stall a local prefill adds to the decode worker's running requests, when the decode worker
+    has the blocks free now (a reservation would wait for them in the router's queue, in the
+    queue's order; a local prefill would wait at the worker), and only when strictly cheaper:
+    ties go remote."""
+    uncached = max(0, num_tokens - decode_hit_blocks * decode.block_size)
+    local = (decode.stats.queued_tokens + decode.pending_tokens + uncached
+             + stall_weight * decode.stats.num_running * uncached)
+    to_send = num_blocks - decode_hit_blocks
     remote = (float("inf") if prefill is None
-              else prefill.cost + num_tokens + num_blocks * tokens_per_block)
-    allowed = num_tokens <= max_local_tokens and num_blocks <= decode.free_blocks
+              else prefill.cost + num_tokens + to_send * tokens_per_block)
+    allowed = uncached <= max_local_tokens and to_send <= decode.free_blocks
     return PrefillLocation("local" if allowed and local < remote else "remote", local, remote)

@@ -28,7 +28,7 @@ from pdserve.router.errors import (
     RequestTooLargeError,
 )
 from pdserve.router.flight import Flight
-from pdserve.router.pairing import WorkerLoad, rank_decode
+from pdserve.router.pairing import WorkerLoad
 from pdserve.router.workers import Workers
 
 
@@ -46,7 +46,7 @@ class Placer:
 
     async def place(self, flight: Flight, role: str,
                     place_on: Callable[[Flight, WorkerLoad], Awaitable],
-                    rank: Callable[[list[WorkerLoad]], list[WorkerLoad]] = rank_decode):
+                    rank: Callable[[list[WorkerLoad]], list[WorkerLoad]]):
         """Try the workers of ``role`` in ``rank`` order until one takes the request; wait
         when none can.
 

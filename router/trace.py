@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pdserve.engine.protocol import RequestDelta
 from pdserve.router.flight import Flight
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pairing import PrefillLocation, PrefillRouting
+from pdserve.router.pairing import DecodeRouting, PrefillLocation, PrefillRouting
 
 
 @dataclass
@@ -31,6 +31,10 @@ class RequestTrace:
     # was chosen (the first prefill worker, or the colocated worker)
     prefill_location: PrefillLocation | None = None  # disaggregated: where the prompt was
     # computed (a prefill worker, or the decode worker itself) and why
+    decode_routing: DecodeRouting | None = None  # disaggregated: how the decode worker was
+    # chosen (the first attempt's)
+    decode_cached_blocks: int = 0  # the prompt's leading blocks the decode worker's prefix
+    # cache held (its KV was not sent)
 
     @property
     def tpot(self) -> float:
@@ -67,7 +71,8 @@ def _colocated_trace(flight: Flight, delta: RequestDelta, metrics: RouterMetrics
     worker, or of the decode worker that prefilled it, says how long the request queued there
     and how long its prefill took."""
     trace = RequestTrace(flight.request_id, 0.0, 0.0, prefill_routing=flight.prefill_routing,
-                         prefill_location=flight.prefill_location)
+                         prefill_location=flight.prefill_location,
+                         decode_routing=flight.decode_routing)
     if delta.queue_time_s is not None and delta.prefill_time_s is not None:
         trace.queue, trace.prefill = delta.queue_time_s, delta.prefill_time_s
         role = "colocated" if flight.prefill_location is None else "decode"

@@ -44,7 +44,7 @@ class Workers:
         self._suspected: dict[str, float] = {}  # worker id -> time.time() a call on it failed
         self._tasks: list[asyncio.Task] = []  # the refresh loop, background aborts
         self._ready = asyncio.Event()  # set while is_ready()
-        self.kv_index = KVIndex()  # the prefill workers' prefix caches, from their KV events
+        self.kv_index = KVIndex()  # every worker's prefix cache, from their KV events
 
     async def start(self) -> None:
         await self.refresh()
@@ -104,22 +104,21 @@ class Workers:
             logger.info("worker %s left the registry: no new requests go to it", worker_id)
             self._metrics.remove_worker(self.loads.pop(worker_id).stats.role, worker_id)
         self._note_readiness()
-        await self._refresh_kv_index([(h, s) for h, s in snapshot
-                                      if s.role in ("prefill", "colocated")])
+        await self._refresh_kv_index(snapshot)
 
-    async def _refresh_kv_index(self, prefill: list) -> None:
-        """Apply the new KV event batches of the workers that prefill (prefill and colocated)
-        to the index; a worker whose entry missed a batch (or that is new to it) is resynced
-        from a snapshot it sends."""
+    async def _refresh_kv_index(self, workers: list) -> None:
+        """Apply the workers' new KV event batches to the index (every role caches prefixes:
+        a decode worker's hits are blocks it is not sent); a worker whose entry missed a batch
+        (or that is new to it) is resynced from a snapshot it sends."""
         index = self.kv_index
-        ids = [stats.worker_id for _, stats in prefill]
+        ids = [stats.worker_id for _, stats in workers]
         for worker_id in set(index.worker_ids) - set(ids):
             index.forget(worker_id)
         for worker_id, events in await self.directory.kv_events(ids):
             index.apply(worker_id, events)
-        for _, stats in prefill:
+        for _, stats in workers:
             index.note_latest(stats.worker_id, stats.kv_log_id, stats.kv_events_number)
-        stale = [(handle, stats.worker_id) for handle, stats in prefill
+        stale = [(handle, stats.worker_id) for handle, stats in workers
                  if stats.kv_log_id and index.needs_snapshot(stats.worker_id)]
         snapshots = await asyncio.gather(*(self._kv_snapshot(handle) for handle, _ in stale),
                                          return_exceptions=True)

@@ -76,16 +76,23 @@ def test_a_killed_rank_restarts_its_worker_as_one_group(cluster, model_dir, e2e)
 def test_disaggregated_pools_of_different_group_sizes(start_cluster, model_dir, e2e,
                                                       prefill_ranks, decode_ranks):
     """P TP=2 -> D TP=1 and P TP=1 -> D TP=2: every decode rank receives exactly its K/V
-    heads from the prefill ranks that hold them; greedy equals the offline engine."""
+    heads from the prefill ranks that hold them; greedy equals the offline engine. Prompts
+    that extend earlier ones find their leading blocks in the decode worker's prefix cache
+    (on every rank) and are sent only the rest."""
     cluster = start_cluster(model_dir, num_prefill=1, num_decode=1,
                             prefill_tensor_parallel_size=prefill_ranks,
                             decode_tensor_parallel_size=decode_ranks,
                             router=RouterConfig(disaggregation="always"),  # KV always moves
                             engine=dict(num_kv_blocks=256, device="cpu"))
     try:
-        prompts = e2e.prompts(3, 6)
+        prompts = e2e.prompts(3, 6, low=12)
         results = e2e.generate_all(cluster.target, prompts, MAX_TOKENS)
         assert [r.token_ids for r in results] == e2e.reference(model_dir, prompts, MAX_TOKENS)
+        hits = cluster.worker_stats()["decode-0"].prefix_hit_tokens
+        longer = [p + tail for p, tail in zip(prompts, e2e.prompts(4, 6), strict=True)]
+        results = e2e.generate_all(cluster.target, longer, MAX_TOKENS)
+        assert [r.token_ids for r in results] == e2e.reference(model_dir, longer, MAX_TOKENS)
+        assert cluster.worker_stats()["decode-0"].prefix_hit_tokens - hits >= 6 * 8
         assert e2e.wait_idle(cluster) == {"prefill-0": 0, "decode-0": 0}
     finally:
         cluster.stop()

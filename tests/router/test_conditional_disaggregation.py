@@ -77,6 +77,15 @@ def test_a_decode_worker_without_the_blocks_free_prefills_nothing_itself():
     assert prefill_location(1024, 100, load, None, 100, 2.0).location == "remote"
 
 
+def test_the_decode_workers_cached_prefix_is_neither_computed_nor_sent():
+    """The decode worker holds 5 of the prompt's blocks of 16: a local prefill computes the 20
+    tokens after them (the limit applies to those), a remote one sends 5 blocks less."""
+    busy = decode_load(running=3)
+    got = prefill_location(50, 100, busy, best_prefill(0), 7, 2.0, decode_hit_blocks=5)
+    assert (got.location, got.local_cost, got.remote_cost) == ("local", 80, 104)
+    assert prefill_location(50, 100, busy, best_prefill(0), 7, 2.0).location == "remote"
+
+
 def test_transfer_cost_is_a_weighted_average_of_what_was_seen():
     cost = TransferCost(weight=0.5)
     assert cost.tokens_per_block == 0.0

@@ -1,4 +1,5 @@
-"""Pairing policy: decode by free blocks then load, prefill by queued tokens minus prefix hits."""
+"""Pairing policy: decode by free blocks plus prefix hits then load, prefill by queued tokens
+minus prefix hits."""
 
 from __future__ import annotations
 
@@ -19,9 +20,28 @@ def stats(worker_id, role="decode", free=100, running=0, queued=0) -> WorkerStat
 def test_decode_prefers_free_blocks_then_fewer_running():
     loads = [WorkerLoad(stats("a", free=50)), WorkerLoad(stats("b", free=90, running=9)),
              WorkerLoad(stats("c", free=90, running=1))]
-    assert [w.stats.worker_id for w in rank_decode(loads)] == ["c", "b", "a"]
+    assert [w.stats.worker_id for w, _ in rank_decode(loads)] == ["c", "b", "a"]
     loads[2].sent(blocks=60)  # reservations its stats do not count yet count
-    assert rank_decode(loads)[0].stats.worker_id == "b"
+    assert rank_decode(loads)[0][0].stats.worker_id == "b"
+
+
+def test_decode_counts_the_blocks_its_cache_holds_as_room():
+    """A decode worker holding the prompt's leading blocks neither allocates nor receives them:
+    with the weight 1 they count as free blocks, and the routing says why it won."""
+    prompt, salt = list(range(100, 164)) + [1, 2], b"cluster-salt"  # 4 full blocks of 16
+    roomy, holder = WorkerLoad(stats("roomy", free=92)), WorkerLoad(stats("holder", free=90))
+    index = KVIndex()
+    index.reset("holder", KVSnapshot("log", 0,
+                                     frozenset(chained_block_hashes(prompt, 16, salt)[:3])))
+    [(first, routing), (second, last)] = rank_decode([roomy, holder], prompt, index, salt)
+    assert (first, second) == (holder, roomy)
+    assert (routing.hit_blocks, routing.room, routing.runner_up, routing.runner_up_room) == \
+        (3, 93, "roomy", 92)
+    assert last.runner_up is None
+    # half weight: 1.5 blocks of room from the hits, not enough against 2 free blocks
+    assert rank_decode([roomy, holder], prompt, index, salt, 0.5)[0][0] is roomy
+    # no salt (the index cannot be read): free blocks alone
+    assert rank_decode([roomy, holder], prompt, index, None)[0][1].hit_blocks == 0
 
 
 def test_what_a_router_sent_counts_until_stats_taken_after_it_arrive():

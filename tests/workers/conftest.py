@@ -35,7 +35,9 @@ class Pair:
         """Run one request through reserve -> prefill -> decode; returns (tokens, reason)."""
         request = WorkRequest(request_id, list(prompt), params, seed=1234, arrival_time=time.time())
         reservation = self.decode.reserve(request).result(timeout)
-        first = self.prefill.prefill(request, reservation).result(timeout).first
+        result = self.prefill.prefill(request, reservation).result(timeout)
+        self.last = (reservation, result)  # what the last request reserved and sent
+        first = result.first
         tokens, reason = list(first.new_token_ids), first.finish_reason
         if reason is not None:
             self.decode.abort(request_id).result(timeout)

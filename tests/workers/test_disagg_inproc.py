@@ -68,6 +68,37 @@ def test_int8_cache_disaggregated_equals_colocated(hf_checkpoint, make_pair, gre
     assert pair.used_blocks() == (0, 0)
 
 
+@pytest.mark.parametrize(("family", "kv"), [("llama", {}), ("mistral", {}),
+                                          ("llama", {"kv_cache_dtype": "int8",
+                                                     "kv_int8_keep_edge_layers": False,
+                                                     "kv_int8_scales": "kivi"})])
+def test_the_decode_prefix_cache_receives_only_the_blocks_it_lacks(hf_checkpoint, make_pair,
+                                                                   greedy, family, kv):
+    """A request sharing 6 blocks of prefix with one the decode worker has run: its
+    reservation names them cached, the prefill worker sends only the blocks after them, and
+    greedy output still equals the colocated engine (with a sliding window, and int8 KV)."""
+    model_dir = hf_checkpoint(family)
+    shared = prompts_for(2, [24])[0]
+    prompts = [shared + tail for tail in prompts_for(3, [5, 9])]  # 8 and 9 blocks of 4
+    expected = [o.token_ids for o in LLM(str(model_dir), dtype="float32", block_size=4,
+                                         num_kv_blocks=128, **kv).generate(prompts, greedy,
+                                                                           use_tqdm=False)]
+    pair = make_pair(model_dir, **kv)
+    outputs, sent = [], []
+    for i, prompt in enumerate(prompts):
+        outputs.append(pair.generate(f"c{i}", prompt, greedy)[0])
+        reservation, result = pair.last
+        sent.append((reservation.num_blocks, reservation.num_cached_blocks,
+                     result.transfer_bytes))
+    assert outputs == expected
+    (blocks0, cached0, bytes0), (blocks1, cached1, bytes1) = sent
+    assert (blocks0, cached0, blocks1, cached1) == (8, 0, 9, 6)
+    if not kv:  # fp32: the bytes are the blocks'
+        assert bytes1 * blocks0 == bytes0 * (blocks1 - cached1)
+    assert bytes1 < bytes0
+    assert pair.used_blocks() == (0, 0)
+
+
 def test_frame_ranges_split_by_size_and_dtype():
     import torch
 
