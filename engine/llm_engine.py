@@ -227,7 +227,6 @@ class LLMEngine:
         if not bm.can_allocate(seq, seq.num_tokens - seq.num_computed_tokens):
             needed = bm.blocks_needed(seq, seq.num_tokens - seq.num_computed_tokens)
             bm.free(seq)
-            seq.num_computed_tokens = seq.num_cached_tokens = 0
             raise NoRoomNow(f"{bm.num_allocatable_blocks} free KV blocks, request "
                             f"{seq.request_id} needs {needed}")
         num_cached = seq.num_computed_tokens // bm.block_size

@@ -315,18 +315,10 @@ class Router:
             await self.workers.abort_on(flight.decode_id, flight.request_id)
 
     async def _colocated(self, flight: Flight) -> AsyncIterator[RequestDelta]:
-        routings: dict[str, PrefillRouting] = {}
+        def keep(routing: PrefillRouting) -> None:  # a colocated worker prefills
+            flight.prefill_routing = routing
 
-        def rank(loads: list[WorkerLoad]) -> list[WorkerLoad]:  # a colocated worker prefills
-            ranked = self._rank_prefill(flight, loads) if loads else []
-            routings.update((w.stats.worker_id, r) for w, r in ranked)
-            return [w for w, _ in ranked]
-
-        async def submit(flight: Flight, load: WorkerLoad) -> None:
-            flight.prefill_routing = routings[load.stats.worker_id]
-            await self._submit(flight, load)
-
-        await self._placer.place(flight, "colocated", submit, rank)
+        await self._place_ranked(flight, "colocated", self._rank_prefill, self._submit, keep)
         flight.move_to(Phase.DECODING)
         async for delta in self._drain(flight):
             yield delta
@@ -394,20 +386,27 @@ class Router:
 
     async def _place_on_decode(self, flight: Flight, place_on):
         """Place ``flight`` on a decode worker in ``rank_decode``'s order (``place_on``: reserve
-        its blocks, or submit its prompt to compute there); the routing of the worker that
-        took it goes to ``flight.decode_routing``."""
-        routings: dict[str, DecodeRouting] = {}
+        its blocks, or submit its prompt to compute there)."""
+        def keep(routing: DecodeRouting) -> None:
+            flight.decode_routing = routing
+
+        return await self._place_ranked(flight, "decode", self._decode_costs, place_on, keep)
+
+    async def _place_ranked(self, flight: Flight, role: str, costs, place_on, keep):
+        """Place ``flight`` on a worker of ``role`` in the order ``costs(flight, loads)`` ranks
+        them; ``keep`` gets the routing of the worker that took it."""
+        routings: dict = {}
 
         def rank(loads: list[WorkerLoad]) -> list[WorkerLoad]:
-            ranked = self._decode_costs(flight, loads) if loads else []
+            ranked = costs(flight, loads) if loads else []
             routings.update((w.stats.worker_id, r) for w, r in ranked)
             return [w for w, _ in ranked]
 
         async def on(flight: Flight, load: WorkerLoad):
-            flight.decode_routing = routings[load.stats.worker_id]
+            keep(routings[load.stats.worker_id])
             return await place_on(flight, load)
 
-        return await self._placer.place(flight, "decode", on, rank)
+        return await self._placer.place(flight, role, on, rank)
 
     async def _reserve(self, flight: Flight) -> Reservation:
         return await self._place_on_decode(flight, self._reserve_on)

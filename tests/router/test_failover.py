@@ -137,7 +137,10 @@ class Cluster:
 
 def run_with_fault(model_dir, fault, router_config=None, **build):
     """Send requests(8) at once; once two streams run on the first streaming worker, apply
-    ``fault(cluster, worker_id)``; return (results, victims, survivors' blocks, cluster)."""
+    ``fault(cluster, worker_id)``; return (results, victims, survivors' blocks, cluster). The
+    victims are the requests the router sees streaming from that worker and, where ``fault``
+    returns the set the worker runs, still running there (the router's view lags the worker by
+    the deltas it has not polled yet: a request may have finished there already)."""
     reqs = requests(8)
 
     async def main():
@@ -152,7 +155,8 @@ def run_with_fault(model_dir, fault, router_config=None, **build):
             victims = {f.request_id for f in c.streaming_on(victim)}
             c.touched = {f.request_id for f in c.router._flights.values()
                          if victim in (f.decode_id, f.prefill_id)}
-            fault(c, victim)
+            running = fault(c, victim)  # (None: the fault does not say)
+            victims = victims if running is None else victims & running
             results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             return results, victims, await idle_blocks(c.handles), c
 
@@ -161,11 +165,19 @@ def run_with_fault(model_dir, fault, router_config=None, **build):
 
 
 def kill(c: Cluster, worker_id: str) -> None:
-    c.by_id(worker_id).kill()
+    c.by_id(worker_id).kill()  # (its undelivered deltas are lost: every stream moves)
 
 
-def crash_loop(c: Cluster, worker_id: str) -> None:
-    c.by_id(worker_id).worker.loop.inject_fault("raise")
+def crash_loop(c: Cluster, worker_id: str) -> set[str]:
+    """The worker's next step raises; returns the requests it runs then (read on its loop
+    thread with the fault set: none of them can finish before the loop dies)."""
+    worker = c.by_id(worker_id).worker
+
+    def inject() -> set[str]:
+        worker.loop.inject_fault("raise")
+        return {seq.request_id for seq in worker.engine.scheduler.running}
+
+    return worker.loop.call(inject).result(5)
 
 
 @pytest.mark.parametrize("fault", [kill, crash_loop], ids=["killed", "loop-raised"])
