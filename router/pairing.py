@@ -102,12 +102,7 @@ def rank_decode(loads: list[WorkerLoad], prompt_token_ids: list[int] = (),
 
     ranked = sorted(((room(w), w) for w in loads),
                     key=lambda rw: (-rw[0], rw[1].stats.num_running, rw[1].stats.worker_id))
-    out = []
-    for i, (r, w) in enumerate(ranked):
-        next_room, next_load = ranked[i + 1] if i + 1 < len(ranked) else (None, None)
-        out.append((w, DecodeRouting(w.stats.worker_id, hits[w.stats.worker_id], r,
-                                     next_load and next_load.stats.worker_id, next_room)))
-    return out
+    return _with_runners_up(ranked, hits, DecodeRouting)
 
 
 def _hit_blocks(loads: list[WorkerLoad], prompt_token_ids: list[int], block_size: int,
@@ -154,11 +149,18 @@ def rank_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_siz
 
     ranked = sorted(((cost(w), w) for w in loads), key=lambda cw: (
         cw[0], -cw[1].free_blocks, cw[1].stats.num_running, cw[1].stats.worker_id))
+    return _with_runners_up(ranked, hits, PrefillRouting)
+
+
+def _with_runners_up(ranked: list[tuple[float, WorkerLoad]], hits: dict[str, int],
+                     routing: type) -> list[tuple[WorkerLoad, object]]:
+    """``ranked`` (score, worker) pairs in rank order, each worker with its ``routing``: its
+    hits and score, and the next worker's id and score (None for the last)."""
     out = []
-    for i, (c, w) in enumerate(ranked):
-        next_cost, next_load = ranked[i + 1] if i + 1 < len(ranked) else (None, None)
-        out.append((w, PrefillRouting(w.stats.worker_id, hits[w.stats.worker_id], c,
-                                      next_load and next_load.stats.worker_id, next_cost)))
+    for i, (score, w) in enumerate(ranked):
+        next_score, next_load = ranked[i + 1] if i + 1 < len(ranked) else (None, None)
+        out.append((w, routing(w.stats.worker_id, hits[w.stats.worker_id], score,
+                               next_load and next_load.stats.worker_id, next_score)))
     return out
 
 

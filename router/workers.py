@@ -7,8 +7,8 @@ fails: only a failed poll (the process or its engine loop really died) loses a w
 liveness never depends on step time. A failed call on a worker (``suspect``) only keeps new
 work away from it until the directory reports stats the worker took after the failure (a
 worker whose engine died publishes none; a record written before the failure does not bring
-it back). ``wait_ready`` is how a request waits
-for the workers it needs (start-up, a pool being replaced): it wakes as soon as they are.
+it back). ``wait_ready`` is how a request waits for the workers it needs (start-up, a pool
+being replaced): it wakes as soon as they are.
 """
 
 from __future__ import annotations
