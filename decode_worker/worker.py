@@ -232,11 +232,11 @@ class DecodeWorker(StreamingWorker):
             self._waiting_ranks[key] = first_token_id
             return False
         self._waiting_ranks.pop(key, None)
-        self.ranks.clear_reports(report_name(key))
-        if failed is not None:
+        if failed is not None:  # (its release clears the reports)
             self._fail(self._by_key[key], f"KV transfer failed on a tensor parallel rank: "
                                           f"{failed}")
             return False
+        self.ranks.clear_reports(report_name(key))
         return True
 
     def _tick(self) -> None:
