@@ -20,6 +20,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     RAY_USAGE_STATS_ENABLED=0
 
+# a C compiler: CPU workers build their decode attention kernel for the node's own CPU at
+# start-up (-march=native; without one they log a warning and take the slower torch path)
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN python3 -m pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
 
 # The repository root is the package (pyproject.toml maps it to `pdserve`).

@@ -54,7 +54,7 @@ def check_engine_fits(config: EngineConfig) -> int | None:
     packs = config.cpu_packed_gemm and can_pack(torch.empty(1, 1, dtype=dtype, device=device))
     weights = meta_weight_bytes(resolved.checkpoint, mc, dtype, packed_head=packs)
     activations = memory.estimate_activation_bytes(mc, config, dtype, max_model_len,
-                                                   attention_scratch=backend == "torch")
+                                                   attention_scratch=backend != "triton")
     layer_dtypes = memory.kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
     per_block = memory.kv_bytes_per_block(mc, config, layer_dtypes)
     return memory.blocks_in_budget(config, budget, weights, activations, per_block, max_model_len)

@@ -44,7 +44,7 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit; None = the model's max positions
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | native | triton
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, never as captured CUDA graphs
     cpu_packed_gemm: bool = True  # CPU, float32: linear layers through oneDNN with weights
     # packed once at load (pdserve.kernels.linear); off: plain F.linear

@@ -198,7 +198,7 @@ def plan_kv_pool(mc, config: EngineConfig, model: torch.nn.Module, dtype: torch.
     margin = int(budget * config.memory_safety_margin)
     weights = weight_bytes(model)
     activations = estimate_activation_bytes(mc, config, dtype, max_model_len,
-                                            attention_scratch=backend == "torch")
+                                            attention_scratch=backend != "triton")
     draft_weights, draft_per_block = draft_footprint(config, dtype)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks

@@ -40,7 +40,7 @@ class ResolvedModel:
     model_config: ModelConfig
     device: torch.device
     dtype: torch.dtype  # the dtype weights and activations run in
-    backend: str  # attention kernels: "torch" | "triton"
+    backend: str  # attention kernels: "torch" | "native" | "triton"
     max_model_len: int  # the context limit in force
 
     @classmethod

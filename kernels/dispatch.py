@@ -1,6 +1,8 @@
-"""The one place that picks a kernel implementation: Triton on CUDA tensors, torch on CPU.
+"""The one place that picks a kernel implementation: Triton on CUDA tensors, C and torch on CPU.
 
-``backend`` is ``"auto"`` (Triton when the tensor is on CUDA and Triton imports), ``"torch"`` or
+``backend`` is ``"auto"`` (Triton when the tensor is on CUDA and Triton imports; on CPU
+``"native"`` when the C kernels build here, else ``"torch"``), ``"torch"``, ``"native"`` (torch
+with the C decode attention, :mod:`pdserve.kernels.cpu_decode_attention`, for float32 pools) or
 ``"triton"`` (forced; on CPU it needs ``TRITON_INTERPRET=1`` set before triton is imported).
 Triton modules are imported lazily so the CPU path never imports triton.
 """
@@ -12,11 +14,11 @@ import importlib
 
 import torch
 
-from pdserve.kernels import torch_attention
+from pdserve.kernels import cpu_decode_attention, torch_attention
 from pdserve.kernels import torch_ops as ref
 from pdserve.kernels.kv_layout import KVCacheLayer
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "native", "triton")
 
 
 @functools.cache
@@ -33,10 +35,24 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        return "native" if cpu_decode_attention.available() else "torch"
     if backend == "triton" and not triton_available():
         raise ValueError("attention_backend='triton' needs the triton package: pip install triton")
+    if backend == "native" and (device.type != "cpu" or not cpu_decode_attention.available()):
+        raise ValueError("attention_backend='native' runs on the CPU and needs a C compiler "
+                         "(the log says why the build failed); use 'auto' or 'torch'")
     return backend
+
+
+def _decode_attention_cpu(query, cache, block_tables, context_lens, scale, sliding_window):
+    """The C decode attention where it takes the pool, else the torch one."""
+    if cpu_decode_attention.takes(query, cache):
+        return cpu_decode_attention.paged_decode_attention_cpu(
+            query, cache, block_tables, context_lens, scale, sliding_window)
+    return torch_attention.paged_decode_attention_torch(query, cache, block_tables,
+                                                        context_lens, scale, sliding_window)
 
 
 def _triton(module: str):
@@ -53,24 +69,31 @@ def paged_attention(query, cache: KVCacheLayer, cu_seqlens_q, context_lens, bloc
                     scale: float, sliding_window: int | None = None, backend: str = "auto",
                     max_query_len: int | None = None, max_context_len: int | None = None):
     """Packed variable-length causal attention over paged KV (prefill, chunked prefill, mixed)."""
-    if resolve_backend(backend, query.device) == "triton":
+    resolved = resolve_backend(backend, query.device)
+    if resolved == "triton":
         return _triton("prefill_attention").prefill_attention(
             query, cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
             max_query_len=max_query_len)
+    decode = (_decode_attention_cpu if resolved == "native"
+              else torch_attention.paged_decode_attention_torch)
     return torch_attention.paged_attention_torch(query, cache, cu_seqlens_q, context_lens,
-                                             block_tables, scale, sliding_window)
+                                                 block_tables, scale, sliding_window, decode)
 
 
 def paged_decode_attention(query, cache: KVCacheLayer, block_tables, context_lens, scale: float,
                            sliding_window: int | None = None, backend: str = "auto",
                            max_context_len: int | None = None):
     """One query token per sequence against its paged KV."""
-    if resolve_backend(backend, query.device) == "triton":
+    resolved = resolve_backend(backend, query.device)
+    if resolved == "triton":
         return _triton("decode_attention").decode_attention(
             query, cache, block_tables, context_lens, scale, sliding_window,
             max_context_len=max_context_len)
+    if resolved == "native":
+        return _decode_attention_cpu(query, cache, block_tables, context_lens, scale,
+                                     sliding_window)
     return torch_attention.paged_decode_attention_torch(query, cache, block_tables, context_lens,
-                                                    scale, sliding_window)
+                                                        scale, sliding_window)
 
 
 def rms_norm(x, weight, eps: float, residual=None, backend: str = "auto"):

@@ -1,5 +1,6 @@
-"""Paged attention in plain torch: the attention the CPU serves with, and the oracle the Triton
-attention kernels are tested against.
+"""Paged attention in plain torch: the attention the CPU serves with (its decodes through the C
+kernel of :mod:`pdserve.kernels.cpu_decode_attention` where that builds), and the oracle the
+Triton and C attention kernels are tested against.
 
 On the CPU one batched SDPA call costs far less than a call per sequence, so the sequences
 of a batch are padded to a common query and context length. Padding to the batch's longest
@@ -157,7 +158,7 @@ def _padded_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: torch.Te
 
 def paged_attention_torch(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q: torch.Tensor,
                           context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                          sliding_window: int | None = None) -> torch.Tensor:
+                          sliding_window: int | None = None, decode=None) -> torch.Tensor:
     """Causal attention of packed variable-length queries over their paged contexts.
 
     query: (num_tokens, num_heads, head_dim), sequences packed by ``cu_seqlens_q`` (num_seqs+1).
@@ -165,24 +166,24 @@ def paged_attention_torch(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q
     whose K/V are already in the cache. A query at position ``p`` sees keys ``k`` with
     ``k <= p`` and, with a window ``w``, ``k > p - w``. Returns (num_tokens, num_heads, head_dim).
 
-    Sequences with one query (decodes in a mixed batch) take the decode path, so a long
-    prefill chunk does not pad every decode in the batch to its length.
+    Sequences with one query (decodes in a mixed batch) take the decode path, ``decode``
+    (:func:`paged_decode_attention_torch` unless given, with its arguments), so a long prefill
+    chunk does not pad every decode in the batch to its length.
     """
+    decode = decode or paged_decode_attention_torch
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     if query.shape[0] == 0:
         return query.new_empty(query.shape)
     single = q_lens == 1
     if bool(single.all()):
-        return paged_decode_attention_torch(query, cache, block_tables, context_lens, scale,
-                                            sliding_window)
+        return decode(query, cache, block_tables, context_lens, scale, sliding_window)
     if not bool(single.any()):
         return _multi_query_attention(query, cache, q_lens, context_lens, block_tables, scale,
                                       sliding_window).to(query.dtype)
     token_single = torch.repeat_interleave(single, q_lens)  # (num_tokens,)
     out = torch.empty_like(query)
-    out[token_single] = paged_decode_attention_torch(
-        query[token_single], cache, block_tables[single], context_lens[single], scale,
-        sliding_window)
+    out[token_single] = decode(query[token_single], cache, block_tables[single],
+                               context_lens[single], scale, sliding_window)
     multi = ~single
     out[~token_single] = _multi_query_attention(
         query[~token_single], cache, q_lens[multi], context_lens[multi], block_tables[multi],

@@ -25,7 +25,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (num_seqs, max_blocks) int32; unused entries are 0, never read
     max_query_len: int  # longest query run in the batch
     max_context_len: int  # longest context in the batch
-    backend: str = "auto"  # kernel backend: "auto" | "torch" | "triton"
+    backend: str = "auto"  # kernel backend: "auto" | "torch" | "native" | "triton"
 
     @property
     def is_decode_only(self) -> bool:

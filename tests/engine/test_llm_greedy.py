@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -39,6 +40,22 @@ def test_greedy_matches_hf_every_family(hf_checkpoint, family_params, hf_greedy)
         llm, ours = run_engine(model_dir, prompts, 12, block_size=4, num_kv_blocks=128)
         assert ours == hf_greedy(model_dir, prompts, 12), f"{family} {overrides}"
         assert_no_leak(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PDSERVE_HF_CHECK_MODEL"),
+                    reason="set PDSERVE_HF_CHECK_MODEL to a real checkpoint folder "
+                           "(e.g. SmolLM2-135M) to check it")
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_greedy_matches_hf_on_a_real_checkpoint(hf_greedy, backend):
+    """A real model's greedy tokens, eight prompts decoded as one batch (every CPU kernel and
+    the packed GEMMs in play), equal Hugging Face's for each prompt alone."""
+    model_dir = os.environ["PDSERVE_HF_CHECK_MODEL"]
+    vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+    prompts = random_prompts(2, vocab, [256, 31, 190, 7, 128, 64, 300, 17])
+    llm, ours = run_engine(model_dir, prompts, 48, attention_backend=backend)
+    assert ours == hf_greedy(model_dir, prompts, 48)
+    assert_no_leak(llm)
 
 
 def test_chunked_prefill_small_budget(hf_checkpoint, hf_greedy):

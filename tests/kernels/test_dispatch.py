@@ -16,11 +16,14 @@ from pdserve.testing.paged_batches import TOLERANCE, random_paged_batch, relativ
 
 def test_resolve_backend():
     cpu = torch.device("cpu")
-    assert kernels.resolve_backend("auto", cpu) == "torch"
+    native = kernels.cpu_decode_attention.available()
+    assert kernels.resolve_backend("auto", cpu) == ("native" if native else "torch")
     assert kernels.resolve_backend("torch", cpu) == "torch"
     assert kernels.resolve_backend("triton", cpu) == "triton"
     with pytest.raises(ValueError, match="attention_backend"):
         kernels.resolve_backend("cuda", cpu)
+    with pytest.raises(ValueError, match="native"):
+        kernels.resolve_backend("native", torch.device("meta"))
 
 
 @pytest.mark.triton
