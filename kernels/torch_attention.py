@@ -28,6 +28,8 @@ GROUP_SHARE = 0.5
 # calls (a context gather, SDPA, views) cost about what
 # SDPA and the gather spend on this much padding
 SPLIT_COST = 100_000
+# whole prompts attend in chunks of this many queries (:func:`_causal_sdpa_in_chunks`)
+CAUSAL_CHUNK = 32
 
 
 def length_groups(context_lens: list[int], q_lens: list[int], width: int) -> list[list[int]]:
@@ -152,8 +154,29 @@ def _padded_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: torch.Te
         q_pos = torch.where(torch.arange(max_q, device=device)[None, :] < q_lens[:, None],
                             q_pos, -1)
         mask = _visible(q_pos, max_ctx, sliding_window)[:, None]  # padding sees nothing
-    out = _sdpa(q.transpose(1, 2), k, v, scale, mask)  # (S, heads, max_q, hd)
+    q = q.transpose(1, 2)
+    out = (_causal_sdpa_in_chunks(q, k, v, scale) if mask is None
+           else _sdpa(q, k, v, scale, mask))  # (S, heads, max_q, hd)
     return out.transpose(1, 2)[seq_of_token, local]
+
+
+def _causal_sdpa_in_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """:func:`_sdpa` with its causal rule, run on ``CAUSAL_CHUNK`` queries at a time against
+    the keys up to the chunk's last: SDPA's CPU kernel takes keys in blocks of 512 and computes
+    a whole block before masking it, so one call on a prompt shorter than that does the masked
+    half too. q: (S, heads, Q, hd) at positions 0..Q-1; k, v: (S, Q, kv_heads, hd)."""
+    num_q = q.shape[2]
+    if num_q <= CAUSAL_CHUNK:
+        return _sdpa(q, k, v, scale)
+    out = torch.empty_like(q)
+    pos = torch.arange(num_q, device=q.device)
+    for start in range(0, num_q, CAUSAL_CHUNK):
+        end = min(num_q, start + CAUSAL_CHUNK)
+        visible = pos[None, :end] <= pos[start:end, None]  # (chunk, end)
+        out[:, :, start:end] = _sdpa(q[:, :, start:end], k[:, :end], v[:, :end], scale,
+                                     visible)
+    return out
 
 
 def paged_attention_torch(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q: torch.Tensor,

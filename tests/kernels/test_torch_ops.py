@@ -72,11 +72,12 @@ def test_paged_attention_ref_matches_naive(gen, dtype, quantized, group, window,
     assert relative_error(out, want) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("window", [None, 7])
-def test_prompts_of_spread_lengths_match_naive(gen, window, split_cost):
+@pytest.mark.parametrize("window,chunk", [(None, 32), (7, 32), (None, 5)])
+def test_prompts_of_spread_lengths_match_naive(gen, window, chunk, split_cost, monkeypatch):
     """Whole prompts of 2 to 70 tokens fall in several length groups, each padded alone
-    (without a window they take the unmasked causal path), beside a chunk after a cached
-    prefix and two decodes."""
+    (without a window they take the causal path, ``chunk`` queries at a time), beside a chunk
+    after a cached prefix and two decodes."""
+    monkeypatch.setattr(torch_attention, "CAUSAL_CHUNK", chunk)
     batch = random_paged_batch([70, 2, 33, 9, 41, 5, 64, 17, 1, 30],
                                [70, 2, 33, 9, 41, 5, 20, 17, 1, 1], 4, 2, 32, 8,
                                torch.float32, gen)
