@@ -21,6 +21,7 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
 #define MAX_VECTORS 32 /* head_dim up to 512 */
+#define MAX_GROUP 8 /* query heads a pass takes together */
 
 static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
 static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
@@ -37,56 +38,89 @@ static inline float sum16(v16 x) {
 static inline int block_lo(int b, int bs, int first) { return b * bs < first ? first - b * bs : 0; }
 static inline int block_hi(int b, int bs, int n) { return n - b * bs < bs ? n - b * bs : bs; }
 
-/* One query head: q (head_dim), k/v the pool offset to this kv head, row the stride between
-   consecutive positions of a block, scores room for n floats. */
-static inline __attribute__((always_inline)) void attend_head(
+/* The query heads h0 .. h0 + group - 1 sharing one kv head: q and out (group, head_dim)
+   rows, k/v the pool offset to that kv head, row the stride between consecutive positions of a
+   block, scores room for group * n floats. Each K and V row is read once for the group. */
+static inline __attribute__((always_inline)) void attend_group(
         const float *q, const float *k, const float *v, const int32_t *table, int n, int first,
-        int64_t row, const int head_dim, int bs, float scale, float *scores, float *out) {
+        int64_t row, const int group, const int head_dim, int bs, float scale, float *scores,
+        float *out) {
     const int nv = head_dim / 16, tail = nv * 16;
     const int64_t block = bs * row;
-    v16 qv[MAX_VECTORS];
-    for (int j = 0; j < nv; j++) qv[j] = load16(q + j * 16);
-    float max = -INFINITY;
+    float max[MAX_GROUP];
+    for (int h = 0; h < group; h++) max[h] = -INFINITY;
     for (int b = first / bs; b * bs < n; b++) {
         const float *kb = k + table[b] * block;
         const float *next = (b + 1) * bs < n ? k + table[b + 1] * block : kb;
-        float *sb = scores + b * bs;
         for (int o = block_lo(b, bs, first), hi = block_hi(b, bs, n); o < hi; o++) {
             const float *kr = kb + o * row;
             __builtin_prefetch(next + o * row);
-            v16 acc = {0};
-            for (int j = 0; j < nv; j++) acc += qv[j] * load16(kr + j * 16);
-            float x = sum16(acc);
-            for (int d = tail; d < head_dim; d++) x += q[d] * kr[d];
-            x *= scale;
-            sb[o] = x;
-            max = x > max ? x : max;
+            v16 kv[MAX_VECTORS];
+            for (int j = 0; j < nv; j++) kv[j] = load16(kr + j * 16);
+            for (int h = 0; h < group; h++) {
+                const float *qh = q + h * head_dim;
+                v16 acc = {0};
+                for (int j = 0; j < nv; j++) acc += load16(qh + j * 16) * kv[j];
+                float x = sum16(acc);
+                for (int d = tail; d < head_dim; d++) x += qh[d] * kr[d];
+                x *= scale;
+                scores[h * n + b * bs + o] = x;
+                max[h] = x > max[h] ? x : max[h];
+            }
         }
     }
-    float total = 0.f;
-    for (int p = first; p < n; p++) {
-        float e = expf(scores[p] - max);
-        scores[p] = e;
-        total += e;
+    float inv[MAX_GROUP];
+    for (int h = 0; h < group; h++) {
+        float total = 0.f, *sh = scores + h * n;
+        for (int p = first; p < n; p++) {
+            float e = expf(sh[p] - max[h]);
+            sh[p] = e;
+            total += e;
+        }
+        inv[h] = 1.f / total;
     }
-    v16 acc[MAX_VECTORS];
-    float acc_tail[16] = {0};
-    for (int j = 0; j < nv; j++) acc[j] = (v16){0};
+    v16 acc[MAX_GROUP][MAX_VECTORS];
+    float acc_tail[MAX_GROUP][16] = {{0}};
+    for (int h = 0; h < group; h++)
+        for (int j = 0; j < nv; j++) acc[h][j] = (v16){0};
     for (int b = first / bs; b * bs < n; b++) {
         const float *vb = v + table[b] * block;
         const float *next = (b + 1) * bs < n ? v + table[b + 1] * block : vb;
-        const float *sb = scores + b * bs;
         for (int o = block_lo(b, bs, first), hi = block_hi(b, bs, n); o < hi; o++) {
             const float *vr = vb + o * row;
             __builtin_prefetch(next + o * row);
-            float w = sb[o];
-            for (int j = 0; j < nv; j++) acc[j] += w * load16(vr + j * 16);
-            for (int d = tail; d < head_dim; d++) acc_tail[d - tail] += w * vr[d];
+            for (int j = 0; j < nv; j++) {
+                v16 x = load16(vr + j * 16);
+                for (int h = 0; h < group; h++) acc[h][j] += scores[h * n + b * bs + o] * x;
+            }
+            for (int h = 0; h < group; h++)
+                for (int d = tail; d < head_dim; d++)
+                    acc_tail[h][d - tail] += scores[h * n + b * bs + o] * vr[d];
         }
     }
-    float inv = 1.f / total;
-    for (int j = 0; j < nv; j++) store16(out + j * 16, acc[j] * inv);
-    for (int d = tail; d < head_dim; d++) out[d] = acc_tail[d - tail] * inv;
+    for (int h = 0; h < group; h++) {
+        for (int j = 0; j < nv; j++) store16(out + h * head_dim + j * 16, acc[h][j] * inv[h]);
+        for (int d = tail; d < head_dim; d++)
+            out[h * head_dim + d] = acc_tail[h][d - tail] * inv[h];
+    }
+}
+
+/* The common shapes compiled with their group and head_dim as constants (registers, unrolled
+   loops); any other shape through the general code. */
+static void attend(const float *q, const float *k, const float *v, const int32_t *table, int n,
+                   int first, int64_t row, int group, int head_dim, int bs, float scale,
+                   float *scores, float *out) {
+#define CASE(G, D) \
+    if (group == G && head_dim == D) \
+        return attend_group(q, k, v, table, n, first, row, G, D, bs, scale, scores, out)
+    CASE(1, 64); CASE(2, 64); CASE(3, 64); CASE(4, 64); CASE(8, 64);
+    CASE(1, 128); CASE(2, 128); CASE(4, 128); CASE(8, 128);
+#undef CASE
+    for (int h0 = 0; h0 < group; h0 += MAX_GROUP) {
+        int g = group - h0 < MAX_GROUP ? group - h0 : MAX_GROUP;
+        attend_group(q + h0 * head_dim, k, v, table, n, first, row, g, head_dim, bs, scale,
+                     scores, out + h0 * head_dim);
+    }
 }
 
 /* q, out: (num_seqs, num_heads, head_dim); k, v: (num_blocks, block_size, num_kv_heads,
@@ -118,25 +152,18 @@ int paged_decode_attention_f32(const float *q, const float *k, const float *v,
         int first = window > 0 && n > window ? n - window : 0;
         const int32_t *table = tables + s * table_stride;
         const float *kg = k + (int64_t)g * head_dim, *vg = v + (int64_t)g * head_dim;
-        float *scores = malloc(sizeof(float) * (n > 0 ? n : 1));
+        float *scores = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1) * group);
         if (scores == NULL) {
             failed = 1;
             continue;
         }
-        for (int h = g * group; h < (g + 1) * group; h++) {
-            const float *qh = q + ((int64_t)s * num_heads + h) * head_dim;
-            float *oh = out + ((int64_t)s * num_heads + h) * head_dim;
-            if (n <= first) {
-                memset(oh, 0, sizeof(float) * head_dim);
-            } else if (head_dim == 64) {
-                attend_head(qh, kg, vg, table, n, first, row, 64, block_size, scale, scores, oh);
-            } else if (head_dim == 128) {
-                attend_head(qh, kg, vg, table, n, first, row, 128, block_size, scale, scores, oh);
-            } else {
-                attend_head(qh, kg, vg, table, n, first, row, head_dim, block_size, scale,
-                            scores, oh);
-            }
-        }
+        const float *qg = q + ((int64_t)s * num_heads + g * group) * head_dim;
+        float *og = out + ((int64_t)s * num_heads + g * group) * head_dim;
+        if (n <= first)
+            memset(og, 0, sizeof(float) * group * head_dim);
+        else
+            attend(qg, kg, vg, table, n, first, row, group, head_dim, block_size, scale, scores,
+                   og);
         free(scores);
     }
     return failed ? -2 : 0;

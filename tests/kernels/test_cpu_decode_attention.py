@@ -41,6 +41,7 @@ def _check(batch, scale, window, threads=1):
     (2, 2, 24, 1, None),  # head_dim with a tail past the last 16 lanes
     (1, 1, 80, 16, 33),
     (4, 1, 512, 16, None),  # the widest head it takes
+    (12, 1, 32, 4, 20),  # more query heads per kv head than one pass takes
 ])
 def test_matches_the_torch_reference(gen, group, kv_heads, head_dim, block_size, window):
     lens = [1, block_size + 1, 70] + torch.randint(2, 90, (3,), generator=gen).tolist()
