@@ -138,11 +138,14 @@ def _padded_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: torch.Te
     num_seqs = context_lens.shape[0]
     device = query.device
     max_q = int(q_lens.max())
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
-    starts = torch.cumsum(q_lens, 0) - q_lens
-    local = torch.arange(num_tokens, device=device) - starts[seq_of_token]
-    q = query.new_zeros(num_seqs, max_q, num_heads, head_dim, dtype=torch.float32)
-    q[seq_of_token, local] = query.float()
+    if num_seqs == 1:  # (a prompt alone, or beside decodes: nothing to pad)
+        q = as_dtype(query, torch.float32)[None]
+    else:
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
+        starts = torch.cumsum(q_lens, 0) - q_lens
+        local = torch.arange(num_tokens, device=device) - starts[seq_of_token]
+        q = query.new_zeros(num_seqs, max_q, num_heads, head_dim, dtype=torch.float32)
+        q[seq_of_token, local] = query.float()
     max_ctx = int(context_lens.max())
     first = context_lens.long() - q_lens  # first query position per sequence
     lo = first - sliding_window + 1 if sliding_window is not None else torch.zeros_like(first)
@@ -157,6 +160,8 @@ def _padded_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: torch.Te
     q = q.transpose(1, 2)
     out = (_causal_sdpa_in_chunks(q, k, v, scale) if mask is None
            else _sdpa(q, k, v, scale, mask))  # (S, heads, max_q, hd)
+    if num_seqs == 1:
+        return out[0].transpose(0, 1)
     return out.transpose(1, 2)[seq_of_token, local]
 
 

@@ -72,6 +72,17 @@ def test_paged_attention_ref_matches_naive(gen, dtype, quantized, group, window,
     assert relative_error(out, want) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("context_len,q_len,window", [(45, 45, None), (45, 45, 9), (60, 13, None)])
+def test_one_sequence_alone_matches_naive(gen, context_len, q_len, window):
+    """One prompt (whole, or a chunk after its cached prefix) takes no padding."""
+    batch = random_paged_batch([context_len], [q_len], 6, 2, 32, 8, torch.float32, gen)
+    args = (batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
+            batch.block_tables, 0.2, window)
+    out, want = torch_attention.paged_attention_torch(*args), _naive_attention(*args)
+    assert out.shape == want.shape
+    assert relative_error(out, want) < TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("window,chunk", [(None, 32), (7, 32), (None, 5)])
 def test_prompts_of_spread_lengths_match_naive(gen, window, chunk, split_cost, monkeypatch):
     """Whole prompts of 2 to 70 tokens fall in several length groups, each padded alone
