@@ -12,6 +12,7 @@ calls cost. No Python loop runs over sequences or blocks, only over those few gr
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ GROUP_SHARE = 0.5
 SPLIT_COST = 100_000
 # whole prompts attend in chunks of this many queries (:func:`_causal_sdpa_in_chunks`)
 CAUSAL_CHUNK = 32
+# their masks are kept for prompts up to this long (num_q ** 2 / 2 floats: 8 MB at 2048)
+CACHED_MASKS_MAX_Q = 2048
 
 
 def length_groups(context_lens: list[int], q_lens: list[int], width: int) -> list[list[int]]:
@@ -175,13 +178,22 @@ def _causal_sdpa_in_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if num_q <= CAUSAL_CHUNK:
         return _sdpa(q, k, v, scale)
     out = torch.empty_like(q)
-    pos = torch.arange(num_q, device=q.device)
-    for start in range(0, num_q, CAUSAL_CHUNK):
-        end = min(num_q, start + CAUSAL_CHUNK)
-        visible = pos[None, :end] <= pos[start:end, None]  # (chunk, end)
-        out[:, :, start:end] = _sdpa(q[:, :, start:end], k[:, :end], v[:, :end], scale,
-                                     visible)
+    masks = (_chunk_masks(num_q, CAUSAL_CHUNK, q.device) if num_q <= CACHED_MASKS_MAX_Q
+             else _chunk_masks.__wrapped__(num_q, CAUSAL_CHUNK, q.device))
+    for start, mask in enumerate(masks):
+        start *= CAUSAL_CHUNK
+        end = start + mask.shape[0]
+        out[:, :, start:end] = _sdpa(q[:, :, start:end], k[:, :end], v[:, :end], scale, mask)
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _chunk_masks(num_q: int, chunk: int, device: torch.device) -> list[torch.Tensor]:
+    """Additive causal masks (chunk, end) of each chunk of ``num_q`` queries: made once for
+    every layer of a forward (and for the next prompt of the same length)."""
+    pos = torch.arange(num_q, device=device)
+    return [torch.where(pos[None, :min(num_q, start + chunk)] <= pos[start:start + chunk, None],
+                        0.0, -torch.inf) for start in range(0, num_q, chunk)]
 
 
 def paged_attention_torch(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q: torch.Tensor,
