@@ -87,7 +87,7 @@ def test_one_sequence_alone_matches_naive(gen, context_len, q_len, window):
 def test_prompts_of_spread_lengths_match_naive(gen, window, chunk, split_cost, monkeypatch):
     """Whole prompts of 2 to 70 tokens fall in several length groups, each padded alone
     (without a window they take the causal path, ``chunk`` queries at a time), beside a chunk
-    after a cached prefix and two decodes; with chunks of 5 the masks are not kept)."""
+    after a cached prefix and two decodes (with chunks of 5, masks made per call)."""
     monkeypatch.setattr(torch_attention, "CAUSAL_CHUNK", chunk)
     if chunk == 5:
         monkeypatch.setattr(torch_attention, "CACHED_MASKS_MAX_Q", 0)
