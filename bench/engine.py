@@ -118,19 +118,23 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int,
     return stats
 
 
-# (dtype, linear layers through the packed oneDNN GEMM): float32 both ways, in one run
-ROOFLINE_VARIANTS = (("float32", True), ("float32", False), ("bfloat16", False))
+# (dtype, linear layers through the packed oneDNN GEMM, attention backend): float32 with
+# each GEMM and each CPU decode attention, in one run
+ROOFLINE_VARIANTS = (("float32", True, "auto"), ("float32", True, "torch"),
+                     ("float32", False, "auto"), ("bfloat16", False, "auto"))
 
 
 def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps: int) -> str:
     """Decode step vs the roofline max(bytes read / bandwidth, FLOPs / peak matmul rate), with
     the bandwidth of a plain read and, as the achievable ceiling, of torch's own GEMV; float32
-    with the linear layers packed for oneDNN (the default) and plain, in the same run."""
+    with the linear layers packed for oneDNN (the default) and plain, and with the C decode
+    attention (the default where it builds) and the torch one, in the same run."""
     rows = []
-    for dtype, packed in ROOFLINE_VARIANTS:
+    for dtype, packed, attention in ROOFLINE_VARIANTS:
         parts = EngineParts.build(EngineConfig(model=str(model_dir), dtype=dtype,
                                                num_kv_blocks=4096, max_num_seqs=256,
-                                               cpu_packed_gemm=packed))
+                                               cpu_packed_gemm=packed,
+                                               attention_backend=attention))
         engine = LLMEngine(parts)
         gemv_bw, _ = measure_linear(parts.runner.model.dtype, 1)
         _, peak_flops = measure_linear(parts.runner.model.dtype, 512)
@@ -144,12 +148,14 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
             compute_s = 2 * params * batch / peak_flops
             roof = max(bytes_read / bandwidth, compute_s)
             achievable = max(bytes_read / gemv_bw, compute_s)
-            rows.append([dtype, "packed" if packed else "plain", batch, median.total_s * 1e3,
+            rows.append([dtype, "packed" if packed else "plain", parts.runner.backend, batch,
+                         median.total_s * 1e3,
                          f"{1 - median.forward_s / median.total_s:.1%}", roof * 1e3,
                          median.total_s / roof, achievable * 1e3, median.total_s / achievable,
                          batch / median.total_s])
-    return format_table(["dtype", "GEMM", "batch", "step ms", "outside fwd", "roofline ms",
-                         "x roofline", "gemv-roof ms", "x gemv-roof", "tok/s"], rows)
+    return format_table(["dtype", "GEMM", "attention", "batch", "step ms", "outside fwd",
+                         "roofline ms", "x roofline", "gemv-roof ms", "x gemv-roof", "tok/s"],
+                        rows)
 
 
 WINDOW = 32  # the sliding window of section 2's Mistral, in tokens: its rows free blocks

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from pdserve import kernels
 from pdserve.bench import engine
 
 
@@ -14,8 +15,12 @@ def test_engine_bench_quick_prints_every_section(capsys):
     for title in ("1. decode step vs memory roofline", "2. engine overhead per decode step",
                   "3. continuous batching vs Hugging Face static batching"):
         assert title in out, out
-    for dtype, gemm in (("float32", "packed"), ("float32", "plain"), ("bfloat16", "plain")):
-        assert re.search(rf"^\s*{dtype}\s+{gemm}\s+8\s+[\d.]+", out, re.M), out
+    native = kernels.cpu_decode_attention.available()
+    for dtype, gemm, attention in (("float32", "packed", "native" if native else "torch"),
+                                   ("float32", "packed", "torch"),
+                                   ("float32", "plain", "native" if native else "torch"),
+                                   ("bfloat16", "plain", "native" if native else "torch")):
+        assert re.search(rf"^\s*{dtype}\s+{gemm}\s+{attention}\s+8\s+[\d.]+", out, re.M), out
     for lengths in ("16", "16-31"):  # one prompt length, and a block's worth of lengths
         assert re.search(rf"^\s*8\s+{lengths}\s+greedy\s+[\d.]+", out, re.M), out
     for decoding in [*engine.SAMPLED, f"greedy, window {engine.WINDOW}",
