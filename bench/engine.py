@@ -1,9 +1,11 @@
-"""Engine benchmark: ``python -m pdserve.bench.engine [--quick]``. Prints; never asserts.
+"""Engine benchmark: ``python -m pdserve.bench.engine [--quick] [--model DIR]``. Prints; never
+asserts.
 
 In one run:
 1. decode step time against the memory roofline (bytes read per step / read bandwidth measured
-   now) on a random ~100M-parameter Llama at batch 1, 8, 32 in fp32 (linear layers packed
-   for oneDNN, the default, and plain) and bf16;
+   now) on a random ~100M-parameter Llama (or the ``--model`` checkpoint) at batch 1, 8, 32 in
+   fp32 (linear layers packed for oneDNN, the default, and plain; decode attention in C, the
+   default where it builds, and in torch) and bf16;
 2. engine overhead per step (everything outside the model forward) at batch 64 and 256 on a
    tiny model, with prompts of one length and of spread lengths, greedy and sampled, and on
    a tiny Mistral with a sliding window on the persistent rows and on the general path (the
@@ -343,6 +345,8 @@ def step_profile(engine: LLMEngine, prompts, params) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    parser.add_argument("--model", help="a checkpoint folder for section 1 instead of the "
+                                        "random ~100M Llama")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -353,9 +357,9 @@ def main(argv: list[str] | None = None) -> None:
         bandwidth = measure_read_bandwidth(1 << 26 if args.quick else 1 << 29)
         print(f"threads {torch.get_num_threads()}, measured read bandwidth "
               f"{bandwidth / 1e9:.1f} GB/s\n")
-        print("1. decode step vs memory roofline (random ~100M Llama)")
-        print(roofline_table(big, bandwidth, [1, 8] if args.quick else [1, 8, 32],
-                             4 if args.quick else 16))
+        print(f"1. decode step vs memory roofline ({args.model or 'random ~100M Llama'})")
+        print(roofline_table(Path(args.model) if args.model else big, bandwidth,
+                             [1, 8] if args.quick else [1, 8, 32], 4 if args.quick else 16))
         print("\n2. engine overhead per decode step (tiny model)")
         print(overhead_table(tiny, windowed, [8, 64] if args.quick else [64, 256],
                              4 if args.quick else 64,

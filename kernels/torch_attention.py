@@ -135,8 +135,8 @@ def _padded_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: torch.Te
     computed on a (num_seqs, max_q) padding. Returns fp32 (tokens, heads, hd).
 
     When every sequence is a whole prompt (its queries are its context) and there is no
-    window, SDPA's own causal rule is the mask: the padding keys lie past every real query,
-    and the kernel skips the blocks above the diagonal."""
+    window, the rule is plain causal (:func:`_causal_sdpa_in_chunks`): the padding keys lie
+    past every real query. One sequence takes no padding at all."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
     device = query.device
@@ -180,8 +180,8 @@ def _causal_sdpa_in_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     masks = (_chunk_masks(num_q, CAUSAL_CHUNK, q.device) if num_q <= CACHED_MASKS_MAX_Q
              else _chunk_masks.__wrapped__(num_q, CAUSAL_CHUNK, q.device))
-    for start, mask in enumerate(masks):
-        start *= CAUSAL_CHUNK
+    for index, mask in enumerate(masks):
+        start = index * CAUSAL_CHUNK
         end = start + mask.shape[0]
         out[:, :, start:end] = _sdpa(q[:, :, start:end], k[:, :end], v[:, :end], scale, mask)
     return out
