@@ -14,6 +14,11 @@ import torch
 from pdserve.kernels import native_build
 from pdserve.kernels.kv_layout import KVCacheLayer
 
+# below this much work (context tokens x heads x head_dim) a call runs on one thread: waking a
+# second costs more than it saves, and an idle OpenMP thread spins for a while after each call,
+# taking a core from the worker's other processes (torch splits its own ops by a grain size too)
+PARALLEL_MIN_WORK = 1 << 20
+
 _ERRORS = {-1: "a shape the kernel does not take", -2: "out of memory",
            -3: "a block table entry outside the pool, or a context longer than its table"}
 
@@ -64,7 +69,12 @@ def paged_decode_attention_cpu(query: torch.Tensor, cache: KVCacheLayer,
     code = fn(q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), tables.data_ptr(),
               tables.stride(0), lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
               cache.kv.shape[3], head_dim, cache.block_size, cache.num_blocks, scale,
-              sliding_window or 0, torch.get_num_threads())
+              sliding_window or 0, _threads(int(lens.sum()) * num_heads * head_dim))
     if code:
         raise ValueError(f"C decode attention refused the batch: {_ERRORS.get(code, code)}")
     return out
+
+
+def _threads(work: int) -> int:
+    """Threads for a call of ``work`` (context tokens x heads x head_dim)."""
+    return torch.get_num_threads() if work >= PARALLEL_MIN_WORK else 1
