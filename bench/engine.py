@@ -4,8 +4,9 @@ asserts.
 In one run:
 1. decode step time against the memory roofline (bytes read per step / read bandwidth measured
    now) on a random ~100M-parameter Llama (or the ``--model`` checkpoint) at batch 1, 8, 32 in
-   fp32 (linear layers packed for oneDNN, the default, and plain; decode attention in C, the
-   default where it builds, and in torch) and bf16;
+   fp32 (linear layers packed for oneDNN with a decode step's rows through the C panel GEMM,
+   the default, through oneDNN, and plain; decode attention in C, the default where it
+   builds, and in torch) and bf16;
 2. engine overhead per step (everything outside the model forward) at batch 64 and 256 on a
    tiny model, with prompts of one length and of spread lengths, greedy and sampled, and on
    a tiny Mistral with a sliding window on the persistent rows and on the general path (the
@@ -18,6 +19,7 @@ In one run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import random
 import tempfile
@@ -33,6 +35,7 @@ from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kernels import cpu_panel_gemm
 
 LLAMA_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                   num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
@@ -120,22 +123,34 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int,
     return stats
 
 
-# (dtype, linear layers through the packed oneDNN GEMM, attention backend): float32 with
-# each GEMM and each CPU decode attention, in one run
-ROOFLINE_VARIANTS = (("float32", True, "auto"), ("float32", True, "torch"),
-                     ("float32", False, "auto"), ("bfloat16", False, "auto"))
+# (dtype, GEMM, attention): "panel" is the default on CPU in float32 (oneDNN's packed weights,
+# a decode step's few rows through pdserve's C panel GEMM where it builds), "onednn" the same
+# packed weights with every row through oneDNN, "plain" unpacked weights through F.linear
+ROOFLINE_VARIANTS = (("float32", "panel", "auto"), ("float32", "onednn", "auto"),
+                     ("float32", "panel", "torch"), ("float32", "plain", "auto"),
+                     ("bfloat16", "plain", "auto"))
+
+
+@contextlib.contextmanager
+def _rows_through_onednn(on: bool):
+    """While on, the C panel GEMM takes no call: every row of a packed layer goes to oneDNN."""
+    before = cpu_panel_gemm.MAX_ROWS
+    cpu_panel_gemm.MAX_ROWS = 0 if on else before
+    try:
+        yield
+    finally:
+        cpu_panel_gemm.MAX_ROWS = before
 
 
 def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps: int) -> str:
     """Decode step vs the roofline max(bytes read / bandwidth, FLOPs / peak matmul rate), with
-    the bandwidth of a plain read and, as the achievable ceiling, of torch's own GEMV; float32
-    with the linear layers packed for oneDNN (the default) and plain, and with the C decode
-    attention (the default where it builds) and the torch one, in the same run."""
+    the bandwidth of a plain read and, as the achievable ceiling, of torch's own GEMV; each of
+    ROOFLINE_VARIANTS in the same run."""
     rows = []
-    for dtype, packed, attention in ROOFLINE_VARIANTS:
+    for dtype, gemm, attention in ROOFLINE_VARIANTS:
         parts = EngineParts.build(EngineConfig(model=str(model_dir), dtype=dtype,
                                                num_kv_blocks=4096, max_num_seqs=256,
-                                               cpu_packed_gemm=packed,
+                                               cpu_packed_gemm=gemm != "plain",
                                                attention_backend=attention))
         engine = LLMEngine(parts)
         gemv_bw, _ = measure_linear(parts.runner.model.dtype, 1)
@@ -143,14 +158,17 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
         params = parts.model_config.num_parameters()
         for batch in batches:
             prompt_len = 128
-            stats = sorted(decode_steps(engine, batch, prompt_len, steps), key=lambda s: s.total_s)
+            with _rows_through_onednn(gemm == "onednn"):
+                stats = sorted(decode_steps(engine, batch, prompt_len, steps),
+                               key=lambda s: s.total_s)
             median = stats[len(stats) // 2]
             kv_read = batch * (prompt_len + steps // 2) * parts.ledger.kv_bytes_per_token
             bytes_read = parts.ledger.weight_bytes + kv_read
             compute_s = 2 * params * batch / peak_flops
             roof = max(bytes_read / bandwidth, compute_s)
             achievable = max(bytes_read / gemv_bw, compute_s)
-            rows.append([dtype, "packed" if packed else "plain", parts.runner.backend, batch,
+            gemm_used = gemm if gemm != "panel" or cpu_panel_gemm.available() else "onednn"
+            rows.append([dtype, gemm_used, parts.runner.backend, batch,
                          median.total_s * 1e3,
                          f"{1 - median.forward_s / median.total_s:.1%}", roof * 1e3,
                          median.total_s / roof, achievable * 1e3, median.total_s / achievable,

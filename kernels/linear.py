@@ -5,8 +5,11 @@ load, into oneDNN's blocked layout (what PyTorch's inductor does for CPU linears
 freezes a model): the GEMM then reads the weight in the order its kernel consumes it instead
 of re-packing it on every call, which is what a decode step (a few rows against every weight)
 spends most of its time on. Anywhere else (CUDA, other dtypes, no oneDNN) the weight is not
-packed and ``F.linear`` runs. :func:`linear` is the one entry; ``F.linear`` over the unpacked
-weight is its reference (the packed GEMM sums in another order: the same to fp32 rounding).
+packed and ``F.linear`` runs. A decode step's few rows (up to ``cpu_panel_gemm.MAX_ROWS``) read
+the packed weight through pdserve's C kernel (:mod:`pdserve.kernels.cpu_panel_gemm`) where it
+builds and the layout checks out. :func:`linear` is the one entry; ``F.linear`` over the
+unpacked weight is its reference (the packed GEMMs sum in other orders: the same to fp32
+rounding).
 
 A packed weight is an opaque oneDNN tensor: no storage torch can see (no ``data_ptr``); count
 its bytes as elements x element size.
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.kernels import cpu_panel_gemm
 
 # oneDNN picks a slower kernel for fewer rows than this (a decode step of 1-3 requests);
 # padded with zero rows, each real row's sums are the same bit for bit (docs/cpu-speed.md).
@@ -33,7 +38,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     if not can_pack(weight):
         raise ValueError(f"only a 2-D float32 CPU weight packs, got {tuple(weight.shape)} "
                          f"{weight.dtype} on {weight.device}")
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    cpu_panel_gemm.record_layout(weight, packed)
+    return packed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -41,6 +48,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """(T, in) -> (T, out); through ``packed`` (from :func:`pack_weight`) when given."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if cpu_panel_gemm.takes(x, packed):
+        return cpu_panel_gemm.panel_linear(x, packed, bias)
     rows = x.shape[0]
     if rows < MIN_PACKED_ROWS:  # the same sums, a faster kernel: pad with zero rows
         x = torch.cat([x, x.new_zeros(MIN_PACKED_ROWS - rows, x.shape[1])])

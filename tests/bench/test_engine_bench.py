@@ -7,6 +7,7 @@ import re
 
 from pdserve import kernels
 from pdserve.bench import engine
+from pdserve.kernels import cpu_panel_gemm
 
 
 def test_engine_bench_quick_prints_every_section(capsys):
@@ -15,11 +16,11 @@ def test_engine_bench_quick_prints_every_section(capsys):
     for title in ("1. decode step vs memory roofline", "2. engine overhead per decode step",
                   "3. continuous batching vs Hugging Face static batching"):
         assert title in out, out
-    native = kernels.cpu_decode_attention.available()
-    for dtype, gemm, attention in (("float32", "packed", "native" if native else "torch"),
-                                   ("float32", "packed", "torch"),
-                                   ("float32", "plain", "native" if native else "torch"),
-                                   ("bfloat16", "plain", "native" if native else "torch")):
+    native = "native" if kernels.cpu_decode_attention.available() else "torch"
+    panel = "panel" if cpu_panel_gemm.available() else "onednn"
+    for dtype, gemm, attention in (("float32", panel, native), ("float32", "onednn", native),
+                                   ("float32", panel, "torch"), ("float32", "plain", native),
+                                   ("bfloat16", "plain", native)):
         assert re.search(rf"^\s*{dtype}\s+{gemm}\s+{attention}\s+8\s+[\d.]+", out, re.M), out
     for lengths in ("16", "16-31"):  # one prompt length, and a block's worth of lengths
         assert re.search(rf"^\s*8\s+{lengths}\s+greedy\s+[\d.]+", out, re.M), out

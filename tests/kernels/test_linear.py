@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import cpu_panel_gemm
 from pdserve.kernels import linear as klinear
 from pdserve.models.llama import Linear
 
@@ -47,9 +48,13 @@ def test_a_packed_layer_keeps_only_the_packed_weight(gen):
 
 
 @pytest.mark.parametrize("rows", range(1, klinear.MIN_PACKED_ROWS))
-def test_few_rows_get_the_same_sums_as_in_a_larger_batch(gen, rows):
-    """Fewer rows than MIN_PACKED_ROWS are padded: a request's logits do not depend on how
-    many others share its step (each row equals the same row computed among many)."""
+@pytest.mark.parametrize("panel_gemm", [True, False])
+def test_few_rows_get_the_same_sums_as_in_a_larger_batch(gen, rows, panel_gemm, monkeypatch):
+    """A request's logits do not depend on how many others share its step (each row equals
+    the same row computed among many): through the C panel GEMM, or, without it, through
+    oneDNN with fewer rows than MIN_PACKED_ROWS padded."""
+    if not panel_gemm:
+        monkeypatch.setattr(cpu_panel_gemm, "takes", lambda x, packed: False)
     weight = torch.randn(1536, 576, generator=gen) / 24
     packed = klinear.pack_weight(weight)
     x = torch.randn(16, 576, generator=gen)
