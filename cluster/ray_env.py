@@ -17,8 +17,9 @@ NAMESPACE = "pdserve"
 # Every worker of a Ray we start imports this first, so the source root that Ray puts on its
 # sys.path (the driver's working directory) cannot shadow a third-party package; see
 # pdserve.import_path. (A preload, not a runtime_env setup hook: that one delays every worker's
-# start.)
-SYSTEM_CONFIG = {"preload_python_modules": ["pdserve.import_path"]}
+# start.) Ray starts its workers at nice 15 by default, below its own daemons, the Redis server
+# and any client on the node; pdserve's actors are the serving path, so they run at nice 0.
+SYSTEM_CONFIG = {"preload_python_modules": ["pdserve.import_path"], "worker_niceness": 0}
 # How long joining an existing cluster keeps retrying: on Kubernetes the controller can start
 # before the Ray head (or its client server) is ready.
 CONNECT_TIMEOUT_S = 120.0

@@ -1,10 +1,12 @@
 """Inside a Ray worker of the test cluster no folder of the repository shadows a third-party
 module, even for a task that imports transformers before pdserve: Ray puts the driver's working
 directory (the repository root, under ``make test``) on the worker's sys.path when the task
-starts, and the worker set-up of ``init_ray`` keeps it from taking effect."""
+starts, and the worker set-up of ``init_ray`` keeps it from taking effect. And the workers run at
+nice 0, not Ray's default 15 (below Ray's own daemons and any client on the node)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -38,3 +40,15 @@ def test_a_ray_task_imports_third_party_kernels_not_ours(ray_session):
     assert "site-packages" in Path(report["kernels"]).parts
     assert Path(report["pdserve.kernels"]).parent == ROOT / "kernels"
     assert str(ROOT) not in report["path"]
+
+
+def niceness() -> int:
+    return os.nice(0)
+
+
+def test_ray_workers_run_at_nice_0(ray_session):
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        assert ray_session.get(ray_session.remote(niceness).remote(), timeout=120) == 0
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])

@@ -65,7 +65,8 @@ redis://:$(REDIS_PASSWORD)@{{ include "pdserve.redisAddress" . }}/0
       key: {{ .Values.redis.auth.secretKey }}
 {{- end -}}
 
-{{/* Every process that talks to Ray: token authentication, no usage stats */}}
+{{/* Every process that talks to Ray: token authentication, no usage stats, actors at nice 0
+(Ray's default, 15, puts the serving path below Ray's own daemons) */}}
 {{- define "pdserve.rayEnv" -}}
 - name: RAY_AUTH_MODE
   value: token
@@ -75,6 +76,8 @@ redis://:$(REDIS_PASSWORD)@{{ include "pdserve.redisAddress" . }}/0
       name: {{ include "pdserve.raySecret" . }}
       key: {{ .Values.ray.auth.secretKey }}
 - name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+- name: RAY_worker_niceness
   value: "0"
 {{- end -}}
 
