@@ -2,7 +2,8 @@
 
 ``backend`` is ``"auto"`` (Triton when the tensor is on CUDA and Triton imports; on CPU
 ``"native"`` when the C kernels build here, else ``"torch"``), ``"torch"``, ``"native"`` (torch
-with the C decode attention, :mod:`pdserve.kernels.cpu_decode_attention`, for float32 pools) or
+with the C decode attention, :mod:`pdserve.kernels.cpu_decode_attention`, for float32 pools,
+and the C RMSNorm and SiLU-and-mul, :mod:`pdserve.kernels.cpu_pointwise`, for float32) or
 ``"triton"`` (forced; on CPU it needs ``TRITON_INTERPRET=1`` set before triton is imported).
 Triton modules are imported lazily so the CPU path never imports triton.
 """
@@ -14,7 +15,7 @@ import importlib
 
 import torch
 
-from pdserve.kernels import cpu_decode_attention, torch_attention
+from pdserve.kernels import cpu_decode_attention, cpu_pointwise, torch_attention
 from pdserve.kernels import torch_ops as ref
 from pdserve.kernels.kv_layout import KVCacheLayer
 
@@ -97,8 +98,11 @@ def paged_decode_attention(query, cache: KVCacheLayer, block_tables, context_len
 
 
 def rms_norm(x, weight, eps: float, residual=None, backend: str = "auto"):
-    if resolve_backend(backend, x.device) == "triton":
+    resolved = resolve_backend(backend, x.device)
+    if resolved == "triton":
         return _triton("norm").rms_norm(x, weight, eps, residual)
+    if resolved == "native" and cpu_pointwise.takes(x, weight, residual):
+        return cpu_pointwise.rms_norm_cpu(x, weight, eps, residual)
     return ref.rms_norm_torch(x, weight, eps, residual)
 
 
@@ -130,8 +134,11 @@ def rotary_packed(qk, num_heads: int, positions, cos_sin_cache, backend: str = "
 
 
 def silu_and_mul(x, backend: str = "auto"):
-    if resolve_backend(backend, x.device) == "triton":
+    resolved = resolve_backend(backend, x.device)
+    if resolved == "triton":
         return _triton("activation").silu_and_mul(x)
+    if resolved == "native" and cpu_pointwise.takes(x):
+        return cpu_pointwise.silu_and_mul_cpu(x)
     return ref.silu_and_mul_torch(x)
 
 

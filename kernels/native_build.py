@@ -3,9 +3,10 @@
 A kernel's source (``kernels/<name>.c``, shipped with the package) is compiled by the system's C
 compiler (``$CC``, else ``cc``) with ``-O3 -march=native`` into a shared library under
 ``$PDSERVE_CACHE_DIR/native`` (default ``~/.cache/pdserve/native``), named by a hash of the
-source, the flags, the compiler's version and this CPU's model and flags, so a changed source,
-compiler or machine builds anew and an unchanged one loads in milliseconds. Builds write a temporary
-file and rename it, so workers starting together on one node cannot load a half-written library.
+source and the headers beside it (``native_vec.h``), the flags, the compiler's version and this
+CPU's model and flags, so a changed source, compiler or machine builds anew and an unchanged one
+loads in milliseconds. Builds write a temporary file and rename it, so workers starting together
+on one node cannot load a half-written library.
 
 Where no compiler works (a slim image without one), :func:`load` logs once what to install and
 returns None; callers then take their torch path. ``PDSERVE_NATIVE_KERNELS=0`` turns the C
@@ -86,7 +87,8 @@ def build(name: str) -> Path:
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeBuildError(f"the C compiler {cc} does not run: {exc}") from exc
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version,
+    headers = [header.read_text() for header in sorted(SOURCE_DIR.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), version,
                                     _machine()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if target.exists():

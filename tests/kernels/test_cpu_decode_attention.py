@@ -130,6 +130,22 @@ def test_the_build_is_cached_and_a_missing_compiler_falls_back(tmp_path, monkeyp
         native_build.load.cache_clear()
 
 
+def test_a_changed_header_builds_anew(tmp_path, monkeypatch):
+    """cpu_pointwise.c includes native_vec.h: a change to the header makes a new library, not
+    the cached one built from the old header."""
+    sources = tmp_path / "src"
+    sources.mkdir()
+    for name in ("cpu_pointwise.c", "native_vec.h"):
+        (sources / name).write_text((native_build.SOURCE_DIR / name).read_text())
+    monkeypatch.setattr(native_build, "SOURCE_DIR", sources)
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    before = native_build.build("cpu_pointwise")
+    with (sources / "native_vec.h").open("a") as header:
+        header.write("/* changed */\n")
+    after = native_build.build("cpu_pointwise")
+    assert after != before and after.exists() and before.exists()
+
+
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("PDSERVE_NATIVE_KERNELS", "0")
     native_build.load.cache_clear()

@@ -1,0 +1,58 @@
+/* The elementwise steps between a decoder layer's GEMMs, fused, float32, on the CPU.
+ *
+ * torch runs each of these as several passes over the activations (SiLU, then the product;
+ * the residual add, then the square, the mean, the root and two products), each one a read
+ * and a write of the whole tensor and a dispatch; here each is one pass, sixteen lanes at a
+ * time. kernels/torch_ops.py holds the references (rms_norm_torch, silu_and_mul_torch); sums
+ * run in another order, so results agree to float32 rounding, not bit for bit.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "native_vec.h"
+
+/* out (rows, inter) = silu(gate) * up for x (rows, 2 * inter) = [gate | up], rows ldx apart */
+void silu_and_mul_f32(const float *x, int64_t ldx, int64_t rows, int64_t inter, float *out,
+                      int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = x + r * ldx, *up = gate + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+        for (; i + 16 <= inter; i += 16) {
+            v16 g = load16(gate + i);
+            store16(o + i, g / (1.0f + vexp16(-g)) * load16(up + i));
+        }
+        for (; i < inter; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * weight, row by row (rows, hidden); with residual (not
+ * NULL): x + residual first, written to sum (the next layer's residual). */
+void add_rms_norm_f32(const float *x, const float *residual, float *sum, const float *weight,
+                      float eps, int64_t rows, int64_t hidden, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * hidden;
+        if (residual != NULL) {
+            float *sr = sum + r * hidden;
+            const float *rr = residual + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) sr[i] = xr[i] + rr[i];
+            xr = sr;
+        }
+        v16 squares = {0};
+        int64_t i = 0;
+        for (; i + 16 <= hidden; i += 16) {
+            v16 v = load16(xr + i);
+            squares += v * v;
+        }
+        float total = 0.0f;
+        for (int lane = 0; lane < 16; lane++) total += squares[lane];
+        for (; i < hidden; i++) total += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(total / (float)hidden + eps);
+        float *o = out + r * hidden;
+        for (i = 0; i + 16 <= hidden; i += 16)
+            store16(o + i, load16(xr + i) * inv * load16(weight + i));
+        for (; i < hidden; i++) o[i] = xr[i] * inv * weight[i];
+    }
+}

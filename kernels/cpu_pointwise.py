@@ -1,0 +1,85 @@
+"""RMSNorm (with the residual add before it) and SiLU-and-mul on the CPU through the C kernels
+(``cpu_pointwise.c``), each one pass over the activations where torch takes several. float32
+only; :func:`takes` says which calls they serve, and the dispatcher (the ``native`` backend)
+sends the rest down the torch path, which is their reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from pdserve.kernels import native_build
+
+# below this many elements a call runs on one thread (see cpu_decode_attention.PARALLEL_MIN_WORK)
+PARALLEL_MIN_WORK = 1 << 20
+
+
+@functools.cache
+def _library():
+    lib = native_build.load("cpu_pointwise")
+    if lib is None:
+        return None
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.silu_and_mul_f32.argtypes = [ptr, i64, i64, i64, ptr, i32]
+    lib.silu_and_mul_f32.restype = None
+    lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, i32]
+    lib.add_rms_norm_f32.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the C kernels are built and loaded on this machine (builds them on first call)."""
+    return _library() is not None
+
+
+def takes(*tensors: torch.Tensor | None) -> bool:
+    """Whether these (the activations, and the weight or residual where given) are what the C
+    kernels serve: float32 CPU tensors, the kernels built."""
+    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32)
+               for t in tensors) and available()
+
+
+def _threads(elements: int) -> int:
+    return torch.get_num_threads() if elements >= PARALLEL_MIN_WORK else 1
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """x (..., 2 * I) = [gate | up] -> silu(gate) * up, (..., I); see ``silu_and_mul_torch``."""
+    if not takes(x) or x.shape[-1] % 2:
+        raise ValueError("silu_and_mul_cpu takes a float32 CPU tensor of even width, got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    inter = x.shape[-1] // 2
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(*x.shape[:-1], inter, dtype=torch.float32)
+    if out.numel():
+        _library().silu_and_mul_f32(rows.data_ptr(), rows.stride(0), rows.shape[0], inter,
+                                    out.data_ptr(), _threads(out.numel()))
+    return out
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+    """RMSNorm over the last dimension; with ``residual``: returns (norm(x + r), x + r). The
+    contract of ``rms_norm_torch`` for float32 tensors."""
+    if not takes(x, weight, residual) or weight.shape != x.shape[-1:] or (
+            residual is not None and residual.shape != x.shape):
+        raise ValueError("rms_norm_cpu takes float32 CPU tensors, a weight as wide as x's last "
+                         f"dimension and a residual shaped as x; got x {tuple(x.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    hidden = x.shape[-1]
+    xs = x.contiguous()
+    w = weight.contiguous()
+    rs = None if residual is None else residual.contiguous()
+    total = None if residual is None else torch.empty_like(xs)
+    out = torch.empty_like(xs)
+    if out.numel():
+        _library().add_rms_norm_f32(
+            xs.data_ptr(), None if rs is None else rs.data_ptr(),
+            None if total is None else total.data_ptr(), w.data_ptr(), eps,
+            xs.numel() // hidden, hidden, out.data_ptr(), _threads(xs.numel()))
+    return out if residual is None else (out, total)

@@ -1,0 +1,45 @@
+/* Vectors of 16 floats for pdserve's C kernels (GCC vector extensions: one AVX-512 register,
+ * two AVX2 ones or four NEON ones, whatever -march=native offers), unaligned loads and stores,
+ * a horizontal sum and exp. kernels/native_build.py hashes this header into every kernel's
+ * build key. */
+#ifndef PDSERVE_NATIVE_VEC_H
+#define PDSERVE_NATIVE_VEC_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
+static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+static inline v16 splat16(float x) { return (v16){0} + x; }
+
+/* lanes of a where mask (all ones) is set, b elsewhere */
+static inline v16 select16(v16i mask, v16 a, v16 b) {
+    return (v16)((mask & (v16i)a) | (~mask & (v16i)b));
+}
+
+/* e^x lane by lane, within ~2 ulp of expf: x = n ln2 + f with |f| <= ln2 / 2 (ln2 in two
+ * parts, Cody and Waite), e^f by a degree-5 minimax polynomial (Cephes' expf), 2^n by building
+ * the float's exponent bits (as 2 * 2^(n-1), so n = 128 still overflows to inf). Below -87.3,
+ * where e^x is subnormal, it gives 0; above ~88.72 inf; NaN stays NaN. */
+static inline v16 vexp16(v16 x) {
+    const v16 lo = splat16(-87.3f), hi = splat16(88.8f);
+    v16 c = select16(x < lo, lo, x);
+    c = select16(c > hi, hi, c);
+    const v16 round = splat16(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    v16 n = (c * 1.44269504088896341f + round) - round;
+    v16 f = c - n * 0.693359375f + n * 2.12194440e-4f;
+    v16 p = splat16(1.9875691500e-4f);
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    p = p * (f * f) + f + 1.0f;
+    v16i half_scale = (__builtin_convertvector(n, v16i) + 126) << 23;
+    return select16(x < lo, splat16(0.0f), (p * 2.0f) * (v16)half_scale);
+}
+
+#endif

@@ -1,0 +1,99 @@
+"""The C RMSNorm and SiLU-and-mul against their torch references (and float64) on random
+inputs, and the dispatch that sends them float32 CPU calls under the native backend only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import kernels
+from pdserve.kernels import cpu_pointwise
+from pdserve.kernels import torch_ops as ref
+
+pytestmark = pytest.mark.skipif(not cpu_pointwise.available(),
+                                reason="no working C compiler on this machine")
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (7, 2 * 37), (3, 5, 2 * 16), (0, 8)])
+def test_silu_and_mul_matches_the_reference(gen, shape):
+    x = torch.randn(*shape, generator=gen) * 4
+    got = cpu_pointwise.silu_and_mul_cpu(x)
+    assert got.shape == (*shape[:-1], shape[-1] // 2) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref.silu_and_mul_torch(x), rtol=2e-6, atol=1e-7)
+
+
+def test_silu_and_mul_over_the_whole_float_range():
+    """exp is computed sixteen lanes at a time by a polynomial: check it where SiLU saturates
+    (large negative gates give -0, large positive the gate itself) and around zero, against
+    float64; every width from one lane to past a vector, so the scalar tail runs too."""
+    specials = [0.0, -0.0, 1e-30, -1e-30, 88.5, -88.5, 88.8, -88.8, 1e30, -1e30, 3e38, -3e38]
+    gate = torch.cat([torch.tensor(specials), torch.linspace(-120, 120, 4001)])
+    up = torch.linspace(-1, 1, gate.numel())  # |silu(gate) * up| <= |gate|: no overflow
+    for width in (1, 12, 16, 17, gate.numel()):  # the specials in the scalar tail, then lanes
+        x = torch.cat([gate[:width], up[:width]])[None]
+        got = cpu_pointwise.silu_and_mul_cpu(x).double()
+        g, u = gate[:width].double(), up[:width].double()
+        want = g / (1 + torch.exp(-g)) * u
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got[0], want, rtol=4e-7, atol=1e-30)
+
+
+def test_silu_and_mul_reads_rows_of_a_wider_tensor(gen):
+    wide = torch.randn(6, 50, generator=gen)
+    x = wide[:, :48]  # rows 50 apart
+    torch.testing.assert_close(cpu_pointwise.silu_and_mul_cpu(x), ref.silu_and_mul_torch(x),
+                               rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (9, 576), (4, 37), (5, 3, 64)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_reference(gen, shape, with_residual):
+    x = torch.randn(*shape, generator=gen) * 3
+    weight = torch.randn(shape[-1], generator=gen)
+    residual = torch.randn(*shape, generator=gen) if with_residual else None
+    got = cpu_pointwise.rms_norm_cpu(x, weight, 1e-6, residual)
+    want = ref.rms_norm_torch(x, weight, 1e-6, residual)
+    if with_residual:
+        (got, got_sum), (want, want_sum) = got, want
+        assert torch.equal(got_sum, want_sum)  # one float32 add: the same bits
+        assert torch.equal(x + residual, got_sum)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_of_zeros_is_zero_and_eps_counts(gen):
+    weight = torch.ones(32)
+    assert torch.equal(cpu_pointwise.rms_norm_cpu(torch.zeros(2, 32), weight, 1e-6),
+                       torch.zeros(2, 32))
+    x = torch.full((1, 32), 1e-3)
+    torch.testing.assert_close(cpu_pointwise.rms_norm_cpu(x, weight, 1.0),
+                               ref.rms_norm_torch(x, weight, 1.0))
+
+
+def test_the_native_backend_routes_float32_cpu_calls_here(gen, monkeypatch):
+    calls = []
+    for name in ("rms_norm_cpu", "silu_and_mul_cpu"):
+        real = getattr(cpu_pointwise, name)
+        monkeypatch.setattr(cpu_pointwise, name,
+                            lambda *args, _real=real, _name=name: calls.append(_name) or
+                            _real(*args))
+    x, weight = torch.randn(3, 64, generator=gen), torch.randn(64, generator=gen)
+    kernels.rms_norm(x, weight, 1e-6, backend="native")
+    kernels.silu_and_mul(x, backend="native")
+    assert calls == ["rms_norm_cpu", "silu_and_mul_cpu"]
+    kernels.rms_norm(x, weight, 1e-6, backend="torch")
+    kernels.silu_and_mul(x, backend="torch")
+    half = x.to(torch.bfloat16)
+    kernels.rms_norm(half, weight.to(torch.bfloat16), 1e-6, backend="native")
+    kernels.silu_and_mul(half, backend="native")
+    assert calls == ["rms_norm_cpu", "silu_and_mul_cpu"]
+
+
+def test_refuses_what_it_does_not_take(gen):
+    with pytest.raises(ValueError, match="even width"):
+        cpu_pointwise.silu_and_mul_cpu(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="even width"):
+        cpu_pointwise.silu_and_mul_cpu(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="a weight as wide as x's last dimension"):
+        cpu_pointwise.rms_norm_cpu(torch.randn(2, 8), torch.ones(9), 1e-6)
+    with pytest.raises(ValueError, match="a residual shaped as x"):
+        cpu_pointwise.rms_norm_cpu(torch.randn(2, 8), torch.ones(8), 1e-6, torch.randn(3, 8))
