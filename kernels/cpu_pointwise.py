@@ -1,6 +1,6 @@
-"""RMSNorm (with the residual add before it) and SiLU-and-mul on the CPU through the C kernels
-(``cpu_pointwise.c``), each one pass over the activations where torch takes several. float32
-only; :func:`takes` says which calls they serve, and the dispatcher (the ``native`` backend)
+"""RMSNorm (with the residual add before it), SiLU-and-mul and RoPE on the CPU through the C
+kernels (``cpu_pointwise.c``), each one pass over the activations where torch takes several.
+float32 only; :func:`takes` says which calls they serve, and the dispatcher (the ``native`` backend)
 sends the rest down the torch path, which is their reference.
 """
 
@@ -27,6 +27,8 @@ def _library():
     lib.silu_and_mul_f32.restype = None
     lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, i32]
     lib.add_rms_norm_f32.restype = None
+    lib.rotary_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i32]
+    lib.rotary_f32.restype = None
     return lib
 
 
@@ -83,3 +85,23 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
             None if total is None else total.data_ptr(), w.data_ptr(), eps,
             xs.numel() // hidden, hidden, out.data_ptr(), _threads(xs.numel()))
     return out if residual is None else (out, total)
+
+
+def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x (T, heads, D) with ``rope_table_torch``'s (cos, sin), each (T, 1, D):
+    ``x * cos + (x2, x1) * sin`` into a new contiguous (T, heads, D), the bits of
+    ``rotary_torch``'s."""
+    tokens, heads, dim = x.shape
+    if not takes(x, cos, sin) or dim % 2 or cos.numel() != tokens * dim or (
+            sin.numel() != tokens * dim):
+        raise ValueError("rotary_cpu takes float32 CPU tensors, x (T, heads, D) with D even and "
+                         f"(T, 1, D) cos and sin; got x {tuple(x.shape)}, cos {tuple(cos.shape)}")
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
+    out = torch.empty(tokens, heads, dim, dtype=torch.float32)
+    if out.numel():
+        _library().rotary_f32(x.data_ptr(), x.stride(0), x.stride(1), tokens, heads, dim,
+                              cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                              _threads(out.numel()))
+    return out

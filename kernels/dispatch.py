@@ -3,7 +3,7 @@
 ``backend`` is ``"auto"`` (Triton when the tensor is on CUDA and Triton imports; on CPU
 ``"native"`` when the C kernels build here, else ``"torch"``), ``"torch"``, ``"native"`` (torch
 with the C decode attention, :mod:`pdserve.kernels.cpu_decode_attention`, for float32 pools,
-and the C RMSNorm and SiLU-and-mul, :mod:`pdserve.kernels.cpu_pointwise`, for float32) or
+and the C RMSNorm, SiLU-and-mul and RoPE, :mod:`pdserve.kernels.cpu_pointwise`, for float32) or
 ``"triton"`` (forced; on CPU it needs ``TRITON_INTERPRET=1`` set before triton is imported).
 Triton modules are imported lazily so the CPU path never imports triton.
 """
@@ -116,10 +116,14 @@ def rope_table(positions, cos_sin_cache, backend: str = "auto"):
 
 def rotary(q, k, positions, cos_sin_cache, backend: str = "auto", table=None):
     """Rotate-half RoPE of q and k; ``table``: :func:`rope_table` of ``positions``."""
-    if resolve_backend(backend, q.device) == "triton":
+    resolved = resolve_backend(backend, q.device)
+    if resolved == "triton":
         # Not "rotary": importing pdserve.kernels.rotary would rebind this package's
         # ``rotary`` attribute to the submodule.
         return _triton("rotary_embedding").rotary(q, k, positions, cos_sin_cache)
+    if resolved == "native" and cpu_pointwise.takes(q, k):
+        cos, sin = table if table is not None else ref.rope_table_torch(positions, cos_sin_cache)
+        return cpu_pointwise.rotary_cpu(q, cos, sin), cpu_pointwise.rotary_cpu(k, cos, sin)
     return ref.rotary_torch(q, k, positions, cos_sin_cache, table)
 
 
@@ -127,9 +131,14 @@ def rotary_packed(qk, num_heads: int, positions, cos_sin_cache, backend: str = "
                   table=None):
     """:func:`rotary` of q and k packed side by side as ``qk`` (T, heads + kv_heads, D);
     returns (q, k)."""
-    if resolve_backend(backend, qk.device) == "triton":
+    resolved = resolve_backend(backend, qk.device)
+    if resolved == "triton":
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         return _triton("rotary_embedding").rotary(q, k, positions, cos_sin_cache)
+    if resolved == "native" and cpu_pointwise.takes(qk):
+        cos, sin = table if table is not None else ref.rope_table_torch(positions, cos_sin_cache)
+        rotated = cpu_pointwise.rotary_cpu(qk, cos, sin)
+        return rotated[:, :num_heads], rotated[:, num_heads:]
     return ref.rotary_packed_torch(qk, num_heads, positions, cos_sin_cache, table)
 
 

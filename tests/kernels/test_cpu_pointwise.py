@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve import kernels
-from pdserve.kernels import cpu_pointwise
+from pdserve.kernels import cpu_pointwise, dispatch
 from pdserve.kernels import torch_ops as ref
 
 pytestmark = pytest.mark.skipif(not cpu_pointwise.available(),
@@ -97,3 +97,29 @@ def test_refuses_what_it_does_not_take(gen):
         cpu_pointwise.rms_norm_cpu(torch.randn(2, 8), torch.ones(9), 1e-6)
     with pytest.raises(ValueError, match="a residual shaped as x"):
         cpu_pointwise.rms_norm_cpu(torch.randn(2, 8), torch.ones(8), 1e-6, torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 6])
+def test_rotary_is_the_reference_to_the_bit(gen, head_dim):
+    """q and k packed in a wider qkv row (strided, as the model has them) and apart: the C RoPE
+    gives rotary_torch's bits (the same products and sums, none fused), so Hugging Face's."""
+    heads, kv_heads, tokens = 4, 2, 7
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=gen) * 5
+    qk = qkv[:, :heads + kv_heads]
+    theta = torch.rand(40, head_dim // 2, generator=gen) * 30
+    cache = torch.cat([theta.cos(), theta.sin()], -1)
+    pos = torch.tensor([0, 39, 3, 3, 17, 1, 22])
+    table = ref.rope_table_torch(pos, cache)
+    q_want, k_want = ref.rotary_torch(qk[:, :heads], qk[:, heads:], pos, cache)
+    q_got, k_got = dispatch.rotary_packed(qk, heads, pos, cache, backend="native", table=table)
+    assert torch.equal(q_got, q_want) and torch.equal(k_got, k_want)
+    q_got, k_got = kernels.rotary(qk[:, :heads], qk[:, heads:], pos, cache, backend="native")
+    assert torch.equal(q_got, q_want) and torch.equal(k_got, k_want)
+
+
+def test_rotary_refuses_what_it_does_not_take(gen):
+    cos = sin = torch.ones(3, 1, 8)
+    with pytest.raises(ValueError, match="D even"):
+        cpu_pointwise.rotary_cpu(torch.randn(3, 2, 7), cos, sin)
+    with pytest.raises(ValueError, match="D even"):
+        cpu_pointwise.rotary_cpu(torch.randn(4, 2, 8), cos, sin)  # a table for 3 tokens
