@@ -16,23 +16,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
+#include "native_vec.h"
 
 #define MAX_VECTORS 32 /* head_dim up to 512 */
 #define MAX_GROUP 8 /* query heads a pass takes together */
-
-static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
-static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
-
-static inline float sum16(v16 x) {
-    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
-    v8 b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    v8 c = a + b;
-    v4 d = __builtin_shufflevector(c, c, 0, 1, 2, 3) + __builtin_shufflevector(c, c, 4, 5, 6, 7);
-    return (d[0] + d[2]) + (d[1] + d[3]);
-}
 
 /* Rows [lo, hi) of block b of a context of n positions starting at first. */
 static inline int block_lo(int b, int bs, int first) { return b * bs < first ? first - b * bs : 0; }

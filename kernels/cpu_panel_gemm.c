@@ -14,15 +14,10 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
+#include "native_vec.h"
 
 #define PANEL 64
-
-#ifndef ROW_BLOCK
-#define ROW_BLOCK 6
-#endif
-
-static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
+#define ROW_BLOCK 6 /* rows whose 4 x 6 accumulators stay in registers (7 spill) */
 
 /* rows (<= ROW_BLOCK, a constant once inlined) of x against one panel: out (rows, 64) */
 static inline __attribute__((always_inline)) void panel_rows(
@@ -55,16 +50,8 @@ static void panel_block(const float *x, int64_t ldx, const float *panel, int64_t
     case 2: panel_rows(x, ldx, panel, k, out, 2); break;
     case 3: panel_rows(x, ldx, panel, k, out, 3); break;
     case 4: panel_rows(x, ldx, panel, k, out, 4); break;
-#if ROW_BLOCK >= 5
     case 5: panel_rows(x, ldx, panel, k, out, 5); break;
-#endif
-#if ROW_BLOCK >= 6
-    case 6: panel_rows(x, ldx, panel, k, out, 6); break;
-#endif
-#if ROW_BLOCK >= 7
-    case 7: panel_rows(x, ldx, panel, k, out, 7); break;
-#endif
-    default: break;
+    default: panel_rows(x, ldx, panel, k, out, 6); break;
     }
 }
 

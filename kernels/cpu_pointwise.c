@@ -48,8 +48,7 @@ void add_rms_norm_f32(const float *x, const float *residual, float *sum, const f
             v16 v = load16(xr + i);
             squares += v * v;
         }
-        float total = 0.0f;
-        for (int lane = 0; lane < 16; lane++) total += squares[lane];
+        float total = sum16(squares);
         for (; i < hidden; i++) total += xr[i] * xr[i];
         const float inv = 1.0f / sqrtf(total / (float)hidden + eps);
         float *o = out + r * hidden;

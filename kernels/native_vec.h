@@ -10,10 +10,20 @@
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
 
 static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
 static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
 static inline v16 splat16(float x) { return (v16){0} + x; }
+
+static inline float sum16(v16 x) {
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8 b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v8 c = a + b;
+    v4 d = __builtin_shufflevector(c, c, 0, 1, 2, 3) + __builtin_shufflevector(c, c, 4, 5, 6, 7);
+    return (d[0] + d[2]) + (d[1] + d[3]);
+}
 
 /* lanes of a where mask (all ones) is set, b elsewhere */
 static inline v16 select16(v16i mask, v16 a, v16 b) {
