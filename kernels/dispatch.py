@@ -3,6 +3,7 @@
 ``backend`` is ``"auto"`` (Triton when the tensor is on CUDA and Triton imports; on CPU
 ``"native"`` when the C kernels build here, else ``"torch"``), ``"torch"``, ``"native"`` (torch
 with the C decode attention, :mod:`pdserve.kernels.cpu_decode_attention`, for float32 pools,
+the C attention of whole prompts, :mod:`pdserve.kernels.cpu_causal_attention`,
 and the C RMSNorm, SiLU-and-mul and RoPE, :mod:`pdserve.kernels.cpu_pointwise`, for float32) or
 ``"triton"`` (forced; on CPU it needs ``TRITON_INTERPRET=1`` set before triton is imported).
 Triton modules are imported lazily so the CPU path never imports triton.
@@ -15,7 +16,12 @@ import importlib
 
 import torch
 
-from pdserve.kernels import cpu_decode_attention, cpu_pointwise, torch_attention
+from pdserve.kernels import (
+    cpu_causal_attention,
+    cpu_decode_attention,
+    cpu_pointwise,
+    torch_attention,
+)
 from pdserve.kernels import torch_ops as ref
 from pdserve.kernels.kv_layout import KVCacheLayer
 
@@ -56,6 +62,13 @@ def _decode_attention_cpu(query, cache, block_tables, context_lens, scale, slidi
                                                         context_lens, scale, sliding_window)
 
 
+def _causal_attention_cpu(q, k, v, scale):
+    """Whole prompts through the C causal attention where it takes them, else torch's SDPA."""
+    if cpu_causal_attention.takes(q, k, v):
+        return cpu_causal_attention.causal_attention_cpu(q, k, v, scale)
+    return torch_attention._causal_sdpa_in_chunks(q, k, v, scale)
+
+
 def _triton(module: str):
     return importlib.import_module(f"pdserve.kernels.{module}")
 
@@ -75,10 +88,12 @@ def paged_attention(query, cache: KVCacheLayer, cu_seqlens_q, context_lens, bloc
         return _triton("prefill_attention").prefill_attention(
             query, cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
             max_query_len=max_query_len)
-    decode = (_decode_attention_cpu if resolved == "native"
-              else torch_attention.paged_decode_attention_torch)
+    if resolved == "native":
+        return torch_attention.paged_attention_torch(
+            query, cache, cu_seqlens_q, context_lens, block_tables, scale, sliding_window,
+            decode=_decode_attention_cpu, causal=_causal_attention_cpu)
     return torch_attention.paged_attention_torch(query, cache, cu_seqlens_q, context_lens,
-                                                 block_tables, scale, sliding_window, decode)
+                                                 block_tables, scale, sliding_window)
 
 
 def paged_decode_attention(query, cache: KVCacheLayer, block_tables, context_lens, scale: float,

@@ -107,14 +107,15 @@ def _visible(q_pos: torch.Tensor, max_ctx: int, sliding_window: int | None) -> t
 
 def _multi_query_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: torch.Tensor,
                            context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                           sliding_window: int | None) -> torch.Tensor:
+                           sliding_window: int | None, causal) -> torch.Tensor:
     """Attention of packed queries (tokens, heads, hd) of sequences with several queries each,
-    padded per group of similar lengths (:func:`length_groups`). fp32 out."""
+    padded per group of similar lengths (:func:`length_groups`); whole prompts through
+    ``causal`` (:func:`_causal_sdpa_in_chunks`'s contract). fp32 out."""
     groups = length_groups(context_lens.tolist(), q_lens.tolist(),
                            query.shape[1] * query.shape[2])
     if len(groups) == 1:
         return _padded_attention(query, cache, q_lens, context_lens, block_tables, scale,
-                                 sliding_window)
+                                 sliding_window, causal)
     group_of_seq = torch.empty(len(q_lens), dtype=torch.long)
     for g, group in enumerate(groups):
         group_of_seq[group] = g
@@ -124,19 +125,20 @@ def _multi_query_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: tor
         tokens = group_of_token == g  # (a group's tokens keep their order: its sequences')
         seqs = torch.tensor(group, device=query.device)
         out[tokens] = _padded_attention(query[tokens], cache, q_lens[seqs], context_lens[seqs],
-                                        block_tables[seqs], scale, sliding_window)
+                                        block_tables[seqs], scale, sliding_window, causal)
     return out
 
 
 def _padded_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                      sliding_window: int | None) -> torch.Tensor:
+                      sliding_window: int | None, causal) -> torch.Tensor:
     """Attention of packed queries (tokens, heads, hd) whose sequences have ``q_lens``,
     computed on a (num_seqs, max_q) padding. Returns fp32 (tokens, heads, hd).
 
     When every sequence is a whole prompt (its queries are its context) and there is no
-    window, the rule is plain causal (:func:`_causal_sdpa_in_chunks`): the padding keys lie
-    past every real query. One sequence takes no padding at all."""
+    window, the rule is plain causal (``causal``, :func:`_causal_sdpa_in_chunks` or one with its
+    contract): the padding keys lie past every real query. One sequence takes no padding at
+    all."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
     device = query.device
@@ -161,7 +163,7 @@ def _padded_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: torch.Te
                             q_pos, -1)
         mask = _visible(q_pos, max_ctx, sliding_window)[:, None]  # padding sees nothing
     q = q.transpose(1, 2)
-    out = (_causal_sdpa_in_chunks(q, k, v, scale) if mask is None
+    out = (causal(q, k, v, scale) if mask is None
            else _sdpa(q, k, v, scale, mask))  # (S, heads, max_q, hd)
     if num_seqs == 1:
         return out[0].transpose(0, 1)
@@ -198,7 +200,8 @@ def _chunk_masks(num_q: int, chunk: int, device: torch.device) -> list[torch.Ten
 
 def paged_attention_torch(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q: torch.Tensor,
                           context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                          sliding_window: int | None = None, decode=None) -> torch.Tensor:
+                          sliding_window: int | None = None, decode=None,
+                          causal=None) -> torch.Tensor:
     """Causal attention of packed variable-length queries over their paged contexts.
 
     query: (num_tokens, num_heads, head_dim), sequences packed by ``cu_seqlens_q`` (num_seqs+1).
@@ -208,9 +211,12 @@ def paged_attention_torch(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q
 
     Sequences with one query (decodes in a mixed batch) take the decode path, ``decode``
     (:func:`paged_decode_attention_torch` unless given, with its arguments), so a long prefill
-    chunk does not pad every decode in the batch to its length.
+    chunk does not pad every decode in the batch to its length. Whole prompts (no cached
+    prefix, no window) attend through ``causal`` (:func:`_causal_sdpa_in_chunks` unless given,
+    with its contract).
     """
     decode = decode or paged_decode_attention_torch
+    causal = causal or _causal_sdpa_in_chunks
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     if query.shape[0] == 0:
         return query.new_empty(query.shape)
@@ -219,7 +225,7 @@ def paged_attention_torch(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q
         return decode(query, cache, block_tables, context_lens, scale, sliding_window)
     if not bool(single.any()):
         return _multi_query_attention(query, cache, q_lens, context_lens, block_tables, scale,
-                                      sliding_window).to(query.dtype)
+                                      sliding_window, causal).to(query.dtype)
     token_single = torch.repeat_interleave(single, q_lens)  # (num_tokens,)
     out = torch.empty_like(query)
     out[token_single] = decode(query[token_single], cache, block_tables[single],
@@ -227,7 +233,7 @@ def paged_attention_torch(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q
     multi = ~single
     out[~token_single] = _multi_query_attention(
         query[~token_single], cache, q_lens[multi], context_lens[multi], block_tables[multi],
-        scale, sliding_window).to(query.dtype)
+        scale, sliding_window, causal).to(query.dtype)
     return out
 
 

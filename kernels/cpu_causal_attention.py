@@ -1,0 +1,68 @@
+"""Whole prompts attending to themselves (causal, no window, no cached prefix) on the CPU
+through the C kernel (``cpu_causal_attention.c``). float32; :func:`takes` says which calls it
+serves, and the torch path (``_causal_sdpa_in_chunks``, its reference) takes the rest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from pdserve.kernels import native_build
+
+MAX_HEAD_DIM = 512
+# below this much work (query-key pairs x heads x head_dim) a call runs on one thread (see
+# cpu_decode_attention.PARALLEL_MIN_WORK)
+PARALLEL_MIN_WORK = 1 << 22
+
+
+@functools.cache
+def _kernel():
+    lib = native_build.load("cpu_causal_attention")
+    if lib is None:
+        return None
+    fn = lib.causal_attention_f32
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float,
+                   i32]
+    fn.restype = i32
+    return fn
+
+
+def available() -> bool:
+    """Whether the C kernel is built and loaded on this machine (builds it on first call)."""
+    return _kernel() is not None
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`causal_attention_cpu` serves these (the shapes it is given)."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, k, v))
+            and q.shape[-1] <= MAX_HEAD_DIM and available())
+
+
+def causal_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """The contract of ``_causal_sdpa_in_chunks``: q (S, heads, Q, hd) at positions 0..Q-1,
+    k and v (S, Q, kv_heads, hd); returns (S, heads, Q, hd) (a view of a (S, Q, heads, hd)
+    tensor)."""
+    if not takes(q, k, v):
+        raise ValueError("the C causal attention takes float32 CPU tensors with head_dim <= "
+                         f"{MAX_HEAD_DIM} and the built kernel (available())")
+    seqs, heads, n, head_dim = q.shape
+    kv_heads = k.shape[2]
+    if k.shape != (seqs, n, kv_heads, head_dim) or v.shape != k.shape or heads % kv_heads:
+        raise ValueError(f"k and v must be (S, Q, kv_heads, hd) with kv_heads dividing heads; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    k, v = k.contiguous(), v.contiguous()
+    out = torch.empty(seqs, n, heads, head_dim, dtype=torch.float32)
+    work = seqs * n * n * heads * head_dim // 2
+    code = _kernel()(q.data_ptr(), q.stride(0), q.stride(2), q.stride(1), k.data_ptr(),
+                     v.data_ptr(), out.data_ptr(), seqs, n, heads, kv_heads, head_dim, scale,
+                     torch.get_num_threads() if work >= PARALLEL_MIN_WORK else 1)
+    if code:
+        raise ValueError(f"the C causal attention refused {tuple(q.shape)}: code {code}")
+    return out.transpose(1, 2)
