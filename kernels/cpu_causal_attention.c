@@ -33,16 +33,13 @@ static void transpose_keys(const float *k, int64_t ld, int n, int head_dim, floa
         }
 }
 
-/* Queries i0 .. i0 + count - 1 of one head: q rows qld floats apart, out rows old apart,
- * values v rows ld apart, scores room for QB rows of the padded key count. */
-static void attend_queries(const float *q, int64_t qld, const float *kt, const float *v,
-                           int64_t ld, int i0, int count, int head_dim, float scale,
-                           float *scores, int64_t sld, float *out, int64_t old) {
-    const int last = i0 + count - 1, blocks = last / 16 + 1;
+/* scores (QB rows sld apart) = scale * q . k for keys 0 .. last of queries i0 .. i0 + QB - 1,
+ * -inf past each query's position; top[i] the row's largest lane by lane. */
+static void score_queries(const float *q, int64_t qld, const float *kt, int i0, int last,
+                          int head_dim, float scale, float *scores, int64_t sld, v16 *top) {
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    v16 top[QB];
     for (int i = 0; i < QB; i++) top[i] = splat16(-INFINITY);
-    for (int b = 0; b < blocks; b++) {
+    for (int b = 0; b <= last / 16; b++) {
         const float *kb = kt + (int64_t)b * head_dim * 16;
         v16 acc[QB] = {{0}};
         for (int d = 0; d < head_dim; d++) {
@@ -56,23 +53,33 @@ static void attend_queries(const float *q, int64_t qld, const float *kt, const f
             top[i] = select16(s > top[i], s, top[i]);
         }
     }
-    float inv[QB];
+}
+
+/* Each score row (blocks of 16 up to key last) replaced by exp(score - its max); inv[i] the
+ * reciprocal of row i's sum. */
+static void softmax_rows(float *scores, int64_t sld, int last, const v16 *top, float *inv) {
     for (int i = 0; i < QB; i++) {
         float max = -INFINITY;
         for (int l = 0; l < 16; l++) max = top[i][l] > max ? top[i][l] : max;
         v16 sums = {0};
-        for (int b = 0; b < blocks; b++) {
+        for (int b = 0; b <= last / 16; b++) {
             v16 e = vexp16(load16(scores + i * sld + b * 16) - max);
             store16(scores + i * sld + b * 16, e);
             sums += e;
         }
         inv[i] = 1.0f / sum16(sums);
     }
+}
+
+/* out rows (old apart) of count queries = inv * the weights (scores) times the values (rows
+ * ld apart) of keys 0 .. last; four queries and four vectors of head_dim at a time. */
+static void sum_values(const float *scores, int64_t sld, const float *inv, const float *v,
+                       int64_t ld, int last, int count, int head_dim, float *out, int64_t old) {
     const int nv = head_dim / 16, tail = nv * 16;
-    for (int i0v = 0; i0v < count; i0v += 4) /* four queries and four vectors of head_dim */
+    for (int i0 = 0; i0 < count; i0 += 4)
         for (int j0 = 0; j0 < nv; j0 += 4) {
-            int nj = nv - j0 < 4 ? nv - j0 : 4, ni = count - i0v < 4 ? count - i0v : 4;
-            const float *sc = scores + i0v * sld;
+            int nj = nv - j0 < 4 ? nv - j0 : 4, ni = count - i0 < 4 ? count - i0 : 4;
+            const float *sc = scores + i0 * sld;
             v16 acc[4][4] = {{{0}}};
             for (int key = 0; key <= last; key++) {
                 const float *vr = v + key * ld + j0 * 16;
@@ -83,7 +90,7 @@ static void attend_queries(const float *q, int64_t qld, const float *kt, const f
             }
             for (int i = 0; i < ni; i++)
                 for (int j = 0; j < nj; j++)
-                    store16(out + (i0v + i) * old + (j0 + j) * 16, acc[i][j] * inv[i0v + i]);
+                    store16(out + (i0 + i) * old + (j0 + j) * 16, acc[i][j] * inv[i0 + i]);
         }
     for (int i = 0; i < count; i++)
         for (int d = tail; d < head_dim; d++) {
@@ -91,6 +98,19 @@ static void attend_queries(const float *q, int64_t qld, const float *kt, const f
             for (int key = 0; key <= last; key++) x += scores[i * sld + key] * v[key * ld + d];
             out[i * old + d] = x * inv[i];
         }
+}
+
+/* Queries i0 .. i0 + count - 1 of one head: q rows qld floats apart (QB of them), out rows old
+ * apart, values v rows ld apart, scores room for QB rows of the padded key count. */
+static void attend_queries(const float *q, int64_t qld, const float *kt, const float *v,
+                           int64_t ld, int i0, int count, int head_dim, float scale,
+                           float *scores, int64_t sld, float *out, int64_t old) {
+    const int last = i0 + count - 1;
+    v16 top[QB];
+    float inv[QB];
+    score_queries(q, qld, kt, i0, last, head_dim, scale, scores, sld, top);
+    softmax_rows(scores, sld, last, top, inv);
+    sum_values(scores, sld, inv, v, ld, last, count, head_dim, out, old);
 }
 
 /* seqs sequences of n positions each, every one a whole prompt: q (seqs, n, heads, head_dim)
