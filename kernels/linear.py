@@ -11,8 +11,9 @@ builds and the layout checks out. :func:`linear` is the one entry; ``F.linear`` 
 unpacked weight is its reference (the packed GEMMs sum in other orders: the same to fp32
 rounding).
 
-A packed weight is an opaque oneDNN tensor: no storage torch can see (no ``data_ptr``); count
-its bytes as elements x element size.
+A packed weight is an opaque oneDNN tensor: no storage torch can see (no ``data_ptr``;
+``torch.ops.mkldnn.data_ptr`` gives its buffer to the C kernel); count its bytes as elements x
+element size.
 """
 
 from __future__ import annotations
