@@ -13,22 +13,17 @@ import torch
 from pdserve.kernels import native_build
 
 MAX_HEAD_DIM = 512
-# below this much work (query-key pairs x heads x head_dim) a call runs on one thread (see
-# cpu_decode_attention.PARALLEL_MIN_WORK)
+# below this much work (query-key pairs x heads x head_dim) a call runs on one thread
+# (native_build.threads says why)
 PARALLEL_MIN_WORK = 1 << 22
 
 
 @functools.cache
 def _kernel():
-    lib = native_build.load("cpu_causal_attention")
-    if lib is None:
-        return None
-    fn = lib.causal_attention_f32
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float,
-                   i32]
-    fn.restype = i32
-    return fn
+    lib = native_build.bind("cpu_causal_attention", {"causal_attention_f32": (
+        i32, [ptr, i64, i64, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32])})
+    return None if lib is None else lib.causal_attention_f32
 
 
 def available() -> bool:
@@ -62,7 +57,7 @@ def causal_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     work = seqs * n * n * heads * head_dim // 2
     code = _kernel()(q.data_ptr(), q.stride(0), q.stride(2), q.stride(1), k.data_ptr(),
                      v.data_ptr(), out.data_ptr(), seqs, n, heads, kv_heads, head_dim, scale,
-                     torch.get_num_threads() if work >= PARALLEL_MIN_WORK else 1)
+                     native_build.threads(work, PARALLEL_MIN_WORK))
     if code:
         raise ValueError(f"the C causal attention refused {tuple(q.shape)}: code {code}")
     return out.transpose(1, 2)

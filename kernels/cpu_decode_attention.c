@@ -25,6 +25,21 @@
 static inline int block_lo(int b, int bs, int first) { return b * bs < first ? first - b * bs : 0; }
 static inline int block_hi(int b, int bs, int n) { return n - b * bs < bs ? n - b * bs : bs; }
 
+/* Scores of positions first .. n - 1 of each of group rows (n apart) replaced by
+   exp(score - the row's max); inv[h] the reciprocal of row h's sum. */
+static inline void softmax_rows(float *scores, int n, int first, int group, const float *max,
+                                float *inv) {
+    for (int h = 0; h < group; h++) {
+        float total = 0.f, *sh = scores + h * n;
+        for (int p = first; p < n; p++) {
+            float e = expf(sh[p] - max[h]);
+            sh[p] = e;
+            total += e;
+        }
+        inv[h] = 1.f / total;
+    }
+}
+
 /* The query heads h0 .. h0 + group - 1 sharing one kv head: q and out (group, head_dim)
    rows, k/v the pool offset to that kv head, row the stride between consecutive positions of a
    block, scores room for group * n floats. Each K and V row is read once for the group. */
@@ -57,15 +72,7 @@ static inline __attribute__((always_inline)) void attend_group(
         }
     }
     float inv[MAX_GROUP];
-    for (int h = 0; h < group; h++) {
-        float total = 0.f, *sh = scores + h * n;
-        for (int p = first; p < n; p++) {
-            float e = expf(sh[p] - max[h]);
-            sh[p] = e;
-            total += e;
-        }
-        inv[h] = 1.f / total;
-    }
+    softmax_rows(scores, n, first, group, max, inv);
     v16 acc[MAX_GROUP][MAX_VECTORS];
     float acc_tail[MAX_GROUP][16] = {{0}};
     for (int h = 0; h < group; h++)

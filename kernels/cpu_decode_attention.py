@@ -14,9 +14,8 @@ import torch
 from pdserve.kernels import native_build
 from pdserve.kernels.kv_layout import KVCacheLayer
 
-# below this much work (context tokens x heads x head_dim) a call runs on one thread: waking a
-# second costs more than it saves, and an idle OpenMP thread spins for a while after each call,
-# taking a core from the worker's other processes (torch splits its own ops by a grain size too)
+# below this much work (context tokens x heads x head_dim) a call runs on one thread
+# (native_build.threads says why)
 PARALLEL_MIN_WORK = 1 << 20
 
 _ERRORS = {-1: "a shape the kernel does not take", -2: "out of memory",
@@ -25,15 +24,11 @@ _ERRORS = {-1: "a shape the kernel does not take", -2: "out of memory",
 
 @functools.cache
 def _kernel():
-    lib = native_build.load("cpu_decode_attention")
-    if lib is None:
-        return None
-    fn = lib.paged_decode_attention_f32
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int64, ptr, ptr, i32, i32, i32, i32, i32, i32,
-                   ctypes.c_float, i32, i32]
-    fn.restype = i32
-    return fn
+    lib = native_build.bind("cpu_decode_attention", {"paged_decode_attention_f32": (
+        i32, [ptr, ptr, ptr, ptr, ctypes.c_int64, ptr, ptr, i32, i32, i32, i32, i32, i32,
+              ctypes.c_float, i32, i32])})
+    return None if lib is None else lib.paged_decode_attention_f32
 
 
 def available() -> bool:
@@ -69,12 +64,9 @@ def paged_decode_attention_cpu(query: torch.Tensor, cache: KVCacheLayer,
     code = fn(q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), tables.data_ptr(),
               tables.stride(0), lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
               cache.kv.shape[3], head_dim, cache.block_size, cache.num_blocks, scale,
-              sliding_window or 0, _threads(int(lens.sum()) * num_heads * head_dim))
+              sliding_window or 0, native_build.threads(int(lens.sum()) * num_heads * head_dim,
+                                   PARALLEL_MIN_WORK))
     if code:
         raise ValueError(f"C decode attention refused the batch: {_ERRORS.get(code, code)}")
     return out
 
-
-def _threads(work: int) -> int:
-    """Threads for a call of ``work`` (context tokens x heads x head_dim)."""
-    return torch.get_num_threads() if work >= PARALLEL_MIN_WORK else 1

@@ -21,8 +21,8 @@ from pdserve.kernels import native_build
 # Rows up to this many go through the kernel; from here on oneDNN's blocked GEMM is as fast
 # (it reuses each weight panel across more rows than the kernel's registers hold).
 MAX_ROWS = 16
-# below this much work (rows x weight elements) a call runs on one thread (see
-# cpu_decode_attention.PARALLEL_MIN_WORK)
+# below this much work (rows x weight elements) a call runs on one thread
+# (native_build.threads says why)
 PARALLEL_MIN_WORK = 1 << 22
 PANEL, K_BLOCK = 64, 16  # the layout's panel width and the padding of its k rows
 
@@ -31,16 +31,10 @@ _confirmed: dict[tuple[int, int], bool] = {}  # (out, in) -> the packed layout i
 
 @functools.cache
 def _library():
-    lib = native_build.load("cpu_panel_gemm")
-    if lib is None:
-        return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.panel_gemm_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64,
-                                   ctypes.c_int]
-    lib.panel_gemm_f32.restype = ctypes.c_int
-    lib.panel_layout_matches.argtypes = [ptr, i64, i64, ptr, i64]
-    lib.panel_layout_matches.restype = ctypes.c_int
-    return lib
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return native_build.bind("cpu_panel_gemm", {
+        "panel_gemm_f32": (i32, [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]),
+        "panel_layout_matches": (i32, [ptr, i64, i64, ptr, i64])})
 
 
 def available() -> bool:
@@ -85,8 +79,7 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor,
     rows = x.shape[0]
     y = torch.empty(rows, out_features, dtype=torch.float32)
     k_rows = -(-in_features // K_BLOCK) * K_BLOCK
-    work = rows * out_features * in_features
-    threads = torch.get_num_threads() if work >= PARALLEL_MIN_WORK else 1
+    threads = native_build.threads(rows * out_features * in_features, PARALLEL_MIN_WORK)
     code = _library().panel_gemm_f32(
         x.data_ptr(), x.stride(0), torch.ops.mkldnn.data_ptr(packed), k_rows,
         None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, rows,

@@ -13,23 +13,18 @@ import torch
 
 from pdserve.kernels import native_build
 
-# below this many elements a call runs on one thread (see cpu_decode_attention.PARALLEL_MIN_WORK)
+# below this many elements a call runs on one thread
+# (native_build.threads says why)
 PARALLEL_MIN_WORK = 1 << 20
 
 
 @functools.cache
 def _library():
-    lib = native_build.load("cpu_pointwise")
-    if lib is None:
-        return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.silu_and_mul_f32.argtypes = [ptr, i64, i64, i64, ptr, i32]
-    lib.silu_and_mul_f32.restype = None
-    lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, i32]
-    lib.add_rms_norm_f32.restype = None
-    lib.rotary_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i32]
-    lib.rotary_f32.restype = None
-    return lib
+    return native_build.bind("cpu_pointwise", {
+        "silu_and_mul_f32": (None, [ptr, i64, i64, i64, ptr, i32]),
+        "add_rms_norm_f32": (None, [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, i32]),
+        "rotary_f32": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i32])})
 
 
 def available() -> bool:
@@ -45,7 +40,7 @@ def takes(*tensors: torch.Tensor | None) -> bool:
 
 
 def _threads(elements: int) -> int:
-    return torch.get_num_threads() if elements >= PARALLEL_MIN_WORK else 1
+    return native_build.threads(elements, PARALLEL_MIN_WORK)
 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:

@@ -113,3 +113,26 @@ def load(name: str) -> ctypes.CDLL | None:
         logger.warning("the C kernel %s is not available, so the slower torch path runs "
                        "instead: %s", name, exc)
         return None
+
+
+def bind(name: str, signatures: dict[str, tuple]) -> ctypes.CDLL | None:
+    """:func:`load` with each listed function's ctypes signature set, ``{symbol: (restype,
+    [argtypes])}``; None where the kernels do not load."""
+    lib = load(name)
+    if lib is None:
+        return None
+    for symbol, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, symbol)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def threads(work: int, parallel_min_work: int) -> int:
+    """Threads for a kernel call: torch's count from ``parallel_min_work`` (a kernel's own
+    measure of work) on, else one. Waking a second thread for a small call costs more than it
+    saves, and an idle OpenMP thread spins for a while after each call, taking a core from the
+    worker's other processes (torch splits its own ops by a grain size too)."""
+    import torch
+
+    return torch.get_num_threads() if work >= parallel_min_work else 1
+
