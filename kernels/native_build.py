@@ -26,6 +26,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
@@ -132,7 +134,5 @@ def threads(work: int, parallel_min_work: int) -> int:
     measure of work) on, else one. Waking a second thread for a small call costs more than it
     saves, and an idle OpenMP thread spins for a while after each call, taking a core from the
     worker's other processes (torch splits its own ops by a grain size too)."""
-    import torch
-
     return torch.get_num_threads() if work >= parallel_min_work else 1
 
