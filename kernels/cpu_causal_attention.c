@@ -84,7 +84,7 @@ static void sum_values(const float *scores, int64_t sld, const float *inv, const
             for (int key = 0; key <= last; key++) {
                 const float *vr = v + key * ld + j0 * 16;
                 for (int j = 0; j < nj; j++) {
-                    v16 x = load16(vr + j * 16);
+                    v16 x = in_register(load16(vr + j * 16));
                     for (int i = 0; i < 4; i++) acc[i][j] += sc[i * sld + key] * x;
                 }
             }

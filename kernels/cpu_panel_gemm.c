@@ -28,7 +28,8 @@ static inline __attribute__((always_inline)) void panel_rows(
         for (int j = 0; j < 4; j++) acc[m][j] = (v16){0};
     for (int64_t i = 0; i < k; i++) {
         const float *w = panel + i * PANEL;
-        v16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
+        v16 w0 = in_register(load16(w)), w1 = in_register(load16(w + 16));
+        v16 w2 = in_register(load16(w + 32)), w3 = in_register(load16(w + 48));
 #pragma GCC unroll 6
         for (int m = 0; m < rows; m++) {
             float a = x[m * ldx + i];

@@ -17,6 +17,15 @@ static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); retur
 static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
 static inline v16 splat16(float x) { return (v16){0} + x; }
 
+/* x, loaded once and kept in a register: without this the compiler folds a vector's load into
+ * every multiply-add that uses it, reading it from cache again each time, and a loop that
+ * uses one loaded vector for several accumulators is then bound by its loads, not its
+ * multiply-adds. (An empty asm the compiler cannot see through; no instruction.) */
+static inline v16 in_register(v16 x) {
+    __asm__("" : "+v"(x));
+    return x;
+}
+
 static inline float sum16(v16 x) {
     v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
     v8 b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
