@@ -203,10 +203,11 @@ class ModelRunner:
                 and self.graphs.fits(batch.input_ids, batch.metadata)):
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.metadata)
         else:
+            # (num_sampled, hidden): the rows that end a sequence's tokens
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
-                                batch.metadata, after_layer=after_layer)
-            # (num_tokens, hidden) -> (num_sampled, hidden): rows that end a sequence's tokens
-            logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
+                                batch.metadata, after_layer=after_layer,
+                                rows=batch.sample_indices)
+            logits = self.model.compute_logits(hidden)
         if self.meter is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -14,7 +14,9 @@ of the context each attends to), ``num_context`` KV tokens read and ``num_sample
   context read and the new tokens' KV written: num_context counts both). Activations are
   left out: at serving sizes they are small against weights and KV, and mostly stay in cache.
 
-Sliding windows and prefix-cache hits are not modelled (a window only shortens ``attended``).
+Sliding windows and prefix-cache hits are not modelled (a window only shortens ``attended``),
+nor the last layer's unsampled rows, which compute their K/V and nothing else (at most 1/layers
+of a prompt's FLOPs counted that were not spent).
 
 :class:`UtilizationMeter` sums those costs over the forward passes of the last ``window_s``
 seconds; achieved FLOP/s and bytes/s are taken per forward second (the rate while computing),

@@ -70,10 +70,10 @@ def serve(address: str, rank: int, size: int, signer: Signer) -> None:
             if message.op == OP_CALL:
                 group.count_failures(not _call(role, *message.payload))
                 continue
-            input_ids, positions, meta = message.batch
+            input_ids, positions, meta, rows = message.batch
             extras = message.payload
             after_layer = None if extras is None else role.before_forward(extras)
-            model(input_ids, positions, caches, meta, after_layer=after_layer)
+            model(input_ids, positions, caches, meta, after_layer=after_layer, rows=rows)
             if extras is not None:
                 role.after_forward(extras)
     finally:

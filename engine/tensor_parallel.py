@@ -59,9 +59,9 @@ logger = logging.getLogger(__name__)
 
 FOLLOWER_MODULE = "pdserve.engine.tensor_follower"
 OP_STOP, OP_FORWARD, OP_CALL = 0, 1, 2
-# op, num_tokens, num_seqs, block table width, max_query_len, max_context_len, and the bytes
-# of the pickled extras (FORWARD) or call (CALL) that follow the body
-HEADER_WORDS = 7
+# op, num_tokens, num_seqs, block table width, max_query_len, max_context_len, the rows
+# sampled, and the bytes of the pickled extras (FORWARD) or call (CALL) that follow the body
+HEADER_WORDS = 8
 STEP_TIMEOUT_S = 300.0  # a collective inside a step waits this long for the other ranks
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower waits this long for the next step
 START_TIMEOUT_S = 900.0  # followers load their shards and allocate within this
@@ -176,11 +176,11 @@ class TensorGroup:
         num_seqs, width = meta.block_tables.shape
         blob = self._pickled(extras)
         header = torch.tensor([OP_FORWARD, len(batch.input_ids), num_seqs, width,
-                               meta.max_query_len, meta.max_context_len, blob.numel()],
-                              dtype=torch.int64)
+                               meta.max_query_len, meta.max_context_len,
+                               len(batch.sample_indices), blob.numel()], dtype=torch.int64)
         body = torch.cat([t.reshape(-1).to(torch.int64) for t in (
             batch.input_ids, batch.positions, meta.slot_mapping, meta.cu_seqlens_q,
-            meta.context_lens, meta.block_tables)])
+            meta.context_lens, meta.block_tables, batch.sample_indices)])
         self._broadcast(header.to(self.device))
         self._broadcast(body.to(self.device))
         if blob.numel():
@@ -189,7 +189,7 @@ class TensorGroup:
     def send_call(self, method: str, args: tuple) -> int:
         """Have every follower's role run ``method(*args)``; returns how many failed."""
         blob = self._pickled((method, args))
-        self._broadcast(torch.tensor([OP_CALL, 0, 0, 0, 0, 0, blob.numel()],
+        self._broadcast(torch.tensor([OP_CALL, 0, 0, 0, 0, 0, 0, blob.numel()],
                                      dtype=torch.int64, device=self.device))
         self._broadcast(blob.to(self.device))
         return self.count_failures(False)
@@ -210,22 +210,22 @@ class TensorGroup:
         the engine idles."""
         header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
         self._broadcast(header, IDLE_TIMEOUT)
-        op, num_tokens, num_seqs, width, max_query_len, max_context_len, nbytes = \
+        op, num_tokens, num_seqs, width, max_query_len, max_context_len, sampled, nbytes = \
             header.tolist()
         if op == OP_STOP:
             return None
         if op == OP_CALL:
             return Message(op, payload=self._recv_pickled(nbytes))
-        sizes = [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs * width]
+        sizes = [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs * width, sampled]
         body = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
         self._broadcast(body)
-        input_ids, positions, slots, cu_seqlens, context_lens, tables = body.split(sizes)
+        input_ids, positions, slots, cu_seqlens, context_lens, tables, rows = body.split(sizes)
         meta = AttentionMetadata(
             slot_mapping=slots, cu_seqlens_q=cu_seqlens.to(torch.int32),
             context_lens=context_lens.to(torch.int32),
             block_tables=tables.to(torch.int32).view(num_seqs, width),
             max_query_len=max_query_len, max_context_len=max_context_len, backend=backend)
-        return Message(op, (input_ids, positions, meta),
+        return Message(op, (input_ids, positions, meta, rows),
                        self._recv_pickled(nbytes) if nbytes else None)
 
     def _pickled(self, obj: object) -> torch.Tensor:
@@ -245,7 +245,7 @@ class Message:
     """What a follower receives: a forward (its batch, and its role's extras) or a call."""
 
     op: int  # OP_FORWARD | OP_CALL
-    batch: tuple | None = None  # FORWARD: (input_ids, positions, AttentionMetadata)
+    batch: tuple | None = None  # FORWARD: (input_ids, positions, AttentionMetadata, sampled rows)
     payload: object = None  # FORWARD: the extras (or None); CALL: (method, args)
 
 

@@ -36,6 +36,19 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
 
+    def of_rows(self, rows: torch.Tensor) -> AttentionMetadata:
+        """The batch's ``rows`` (R,) of the flat batch, each as one query (a decode) at its own
+        position over the keys up to it, in its sequence's blocks (their K/V already written)."""
+        ends = self.cu_seqlens_q[1:].long()
+        seq = torch.searchsorted(ends, rows, right=True)  # the sequence of each row
+        context_lens = self.context_lens.long()[seq] - (ends[seq] - 1 - rows)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[rows],
+            cu_seqlens_q=torch.arange(len(rows) + 1, dtype=torch.int32, device=rows.device),
+            context_lens=context_lens.to(torch.int32), block_tables=self.block_tables[seq],
+            max_query_len=1, max_context_len=int(context_lens.max()) if len(rows) else 0,
+            backend=self.backend)
+
 
 class Attention(nn.Module):
     """Writes this step's K/V into the paged cache, then attends over the whole context."""
@@ -51,9 +64,17 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer,
-                meta: AttentionMetadata) -> torch.Tensor:
-        # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
+                meta: AttentionMetadata,
+                rows: tuple[torch.Tensor, AttentionMetadata] | None = None) -> torch.Tensor:
+        """q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim);
+        returns (num_tokens, num_heads, head_dim). With ``rows`` (the flat batch's rows and
+        :meth:`AttentionMetadata.of_rows` of them) every token's K/V is written but only those
+        rows' queries attend: returns (len(rows), num_heads, head_dim)."""
         kernels.write_kv(k, v, cache, meta.slot_mapping, backend=meta.backend)
+        if rows is not None:
+            q, meta = q.index_select(0, rows[0]), rows[1]
+            if not len(q):
+                return q
         if meta.is_decode_only:
             return kernels.paged_decode_attention(
                 q, cache, meta.block_tables, meta.context_lens, self.scale, self.sliding_window,

@@ -104,8 +104,9 @@ class SelfAttention(nn.Module):
         return norm.forward(flat, backend=backend).view(num_tokens, num_heads, head_dim)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cache: KVCacheLayer,
-                meta: AttentionMetadata, rope: tuple) -> torch.Tensor:
-        """``rope``: (cos_sin_cache, its rope_table for ``positions``), shared by the layers."""
+                meta: AttentionMetadata, rope: tuple, rows: tuple | None = None) -> torch.Tensor:
+        """``rope``: (cos_sin_cache, its rope_table for ``positions``), shared by the layers.
+        ``rows``: only those rows' outputs (:meth:`Attention.forward`); every K/V is written."""
         num_tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj.forward(hidden)  # (T, q_size + 2 * kv_size)
         qk_size = self.q_size + self.kv_size
@@ -120,8 +121,10 @@ class SelfAttention(nn.Module):
             q = self._head_norm(self.q_norm, q, meta.backend)
             k = self._head_norm(self.k_norm, k, meta.backend)
             q, k = kernels.rotary(q, k, positions, rope[0], backend=meta.backend, table=rope[1])
-        out = self.attn.forward(q, k, v, cache, meta)  # (T, heads, head_dim)
-        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))  # (T, hidden)
+        out = self.attn.forward(q, k, v, cache, meta, rows)  # (T or rows, heads, head_dim)
+        if not len(out):
+            return hidden[:0]
+        return self.o_proj.forward(out.reshape(len(out), self.q_size))  # (T or rows, hidden)
 
 
 class MLP(nn.Module):
@@ -150,14 +153,19 @@ class DecoderLayer(nn.Module):
         # tensor parallel: sums, in place, the ranks' partial outputs of o_proj and down_proj
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
-    def forward(self, positions, hidden, residual, cache, meta, rope):
+    def forward(self, positions, hidden, residual, cache, meta, rope, rows=None):
+        """``rows`` (see :meth:`SelfAttention.forward`): the outputs of those rows alone."""
         backend = meta.backend
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm.forward(hidden, backend=backend)
         else:
             hidden, residual = self.input_layernorm.forward(hidden, residual, backend=backend)
-        hidden = self.self_attn.forward(positions, hidden, cache, meta, rope)
+        hidden = self.self_attn.forward(positions, hidden, cache, meta, rope, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows[0])
+            if not len(hidden):
+                return hidden, residual
         if self.all_reduce is not None:
             self.all_reduce(hidden)
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual, backend=backend)
@@ -225,11 +233,16 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCacheLayer], meta: AttentionMetadata,
-                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                after_layer: Callable[[int], None] | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: (T,) -> final-normed hidden states (T, hidden).
 
         ``after_layer(i)`` runs once layer ``i``'s K/V are in the cache (the prefill worker
-        ships that layer while the next one computes)."""
+        ships that layer while the next one computes). ``rows`` (R,) int64, ascending: the only
+        rows the caller reads (those it samples); returns (R, hidden). The last layer then
+        writes every row's K/V but computes its attention, MLP and norms for those rows
+        alone: no later layer reads the other rows, so that work would be thrown away (1/L
+        of a prompt's)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids and positions must both be (num_tokens,), got "
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
@@ -239,8 +252,10 @@ class LlamaForCausalLM(nn.Module):
         rope = (cos_sin, kernels.rope_table(positions, cos_sin, backend=meta.backend))
         hidden = F.embedding(input_ids, self.model.embed_tokens.weight)  # (T, hidden)
         residual = None
+        last = None if rows is None or len(rows) == len(input_ids) else (rows, meta.of_rows(rows))
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            hidden, residual = layer.forward(positions, hidden, residual, cache, meta, rope)
+            hidden, residual = layer.forward(positions, hidden, residual, cache, meta, rope,
+                                             last if i == self.num_layers - 1 else None)
             if after_layer is not None:
                 after_layer(i)
         hidden, _ = self.model.norm.forward(hidden, residual, backend=meta.backend)  # >= 1 layer

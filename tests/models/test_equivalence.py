@@ -13,6 +13,7 @@ import torch
 from pdserve.kernels import KVCacheLayer
 from pdserve.kernels.torch_attention import paged_attention_torch, paged_decode_attention_torch
 from pdserve.models import load_model
+from pdserve.models.attention import AttentionMetadata
 
 BLOCK_SIZE = 4
 ATOL = RTOL = 1e-4
@@ -102,3 +103,56 @@ def test_sliding_window_semantics_match_transformers():
     out = paged_decode_attention_torch(torch.zeros(1, 1, n), cache, tables, torch.tensor([n]),
                                        1.0, sliding_window=window)
     assert torch.equal(out[0, 0] > 0, hf_visible[-1])
+
+
+def test_sampled_rows_alone_through_the_last_layer(loaded, paged_batch):
+    """forward(rows=...) returns those rows' hidden states as the full forward does (the last
+    layer attends them as single queries, to float32 rounding), writes every K/V the same bit
+    for bit, and runs the last layer's MLP on those rows alone."""
+    model, fulls, _ = loaded
+    prompts = [full[:-1] for full in fulls]
+    full_run, rows_run, empty_run = (
+        paged_batch(model.config, len(fulls), max(map(len, fulls)), seed=3) for _ in range(3))
+    # seq 0: a first chunk (samples nothing); 1: a whole prompt; 2: a decode-like last token
+    # after a cached prefix (written by the first step); 3: three rows sampled (a draft check)
+    for run in (full_run, rows_run, empty_run):
+        ids, pos, meta = run.step({2: (0, prompts[2][:-1])})
+        model(ids, pos, run.caches, meta)
+    step = {0: (0, prompts[0][:3]), 1: (0, prompts[1]), 2: (len(prompts[2]) - 1, prompts[2][-1:]),
+            3: (0, prompts[3] + fulls[3][-1:])}
+    ends = torch.tensor([len(tokens) for _, tokens in step.values()]).cumsum(0)
+    rows = torch.cat([ends[1:3] - 1, torch.arange(ends[3] - 3, ends[3])])
+    ids, pos, meta = full_run.step(step)
+    every = model(ids, pos, full_run.caches, meta)
+    seen = []
+    down = model.model.layers[-1].mlp.down_proj
+    original = down.forward
+    down.forward = lambda x: seen.append(len(x)) or original(x)
+    try:
+        picked = model(ids, pos, rows_run.caches, meta, rows=rows)
+        empty = model(ids, pos, empty_run.caches, meta, rows=rows[:0])
+    finally:
+        del down.forward
+    assert seen == [len(rows)]  # the empty call stops after the last layer's K/V
+    torch.testing.assert_close(picked, every[rows], atol=1e-5, rtol=1e-5)
+    assert torch.equal(model.compute_logits(picked).argmax(-1),
+                       model.compute_logits(every[rows]).argmax(-1))
+    assert empty.shape == (0, model.config.hidden_size)
+    for ours, theirs in zip(rows_run.caches, full_run.caches, strict=True):
+        assert torch.equal(ours.kv, theirs.kv)
+    for ours, theirs in zip(empty_run.caches, full_run.caches, strict=True):
+        assert torch.equal(ours.kv, theirs.kv)  # the empty call wrote every layer's K/V too
+
+
+def test_rows_metadata_are_single_queries_at_their_positions(paged_batch):
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(9), cu_seqlens_q=torch.tensor([0, 4, 5, 9], dtype=torch.int32),
+        context_lens=torch.tensor([4, 12, 7], dtype=torch.int32),
+        block_tables=torch.tensor([[5, 6], [7, 8], [9, 10]], dtype=torch.int32),
+        max_query_len=4, max_context_len=12)
+    rows = meta.of_rows(torch.tensor([3, 4, 6, 8]))
+    assert rows.context_lens.tolist() == [4, 12, 5, 7]  # row 6 is seq 2's position 4
+    assert rows.block_tables.tolist() == [[5, 6], [7, 8], [9, 10], [9, 10]]
+    assert rows.slot_mapping.tolist() == [3, 4, 6, 8]
+    assert rows.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
+    assert rows.is_decode_only and rows.max_context_len == 12
