@@ -5,6 +5,7 @@ from pdserve.kernels.dispatch import (
     pack_blocks,
     paged_attention,
     paged_decode_attention,
+    prompt_attention,
     resolve_backend,
     rms_norm,
     rotary,
@@ -16,5 +17,6 @@ from pdserve.kernels.kv_layout import KVCacheLayer
 
 __all__ = [
     "BACKENDS", "KVCacheLayer", "pack_blocks", "paged_attention", "paged_decode_attention",
-    "resolve_backend", "rms_norm", "rotary", "silu_and_mul", "unpack_blocks", "write_kv",
+    "prompt_attention", "resolve_backend", "rms_norm", "rotary", "silu_and_mul",
+    "unpack_blocks", "write_kv",
 ]

@@ -96,6 +96,21 @@ def paged_attention(query, cache: KVCacheLayer, cu_seqlens_q, context_lens, bloc
                                                  block_tables, scale, sliding_window)
 
 
+def prompt_attention(q, k, v, scale: float, backend: str = "auto"):
+    """One whole prompt (no cached prefix, no window) attending to itself from its own q
+    (T, heads, hd), k and v (T, kv_heads, hd), not read back from the cache: what
+    :func:`paged_attention` computes for it when the cache holds k and v as they are. None on
+    Triton, whose paged kernel reads the cache as fast."""
+    resolved = resolve_backend(backend, q.device)
+    if resolved == "triton":
+        return None
+    causal = (_causal_attention_cpu if resolved == "native"
+              else torch_attention._causal_sdpa_in_chunks)
+    out = causal(ref.as_dtype(q, torch.float32).transpose(0, 1)[None],
+                 ref.as_dtype(k, torch.float32)[None], ref.as_dtype(v, torch.float32)[None], scale)
+    return out[0].transpose(0, 1).to(q.dtype)  # (T, heads, hd)
+
+
 def paged_decode_attention(query, cache: KVCacheLayer, block_tables, context_lens, scale: float,
                            sliding_window: int | None = None, backend: str = "auto",
                            max_context_len: int | None = None):

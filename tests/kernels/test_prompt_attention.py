@@ -1,0 +1,60 @@
+"""A whole prompt attends from its own q, k and v (``kernels.prompt_attention``), not from its
+K/V read back out of the paged pool, where the pool holds them as they are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import kernels
+from pdserve.models.attention import Attention, AttentionMetadata
+from pdserve.testing.paged_batches import TOLERANCE, random_paged_batch, relative_error
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 64, 4
+BACKENDS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
+    not kernels.cpu_decode_attention.available(), reason="no C compiler"))]
+
+
+def _prompt(gen: torch.Generator, n: int, quantized: bool = False):
+    """A prompt of n tokens: its queries, its fresh K and V, a pool holding them (written
+    as the engine writes) and the step's metadata."""
+    batch = random_paged_batch([n], [n], HEADS, KV_HEADS, HEAD_DIM, BLOCK, torch.float32, gen,
+                               quantized=quantized)
+    k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+    meta = AttentionMetadata(
+        slot_mapping=batch.slot_mapping, cu_seqlens_q=batch.cu_seqlens_q,
+        context_lens=batch.context_lens, block_tables=batch.block_tables, max_query_len=n,
+        max_context_len=n)
+    return batch, k, v, meta
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prompt_attention_equals_the_paged_path(gen, backend):
+    batch, k, v, meta = _prompt(gen, 37)
+    kernels.write_kv(k, v, batch.cache, batch.slot_mapping)
+    want = kernels.paged_attention(batch.query, batch.cache, batch.cu_seqlens_q,
+                                   batch.context_lens, batch.block_tables, 0.125,
+                                   backend=backend)
+    got = kernels.prompt_attention(batch.query, k, v, 0.125, backend=backend)
+    assert got.shape == want.shape
+    assert relative_error(got, want) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("window, quantized, from_pool", [
+    (None, False, False),  # float pool: k and v as stored, no read-back
+    (8, False, True),  # a window: the paged path's mask
+    (None, True, True),  # int8 pool: the prompt attends over what the pool keeps
+])
+def test_attention_reads_the_pool_back_only_where_it_must(gen, monkeypatch, window, quantized,
+                                                          from_pool):
+    batch, k, v, meta = _prompt(gen, 21, quantized)
+    paged = kernels.paged_attention
+    calls = []
+    monkeypatch.setattr(kernels, "paged_attention",
+                        lambda *args, **kw: calls.append(1) or paged(*args, **kw))
+    layer = Attention(HEADS, KV_HEADS, HEAD_DIM, 0.125, sliding_window=window)
+    got = layer.forward(batch.query, k, v, batch.cache, meta)
+    assert calls == ([1] if from_pool else [])
+    want = paged(batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
+                 batch.block_tables, 0.125, window)
+    assert relative_error(got, want) < TOLERANCE[torch.float32]
