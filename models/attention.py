@@ -75,7 +75,7 @@ class Attention(nn.Module):
             q, meta = q.index_select(0, rows[0]), rows[1]
             if not len(q):
                 return q
-        if (self.sliding_window is None and meta.num_seqs == 1
+        elif (self.sliding_window is None and meta.num_seqs == 1
                 and meta.max_query_len == meta.max_context_len and cache.kv.dtype == k.dtype):
             # one whole prompt, its K/V stored as they are: attend from them, not the cache
             out = kernels.prompt_attention(q, k, v, self.scale, backend=meta.backend)

@@ -144,6 +144,20 @@ def test_sampled_rows_alone_through_the_last_layer(loaded, paged_batch):
         assert torch.equal(ours.kv, theirs.kv)  # the empty call wrote every layer's K/V too
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_one_sampled_row_beside_a_chunk_that_samples_nothing(loaded, paged_batch, backend):
+    """A one-token prompt, the only row sampled, beside another prompt's first chunk: in the
+    last layer it attends as one query over its one key (not as a whole prompt over the
+    step's K/V)."""
+    model, fulls, _ = loaded
+    full_run, rows_run = (paged_batch(model.config, len(fulls), max(map(len, fulls)), seed=4,
+                                      backend=backend) for _ in range(2))
+    ids, pos, meta = full_run.step({0: (0, fulls[0][:1]), 1: (0, fulls[1][:5])})
+    every = model(ids, pos, full_run.caches, meta)
+    picked = model(ids, pos, rows_run.caches, meta, rows=torch.tensor([0]))
+    torch.testing.assert_close(picked, every[:1], atol=1e-5, rtol=1e-5)
+
+
 def test_rows_metadata_are_single_queries_at_their_positions(paged_batch):
     meta = AttentionMetadata(
         slot_mapping=torch.arange(9), cu_seqlens_q=torch.tensor([0, 4, 5, 9], dtype=torch.int32),
