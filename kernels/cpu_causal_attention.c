@@ -1,5 +1,5 @@
-/* Whole prompts attending to themselves on the CPU: causal, no window, no cached prefix,
- * float32, grouped-query heads.
+/* Prompts attending to themselves on the CPU, whole or a chunk after their cached prefix:
+ * causal, no window, float32, grouped-query heads.
  *
  * For each sequence and kv head the keys are first laid out sixteen to a block with the
  * head_dim running down the block (the transpose of their rows), so that scoring eight queries
@@ -100,37 +100,40 @@ static void sum_values(const float *scores, int64_t sld, const float *inv, const
         }
 }
 
-/* Queries i0 .. i0 + count - 1 of one head: q rows qld floats apart (QB of them), out rows old
- * apart, values v rows ld apart, scores room for QB rows of the padded key count. */
+/* The queries at positions p0 .. p0 + count - 1 of one head: q rows qld floats apart (QB of
+ * them), out rows old apart, values v rows ld apart, scores room for QB rows of the padded key
+ * count. */
 static void attend_queries(const float *q, int64_t qld, const float *kt, const float *v,
-                           int64_t ld, int i0, int count, int head_dim, float scale,
+                           int64_t ld, int p0, int count, int head_dim, float scale,
                            float *scores, int64_t sld, float *out, int64_t old) {
-    const int last = i0 + count - 1;
+    const int last = p0 + count - 1;
     v16 top[QB];
     float inv[QB];
-    score_queries(q, qld, kt, i0, last, head_dim, scale, scores, sld, top);
+    score_queries(q, qld, kt, p0, last, head_dim, scale, scores, sld, top);
     softmax_rows(scores, sld, last, top, inv);
     sum_values(scores, sld, inv, v, ld, last, count, head_dim, out, old);
 }
 
-/* seqs sequences of n positions each, every one a whole prompt: q (seqs, n, heads, head_dim)
- * with strides (q_seq, q_token, q_head, 1); k, v (seqs, n, kv_heads, head_dim) contiguous;
- * out (seqs, n, heads, head_dim) contiguous. Query p sees keys 0 .. p. Returns 0, -1 for a
- * shape it does not take, -2 when out of memory. */
+/* seqs sequences of offset + n positions each, the queries their last n: q (seqs, n, heads,
+ * head_dim) with strides (q_seq, q_token, q_head, 1); k, v (seqs, offset + n, kv_heads,
+ * head_dim) contiguous; out (seqs, n, heads, head_dim) contiguous. The query at position p
+ * sees keys 0 .. p (offset 0: whole prompts; else a chunk after its cached prefix). Returns
+ * 0, -1 for a shape it does not take, -2 when out of memory. */
 int causal_attention_f32(const float *q, int64_t q_seq, int64_t q_token, int64_t q_head,
-                         const float *k, const float *v, float *out, int seqs, int n, int heads,
-                         int kv_heads, int head_dim, float scale, int threads) {
-    if (seqs < 0 || n < 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0
+                         const float *k, const float *v, float *out, int seqs, int n, int offset,
+                         int heads, int kv_heads, int head_dim, float scale, int threads) {
+    if (seqs < 0 || n < 0 || offset < 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0
             || head_dim > MAX_HEAD_DIM)
         return -1;
     if (seqs == 0 || n == 0) return 0;
-    const int group = heads / kv_heads, blocks = (n + 15) / 16, qblocks = (n + QB - 1) / QB;
+    const int keys = offset + n, group = heads / kv_heads, blocks = (keys + 15) / 16;
+    const int qblocks = (n + QB - 1) / QB;
     const int64_t ld = (int64_t)kv_heads * head_dim, kt_size = (int64_t)blocks * head_dim * 16;
     float *kt = malloc(sizeof(float) * (size_t)(kt_size * kv_heads * seqs));
     if (kt == NULL) return -2;
     for (int s = 0; s < seqs; s++)
         for (int g = 0; g < kv_heads; g++)
-            transpose_keys(k + (int64_t)s * n * ld + g * head_dim, ld, n, head_dim,
+            transpose_keys(k + (int64_t)s * keys * ld + g * head_dim, ld, keys, head_dim,
                            kt + (int64_t)(s * kv_heads + g) * kt_size);
     int failed = 0;
     const int64_t tasks = (int64_t)seqs * heads * qblocks;
@@ -157,8 +160,9 @@ int causal_attention_f32(const float *q, int64_t q_seq, int64_t q_token, int64_t
             qld = head_dim;
         }
         attend_queries(qs, qld, kt + (int64_t)(s * kv_heads + g) * kt_size,
-                       v + (int64_t)s * n * ld + g * head_dim, ld, i0, count, head_dim, scale,
-                       scores, sld, out + (((int64_t)s * n + i0) * heads + h) * head_dim,
+                       v + (int64_t)s * keys * ld + g * head_dim, ld, offset + i0, count,
+                       head_dim, scale, scores, sld,
+                       out + (((int64_t)s * n + i0) * heads + h) * head_dim,
                        (int64_t)heads * head_dim);
         free(scores);
     }

@@ -3,7 +3,7 @@
 ``backend`` is ``"auto"`` (Triton when the tensor is on CUDA and Triton imports; on CPU
 ``"native"`` when the C kernels build here, else ``"torch"``), ``"torch"``, ``"native"`` (torch
 with the C decode attention, :mod:`pdserve.kernels.cpu_decode_attention`, for float32 pools,
-the C attention of whole prompts, :mod:`pdserve.kernels.cpu_causal_attention`,
+the C causal attention of prompts, :mod:`pdserve.kernels.cpu_causal_attention`,
 and the C RMSNorm, SiLU-and-mul and RoPE, :mod:`pdserve.kernels.cpu_pointwise`, for float32) or
 ``"triton"`` (forced; on CPU it needs ``TRITON_INTERPRET=1`` set before triton is imported).
 Triton modules are imported lazily so the CPU path never imports triton.
@@ -63,7 +63,7 @@ def _decode_attention_cpu(query, cache, block_tables, context_lens, scale, slidi
 
 
 def _causal_attention_cpu(q, k, v, scale):
-    """Whole prompts through the C causal attention where it takes them, else torch's SDPA."""
+    """Causal prompts through the C attention where it takes them, else torch's SDPA."""
     if cpu_causal_attention.takes(q, k, v):
         return cpu_causal_attention.causal_attention_cpu(q, k, v, scale)
     return torch_attention._causal_sdpa_in_chunks(q, k, v, scale)

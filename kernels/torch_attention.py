@@ -109,8 +109,9 @@ def _multi_query_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: tor
                            context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                            sliding_window: int | None, causal) -> torch.Tensor:
     """Attention of packed queries (tokens, heads, hd) of sequences with several queries each,
-    padded per group of similar lengths (:func:`length_groups`); whole prompts through
-    ``causal`` (:func:`_causal_sdpa_in_chunks`'s contract). fp32 out."""
+    padded per group of similar lengths (:func:`length_groups`); plain causal ones through
+    ``causal`` (:func:`_causal_sdpa_in_chunks`'s contract, see :func:`_padded_attention`).
+    fp32 out."""
     groups = length_groups(context_lens.tolist(), q_lens.tolist(),
                            query.shape[1] * query.shape[2])
     if len(groups) == 1:
@@ -135,10 +136,10 @@ def _padded_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: torch.Te
     """Attention of packed queries (tokens, heads, hd) whose sequences have ``q_lens``,
     computed on a (num_seqs, max_q) padding. Returns fp32 (tokens, heads, hd).
 
-    When every sequence is a whole prompt (its queries are its context) and there is no
-    window, the rule is plain causal (``causal``, :func:`_causal_sdpa_in_chunks` or one with its
-    contract): the padding keys lie past every real query. One sequence takes no padding at
-    all."""
+    When every sequence is a whole prompt (its queries are its context), or there is one
+    sequence (a chunk after its cached prefix), and there is no window, the rule is plain
+    causal (``causal``, :func:`_causal_sdpa_in_chunks` or one with its contract): the padding
+    keys lie past every real query. One sequence takes no padding at all."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
     device = query.device
@@ -156,8 +157,8 @@ def _padded_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: torch.Te
     lo = first - sliding_window + 1 if sliding_window is not None else torch.zeros_like(first)
     k, v = _gather_context(cache, _context_slots(block_tables, lo, context_lens.long(), max_ctx,
                                                  cache.block_size))
-    mask = None  # whole prompts without a window: causal
-    if sliding_window is not None or bool(first.any()):
+    mask = None  # whole prompts, or one sequence's chunk after its prefix, without a window
+    if sliding_window is not None or (num_seqs > 1 and bool(first.any())):
         q_pos = first[:, None] + torch.arange(max_q, device=device)
         q_pos = torch.where(torch.arange(max_q, device=device)[None, :] < q_lens[:, None],
                             q_pos, -1)
@@ -172,12 +173,14 @@ def _padded_attention(query: torch.Tensor, cache: KVCacheLayer, q_lens: torch.Te
 
 def _causal_sdpa_in_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            scale: float) -> torch.Tensor:
-    """:func:`_sdpa` with its causal rule, run on ``CAUSAL_CHUNK`` queries at a time against
+    """:func:`_sdpa` with the causal rule, run on ``CAUSAL_CHUNK`` queries at a time against
     the keys up to the chunk's last: SDPA's CPU kernel takes keys in blocks of 512 and computes
     a whole block before masking it, so one call on a prompt shorter than that does the masked
-    half too. q: (S, heads, Q, hd) at positions 0..Q-1; k, v: (S, Q, kv_heads, hd)."""
+    half too. q: (S, heads, Q, hd) at positions K-Q..K-1 (0..Q-1 for whole prompts, a chunk
+    after its cached prefix otherwise); k, v: (S, K, kv_heads, hd), K >= Q."""
     num_q = q.shape[2]
-    if num_q <= CAUSAL_CHUNK:
+    offset = k.shape[1] - num_q
+    if num_q <= CAUSAL_CHUNK and not offset:
         return _sdpa(q, k, v, scale)
     out = torch.empty_like(q)
     masks = (_chunk_masks(num_q, CAUSAL_CHUNK, q.device) if num_q <= CACHED_MASKS_MAX_Q
@@ -185,7 +188,10 @@ def _causal_sdpa_in_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for index, mask in enumerate(masks):
         start = index * CAUSAL_CHUNK
         end = start + mask.shape[0]
-        out[:, :, start:end] = _sdpa(q[:, :, start:end], k[:, :end], v[:, :end], scale, mask)
+        if offset:  # every key of the prefix is visible to every query
+            mask = torch.cat([mask.new_zeros(mask.shape[0], offset), mask], dim=1)
+        out[:, :, start:end] = _sdpa(q[:, :, start:end], k[:, :offset + end],
+                                     v[:, :offset + end], scale, mask)
     return out
 
 
@@ -211,9 +217,9 @@ def paged_attention_torch(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q
 
     Sequences with one query (decodes in a mixed batch) take the decode path, ``decode``
     (:func:`paged_decode_attention_torch` unless given, with its arguments), so a long prefill
-    chunk does not pad every decode in the batch to its length. Whole prompts (no cached
-    prefix, no window) attend through ``causal`` (:func:`_causal_sdpa_in_chunks` unless given,
-    with its contract).
+    chunk does not pad every decode in the batch to its length. Without a window, whole
+    prompts, and one sequence's chunk after its cached prefix, attend through ``causal``
+    (:func:`_causal_sdpa_in_chunks` unless given, with its contract).
     """
     decode = decode or paged_decode_attention_torch
     causal = causal or _causal_sdpa_in_chunks

@@ -1,5 +1,6 @@
-"""The C attention of whole prompts against its reference, _causal_sdpa_in_chunks (torch's
-SDPA), on random inputs, and the routing that sends it whole prompts only."""
+"""The C causal attention of prompts (whole, or a chunk after a cached prefix) against its
+reference, _causal_sdpa_in_chunks (torch's SDPA), and both against plain torch arithmetic,
+on random inputs; and the routing that sends it what it takes."""
 
 from __future__ import annotations
 
@@ -14,11 +15,22 @@ pytestmark = pytest.mark.skipif(not cpu_causal_attention.available(),
                                 reason="no working C compiler on this machine")
 
 
-def _inputs(gen, seqs, n, heads, kv_heads, head_dim):
-    """q as the caller passes it: (S, heads, n, hd), a transposed view of (S, n, heads, hd)."""
+def _inputs(gen, seqs, n, heads, kv_heads, head_dim, offset=0):
+    """q as the caller passes it: (S, heads, n, hd), a transposed view of (S, n, heads, hd),
+    at positions offset .. offset + n - 1; k, v (S, offset + n, kv_heads, hd)."""
     q = torch.randn(seqs, n, heads, head_dim, generator=gen).transpose(1, 2)
-    k, v = (torch.randn(seqs, n, kv_heads, head_dim, generator=gen) for _ in range(2))
+    k, v = (torch.randn(seqs, offset + n, kv_heads, head_dim, generator=gen) for _ in range(2))
     return q, k, v
+
+
+def _plain(q, k, v, scale):
+    """The causal rule in plain float64 arithmetic: query i (position K - Q + i) sees keys up
+    to its position."""
+    num_q, keys, group = q.shape[2], k.shape[1], q.shape[1] // k.shape[2]
+    k, v = (t.double().repeat_interleave(group, 2).transpose(1, 2) for t in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    visible = torch.arange(keys)[None, :] <= torch.arange(keys - num_q, keys)[:, None]
+    return torch.softmax(scores.masked_fill(~visible, -torch.inf), -1) @ v
 
 
 @pytest.mark.parametrize("seqs,n,heads,kv_heads,head_dim", [
@@ -37,6 +49,21 @@ def test_matches_the_reference(gen, seqs, n, heads, kv_heads, head_dim):
     assert relative_error(got, want) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("n,offset,heads,kv_heads,head_dim", [
+    (256, 512, 9, 3, 64),  # SmolLM2's shape, a chunk after a 512-token prefix
+    (1, 40, 4, 2, 16),  # one query after its prefix
+    (7, 9, 4, 2, 24),  # a prefix ending inside a key block, head_dim with a tail
+    (45, 3, 6, 1, 80),  # more queries than SDPA's chunk of 32
+])
+def test_a_chunk_after_its_prefix(gen, n, offset, heads, kv_heads, head_dim):
+    q, k, v = _inputs(gen, 2, n, heads, kv_heads, head_dim, offset)
+    want = _plain(q, k, v, 0.3)
+    for attend in (cpu_causal_attention.causal_attention_cpu, _causal_sdpa_in_chunks):
+        got = attend(q, k, v, 0.3)
+        assert got.shape == (2, heads, n, head_dim)
+        assert relative_error(got, want.float()) < TOLERANCE[torch.float32]
+
+
 def test_several_threads_give_the_same_result(gen, monkeypatch):
     q, k, v = _inputs(gen, 1, 70, 6, 2, 64)
     alone = cpu_causal_attention.causal_attention_cpu(q, k, v, 0.125)
@@ -49,14 +76,14 @@ def test_several_threads_give_the_same_result(gen, monkeypatch):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("prefix,window,through_kernel", [
-    (False, None, True),  # whole prompts: the kernel
-    (True, None, False),  # a chunk after a cached prefix: SDPA with its mask
-    (False, 4, False),  # a sliding window: SDPA with its mask
+@pytest.mark.parametrize("q_lens,prefix,window,through_kernel", [
+    ([12, 7], False, None, True),  # whole prompts: the kernel
+    ([12], True, None, True),  # one sequence's chunk after its cached prefix: the kernel
+    ([12, 7], True, None, False),  # several after their prefixes (padded): SDPA with a mask
+    ([12, 7], False, 4, False),  # a sliding window: SDPA with its mask
 ])
-def test_native_paged_attention_sends_only_whole_prompts(gen, monkeypatch, prefix, window,
-                                                          through_kernel):
-    q_lens = [12, 7]
+def test_native_paged_attention_sends_what_the_kernel_takes(gen, monkeypatch, q_lens, prefix,
+                                                            window, through_kernel):
     context = [q + 5 if prefix else q for q in q_lens]
     batch = random_paged_batch(context, q_lens, 4, 2, 32, 4, torch.float32, gen)
     calls = []
