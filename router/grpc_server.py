@@ -206,9 +206,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     response.finish_reason = delta.finish_reason
                     response.usage.prompt_tokens = len(prompt_token_ids)
                     response.usage.completion_tokens = num_generated
-                await context.write(response)
+                if not await self._write(context, response, request_id):
+                    return
         finally:
             await end_stream(self._backend, request_id, deltas, finished)
+
+    async def _write(self, context: grpc.aio.ServicerContext,
+                     response: generation_pb2.GenerateResponse, request_id: str) -> bool:
+        """Send one response; False when the call ended under the write (the client went
+        away, or the server is stopping and cuts its calls): the stream then ends quietly,
+        its request aborted, since nobody is left to tell."""
+        try:
+            await context.write(response)
+            return True
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            if not (self._server.stopping or context.cancelled() or context.done()):
+                raise
+            logger.info("Generate %r: the call ended before a response was written (%s)",
+                        request_id, type(exc).__name__)
+            return False
 
     @staticmethod
     async def _next_delta(deltas: AsyncIterator[GenerationDelta],
@@ -283,6 +301,7 @@ class GenerationServer:
         self._poller: asyncio.Task | None = None
         self._draining = False  # set_serving(False) in force
         self._serving = False  # what health reports now
+        self._stopping = False  # stop() has begun
         self.port: int | None = None  # bound port once started
 
     @property
@@ -293,6 +312,11 @@ class GenerationServer:
     @property
     def num_active_requests(self) -> int:
         return self._servicer.num_active_requests
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` has begun (the calls still running are being cut)."""
+        return self._stopping
 
     def check_accepting(self) -> None:
         """Raise ``NoWorkersError`` while draining (a backend not ready is no refusal: requests
@@ -312,6 +336,7 @@ class GenerationServer:
             raise RuntimeError("server already started")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self._stopping = False
         server = grpc.aio.server(interceptors=[AccessInterceptor(self._access)], options=[
             ("grpc.so_reuseport", 0),  # a second server on a busy port must fail, not share it
             ("grpc.max_receive_message_length", self._max_message_bytes),
@@ -357,6 +382,7 @@ class GenerationServer:
                 pass
             self._poller = None
         self._serving = False
+        self._stopping = True
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
         self._server = None

@@ -286,6 +286,43 @@ def test_server_stop_aborts_requests_in_flight():
     run(body())
 
 
+class _EndedCall:
+    """A servicer context whose call has ended under a write: gRPC fails the write (as its
+    ``execute_batch`` does when a stopping server cuts the call)."""
+
+    def __init__(self, cancelled: bool = False):
+        self._cancelled = cancelled
+
+    async def write(self, response) -> None:
+        raise RuntimeError('Failed "execute_batch"')
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def done(self) -> bool:
+        return self._cancelled
+
+
+def test_a_write_into_an_ended_call_ends_the_stream_without_an_error(caplog):
+    """The client gone, or the server stopping: the stream ends (False) and is logged as
+    such; a write that fails on a live call of a running server is still an error."""
+    async def body():
+        server = GenerationServer(FakeBackend())
+        servicer = server._servicer
+        response = pb.GenerateResponse()
+        assert not await servicer._write(_EndedCall(cancelled=True), response, "gone")
+        with pytest.raises(RuntimeError):
+            await servicer._write(_EndedCall(), response, "live")
+        await server.start("127.0.0.1", 0)
+        await server.stop(0)
+        assert server.stopping
+        assert not await servicer._write(_EndedCall(), response, "cut")
+    with caplog.at_level("INFO", logger="pdserve.router.grpc_server"):
+        run(body())
+    ended = [r.getMessage() for r in caplog.records if "call ended" in r.getMessage()]
+    assert len(ended) == 2 and all(r.levelname != "ERROR" for r in caplog.records)
+
+
 def test_health_not_serving_until_ready_then_serving_and_draining():
     async def body():
         backend = FakeBackend(ready=False)
