@@ -31,7 +31,8 @@ GROUP_SHARE = 0.5
 SPLIT_COST = 100_000
 # whole prompts attend in chunks of this many queries (:func:`_causal_sdpa_in_chunks`)
 CAUSAL_CHUNK = 32
-# their masks are kept for prompts up to this long (num_q ** 2 / 2 floats: 8 MB at 2048)
+# their masks are kept while a call has up to this many keys (under queries x keys floats:
+# 16 MB at 2048)
 CACHED_MASKS_MAX_Q = 2048
 
 
@@ -183,25 +184,26 @@ def _causal_sdpa_in_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if num_q <= CAUSAL_CHUNK and not offset:
         return _sdpa(q, k, v, scale)
     out = torch.empty_like(q)
-    masks = (_chunk_masks(num_q, CAUSAL_CHUNK, q.device) if num_q <= CACHED_MASKS_MAX_Q
-             else _chunk_masks.__wrapped__(num_q, CAUSAL_CHUNK, q.device))
+    masks = (_chunk_masks if offset + num_q <= CACHED_MASKS_MAX_Q
+             else _chunk_masks.__wrapped__)(num_q, CAUSAL_CHUNK, q.device, offset)
     for index, mask in enumerate(masks):
         start = index * CAUSAL_CHUNK
         end = start + mask.shape[0]
-        if offset:  # every key of the prefix is visible to every query
-            mask = torch.cat([mask.new_zeros(mask.shape[0], offset), mask], dim=1)
         out[:, :, start:end] = _sdpa(q[:, :, start:end], k[:, :offset + end],
                                      v[:, :offset + end], scale, mask)
     return out
 
 
 @functools.lru_cache(maxsize=4)
-def _chunk_masks(num_q: int, chunk: int, device: torch.device) -> list[torch.Tensor]:
-    """Additive causal masks (chunk, end) of each chunk of ``num_q`` queries: made once for
-    every layer of a forward (and for the next prompt of the same length)."""
-    pos = torch.arange(num_q, device=device)
-    return [torch.where(pos[None, :min(num_q, start + chunk)] <= pos[start:start + chunk, None],
-                        0.0, -torch.inf) for start in range(0, num_q, chunk)]
+def _chunk_masks(num_q: int, chunk: int, device: torch.device,
+                 offset: int = 0) -> list[torch.Tensor]:
+    """Additive causal masks (chunk, offset + end) of each chunk of ``num_q`` queries at
+    positions offset .. offset + num_q - 1 (the ``offset`` keys before them visible to all):
+    made once for every layer of a forward (and for the next prompt of the same shape)."""
+    pos = torch.arange(offset + num_q, device=device)
+    return [torch.where(pos[None, :offset + min(num_q, start + chunk)]
+                        <= pos[offset + start:offset + start + chunk, None], 0.0, -torch.inf)
+            for start in range(0, num_q, chunk)]
 
 
 def paged_attention_torch(query: torch.Tensor, cache: KVCacheLayer, cu_seqlens_q: torch.Tensor,
