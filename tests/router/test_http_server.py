@@ -7,7 +7,9 @@ left running)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import socket
 import threading
 
 import httpx
@@ -124,6 +126,32 @@ def test_completions_with_the_openai_client(fake, client):
                                             stream=True, temperature=0))
     assert "".join(c.choices[0].text for c in chunks) == backend.decode([61, 62, 63])
     assert chunks[-1].choices[0].finish_reason == "stop"  # 63 is the fake eos
+
+
+def _server_side_nodelay(port: int) -> list[int]:
+    """TCP_NODELAY of every open server-side connection of the front door on ``port`` (its
+    asyncio transports, found in this process)."""
+    values = []
+    for obj in gc.get_objects():
+        if isinstance(obj, asyncio.Transport) and not obj.is_closing():
+            sock = obj.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6) \
+                    and sock.getsockname()[1] == port and sock.getpeername()[1] != port:
+                values.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+    return values
+
+
+def test_streamed_answers_leave_without_waiting_for_acks(fake):
+    """Each SSE event goes out as its own small write; Nagle's algorithm would hold every
+    one until the client's (delayed) ACK of the one before."""
+    _, url = fake
+    port = int(url.rsplit(":", 1)[1])
+    with httpx.Client(headers={"authorization": f"Bearer {KEY}"}, timeout=10) as http:
+        response = http.post(url + "/v1/completions", json={
+            "model": MODEL, "prompt": [60], "max_tokens": 3, "stream": True})
+        assert response.status_code == 200 and _events(response)[-1] == "[DONE]"
+        values = _server_side_nodelay(port)  # the kept-alive connection is still open
+    assert values and all(values), values
 
 
 def test_chat_with_the_openai_client(fake, client):
