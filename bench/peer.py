@@ -16,6 +16,9 @@ The servers:
   thread and keeps the other core for its API server);
 * ``pdserve-colocated``: one colocated worker with one CPU (the counterpart of vLLM's one model
   thread);
+* ``pdserve-colocated-hold``: the same worker holding new prompts while others decode
+  (``--admission-hold-s 10``: prompts that arrive within the hold prefill together, the
+  decodes run without prefills between them; not in the default ``--servers``);
 * ``pdserve-1p1d``: one prefill and one decode worker, one CPU each (conditional
   disaggregation, the default: a prompt may be prefilled on the decode worker);
 * ``pdserve-1p1d-always``: the same with every prompt on the prefill worker
@@ -71,6 +74,8 @@ def servers(vllm: str, model: str, port: int) -> list[Server]:
                         "--disable-uvicorn-access-log"], vllm_env, "peer"),
         Server("pdserve-colocated", [*pdserve, "--colocated", "--decode", "1"], quiet,
                Path(model).name),
+        Server("pdserve-colocated-hold", [*pdserve, "--colocated", "--decode", "1",
+                                          "--admission-hold-s", "10"], quiet, Path(model).name),
         Server("pdserve-1p1d", [*pdserve, "--prefill", "1", "--decode", "1"], quiet,
                Path(model).name),
         Server("pdserve-1p1d-always", [*pdserve, "--prefill", "1", "--decode", "1",

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.scheduler_output import check_admission_hold
 from pdserve.engine.spec_config import SpeculativeConfig
 from pdserve.kernels import BACKENDS
 
@@ -44,6 +45,11 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit; None = the model's max positions
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    admission_hold_s: float = 0.0  # while sequences decode, a new prompt waits up to this
+    # long (seconds from its arrival) so that prompts arriving close together prefill in one
+    # step and the decodes run without prefills between them: lower time per output token,
+    # later first tokens; it goes at once when nothing decodes or waiting prompts fill a
+    # step. 0: admitted at once
     attention_backend: str = "auto"  # auto | torch | native | triton
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, never as captured CUDA graphs
     cpu_packed_gemm: bool = True  # CPU, float32: linear layers through oneDNN with weights
@@ -91,6 +97,7 @@ class EngineConfig:
         _positive_int("memory_budget_bytes", self.memory_budget_bytes, allow_none=True)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_admission_hold(self.admission_hold_s)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
         if not 0.0 <= self.memory_safety_margin < 0.5:
             raise ValueError("memory_safety_margin must be in [0, 0.5), "

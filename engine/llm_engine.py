@@ -82,7 +82,8 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                             max_num_batched_tokens=cfg.max_num_batched_tokens,
                             max_model_len=parts.max_model_len,
-                            enable_chunked_prefill=cfg.enable_chunked_prefill),
+                            enable_chunked_prefill=cfg.enable_chunked_prefill,
+                            admission_hold_s=cfg.admission_hold_s),
             parts.block_manager, policy or SchedulingPolicy(cfg.scheduling_policy))
         self.sampler = Sampler()
         self._seed_source = random.Random(cfg.seed)

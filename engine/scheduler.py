@@ -204,7 +204,8 @@ class Scheduler:
         self._due = None  # (a general step moves sequences on in its own way)
         out = SchedulerOutput()
         budget, short, deferred = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not short:  # never admit while the running set is short of blocks
+        # never admit while the running set is short of blocks
+        if not short and not self._holds_admission():
             budget = self._schedule_waiting(out, budget)
         for seq in deferred:  # prefills that let better waiting requests go first
             if budget <= 0 or len(out.scheduled) >= self.config.max_num_seqs:
@@ -217,6 +218,27 @@ class Scheduler:
                 item.seq.first_scheduled_time = now
         return out
 
+    def _holds_admission(self) -> bool:
+        """Whether the waiting prompts wait this step (``SchedulerConfig.admission_hold_s``).
+
+        While sequences decode, each step that also computes a prompt takes that prompt's
+        time out of every decode's next token. Held up to the hold from the oldest one's
+        arrival, prompts that arrive close together prefill in one step and the decodes run
+        without prefills between them: lower time per output token, later first tokens.
+        They go at once when nothing decodes (an idle engine adds no wait), when they are at
+        least as many as the decodes (holding them would leave the batch smaller than what
+        waits) or when they fill a step's budget (waiting longer would batch no more)."""
+        hold = self.config.admission_hold_s
+        if hold <= 0.0 or not self.waiting:
+            return False
+        decoding = sum(len(s.token_ids) - s.num_computed_tokens == 1 for s in self.running)
+        if len(self.waiting) >= decoding:
+            return False
+        if time.monotonic() - min(s.arrival_time for s in self.waiting) >= hold:
+            return False
+        waiting_tokens = sum(s.num_uncomputed_tokens for s in self.waiting)
+        return waiting_tokens < self.config.max_num_batched_tokens
+
     def _schedule_pure_decode(self) -> SchedulerOutput | None:
         """A pure decode step of every running sequence when that is what the general
         schedule would do: nothing waits (or every seat is taken), the policy gives decodes
@@ -226,7 +248,8 @@ class Scheduler:
         cfg = self.config
         if (not self.policy.decodes_take_one_token or self.lookahead is not None
                 or not self.running
-                or (self.waiting and len(self.running) < cfg.max_num_seqs)):
+                or (self.waiting and len(self.running) < cfg.max_num_seqs
+                    and not self._holds_admission())):
             return None  # (with every seat taken, the general schedule would admit no one)
         running = SequenceStatus.RUNNING  # (joined or due, then finished: no longer)
         due, joined = self._due, [s for s in self._joined if s.status == running]

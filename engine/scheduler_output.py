@@ -16,6 +16,13 @@ def _check_int(name: str, value, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
+def check_admission_hold(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0.0 <= value < float("inf"):
+        raise ValueError(f"admission_hold_s must be a finite number of seconds >= 0, "
+                         f"got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Limits of one scheduler; validated on construction."""
@@ -24,11 +31,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens in one step at most (chunked prefill budget)
     max_model_len: int  # context limit (prompt + output)
     enable_chunked_prefill: bool = True  # split long prompts over steps
+    admission_hold_s: float = 0.0  # while sequences decode, a new prompt waits up to this
+    # long from its arrival before it is admitted (Scheduler._holds_admission); 0: at once
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 2)
+        check_admission_hold(self.admission_hold_s)
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill must be a bool, "
                              f"got {self.enable_chunked_prefill!r}")
