@@ -12,6 +12,7 @@ from pdserve.decode_worker.mailboxes import MailboxSizes, RouterMailboxes
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.protocol import StepDeltas, WorkerStats, WorkRequest
+from pdserve.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +28,32 @@ class StreamingWorker:
     orphan_timeout_s: float  # a router silent this long is gone: its requests are freed
 
     def submit(self, request: WorkRequest, router: str = "") -> Future:
-        """Queue the request to be prefilled and decoded here: Future[None]; raises ValueError
-        when it can never be served here. ``router`` (its actor name) owns it once queued."""
-        return self.loop.call(self._submit, request, router)
-
-    def _submit(self, request: WorkRequest, router: str) -> None:
-        self.engine.add_work(request)
+        """Queue the request to be prefilled and decoded here: Future[None], done once the
+        request is checked and queued for the engine loop, which adds it before its next step.
+        The check runs on the caller's thread, so a router placing requests never waits for
+        the step in progress. The future holds NeverFits (a ValueError) when the request can
+        never be served here, or the loop's error when it is dead or stopped. ``router`` (its
+        actor name) owns the request once queued."""
+        done: Future = Future()
+        try:
+            seq = self.engine.sequence_for(request)  # reads only what the engine never changes
+        except ValueError as exc:
+            done.set_exception(exc)
+            return done
         self.mailboxes.claim(request.request_id, request.attempt, router)
+        queued = self.loop.call(self._submit, seq)
+        if queued.done():  # refused at once: the loop is dead or stopping
+            return queued
+        done.set_result(None)
+        return done
+
+    def _submit(self, seq: Sequence) -> None:
+        """Add a checked request (loop thread). One whose id is already here (sent twice)
+        is dropped: the first stays, and its deltas answer both."""
+        try:
+            self.engine.add_sequence(seq)
+        except ValueError as exc:
+            logger.error("%s: dropped a second submit of a request: %s", self.worker_id, exc)
 
     def poll(self, timeout: float | None = None, router: str = "") -> StepDeltas:
         """``router``'s deltas: those another router's poll left for it, else what the worker

@@ -168,7 +168,13 @@ class LLMEngine:
 
     def add_work(self, request: WorkRequest) -> Sequence:
         """Queue a router's request (see :meth:`sequence_for`)."""
-        seq = self.sequence_for(request)
+        return self.add_sequence(self.sequence_for(request))
+
+    def add_sequence(self, seq: Sequence) -> Sequence:
+        """Queue a checked, untracked sequence (:meth:`sequence_for`); ValueError if its
+        request id is already here."""
+        if seq.request_id in self._sequences:
+            raise ValueError(f"request_id {seq.request_id!r} is already running")
         self.scheduler.add(seq)
         self.track(seq)
         return seq

@@ -133,7 +133,7 @@ def _server_side_nodelay(port: int) -> list[int]:
     asyncio transports, found in this process)."""
     values = []
     for obj in gc.get_objects():
-        if isinstance(obj, asyncio.Transport) and not obj.is_closing():
+        if issubclass(type(obj), asyncio.Transport) and not obj.is_closing():
             sock = obj.get_extra_info("socket")
             if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6) \
                     and sock.getsockname()[1] == port and sock.getpeername()[1] != port:

@@ -1,0 +1,78 @@
+"""A streaming worker takes a submit while its engine loop is inside a step: the request is
+checked on the caller's thread and queued for the loop, so a router placing requests (one at
+a time, each holding the placement turn until its submit returns) never waits for the step in
+progress. A request that can never fit fails at once; one sent twice runs once."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdserve import SamplingParams
+from pdserve.cluster.workers import InProcTransfer, build_worker
+from pdserve.engine.protocol import NeverFits, WorkRequest
+from pdserve.testing.waits import wait_for
+
+from .conftest import engine_config
+
+STALL_S = 5.0  # the first step sleeps this long before it computes
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPT = [5, 9, 14, 3, 27, 8, 11]
+
+
+def request(request_id: str, prompt=PROMPT) -> WorkRequest:
+    return WorkRequest(request_id, list(prompt), PARAMS, seed=3, arrival_time=time.time())
+
+
+@pytest.fixture(params=["colocated", "decode"])
+def worker(request, hf_checkpoint):
+    """A colocated worker, or a decode worker prefilling a prompt itself (conditional
+    disaggregation), both through ``StreamingWorker.submit``."""
+    made = build_worker(request.param, f"{request.param}-submit",
+                        engine_config(hf_checkpoint("llama"), num_kv_blocks=32),
+                        InProcTransfer())
+    yield made
+    made.close()
+
+
+def collect(worker, request_ids: set[str], timeout: float = 60.0) -> dict[str, list]:
+    """Every delta of ``request_ids`` until each has its final one."""
+    deltas: dict[str, list] = {rid: [] for rid in request_ids}
+    pending, deadline = set(request_ids), time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        for delta in worker.poll(0.2):
+            deltas[delta.request_id].append(delta)
+            if delta.finish_reason is not None:
+                pending.discard(delta.request_id)
+    assert not pending, f"never finished: {pending}"
+    return deltas
+
+
+def test_submits_are_taken_while_a_step_runs(worker):
+    worker.loop.inject_fault("stall", STALL_S)
+    worker.submit(request("first")).result(5)
+    assert wait_for(lambda: worker.loop.busy_since is not None, 10)  # the stalled step began
+    second = worker.submit(request("second"))
+    too_long = worker.submit(request("too-long", list(range(3, 3 + 200))))
+    twice = [worker.submit(request("twice")) for _ in range(2)]
+    assert worker.loop.busy_since is not None  # all of that inside the first step
+    assert second.done() and second.exception() is None
+    assert too_long.done() and isinstance(too_long.exception(), NeverFits)
+    assert all(f.done() and f.exception() is None for f in twice)
+    deltas = collect(worker, {"first", "second", "twice"})
+    tokens = {rid: [t for d in ds for t in d.new_token_ids] for rid, ds in deltas.items()}
+    assert tokens["first"] == tokens["second"] == tokens["twice"]
+    assert len(tokens["first"]) == PARAMS.max_tokens
+    assert [d.finish_reason for d in deltas["twice"]].count("length") == 1  # ran once
+    assert wait_for(lambda: worker.stats().result(5).used_blocks == 0, 10)
+
+
+def test_a_submit_to_a_stopped_worker_fails_at_once(hf_checkpoint):
+    stopped = build_worker("colocated", "stopped", engine_config(hf_checkpoint("llama")))
+    stopped.loop.stop()
+    try:
+        future = stopped.submit(request("late"))
+        assert future.done() and isinstance(future.exception(), RuntimeError)
+    finally:
+        stopped.close()
