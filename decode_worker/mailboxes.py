@@ -72,6 +72,11 @@ class RouterMailboxes:
             self._owners[request_id] = (router, attempt)
             self._heard.setdefault(router, self._clock())
 
+    def release(self, request_id: str) -> None:
+        """Undo a claim whose request was refused after all."""
+        with self._lock:
+            self._owners.pop(request_id, None)
+
     def silent(self, timeout_s: float) -> list[SilentRouter]:
         """Routers that owned requests here and have not polled for ``timeout_s``; a silent
         router that owns nothing is forgotten at once."""

@@ -40,9 +40,11 @@ class StreamingWorker:
         except ValueError as exc:
             done.set_exception(exc)
             return done
+        # claimed before the loop can see it, so its first delta goes to its router
         self.mailboxes.claim(request.request_id, request.attempt, router)
         queued = self.loop.call(self._submit, seq)
         if queued.done():  # refused at once: the loop is dead or stopping
+            self.mailboxes.release(request.request_id)
             return queued
         done.set_result(None)
         return done

@@ -48,8 +48,8 @@ class EngineConfig:
     admission_hold_s: float = 0.0  # while sequences decode, a new prompt waits up to this
     # long (seconds from its arrival) so that prompts arriving close together prefill in one
     # step and the decodes run without prefills between them: lower time per output token,
-    # later first tokens; it goes at once when nothing decodes or waiting prompts fill a
-    # step. 0: admitted at once
+    # later first tokens; prompts go at once when nothing decodes, when as many wait as
+    # decode, or when they fill a step. 0: admitted at once
     attention_backend: str = "auto"  # auto | torch | native | triton
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, never as captured CUDA graphs
     cpu_packed_gemm: bool = True  # CPU, float32: linear layers through oneDNN with weights

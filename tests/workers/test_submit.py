@@ -74,5 +74,6 @@ def test_a_submit_to_a_stopped_worker_fails_at_once(hf_checkpoint):
     try:
         future = stopped.submit(request("late"))
         assert future.done() and isinstance(future.exception(), RuntimeError)
+        assert stopped.mailbox_sizes().num_owned == 0  # a refused request leaves no owner
     finally:
         stopped.close()
