@@ -16,7 +16,7 @@ from pdserve.testing.waits import wait_for
 
 from .conftest import engine_config
 
-STALL_S = 5.0  # the first step sleeps this long before it computes
+STALL_S = 2.0  # the first step sleeps this long before it computes (the submits take ms)
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 9, 14, 3, 27, 8, 11]
 
