@@ -18,7 +18,7 @@ from pdserve.engine.parts import EngineParts
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.sequence import SequenceStatus
 
-from .test_scheduler import TOKEN, _created, req
+from .test_scheduler import TOKEN, req
 
 
 def make(hold_s: float, budget: int = 32, pure: bool = False) -> Scheduler:
@@ -26,7 +26,6 @@ def make(hold_s: float, budget: int = 32, pure: bool = False) -> Scheduler:
                              admission_hold_s=hold_s)
     sched = Scheduler(config, BlockManager(64, 4, True, None))
     sched.pure_decode_steps = pure
-    _created.append(sched)
     return sched
 
 
