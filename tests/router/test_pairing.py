@@ -48,10 +48,12 @@ def test_what_a_router_sent_counts_until_stats_taken_after_it_arrive():
     import dataclasses
     import time
 
-    load = WorkerLoad(dataclasses.replace(stats("d", free=100), taken_at=time.time()))
-    load.sent(blocks=10, tokens=100)
-    before = time.time()
-    load.sent(blocks=5, tokens=50)
+    # explicit call times: two time.time() readings in a row can be equal
+    now = time.time()
+    load = WorkerLoad(dataclasses.replace(stats("d", free=100), taken_at=now))
+    load.sent(blocks=10, tokens=100, at=now + 1)
+    before = now + 2
+    load.sent(blocks=5, tokens=50, at=now + 3)
     assert (load.free_blocks, load.pending_tokens) == (85, 150)
     # the same record read again (a new object, no newer heartbeat) still misses both
     load.refresh(dataclasses.replace(load.stats))
@@ -59,7 +61,7 @@ def test_what_a_router_sent_counts_until_stats_taken_after_it_arrive():
     # stats taken between the two calls count the first one (its 10 blocks are in free=90)
     load.refresh(dataclasses.replace(stats("d", free=90), taken_at=before))
     assert (load.free_blocks, load.pending_tokens) == (85, 50)
-    load.refresh(dataclasses.replace(stats("d", free=85), taken_at=time.time()))
+    load.refresh(dataclasses.replace(stats("d", free=85), taken_at=now + 4))
     assert (load.free_blocks, load.pending_tokens) == (85, 0)
     # stats of unknown age (taken_at 0) count everything sent before them
     load.sent(blocks=3)
