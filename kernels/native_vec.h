@@ -22,7 +22,15 @@ static inline v16 splat16(float x) { return (v16){0} + x; }
  * uses one loaded vector for several accumulators is then bound by its loads, not its
  * multiply-adds. (An empty asm the compiler cannot see through; no instruction.) */
 static inline v16 in_register(v16 x) {
+#if defined(__AVX512F__)
     __asm__("" : "+v"(x));
+#elif defined(__AVX__)
+    /* without AVX-512 a v16 lives in two AVX registers: pin each half */
+    v8 lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8 hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    __asm__("" : "+x"(lo), "+x"(hi));
+    x = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
     return x;
 }
 
