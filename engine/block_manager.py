@@ -25,6 +25,17 @@ Invariants (``check_invariants`` raises ``RuntimeError`` on a violation):
   in ``EngineConfig.prefix_cache_salt``); without one each block manager draws its own.
 - ``match_prefix`` never serves every token of a sequence from the cache: at least one token
   is left to compute so the step can sample from its logits.
+
+Which blocks hold real KV (the one rule every hash obeys): entry ``i`` of a block table holds
+the KV of exactly tokens ``[i * block_size, (i + 1) * block_size)`` when it is not ``None``
+and those tokens are all before ``num_computed_tokens``, and the window (if any) has not yet
+dropped it. Only such a block ever gets a hash. Blocks past ``num_computed_tokens`` (reserved
+for a transfer still on its way, slots of drafts) are never hashed; a block out of the window
+is never hashed once it has left it, since whoever computed it may have freed it already: a
+prefill worker that ships a windowed prompt sends a stand-in for each block it freed during its
+chunked prefill, and the receiver cannot tell those from real ones, so it frees every received
+block out of its window before hashing the rest (:meth:`BlockManager.adopt_received`; a
+windowed model's decode-side prefix cache therefore never matches: its chains start at block 0).
 """
 
 from __future__ import annotations
@@ -208,6 +219,14 @@ class BlockManager:
             parent = h
         if num_full > num_hashed:
             self._chains[seq.request_id] = (num_full, parent)
+
+    def adopt_received(self, seq: Sequence) -> None:
+        """``seq``'s KV for every token before ``num_computed_tokens`` was written into its
+        blocks by another worker (a KV hand-off): free the entries out of the window first
+        (the sender may have sent stand-ins for them, see the module docstring), then hash
+        the full blocks that remain."""
+        self.free_out_of_window(seq)
+        self.cache_computed_blocks(seq)
 
     def cache_filled_blocks(self, seqs: list[Sequence]) -> None:
         """:meth:`cache_computed_blocks` of each of ``seqs``, decodes whose step just filled

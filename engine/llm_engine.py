@@ -249,7 +249,7 @@ class LLMEngine:
         the token runs through the same stop rules and detokenizer here, so later deltas
         continue exactly where the prefill worker left off. Returns token 0's delta."""
         seq.num_computed_tokens = seq.num_tokens
-        self.parts.block_manager.cache_computed_blocks(seq)  # its prompt's blocks are in
+        self.parts.block_manager.adopt_received(seq)  # its prompt's blocks are in
         self.track(seq)
         try:
             delta = self.append_token(seq, first_token_id, None, time.monotonic())

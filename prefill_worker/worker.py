@@ -206,9 +206,12 @@ class PrefillWorker(StepHooks):
         return []  # token 0 reaches the router in the PrefillResult, not as a delta
 
     def _blocks_to_send(self, seq) -> torch.Tensor:
-        """The prompt's blocks after those the decode worker's prefix cache holds."""
+        """The prompt's blocks after those the decode worker's prefix cache holds. A block
+        already out of the window (None: freed here) is sent as a stand-in, block 0's
+        contents, which the decode worker frees before it hashes anything
+        (``BlockManager.adopt_received``)."""
         skip = self._targets[seq.request_id].reservation.num_cached_blocks
-        ids = [0 if b is None else b for b in seq.block_table[skip:]]  # None: out of the window
+        ids = [0 if b is None else b for b in seq.block_table[skip:]]
         return torch.tensor(ids, dtype=torch.int64, device=self.engine.device)
 
     def _send_layers(self, start: int, end: int) -> None:

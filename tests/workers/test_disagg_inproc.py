@@ -76,7 +76,10 @@ def test_the_decode_prefix_cache_receives_only_the_blocks_it_lacks(hf_checkpoint
                                                                    greedy, family, kv):
     """A request sharing 6 blocks of prefix with one the decode worker has run: its
     reservation names them cached, the prefill worker sends only the blocks after them, and
-    greedy output still equals the colocated engine (with a sliding window, and int8 KV)."""
+    greedy output still equals the colocated engine (int8 KV too). With a sliding window the
+    decode worker frees what it received out of its window (it cannot tell a prefill worker's
+    stand-ins from real blocks), so the chain has no head to match: nothing is cached, all is
+    sent, and the tokens are still exact."""
     model_dir = hf_checkpoint(family)
     shared = prompts_for(2, [24])[0]
     prompts = [shared + tail for tail in prompts_for(3, [5, 9])]  # 8 and 9 blocks of 4
@@ -92,6 +95,10 @@ def test_the_decode_prefix_cache_receives_only_the_blocks_it_lacks(hf_checkpoint
                      result.transfer_bytes))
     assert outputs == expected
     (blocks0, cached0, bytes0), (blocks1, cached1, bytes1) = sent
+    if family == "mistral":
+        assert (blocks0, cached0, blocks1, cached1) == (8, 0, 9, 0)
+        assert pair.used_blocks() == (0, 0)
+        return
     assert (blocks0, cached0, blocks1, cached1) == (8, 0, 9, 6)
     if not kv:  # fp32: the bytes are the blocks'
         assert bytes1 * blocks0 == bytes0 * (blocks1 - cached1)
@@ -113,3 +120,43 @@ def test_frame_ranges_split_by_size_and_dtype():
     caches = [layer(torch.float32)] + [layer(torch.int8)] * 4 + [layer(torch.float32)]
     assert frame_ranges(caches, 3) == [(0, 1), (1, 4), (4, 5), (5, 6)]
     assert frame_ranges(caches[1:5], 1) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+@pytest.mark.parametrize("where", ["remote", "local"])
+def test_a_windowed_prompt_longer_than_window_and_chunk_leaves_no_stand_in_in_the_cache(
+        hf_checkpoint, make_pair, hf_greedy, where):
+    """The reported case: a sliding window of 12, blocks of 4, chunks of 8. A 64-token prompt
+    A runs through a prefill worker, which frees the blocks that leave the window during its
+    chunked prefill and ships stand-ins for them. Then a prompt C sharing A's first 12 tokens
+    runs, its prompt computed on the prefill worker (``remote``: the decode worker's
+    reservation matches its prefix cache) or on the decode worker itself (``local``: a submit,
+    as conditional disaggregation does). C's greedy tokens equal transformers'. The decode
+    worker used to hash the stand-ins at commit, and C's first three blocks matched them."""
+    model_dir = hf_checkpoint("mistral", sliding_window=12)
+    prompt_a, tail = prompts_for(7, [64, 4])
+    prompt_c = prompt_a[:12] + tail
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    pair = make_pair(model_dir, max_num_batched_tokens=8)
+    pair.generate("a", prompt_a, params)
+    if where == "remote":
+        tokens, _ = pair.generate("c", prompt_c, params)
+    else:
+        tokens = _submitted(pair.decode, "c", prompt_c, params)
+    assert tokens == hf_greedy(model_dir, [prompt_c], 6)[0]
+    assert pair.used_blocks() == (0, 0)
+
+
+def _submitted(worker, request_id: str, prompt: list[int], params, timeout: float = 60.0):
+    """Submit a prompt to a streaming worker and collect its tokens until the final delta."""
+    import time
+
+    from pdserve.engine.protocol import WorkRequest
+
+    worker.submit(WorkRequest(request_id, list(prompt), params, seed=1,
+                              arrival_time=time.time())).result(timeout)
+    tokens, reason, deadline = [], None, time.monotonic() + timeout
+    while reason is None and time.monotonic() < deadline:
+        for delta in worker.poll(0.2):
+            tokens += delta.new_token_ids
+            reason = delta.finish_reason
+    return tokens
