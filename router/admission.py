@@ -15,7 +15,9 @@ Order (``policy``):
   starved: a request of priority ``p`` waiting behind an endless stream of priority ``q < p``
   gets its turn within ``(p - q + 1) * aging_s`` seconds plus one placement. Inside a level,
   tenants take turns (the tenant served least recently first; requests without a tenant
-  share one anonymous tenant), then arrival.
+  share one anonymous tenant), then arrival. A tenant is remembered only while it has a
+  request waiting or holding the turn: one that comes back after that counts as never served,
+  so the table holds at most one entry per queued request however many tenants come and go.
 
 Shedding (``Router._admit``): when the router is full, a new request that ranks before the
 worst waiting one takes its place and that one fails with QueueFullError (RESOURCE_EXHAUSTED,
@@ -51,11 +53,17 @@ class AdmissionQueue:
         self._waiting: dict[str, tuple[Flight, asyncio.Future]] = {}  # request_id -> turn
         self._holder: str | None = None  # request id holding the turn
         self._served: dict[str, float] = {}  # tenant -> when it last got a turn
+        self._num_queued: dict[str, int] = {}  # tenant -> its requests waiting or holding
         self._holder_flight: Flight | None = None
         self._wake = wake  # called when the holder is outranked (it may be waiting for room)
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    @property
+    def num_tenants(self) -> int:
+        """Tenants remembered: those with a request waiting or holding the turn."""
+        return len(self._num_queued)
 
     def key(self, flight: Flight, now: float | None = None) -> tuple:
         """Rank of a waiting request: the smallest key goes first."""
@@ -72,13 +80,16 @@ class AdmissionQueue:
         if flight.queued_at is None:  # kept across re-queues: aging counts the whole wait
             flight.queued_at = self._clock()
         self._waiting[flight.request_id] = (flight, future)
+        tenant = flight.tenant or ""
+        self._num_queued[tenant] = self._num_queued.get(tenant, 0) + 1
         self._dispatch()
         if self.outranked(self._holder_flight) and self._wake is not None:
             self._wake()
         try:
             await asyncio.wait_for(asyncio.shield(future), timeout)
         except BaseException:
-            self._waiting.pop(flight.request_id, None)
+            if self._waiting.pop(flight.request_id, None) is not None:
+                self._leave(flight)  # still waiting (granted or shed: done() or shedding left)
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.done(flight)  # granted at the last moment: hand it on
             future.cancel()
@@ -88,6 +99,7 @@ class AdmissionQueue:
         """``flight`` has finished placing (or gave up): the next one gets the turn."""
         if self._holder == flight.request_id:
             self._holder, self._holder_flight = None, None
+            self._leave(flight)
             self._dispatch()
 
     def outranked(self, flight: Flight | None) -> bool:
@@ -108,6 +120,7 @@ class AdmissionQueue:
         if self.key(worst, now) <= newcomer_key:
             return False
         del self._waiting[worst_id]
+        self._leave(worst)
         future.set_exception(QueueFullError(
             f"shed for a higher-priority request (priority {worst.request.params.priority}); "
             f"retry in {self.retry_after_s():.0f} s", retry_after_s=self.retry_after_s()))
@@ -116,6 +129,17 @@ class AdmissionQueue:
     def retry_after_s(self) -> float:
         """A hint for refused clients: roughly how long the queue ahead takes to move."""
         return max(1.0, 0.05 * len(self._waiting))
+
+    def _leave(self, flight: Flight) -> None:
+        """``flight`` neither waits nor holds the turn any more: its tenant is forgotten once
+        it has no other request here."""
+        tenant = flight.tenant or ""
+        left = self._num_queued[tenant] - 1
+        if left:
+            self._num_queued[tenant] = left
+        else:
+            del self._num_queued[tenant]
+            self._served.pop(tenant, None)
 
     def _dispatch(self) -> None:
         if self._holder is not None or not self._waiting:

@@ -27,6 +27,11 @@ Health (``grpc.health.v1``) stays open for load balancers and probes.
 * :class:`Caller` and :data:`CALLER`: who sent the request in hand, set by each front door's
   auth layer (:class:`AccessInterceptor` on gRPC, ``http_asgi.Guard`` on HTTP) for the handler
   that runs in the same task; :func:`check_priority` reads it and refuses when none was set.
+* Tenants (fair turns inside a priority level, ``pdserve.router.admission``): with inference
+  keys, each key is one tenant, named by :func:`tenant_of_key` (a short hash, never the key);
+  what a client claims as its tenant is ignored, so it cannot take another key's share.
+  Without keys the client's claimed name is the tenant, at most ``MAX_TENANT_CHARS`` long.
+  :func:`request_tenant` is the one rule both front doors call.
 * :class:`AccessInterceptor`: a ``grpc.aio`` server interceptor applying :class:`Access` to
   every method; a refused call ends with UNAUTHENTICATED (no or wrong key) or
   PERMISSION_DENIED (a known caller without the right).
@@ -48,18 +53,19 @@ import ssl
 import tempfile
 from collections.abc import Awaitable, Callable, Iterable
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote
 
 import grpc
 
-from pdserve.router.errors import PermissionDeniedError
+from pdserve.router.errors import PermissionDeniedError, RequestValidationError
 
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/",)  # methods callable without a key
 ADMIN_GRPC_PREFIX = "/pdserve.v1.Admin/"  # methods that need the admin key (or loopback)
 _BEARER = "bearer "
 _WRONG_KEY = "missing or wrong API key: send metadata 'authorization: Bearer <key>'"
+MAX_TENANT_CHARS = 128  # a client-named tenant (routers without keys), at most
 
 
 class ApiKey:
@@ -91,10 +97,28 @@ class Caller:
     """Who sent the request in hand, as the front door's auth layer found it."""
 
     may_prioritize: bool  # may ask priority < 0 (a priority key, or a router with no keys)
+    tenant: str | None = None  # its key's tenant (tenant_of_key); None: a router without keys
 
 
 OPEN_CALLER = Caller(may_prioritize=True)  # any caller of a router without inference keys
 CALLER: ContextVar[Caller | None] = ContextVar("pdserve_caller", default=None)
+
+
+def tenant_of_key(key: str) -> str:
+    """The tenant an inference key stands for: stable, short, and not the key (a hash of it)."""
+    return "key-" + hashlib.sha256(b"pdserve-tenant\0" + key.encode()).hexdigest()[:12]
+
+
+def request_tenant(claimed: str = "") -> str | None:
+    """The tenant the request in hand counts under (see the module docstring): the caller's
+    key's when :data:`CALLER` has one, ``claimed`` ignored; otherwise ``claimed`` ("" or None:
+    the anonymous tenant), RequestValidationError naming ``tenant`` when it is too long."""
+    caller = CALLER.get()
+    if caller is not None and caller.tenant is not None:
+        return caller.tenant
+    if claimed and len(claimed) > MAX_TENANT_CHARS:
+        raise RequestValidationError("tenant", f"at most {MAX_TENANT_CHARS} characters")
+    return claimed or None
 
 
 def check_priority(priority: int) -> None:
@@ -138,7 +162,9 @@ class Access:
         if admin_key is not None and admin_key in (*api_keys, *priority_keys):
             raise ValueError("admin_api_key must differ from every inference and priority key: "
                              "Admin refuses inference keys")
-        self._inference = [ApiKey(k) for k in dict.fromkeys((*api_keys, *priority_keys))]
+        inference = tuple(dict.fromkeys((*api_keys, *priority_keys)))
+        self._inference = [ApiKey(k) for k in inference]
+        self._tenants = [tenant_of_key(k) for k in inference]  # one per inference key
         self._priority = [ApiKey(k) for k in dict.fromkeys(priority_keys)]
         self._admin = None if admin_key is None else ApiKey(admin_key)
 
@@ -156,9 +182,11 @@ class Access:
         wrong (the admin key is no inference key)."""
         if self.is_open:
             return OPEN_CALLER
-        if not _any_allows(self._inference, authorization):
+        matches = [key.allows(authorization) for key in self._inference]  # no early exit
+        if not any(matches):
             return None
-        return Caller(may_prioritize=_any_allows(self._priority, authorization))
+        return Caller(may_prioritize=_any_allows(self._priority, authorization),
+                      tenant=self._tenants[matches.index(True)])
 
     def admin_refusal(self, authorization: str | bytes | None,
                       peer: str) -> tuple[grpc.StatusCode, str] | None:
@@ -278,7 +306,7 @@ class TLSConfig:
     """A server's TLS material, PEM bytes (see the module docstring)."""
 
     cert_chain: bytes  # the server certificate, then any intermediates
-    private_key: bytes  # the certificate's private key
+    private_key: bytes = field(repr=False)  # the certificate's private key (never shown)
     client_ca: bytes | None = None  # clients must present a certificate signed by this CA
 
     def __post_init__(self) -> None:

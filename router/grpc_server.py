@@ -50,7 +50,13 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.api import generation_pb2, generation_pb2_grpc
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admin_server import AdminBackend, add_admin_service
-from pdserve.router.auth import Access, AccessInterceptor, TLSConfig, check_priority
+from pdserve.router.auth import (
+    Access,
+    AccessInterceptor,
+    TLSConfig,
+    check_priority,
+    request_tenant,
+)
 from pdserve.router.backend import GenerationBackend, GenerationDelta, end_stream
 from pdserve.router.errors import (
     NOT_READY,
@@ -74,7 +80,6 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 TENANT_METADATA = "x-pdserve-tenant"  # metadata key naming the tenant when the field is empty
-MAX_TENANT_CHARS = 128
 _NO_DEADLINE_S = 1e8  # time_remaining() above this means the client set no deadline
 
 _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
@@ -125,11 +130,10 @@ async def _abort_with_status(context: grpc.aio.ServicerContext, exc: Exception,
 
 def tenant_of(request: generation_pb2.GenerateRequest,
               context: grpc.aio.ServicerContext) -> str | None:
-    """The request's tenant: its ``tenant`` field, else ``x-pdserve-tenant`` metadata."""
-    tenant = request.tenant or dict(context.invocation_metadata() or ()).get(TENANT_METADATA, "")
-    if len(tenant) > MAX_TENANT_CHARS:
-        raise RequestValidationError("tenant", f"at most {MAX_TENANT_CHARS} characters")
-    return tenant or None
+    """The request's tenant (``auth.request_tenant``): its key's; on a router without keys
+    its ``tenant`` field, else ``x-pdserve-tenant`` metadata."""
+    claimed = request.tenant or dict(context.invocation_metadata() or ()).get(TENANT_METADATA, "")
+    return request_tenant(claimed)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
