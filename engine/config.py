@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,8 +64,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks computing one engine, each 1/N of every layer's
     # heads and MLP (one process per rank on the worker's machine; gloo on CPU, NCCL on CUDA);
     # memory_budget_bytes is per rank
-    prefix_cache_salt: str | None = None  # secret mixed into every prefix-cache block hash,
-    # one per cluster (the launcher generates it); None: each engine draws its own
+    prefix_cache_salt: str | None = field(default=None, repr=False)  # secret mixed into every
+    # prefix-cache block hash, one per cluster (the launcher generates it); None: each engine
+    # draws its own; never in the repr
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

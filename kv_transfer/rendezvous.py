@@ -34,7 +34,7 @@ import hmac
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -110,9 +110,11 @@ class PairJoin:
     accepted: bytes  # D's answer when it takes the pair
     refused: bytes  # D's answer when it already holds max_peers pairs
     pair_prefix: str  # the group's rendezvous prefix in the store
-    store_key: bytes | None  # signs the group's rendezvous values; None: unsigned (open)
-    decode_proof: bytes | None  # D's first message on the group; None: no handshake (open)
-    prefill_proof: bytes | None  # P's answer to it
+    store_key: bytes | None = field(repr=False)  # signs the group's rendezvous values;
+    # None: unsigned (open); never in the repr, nor are the proofs
+    decode_proof: bytes | None = field(repr=False)  # D's first message on the group; None: no
+    # handshake (open)
+    prefill_proof: bytes | None = field(repr=False)  # P's answer to it
 
 
 def _parse_join(body: bytes, num_fields: int) -> tuple[int, str, list[str]]:

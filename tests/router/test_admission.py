@@ -134,3 +134,33 @@ def test_a_timed_out_waiter_leaves_and_the_turn_moves_on():
         await queue.turn(flight("next"), 1)  # granted at once
 
     asyncio.run(main())
+
+
+def test_the_tenant_table_empties_when_the_requests_leave():
+    """Granted and done, timed out or shed: whichever way a request leaves, a tenant with
+    nothing left waiting or holding is forgotten, so clients naming ever new tenants cannot
+    grow the table."""
+    queue = AdmissionQueue("priority")
+
+    async def take(f: Flight) -> None:
+        await queue.turn(f, 5)
+        queue.done(f)
+
+    async def main():
+        holder = flight("holder", -100, tenant="h")
+        await queue.turn(holder, 1)
+        with pytest.raises(TimeoutError):
+            await queue.turn(flight("late", tenant="late"), 0.01)
+        shed = asyncio.create_task(queue.turn(flight("worst", 9, tenant="worst"), 5))
+        tasks = [asyncio.create_task(take(flight(f"r{i}", 0, tenant=f"t{i}", arrival=i)))
+                 for i in range(20)]
+        await asyncio.sleep(0.01)  # all queued
+        assert queue.num_tenants == 22  # the holder's and one per waiting request
+        assert queue.shed_worst(queue.key(flight("new", 1)))
+        with pytest.raises(QueueFullError):
+            await shed
+        queue.done(holder)
+        await asyncio.gather(*tasks)
+        assert queue.num_tenants == 0 and len(queue) == 0
+
+    asyncio.run(main())
