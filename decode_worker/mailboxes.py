@@ -16,6 +16,9 @@ requests as a gone router's, and the worker fails them. A gone router's token de
 dropped; its requests' final deltas go to whichever router polls first (the router itself,
 if it was only slow, learns why its streams ended; another ignores them).
 
+Identity: the owner table is the worker's one record of the request ids it holds; a second
+claim of an id it holds is refused (:meth:`RouterMailboxes.claim`).
+
 Bounds: an owner entry lives from a successful reserve or submit until the request's final
 delta is sorted (every end of a request on a worker makes one: finish, abort, failure, and a
 gone router's requests are failed at once); a box holds deltas of live routers only and goes
@@ -32,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.protocol import StepDeltas
+from pdserve.engine.protocol import DuplicateRequestId, StepDeltas
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,12 @@ class RouterMailboxes:
     # -- engine loop ------------------------------------------------------------------------
     def claim(self, request_id: str, attempt: int, router: str) -> None:
         """``router`` owns ``request_id`` (this attempt) from now on; its clock starts if it
-        never polled."""
+        never polled. DuplicateRequestId, changing nothing, when the id has an owner already:
+        every way in (reserve, submit) claims first, so this is where a worker holds one
+        request per id."""
         with self._lock:
+            if request_id in self._owners:
+                raise DuplicateRequestId(f"request_id {request_id!r} is already held here")
             self._owners[request_id] = (router, attempt)
             self._heard.setdefault(router, self._clock())
 

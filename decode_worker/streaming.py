@@ -32,16 +32,18 @@ class StreamingWorker:
         request is checked and queued for the engine loop, which adds it before its next step.
         The check runs on the caller's thread, so a router placing requests never waits for
         the step in progress. The future holds NeverFits (a ValueError) when the request can
-        never be served here, or the loop's error when it is dead or stopped. ``router`` (its
+        never be served here, DuplicateRequestId when its id is held here already, or the
+        loop's error when it is dead or stopped. ``router`` (its
         actor name) owns the request once queued."""
         done: Future = Future()
         try:
             seq = self.engine.sequence_for(request)  # reads only what the engine never changes
+            # claimed before the loop can see it, so its first delta goes to its router; an
+            # id held here already is refused (DuplicateRequestId) before anything is queued
+            self.mailboxes.claim(request.request_id, request.attempt, router)
         except ValueError as exc:
             done.set_exception(exc)
             return done
-        # claimed before the loop can see it, so its first delta goes to its router
-        self.mailboxes.claim(request.request_id, request.attempt, router)
         queued = self.loop.call(self._submit, seq)
         if queued.done():  # refused at once: the loop is dead or stopping
             self.mailboxes.release(request.request_id)
@@ -50,12 +52,8 @@ class StreamingWorker:
         return done
 
     def _submit(self, seq: Sequence) -> None:
-        """Add a checked request (loop thread). One whose id is already here (sent twice)
-        is dropped: the first stays, and its deltas answer both."""
-        try:
-            self.engine.add_sequence(seq)
-        except ValueError as exc:
-            logger.error("%s: dropped a second submit of a request: %s", self.worker_id, exc)
+        """Add a checked and claimed request (loop thread)."""
+        self.engine.add_sequence(seq)
 
     def poll(self, timeout: float | None = None, router: str = "") -> StepDeltas:
         """``router``'s deltas: those another router's poll left for it, else what the worker

@@ -112,11 +112,13 @@ class DecodeWorker(StreamingWorker):
         self.loop = EngineLoop(f"decode-{worker_id}", self.engine.step,
                                self.engine.has_unfinished_requests, tick=self._tick,
                                stats=self._stats, on_death=self._fail_everything,
-                               watch=self.engine.broken).start()
+                               watch=self.engine.broken,
+                               step_timeout_s=parts.config.step_timeout_s).start()
 
     # -- public API (any thread) --------------------------------------------------------------
     def reserve(self, request: WorkRequest, router: str = "") -> Future:
-        """Future[Reservation]; fails with NeverFits or NoRoomNow when it declines.
+        """Future[Reservation]; fails with NeverFits or NoRoomNow when it declines, and with
+        DuplicateRequestId when the id is held here already (reserved, submitted or running).
         ``router`` (its actor name) owns the request once reserved."""
         return self.loop.call(self._reserve, request, router)
 
@@ -134,9 +136,15 @@ class DecodeWorker(StreamingWorker):
 
     # -- loop thread ------------------------------------------------------------------------
     def _reserve(self, request: WorkRequest, router: str) -> Reservation:
-        if request.request_id in self._reserved:
-            raise ValueError(f"request_id {request.request_id!r} is already reserved")
         seq = self.engine.sequence_for(request)
+        self.mailboxes.claim(seq.request_id, seq.attempt, router)  # DuplicateRequestId first
+        try:
+            return self._reserve_claimed(seq)
+        except BaseException:
+            self.mailboxes.release(seq.request_id)
+            raise
+
+    def _reserve_claimed(self, seq: Sequence) -> Reservation:
         try:
             num_cached = self.engine.reserve_blocks(seq)
         except NoRoomNow as exc:
@@ -150,7 +158,6 @@ class DecodeWorker(StreamingWorker):
         deadline = time.time() + self.lease_s
         self._reserved[seq.request_id] = _Reserved(seq, key, deadline)
         self._by_key[key] = seq.request_id
-        self.mailboxes.claim(seq.request_id, seq.attempt, router)
         return Reservation(seq.request_id, self.worker_id, self.endpoint.address,
                            key.transfer_id, key.epoch, len(seq.block_table), deadline,
                            self.rank_addresses, num_cached_blocks=num_cached)

@@ -39,6 +39,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.decode_rows import DecodeRows
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.protocol import (
+    DuplicateRequestId,
     KVEvents,
     KVSnapshot,
     NeverFits,
@@ -131,7 +132,7 @@ class LLMEngine:
         never take: a prompt its model or tokenizer cannot read, a context longer than its
         limit, more blocks than its pool, parameters no step can pack."""
         if request_id in self._sequences:
-            raise ValueError(f"request_id {request_id!r} is already running")
+            raise DuplicateRequestId(f"request_id {request_id!r} is already running")
         try:
             token_ids = self.parts.encode_prompt(prompt)
             limit = self.parts.max_model_len
@@ -171,10 +172,10 @@ class LLMEngine:
         return self.add_sequence(self.sequence_for(request))
 
     def add_sequence(self, seq: Sequence) -> Sequence:
-        """Queue a checked, untracked sequence (:meth:`sequence_for`); ValueError if its
-        request id is already here."""
+        """Queue a checked, untracked sequence (:meth:`sequence_for`); DuplicateRequestId if
+        its request id is already here."""
         if seq.request_id in self._sequences:
-            raise ValueError(f"request_id {seq.request_id!r} is already running")
+            raise DuplicateRequestId(f"request_id {seq.request_id!r} is already running")
         self.scheduler.add(seq)
         self.track(seq)
         return seq

@@ -10,8 +10,11 @@ worker (a Ray actor or this process).
   by block hash, for the routers' shared index;
 - the refusals: :class:`NoRoomNow` (no free KV blocks now: try another worker, or wait) and
   :class:`NeverFits` (this worker can never run the request), raised by the worker and seen
-  by the router as the same types through every handle; and :class:`RequestFaultError`, a
-  request that made a step fail.
+  by the router as the same types through every handle; :class:`DuplicateRequestId`, an id the
+  worker holds already; and :class:`RequestFaultError`, a request that made a step fail.
+
+Ids: ``request_id`` in every message is the router's work id for one attempt of a request
+(``router.flight``), unique across routers and attempts; workers key everything on it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ class NoRoomNow(Refusal):
 class NeverFits(Refusal, ValueError):
     """This worker can never run the request: longer than its context, more KV blocks than its
     pool holds, or ids and values its model cannot take. A client error naming the limit."""
+
+
+class DuplicateRequestId(ValueError):
+    """A worker already holds a request under this id. Ids are the router's (one per
+    attempt, never the client's), so a second one is a replay or a bug: refused, never merged
+    into the first and never dropped with success."""
 
 
 class RequestFaultError(RuntimeError):

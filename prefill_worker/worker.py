@@ -47,6 +47,7 @@ from pdserve.engine.engine_loop import EngineDeadError, EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.protocol import (
+    DuplicateRequestId,
     PrefillResult,
     RequestDelta,
     RequestFaultError,
@@ -152,6 +153,8 @@ class PrefillWorker(StepHooks):
 
     # -- loop thread --------------------------------------------------------------------------
     def _admit(self, request: WorkRequest, reservation: Reservation, result: Future) -> None:
+        if request.request_id in self._targets:
+            raise DuplicateRequestId(f"request_id {request.request_id!r} is already held here")
         routes = Routes(self.model_config, self.shard, self.connector,  # connect lazily
                         _addresses(reservation))
         self.engine.add_work(request)

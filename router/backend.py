@@ -10,14 +10,18 @@ Call order for one request, as ``pdserve.router.grpc_server`` makes it:
    reports; a backend not ready still gets ``generate`` calls (the router waits for a ready
    worker up to the request's deadline; a backend that cannot wait raises NoWorkersError).
 2. ``tokenize(text)`` when the prompt came as text.
-3. ``generate(request_id, prompt_token_ids, params, deadline)`` is iterated; admission
+3. ``generate(label, prompt_token_ids, params, deadline)`` is iterated; admission
    failures (``QueueFullError``, ``RequestTooLargeError``, ``NoWorkersError`` from
    ``pdserve.router.errors``) are raised from the first ``__anext__``. Each item is a
    ``GenerationDelta``; the last one has ``finish_reason`` set and nothing follows it.
-4. If the stream ends any other way (client cancel, deadline, error, server stop),
-   ``abort(request_id)`` is awaited exactly once and the iterator is closed (both front doors
-   do it with :func:`end_stream`). ``abort`` must be idempotent and must free everything the
-   request holds (KV blocks on every worker).
+   ``label`` is the client's id for the request (or one the door made): the backend may log
+   it, never key anything on it; it makes its own ids, so two requests with one label are
+   two requests.
+4. The front door closes the iterator when it is done with it, however the stream ended
+   (both doors do it with :func:`end_stream`). Closing a stream before its last delta
+   (client cancel, deadline, error, server stop) aborts the request: the backend frees
+   everything it holds (KV blocks on every worker). The stream is the only handle on the
+   request, so nothing else can abort it.
 
 A backend must not block the event loop: ``generate`` buffers deltas for slow clients rather
 than making its engine wait on them.
@@ -82,21 +86,17 @@ class GenerationDelta:
 class GenerationBackend(Protocol):
     """Generates tokens for validated requests; see the module docstring for the call order."""
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
                  deadline: float | None, tenant: str | None = None,
                  fit_max_tokens: bool = False) -> AsyncIterator[GenerationDelta]:
         """Stream the request's deltas; an ``async def`` with ``yield`` fits.
 
         ``deadline`` is a ``time.monotonic()`` instant after which the request is worthless
-        (``None`` = no deadline); the server also enforces it and then calls ``abort``.
+        (``None`` = no deadline); the server also enforces it and then closes the stream.
         ``tenant`` names who sent it (fair share inside a priority level; None = anonymous).
         ``fit_max_tokens``: the client did not set max_tokens, so ``params.max_tokens`` is a
         ceiling the backend may lower to what one worker can hold, instead of refusing.
         """
-        ...
-
-    async def abort(self, request_id: str) -> None:
-        """Stop the request and free what it holds; a no-op when unknown or finished."""
         ...
 
     async def tokenize(self, text: str) -> list[int]:
@@ -112,25 +112,16 @@ class GenerationBackend(Protocol):
         ...
 
 
-async def end_stream(backend: GenerationBackend, request_id: str,
-                     deltas: AsyncIterator[GenerationDelta], finished: bool) -> None:
-    """Step 4 of the call order, for a front door's ``finally``: unless the stream
-    ``finished``, ``abort`` the request (shielded from the caller's cancellation), then close
-    the iterator, even when the abort did not complete. Failures are logged, not raised."""
+async def end_stream(deltas: AsyncIterator[GenerationDelta]) -> None:
+    """Step 4 of the call order, for a front door's ``finally``: close the stream (which
+    aborts the request unless its last delta was read), shielded from the caller's
+    cancellation so the abort completes. Failures are logged, not raised."""
+    close = getattr(deltas, "aclose", None)
+    if close is None:
+        return
     try:
-        if not finished:
-            await asyncio.shield(_abort(backend, request_id))
-    finally:
-        close = getattr(deltas, "aclose", None)
-        if close is not None:
-            try:
-                await close()
-            except Exception:
-                logger.exception("closing a backend stream failed")
-
-
-async def _abort(backend: GenerationBackend, request_id: str) -> None:
-    try:
-        await backend.abort(request_id)
+        await asyncio.shield(close())
+    except asyncio.CancelledError:
+        raise
     except Exception:
-        logger.exception("backend abort of %r failed", request_id)
+        logger.exception("closing a backend stream failed")

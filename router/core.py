@@ -20,7 +20,7 @@ Per request, as ``Router.generate`` drives it (states and transitions: ``router.
    pending the router renews the reservation's lease, so a prompt queued behind others at the
    prefill worker never loses its blocks.
 4. DECODING: the decode worker's deltas arrive through one poller per worker and are routed
-   by request id and attempt epoch into the request's queue; the stream ends with the delta
+   by the attempt's work id into the request's queue; the stream ends with the delta
    carrying finish_reason.
 5. MIGRATING: any failure of the attempt (a worker died, its engine loop died, a lease or
    transfer failed, a call timed out) aborts both workers of the attempt and starts a new one
@@ -30,6 +30,11 @@ Per request, as ``Router.generate`` drives it (states and transitions: ``router.
    a prefill) is not moved: it fails alone -> RequestFailedError (INTERNAL).
 6. DONE: normal finish, or ``abort`` (client cancel, deadline, server stop), which reaches
    both workers of the current attempt (idempotent, bounded by ``rpc_timeout_s``).
+
+Identity (``router.flight``): every request gets ids this router makes, a uid and a work id per
+attempt, and every table here and on the workers keys on them; the client's id is a label,
+echoed and logged. So two requests with one label (through one door or both) are two requests,
+and the flight table and the budgets count each once, whatever the interleaving.
 
 Every await on a worker is bounded by a timeout from the config and the request's deadline;
 the deadline also travels in ``WorkRequest`` so workers drop expired work themselves.
@@ -70,7 +75,7 @@ from pdserve.router.errors import (
     RequestFailedError,
     RequestTooLargeError,
 )
-from pdserve.router.flight import AttemptFailed, Flight, Phase
+from pdserve.router.flight import AttemptFailed, Flight, Phase, new_uid, work_id
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import (
     DecodeRouting,
@@ -113,7 +118,7 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.workers = Workers(directory, self.config, self.metrics, self._route,
                                self._fail_attempts_on)
-        self._flights: dict[str, Flight] = {}
+        self._flights: dict[str, Flight] = {}  # by the current attempt's work id
         self._orphans: OrderedDict[str, None] = OrderedDict()  # unknown ids already aborted
         self._tokens_in_flight = 0
         self._room = asyncio.Event()  # set whenever a request leaves (blocks came back)
@@ -150,40 +155,36 @@ class Router:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, self._tokenize, text)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
                        deadline: float | None, tenant: str | None = None,
                        fit_max_tokens: bool = False) -> AsyncIterator[GenerationDelta]:
-        flight = self._admit(request_id, prompt_token_ids, params, deadline, tenant,
-                             fit_max_tokens)
+        flight = self._admit(label, prompt_token_ids, params, deadline, tenant, fit_max_tokens)
         finished = False
         try:
             async for delta in self._run(flight):
                 trace = observe(flight, delta, self.metrics)
                 if trace is not None:
                     self.traces.append(trace)
+                finished = delta.finish_reason is not None  # (closed after it: no abort)
                 yield GenerationDelta(delta.new_token_ids, delta.text, delta.logprobs,
                                       delta.finish_reason)
-                if delta.finish_reason is not None:
-                    finished = True
+                if finished:
                     return
         finally:
-            if not finished:
-                await self._abort_attempt(flight)
-            self._release(flight)
-
-    async def abort(self, request_id: str) -> None:
-        flight = self._flights.get(request_id)
-        if flight is not None:
-            await self._abort_attempt(flight)
+            try:
+                if not finished:  # closed early: cancelled, failed, or the client went away
+                    await asyncio.shield(self._abort_attempt(flight))
+            finally:
+                self._release(flight)
 
     # -- admission ----------------------------------------------------------------------------
-    def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def _admit(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
                deadline: float | None, tenant: str | None = None,
                fit_max_tokens: bool = False) -> Flight:
         cfg, n = self.config, len(prompt_token_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        flight = Flight(WorkRequest(request_id, list(prompt_token_ids), params, seed,
-                                    time.time()), deadline, tenant=tenant,
+        flight = Flight(WorkRequest(work_id(new_uid(), 1), list(prompt_token_ids), params, seed,
+                                    time.time()), label, deadline, tenant=tenant,
                         fit_max_tokens=fit_max_tokens)
         self._check_kv_cap(flight)
         if len(self._flights) >= cfg.max_requests_in_flight \
@@ -196,7 +197,7 @@ class Router:
             raise QueueFullError(f"{self._tokens_in_flight} prompt tokens in flight; retry",
                                  retry_after_s=self._queue.retry_after_s())
         flight.request.deadline = flight.wall_deadline()
-        self._flights[request_id] = flight
+        self._flights[flight.request_id] = flight
         self._tokens_in_flight += n
         self.metrics.router_running.labels("router").set(len(self._flights))
         return flight
@@ -224,7 +225,9 @@ class Router:
                 f"blocks ({allowed}); shorten the prompt or max_tokens")
 
     def _release(self, flight: Flight) -> None:
-        if self._flights.pop(flight.request_id, None) is not None:
+        """The flight leaves: its budget comes back once, however often this runs."""
+        if self._flights.get(flight.request_id) is flight:
+            del self._flights[flight.request_id]
             self._tokens_in_flight -= len(flight.request.prompt_token_ids)
         flight.phase = Phase.DONE
         self._room.set()
@@ -254,8 +257,14 @@ class Router:
                 self._count_failure(flight, failure)
                 level = logging.INFO if failure.reason == "preempted" else logging.WARNING
                 logger.log(level, "%s: attempt %d failed (%s); moving it: %s",
-                           flight.request_id, flight.attempt, failure.reason, failure)
-                flight.next_attempt()
+                           flight.name, flight.attempt, failure.reason, failure)
+                self._next_attempt(flight)
+
+    def _next_attempt(self, flight: Flight) -> None:
+        """Start the flight's next attempt under its new work id."""
+        del self._flights[flight.request_id]
+        flight.next_attempt()
+        self._flights[flight.request_id] = flight
 
     def _count_failure(self, flight: Flight, failure: AttemptFailed) -> None:
         """Raise NoWorkersError when this failure spends the request's last attempt."""
@@ -263,7 +272,7 @@ class Router:
         if failure.reason == "preempted":  # a full decode worker handed it back: not a fault
             if flight.num_bounces >= cfg.max_bounces:
                 raise QueueFullError(
-                    f"{flight.request_id} was handed back {flight.num_bounces + 1} times for "
+                    f"{flight.name} was handed back {flight.num_bounces + 1} times for "
                     f"lack of KV room (max_bounces {cfg.max_bounces}); the decode pool is "
                     f"full, retry later", retry_after_s=self._queue.retry_after_s())
             flight.num_bounces += 1
@@ -300,7 +309,8 @@ class Router:
                                     reservation.num_blocks - reservation.num_cached_blocks,
                                     result.transfer_time_s)
         if flight.trace is None:
-            flight.trace = RequestTrace(flight.request_id, 0.0, 0.0, result.queue_time_s,
+            flight.trace = RequestTrace(flight.label or flight.uid, 0.0, 0.0,
+                                        result.queue_time_s,
                                         result.prefill_time_s, result.transfer_time_s,
                                         prefill_routing=flight.prefill_routing,
                                         prefill_location=flight.prefill_location,
@@ -438,7 +448,7 @@ class Router:
         except (AttemptFailed, DeadlineExceededError):
             raise
         except RequestFaultError as exc:  # the request's own fault: it would fail anywhere
-            raise RequestFailedError(f"{flight.request_id} on {flight.prefill_id}: {exc}") \
+            raise RequestFailedError(f"{flight.name} on {flight.prefill_id}: {exc}") \
                 from None
         except Exception as exc:  # noqa: BLE001 - any failure of the prefill moves the request
             self.workers.suspect(flight.prefill_id, f"prefill failed: {exc}")
@@ -495,7 +505,7 @@ class Router:
                 renewed = await asyncio.wait_for(handle.renew(flight.request_id),
                                                  self.config.rpc_timeout_s)
             except Exception as exc:  # noqa: BLE001 - a dead decode worker fails the attempt
-                logger.info("%s: lease renewal failed: %s", flight.request_id, exc)
+                logger.info("%s: lease renewal failed: %s", flight.name, exc)
                 continue
             if renewed is None:  # committed or already failed: nothing left to renew
                 return
@@ -513,7 +523,7 @@ class Router:
             if item.deadline_exceeded:
                 raise DeadlineExceededError(f"{flight.decode_id}: {item.error}")
             if item.faulted:
-                raise RequestFailedError(f"{flight.request_id} on {flight.decode_id}: "
+                raise RequestFailedError(f"{flight.name} on {flight.decode_id}: "
                                          f"{item.error}")
             if item.error is not None:
                 raise AttemptFailed("worker_failed", f"{flight.decode_id}: {item.error}")

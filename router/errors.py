@@ -9,7 +9,6 @@ The mapping (applied by ``pdserve.router.grpc_server``) is part of the public AP
 | QueueFullError            | RESOURCE_EXHAUSTED | admission queue full (retry later)             |
 | RequestTooLargeError      | RESOURCE_EXHAUSTED | the request can never fit any worker           |
 | NoWorkersError            | UNAVAILABLE        | no workers, backend not ready, or draining     |
-| DuplicateRequestError     | ALREADY_EXISTS     | the request_id is already in flight            |
 | DeadlineExceededError     | DEADLINE_EXCEEDED  | the request's deadline passed                  |
 | RequestFailedError        | INTERNAL           | the request made a worker's step fail (alone)  |
 | PermissionDeniedError     | PERMISSION_DENIED  | the caller's key may not ask for this field    |
@@ -56,10 +55,6 @@ class NoWorkersError(RouterError):
 NOT_READY = ("not ready: no worker can take requests yet (the pools are starting or being "
              "replaced); health reports serving once one can, and generation requests wait "
              "for it")
-
-
-class DuplicateRequestError(RouterError):
-    """A request with this request_id is already in flight on this router."""
 
 
 class DeadlineExceededError(RouterError):

@@ -19,6 +19,11 @@ An attempt is one (reservation, prefill, decode) or one colocated submit. Each h
 are dropped. A failed attempt before any token is streamed is retried (``max_attempts``);
 after tokens were streamed it is a migration (``migration_limit``): the next attempt
 re-prefills prompt + the tokens already streamed and continues the same stream.
+
+Identity: the router makes every id a worker sees. A flight has a ``uid`` (128 random bits,
+so unique across routers) and each attempt a work id, ``<uid>.<attempt>``
+(``WorkRequest.request_id``), which every worker-side table keys on. The client's id is the
+flight's ``label``: echoed back and logged, never a key.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -62,11 +68,22 @@ class AttemptFailed(Exception):
         self.reason = reason  # metrics label: worker_lost | worker_failed | timeout
 
 
+def new_uid() -> str:
+    """A flight's id: random, so no two routers ever make the same one."""
+    return uuid.uuid4().hex
+
+
+def work_id(uid: str, attempt: int) -> str:
+    """The id workers know an attempt by (``WorkRequest.request_id``)."""
+    return f"{uid}.{attempt}"
+
+
 @dataclass
 class Flight:
     """A request in flight on the router."""
 
     request: WorkRequest  # what workers get; replaced (new attempt) on every retry
+    label: str = ""  # the client's id for the request (or the door's): echoed, never a key
     deadline: float | None = None  # time.monotonic() instant, None = no deadline
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestDelta | Exception
     arrival: float = field(default_factory=time.monotonic)
@@ -88,7 +105,17 @@ class Flight:
 
     @property
     def request_id(self) -> str:
+        """The current attempt's work id, what workers key on."""
         return self.request.request_id
+
+    @property
+    def uid(self) -> str:
+        return self.request_id.rpartition(".")[0]
+
+    @property
+    def name(self) -> str:
+        """How logs name the request: the client's label and the attempt's work id."""
+        return f"{self.label!r} ({self.request_id})" if self.label else self.request_id
 
     @property
     def attempt(self) -> int:
@@ -96,14 +123,16 @@ class Flight:
 
     def move_to(self, phase: Phase) -> None:
         if phase not in TRANSITIONS[self.phase]:
-            raise RuntimeError(f"{self.request_id}: no transition {self.phase.name} -> "
+            raise RuntimeError(f"{self.name}: no transition {self.phase.name} -> "
                                f"{phase.name}")
         self.phase = phase
 
     def next_attempt(self) -> None:
         """Start a new attempt that resumes after the tokens already streamed."""
         self.move_to(Phase.MIGRATING)
-        self.request = dataclasses.replace(self.request, attempt=self.attempt + 1,
+        attempt = self.attempt + 1
+        self.request = dataclasses.replace(self.request, request_id=work_id(self.uid, attempt),
+                                           attempt=attempt,
                                            output_token_ids=list(self.output_ids))
         self.prefill_id = self.decode_id = None
         self.queue = asyncio.Queue()  # whatever the failed attempt queued is dropped

@@ -8,11 +8,13 @@ Life of a Generate call (``GenerationServicer.Generate``):
    the backend is ready, as health does.)
 2. Validate (``pdserve.router.validation``), tokenize a text prompt through the backend, check
    the context fits; failures are INVALID_ARGUMENT naming the field.
-3. Register the request id (a duplicate in flight is ALREADY_EXISTS), then iterate
-   ``backend.generate`` and write one response chunk per delta; the last chunk carries
+3. Iterate ``backend.generate`` and write one response chunk per delta; the first carries the
+   request's id (the client's ``request_id``, a label echoed back: two requests may share one,
+   and the backend keys nothing on it; the server makes one when none is given), the last
    ``finish_reason`` and usage.
-4. Whatever ends the stream early (client cancel, deadline, backend error, server stop), the
-   ``finally`` awaits ``backend.abort(request_id)`` exactly once and closes the iterator.
+4. Whatever ends the stream, the ``finally`` closes the backend's stream (``end_stream``),
+   which aborts the request if it ended early (client cancel, deadline, backend error, server
+   stop).
 
 Errors map to codes as listed in ``pdserve.router.errors``; anything else is INTERNAL
 (logged with its traceback, not sent to the client). Every failed Generate counts once in
@@ -61,7 +63,6 @@ from pdserve.router.backend import GenerationBackend, GenerationDelta, end_strea
 from pdserve.router.errors import (
     NOT_READY,
     DeadlineExceededError,
-    DuplicateRequestError,
     NoWorkersError,
     PermissionDeniedError,
     QueueFullError,
@@ -87,7 +88,6 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (RequestTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NoWorkersError, grpc.StatusCode.UNAVAILABLE),
-    (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (RequestFailedError, grpc.StatusCode.INTERNAL),  # with its own message, no traceback
@@ -144,11 +144,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._backend = backend
         self._server = server  # asked whether new requests are accepted
         self._metrics = metrics  # failed requests are counted here
-        self._active: set[str] = set()  # request ids streaming now
+        self._num_active = 0  # Generate calls streaming now
 
     @property
     def num_active_requests(self) -> int:
-        return len(self._active)
+        return self._num_active
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> None:
@@ -174,15 +174,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         deadline = None
         if remaining is not None and remaining < _NO_DEADLINE_S:
             deadline = time.monotonic() + remaining
-        request_id = validated.request_id or uuid.uuid4().hex
-        if request_id in self._active:
-            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
-        self._active.add(request_id)
+        label = validated.request_id or uuid.uuid4().hex
+        self._num_active += 1
         try:
-            await self._stream(request_id, prompt_token_ids, params, deadline, context,
+            await self._stream(label, prompt_token_ids, params, deadline, context,
                                tenant_of(request, context), not validated.max_tokens_given)
         finally:
-            self._active.discard(request_id)
+            self._num_active -= 1
 
     async def _stream(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, deadline: float | None,
@@ -213,7 +211,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if not await self._write(context, response, request_id):
                     return
         finally:
-            await end_stream(self._backend, request_id, deltas, finished)
+            await end_stream(deltas)
 
     async def _write(self, context: grpc.aio.ServicerContext,
                      response: generation_pb2.GenerateResponse, request_id: str) -> bool:

@@ -1,7 +1,7 @@
 """One generation of the HTTP front door (``pdserve.router.http_server``), run into its
 response: the first delta awaited before any byte is sent (an admission failure is an HTTP
-status), then SSE chunks or one JSON object, errors in the OpenAI envelope, and on any early
-end an abort of the request (shielded) and the backend's stream closed."""
+status), then SSE chunks or one JSON object, errors in the OpenAI envelope, and at the end
+the backend's stream closed (shielded), which aborts the request if it ended early."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class HttpJob:
     """One validated generation, ready to run."""
 
     chat: bool  # chat.completion objects (else text_completion)
-    request_id: str  # "cmpl-..." / "chatcmpl-...", also the backend's request id
+    request_id: str  # "cmpl-..." / "chatcmpl-...", the response's id (the backend's label)
     model: str  # served model name, echoed in every object
     created: int  # unix time of arrival
     prompt_token_ids: list[int]
@@ -34,6 +34,7 @@ class HttpJob:
     stream: bool
     include_usage: bool
     fit_max_tokens: bool  # no max_tokens in the body: the backend may lower it to fit a worker
+    tenant: str | None = None  # who it counts under for fair turns (auth.request_tenant)
 
 
 class HttpGeneration:
@@ -46,7 +47,8 @@ class HttpGeneration:
     async def run(self, job: HttpJob, send) -> None:
         """Run ``job`` and send its response through the ASGI ``send``."""
         deltas = self._backend.generate(job.request_id, job.prompt_token_ids, job.params,
-                                        job.deadline, fit_max_tokens=job.fit_max_tokens)
+                                        job.deadline, job.tenant,
+                                        fit_max_tokens=job.fit_max_tokens)
         state = {"done": False, "started": False}
         try:
             try:
@@ -72,7 +74,7 @@ class HttpGeneration:
             finally:
                 await stream.aclose()
         finally:
-            await end_stream(self._backend, job.request_id, deltas, state["done"])
+            await end_stream(deltas)
 
     async def _stream(self, job: HttpJob, first: GenerationDelta,
                       deltas: AsyncIterator[GenerationDelta], state: dict) -> AsyncIterator:

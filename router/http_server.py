@@ -28,9 +28,9 @@ Life of a generation (``_completion_job`` / ``_chat_job``, then
    ``stream_options.include_usage`` one more chunk before it with empty ``choices`` and the
    usage (every other chunk says ``usage: null``). A failure after the first byte is a
    ``data: {"error": ...}`` event and no ``[DONE]``. Otherwise one JSON object at the end.
-4. A disconnect cancels the generation task; whatever ends the stream early, its ``finally``
-   awaits ``backend.abort(request_id)`` (shielded) and closes the backend's iterator, which
-   frees the KV on both workers.
+4. A disconnect cancels the generation task; whatever ends the stream, its ``finally``
+   closes the backend's stream (shielded), which, ended early, aborts the request and frees
+   the KV on both workers.
 
 The server must be started on the loop the backend lives on (the router actor's):
 :meth:`HttpServer.start` runs uvicorn there as a task, on a socket bound to exactly ``host``.

@@ -25,7 +25,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.router.errors import (
     DeadlineExceededError,
-    DuplicateRequestError,
     NoWorkersError,
     QueueFullError,
     RequestFailedError,
@@ -74,7 +73,6 @@ _HTTP_BY_ERROR: tuple[tuple[type[Exception], int, str, str | None], ...] = (
     (QueueFullError, 429, "rate_limit_error", "queue_full"),
     (RequestTooLargeError, 400, "invalid_request_error", "request_too_large"),
     (NoWorkersError, 503, "service_unavailable", "no_workers"),
-    (DuplicateRequestError, 409, "invalid_request_error", "duplicate_request"),
     (DeadlineExceededError, 504, "timeout", "deadline_exceeded"),
     (RequestFailedError, 500, "server_error", "request_failed"),
 )

@@ -15,7 +15,7 @@ from pdserve.router.pairing import DecodeRouting, PrefillLocation, PrefillRoutin
 class RequestTrace:
     """Where one finished request's time went (seconds)."""
 
-    request_id: str
+    request_id: str  # the client's id for the request (its label), else the router's uid
     ttft: float
     e2e: float
     queue: float = 0.0  # waiting at the prefill (or colocated) worker
@@ -70,7 +70,8 @@ def _colocated_trace(flight: Flight, delta: RequestDelta, metrics: RouterMetrics
     """The trace of a request no prefill worker returned: the first token of the colocated
     worker, or of the decode worker that prefilled it, says how long the request queued there
     and how long its prefill took."""
-    trace = RequestTrace(flight.request_id, 0.0, 0.0, prefill_routing=flight.prefill_routing,
+    trace = RequestTrace(flight.label or flight.uid, 0.0, 0.0,
+                         prefill_routing=flight.prefill_routing,
                          prefill_location=flight.prefill_location,
                          decode_routing=flight.decode_routing)
     if delta.queue_time_s is not None and delta.prefill_time_s is not None:

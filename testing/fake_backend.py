@@ -9,8 +9,10 @@ vocabulary), stopping at ``max_tokens``, a stop token id, or an eos id (unless
 Knobs for tests, settable between requests: ``ready`` (False: ``generate`` raises
 NoWorkersError, as the router does once its wait for a worker runs out), ``token_delay_s``
 (sleep before each token), ``tokens_per_delta``, ``fail_with`` (raised from the first
-``__anext__``). Every call is recorded in ``aborted_ids`` / ``started_ids``, guarded by a lock
-so another thread may read them.
+``__anext__``). Every stream started is recorded in ``started_ids`` (and the tenant it
+counted under in ``tenants``), and every one closed or failed before its last delta (an abort)
+in ``aborted_ids``, both by the label ``generate`` was called with, guarded by a lock so another
+thread may read them.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class FakeBackend:
         self.fail_with: Exception | None = None  # raised instead of the first delta
         self._lock = threading.Lock()
         self._started: list[str] = []  # request ids generate() was called with, in order
+        self._tenants: list[str | None] = []  # the tenant of each, in the same order
         self._aborted: list[str] = []  # request ids abort() was called with, in order
         self._running: set[str] = set()  # request ids currently generating
 
@@ -50,6 +53,11 @@ class FakeBackend:
     def started_ids(self) -> list[str]:
         with self._lock:
             return list(self._started)
+
+    @property
+    def tenants(self) -> list[str | None]:
+        with self._lock:
+            return list(self._tenants)
 
     @property
     def aborted_ids(self) -> list[str]:
@@ -85,7 +93,9 @@ class FakeBackend:
                        ) -> AsyncIterator[GenerationDelta]:
         with self._lock:
             self._started.append(request_id)
+            self._tenants.append(tenant)
             self._running.add(request_id)
+        finished = False
         try:
             if not self.ready:
                 raise NoWorkersError(NOT_READY)
@@ -97,7 +107,7 @@ class FakeBackend:
                 chunk = ids[start:start + step]
                 if self.token_delay_s > 0:
                     await asyncio.sleep(self.token_delay_s * len(chunk))
-                last = start + step >= len(ids)
+                last = finished = start + step >= len(ids)
                 yield GenerationDelta(
                     token_ids=chunk, text=self.decode(chunk),
                     logprobs=self._logprobs(chunk, params.logprobs),
@@ -105,6 +115,8 @@ class FakeBackend:
         finally:
             with self._lock:
                 self._running.discard(request_id)
+                if not finished:  # closed (or failed) before its last delta: aborted
+                    self._aborted.append(request_id)
 
     def _logprobs(self, chunk: list[int], num_top: int | None) -> list[dict[int, float]] | None:
         if num_top is None:
@@ -117,11 +129,6 @@ class FakeBackend:
                 top[(token_id + rank) % self.model.vocab_size] = math.log(0.5 / (rank + 1))
             out.append(top)
         return out
-
-    async def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._aborted.append(request_id)
-        logger.debug("abort %s", request_id)
 
     async def tokenize(self, text: str) -> list[int]:
         return [(ord(c) - FIRST_CHAR) % self.model.vocab_size for c in text]

@@ -152,11 +152,11 @@ def run_with_fault(model_dir, fault, router_config=None, **build):
             await async_wait_for(lambda: any(len(c.streaming_on(w)) >= 2 for w in streaming),
                              what="two streams on one worker")
             victim = next(w for w in streaming if len(c.streaming_on(w)) >= 2)
-            victims = {f.request_id for f in c.streaming_on(victim)}
-            c.touched = {f.request_id for f in c.router._flights.values()
+            labels = {f.request_id: f.label for f in c.streaming_on(victim)}  # work id ->
+            c.touched = {f.label for f in c.router._flights.values()
                          if victim in (f.decode_id, f.prefill_id)}
-            running = fault(c, victim)  # (None: the fault does not say)
-            victims = victims if running is None else victims & running
+            running = fault(c, victim)  # (None: the fault does not say; else work ids)
+            victims = {labels[w] for w in labels if running is None or w in running}
             results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             return results, victims, await idle_blocks(c.handles), c
 

@@ -255,18 +255,23 @@ def test_deadline_returns_deadline_exceeded_and_aborts_exactly_once():
     run(body())
 
 
-def test_duplicate_request_id_in_flight_is_already_exists():
+def test_a_request_id_in_flight_is_a_label_two_requests_may_share():
+    """The client's request_id is echoed, never a key: a second request with the id of one
+    in flight runs as a request of its own, and each stream gets the id back."""
     async def body():
         async with serving(FakeBackend(token_delay_s=0.005)) as h:
             first = h.stub.Generate(ids_request([1], request_id="dup", max_tokens=40,
                                                 ignore_eos=True))
-            await first.read()  # the first request is streaming now
-            error = await rpc_error(h.stub, ids_request([1], request_id="dup"))
-            assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+            head = await first.read()  # the first request is streaming now
+            second = [r async for r in h.stub.Generate(ids_request([5], request_id="dup",
+                                                                    max_tokens=3))]
+            assert second[0].request_id == head.request_id == "dup"
+            assert [t for r in second for t in r.token_ids] == [6, 7, 8]
             rest = []
             while (response := await first.read()) is not grpc.aio.EOF:
                 rest.append(response)
             assert rest[-1].usage.completion_tokens == 40
+            assert h.backend.started_ids == ["dup", "dup"]
             assert h.backend.aborted_ids == []
     run(body())
 

@@ -5,9 +5,10 @@ after a request's last delta or once its router is forgotten."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pdserve.decode_worker.mailboxes import MailboxSizes, RouterMailboxes
-from pdserve.engine.protocol import RequestDelta, StepDeltas
+from pdserve.engine.protocol import DuplicateRequestId, RequestDelta, StepDeltas
 
 
 def delta(request_id: str, token: int, last: bool = False, attempt: int = 1) -> RequestDelta:
@@ -50,14 +51,18 @@ def test_unclaimed_deltas_go_to_the_poller_and_owners_end_with_the_last_delta():
     assert boxes.sizes() == MailboxSizes(num_owned=0, num_boxed=0, num_routers=1)
 
 
-def test_the_last_delta_of_an_older_attempt_keeps_the_newer_attempts_owner():
+def test_a_second_claim_of_a_held_id_is_refused_and_the_owner_stays():
+    """Ids are the router's, one per attempt: a claim of an id held here (a replay, another
+    router) is refused, and the first owner keeps its request and its deltas."""
     boxes = RouterMailboxes()
-    boxes.claim("r", 1, "router-1")
-    boxes.claim("r", 2, "router-1")  # retried on the same worker before attempt 1's end came
-    boxes.sort(steps(delta("r", 0, last=True, attempt=1)), "router")
+    boxes.claim("r.1", 1, "router-1")
+    with pytest.raises(DuplicateRequestId):
+        boxes.claim("r.1", 1, "router-2")
     assert boxes.sizes().num_owned == 1
-    boxes.sort(steps(delta("r", 5, attempt=2)), "router")
-    assert [d.attempt for d in boxes.take("router-1")] == [1, 2]  # still router-1's
+    assert not boxes.sort(steps(delta("r.1", 5)), "router-2")  # router-1's, left in its box
+    assert [d.new_token_ids for d in boxes.take("router-1")] == [[5]]
+    boxes.sort(steps(delta("r.1", 0, last=True)), "router-1")
+    assert boxes.sizes().num_owned == 0
 
 
 def test_the_orphan_clock_is_per_router():

@@ -1,7 +1,8 @@
 """A streaming worker takes a submit while its engine loop is inside a step: the request is
 checked on the caller's thread and queued for the loop, so a router placing requests (one at
 a time, each holding the placement turn until its submit returns) never waits for the step in
-progress. A request that can never fit fails at once; one sent twice runs once."""
+progress. A request that can never fit fails at once; an id the worker holds already is
+refused at once, whichever way it came in (submit or reserve) and whichever router sent it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.cluster.workers import InProcTransfer, build_worker
-from pdserve.engine.protocol import NeverFits, WorkRequest
+from pdserve.engine.protocol import DuplicateRequestId, NeverFits, WorkRequest
 from pdserve.testing.waits import wait_for
 
 from .conftest import engine_config
@@ -59,7 +60,9 @@ def test_submits_are_taken_while_a_step_runs(worker):
     assert worker.loop.busy_since is not None  # all of that inside the first step
     assert second.done() and second.exception() is None
     assert too_long.done() and isinstance(too_long.exception(), NeverFits)
-    assert all(f.done() and f.exception() is None for f in twice)
+    assert all(f.done() for f in twice)
+    assert twice[0].exception() is None
+    assert isinstance(twice[1].exception(), DuplicateRequestId)  # loudly, not dropped
     deltas = collect(worker, {"first", "second", "twice"})
     tokens = {rid: [t for d in ds for t in d.new_token_ids] for rid, ds in deltas.items()}
     assert tokens["first"] == tokens["second"] == tokens["twice"]
@@ -77,3 +80,42 @@ def test_a_submit_to_a_stopped_worker_fails_at_once(hf_checkpoint):
         assert stopped.mailbox_sizes().num_owned == 0  # a refused request leaves no owner
     finally:
         stopped.close()
+
+
+@pytest.mark.parametrize("order", [("reserve", "submit"), ("submit", "reserve"),
+                                   ("reserve", "reserve")])
+def test_an_id_held_on_a_decode_worker_is_refused_whichever_way_and_router(hf_checkpoint,
+                                                                          order):
+    """One id, twice, from two routers: the second is refused with DuplicateRequestId, the
+    first router keeps the request (a reservation, or its deltas), and nothing leaks. Before,
+    a submit claimed the id for its router before the duplicate was seen (stealing the first
+    router's deltas) and a reserve after a submit made a second sequence under the id."""
+    decode = build_worker("decode", "decode-dup", engine_config(hf_checkpoint("llama"),
+                                                                num_kv_blocks=32),
+                          InProcTransfer())
+    try:
+        def send(how: str, router: str):
+            call = decode.reserve if how == "reserve" else decode.submit
+            return call(request("same"), router=router)
+
+        first = send(order[0], "router-a")
+        first.result(10)
+        second = send(order[1], "router-b")
+        with pytest.raises(DuplicateRequestId):
+            second.result(10)
+        assert decode.mailbox_sizes().num_owned == 1
+        if order[0] == "submit":  # router-a's deltas are router-a's, all of them
+            tokens, reason, deadline = [], None, time.monotonic() + 60
+            while reason is None and time.monotonic() < deadline:
+                assert not decode.poll(0.0, router="router-b")
+                for delta in decode.poll(0.2, router="router-a"):
+                    tokens += delta.new_token_ids
+                    reason = delta.finish_reason
+            assert reason == "length" and len(tokens) == PARAMS.max_tokens
+        else:
+            decode.abort("same").result(10)
+            assert [d.finish_reason for d in decode.poll(5, router="router-a")] == ["abort"]
+        assert wait_for(lambda: decode.stats().result(5).used_blocks == 0, 10)
+        assert decode.mailbox_sizes().num_owned == 0
+    finally:
+        decode.close()
