@@ -37,6 +37,7 @@ from pdserve.bench.failover import (
 )
 from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
 from pdserve.cluster.pools.store import PoolStore
+from pdserve.cluster.record_auth import RecordAuth
 from pdserve.cluster.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ def control_plane_restored(cluster) -> bool:
         degraded = admin.get_control_plane().degraded
     states = {w.worker_id: state_name(w.state) for w in workers}
     store = PoolStore(cluster.redis_url, cluster.cluster_name)
-    registry = Registry(cluster.redis_url, cluster.cluster_name)
+    registry = Registry(cluster.redis_url, cluster.cluster_name,
+                        auth=RecordAuth(cluster.derived_secret("redis-records")))
     try:
         live = {w for w, state in states.items() if state != "dead"}
         ready = {w for w, state in states.items() if state == "ready"}

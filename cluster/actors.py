@@ -25,8 +25,9 @@ Lifecycle of a worker actor (``WorkerActor``, one plain worker per actor process
    kills the actor. A worker that dies stops heartbeating: its record expires after ``ttl_s``
    and the handle marks it dead at once on the first failed call.
 
-The router finds workers through :class:`RedisDirectory` (records with a live TTL, each with a
-cached actor handle looked up by name); load and memory come from the records.
+The router finds workers through :class:`RedisDirectory` (records with a live TTL whose tags
+verify under the cluster's key, each with a cached actor handle looked up by name); load,
+memory and the pool manager's drain marks come from the records.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.cluster.kv_streams import KVStreams
 from pdserve.cluster.node_placement import WorkerResources, actor_resources
+from pdserve.cluster.record_auth import RecordAuth
 from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.cluster.workers import LocalHandle, TorchTransfer, build_worker
 from pdserve.engine.config import EngineConfig
@@ -82,6 +84,8 @@ class WorkerSpec:
     log_level: str = "WARNING"  # logging level inside the actor process
     join_token: str = field(default="", repr=False)  # KV rendezvous: decode endpoints
     # accept only prefill peers holding it
+    record_key: str = field(default="", repr=False)  # the cluster's key for what it writes
+    # to Redis: its registry record and KV events are signed with it (required to run)
     resources: WorkerResources = WorkerResources()  # what it asks Ray for, its torch threads
 
     def __post_init__(self) -> None:
@@ -127,8 +131,10 @@ class WorkerActor(LocalHandle):
         limit_process_threads(spec.log_level, spec.resources.torch_threads)
         super().__init__(build_spec_worker(spec))
         self.spec = spec
-        self.registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s)
-        self.kv_streams = KVStreams(self.registry.client, spec.cluster, self.registry.ttl_ms)
+        self.registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s,
+                                 auth=RecordAuth(spec.record_key))
+        self.kv_streams = KVStreams(self.registry.client, spec.cluster, self.registry.ttl_ms,
+                                    auth=self.registry.auth)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="registry")
         self._heartbeat: asyncio.Task | None = None
         self._kv_publisher: asyncio.Task | None = None
@@ -197,11 +203,6 @@ class WorkerActor(LocalHandle):
                 logger.warning("%s: heartbeat failed: %s", self.spec.worker_id, exc)
 
     # -- management ---------------------------------------------------------------------------
-    async def set_draining(self, draining: bool = True) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._io, self.registry.set_draining, self.spec.worker_id,
-                                   draining)
-
     async def close(self) -> None:
         """Leave the registry and stop the worker (idempotent)."""
         if self._closed:
@@ -299,7 +300,9 @@ class RedisDirectory:
         self.namespace = namespace
         self.router = router  # the router actor's name, given to every handle
         self._handles: dict[str, RayHandle] = {}
-        self.kv_streams = KVStreams(registry.client, registry.cluster, registry.ttl_ms)
+        self.kv_streams = KVStreams(registry.client, registry.cluster, registry.ttl_ms,
+                                    auth=registry.auth, on_malformed=registry.on_malformed,
+                                    on_untrusted=registry.on_untrusted)
         # worker_id -> (heartbeat_time, stats): the same object until a newer heartbeat, so
         # the router keeps counting what it sent since (WorkerLoad.refresh)
         self._stats: dict[str, tuple[float, object]] = {}

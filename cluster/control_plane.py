@@ -7,8 +7,9 @@ is rebuilt from the live side:
 * :class:`ControlPlaneHealth`: whether this process reaches Redis. A failed call makes it
   *degraded* (``pdserve_control_plane_degraded`` 1, a line in ``pdserve status``); further
   calls wait a backoff that doubles per failure up to ``max_backoff_s``; the first call that
-  succeeds ends it. Malformed records and re-published ones are counted here
-  (``pdserve_malformed_records_total{family}``, ``pdserve_control_plane_repairs_total{family}``).
+  succeeds ends it. Malformed records, untrusted ones (a tag that does not verify) and
+  re-published ones are counted here (``pdserve_malformed_records_total{family}``,
+  ``pdserve_untrusted_records_total{kind}``, ``pdserve_control_plane_repairs_total{family}``).
 * :class:`ResilientDirectory`: the router's worker directory. While Redis answers, it lists
   the registry's records as ``RedisDirectory`` does, plus every worker it listed before whose
   record is gone but which still answers a ping (its stats as last seen: a draining worker
@@ -53,6 +54,7 @@ class ControlPlaneHealth:
         self.degraded = False
         self.error = ""  # the latest failure while degraded
         self.malformed = 0  # records skipped because they did not parse (a counter)
+        self.untrusted = 0  # values skipped because their tag did not verify (a counter)
         self.repairs = 0  # values re-published after Redis lost or spoiled them (a counter)
         self._since: float | None = None  # clock() when it became degraded
         self._failures = 0  # failed calls in a row
@@ -93,6 +95,11 @@ class ControlPlaneHealth:
         self.malformed += count
         if self.metrics is not None:
             self.metrics.malformed_records.labels(family).inc(count)
+
+    def count_untrusted(self, kind: str, count: int = 1) -> None:
+        self.untrusted += count
+        if self.metrics is not None:
+            self.metrics.untrusted_records.labels(kind).inc(count)
 
     def count_repairs(self, families: list[str]) -> None:
         """Count re-published values (one family name per value) and say so once."""

@@ -87,7 +87,8 @@ class EmbeddedCluster:
         self.port: int | None = None  # bound gRPC port
         self.metrics_port: int | None = None  # bound metrics port
         self.http_port: int | None = None  # bound HTTP port (None: off)
-        self._secret = secrets.token_hex(16)  # this cluster's: prefix-cache salt, join token
+        self._secret = secrets.token_hex(16)  # this cluster's: prefix-cache salt, join token,
+        # the key of what workers and the pool manager write to Redis
         self.router = None  # the first router actor's handle (it runs the pools)
         self.routers: list = []  # every router actor's handle, the first one first
         self.ports: list[int] = []  # each router's bound gRPC port, in that order
@@ -142,8 +143,9 @@ class EmbeddedCluster:
             self.model = str(opts.model)
 
     def derived_secret(self, purpose: str) -> str:
-        """A secret of this cluster for one purpose ("prefix-cache", "kv-join"): workers of a
-        router started by this launcher share it; another cluster's differs."""
+        """A secret of this cluster for one purpose ("prefix-cache", "kv-join",
+        "redis-records"): workers of a router started by this launcher share it; another
+        cluster's differs."""
         return hashlib.sha256(f"{self._secret}/{purpose}".encode()).hexdigest()[:32]
 
     def _engine_config(self) -> EngineConfig:
@@ -183,6 +185,7 @@ class EmbeddedCluster:
                           admin_api_key=opts.admin_api_key,
                           priority_api_keys=opts.priority_api_keys, tls=self.tls(),
                           prefix_cache_salt=self._engine_config().prefix_cache_salt,
+                          record_key=self.derived_secret("redis-records"),
                           reflection=opts.reflection,
                           max_concurrent_rpcs=opts.max_concurrent_rpcs,
                           autoscale=opts.autoscale if opts.autoscale.enabled and first else None,
@@ -211,6 +214,7 @@ class EmbeddedCluster:
                            self.cluster_name, transfer_host, opts.heartbeat_s, opts.ttl_s,
                            opts.lease_s, orphan_timeout_s=opts.orphan_timeout_s,
                            log_level=opts.log_level, join_token=self.derived_secret("kv-join"),
+                           record_key=self.derived_secret("redis-records"),
                            resources=worker_resources(devices[role], opts.worker_cpus_of(role),
                                                       opts.pool_placement, opts.worker_gpus,
                                                       opts.ranks_of(role)))

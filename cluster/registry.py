@@ -2,15 +2,23 @@
 
 Keys: ``pdserve:<cluster>:worker:<worker_id>`` -> hash of :class:`WorkerRecord` fields, with a
 TTL of ``ttl_s``; a worker that stops heartbeating disappears from :meth:`Registry.workers`.
-``draining`` belongs to whoever marks it (:meth:`Registry.set_draining`: an operator, the
-autoscaler, the worker itself): heartbeats create it as 0 but never overwrite it.
+``draining`` belongs to the pool manager, which decides it and re-marks it at every reconcile
+(:meth:`Registry.set_draining`); heartbeats create it as 0 but never overwrite it.
 
 Records cannot be half-written: a heartbeat writes its fields and the TTL in one Lua script
 (replacing a key of another type, resetting a ``draining`` that is not 0 or 1), and
 ``set_draining`` writes only into a record that exists, so an expired record is never
-recreated without a TTL. Readers skip a record that does not parse (counted through
-``on_malformed``, family ``"worker"``) and give one without a TTL the record TTL, so garbage
-leaves by itself while a live worker's next heartbeat rewrites its own record.
+recreated without a TTL.
+
+Redis is not trusted (``pdserve.cluster.record_auth``): the heartbeat signs every field but
+the drain mark with the cluster's key (``tag``), and ``draining`` carries a tag of its own
+(``draining_tag``). Readers skip, count and log once a record that is larger than
+``MAX_RECORD_BYTES``, does not parse or breaks a bound (every number finite and >= 0, the
+ledger's ``block_size`` > 0): ``on_malformed``, family ``"worker"``; or whose tag does not
+verify: ``on_untrusted``, kind ``"worker"``. A drain mark whose tag does not verify reads as
+not draining (``on_untrusted``, kind ``"draining"``) until the pool manager writes its own.
+Skipped records without a TTL get the record TTL, so garbage leaves by itself while a live
+worker's next heartbeat rewrites its own record.
 """
 
 from __future__ import annotations
@@ -18,15 +26,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
 
+from pdserve.cluster.record_auth import RecordAuth, UntrustedError
 from pdserve.engine.protocol import WorkerStats
 
 logger = logging.getLogger(__name__)
+
+MAX_RECORD_BYTES = 64 * 1024  # a record's memory in Redis (MEMORY USAGE), at most
+MAX_ERROR_CHARS = 2000  # of the error a record carries (a longer one is cut)
+_MAX_INT = 1 << 63  # a record's whole numbers stay below it
+_RECORD_TAG = "worker-record"  # the purposes of the two tags
+_DRAINING_TAG = "draining"
 
 
 @dataclass
@@ -63,6 +79,9 @@ class WorkerRecord:
     kv_log_id: str = ""  # the worker's KV event log (a new one: its cache started afresh)
     kv_events_number: int = 0  # its last batch published
     taken_at: float = 0.0  # wall clock: every call the worker received before it is counted
+    tag: str = ""  # the worker's tag on every field but the drain mark's (Registry.heartbeat)
+    draining_tag: str = ""  # the pool manager's tag on ``draining`` (Registry.set_draining);
+    # "" as read: no mark that verifies (it reads as not draining)
 
     @classmethod
     def from_stats(cls, stats: WorkerStats, pid: int = 0) -> WorkerRecord:
@@ -71,8 +90,9 @@ class WorkerRecord:
                    stats.queued_tokens, stats.draining, 0.0, stats.used_blocks,
                    stats.cached_blocks, stats.num_preemptions, stats.prefix_hit_tokens,
                    stats.prefix_query_tokens, json.dumps(stats.ledger, sort_keys=True), pid,
-                   stats.error or "", stats.num_bounces, stats.flops_per_s, stats.bytes_per_s,
-                   stats.peak_flops_per_s, stats.peak_bytes_per_s, stats.busy_fraction,
+                   (stats.error or "")[:MAX_ERROR_CHARS], stats.num_bounces,
+                   stats.flops_per_s, stats.bytes_per_s, stats.peak_flops_per_s,
+                   stats.peak_bytes_per_s, stats.busy_fraction,
                    stats.spec_num_drafts, stats.spec_num_draft_tokens,
                    stats.spec_num_accepted_tokens, stats.kv_log_id, stats.kv_events_number,
                    stats.taken_at)
@@ -100,8 +120,9 @@ class WorkerRecord:
 
     @classmethod
     def from_hash(cls, raw: dict[bytes, bytes]) -> WorkerRecord:
-        """The record a hash holds; ValueError for one that does not parse (a field of the
-        wrong kind, no worker_id or role, a ledger that is not a JSON object)."""
+        """The record a hash holds (its tags not checked); ValueError for one that does not
+        parse (a field of the wrong kind, no worker_id or role, a ledger that is not a JSON
+        object) or breaks a bound (:func:`_check_bounds`)."""
         try:
             values = {k.decode(): v.decode() for k, v in raw.items()}
             kwargs = {}
@@ -118,7 +139,27 @@ class WorkerRecord:
         if not record.worker_id or not record.role or not isinstance(ledger, dict):
             raise ValueError("malformed worker record: no worker_id or role, or a ledger that "
                              "is not a JSON object")
+        _check_bounds(record, ledger)
         return record
+
+
+SIGNED_FIELDS = tuple(sorted(f.name for f in dataclasses.fields(WorkerRecord)
+                             if f.name not in ("draining", "draining_tag", "tag")))
+
+
+def _check_bounds(record: WorkerRecord, ledger: dict) -> None:
+    """ValueError naming the first value out of its bounds: every whole number in [0, 2**63),
+    every rate finite and >= 0, the ledger's ``block_size`` (16 when it names none) a whole
+    number > 0 (the router divides by it)."""
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if (f.type == "int" and not 0 <= value < _MAX_INT) or \
+                (f.type == "float" and not (math.isfinite(value) and value >= 0)):
+            raise ValueError(f"malformed worker record: {f.name} = {value!r} is out of bounds")
+    block_size = ledger.get("block_size", 16)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"malformed worker record: ledger block_size = {block_size!r} (a "
+                         f"whole number > 0)")
 
 
 def _flag(text: str) -> bool:
@@ -127,23 +168,41 @@ def _flag(text: str) -> bool:
     return text == "1"
 
 
-# KEYS[1]: a worker's record; ARGV[1]: TTL in ms; ARGV[2]: draining for a record without a
-# valid one; ARGV[3..]: field, value, ... (all but draining). One step: fields and TTL together.
+# KEYS[1]: a worker's record; ARGV[1]: TTL in ms; ARGV[2], ARGV[3]: draining and its tag for a
+# record without a valid flag; ARGV[4..]: field, value, ... (all but the drain mark). One step:
+# fields and TTL together.
 _HEARTBEAT = """
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind ~= 'hash' and kind ~= 'none' then redis.call('DEL', KEYS[1]) end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 local draining = redis.call('HGET', KEYS[1], 'draining')
-if draining ~= '0' and draining ~= '1' then redis.call('HSET', KEYS[1], 'draining', ARGV[2]) end
+if draining ~= '0' and draining ~= '1' then
+  redis.call('HSET', KEYS[1], 'draining', ARGV[2], 'draining_tag', ARGV[3])
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
 
-# KEYS[1]: a worker's record; ARGV[1]: "0" | "1". Writes nothing into a record that is gone.
+# KEYS[1]: a worker's record; ARGV[1]: "0" | "1"; ARGV[2]: its tag. Writes nothing into a
+# record that is gone.
 _SET_DRAINING = """
 if redis.call('TYPE', KEYS[1])['ok'] ~= 'hash' then return 0 end
-redis.call('HSET', KEYS[1], 'draining', ARGV[1])
+redis.call('HSET', KEYS[1], 'draining', ARGV[1], 'draining_tag', ARGV[2])
 return 1
+"""
+
+# KEYS[1]: a worker's record; ARGV[1]: the most bytes of memory it may use. Its fields and
+# values, flat ({} when it is gone), or an error for a key no reader should take: the record
+# never leaves Redis when it is too large.
+_READ_RECORD = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return {} end
+if kind ~= 'hash' then return redis.error_reply('a key of type ' .. kind .. ', not a hash') end
+local used = redis.call('MEMORY', 'USAGE', KEYS[1], 'SAMPLES', '0')
+if used > tonumber(ARGV[1]) then
+  return redis.error_reply('a record of ' .. used .. ' bytes (at most ' .. ARGV[1] .. ')')
+end
+return redis.call('HGETALL', KEYS[1])
 """
 
 # KEYS[1]: any key; ARGV[1]: TTL in ms, given only when the key has none.
@@ -159,76 +218,129 @@ def redis_client(redis_url: str) -> redis.Redis:
 
 
 class Registry:
-    """Worker records in Redis with heartbeat TTL; see the module docstring.
-    ``on_malformed(family, count)`` hears of every record a read skipped."""
+    """Worker records in Redis with heartbeat TTL; see the module docstring. ``auth``: the
+    cluster's key (``RecordAuth(spec.record_key)``); ``on_malformed(family, count)`` and
+    ``on_untrusted(kind, count)`` hear of every record (or drain mark) a read skipped."""
 
     def __init__(self, redis_url: str, cluster: str = "default", ttl_s: float = 10.0,
-                 on_malformed: Callable[[str, int], None] | None = None):
+                 on_malformed: Callable[[str, int], None] | None = None,
+                 on_untrusted: Callable[[str, int], None] | None = None, *,
+                 auth: RecordAuth):
         self.client = redis_client(redis_url)
         self.cluster = cluster
         self.prefix = f"pdserve:{cluster}:worker:"
         self.ttl_ms = int(ttl_s * 1000)
+        self.auth = auth
         self.on_malformed = on_malformed
-        self._warned: set[bytes] = set()  # malformed keys already logged
+        self.on_untrusted = on_untrusted
+        self._warned: set[tuple[bytes, str]] = set()  # (key, what) already logged
         self._heartbeat = self.client.register_script(_HEARTBEAT)
         self._set_draining = self.client.register_script(_SET_DRAINING)
+        self._read_record = self.client.register_script(_READ_RECORD)
         self._expire_if_persistent = self.client.register_script(_EXPIRE_IF_PERSISTENT)
 
     def heartbeat(self, record: WorkerRecord) -> None:
-        """Write ``record`` (all but ``draining``, which is only created) with the TTL."""
+        """Write ``record`` signed (all but ``draining``, which is only created) with the TTL."""
         record.heartbeat_time = time.time()
         fields = record.to_hash()
         draining = fields.pop("draining")
+        del fields["draining_tag"]
+        fields["tag"] = self.auth.tag(_RECORD_TAG, *self._signed_parts(fields))
         flat = [item for pair in fields.items() for item in pair]
         self._heartbeat(keys=[self.prefix + record.worker_id],
-                        args=[self.ttl_ms, draining, *flat])
+                        args=[self.ttl_ms, draining, self._drain_tag(record.worker_id, draining),
+                              *flat])
+
+    def _drain_tag(self, worker_id: str, draining: str) -> str:
+        return self.auth.tag(_DRAINING_TAG, worker_id, draining)
 
     def workers(self, role: str | None = None) -> list[WorkerRecord]:
-        """Every record that parses (of ``role``); malformed ones are skipped and counted."""
+        """Every record that is bounded, parses and verifies (of ``role``); the others are
+        skipped and counted (see the module docstring)."""
         keys = sorted(self.client.scan_iter(match=self.prefix + "*", count=100))
         if not keys:
             return []
         with self.client.pipeline(transaction=False) as pipe:
             for key in keys:
-                pipe.hgetall(key)
+                self._read_record(keys=[key], args=[MAX_RECORD_BYTES], client=pipe)
             replies = pipe.execute(raise_on_error=False)
-        records, malformed = [], []
+        records, skipped = [], {"malformed": [], "untrusted": []}
         for key, reply in zip(keys, replies, strict=True):
-            if isinstance(reply, dict) and not reply:
+            if isinstance(reply, list) and not reply:
                 continue  # expired between the scan and the read
             try:
-                if isinstance(reply, Exception):  # a key of another type
-                    raise ValueError(str(reply))
-                record = WorkerRecord.from_hash(reply)
-                if self.prefix + record.worker_id != key.decode():
-                    raise ValueError(f"record of {record.worker_id!r} under another key")
+                record = self._verified(key, reply)
             except ValueError as exc:
-                malformed.append(key)
-                self._warn_once(key, exc)
+                kind = "untrusted" if isinstance(exc, UntrustedError) else "malformed"
+                skipped[kind].append(key)
+                self._warn_once(key, kind, f"skipping the {kind} worker record %s (it expires "
+                                           "unless its worker rewrites it): %s", exc)
                 continue
+            self._check_drain_mark(key, record)
             records.append(record)
-        if malformed:
-            self._expire_garbage(malformed)
+        if skipped["malformed"] or skipped["untrusted"]:
+            self._expire_garbage(skipped["malformed"] + skipped["untrusted"])
+            self._count(self.on_malformed, "worker", len(skipped["malformed"]))
+            self._count(self.on_untrusted, "worker", len(skipped["untrusted"]))
         return [r for r in records if role is None or r.role == role]
 
-    def _warn_once(self, key: bytes, exc: ValueError) -> None:
-        if key not in self._warned:
+    def _verified(self, key: bytes, reply: list | Exception) -> WorkerRecord:
+        """The record a read returned; ValueError when it is malformed, UntrustedError when
+        its tag does not verify."""
+        if isinstance(reply, Exception):  # a key of another type, or too large
+            raise ValueError(str(reply))
+        raw = dict(zip(reply[::2], reply[1::2], strict=True))
+        record = WorkerRecord.from_hash(raw)
+        if self.prefix + record.worker_id != key.decode():
+            raise ValueError(f"record of {record.worker_id!r} under another key")
+        values = {k.decode(): v.decode() for k, v in raw.items()}  # from_hash decoded them
+        if not self.auth.verifies(record.tag, _RECORD_TAG, *self._signed_parts(values)):
+            raise UntrustedError("its tag does not verify under this cluster's key")
+        return record
+
+    @staticmethod
+    def _signed_parts(values: dict[str, str]) -> list[str]:
+        """The signed fields' names and values (as stored), in order; UntrustedError when one
+        is missing."""
+        missing = [name for name in SIGNED_FIELDS if name not in values]
+        if missing:
+            raise UntrustedError(f"it lacks the signed field {missing[0]!r}")
+        return [p for name in SIGNED_FIELDS for p in (name, values[name])]
+
+    def _check_drain_mark(self, key: bytes, record: WorkerRecord) -> None:
+        """Keep ``draining`` only when its tag verifies; otherwise the record reads as not
+        draining with no mark (``draining_tag`` ""), and the pool manager writes its own."""
+        if self.auth.verifies(record.draining_tag, _DRAINING_TAG, record.worker_id,
+                              str(int(record.draining))):
+            return
+        self._warn_once(key, "draining", "ignoring the drain mark of %s (draining=%d): its "
+                        "tag does not verify under this cluster's key", int(record.draining))
+        self._count(self.on_untrusted, "draining", 1)
+        record.draining, record.draining_tag = False, ""
+
+    def _warn_once(self, key: bytes, what: str, message: str, *args) -> None:
+        """Log ``message`` % (the key, *args) at the first ``what`` of this key."""
+        if (key, what) not in self._warned:
             if len(self._warned) > 1000:
                 self._warned.clear()
-            self._warned.add(key)
-            logger.warning("skipping the malformed worker record %s (it expires unless its "
-                           "worker rewrites it): %s", key.decode(errors="replace"), exc)
+            self._warned.add((key, what))
+            logger.warning(message, key.decode(errors="replace"), *args)
 
     def _expire_garbage(self, keys: list[bytes]) -> None:
         for key in keys:
             self._expire_if_persistent(keys=[key], args=[self.ttl_ms])
-        if self.on_malformed is not None:
-            self.on_malformed("worker", len(keys))
+
+    @staticmethod
+    def _count(hook: Callable[[str, int], None] | None, kind: str, count: int) -> None:
+        if hook is not None and count:
+            hook(kind, count)
 
     def set_draining(self, worker_id: str, draining: bool = True) -> bool:
-        """Mark the record draining (or not); False, writing nothing, when it is gone."""
+        """Mark the record draining (or not) under the cluster's key; False, writing nothing,
+        when it is gone. The pool manager's call: it holds which workers drain."""
+        flag = str(int(draining))
         return bool(self._set_draining(keys=[self.prefix + worker_id],
-                                       args=[str(int(draining))]))
+                                       args=[flag, self._drain_tag(worker_id, flag)]))
 
     def remove(self, worker_id: str) -> None:
         self.client.delete(self.prefix + worker_id)

@@ -58,6 +58,7 @@ from pdserve.cluster.control_plane import ControlPlaneHealth, ResilientDirectory
 from pdserve.cluster.pools.manager import PoolManager
 from pdserve.cluster.pools.settings import PoolSettings
 from pdserve.cluster.pools.store import PoolStore
+from pdserve.cluster.record_auth import RecordAuth
 from pdserve.cluster.registry import Registry
 from pdserve.models.chat_template import load_chat_template
 from pdserve.models.checkpoint import open_checkpoint
@@ -107,6 +108,8 @@ class RouterSpec:
     tls: TLSConfig | None = None  # TLS (mutual with a client CA) for gRPC and HTTP
     prefix_cache_salt: str | None = field(default=None, repr=False)  # the workers' salt: the
     # router hashes prompts as they do to read its KV index (None: no prefix-aware choice)
+    record_key: str = field(default="", repr=False)  # the cluster's key: workers' records,
+    # KV events and drain marks in Redis are signed with it (required to run)
     reflection: bool = True  # gRPC server reflection
     max_concurrent_rpcs: int | None = None  # gRPC calls / HTTP connections in progress, at most
     autoscale: AutoscaleConfig | None = None  # the autoscaler (needs pools; None or not
@@ -209,7 +212,8 @@ class RouterActor:
         self._tools = await asyncio.to_thread(ModelPromptTools, tokenizer, spec.model)
         metrics = RouterMetrics()
         health = ControlPlaneHealth(metrics)
-        registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s, health.count_malformed)
+        registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s, health.count_malformed,
+                            health.count_untrusted, auth=RecordAuth(spec.record_key))
         store = PoolStore(spec.redis_url, spec.cluster, health.count_malformed)
         self.directory = ResilientDirectory(registry, cluster_namespace(spec.cluster), spec.name,
                                             health)

@@ -6,6 +6,10 @@ trimmed stream, a Redis restart, a router that started late), and the worker's e
 stale, matching nothing, until it is reset from a snapshot (``KVSnapshot``). Batches the
 snapshot already contains are skipped; applying one again would change nothing anyway.
 
+A worker's cache holds at most its pool's blocks, one hash each, so a batch that would leave
+more in its entry than the worker's ``total_blocks`` (its record's) is not the worker's
+truth: the entry goes stale, holding nothing, until it is reset.
+
 Every router builds the same index from the same events, whatever traffic it routed itself.
 """
 
@@ -30,10 +34,12 @@ class KVIndex:
     def __init__(self) -> None:
         self._workers: dict[str, _Worker] = {}
 
-    def apply(self, worker_id: str, events: KVEvents) -> bool:
-        """Apply the worker's next batch; False when it does not follow the last one applied
-        (the entry is then stale until :meth:`reset`). A log's first batch starts an entry
-        afresh (a new worker, or a restarted one: its cache started empty)."""
+    def apply(self, worker_id: str, events: KVEvents, capacity: int | None = None) -> bool:
+        """Apply the worker's next batch; False when it does not follow the last one applied,
+        or would leave the entry holding more than ``capacity`` hashes (the worker's total
+        blocks; None: not known), and the entry is then stale until :meth:`reset`. A log's
+        first batch starts an entry afresh (a new worker, or a restarted one: its cache
+        started empty)."""
         worker = self._workers.get(worker_id)
         if worker is None or worker.log_id != events.log_id:
             if events.number != 1:
@@ -49,6 +55,9 @@ class KVIndex:
             return False
         worker.held.difference_update(events.removed)
         worker.held.update(events.stored)
+        if capacity is not None and len(worker.held) > capacity:
+            worker.held, worker.stale = set(), True
+            return False
         worker.number = events.number
         return True
 

@@ -10,8 +10,8 @@ Pools (set by the pool manager's reconcile in the router's process):
 ``pdserve_pool_target_workers{role}``, ``pdserve_pool_workers{role,state}`` and
 ``pdserve_autoscaler_decisions_total{role,direction,reason}``.
 Control plane (``pdserve.cluster.control_plane``): ``pdserve_control_plane_degraded`` (1
-while Redis is unreachable), ``pdserve_malformed_records_total{family}`` and
-``pdserve_control_plane_repairs_total{family}``.
+while Redis is unreachable), ``pdserve_malformed_records_total{family}``,
+``pdserve_untrusted_records_total{kind}`` and ``pdserve_control_plane_repairs_total{family}``.
 
 Besides the histograms the router keeps :class:`SlidingWindow` samples of what the
 autoscaler reads (percentiles and rates over its window): the router's TTFT, the ITL, the
@@ -181,8 +181,12 @@ class RouterMetrics:
                                             "(Redis): it serves with the workers it knows",
                                             registry=r)
         self.malformed_records = Counter("pdserve_malformed_records", "Records in Redis "
-                                         "skipped because they did not parse, by key family",
-                                         ("family",), registry=r)
+                                         "skipped because they did not parse or broke a "
+                                         "bound, by key family", ("family",), registry=r)
+        self.untrusted_records = Counter("pdserve_untrusted_records", "Values read from Redis "
+                                         "skipped because their tag did not verify under the "
+                                         "cluster's key, by kind (worker, draining, kv_event)",
+                                         ("kind",), registry=r)
         self.control_plane_repairs = Counter("pdserve_control_plane_repairs", "Values put "
                                              "back in Redis after it lost them or held them "
                                              "malformed, by key family", ("family",),

@@ -114,8 +114,9 @@ class Workers:
         ids = [stats.worker_id for _, stats in workers]
         for worker_id in set(index.worker_ids) - set(ids):
             index.forget(worker_id)
+        capacity = {stats.worker_id: stats.total_blocks for _, stats in workers}
         for worker_id, events in await self.directory.kv_events(ids):
-            index.apply(worker_id, events)
+            index.apply(worker_id, events, capacity.get(worker_id))
         for _, stats in workers:
             index.note_latest(stats.worker_id, stats.kv_log_id, stats.kv_events_number)
         stale = [(handle, stats.worker_id) for handle, stats in workers

@@ -12,16 +12,17 @@ Every ``interval_s`` the manager reconciles:
    worker's ``ready()`` answer (or failure); every other member's ``ping()`` (answered on the
    worker's event loop, never behind an engine step). A member is **dead** when its actor is
    gone (``RayActorError``), ``max_missed_pings`` pings in a row time out, its engine loop
-   died (``loop_alive`` false), or it did not start within ``start_timeout_s``.
+   died or is stuck in a step past its step bound (``loop_alive`` false), or it did not start
+   within ``start_timeout_s``.
 2. Decide: :func:`~pdserve.cluster.pools.plan.plan` turns (target, members) into actions,
    a pure function.
 3. Act: ``start`` (a new actor under a fresh id ``<role>-<n>``, detached so it outlives this
    process, asking Ray for its CPUs, GPU and pool resource: ``pdserve.cluster.node_placement``),
    ``replace`` (kill the dead one, count a restart, start another), ``remove`` (a dead
-   worker whose slot is not refilled), ``drain`` (mark it draining in the registry: the
-   router stops routing to it), ``finish`` (a draining worker that reported no request in a
-   heartbeat taken ``drain_grace_s`` after the drain began, or ``drain_timeout_s`` passed:
-   close and kill it).
+   worker whose slot is not refilled), ``drain`` (mark it draining in the registry, under
+   the cluster's key: the routers stop routing to it), ``finish`` (a draining worker that
+   reported no request in a heartbeat taken ``drain_grace_s`` after the drain began, or
+   ``drain_timeout_s`` passed: close and kill it).
 
 A restarted manager (the router actor restarted by Ray) re-reads targets and members and
 adopts every member whose named actor still lives, and every live worker actor of the cluster
@@ -32,12 +33,14 @@ doubles per consecutive failure, so a bad setting does not spin.
 
 Redis is a cache of the manager's truth (``pdserve.cluster.control_plane``): targets, members,
 restart counts and the next id number live in this process, and every reconcile that reaches
-Redis puts back what it lacks or holds malformed (``PoolStore.republish``) and re-marks the
-draining workers' records. A target nobody knows is never read as zero: a role without one
-keeps its pool as it is (``pools.plan``), and a restarted manager that finds workers but no
-target takes their number as the target. While Redis is unreachable the manager keeps
-watching its members but changes nothing (a start needs a fresh id and a registry); its
-writes that fail then are put back by the first repair after.
+Redis puts back what it lacks or holds malformed (``PoolStore.republish``) and writes which
+workers drain into their records, signed: the drain is this manager's decision and Redis only
+mirrors it, so a ``draining`` flag written there by anyone else is overwritten (and read as
+not draining until then, ``pdserve.cluster.registry``). A target nobody knows is never read
+as zero: a role without one keeps its pool as it is (``pools.plan``), and a restarted manager
+that finds workers but no target takes their number as the target. While Redis is
+unreachable the manager keeps watching its members but changes nothing (a start needs a fresh
+id and a registry); its writes that fail then are put back by the first repair after.
 """
 
 from __future__ import annotations
@@ -258,18 +261,30 @@ class PoolManager:
 
     async def _republish(self) -> None:
         """Put back in Redis what it lost or holds malformed: targets, counters, members,
-        pids, and the draining mark of every draining member's record."""
+        pids, and every live member's drain mark (:meth:`_remark_drains`)."""
         restarts = {role: n for role, n in self.restart_counts.items() if n}  # none: 0
         state = PoolState(dict(self.targets), restarts, dict(self.next_ids),
                           [m.record for m in self.members.values()])
         fixed = await asyncio.to_thread(self.store.republish, state)
+        fixed += await self._remark_drains()
+        self.health.count_repairs(fixed)
+
+    async def _remark_drains(self) -> list[str]:
+        """Write this manager's truth into every live member's record whose drain mark says
+        otherwise or has no tag that verifies (the registry reads such a mark as not
+        draining): a forged or stale ``draining=1`` is cleared, a drain's mark put back.
+        Returns "drain" per mark written."""
+        fixed = []
         for member in self.members.values():
             record = self.records.get(member.worker_id)
-            if member.state == DRAINING and record is not None and not record.draining:
-                if await asyncio.to_thread(self.registry.set_draining, member.worker_id, True):
-                    record.draining = True
-                    fixed.append("drain")
-        self.health.count_repairs(fixed)
+            draining = member.state == DRAINING or member.record.draining
+            if member.state == DEAD or record is None or \
+                    (record.draining == draining and record.draining_tag):
+                continue
+            if await asyncio.to_thread(self.registry.set_draining, member.worker_id, draining):
+                record.draining = draining
+                fixed.append("drain")
+        return fixed
 
     async def _act(self) -> None:
         """Plan each pool and perform the actions (under the lock)."""
@@ -345,7 +360,7 @@ class PoolManager:
             return
         member.missed_pings = 0
         if not answer.get("loop_alive", True):
-            self._mark_dead(member, f"engine loop died: {answer.get('error')}")
+            self._mark_dead(member, f"engine loop failed: {answer.get('error')}")
             return
         await self._learn_where(member, answer)
 

@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.cluster.record_auth import RecordAuth
 from pdserve.cluster.redis_server import RedisServer
+
+AUTH = RecordAuth("test-cluster-key")  # the cluster's key of the registries and streams here
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.router.metrics import RouterMetrics
 from pdserve.testing.waits import wait_for
 
-from .conftest import Remote
+from .conftest import AUTH, Remote
 
 
 class FakeWorker:
@@ -71,7 +71,7 @@ def test_degraded_backs_off_and_ends_at_the_first_success():
 def test_a_live_worker_whose_record_expired_stays_routable_until_it_dies(redis_url):
     """The worker cannot reach Redis (its record expires) while the router can: the router
     sees it alive through its pings and keeps routing to it, with its last stats."""
-    registry = Registry(redis_url, uuid.uuid4().hex, ttl_s=0.3)
+    registry = Registry(redis_url, uuid.uuid4().hex, ttl_s=0.3, auth=AUTH)
     actors = {"decode-0": FakeWorker(), "prefill-0": FakeWorker()}
     health = ControlPlaneHealth()
     directory = FakeDirectory(registry, health, actors)
@@ -91,7 +91,7 @@ def test_a_live_worker_whose_record_expired_stays_routable_until_it_dies(redis_u
 def test_while_redis_is_down_the_known_workers_stay_and_it_says_degraded():
     server = RedisServer().start()
     try:
-        registry = Registry(server.url, "c", ttl_s=30)
+        registry = Registry(server.url, "c", ttl_s=30, auth=AUTH)
         actors = {"decode-0": FakeWorker(), "decode-1": FakeWorker()}
         health = ControlPlaneHealth(min_backoff_s=0.05, max_backoff_s=0.1)
         directory = FakeDirectory(registry, health, actors)
@@ -114,7 +114,7 @@ def test_while_redis_is_down_the_known_workers_stay_and_it_says_degraded():
 
 
 def test_what_the_router_publishes_is_kept_published(redis_url):
-    registry = Registry(redis_url, uuid.uuid4().hex)
+    registry = Registry(redis_url, uuid.uuid4().hex, auth=AUTH)
     health = ControlPlaneHealth()
     directory = FakeDirectory(registry, health, {})
     directory.keep_interval_s = 0.0

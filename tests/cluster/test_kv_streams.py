@@ -1,6 +1,6 @@
 """KV event streams on a real redis-server: every reader's index equals the worker's cache, a
-reader that starts late or finds its stream trimmed resyncs from a snapshot, and garbage in
-a stream is skipped, never applied."""
+reader that starts late or finds its stream trimmed resyncs from a snapshot, and garbage,
+forged and oversized entries in a stream are skipped, never applied."""
 
 from __future__ import annotations
 
@@ -9,12 +9,16 @@ import uuid
 
 import redis
 
-from pdserve.cluster.kv_streams import KVStreams
+from pdserve.cluster.kv_streams import HASH_BYTES, MAX_BATCH_HASHES, MAX_ENTRY_BYTES, KVStreams
+from pdserve.cluster.record_auth import RecordAuth
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_events import KVEventLog
+from pdserve.engine.protocol import KVEvents
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.router.kv_index import KVIndex
+
+from .conftest import AUTH
 
 
 def cache_prompts(bm: BlockManager, rng: random.Random, count: int) -> None:
@@ -41,9 +45,9 @@ def test_readers_follow_the_stream_and_resync_what_they_missed(redis_url):
     cluster = uuid.uuid4().hex
     bm = BlockManager(12, 4, hash_salt=b"s" * 16)
     bm.events = KVEventLog()
-    worker = KVStreams(client, cluster, ttl_ms=60_000, maxlen=3)
+    worker = KVStreams(client, cluster, ttl_ms=60_000, maxlen=3, auth=AUTH)
     rng = random.Random(0)
-    early, early_streams = KVIndex(), KVStreams(client, cluster, ttl_ms=60_000)
+    early, early_streams = KVIndex(), KVStreams(client, cluster, ttl_ms=60_000, auth=AUTH)
     for _ in range(4):
         cache_prompts(bm, rng, 2)
         worker.publish("w", bm.events.drain())
@@ -53,7 +57,7 @@ def test_readers_follow_the_stream_and_resync_what_they_missed(redis_url):
     for _ in range(12):  # far more batches than the stream keeps (maxlen 3)
         cache_prompts(bm, rng, 2)
         worker.publish("w", bm.events.drain())
-    late, late_streams = KVIndex(), KVStreams(client, cluster, ttl_ms=60_000)
+    late, late_streams = KVIndex(), KVStreams(client, cluster, ttl_ms=60_000, auth=AUTH)
     applied = [late.apply(w, e) for w, e in late_streams.read(["w"])]
     assert applied and not applied[0]  # the stream starts past batch 1: a gap
     for index, streams in ((early, early_streams), (late, late_streams)):
@@ -72,9 +76,66 @@ def test_a_key_of_another_type_reads_as_nothing_and_the_worker_replaces_it(redis
     client = redis.Redis.from_url(redis_url)
     cluster = uuid.uuid4().hex
     client.set(f"pdserve:{cluster}:kv:w", "not a stream")
-    reader, worker = (KVStreams(client, cluster, ttl_ms=10_000) for _ in range(2))
+    reader, worker = (KVStreams(client, cluster, ttl_ms=10_000, auth=AUTH) for _ in range(2))
     assert reader.read(["w", "v"]) == []
     log = KVEventLog()
     log.stored(b"h" * 32)
     worker.publish("w", log.drain())
     assert [(w, e.number, e.stored) for w, e in reader.read(["w"])] == [("w", 1, (b"h" * 32,))]
+
+
+def test_forged_and_oversized_entries_are_skipped_and_the_index_follows_the_worker(redis_url):
+    """Entries the worker did not sign (a wrong tag, none, another cluster's key, another
+    worker's entry copied over), one too large to take out of Redis and a signed one with
+    too many hashes are skipped and counted, never applied: a forged next batch number does
+    not make the index skip the worker's real next batch."""
+    client = redis.Redis.from_url(redis_url)
+    cluster = uuid.uuid4().hex
+    key = f"pdserve:{cluster}:kv:w"
+    bm = BlockManager(12, 4, hash_salt=b"s" * 16)
+    bm.events = KVEventLog()
+    worker = KVStreams(client, cluster, ttl_ms=60_000, auth=AUTH)
+    counted = []
+    reader = KVStreams(client, cluster, ttl_ms=60_000, auth=AUTH,
+                       on_malformed=lambda family, n: counted.append(("malformed", family, n)),
+                       on_untrusted=lambda kind, n: counted.append(("untrusted", kind, n)))
+    index, rng = KVIndex(), random.Random(1)
+    for _ in range(2):
+        cache_prompts(bm, rng, 2)
+        worker.publish("w", bm.events.drain())
+    catch_up(index, reader, bm)
+    log_id, following = bm.events.log_id, str(bm.events.number + 1)
+    lure = {"log": log_id, "n": following, "s": b"\x01" * HASH_BYTES, "r": b""}
+    client.xadd(key, {**lure, "t": "0" * 64})
+    client.xadd(key, lure)
+    KVStreams(client, cluster, ttl_ms=60_000, auth=RecordAuth("another-cluster-key")).publish(
+        "w", KVEvents(log_id, int(following), (b"\x01" * HASH_BYTES,), ()))
+    worker.publish("v", KVEvents(log_id, int(following), (b"\x01" * HASH_BYTES,), ()))
+    client.xadd(key, client.xrange(f"pdserve:{cluster}:kv:v")[0][1])
+    client.xadd(key, {**lure, "s": b"\x02" * (MAX_ENTRY_BYTES + HASH_BYTES)})
+    too_many = tuple(i.to_bytes(HASH_BYTES, "big") for i in range(MAX_BATCH_HASHES + 1))
+    worker.publish("w", KVEvents(log_id, int(following), too_many, ()))
+    cache_prompts(bm, rng, 2)
+    real = bm.events.drain()
+    worker.publish("w", real)
+    got = reader.read(["w"])
+    assert [(w, e.number) for w, e in got] == [("w", real.number)]
+    assert index.apply("w", got[0][1]) and not index.needs_snapshot("w")
+    assert index.held("w") == bm.held_hashes()
+    assert sorted(counted) == [("malformed", "kv_event", 2), ("untrusted", "kv_event", 4)]
+
+
+def test_an_index_holding_more_than_the_worker_s_blocks_goes_stale(redis_url):
+    """A worker's cache holds at most its blocks: a batch that would leave more hashes in its
+    entry is not its truth, and the entry matches nothing until a snapshot resets it."""
+    client = redis.Redis.from_url(redis_url)
+    cluster = uuid.uuid4().hex
+    streams = KVStreams(client, cluster, ttl_ms=60_000, auth=AUTH)
+    hashes = tuple(i.to_bytes(HASH_BYTES, "big") for i in range(13))
+    streams.publish("w", KVEvents("log", 1, hashes[:12], ()))
+    streams.publish("w", KVEvents("log", 2, hashes[12:], ()))
+    index = KVIndex()
+    first, second = (events for _, events in streams.read(["w"]))
+    assert index.apply("w", first, capacity=12) and index.held("w") == frozenset(hashes[:12])
+    assert not index.apply("w", second, capacity=12)
+    assert index.needs_snapshot("w") and index.matched_blocks("w", list(hashes)) == 0

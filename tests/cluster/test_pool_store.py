@@ -9,6 +9,8 @@ import pytest
 from pdserve.cluster.pools.store import MemberRecord, PoolStore
 from pdserve.cluster.registry import Registry, WorkerRecord
 
+from .conftest import AUTH
+
 
 @pytest.fixture
 def store(redis_url):
@@ -67,7 +69,7 @@ def test_pids_router_ports_and_clear(store, redis_url):
     assert store.router_ports() == (50051, None)
     store.save_router(40000, 9400)
     assert store.router_ports() == (40000, 9400)
-    registry = Registry(redis_url, store.prefix.split(":")[1])
+    registry = Registry(redis_url, store.prefix.split(":")[1], auth=AUTH)
     registry.heartbeat(WorkerRecord("decode-0", "decode"))
     store.clear()
     assert registry.workers() == [] and store.targets() == {} and store.pids() == set()

@@ -19,7 +19,7 @@ from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.engine.config import EngineConfig
 
-from .conftest import Remote
+from .conftest import AUTH, Remote
 
 
 class FakeWorker:
@@ -46,7 +46,8 @@ class FakeActorsManager(PoolManager):
 
     def __init__(self, redis_url: str, cluster: str, actors: dict, **settings):
         spec = WorkerSpec("decode", "decode", EngineConfig(model="m"), redis_url, cluster)
-        super().__init__(PoolStore(redis_url, cluster), Registry(redis_url, cluster, 30.0),
+        super().__init__(PoolStore(redis_url, cluster),
+                         Registry(redis_url, cluster, 30.0, auth=AUTH),
                          PoolSettings((spec,), **settings), "ns")
         self.actors = actors
 
@@ -95,7 +96,8 @@ def test_an_adopted_worker_older_than_the_start_timeout_is_not_dead(redis_url, c
 
 
 def test_redis_losing_everything_changes_no_pool_and_is_put_back(redis_url, cluster):
-    store, registry = PoolStore(redis_url, cluster), Registry(redis_url, cluster, 30.0)
+    store, registry = PoolStore(redis_url, cluster), Registry(redis_url, cluster, 30.0,
+                                                                   auth=AUTH)
     store.set_target("decode", 1)
     store.save_member(MemberRecord("decode-0", "decode", created_time=1.0))
     store.save_member(MemberRecord("decode-3", "decode", draining=True, created_time=2.0))
@@ -167,3 +169,40 @@ def test_while_redis_is_away_the_manager_watches_and_changes_nothing():
         assert store.members()[0].draining is True
     finally:
         server.stop()
+
+
+def test_forged_drain_marks_are_overwritten_by_the_next_reconcile(redis_url, cluster):
+    """Which workers drain is the manager's decision; Redis only mirrors it. A raw
+    ``draining=1`` on a serving worker never takes it out of another router's view and is
+    cleared by the next reconcile; a raw ``draining=0`` on a worker being drained is marked
+    again."""
+    store = PoolStore(redis_url, cluster)
+    store.set_target("decode", 2)
+    for worker_id in ("decode-0", "decode-1"):
+        store.save_member(MemberRecord(worker_id, "decode", created_time=1.0))
+    actors = {w: FakeWorker(w) for w in ("decode-0", "decode-1")}
+    router_view = Registry(redis_url, cluster, 30.0, auth=AUTH)  # another router's registry
+
+    def flags() -> dict[str, bytes]:
+        return {w: router_view.client.hget(router_view.prefix + w, "draining")
+                for w in ("decode-0", "decode-1")}
+
+    async def main():
+        manager = await adopted(FakeActorsManager(redis_url, cluster, actors))
+        for worker_id in actors:  # the workers' heartbeats
+            router_view.heartbeat(WorkerRecord(worker_id, "decode", num_running=1))
+        await manager.drain("decode-1")
+        router_view.client.hset(router_view.prefix + "decode-0", "draining", "1")  # forged
+        router_view.client.hset(router_view.prefix + "decode-1", "draining", "0")
+        before = {r.worker_id: r.draining for r in router_view.workers()}
+        await manager.reconcile()
+        after = {r.worker_id: r.draining for r in router_view.workers()}
+        await manager.stop()
+        return manager, before, after
+
+    manager, before, after = asyncio.run(main())
+    assert before["decode-0"] is False  # routable while the forged flag sits in Redis
+    assert flags() == {"decode-0": b"0", "decode-1": b"1"}
+    assert after == {"decode-0": False, "decode-1": True}
+    assert {w: m.state for w, m in manager.members.items()} == {"decode-0": READY,
+                                                                "decode-1": DRAINING}
