@@ -218,3 +218,41 @@ def test_hostile_requests_harm_no_one(cluster, chat_model, e2e):
         completions()
         chats()
         generations()
+
+
+def router_gauge(cluster, name: str) -> float:
+    text = httpx.get(cluster.metrics_url, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and 'role="router"' in line)
+
+
+def test_one_request_id_through_both_doors_is_two_requests(cluster, chat_model, e2e):
+    """The reported lock-out: the HTTP door hands a client its id in the first SSE chunk; the
+    same id sent at once through the gRPC door used to overwrite the first request's entry in
+    the router's flight table, so one stream hung to its deadline and its prompt tokens never
+    came back to the budget. Labels are labels now: both streams finish with the offline
+    engine's tokens, each gets the id back, and the router holds no request afterwards."""
+    prompt_http, prompt_grpc = e2e.prompts(seed=44, n=2, low=20, high=30)
+    expected = e2e.reference(chat_model, [prompt_http, prompt_grpc], 24)
+    model = httpx.get(cluster.http_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "prompt": prompt_http, "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", cluster.http_url + "/v1/completions", json=body,
+                      timeout=60) as response:
+        events = (line[len("data: "):] for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]")
+        first = json.loads(next(events))
+        label = first["id"]
+        with grpc.insecure_channel(cluster.target) as channel:  # the same id, other door
+            request = pb.GenerateRequest(request_id=label, sampling=pb.SamplingParams(
+                max_tokens=24, temperature=0.0, ignore_eos=True))
+            request.token_ids.ids.extend(prompt_grpc)
+            chunks = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
+        http_chunks = [first] + [json.loads(e) for e in events]
+    assert chunks[0].request_id == label
+    assert [t for c in chunks for t in c.token_ids] == expected[1]
+    assert chunks[-1].finish_reason == "length"
+    assert {c["id"] for c in http_chunks} == {label}
+    assert http_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert e2e.wait_for(lambda: router_gauge(cluster, "pdserve_router_requests_in_flight") == 0,
+                        30, "the router to hold no request")
