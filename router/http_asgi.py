@@ -1,7 +1,8 @@
 """The ASGI pieces under the HTTP front door (``pdserve.router.http_server``): raw response
-writers, the disconnect watch, the guard middleware (API key and caller, body bound) and a
-uvicorn server that leaves the hosting process's signals alone, on a socket bound to exactly one
-host."""
+writers, the disconnect watch, the guard middleware (API key and caller, body bound), the
+HTTP/1.1 protocol that bounds how long reading a request may take (:class:`ReadBoundProtocol`)
+and a uvicorn server that leaves the hosting process's signals alone, on a socket bound to
+exactly one host."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
+import h11
 import uvicorn
 from starlette.responses import Response
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pdserve import net
 from pdserve.router import openai_protocol as oa
@@ -95,6 +98,83 @@ class Guard:
         error = oa.OpenAIError(413, f"request body larger than {self.max_body_bytes} bytes",
                                code="request_too_large")
         await send_json(send, 413, error.body())
+
+
+class ReadBoundProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a bound on reading each request: its head and body
+    must have arrived ``read_timeout_s`` after the connection opened (its first request) or
+    after the request's first byte (a later one on a kept-alive connection). Past that the
+    client gets a 408 (when nothing was answered yet) and the connection closes.
+
+    This runs before the app, so before the API key check: a client that trickles a header
+    byte at a time, or never sends one, holds its connection (one of uvicorn's
+    ``limit_concurrency``, which counts open connections) for ``read_timeout_s`` at most.
+    Between requests uvicorn's ``timeout_keep_alive`` closes an idle connection; the head's
+    size is bounded by h11 (``h11_max_incomplete_event_size``) and the body's by
+    :class:`Guard`."""
+
+    def __init__(self, *args, read_timeout_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_timeout_s = read_timeout_s
+        self._read_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # a request is arriving
+            self._arm()
+        super().data_received(data)
+        self._disarm_if_read()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.SEND_BODY:  # a pipelined request's body is pending
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._read_timer is None:
+            self._read_timer = self.loop.call_later(self._read_timeout_s, self._read_timed_out)
+
+    def _disarm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    @property
+    def _reading(self) -> bool:
+        """Is a request (or the first one) still arriving on an open connection?"""
+        return (not self.transport.is_closing()
+                and self.conn.their_state in (h11.IDLE, h11.SEND_BODY))
+
+    def _disarm_if_read(self) -> None:
+        if not self._reading:
+            self._disarm()
+
+    def _read_timed_out(self) -> None:
+        self._read_timer = None
+        if not self._reading:
+            return
+        logger.info("%s sent no whole request within %g s: closing its connection",
+                    self.client, self._read_timeout_s)
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # nothing answered yet
+            self.transport.write(_request_timeout(self._read_timeout_s))
+        self.transport.close()
+
+
+def _request_timeout(read_timeout_s: float) -> bytes:
+    """A raw 408 in the OpenAI error envelope (h11 sends no response before a request head)."""
+    error = oa.OpenAIError(408, f"the request did not arrive whole within {read_timeout_s:g} s",
+                           code="request_timeout")
+    data = json.dumps(error.body(), separators=(",", ":")).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: " + str(len(data)).encode() + b"\r\n\r\n"
+            + data)
 
 
 class QuietServer(uvicorn.Server):

@@ -8,8 +8,12 @@ KEY`` (401 otherwise), and ``priority`` < 0 a priority key (403, ``param: "prior
 by the same :class:`pdserve.router.auth.Access` as gRPC; with ``tls`` the port speaks HTTPS
 (mutual TLS when the config has a client CA). Bodies above ``max_body_bytes`` (by default
 sized from the model's context: ``openai_protocol.max_body_bytes``) are 413 before they are
-read whole; a body larger than ``openai_protocol.INLINE_PARSE_BYTES`` is parsed in a thread, so
-parsing never holds the event loop that every stream shares. A 429 carries ``Retry-After``.
+read whole; a request whose head and body have not arrived within ``read_timeout_s`` is 408 and
+its connection closed, before the key is checked (``http_asgi.ReadBoundProtocol``), so slow
+clients cannot hold the ``max_concurrency`` connections; with keys, a request counts under its
+key's tenant for fair turns (``auth.request_tenant``); a body larger than
+``openai_protocol.INLINE_PARSE_BYTES`` is parsed in a thread, so parsing never holds the event
+loop that every stream shares. A 429 carries ``Retry-After``.
 The wire format (fields, chunks, error envelope) is ``pdserve.router.openai_protocol``.
 
 Life of a generation (``_completion_job`` / ``_chat_job``, then
@@ -39,6 +43,7 @@ The server must be started on the loop the backend lives on (the router actor's)
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -56,7 +61,7 @@ from starlette.responses import Response
 import pdserve
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import openai_protocol as oa
-from pdserve.router.auth import Access, TLSConfig, check_priority
+from pdserve.router.auth import Access, TLSConfig, check_priority, request_tenant
 from pdserve.router.backend import GenerationBackend
 from pdserve.router.errors import (
     NOT_READY,
@@ -65,7 +70,13 @@ from pdserve.router.errors import (
     PermissionDeniedError,
     RequestValidationError,
 )
-from pdserve.router.http_asgi import Guard, QuietServer, TaskResponse, listening_socket
+from pdserve.router.http_asgi import (
+    Guard,
+    QuietServer,
+    ReadBoundProtocol,
+    TaskResponse,
+    listening_socket,
+)
 from pdserve.router.http_generation import HttpGeneration, HttpJob
 from pdserve.router.validation import (
     ValidatedRequest,
@@ -78,6 +89,8 @@ from pdserve.router.validation import (
 logger = logging.getLogger(__name__)
 
 WORK_THREADS = 2  # large bodies parsed and chats rendered at once
+READ_TIMEOUT_S = 30.0  # a request's head and body must arrive within this (ReadBoundProtocol)
+KEEP_ALIVE_S = 5.0  # an idle kept-alive connection is closed after this
 
 class PromptTools(Protocol):
     """What the HTTP front door needs of the model's tokenizer (the router actor's)."""
@@ -101,7 +114,10 @@ class HttpServer:
                  accepting: Callable[[], None] | None = None, api_key: str | None = None,
                  tls: TLSConfig | None = None, max_body_bytes: int | None = None,
                  max_concurrency: int | None = None,
-                 priority_api_keys: tuple[str, ...] = ()) -> None:
+                 priority_api_keys: tuple[str, ...] = (),
+                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
+        if not read_timeout_s > 0:
+            raise ValueError(f"read_timeout_s must be > 0, got {read_timeout_s}")
         self._backend = backend
         self._model_root = model_root  # also accepted as the model's name (never shown)
         if max_body_bytes is None:
@@ -110,7 +126,8 @@ class HttpServer:
         self._generation = HttpGeneration(backend, tools)
         self._accepting = accepting or _always  # raises NoWorkersError while draining
         self._tls = tls
-        self._max_concurrency = max_concurrency
+        self._max_concurrency = max_concurrency  # open connections, at most (uvicorn's)
+        self._read_timeout_s = read_timeout_s
         self._started_at = oa.now()
         # bodies parsed and chats rendered on threads of their own, off the loop and off its
         # default pool (which the worker directory's refresh runs on)
@@ -128,10 +145,11 @@ class HttpServer:
         if self._task is not None:
             raise RuntimeError("server already started")
         sock = listening_socket(host, port)
+        protocol = functools.partial(ReadBoundProtocol, read_timeout_s=self._read_timeout_s)
         config = uvicorn.Config(self.asgi, log_config=None, access_log=False, lifespan="off",
-                                http="h11", ws="none", server_header=False,
+                                http=protocol, ws="none", server_header=False,
                                 limit_concurrency=self._max_concurrency,
-                                timeout_graceful_shutdown=5)
+                                timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=5)
         config.load()
         if self._tls is not None:
             config.ssl = self._tls.ssl_context()
@@ -308,7 +326,8 @@ class HttpServer:
         params = fit_to_context(ids, validated, model)
         deadline = None if body.timeout is None else time.monotonic() + body.timeout
         return HttpJob(chat, f"{prefix}-{uuid.uuid4().hex}", model.model_name, oa.now(), ids,
-                       params, deadline, body.stream, body.include_usage, not given)
+                       params, deadline, body.stream, body.include_usage, not given,
+                       request_tenant())
 
 
 def _always() -> None:

@@ -33,13 +33,13 @@ def certs(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(host: str = "127.0.0.1", **kwargs):
+def serving(host: str = "127.0.0.1", backend: FakeBackend | None = None, **kwargs):
     """A GenerationServer on ``host`` on its own loop in a thread; yields its port."""
     import threading
 
     loop = asyncio.new_event_loop()
     ready: dict = {}
-    server = GenerationServer(FakeBackend(), health_poll_interval_s=0.02,
+    server = GenerationServer(backend or FakeBackend(), health_poll_interval_s=0.02,
                               admin=FakeAdmin([], {"decode": 1}), **kwargs)
 
     def main():
@@ -232,6 +232,30 @@ def test_priority_above_the_default_needs_a_priority_key():
     with serving() as port:  # no key at all: no tenants, nothing gated
         with PdserveClient(f"127.0.0.1:{port}", timeout=5) as client:
             assert client.generate([1], max_tokens=1, priority=-5).token_ids == [2]
+
+
+def test_the_tenant_is_the_key_s_and_a_client_cannot_claim_another_key_s():
+    backend = FakeBackend()
+    with serving(backend=backend, api_key=KEY, priority_api_keys=(PRIORITY,)) as port:
+        def tenant(key: str, claimed: str) -> str | None:
+            with PdserveClient(f"127.0.0.1:{port}", timeout=5, api_key=key) as client:
+                client.generate([1], max_tokens=1, tenant=claimed)
+            return backend.tenants[-1]
+
+        priority_tenant = tenant(PRIORITY, "")
+        key_tenant = tenant(KEY, priority_tenant)  # claims the other key's share: ignored
+        assert priority_tenant is not None and key_tenant not in (None, priority_tenant)
+        assert tenant(KEY, "someone-else") == key_tenant
+        assert tenant(KEY, "x" * 500) == key_tenant  # ignored, not even checked
+        assert KEY not in key_tenant and PRIORITY not in priority_tenant  # never the key
+    backend = FakeBackend()
+    with serving(backend=backend) as port:  # no keys: the client names it, bounded
+        with PdserveClient(f"127.0.0.1:{port}", timeout=5) as client:
+            client.generate([1], max_tokens=1, tenant="team-a")
+            client.generate([1], max_tokens=1)
+            assert _code(lambda: client.generate([1], max_tokens=1, tenant="x" * 500)) \
+                == grpc.StatusCode.INVALID_ARGUMENT
+        assert backend.tenants == ["team-a", None]
 
 
 def test_access_keys_are_separate_and_key_files_are_checked(tmp_path):

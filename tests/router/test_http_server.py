@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import select
 import socket
 import threading
 
@@ -332,6 +333,82 @@ def test_priority_above_the_default_needs_a_priority_key(loop):
                                               "priority": -9}, key=None).status_code == 200
     finally:
         loop.run(server.stop(1.0))
+
+
+def _trickle(port: int, start: bytes, trickle: bytes, out: dict) -> None:
+    """A slowloris client: sends ``start``, then ``trickle`` one byte per 0.2 s until the server
+    answers or closes; ``out`` gets whether it was cut off before the end and what it read."""
+    with socket.create_connection(("127.0.0.1", port), 10) as sock:
+        sock.sendall(start)
+        cut = False
+        for byte in trickle:
+            if select.select([sock], [], [], 0.2)[0]:  # an answer, or the close
+                cut = True
+                break
+            try:
+                sock.sendall(bytes([byte]))
+            except ConnectionError:
+                cut = True
+                break
+        answer = b""
+        sock.settimeout(10)
+        try:
+            while cut and (chunk := sock.recv(4096)):
+                answer += chunk
+        except ConnectionError:
+            pass
+        out.update(cut=cut, answer=answer)
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+def test_a_slowloris_client_is_cut_off_and_does_not_block_others(loop, part):
+    """Two clients trickle a request a byte per 0.2 s into a server whose max_concurrency
+    leaves no room for a third connection (uvicorn counts the open ones, the asking one
+    included): each is answered 408 and closed after read_timeout_s (in the head case before
+    its key was ever seen), and a well-behaved request is then served."""
+    backend = FakeBackend()
+    server, url = _start(loop, backend, api_key=KEY, max_concurrency=3, read_timeout_s=1.0)
+    body = json.dumps({"model": MODEL, "prompt": [1], "max_tokens": 1}).encode() + b" " * 100
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+    if part == "head":
+        start, trickle = head, b"x-slow: " + b"a" * 100  # 20 s of header unless cut off
+    else:
+        start = head + (f"authorization: Bearer {KEY}\r\ncontent-type: application/json\r\n"
+                        f"content-length: {len(body)}\r\n\r\n").encode()
+        start, trickle = start + body[:1], body[1:]
+    outs: list[dict] = [{}, {}]
+    threads = [threading.Thread(target=_trickle, args=(server.port, start, trickle, out))
+               for out in outs]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        for out in outs:
+            assert out["cut"], "a client trickling its request was never cut off"
+            status_line, _, rest = out["answer"].partition(b"\r\n")
+            assert b" 408 " in status_line and b"request_timeout" in rest
+        response = _post(url, "/v1/completions", {"model": MODEL, "prompt": [1],
+                                                  "max_tokens": 1})
+        assert response.status_code == 200, response.text
+    finally:
+        loop.run(server.stop(1.0))
+    assert backend.started_ids == [backend.started_ids[-1]]  # the trickled body never ran
+
+
+def test_requests_count_under_their_key_s_tenant(loop):
+    backend = FakeBackend()
+    server, url = _start(loop, backend, api_key=KEY, priority_api_keys=("prio-key",))
+    try:
+        for key in (KEY, KEY, "prio-key"):
+            response = _post(url, "/v1/completions", {"model": MODEL, "prompt": [1],
+                                                      "max_tokens": 1}, key=key)
+            assert response.status_code == 200, response.text
+    finally:
+        loop.run(server.stop(1.0))
+    first, again, other = backend.tenants
+    assert first is not None and first == again and other not in (None, first)
+    assert KEY not in first and "prio-key" not in other  # a hash, never the key
 
 
 def test_api_key_and_open_paths(fake):
