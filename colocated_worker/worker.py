@@ -35,7 +35,8 @@ class ColocatedWorker(StreamingWorker):
         self.loop = EngineLoop(f"colocated-{worker_id}", self.engine.step,
                                self.engine.has_unfinished_requests, tick=self._tick,
                                stats=self._stats, on_death=self._fail_everything,
-                               watch=self.engine.broken).start()
+                               watch=self.engine.broken,
+                               step_timeout_s=parts.config.step_timeout_s).start()
 
     def abort(self, request_id: str) -> Future:
         return self.loop.call(self._abort, request_id)

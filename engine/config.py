@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.engine_loop import check_step_timeout
 from pdserve.engine.scheduler_output import check_admission_hold
 from pdserve.engine.spec_config import SpeculativeConfig
 from pdserve.kernels import BACKENDS
@@ -64,6 +65,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks computing one engine, each 1/N of every layer's
     # heads and MLP (one process per rank on the worker's machine; gloo on CPU, NCCL on CUDA);
     # memory_budget_bytes is per rank
+    step_timeout_s: float | None = None  # a step (or other work of the engine loop) running
+    # longer makes the worker not ready: it refuses new work, its pool replaces it, its
+    # requests move (docs/failure-handling.md). None: derived from the measured step time,
+    # max(60 s, 10 x the slowest of the last 64 steps); inf: no bound
     prefix_cache_salt: str | None = field(default=None, repr=False)  # secret mixed into every
     # prefix-cache block hash, one per cluster (the launcher generates it); None: each engine
     # draws its own; never in the repr
@@ -99,6 +104,7 @@ class EngineConfig:
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         check_admission_hold(self.admission_hold_s)
+        check_step_timeout(self.step_timeout_s)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
         if not 0.0 <= self.memory_safety_margin < 0.5:
             raise ValueError("memory_safety_margin must be in [0, 0.5), "

@@ -11,6 +11,17 @@ business (``decode_worker.mailboxes``).
 Liveness never depends on how long a step takes: after each step and tick the loop publishes
 the worker's stats (:meth:`snapshot`), which heartbeats read without waiting for the loop.
 
+A loop that stops coming round is another matter. Each piece of its work (a step, a call, a
+tick, taking stats) is bounded by the :class:`StepBound` (``--step-timeout-s``, else derived
+from the measured step times). Past it the loop is **stuck** (:meth:`stuck`: a step that waits
+on a hung collective or a SIGSTOPped tensor parallel rank, a call that never returns):
+:attr:`failure` says so (the worker's ping, so its pool replaces it), the snapshot carries it
+(the routers send it nothing new), and calls are refused at once with
+:class:`EngineStalledError` instead of queueing behind the stuck work. The verdict is final: if
+that work ever returns, the loop runs the calls it accepted before the verdict (the engine is
+whole) and then dies as below, so every request the worker holds ends with the reason and
+moves.
+
 If the loop dies (an exception escapes a step, a call raises :class:`EngineBrokenError`, or
 ``watch`` names a part the engine needs that is gone), ``on_death`` runs once on the loop
 thread so the worker can fail every request it holds, :attr:`error` is set, the snapshot
@@ -25,9 +36,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -36,6 +49,11 @@ from pdserve.engine.protocol import RequestDelta, StepDeltas, WorkerStats
 logger = logging.getLogger(__name__)
 
 FAULT_KINDS = ("raise", "stall")
+STEP_BOUND_FLOOR_S = 60.0  # the derived step bound is never lower (a first step may compile)
+STEP_BOUND_MULTIPLE = 10.0  # nor lower than this many times the slowest recent step
+RECENT_STEPS = 64  # the steps the derived bound looks back on
+STEP = "a step"
+BETWEEN = "the loop between its steps"  # checking for work, waiting for the outbox
 
 
 class EngineDeadError(RuntimeError):
@@ -47,8 +65,53 @@ class EngineBrokenError(RuntimeError):
     call, it fails that call and then kills the loop, as a failed step does."""
 
 
+class EngineStalledError(EngineDeadError):
+    """The engine loop is stuck: a step (or a call, or a tick) has run past the step bound. The
+    worker takes no new work and is replaced; should that work return, the loop ends."""
+
+
 class InjectedFault(RuntimeError):
     """Raised by a step on purpose (``EngineLoop.inject_fault``)."""
+
+
+def check_step_timeout(value) -> None:
+    """``step_timeout_s``: None (derived) or a positive number of seconds (``inf``: never)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) \
+            or value <= 0:
+        raise ValueError("step_timeout_s must be a positive number of seconds (inf: no bound) "
+                         f"or None (derived from the measured step time), got {value!r}")
+
+
+class StepBound:
+    """How long one piece of the engine loop's work may run before the loop counts as stuck:
+    ``fixed_s`` when given, else ``max(STEP_BOUND_FLOOR_S, STEP_BOUND_MULTIPLE x the slowest of
+    the last RECENT_STEPS steps)``: a step that finished under the bound counts; one past it
+    ends the loop, so it never raises the bound. :meth:`observe` runs on the loop thread;
+    :attr:`seconds` and :meth:`describe` may be read from any."""
+
+    def __init__(self, fixed_s: float | None = None):
+        check_step_timeout(fixed_s)
+        self.fixed_s = fixed_s
+        self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._slowest = 0.0  # of the recent steps
+        self.seconds = STEP_BOUND_FLOOR_S if fixed_s is None else float(fixed_s)
+
+    def observe(self, step_s: float) -> None:
+        """A step took ``step_s`` (under the bound)."""
+        if self.fixed_s is not None:
+            return
+        self._recent.append(step_s)
+        self._slowest = max(self._recent)
+        self.seconds = max(STEP_BOUND_FLOOR_S, STEP_BOUND_MULTIPLE * self._slowest)
+
+    def describe(self) -> str:
+        if self.fixed_s is not None:
+            return f"{self.seconds:g} s (--step-timeout-s)"
+        return (f"{self.seconds:.1f} s (derived: {STEP_BOUND_MULTIPLE:g} x the slowest recent "
+                f"step, {self._slowest:.3f} s, and at least {STEP_BOUND_FLOOR_S:g} s; "
+                f"--step-timeout-s sets it)")
 
 
 class DeltaOutbox:
@@ -95,7 +158,8 @@ class EngineLoop:
                  stats: Callable[[], WorkerStats] | None = None,
                  on_death: Callable[[str], None] | None = None,
                  watch: Callable[[], str | None] | None = None, idle_wait_s: float = 0.05,
-                 stats_interval_s: float = 0.1, outbox_capacity: int = 1 << 16):
+                 stats_interval_s: float = 0.1, outbox_capacity: int = 1 << 16,
+                 step_timeout_s: float | None = None):
         self.outbox = DeltaOutbox(outbox_capacity)
         self._step = step
         self._has_work = has_work
@@ -114,7 +178,10 @@ class EngineLoop:
         self._published_at = 0.0
         self._calls_run_at = 0.0  # wall clock: every call received before it has run
         self.error: str | None = None  # why the loop died (None while it runs)
-        self.busy_since: float | None = None  # time.monotonic() the running step began
+        self.step_bound = StepBound(step_timeout_s)
+        # what the loop thread is doing and since when (time.monotonic()); None while it waits
+        # for calls (a wait bounded by idle_wait_s) or does not run
+        self._work: tuple[str, float] | None = None
 
     def start(self) -> EngineLoop:
         self._publish(force=True)
@@ -122,13 +189,20 @@ class EngineLoop:
         return self
 
     def call(self, fn: Callable, *args) -> Future:
-        """Run ``fn(*args)`` on the loop thread; the future holds its result or exception."""
+        """Run ``fn(*args)`` on the loop thread; the future holds its result or exception. A
+        loop that cannot run it soon (dead, stopped, a part gone, stuck) refuses it at once:
+        the future is done, with EngineDeadError (EngineStalledError when stuck)."""
         future: Future = Future()
         with self._calls_lock:
             if self.error is not None:
                 future.set_exception(EngineDeadError(f"engine loop died: {self.error}"))
             elif self._stopping.is_set():
                 future.set_exception(RuntimeError("engine loop is stopped"))
+            elif (gone := self._gone()) is not None:
+                future.set_exception(EngineDeadError(f"engine loop {self.name} cannot serve: "
+                                                     f"{gone}"))
+            elif (stuck := self.stuck()) is not None:
+                future.set_exception(EngineStalledError(f"engine loop {self.name} {stuck}"))
             else:
                 self._calls.put((fn, args, future))
         return future
@@ -140,20 +214,49 @@ class EngineLoop:
             self._thread.join(timeout)
 
     @property
+    def name(self) -> str:
+        return self._thread.name
+
+    @property
     def failure(self) -> str | None:
-        """Why the engine cannot serve: the loop died (:attr:`error`), or ``watch`` names a
-        part that is gone though a step may still be waiting on it; None while it can."""
+        """Why the engine cannot serve: the loop died (:attr:`error`), ``watch`` names a part
+        that is gone though a step may still be waiting on it, or the loop is stuck
+        (:meth:`stuck`); None while it can."""
         if self.error is not None:
             return self.error
-        return None if self._watch is None else self._watch()
+        gone = self._gone()
+        return gone if gone is not None else self.stuck()
+
+    def stuck(self) -> str | None:
+        """What the loop has been doing past the step bound (a step, a call, a tick), with how
+        long and the bound; None while it comes round in time."""
+        work = self._work
+        if work is None or self.error is not None or not self._thread.is_alive():
+            return None
+        what, since = work
+        running_s = time.monotonic() - since
+        if running_s <= self.step_bound.seconds:
+            return None
+        return (f"stuck: {what} has run {running_s:.1f} s, past the step bound of "
+                f"{self.step_bound.describe()}")
+
+    @property
+    def busy_since(self) -> float | None:
+        """time.monotonic() the running step began (None between steps)."""
+        work = self._work
+        return work[1] if work is not None and work[0] == STEP else None
 
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None
 
     def snapshot(self) -> WorkerStats | None:
-        """The stats published after the latest step or tick (no wait on the loop)."""
-        return self._snapshot
+        """The stats published after the latest step or tick (no wait on the loop), their
+        ``error`` set while the engine cannot serve (:attr:`failure`)."""
+        published, failure = self._snapshot, self.failure
+        if published is None or failure is None or published.error == failure:
+            return published
+        return dataclasses.replace(published, error=failure)
 
     def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
         """The next step raises (``"raise"``) or first sleeps ``seconds`` (``"stall"``)."""
@@ -162,50 +265,105 @@ class EngineLoop:
         self._fault = _Fault(kind, seconds)
 
     # -- loop thread ----------------------------------------------------------------------
+    def _gone(self) -> str | None:
+        return None if self._watch is None else self._watch()
+
+    def _begin(self, what: str) -> None:
+        self._work = (what, time.monotonic())
+
+    def _end(self) -> float:
+        """The current work is done: how long it ran. Past the step bound the loop is stuck
+        for good: EngineStalledError, which ends it."""
+        what, since = self._work
+        now = time.monotonic()
+        self._work = (BETWEEN, now)
+        ran_s = now - since
+        if ran_s > self.step_bound.seconds:
+            raise EngineStalledError(f"stuck: {what} ran {ran_s:.1f} s, past the step bound "
+                                     f"of {self.step_bound.describe()}")
+        return ran_s
+
     def _run_calls(self, block: bool) -> None:
         try:
-            item = self._calls.get(timeout=self._idle_wait_s) if block else self._calls.get_nowait()
+            if block:
+                self._work = None  # waiting (at most idle_wait_s) is not work
+                item = self._calls.get(timeout=self._idle_wait_s)
+            else:
+                item = self._calls.get_nowait()
         except queue.Empty:
             self._calls_run_at = time.time()
             return
+        finally:
+            self._work = (BETWEEN, time.monotonic())
         while item is not None:
             fn, args, future = item
             if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except EngineBrokenError as exc:
-                    future.set_exception(exc)
-                    raise  # the loop dies: the worker is replaced
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(exc)
+                self._run_call(fn, args, future)
             try:
                 item = self._calls.get_nowait()
             except queue.Empty:
                 self._calls_run_at = time.time()
                 return
 
-    def _run(self) -> None:
-        last_tick = 0.0
+    def _run_call(self, fn: Callable, args: tuple, future: Future) -> None:
+        self._begin(f"a call to {getattr(fn, '__qualname__', repr(fn))}")
         try:
-            while not self._stopping.is_set():
-                if self._watch is not None and (gone := self._watch()) is not None:
-                    raise EngineBrokenError(gone)
-                can_step = not self.outbox.is_full
-                self._run_calls(block=not (can_step and self._has_work()))
-                if self._tick is not None and time.monotonic() - last_tick >= self._idle_wait_s:
-                    self._tick()
-                    last_tick = time.monotonic()
-                if can_step and self._has_work():
-                    self.busy_since = time.monotonic()
-                    self._apply_fault()
-                    self.outbox.put_many(self._step())
-                    self.busy_since = None
-                self._publish()
+            future.set_result(fn(*args))
+        except EngineBrokenError as exc:
+            future.set_exception(exc)
+            raise  # the loop dies: the worker is replaced
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
+        self._end()
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except EngineStalledError as exc:
+            self._die_stuck(exc)
         except BaseException as exc:  # noqa: BLE001 - a dead loop must be visible
-            logger.exception("engine loop %s died", self._thread.name)
+            logger.exception("engine loop %s died", self.name)
             self._die(f"{type(exc).__name__}: {exc}")
         finally:
+            self._work = None
             self._fail_pending()
+
+    def _serve(self) -> None:
+        last_tick = 0.0
+        self._work = (BETWEEN, time.monotonic())
+        while not self._stopping.is_set():
+            if (gone := self._gone()) is not None:
+                raise EngineBrokenError(gone)
+            can_step = not self.outbox.is_full
+            self._run_calls(block=not (can_step and self._has_work()))
+            if self._tick is not None and time.monotonic() - last_tick >= self._idle_wait_s:
+                self._begin("a tick")
+                self._tick()
+                self._end()
+                last_tick = time.monotonic()
+            if can_step and self._has_work():
+                self._begin(STEP)
+                self._apply_fault()
+                self.outbox.put_many(self._step())
+                self.step_bound.observe(self._end())  # (a step past the bound raises first)
+            self._begin("taking stats")
+            self._publish()
+            self._end()
+
+    def _die_stuck(self, exc: EngineStalledError) -> None:
+        """Work past the step bound returned: the engine is whole, so the calls accepted before
+        the verdict run (a submit adds its request), then the loop dies and fails them all."""
+        error = f"{type(exc).__name__}: {exc}"
+        logger.error("engine loop %s %s; it ends", self.name, exc)
+        self.error = error  # refuses calls from here on
+        with self._calls_lock:  # every call accepted before is in the queue now
+            pass
+        try:
+            self._run_calls(block=False)
+        except BaseException:  # noqa: BLE001 - the loop dies anyway
+            logger.exception("engine loop %s: a call accepted before it was stuck failed",
+                             self.name)
+        self._die(error)
 
     def _apply_fault(self) -> None:
         fault, self._fault = self._fault, None

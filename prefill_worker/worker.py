@@ -124,7 +124,8 @@ class PrefillWorker(StepHooks):
         self.loop = EngineLoop(f"prefill-{worker_id}", self.engine.step,
                                self.engine.has_unfinished_requests, tick=self._tick,
                                stats=self._stats, on_death=self._fail_everything,
-                               watch=self.engine.broken).start()
+                               watch=self.engine.broken,
+                               step_timeout_s=parts.config.step_timeout_s).start()
 
     # -- public API (any thread) --------------------------------------------------------------
     def prefill(self, request: WorkRequest, reservation: Reservation) -> Future:

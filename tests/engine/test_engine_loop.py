@@ -1,13 +1,27 @@
 """The engine loop's published stats say which calls they count (``WorkerStats.taken_at``),
-and which failing calls end the loop."""
+which failing calls end the loop, and when a loop that stops coming round is stuck."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
-from pdserve.engine.engine_loop import EngineBrokenError, EngineDeadError, EngineLoop
+import pytest
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_loop import (
+    RECENT_STEPS,
+    STEP_BOUND_FLOOR_S,
+    STEP_BOUND_MULTIPLE,
+    EngineBrokenError,
+    EngineDeadError,
+    EngineLoop,
+    EngineStalledError,
+    StepBound,
+)
 from pdserve.engine.protocol import StepDeltas, WorkerStats
+from pdserve.testing.waits import wait_for
 
 
 def test_published_stats_count_every_call_received_before_taken_at():
@@ -134,3 +148,113 @@ def test_a_call_that_races_the_loops_death_still_fails():
         assert isinstance(call.exception(10), EngineDeadError)
     finally:
         loop.stop()
+
+
+BOUND_S = 0.5  # the step bound of the stuck-loop tests
+
+
+def _stats() -> WorkerStats:
+    return WorkerStats("w", "colocated", 8, 8, 0, 0, 0, 0, 0, 0, 0, 0, taken_at=time.time())
+
+
+def test_a_step_past_its_bound_makes_the_loop_not_ready_until_it_ends():
+    """A step that runs past ``step_timeout_s`` (a hung collective, a stopped rank) makes the
+    loop stuck: ``failure`` and the published stats say so, naming the step's time and the
+    bound, and calls are refused at once. The verdict is final: when the step returns, the calls
+    accepted before it run, then the loop dies, so its requests end and move."""
+    release, stepping = threading.Event(), threading.Event()
+    events: list[str] = []
+
+    def step() -> StepDeltas:
+        stepping.set()
+        release.wait(10)
+        return StepDeltas()
+
+    loop = EngineLoop("test-loop", step, lambda: True, stats=_stats, on_death=events.append,
+                      step_timeout_s=BOUND_S).start()
+    try:
+        assert stepping.wait(5)
+        accepted = loop.call(events.append, "accepted")  # queued within the bound
+        wait_for(lambda: loop.failure is not None, 10, "the stuck verdict")
+        assert re.fullmatch(r"stuck: a step has run \d+\.\d s, past the step bound of 0\.5 s "
+                            r"\(--step-timeout-s\)", loop.failure), loop.failure
+        assert not loop.is_alive and loop.snapshot().error.startswith("stuck: a step has run")
+        refused = loop.call(events.append, "refused")
+        assert refused.done() and isinstance(refused.exception(), EngineStalledError)
+        assert "past the step bound of 0.5 s" in str(refused.exception())
+        assert not accepted.done() and events == []
+        release.set()
+        wait_for(lambda: len(events) == 2, 10, "the loop's death")
+        assert accepted.done() and accepted.exception() is None
+        assert events[0] == "accepted"  # ran before on_death, which fails its request too
+        assert re.fullmatch(r"engine loop died: EngineStalledError: stuck: a step ran \d+\.\d s, "
+                            r"past the step bound of 0\.5 s \(--step-timeout-s\)", events[1])
+        assert "EngineStalledError" in loop.snapshot().error
+        assert isinstance(loop.call(events.append, "late").exception(5), EngineDeadError)
+    finally:
+        release.set()
+        loop.stop()
+
+
+def test_a_call_that_never_returns_stops_the_loop_draining_its_queue():
+    """A call that blocks keeps the loop from its queue as a stuck step does: it is named."""
+    release = threading.Event()
+
+    def blocks() -> None:
+        release.wait(10)
+
+    loop = EngineLoop("test-loop", StepDeltas, lambda: False, step_timeout_s=BOUND_S).start()
+    try:
+        loop.call(blocks)
+        wait_for(lambda: loop.failure is not None, 10, "the stuck verdict")
+        assert "a call to test_a_call_that_never_returns_stops_the_loop_draining_its_queue" \
+               ".<locals>.blocks has run" in loop.failure
+        assert isinstance(loop.call(lambda: None).exception(0), EngineStalledError)
+    finally:
+        release.set()
+        loop.stop()
+
+
+def test_an_idle_loop_or_steps_under_the_bound_are_never_stuck():
+    """Waiting for calls is not work, and steps that each finish in time never add up."""
+    steps = [0]
+
+    def step() -> StepDeltas:
+        steps[0] += 1
+        time.sleep(BOUND_S / 10)  # 15 of them outlast the bound
+        return StepDeltas()
+
+    idle = EngineLoop("idle-loop", StepDeltas, lambda: False, step_timeout_s=BOUND_S).start()
+    busy = EngineLoop("busy-loop", step, lambda: steps[0] < 15, step_timeout_s=BOUND_S).start()
+    try:
+        wait_for(lambda: steps[0] == 15 and busy.busy_since is None, 20, "15 steps")
+        assert idle.failure is None and busy.failure is None
+        assert idle.call(lambda: "ran").result(5) == "ran"
+        assert busy.call(lambda: "ran").result(5) == "ran"
+    finally:
+        idle.stop()
+        busy.stop()
+
+
+def test_the_derived_bound_follows_the_slowest_recent_step():
+    bound = StepBound()
+    assert bound.seconds == STEP_BOUND_FLOOR_S  # nothing measured yet
+    bound.observe(0.5)
+    assert bound.seconds == STEP_BOUND_FLOOR_S  # 10 x 0.5 s is under the floor
+    bound.observe(9.0)
+    assert bound.seconds == pytest.approx(STEP_BOUND_MULTIPLE * 9.0)
+    assert "slowest recent step, 9.000 s" in bound.describe()
+    for _ in range(RECENT_STEPS):  # the slow step leaves the window
+        bound.observe(0.1)
+    assert bound.seconds == STEP_BOUND_FLOOR_S
+    fixed = StepBound(2.5)
+    fixed.observe(100.0)
+    assert fixed.seconds == 2.5 and fixed.describe() == "2.5 s (--step-timeout-s)"
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), True, "30"])
+def test_a_bad_step_timeout_is_refused_naming_the_field(value, tmp_path):
+    with pytest.raises(ValueError, match="step_timeout_s must be a positive number"):
+        EngineConfig(model=str(tmp_path), step_timeout_s=value)
+    with pytest.raises(ValueError, match="step_timeout_s"):
+        StepBound(value)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.engine.engine_loop import EngineDeadError
+from pdserve.engine.engine_loop import EngineDeadError, EngineStalledError
 from pdserve.engine.protocol import WorkRequest
 from pdserve.testing.waits import wait_for
 
@@ -75,6 +75,24 @@ def test_a_long_step_does_not_hide_the_snapshot(hf_checkpoint, make_pair):
     with pytest.raises(TimeoutError):  # the loop itself is busy for the stall
         stats.result(0.2)
     pair.decode.abort("s").result(10)
+
+
+def test_a_prefill_sent_to_a_stuck_prefill_worker_fails_at_once(hf_checkpoint, make_pair):
+    """A prefill worker whose step runs past its step bound refuses a prefill at once (the
+    router tries another) and its stats say why."""
+    pair = make_pair(hf_checkpoint("llama"), step_timeout_s=0.5)
+    first = WorkRequest("first", [3, 4, 5], GREEDY, seed=1, arrival_time=time.time())
+    second = dataclasses.replace(first, request_id="second")
+    pair.prefill.loop.inject_fault("stall", 2.0)
+    pending = pair.prefill.prefill(first, pair.decode.reserve(first).result(5))
+    wait_for(lambda: pair.prefill.loop.failure, 10, "the stuck verdict")
+    refused = pair.prefill.prefill(second, pair.decode.reserve(second).result(5))
+    assert refused.done() and isinstance(refused.exception(), EngineStalledError)
+    assert "past the step bound of 0.5 s" in pair.prefill.snapshot().error
+    wait_for(pending.done, 10, "the stuck step's end")
+    for request_id in ("first", "second"):
+        pair.decode.abort(request_id).result(5)
+    wait_for(lambda: pair.decode.stats().result(5).used_blocks == 0, 10, "the decode blocks")
 
 
 def test_a_commit_that_raises_fails_its_request_and_frees_its_blocks(hf_checkpoint, make_pair,

@@ -12,12 +12,14 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.cluster.workers import InProcTransfer, build_worker
+from pdserve.engine.engine_loop import EngineStalledError
 from pdserve.engine.protocol import DuplicateRequestId, NeverFits, WorkRequest
 from pdserve.testing.waits import wait_for
 
 from .conftest import engine_config
 
 STALL_S = 2.0  # the first step sleeps this long before it computes (the submits take ms)
+STEP_BOUND_S = 0.5  # --step-timeout-s of the bounded workers
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 9, 14, 3, 27, 8, 11]
 
@@ -119,3 +121,31 @@ def test_an_id_held_on_a_decode_worker_is_refused_whichever_way_and_router(hf_ch
         assert decode.mailbox_sizes().num_owned == 0
     finally:
         decode.close()
+
+
+@pytest.fixture(params=["colocated", "decode"])
+def bounded_worker(request, hf_checkpoint):
+    """A worker whose engine loop is stuck once a step runs past STEP_BOUND_S."""
+    made = build_worker(request.param, f"{request.param}-bounded",
+                        engine_config(hf_checkpoint("llama"), num_kv_blocks=32,
+                                      step_timeout_s=STEP_BOUND_S), InProcTransfer())
+    yield made
+    made.close()
+
+
+def test_a_submit_to_a_stuck_worker_fails_at_once_and_its_requests_end(bounded_worker):
+    """A step past the worker's step bound (a hung collective, a stopped rank) makes it refuse
+    a submit at once, and its stats carry why (the routers send it nothing new; its pool
+    replaces it). When the step returns, the loop ends: the request it held ends with the
+    reason, so its router moves it."""
+    worker = bounded_worker
+    worker.loop.inject_fault("stall", 4 * STEP_BOUND_S)
+    worker.submit(request("first")).result(5)
+    assert wait_for(lambda: worker.loop.failure, 10, "the stuck verdict").startswith("stuck:")
+    refused = worker.submit(request("refused"))
+    assert refused.done() and isinstance(refused.exception(), EngineStalledError)
+    assert "past the step bound of 0.5 s" in str(refused.exception())
+    assert "past the step bound" in worker.snapshot().error
+    assert worker.mailbox_sizes().num_owned == 1  # the refused request left no owner entry
+    deltas = collect(worker, {"first"})["first"]
+    assert deltas[-1].error is not None and "EngineStalledError" in deltas[-1].error
