@@ -23,13 +23,17 @@ names a :class:`RankRole` its followers build: it gets each batch's extras and t
 0 makes between steps (``call_ranks``). Values in the store and pickled messages are signed
 under a key only the group holds (:class:`Signer`).
 
-A follower whose rank 0 is gone exits (its parent changes, or the group breaks); a follower
+A follower whose rank 0 is gone exits (its parent changes, or the group breaks), and is
+killed by the kernel if it cannot notice (stopped, or hung: :func:`watch_parent`); a follower
 that is gone breaks the group: rank 0's next collective raises, its engine loop dies and the
-worker is restarted with a new group.
+worker is restarted with a new group. A follower that is there but does not answer (stopped,
+or in a collective that never ends) leaves rank 0's step waiting: the engine loop's step bound
+finds it stuck (``pdserve.engine.engine_loop``) and the worker is replaced.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import hmac
 import logging
@@ -43,6 +47,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +71,8 @@ STEP_TIMEOUT_S = 300.0  # a collective inside a step waits this long for the oth
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower waits this long for the next step
 START_TIMEOUT_S = 900.0  # followers load their shards and allocate within this
 SECRET_ENV = "PDSERVE_TENSOR_GROUP_SECRET"  # how rank 0 hands its followers the group's key
+PARENT_ENV = "PDSERVE_TENSOR_PARENT_PID"  # rank 0's pid: a follower dies with that process
+PR_SET_PDEATHSIG = 1  # prctl(2)
 MAC_BYTES = 32  # HMAC-SHA256
 LOOPBACK = "127.0.0.1"  # a worker's ranks share its machine: their store and group stay on it
 
@@ -287,6 +294,23 @@ class RankContext:
         self.store.set(f"report/{name}/{self.rank}", value)
 
 
+# The kernel's parent-death signal (watch_parent) comes when the *thread* that started a
+# follower ends, not its process: every follower is started from this one thread, which lives
+# as long as the process, so an engine built on a short-lived thread keeps its followers.
+_SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="tensor-spawn")
+
+
+def describe_exit(returncode: int) -> str:
+    """How a process ended, from its ``Popen.returncode``: a signal without a name (a
+    real-time one) by its number."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
+
+
 def _stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     for proc in procs:
@@ -319,11 +343,10 @@ class Followers:
         store = SignedStore(raw, signer)
         spec = FollowerSpec(config, torch.get_num_threads(), STEP_TIMEOUT_S, role)
         store.set("spec", pickle.dumps(spec))
-        env = {**os.environ, SECRET_ENV: secret.hex()}
-        procs = [subprocess.Popen([sys.executable, "-m", FOLLOWER_MODULE, "--store",
-                                   store_address(raw), "--rank", str(rank), "--size",
-                                   str(size)], env=env)
-                 for rank in range(1, size)]
+        env = {**os.environ, SECRET_ENV: secret.hex(), PARENT_ENV: str(os.getpid())}
+        procs = [_SPAWNER.submit(subprocess.Popen, [
+            sys.executable, "-m", FOLLOWER_MODULE, "--store", store_address(raw), "--rank",
+            str(rank), "--size", str(size)], env=env).result() for rank in range(1, size)]
         logger.info("tensor parallel: started ranks 1..%d (pids %s)", size - 1,
                     ", ".join(str(p.pid) for p in procs))
         return cls(store, procs, size, spec.step_timeout_s, signer)
@@ -393,9 +416,8 @@ class Followers:
             return None
         for rank, proc in enumerate(self._procs, start=1):
             if (code := proc.poll()) is not None:
-                how = (f"killed by {signal.Signals(-code).name}" if code < 0
-                       else f"exit code {code}")
-                return f"tensor parallel rank {rank} (pid {proc.pid}) exited: {how}"
+                return (f"tensor parallel rank {rank} (pid {proc.pid}) exited: "
+                        f"{describe_exit(code)}")
         return None
 
 
@@ -444,8 +466,18 @@ class TensorParallelRunner(ModelRunner):
 
 
 def watch_parent(poll_s: float = 1.0) -> None:
-    """Exit this process (a follower) as soon as the process that started it is gone."""
-    parent = os.getppid()
+    """Exit this process (a follower) as soon as the process that started it is gone. The
+    kernel kills it then too (PR_SET_PDEATHSIG), so a follower that cannot notice (SIGSTOPped,
+    or hung) does not outlive rank 0 holding its device."""
+    parent = int(os.environ.pop(PARENT_ENV, 0)) or os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            logger.warning("no parent-death signal: prctl failed (errno %d)", ctypes.get_errno())
+    except (OSError, AttributeError) as exc:  # not Linux: the watch below is all there is
+        logger.warning("no parent-death signal: %s", exc)
+    if os.getppid() != parent:  # rank 0 ended before the signal was set
+        os._exit(0)
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -21,7 +21,10 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine import tensor_parallel
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_loop import EngineLoop, EngineStalledError
+from pdserve.engine.protocol import WorkRequest
 from pdserve.engine.tensor_parallel import FOLLOWER_MODULE, Followers
+from pdserve.testing.waits import wait_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -162,7 +165,12 @@ def test_an_idle_spell_longer_than_the_step_timeout_keeps_the_group(
     assert again == first
 
 
-def test_a_killed_follower_fails_the_step_at_once(hf_checkpoint):
+# a real-time signal has no name in signal.Signals: it is described by its number
+KILLERS = [(signal.SIGKILL, "SIGKILL"), (signal.SIGRTMIN + 6, f"signal {signal.SIGRTMIN + 6}")]
+
+
+@pytest.mark.parametrize("killer, named", KILLERS, ids=["SIGKILL", "realtime"])
+def test_a_killed_follower_fails_the_step_at_once(hf_checkpoint, killer, named):
     """A rank that dies mid-service breaks the group: rank 0's next step raises (the worker
     around it is then restarted as one) instead of waiting out a timeout."""
     llm = LLM(str(hf_checkpoint("llama-gqa")), tensor_parallel_size=2, **ENGINE)
@@ -170,16 +178,41 @@ def test_a_killed_follower_fails_the_step_at_once(hf_checkpoint):
         llm.generate(_prompts(1), GREEDY, use_tqdm=False)
         pid = llm.engine.parts.runner.followers._procs[0].pid
         assert llm.engine.broken() is None
-        os.kill(pid, signal.SIGKILL)
-        _wait_gone([pid])
+        os.kill(pid, killer)
         # what a worker's liveness check reports, even while a step would wait on the rank
-        assert llm.engine.broken() == f"tensor parallel rank 1 (pid {pid}) exited: " \
-                                      f"killed by SIGKILL"
+        assert wait_for(llm.engine.broken, 20, "rank 1's exit") == \
+            f"tensor parallel rank 1 (pid {pid}) exited: killed by {named}"
         start = time.monotonic()
         with pytest.raises(RuntimeError):
             llm.generate(_prompts(1), GREEDY, use_tqdm=False)
         assert time.monotonic() - start < 60  # a broken connection, not the step timeout
     finally:
+        llm.close()
+
+
+def test_a_stopped_follower_leaves_rank_0_stuck_until_the_step_bound(hf_checkpoint):
+    """A SIGSTOPped rank is not gone (nothing reports it), but rank 0's step waits on it in a
+    collective: past the step bound the engine loop is stuck, says so and refuses work; the
+    step returns once the rank runs again, and the loop then ends (the worker is replaced)."""
+    llm = LLM(str(hf_checkpoint("llama-gqa")), tensor_parallel_size=2, **ENGINE)
+    engine = llm.engine
+    loop = EngineLoop("tp-loop", engine.step, engine.has_unfinished_requests,
+                      watch=engine.broken, step_timeout_s=1.0).start()
+    pid = engine.parts.runner.followers._procs[0].pid
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        loop.call(engine.add_work, WorkRequest("r", _prompts(1)[0], params, seed=1,
+                                               arrival_time=time.time())).result(10)
+        stuck = wait_for(loop.stuck, 20, "the stuck verdict")
+        assert stuck.startswith("stuck: a step has run") and engine.broken() is None
+        assert isinstance(loop.call(lambda: None).exception(0), EngineStalledError)
+        os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: loop.error, 30, "the loop's end")
+        assert "EngineStalledError: stuck: a step ran" in loop.error
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        loop.stop()
         llm.close()
 
 
@@ -193,9 +226,11 @@ def test_a_follower_that_dies_while_starting_is_reported(hf_checkpoint):
     followers.stop()
 
 
-def test_followers_exit_when_rank_0_is_killed(hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
+def test_followers_exit_when_rank_0_is_killed(hf_checkpoint, tmp_path, stopped):
     """Rank 0's process killed with SIGKILL (no cleanup runs): its followers notice their
-    parent is gone and exit."""
+    parent is gone and exit; a SIGSTOPped one, which cannot notice, is killed by the kernel
+    (it would otherwise hold its device for good)."""
     script = tmp_path / "rank0.py"
     script.write_text(textwrap.dedent(f"""
         import sys, time
@@ -209,6 +244,8 @@ def test_followers_exit_when_rank_0_is_killed(hf_checkpoint, tmp_path):
     try:
         pids = [int(pid) for pid in proc.stdout.readline().split()]
         assert pids and all(os.path.exists(f"/proc/{pid}") for pid in pids)
+        for pid in pids if stopped else []:
+            os.kill(pid, signal.SIGSTOP)
     finally:
         proc.kill()
         proc.wait()
