@@ -12,9 +12,9 @@ Lifecycle of a worker actor (``WorkerActor``, one plain worker per actor process
    (every ``heartbeat_s``, TTL ``ttl_s``): a :class:`WorkerRecord` made from the worker's
    ``WorkerStats``. Only now does the router see the worker. The heartbeat never waits on the
    engine loop: it sends the stats the loop published after its latest step (``snapshot``),
-   so a step longer than the TTL never makes a live worker look dead. ``ping()`` (liveness
-   for the pool manager: pid, node, whether the engine loop runs) also answers on the actor's
-   event loop.
+   so a step longer than the TTL never makes a live worker look dead (a step past the engine's
+   step bound does: the snapshot then carries the error). ``ping()`` (liveness for the pool
+   manager: pid, node, whether the engine loop serves) also answers on the actor's event loop.
 3. The router calls ``reserve`` / ``prefill`` / ``submit`` / ``poll`` / ``abort`` / ``stats``
    through a :class:`RayHandle`, which names the router on ``reserve``, ``submit`` and
    ``poll``: with several routers each polls its own requests' deltas, and a router silent
@@ -151,9 +151,11 @@ class WorkerActor(LocalHandle):
 
     async def ping(self) -> dict:
         """Liveness for the pool manager, answered without touching the engine loop:
-        {worker_id, role, pid, node_ip, loop_alive, error}."""
+        {worker_id, role, pid, node_ip, loop_alive, error}. ``loop_alive`` is false, and
+        ``error`` says why, when the loop died, a part it needs is gone, or it is stuck in a
+        step past its step bound (``EngineLoop.failure``): the pool replaces the worker."""
         loop = getattr(self.worker, "loop", None)
-        error = getattr(loop, "failure", None)  # a dead rank shows here while a step waits
+        error = getattr(loop, "failure", None)  # a dead rank or a stuck step shows here
         alive = bool(getattr(loop, "is_alive", True)) and error is None
         return {**self._where(), "loop_alive": alive,
                 "error": None if error is None else str(error)}
