@@ -191,10 +191,10 @@ class KVStreams:
 
     def _warn_once(self, worker_id: str, kind: str, exc: ValueError) -> None:
         if worker_id in self._warned:
-            logger.debug("skipping a %s KV event entry of %s: %s", kind, worker_id, exc)
+            logger.debug("skipping a KV event entry of %s (%s): %s", worker_id, kind, exc)
             return
         if len(self._warned) > 1000:
             self._warned.clear()
         self._warned.add(worker_id)
-        logger.warning("skipping a %s KV event entry of %s (further ones of this worker are "
-                       "counted, not logged): %s", kind, worker_id, exc)
+        logger.warning("skipping a KV event entry of %s (%s; further ones of this worker are "
+                       "counted, not logged): %s", worker_id, kind, exc)

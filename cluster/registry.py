@@ -13,9 +13,10 @@ recreated without a TTL.
 Redis is not trusted (``pdserve.cluster.record_auth``): the heartbeat signs every field but
 the drain mark with the cluster's key (``tag``), and ``draining`` carries a tag of its own
 (``draining_tag``). Readers skip, count and log once a record that is larger than
-``MAX_RECORD_BYTES``, does not parse or breaks a bound (every number finite and >= 0, the
-ledger's ``block_size`` > 0): ``on_malformed``, family ``"worker"``; or whose tag does not
-verify: ``on_untrusted``, kind ``"worker"``. A drain mark whose tag does not verify reads as
+``MAX_RECORD_FIELDS`` or ``MAX_RECORD_BYTES`` (sized in Redis: it is never sent), does not
+parse or breaks a bound (every number finite and >= 0, the ledger's ``block_size`` > 0):
+``on_malformed``, family ``"worker"``; or whose tag does not verify: ``on_untrusted``, kind
+``"worker"``. A drain mark whose tag does not verify reads as
 not draining (``on_untrusted``, kind ``"draining"``) until the pool manager writes its own.
 Skipped records without a TTL get the record TTL, so garbage leaves by itself while a live
 worker's next heartbeat rewrites its own record.
@@ -38,7 +39,8 @@ from pdserve.engine.protocol import WorkerStats
 
 logger = logging.getLogger(__name__)
 
-MAX_RECORD_BYTES = 64 * 1024  # a record's memory in Redis (MEMORY USAGE), at most
+MAX_RECORD_FIELDS = 128  # a record's fields, at most (a WorkerRecord has fewer than 40)
+MAX_RECORD_BYTES = 64 * 1024  # a record's field names and values together, at most
 MAX_ERROR_CHARS = 2000  # of the error a record carries (a longer one is cut)
 _MAX_INT = 1 << 63  # a record's whole numbers stay below it
 _RECORD_TAG = "worker-record"  # the purposes of the two tags
@@ -191,16 +193,24 @@ redis.call('HSET', KEYS[1], 'draining', ARGV[1], 'draining_tag', ARGV[2])
 return 1
 """
 
-# KEYS[1]: a worker's record; ARGV[1]: the most bytes of memory it may use. Its fields and
-# values, flat ({} when it is gone), or an error for a key no reader should take: the record
-# never leaves Redis when it is too large.
+# KEYS[1]: a worker's record; ARGV[1]: the most fields it may have; ARGV[2]: the most bytes
+# its names and values may add up to. Its fields and values, flat ({} when it is gone), or an
+# error for a key no reader should take: a record too large never leaves Redis (its values are
+# sized in place, never copied).
 _READ_RECORD = """
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind == 'none' then return {} end
 if kind ~= 'hash' then return redis.error_reply('a key of type ' .. kind .. ', not a hash') end
-local used = redis.call('MEMORY', 'USAGE', KEYS[1], 'SAMPLES', '0')
-if used > tonumber(ARGV[1]) then
-  return redis.error_reply('a record of ' .. used .. ' bytes (at most ' .. ARGV[1] .. ')')
+local fields = redis.call('HLEN', KEYS[1])
+if fields > tonumber(ARGV[1]) then
+  return redis.error_reply('a record of ' .. fields .. ' fields (at most ' .. ARGV[1] .. ')')
+end
+local size = 0
+for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
+  size = size + #name + redis.call('HSTRLEN', KEYS[1], name)
+end
+if size > tonumber(ARGV[2]) then
+  return redis.error_reply('a record of ' .. size .. ' bytes (at most ' .. ARGV[2] .. ')')
 end
 return redis.call('HGETALL', KEYS[1])
 """
@@ -262,7 +272,8 @@ class Registry:
             return []
         with self.client.pipeline(transaction=False) as pipe:
             for key in keys:
-                self._read_record(keys=[key], args=[MAX_RECORD_BYTES], client=pipe)
+                self._read_record(keys=[key], args=[MAX_RECORD_FIELDS, MAX_RECORD_BYTES],
+                                  client=pipe)
             replies = pipe.execute(raise_on_error=False)
         records, skipped = [], {"malformed": [], "untrusted": []}
         for key, reply in zip(keys, replies, strict=True):
