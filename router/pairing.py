@@ -62,8 +62,14 @@ class WorkerLoad:
 
     @property
     def block_size(self) -> int:
-        """Tokens per KV block of the worker's pool (its ledger's; 16 when it names none)."""
-        return int(self.stats.ledger.get("block_size", 16))
+        """Tokens per KV block of the worker's pool (its ledger's; 16 when it names none);
+        ValueError naming the field when it is not a whole number > 0 (the registry skips
+        such a record: it never reaches placement from Redis)."""
+        block_size = self.stats.ledger.get("block_size", 16)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"worker {self.stats.worker_id}: ledger block_size must be a whole "
+                             f"number > 0, got {block_size!r}")
+        return block_size
 
     def blocks_for(self, num_tokens: int) -> int:
         """KV blocks that ``num_tokens`` tokens hold on this worker."""

@@ -130,3 +130,13 @@ def test_router_hashes_match_the_prefix_cache():
     assert chained_block_hashes(list(range(10, 22)), 4, b"cluster-salt") == cached
     assert all(len(h) == 32 for h in cached)  # sha256 digests
     assert chained_block_hashes(list(range(10, 22)), 4, b"other-salt") != cached
+
+
+@pytest.mark.parametrize("block_size", [0, -16, "16", 1.5, True])
+def test_a_block_size_that_is_not_a_whole_number_above_zero_is_named(block_size):
+    """The registry skips such a record; a ledger that holds one anyway fails with the field
+    named, not with a division by zero deep in placement."""
+    load = WorkerLoad(stats("d0"))
+    load.stats.ledger = {"block_size": block_size}
+    with pytest.raises(ValueError, match="d0: ledger block_size"):
+        load.blocks_for(100)
