@@ -1,6 +1,7 @@
 """No secret shows in the repr of a config or spec object that holds one (what a log line, a
 traceback or Ray's actor listing prints): API keys, the Redis password, the TLS private key,
-the prefix-cache salt, the KV join token and the rendezvous keys derived from it."""
+the prefix-cache salt, the KV join token and the rendezvous keys derived from it, the key of
+what the cluster writes to Redis."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from pdserve.cluster.actors import WorkerSpec
 from pdserve.cluster.options import ClusterOptions
+from pdserve.cluster.record_auth import RecordAuth
 from pdserve.cluster.router_actor import RouterSpec
 from pdserve.cluster.workers import TorchTransfer
 from pdserve.engine.config import EngineConfig
@@ -16,7 +18,8 @@ from pdserve.router.auth import TLSConfig
 from pdserve.testing.certificates import make_test_certificates
 
 SECRETS = {"api": "api-SECRET-1", "admin": "admin-SECRET-2", "priority": "prio-SECRET-3",
-           "redis": "redis-SECRET-4", "salt": "salt-SECRET-5", "join": "join-SECRET-6"}
+           "redis": "redis-SECRET-4", "salt": "salt-SECRET-5", "join": "join-SECRET-6",
+           "record": "record-SECRET-7"}
 REDIS_URL = f"redis://:{SECRETS['redis']}@127.0.0.1:6379/0"
 
 
@@ -40,9 +43,12 @@ def _objects(tls: TLSConfig) -> dict[str, object]:
         "RouterSpec": RouterSpec(model="/models/m", redis_url=REDIS_URL, cluster="c",
                                  api_key=SECRETS["api"], admin_api_key=SECRETS["admin"],
                                  priority_api_keys=(SECRETS["priority"],), tls=tls,
-                                 prefix_cache_salt=SECRETS["salt"]),
+                                 prefix_cache_salt=SECRETS["salt"],
+                                 record_key=SECRETS["record"]),
         "WorkerSpec": WorkerSpec(worker_id="w1", role="decode", config=engine,
-                                 redis_url=REDIS_URL, cluster="c", join_token=SECRETS["join"]),
+                                 redis_url=REDIS_URL, cluster="c", join_token=SECRETS["join"],
+                                 record_key=SECRETS["record"]),
+        "RecordAuth": RecordAuth(SECRETS["record"]),
         "ClusterOptions": ClusterOptions(model="/models/m", api_key=SECRETS["api"],
                                          admin_api_key=SECRETS["admin"],
                                          priority_api_keys=(SECRETS["priority"],),
@@ -71,4 +77,5 @@ def test_the_secrets_are_still_there(tls):
     objects = _objects(tls)
     assert objects["RouterSpec"].tls.private_key == tls.private_key
     assert objects["WorkerSpec"].config.prefix_cache_salt == SECRETS["salt"]
+    assert objects["WorkerSpec"].record_key == objects["RouterSpec"].record_key
     assert objects["PairJoin"].store_key == SECRETS["join"].encode()
