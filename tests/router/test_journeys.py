@@ -7,7 +7,8 @@ it after some tokens, its client disconnects at a random moment (in any phase: a
 placing, prefill, decode), or its deadline runs out. A journey may also kill a decode worker
 while streams run. Each set-up below runs journeys of a few seeds: chunked prefill with and
 without a sliding window, conditional disaggregation ("auto" and "always"), int8 KV,
-colocated.
+colocated, two routers sharing the workers (the same labels on both), and a decode pool small
+enough that full decode workers hand requests back (bounces).
 
 Then, whatever happened: every completed stream is its request's draws
 (``pdserve.testing.draw_check``: the reference model's tokens, up to flips at rounding
@@ -26,9 +27,15 @@ from dataclasses import dataclass
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.router.backend import end_stream
-from pdserve.router.core import RouterConfig
-from pdserve.router.errors import DeadlineExceededError, NoWorkersError
+from pdserve.router.backend import ModelSpec, end_stream
+from pdserve.router.core import Router, RouterConfig
+from pdserve.router.directory import StaticDirectory
+from pdserve.router.errors import (
+    DeadlineExceededError,
+    NoWorkersError,
+    QueueFullError,
+    RequestTooLargeError,
+)
 from pdserve.testing.draw_check import draw_problems
 from pdserve.testing.waits import async_wait_for
 
@@ -48,6 +55,7 @@ class Step:
     start_s: float  # when it is sent, after the journey starts
     end: str  # one of ENDS
     after: float  # cancel: after this many tokens; disconnect/deadline: after this many s
+    router: int  # which of the journey's routers it is sent to
 
 
 def journey(rng: random.Random, num_requests: int) -> list[Step]:
@@ -68,15 +76,38 @@ def journey(rng: random.Random, num_requests: int) -> list[Step]:
         end = rng.choice(ENDS)
         after = {"cancel": rng.randrange(1, 3), "disconnect": rng.uniform(0.0, 0.4),
                  "deadline": rng.uniform(0.05, 0.6)}.get(end, 0.0)
-        steps.append(Step(rng.choice(LABELS), prompt, params, start_s, end, after))
+        steps.append(Step(rng.choice(LABELS), prompt, params, start_s, end, after,
+                          rng.randrange(2)))
     return steps
 
 
-async def run_step(c: Cluster, step: Step) -> tuple[str, object]:
+class AsRouter:
+    """A worker handle as one named router reaches it (several routers share a worker; each
+    polls its own requests' deltas)."""
+
+    def __init__(self, inner, name: str):
+        self.inner, self.name = inner, name
+        self.worker_id, self.role = inner.worker_id, inner.role
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def reserve(self, request):
+        return await self.inner.reserve(request, self.name)
+
+    async def submit(self, request):
+        return await self.inner.submit(request, self.name)
+
+    async def poll(self, timeout: float):
+        return await self.inner.poll(timeout, self.name)
+
+
+async def run_step(routers: list[Router], step: Step) -> tuple[str, object]:
     """(how it ended, its tokens or the error)."""
     await asyncio.sleep(step.start_s)
     deadline = time.monotonic() + step.after if step.end == "deadline" else None
-    stream = c.router.generate(step.label, step.prompt, step.params, deadline)
+    router = routers[step.router % len(routers)]
+    stream = router.generate(step.label, step.prompt, step.params, deadline)
     tokens: list[int] = []
     try:
         async for delta in stream:
@@ -88,12 +119,15 @@ async def run_step(c: Cluster, step: Step) -> tuple[str, object]:
         return "deadline", exc
     except NoWorkersError as exc:  # a killed worker's request past its migrations
         return "failed", exc
+    except (QueueFullError, RequestTooLargeError) as exc:  # no room, now or ever
+        return "refused", exc
     finally:
         await end_stream(stream)
 
 
-async def run_journey(c: Cluster, steps: list[Step], kill_at: float | None):
-    tasks = [asyncio.create_task(run_step(c, step)) for step in steps]
+async def run_journey(c: Cluster, routers: list[Router], steps: list[Step],
+                      kill_at: float | None):
+    tasks = [asyncio.create_task(run_step(routers, step)) for step in steps]
     for step, task in zip(steps, tasks, strict=True):
         if step.end == "disconnect":  # the door's task is cancelled, in whatever phase
             asyncio.get_running_loop().call_later(step.start_s + step.after, task.cancel)
@@ -106,10 +140,11 @@ async def run_journey(c: Cluster, steps: list[Step], kill_at: float | None):
             for r in results]
 
 
-async def check_nothing_left(c: Cluster) -> None:
-    router = c.router
-    await async_wait_for(lambda: not router._flights and router._tokens_in_flight == 0, 10.0,
-                         "the router to hold no flight and no budget token")
+async def check_nothing_left(c: Cluster, routers: list[Router]) -> None:
+    def routers_empty() -> bool:
+        return all(not r._flights and r._tokens_in_flight == 0 for r in routers)
+
+    await async_wait_for(routers_empty, 10.0, "no router to hold a flight or a budget token")
     await idle_blocks(c.handles)
     live = [h for h in c.handles if not h.killed]
 
@@ -121,24 +156,28 @@ async def check_nothing_left(c: Cluster) -> None:
     assert all(not h.worker._targets for h in live if h.role == "prefill")
 
 
-# name: (family, engine settings, workers, disaggregation, kill a worker, draw tolerance)
+# name: (family, engine settings, workers, disaggregation, kill a worker, draw tolerance,
+# routers)
 SETUPS = {
-    "chunked-auto-2d-kill": ("llama", {}, dict(num_decode=2), "auto", True, 1e-4),
-    "window-always": ("mistral", {}, {}, "always", False, 1e-4),
-    "window-auto": ("mistral", {}, {}, "auto", False, 1e-4),
+    "chunked-auto-2d-kill": ("llama", {}, dict(num_decode=2), "auto", True, 1e-4, 1),
+    "window-always": ("mistral", {}, {}, "always", False, 1e-4, 1),
+    "window-auto": ("mistral", {}, {}, "auto", False, 1e-4, 1),
     # int8 KV moves the logits off the float model's by more than a draw's margin, and with
     # the batches that timing makes, off the offline int8 engine's too: its journeys check
     # endings and leaks only (tests/workers/test_disagg_inproc.py checks its tokens exactly)
     "int8-always": ("llama", dict(kv_cache_dtype="int8", kv_int8_keep_edge_layers=False,
-                                  kv_int8_scales="kivi"), {}, "always", False, None),
-    "colocated-kill": ("llama", {}, dict(colocated=True, num_decode=2), "auto", True, 1e-4),
+                                  kv_int8_scales="kivi"), {}, "always", False, None, 1),
+    "colocated-kill": ("llama", {}, dict(colocated=True, num_decode=2), "auto", True, 1e-4, 1),
+    "two-routers": ("llama", {}, dict(num_decode=2), "auto", False, 1e-4, 2),
+    "two-routers-colocated": ("llama", {}, dict(colocated=True), "auto", False, 1e-4, 2),
+    "small-decode-pool": ("llama", dict(num_kv_blocks=24), {}, "always", False, 1e-4, 1),
 }
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_random_journeys_end_right_and_leave_nothing(hf_checkpoint, setup, seed):
-    family, engine, build, mode, kill, tolerance = SETUPS[setup]
+    family, engine, build, mode, kill, tolerance, num_routers = SETUPS[setup]
     model_dir = hf_checkpoint(family)
     rng = random.Random(f"{setup}-{seed}")
     steps = journey(rng, 14)
@@ -147,12 +186,23 @@ def test_random_journeys_end_right_and_leave_nothing(hf_checkpoint, setup, seed)
     async def main():
         async with Cluster(model_dir, config, dict(max_num_batched_tokens=8, **engine),
                            **build) as c:
-            results = await run_journey(c, steps, rng.uniform(0.2, 0.6) if kill else None)
-            await check_nothing_left(c)
+            routers = [c.router] + [
+                Router(ModelSpec("t", 256, 509), StaticDirectory(
+                    [AsRouter(h, f"router-{i}") for h in c.handles], 2.0), tokenize=list,
+                    config=config) for i in range(1, num_routers)]
+            for router in routers[1:]:
+                await router.start()
+            try:
+                results = await run_journey(c, routers, steps,
+                                            rng.uniform(0.2, 0.6) if kill else None)
+                await check_nothing_left(c, routers)
+            finally:
+                for router in routers[1:]:
+                    await router.stop()
             return results
 
     results = asyncio.run(main())
-    kinds = {"done", "cancelled", "deadline", "failed", "disconnected"}
+    kinds = {"done", "cancelled", "deadline", "failed", "refused", "disconnected"}
     assert all(not isinstance(r, BaseException) and r[0] in kinds for r in results), results
     done = [(step, r[1]) for step, r in zip(steps, results, strict=True) if r[0] == "done"]
     assert done, "no request of the journey completed"
