@@ -358,6 +358,10 @@ class PoolManager:
         except RayActorError as exc:
             self._mark_dead(member, f"actor died: {death_reason(exc)}")
             return
+        except Exception as exc:  # noqa: BLE001 - a ping that raises is this worker's fault;
+            # raised on, it would stop the reconcile of every other worker
+            self._mark_dead(member, f"ping failed: {death_reason(exc)}")
+            return
         member.missed_pings = 0
         if not answer.get("loop_alive", True):
             self._mark_dead(member, f"engine loop failed: {answer.get('error')}")

@@ -206,3 +206,28 @@ def test_forged_drain_marks_are_overwritten_by_the_next_reconcile(redis_url, clu
     assert after == {"decode-0": False, "decode-1": True}
     assert {w: m.state for w, m in manager.members.items()} == {"decode-0": READY,
                                                                 "decode-1": DRAINING}
+
+
+def test_a_ping_that_raises_marks_that_worker_dead_and_the_reconcile_goes_on(redis_url,
+                                                                          cluster):
+    """A worker whose ping raises what no handler names (a RayTaskError from its actor, say)
+    is that worker's fault alone: it is marked dead, and the other worker's reconcile still
+    happens (the raise used to abort the reconcile of every worker, every period)."""
+    store = PoolStore(redis_url, cluster)
+    store.set_target("decode", 2)
+    for i in range(2):
+        store.save_member(MemberRecord(f"decode-{i}", "decode", created_time=float(i)))
+    actors = {w: FakeWorker(w) for w in ("decode-0", "decode-1")}
+
+    async def raising() -> dict:
+        raise RuntimeError("ping raised inside the actor")
+
+    async def main():
+        manager = await adopted(FakeActorsManager(redis_url, cluster, actors))
+        actors["decode-0"].ping = Remote(raising)
+        await manager._observe()
+        states = {w: m.state for w, m in manager.members.items()}
+        await manager.stop()
+        return states
+
+    assert asyncio.run(main()) == {"decode-0": DEAD, "decode-1": READY}
