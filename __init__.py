@@ -13,7 +13,7 @@ from pdserve.import_path import install as _keep_source_root_off_path
 # third-party packages of the same name (pdserve.import_path says how and why).
 _keep_source_root_off_path()
 
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.worker_api.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

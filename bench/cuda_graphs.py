@@ -25,7 +25,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import eager_capture
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker_api.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 32
 CHECK_TOKENS = 16  # greedy tokens per request compared between the modes

@@ -36,8 +36,6 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.protocol import StepDeltas
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import measure_channel, measure_memcpy, measure_transfer
 from pdserve.models import tiny_model_dir
 from pdserve.models.checkpoint import open_checkpoint
@@ -46,6 +44,8 @@ from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.grpc_server import GenerationServer
 from pdserve.testing.fake_backend import FakeBackend
+from pdserve.worker_api import StepDeltas
+from pdserve.worker_api.sampling_params import SamplingParams
 
 MODEL = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,

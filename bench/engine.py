@@ -34,8 +34,8 @@ from pdserve.engine.decode_rows import DecodeRows
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels import cpu_panel_gemm
+from pdserve.worker_api.sampling_params import SamplingParams
 
 LLAMA_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                   num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,

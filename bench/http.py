@@ -26,11 +26,11 @@ import time
 
 from pdserve.api.client import AsyncPdserveClient
 from pdserve.bench.stats import format_table
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import ModelSpec
 from pdserve.router.grpc_server import GenerationServer
 from pdserve.router.http_server import HttpServer
 from pdserve.testing.fake_backend import FakeBackend
+from pdserve.worker_api.sampling_params import SamplingParams
 
 MODEL = ModelSpec("fake", max_context_tokens=1 << 20, vocab_size=64, eos_token_ids=())
 

@@ -31,9 +31,9 @@ from pdserve.bench.stats import format_table
 from pdserve.bench.workload import BenchRequest, RequestOutcome, SyntheticShape, synthetic_requests
 from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
 from pdserve.engine.llm import LLM
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.models import tiny_model_dir
 from pdserve.models.checkpoint import open_checkpoint
+from pdserve.worker_api.sampling_params import SamplingParams
 
 FIGURES = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT P50 ms"),
            ("median_tpot_ms", "TPOT P50 ms"))

@@ -42,10 +42,11 @@ from tqdm import tqdm
 from pdserve.engine import memory
 from pdserve.engine.budget_check import meta_weight_bytes
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
-from pdserve.engine.roofline import BANDWIDTH, COMPUTE, StepCost, copy_bandwidth, matmul_rate
+from pdserve.engine.roofline import StepCost, copy_bandwidth, matmul_rate
 from pdserve.models import ModelConfig
 from pdserve.models.checkpoint import open_checkpoint
 from pdserve.models.tensor_parallel import TensorShard
+from pdserve.worker_api.stats import BANDWIDTH, COMPUTE
 
 GiB = 1 << 30
 BATCH_MARGIN = 0.8  # max_batch = 80 % of the theoretical batch; workers planned 80 % busy

@@ -40,7 +40,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.roofline import StepCost, copy_bandwidth, gemv_bandwidth, matmul_rate
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker_api.sampling_params import SamplingParams
 
 GiB = 1 << 30
 MEASURE_BATCH = 16  # decode batch measured at most

@@ -29,7 +29,7 @@ import torch
 from pdserve.bench.engine import LLAMA_100M, LLAMA_TINY, write_random_llama
 from pdserve.bench.stats import format_table
 from pdserve.engine.llm import LLM
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker_api.sampling_params import SamplingParams
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -23,7 +23,7 @@ from pdserve.bench.engine import LLAMA_100M, decode_steps, write_random_llama
 from pdserve.bench.stats import format_table
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker_api.sampling_params import SamplingParams
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                 num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,

@@ -9,8 +9,8 @@ import time
 
 from pdserve.bench.stats import format_table, lognormal_lengths, summarize
 from pdserve.engine.llm import LLM
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.models import tiny_model_dir
+from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

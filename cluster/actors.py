@@ -50,7 +50,7 @@ from pdserve.cluster.record_auth import RecordAuth
 from pdserve.cluster.registry import Registry, WorkerRecord
 from pdserve.cluster.workers import LocalHandle, TorchTransfer, build_worker
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.protocol import ROLES, KVEvents, Refusal, RequestFaultError, WorkRequest
+from pdserve.worker_api import ROLES, KVEvents, Refusal, RequestFaultError, WorkRequest
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Workers' KV events in Redis: one stream per worker, read by every router.
 
 Key ``pdserve:<cluster>:kv:<worker_id>``, a Redis stream whose entries are the worker's
-:class:`~pdserve.engine.protocol.KVEvents` batches (fields ``log``, ``n``, ``s``, ``r``, ``t``:
+:class:`~pdserve.worker_api.KVEvents` batches (fields ``log``, ``n``, ``s``, ``r``, ``t``:
 the log id, the batch number, the stored and removed 32-byte hashes, concatenated, and the
 worker's tag on all of them and its id under the cluster's key,
 ``pdserve.cluster.record_auth``). The worker actor adds an entry every ``KV_EVENTS_S``
@@ -32,7 +32,7 @@ import redis
 
 from pdserve.cluster.record_auth import RecordAuth, UntrustedError
 from pdserve.engine.prefix_hash import ROOT_HASH
-from pdserve.engine.protocol import KVEvents
+from pdserve.worker_api import KVEvents
 
 logger = logging.getLogger(__name__)
 

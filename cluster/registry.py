@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import redis
 
 from pdserve.cluster.record_auth import RecordAuth, UntrustedError
-from pdserve.engine.protocol import WorkerStats
+from pdserve.worker_api import WorkerStats
 
 logger = logging.getLogger(__name__)
 

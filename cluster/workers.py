@@ -18,7 +18,6 @@ from pdserve.decode_worker.ranks import DecodeRank
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.protocol import ROLES, KVEvents, KVSnapshot, StepDeltas, WorkRequest
 from pdserve.engine.tensor_parallel import RankRole
 from pdserve.kv_transfer import (
     FaultPlan,
@@ -30,6 +29,7 @@ from pdserve.kv_transfer import (
 )
 from pdserve.prefill_worker.ranks import PrefillRank
 from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.worker_api import ROLES, KVEvents, KVSnapshot, StepDeltas, WorkRequest
 
 
 @dataclass(frozen=True)

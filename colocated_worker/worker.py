@@ -20,8 +20,8 @@ from pdserve.decode_worker.streaming import StreamingWorker
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.protocol import WorkerStats
 from pdserve.engine.worker_stats import engine_stats
+from pdserve.worker_api import WorkerStats
 
 
 class ColocatedWorker(StreamingWorker):

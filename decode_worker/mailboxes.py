@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.protocol import DuplicateRequestId, StepDeltas
+from pdserve.worker_api import DuplicateRequestId, StepDeltas
 
 
 @dataclass(frozen=True)

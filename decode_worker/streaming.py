@@ -11,8 +11,8 @@ from concurrent.futures import Future
 from pdserve.decode_worker.mailboxes import MailboxSizes, RouterMailboxes
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.protocol import StepDeltas, WorkerStats, WorkRequest
 from pdserve.engine.sequence import Sequence
+from pdserve.worker_api import StepDeltas, WorkerStats, WorkRequest
 
 logger = logging.getLogger(__name__)
 

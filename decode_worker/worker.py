@@ -61,17 +61,17 @@ from pdserve.decode_worker.streaming import StreamingWorker
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.protocol import (
+from pdserve.engine.scheduling_policy import DecodePolicy
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.worker_stats import engine_stats
+from pdserve.kv_transfer import KVReceiver, ReservedBlocksSink, TransferError, TransferKey
+from pdserve.worker_api import (
     NoRoomNow,
     RequestDelta,
     Reservation,
     WorkerStats,
     WorkRequest,
 )
-from pdserve.engine.scheduling_policy import DecodePolicy
-from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.worker_stats import engine_stats
-from pdserve.kv_transfer import KVReceiver, ReservedBlocksSink, TransferError, TransferKey
 
 logger = logging.getLogger(__name__)
 

@@ -53,9 +53,9 @@ from operator import attrgetter, is_
 import numpy as np
 import torch
 
-from pdserve.engine.protocol import StepDeltas
 from pdserve.engine.sampler import SamplingBatch, SamplingRow, is_penalized, takes_argmax
 from pdserve.engine.sequence import Sequence
+from pdserve.worker_api import StepDeltas
 
 # the rows of DecodeRows.state, one column per batch row; from SAMPLING on, the sampler's
 (TOKENS, POSITIONS, SLOTS, NUM_BLOCKS, LAST_POSITIONS, NUM_PROMPT, NUM_OUTPUT, STOPS_ON_EOS,

@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from pdserve.engine.protocol import RequestDelta, StepDeltas, WorkerStats
+from pdserve.worker_api import RequestDelta, StepDeltas, WorkerStats
 
 logger = logging.getLogger(__name__)
 

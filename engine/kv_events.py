@@ -21,7 +21,7 @@ import secrets
 import threading
 from collections.abc import Iterable
 
-from pdserve.engine.protocol import KVEvents, KVSnapshot
+from pdserve.worker_api import KVEvents, KVSnapshot
 
 
 class KVEventLog:

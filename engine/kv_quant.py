@@ -43,11 +43,11 @@ import torch
 
 from pdserve.engine.kv_calibration_text import CALIBRATION_TEXTS
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.kernels import KVCacheLayer
 from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE
+from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

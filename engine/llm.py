@@ -10,8 +10,8 @@ from tqdm.auto import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.protocol import RequestDelta, StepDeltas
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker_api import RequestDelta, StepDeltas
+from pdserve.worker_api.sampling_params import SamplingParams
 
 
 @dataclass

@@ -38,7 +38,22 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.decode_rows import DecodeRows
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.protocol import (
+from pdserve.engine.sampler import (
+    Sampler,
+    check_samplable,
+    greedy_token_array,
+    greedy_tokens,
+    sampling_row,
+)
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import ScheduledSequence, SchedulerConfig
+from pdserve.engine.scheduling_policy import SchedulingPolicy
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.spec_decode import Speculator
+from pdserve.engine.step_hooks import StepHooks, StepStats
+from pdserve.engine.tensor_parallel import TensorParallelRunner
+from pdserve.engine.text_stage import TextStage
+from pdserve.worker_api import (
     DuplicateRequestId,
     KVEvents,
     KVSnapshot,
@@ -48,22 +63,7 @@ from pdserve.engine.protocol import (
     StepDeltas,
     WorkRequest,
 )
-from pdserve.engine.sampler import (
-    Sampler,
-    check_samplable,
-    greedy_token_array,
-    greedy_tokens,
-    sampling_row,
-)
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.scheduler_output import ScheduledSequence, SchedulerConfig
-from pdserve.engine.scheduling_policy import SchedulingPolicy
-from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.spec_decode import Speculator
-from pdserve.engine.step_hooks import StepHooks, StepStats
-from pdserve.engine.tensor_parallel import TensorParallelRunner
-from pdserve.engine.text_stage import TextStage
+from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

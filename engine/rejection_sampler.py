@@ -47,8 +47,8 @@ from pdserve.engine.sampler import (
     sampled_weights,
 )
 from pdserve.engine.sampling_filters import block_sums
-from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 from pdserve.engine.seeded_uniforms import draw_uniform
+from pdserve.worker_api.sampling_params import GREEDY_TEMPERATURE
 
 ACCEPT_STREAM = 0x5EC0_0001_A11C_E5ED  # u of the accept test at a position
 RESIDUAL_STREAM = 0x5EC0_0002_0E51_D0A1  # u of the draw from max(0, p - q)

@@ -2,7 +2,8 @@
 
 The arithmetic behind the prefill/decode split (prefill is compute-bound, decode
 bandwidth-bound; docs/architecture.md), shared by the capacity planner (``pdserve plan``) and
-by every worker, which reports what binds it now.
+by every worker, which reports what binds it now (``worker_api.stats.Utilization``: the
+figures it sends, and which of the two is closer to its peak).
 
 Per step of ``num_tokens`` new tokens, ``attended`` (query, key) pairs (the sum over new tokens
 of the context each attends to), ``num_context`` KV tokens read and ``num_sampled`` logits rows:
@@ -37,11 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+from pdserve.worker_api.stats import Utilization
 
-IDLE = "idle"
-COMPUTE = "compute"
-BANDWIDTH = "bandwidth"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,36 +86,6 @@ def attended_pairs(starts: list[int], q_lens: list[int]) -> int:
     """Sum over a step's new tokens of the context each attends to (causal, no window):
     a chunk of ``q`` tokens after ``s`` computed ones attends q x s + q(q + 1) / 2 pairs."""
     return sum(q * s + q * (q + 1) // 2 for s, q in zip(starts, q_lens, strict=True))
-
-
-def binding(compute_utilization: float, bandwidth_utilization: float) -> str:
-    """The resource closer to its peak; ``idle`` when neither is used."""
-    if compute_utilization <= 0 and bandwidth_utilization <= 0:
-        return IDLE
-    return COMPUTE if compute_utilization >= bandwidth_utilization else BANDWIDTH
-
-
-@dataclass(frozen=True)
-class Utilization:
-    """What a worker achieved over the recent steps, against its device's measured peaks."""
-
-    flops_per_s: float = 0.0  # model FLOPs per forward second
-    bytes_per_s: float = 0.0  # weight + KV bytes per forward second
-    peak_flops_per_s: float = 0.0  # dense matmul rate measured on the device
-    peak_bytes_per_s: float = 0.0  # copy bandwidth measured on the device
-    busy_fraction: float = 0.0  # forward seconds / wall seconds
-
-    @property
-    def compute(self) -> float:
-        return self.flops_per_s / self.peak_flops_per_s if self.peak_flops_per_s else 0.0
-
-    @property
-    def bandwidth(self) -> float:
-        return self.bytes_per_s / self.peak_bytes_per_s if self.peak_bytes_per_s else 0.0
-
-    @property
-    def binding(self) -> str:
-        return binding(self.compute, self.bandwidth)
 
 
 class UtilizationMeter:

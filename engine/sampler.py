@@ -54,9 +54,9 @@ from pdserve.engine.sampling_filters import (
     numpy_viewable,
     softmax_weights,
 )
-from pdserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from pdserve.engine.seeded_uniforms import keyed_uniforms, seed_key
 from pdserve.engine.sequence import Sequence
+from pdserve.worker_api.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 logger = logging.getLogger(__name__)
 

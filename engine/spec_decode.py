@@ -54,7 +54,6 @@ import torch
 
 from pdserve.engine.memory import allocate_kv_caches
 from pdserve.engine.model_runner import Chunk, ModelRunner
-from pdserve.engine.protocol import RequestDelta
 from pdserve.engine.rejection_sampler import (
     DRAFT_STREAM,
     DraftedRows,
@@ -64,11 +63,12 @@ from pdserve.engine.rejection_sampler import (
     verify,
 )
 from pdserve.engine.sampler import SamplingRow, inverse_cdf_draw, is_penalized
-from pdserve.engine.sampling_params import GREEDY_TEMPERATURE
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_config import SpeculativeConfig
 from pdserve.models import load_model
 from pdserve.models.checkpoint import open_checkpoint
+from pdserve.worker_api import RequestDelta
+from pdserve.worker_api.sampling_params import GREEDY_TEMPERATURE
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.protocol import RequestDelta
 from pdserve.engine.scheduler_output import ScheduledSequence
+from pdserve.worker_api import RequestDelta
 
 
 @dataclass

@@ -27,8 +27,8 @@ from __future__ import annotations
 import threading
 
 from pdserve.engine.detokenizer import Detokenizer
-from pdserve.engine.protocol import StepDeltas
 from pdserve.engine.sequence import Sequence
+from pdserve.worker_api import StepDeltas
 
 
 class TextStage:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.protocol import WorkerStats
-from pdserve.engine.roofline import Utilization
+from pdserve.worker_api import Utilization, WorkerStats
 
 
 def engine_stats(worker_id: str, role: str, engine: LLMEngine, num_reserved: int = 0,

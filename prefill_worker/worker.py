@@ -46,7 +46,14 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineDeadError, EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.protocol import (
+from pdserve.engine.scheduler_output import ScheduledSequence
+from pdserve.engine.scheduling_policy import PrefillOnlyPolicy
+from pdserve.engine.step_hooks import StepHooks
+from pdserve.engine.worker_stats import engine_stats
+from pdserve.kv_transfer import KVConnector, KVSender, TransferError, TransferKey
+from pdserve.models.tensor_parallel import TensorShard
+from pdserve.prefill_worker.ranks import Routes, Shipment, StepShipments
+from pdserve.worker_api import (
     DuplicateRequestId,
     PrefillResult,
     RequestDelta,
@@ -55,13 +62,6 @@ from pdserve.engine.protocol import (
     WorkerStats,
     WorkRequest,
 )
-from pdserve.engine.scheduler_output import ScheduledSequence
-from pdserve.engine.scheduling_policy import PrefillOnlyPolicy
-from pdserve.engine.step_hooks import StepHooks
-from pdserve.engine.worker_stats import engine_stats
-from pdserve.kv_transfer import KVConnector, KVSender, TransferError, TransferKey
-from pdserve.models.tensor_parallel import TensorShard
-from pdserve.prefill_worker.ranks import Routes, Shipment, StepShipments
 
 logger = logging.getLogger(__name__)
 

@@ -56,14 +56,6 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.engine.protocol import (
-    PrefillResult,
-    RequestDelta,
-    RequestFaultError,
-    Reservation,
-    WorkRequest,
-)
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.backend import GenerationDelta, ModelSpec
 from pdserve.router.config import RouterConfig
@@ -90,6 +82,14 @@ from pdserve.router.pairing import (
 from pdserve.router.placement import Placer
 from pdserve.router.trace import RequestTrace, observe
 from pdserve.router.workers import Workers
+from pdserve.worker_api import (
+    PrefillResult,
+    RequestDelta,
+    RequestFaultError,
+    Reservation,
+    WorkRequest,
+)
+from pdserve.worker_api.sampling_params import SamplingParams
 
 __all__ = ["RequestTrace", "Router", "RouterConfig"]
 

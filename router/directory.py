@@ -6,7 +6,7 @@ import asyncio
 import logging
 from typing import Protocol
 
-from pdserve.engine.protocol import KVEvents, WorkerStats
+from pdserve.worker_api import KVEvents, WorkerStats
 
 logger = logging.getLogger(__name__)
 

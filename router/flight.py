@@ -36,9 +36,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from pdserve.engine.protocol import WorkRequest
 from pdserve.router.errors import DeadlineExceededError
 from pdserve.router.pairing import DecodeRouting, PrefillLocation, PrefillRouting
+from pdserve.worker_api import WorkRequest
 
 
 class Phase(IntEnum):

@@ -50,7 +50,6 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.api import generation_pb2, generation_pb2_grpc
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admin_server import AdminBackend, add_admin_service
 from pdserve.router.auth import (
     Access,
@@ -76,6 +75,7 @@ from pdserve.router.validation import (
     fit_to_context,
     validate_generate_request,
 )
+from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import openai_protocol as oa
 from pdserve.router.backend import GenerationBackend, GenerationDelta, end_stream
 from pdserve.router.errors import DeadlineExceededError, NoWorkersError
 from pdserve.router.http_asgi import SSE_HEADERS, send_json, sse
+from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -59,7 +59,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 import pdserve
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import openai_protocol as oa
 from pdserve.router.auth import Access, TLSConfig, check_priority, request_tenant
 from pdserve.router.backend import GenerationBackend
@@ -85,6 +84,7 @@ from pdserve.router.validation import (
     check_token_ids,
     fit_to_context,
 )
+from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.protocol import KVEvents, KVSnapshot
+from pdserve.worker_api import KVEvents, KVSnapshot
 
 
 @dataclass

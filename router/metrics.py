@@ -28,8 +28,8 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.engine.protocol import PrefillResult, WorkerStats
 from pdserve.router.metrics_http import start_metrics_server
+from pdserve.worker_api import PrefillResult, WorkerStats
 
 PREEMPTION_KINDS = ("recompute", "bounce")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,

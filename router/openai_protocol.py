@@ -22,7 +22,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.router.errors import (
     DeadlineExceededError,
     NoWorkersError,
@@ -31,6 +30,7 @@ from pdserve.router.errors import (
     RequestTooLargeError,
     RequestValidationError,
 )
+from pdserve.worker_api.sampling_params import MAX_LOGPROBS, SamplingParams
 
 UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob too small to report
 MAX_TIMEOUT_S = 86_400.0  # the longest ``timeout`` a request may ask for (a day)

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.prefix_hash import chained_block_hashes
-from pdserve.engine.protocol import WorkerStats
 from pdserve.router.kv_index import KVIndex
+from pdserve.worker_api import WorkerStats
 
 __all__ = ["DecodeRouting", "PrefillLocation", "PrefillRouting", "TransferCost", "WorkerLoad",
            "chained_block_hashes", "prefill_location", "rank_decode", "rank_prefill"]

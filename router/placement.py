@@ -18,7 +18,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
-from pdserve.engine.protocol import NeverFits, NoRoomNow
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import (
@@ -30,6 +29,7 @@ from pdserve.router.errors import (
 from pdserve.router.flight import Flight
 from pdserve.router.pairing import WorkerLoad
 from pdserve.router.workers import Workers
+from pdserve.worker_api import NeverFits, NoRoomNow
 
 
 class _Outranked(Exception):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pdserve.engine.protocol import RequestDelta
 from pdserve.router.flight import Flight
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import DecodeRouting, PrefillLocation, PrefillRouting
+from pdserve.worker_api import RequestDelta
 
 
 @dataclass

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.api import generation_pb2
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import ModelSpec
 from pdserve.router.errors import RequestValidationError
+from pdserve.worker_api.sampling_params import SamplingParams
 
 __all__ = ["RequestValidationError", "ValidatedRequest", "validate_generate_request",
            "check_request_id", "check_prompt_text", "check_token_ids",

@@ -18,12 +18,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from pdserve.engine.protocol import RequestDelta
 from pdserve.router.config import RouterConfig
 from pdserve.router.directory import WorkerDirectory
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import WorkerLoad
+from pdserve.worker_api import RequestDelta
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ import torch
 
 from pdserve.engine.sampler import SamplingRow, apply_penalties, inverse_cdf_draw
 from pdserve.engine.sampling_filters import filter_weights, softmax_weights
-from pdserve.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from pdserve.engine.seeded_uniforms import draw_uniforms
+from pdserve.worker_api.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 
 def draw_problems(model_dir: str, requests: Sequence[tuple[list[int], SamplingParams | dict]],

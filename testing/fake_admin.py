@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from pdserve.engine.protocol import ROLES
 from pdserve.router.admin_server import (
     ControlPlaneInfo,
     PoolInfo,
@@ -17,6 +16,7 @@ from pdserve.router.admin_server import (
     WorkerDeadError,
     WorkerInfo,
 )
+from pdserve.worker_api import ROLES
 
 
 class FakeAdmin:

@@ -23,9 +23,9 @@ import math
 import threading
 from collections.abc import AsyncIterator
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import GenerationDelta, ModelSpec
 from pdserve.router.errors import NOT_READY, NoWorkersError
+from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

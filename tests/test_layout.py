@@ -19,22 +19,28 @@ MAY_IMPORT = {
     "net": set(),
     "kernels": set(),
     "models": {"kernels"},
-    "engine": {"kernels", "models"},
+    # the worker API: the messages the engine builds and the handle the router calls
+    "worker_api": set(),
+    "engine": {"kernels", "models", "worker_api"},
     "kv_transfer": {"kernels", "net"},
     "api": {"net"},
-    "prefill_worker": {"kernels", "models", "engine", "kv_transfer", "net"},
-    "decode_worker": {"kernels", "models", "engine", "kv_transfer", "net"},
+    "prefill_worker": {"kernels", "models", "worker_api", "engine", "kv_transfer", "net"},
+    "decode_worker": {"kernels", "models", "worker_api", "engine", "kv_transfer", "net"},
     # the colocated worker streams as a decode worker does (decode_worker.streaming)
-    "colocated_worker": {"kernels", "models", "engine", "kv_transfer", "net", "decode_worker"},
-    "router": {"engine", "api", "net"},
-    "cluster": {"kernels", "models", "engine", "kv_transfer", "api", "net", "prefill_worker",
-                "decode_worker", "colocated_worker", "router"},
-    "bench": {"kernels", "models", "engine", "kv_transfer", "api", "net", "prefill_worker",
-              "decode_worker", "colocated_worker", "router", "cluster", "testing"},
-    "cli": {"kernels", "models", "engine", "kv_transfer", "api", "net", "prefill_worker",
-            "decode_worker", "colocated_worker", "router", "cluster", "bench"},
-    "__init__": {"engine", "import_path"},  # the public facade: pdserve.LLM, SamplingParams
-    "testing": {"kernels", "models", "engine", "api", "router", "net"},  # tests' and bench's
+    "colocated_worker": {"kernels", "models", "worker_api", "engine", "kv_transfer", "net",
+                         "decode_worker"},
+    "router": {"worker_api", "engine", "api", "net"},
+    "cluster": {"kernels", "models", "worker_api", "engine", "kv_transfer", "api", "net",
+                "prefill_worker", "decode_worker", "colocated_worker", "router"},
+    "bench": {"kernels", "models", "worker_api", "engine", "kv_transfer", "api", "net",
+              "prefill_worker", "decode_worker", "colocated_worker", "router", "cluster",
+              "testing"},
+    "cli": {"kernels", "models", "worker_api", "engine", "kv_transfer", "api", "net",
+            "prefill_worker", "decode_worker", "colocated_worker", "router", "cluster", "bench"},
+    # the public facade: pdserve.LLM, SamplingParams
+    "__init__": {"worker_api", "engine", "import_path"},
+    # tests' and bench's helpers
+    "testing": {"kernels", "models", "worker_api", "engine", "api", "router", "net"},
 }
 # Third-party packages only the floors that own them may import.
 OWNERS = {"ray": {"cluster", "bench", "cli"}, "redis": {"cluster", "bench", "cli"},
@@ -165,7 +171,7 @@ def test_workers_run_the_engine_step_without_touching_its_internals(package):
 @pytest.mark.parametrize(("module", "absent"), [
     ("pdserve.cli.main", ("torch", "ray")),  # --help, status, drain, generate, bench serve
     ("pdserve.cluster", ("torch", "ray")),
-    ("pdserve.engine.protocol", ("torch",)),  # what the router reads of a worker
+    ("pdserve.worker_api", ("torch",)),  # what the router reads of a worker
     ("pdserve", ("torch",)),
     *[(f"pdserve.testing.{m}", ("transformers", "cryptography", "pytest", "hypothesis"))
       for m in ("waits", "certificates", "paged_batches", "fake_backend", "fake_admin",
@@ -218,9 +224,8 @@ def test_no_import_cycle_between_modules():
         visit(module, ())
 
 
-# What the router may read of the engine: the worker protocol and what a request carries.
-ROUTER_SEES_OF_ENGINE = {"pdserve.engine.protocol", "pdserve.engine.sampling_params",
-                         "pdserve.engine.prefix_hash"}
+# What the router may read of the engine (workers it sees through pdserve.worker_api).
+ROUTER_SEES_OF_ENGINE = {"pdserve.engine.prefix_hash"}
 
 
 def test_the_router_sees_workers_only_through_the_protocol():
@@ -240,8 +245,8 @@ def test_the_scheduler_never_sees_the_runners_rows():
 
 
 def test_one_module_knows_how_deltas_are_encoded():
-    """StepDeltas (engine/protocol.py) alone chooses the encoding: no other module names its
+    """StepDeltas (worker_api/deltas.py) alone chooses the encoding: no other module names its
     parts or tests a delta's type against them."""
     bad = [f"{p.relative_to(ROOT)}" for p in package_files()
-           if p != ROOT / "engine" / "protocol.py" and "_NewTokens" in p.read_text()]
+           if p != ROOT / "worker_api" / "deltas.py" and "_NewTokens" in p.read_text()]
     assert not bad, "\n".join(bad)

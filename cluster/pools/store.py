@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import redis
 
 from pdserve.cluster.registry import redis_client
-from pdserve.engine.protocol import ROLES
+from pdserve.worker_api import ROLES
 
 # KEYS[1]: a counter; ARGV[1]: its floor. Sets it to max(value, floor) + 1 and returns
 # {max(value, floor), 1 if the value was not a whole number >= 0 (it counts as 0) else 0}.

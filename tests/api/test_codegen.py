@@ -73,7 +73,7 @@ def test_generated_code_needs_no_newer_grpcio_than_installed():
 def test_sampling_fields_have_presence_and_mirror_sampling_params():
     from dataclasses import fields
 
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.worker_api.sampling_params import SamplingParams
 
     descriptor = generation_pb2.SamplingParams.DESCRIPTOR
     assert {f.name for f in descriptor.fields} == {f.name for f in fields(SamplingParams)}

@@ -13,10 +13,10 @@ from pdserve.cluster.kv_streams import HASH_BYTES, MAX_BATCH_HASHES, MAX_ENTRY_B
 from pdserve.cluster.record_auth import RecordAuth
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_events import KVEventLog
-from pdserve.engine.protocol import KVEvents
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.router.kv_index import KVIndex
+from pdserve.worker_api import KVEvents
+from pdserve.worker_api.sampling_params import SamplingParams
 
 from .conftest import AUTH
 

@@ -9,7 +9,7 @@ import pytest
 from ray.exceptions import RayTaskError
 
 from pdserve.cluster.actors import RayHandle
-from pdserve.engine.protocol import NeverFits, NoRoomNow, RequestFaultError
+from pdserve.worker_api import NeverFits, NoRoomNow, RequestFaultError
 
 
 class RaisingActor:

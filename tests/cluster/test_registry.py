@@ -51,7 +51,7 @@ def test_redis_child_stops_cleanly():
 
 
 def test_stats_roundtrip_through_redis(redis_url):
-    from pdserve.engine.protocol import WorkerStats
+    from pdserve.worker_api import WorkerStats
 
     reg = Registry(redis_url, cluster=uuid.uuid4().hex, auth=AUTH)
     stats = WorkerStats("d2", "decode", 64, 50, 10, 4, 2, 1, 12, 3, 40, 100,
@@ -68,7 +68,7 @@ def test_every_stats_field_survives_the_registry(redis_url):
     (it happened to the speculative-decoding counters): every field gets a non-default value."""
     import dataclasses
 
-    from pdserve.engine.protocol import WorkerStats
+    from pdserve.worker_api import WorkerStats
 
     values = {}
     for i, f in enumerate(dataclasses.fields(WorkerStats)):

@@ -124,8 +124,8 @@ def test_server_stays_healthy_and_correct_after_bad_inputs(cluster, model_dir, e
 
 def test_ray_handle_translates_worker_errors(cluster, e2e):
     from pdserve.cluster.actors import RayHandle
-    from pdserve.engine.protocol import NeverFits, NoRoomNow, WorkRequest
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.worker_api import NeverFits, NoRoomNow, WorkRequest
+    from pdserve.worker_api.sampling_params import SamplingParams
 
     handle = RayHandle(cluster.workers["decode-0"], "decode-0", "decode")
     params = SamplingParams(max_tokens=1, temperature=0.0)

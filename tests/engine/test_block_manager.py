@@ -26,8 +26,8 @@ from hypothesis.stateful import (
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.prefix_hash import ROOT_HASH, chain_hash
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
+from pdserve.worker_api.sampling_params import SamplingParams
 
 
 def make_seq(request_id: str, token_ids: list[int]) -> Sequence:

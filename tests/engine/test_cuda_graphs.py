@@ -15,7 +15,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, eager_capture
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker_api.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

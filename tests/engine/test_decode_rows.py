@@ -22,10 +22,10 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelInput
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.protocol import NoRoomNow, WorkRequest
 from pdserve.engine.sampler import SamplingBatch, sampling_row
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduling_policy import DecodePolicy
+from pdserve.worker_api import NoRoomNow, WorkRequest
+from pdserve.worker_api.sampling_params import SamplingParams
 
 
 def _engine(tiny_dir, rebuild: bool) -> LLMEngine:

@@ -20,8 +20,8 @@ from pdserve.engine.engine_loop import (
     EngineStalledError,
     StepBound,
 )
-from pdserve.engine.protocol import StepDeltas, WorkerStats
 from pdserve.testing.waits import wait_for
+from pdserve.worker_api import StepDeltas, WorkerStats
 
 
 def test_published_stats_count_every_call_received_before_taken_at():

@@ -9,9 +9,9 @@ import random
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.prefix_hash import chained_block_hashes
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.router.kv_index import KVIndex
+from pdserve.worker_api.sampling_params import SamplingParams
 
 SALT = b"0123456789abcdef"
 

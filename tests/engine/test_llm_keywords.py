@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import LLM
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker_api.sampling_params import SamplingParams
 
 # A valid value other than the default for every EngineConfig field but model.
 NON_DEFAULTS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_dtype="int8",

@@ -7,19 +7,12 @@ import pytest
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.roofline import (
-    BANDWIDTH,
-    COMPUTE,
-    IDLE,
-    StepCost,
-    UtilizationMeter,
-    attended_pairs,
-    binding,
-)
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.roofline import StepCost, UtilizationMeter, attended_pairs
 from pdserve.engine.worker_stats import engine_stats
 from pdserve.models import ModelConfig
 from pdserve.models.checkpoint import open_checkpoint
+from pdserve.worker_api.sampling_params import SamplingParams
+from pdserve.worker_api.stats import BANDWIDTH, COMPUTE, IDLE, binding
 
 
 def _tiny_cost(tiny_dir) -> tuple[ModelConfig, StepCost]:

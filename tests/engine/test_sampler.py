@@ -13,13 +13,13 @@ import torch
 import pdserve.engine.sampling_filters as filters_module
 from pdserve.engine.sampler import Sampler, SamplingRow, inverse_cdf_draw
 from pdserve.engine.sampling_filters import filter_weights, softmax_weights, top_values
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.seeded_uniforms import (
     draw_uniform,
     draw_uniforms,
     keyed_uniforms,
     seed_key,
 )
+from pdserve.worker_api.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 0.5, -1.0, 3.1, 1.7, 0.0, -3.0, 2.6, 1.1, -0.4, 0.9, -2.2])
 

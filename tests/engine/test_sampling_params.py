@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pdserve.engine.sampling_params import (
+from pdserve.worker_api.sampling_params import (
     MAX_INT32,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,

@@ -7,7 +7,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import (
     DecodePolicy,
     PrefillOnlyPolicy,
@@ -16,6 +15,7 @@ from pdserve.engine.scheduler import (
     SchedulerOutput,
 )
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.worker_api.sampling_params import SamplingParams
 
 TOKEN = 7  # what the fake runner samples
 _created: list[Scheduler] = []

@@ -7,7 +7,7 @@ import pickle
 
 import numpy as np
 
-from pdserve.engine.protocol import RequestDelta, StepDeltas
+from pdserve.worker_api import RequestDelta, StepDeltas
 
 
 def new_tokens(*pairs: tuple[str, int]) -> StepDeltas:

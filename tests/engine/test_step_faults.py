@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.protocol import RequestDelta
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.seeded_uniforms import seed_key
+from pdserve.worker_api import RequestDelta
 
 POISON_SEED = 2
 SEEDS = (1, POISON_SEED, 3, 4)

@@ -22,9 +22,9 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine import tensor_parallel
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop, EngineStalledError
-from pdserve.engine.protocol import WorkRequest
 from pdserve.engine.tensor_parallel import FOLLOWER_MODULE, Followers
 from pdserve.testing.waits import wait_for
+from pdserve.worker_api import WorkRequest
 
 transformers = pytest.importorskip("transformers")
 

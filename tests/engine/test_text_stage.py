@@ -15,8 +15,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.protocol import StepDeltas
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker_api import StepDeltas
+from pdserve.worker_api.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import asyncio
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.engine.protocol import WorkRequest
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.errors import QueueFullError
 from pdserve.router.flight import Flight
+from pdserve.worker_api import WorkRequest
 
 
 class Clock:

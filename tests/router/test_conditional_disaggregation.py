@@ -11,8 +11,6 @@ from pdserve.api.admin_client import trace_dict
 from pdserve.bench.phases import prefill_locations
 from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.protocol import WorkerStats
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.admin_server import trace_pb
 from pdserve.router.backend import ModelSpec
 from pdserve.router.config import RouterConfig
@@ -20,6 +18,8 @@ from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.pairing import PrefillRouting, TransferCost, WorkerLoad, prefill_location
 from pdserve.router.trace import RequestTrace
+from pdserve.worker_api import WorkerStats
+from pdserve.worker_api.sampling_params import SamplingParams
 
 LOCATION = "pdserve_prefill_location_total"
 

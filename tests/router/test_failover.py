@@ -303,7 +303,7 @@ def test_overload_colocated_completes_everything(hf_checkpoint):
     assert used == [0]
 
 def test_stale_attempt_deltas_are_dropped():
-    from pdserve.engine.protocol import RequestDelta, WorkRequest
+    from pdserve.worker_api import RequestDelta, WorkRequest
 
     router = Router(ModelSpec("t", 256, 509), StaticDirectory([]), tokenize=list)
     flight = Flight(WorkRequest("x", [1], GREEDY, 1, 0.0))
@@ -319,7 +319,7 @@ def test_stale_attempt_deltas_are_dropped():
 
 
 def test_transitions_outside_the_table_are_refused():
-    from pdserve.engine.protocol import WorkRequest
+    from pdserve.worker_api import WorkRequest
 
     flight = Flight(WorkRequest("x", [1], GREEDY, 1, 0.0))
     with pytest.raises(RuntimeError, match="ADMITTED -> DECODING"):

@@ -18,11 +18,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.api import generation_pb2 as pb
 from pdserve.api import generation_pb2_grpc
-from pdserve.engine.sampling_params import MAX_STOP_STRINGS
 from pdserve.router.errors import NoWorkersError, QueueFullError, RequestTooLargeError
 from pdserve.router.grpc_server import SERVICE_NAME, GenerationServer
 from pdserve.router.validation import MAX_PROMPT_CHARS_PER_TOKEN, SamplingParams
 from pdserve.testing.fake_backend import FakeBackend
+from pdserve.worker_api.sampling_params import MAX_STOP_STRINGS
 
 VOCAB = 64  # FakeBackend's default model
 MAX_CONTEXT = 256

@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router import openai_protocol as oa
 from pdserve.router.errors import QueueFullError
 from pdserve.router.http_server import HttpServer
 from pdserve.testing.fake_backend import FakeBackend, FakePromptTools
 from pdserve.testing.waits import wait_for
+from pdserve.worker_api.sampling_params import SamplingParams
 
 KEY = "http-test-key"
 MODEL = "fake-counter"

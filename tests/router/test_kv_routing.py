@@ -12,11 +12,11 @@ import pytest
 
 from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import ModelSpec
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
+from pdserve.worker_api.sampling_params import SamplingParams
 
 SALT = "cluster-salt"
 ALWAYS = RouterConfig(disaggregation="always")

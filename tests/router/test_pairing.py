@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.protocol import KVSnapshot, WorkerStats
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.pairing import WorkerLoad, chained_block_hashes, rank_decode, rank_prefill
+from pdserve.worker_api import KVSnapshot, WorkerStats
+from pdserve.worker_api.sampling_params import SamplingParams
 
 
 def stats(worker_id, role="decode", free=100, running=0, queued=0) -> WorkerStats:

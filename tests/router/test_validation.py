@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from pdserve.api import generation_pb2 as pb
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.backend import GenerationDelta, ModelSpec
 from pdserve.router.validation import (
     RequestValidationError,
@@ -13,6 +12,7 @@ from pdserve.router.validation import (
     fit_to_context,
     validate_generate_request,
 )
+from pdserve.worker_api.sampling_params import SamplingParams
 
 MODEL = ModelSpec("m", max_context_tokens=32, vocab_size=100, eos_token_ids=(2,))
 

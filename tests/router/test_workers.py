@@ -10,11 +10,11 @@ import time
 
 import numpy as np
 
-from pdserve.engine.protocol import RequestDelta, StepDeltas, WorkerStats
 from pdserve.router.config import RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers import Workers
+from pdserve.worker_api import RequestDelta, StepDeltas, WorkerStats
 
 
 class ScriptedHandle:

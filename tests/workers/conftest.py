@@ -9,8 +9,8 @@ import pytest
 
 from pdserve.cluster.workers import InProcTransfer, build_worker
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.protocol import WorkRequest
 from pdserve.kv_transfer import FaultPlan
+from pdserve.worker_api import WorkRequest
 
 
 def engine_config(model_dir, **overrides) -> EngineConfig:

@@ -150,7 +150,7 @@ def _submitted(worker, request_id: str, prompt: list[int], params, timeout: floa
     """Submit a prompt to a streaming worker and collect its tokens until the final delta."""
     import time
 
-    from pdserve.engine.protocol import WorkRequest
+    from pdserve.worker_api import WorkRequest
 
     worker.submit(WorkRequest(request_id, list(prompt), params, seed=1,
                               arrival_time=time.time())).result(timeout)

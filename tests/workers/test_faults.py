@@ -10,8 +10,8 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.engine.engine_loop import EngineDeadError, EngineStalledError
-from pdserve.engine.protocol import WorkRequest
 from pdserve.testing.waits import wait_for
+from pdserve.worker_api import WorkRequest
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

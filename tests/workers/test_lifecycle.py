@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from pdserve import SamplingParams
-from pdserve.engine.protocol import WorkRequest
 from pdserve.testing.waits import wait_for
+from pdserve.worker_api import WorkRequest
 
 PARAMS = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 
@@ -65,7 +65,7 @@ def test_abort_queued_prefill_fails_its_future(hf_checkpoint, make_pair):
 def test_reserve_without_room_is_no_room_now(hf_checkpoint, make_pair):
     import pytest
 
-    from pdserve.engine.protocol import NeverFits, NoRoomNow
+    from pdserve.worker_api import NeverFits, NoRoomNow
 
     pair = make_pair(hf_checkpoint("llama"), decode_blocks=24)
     pair.decode.reserve(request("a", 40)).result(5)  # 10 of 24 blocks

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pdserve.decode_worker.mailboxes import MailboxSizes, RouterMailboxes
-from pdserve.engine.protocol import DuplicateRequestId, RequestDelta, StepDeltas
+from pdserve.worker_api import DuplicateRequestId, RequestDelta, StepDeltas
 
 
 def delta(request_id: str, token: int, last: bool = False, attempt: int = 1) -> RequestDelta:

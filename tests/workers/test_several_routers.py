@@ -10,8 +10,8 @@ import time
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.engine.protocol import NeverFits, NoRoomNow, WorkRequest
 from pdserve.testing.waits import wait_for
+from pdserve.worker_api import NeverFits, NoRoomNow, WorkRequest
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 MEDIUM = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)

@@ -12,7 +12,7 @@ import pytest
 from pdserve import SamplingParams
 from pdserve.cluster.workers import build_worker
 from pdserve.colocated_worker.worker import ColocatedWorker
-from pdserve.engine.protocol import WorkRequest
+from pdserve.worker_api import WorkRequest
 
 from .conftest import engine_config
 

@@ -13,8 +13,8 @@ import pytest
 from pdserve import SamplingParams
 from pdserve.cluster.workers import InProcTransfer, build_worker
 from pdserve.engine.engine_loop import EngineStalledError
-from pdserve.engine.protocol import DuplicateRequestId, NeverFits, WorkRequest
 from pdserve.testing.waits import wait_for
+from pdserve.worker_api import DuplicateRequestId, NeverFits, WorkRequest
 
 from .conftest import engine_config
 

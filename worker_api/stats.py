@@ -1,0 +1,83 @@
+"""What a worker reports of itself: its role (:data:`ROLES`), load and memory
+(:class:`WorkerStats`), and what its recent forward passes achieved against its device's
+measured peaks (:class:`Utilization`, ``engine.roofline`` measures them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROLES = ("prefill", "decode", "colocated")  # a worker's role, WorkerStats.role
+
+IDLE = "idle"
+COMPUTE = "compute"
+BANDWIDTH = "bandwidth"
+
+
+def binding(compute_utilization: float, bandwidth_utilization: float) -> str:
+    """The resource closer to its peak; ``idle`` when neither is used."""
+    if compute_utilization <= 0 and bandwidth_utilization <= 0:
+        return IDLE
+    return COMPUTE if compute_utilization >= bandwidth_utilization else BANDWIDTH
+
+
+@dataclass(frozen=True)
+class Utilization:
+    """What a worker achieved over the recent steps, against its device's measured peaks."""
+
+    flops_per_s: float = 0.0  # model FLOPs per forward second
+    bytes_per_s: float = 0.0  # weight + KV bytes per forward second
+    peak_flops_per_s: float = 0.0  # dense matmul rate measured on the device
+    peak_bytes_per_s: float = 0.0  # copy bandwidth measured on the device
+    busy_fraction: float = 0.0  # forward seconds / wall seconds
+
+    @property
+    def compute(self) -> float:
+        return self.flops_per_s / self.peak_flops_per_s if self.peak_flops_per_s else 0.0
+
+    @property
+    def bandwidth(self) -> float:
+        return self.bytes_per_s / self.peak_bytes_per_s if self.peak_bytes_per_s else 0.0
+
+    @property
+    def binding(self) -> str:
+        return binding(self.compute, self.bandwidth)
+
+
+@dataclass
+class WorkerStats:
+    """A worker's load and memory, for the registry, the router's pairing and metrics."""
+
+    worker_id: str
+    role: str  # one of ROLES
+    total_blocks: int
+    free_blocks: int  # allocatable now (free + evictable cached)
+    used_blocks: int  # owned by requests or reservations
+    cached_blocks: int  # evictable prefix-cache blocks
+    num_running: int
+    num_waiting: int  # queued prompts, or reservations waiting for KV
+    queued_tokens: int  # prompt tokens not computed yet
+    num_preemptions: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    ledger: dict = field(default_factory=dict)  # MemoryLedger.to_dict()
+    transfer_address: str = ""  # decode workers: KV endpoint host:port
+    draining: bool = False  # takes no new requests
+    error: str | None = None  # set when the worker's engine loop died: it takes no work
+    num_bounces: int = 0  # preemptions that handed a request back to the router (a counter)
+    flops_per_s: float = 0.0  # model FLOPs per forward second over the recent steps (achieved)
+    bytes_per_s: float = 0.0  # weight + KV bytes per forward second over the recent steps
+    peak_flops_per_s: float = 0.0  # dense matmul rate measured on the worker's device
+    peak_bytes_per_s: float = 0.0  # copy bandwidth measured on the worker's device
+    busy_fraction: float = 0.0  # forward seconds / wall seconds over the recent steps
+    spec_num_drafts: int = 0  # speculative decoding counters: sequence-steps that verified drafts
+    spec_num_draft_tokens: int = 0  # drafts proposed and verified
+    spec_num_accepted_tokens: int = 0  # drafts the target accepted
+    kv_log_id: str = ""  # the engine's KV event log (KVEvents.log_id; "": prefix caching off)
+    kv_events_number: int = 0  # the last batch of it drained (a reader behind it missed some)
+    taken_at: float = 0.0  # wall clock: every call the worker received before it is counted
+
+    @property
+    def utilization(self) -> Utilization:
+        """What these figures achieved against the device's peaks (what binds now)."""
+        return Utilization(self.flops_per_s, self.bytes_per_s, self.peak_flops_per_s,
+                           self.peak_bytes_per_s, self.busy_fraction)
