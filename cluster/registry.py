@@ -136,7 +136,8 @@ class WorkerRecord:
                 kwargs[f.name] = kind(text)
             record = cls(**kwargs)
             ledger = json.loads(record.ledger_json or "{}")
-        except (TypeError, ValueError, UnicodeDecodeError) as exc:
+        except (TypeError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+            # RecursionError: a ledger nested too deep for json.loads
             raise ValueError(f"malformed worker record: {exc}") from None
         if not record.worker_id or not record.role or not isinstance(ledger, dict):
             raise ValueError("malformed worker record: no worker_id or role, or a ledger that "

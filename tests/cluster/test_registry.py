@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.cluster.control_plane import ControlPlaneHealth
 from pdserve.cluster.record_auth import RecordAuth
@@ -206,3 +210,34 @@ def test_a_drain_mark_whose_tag_does_not_verify_reads_as_not_draining(redis_url)
     reg.client.hset(key1, "draining", "0")  # keeps the tag of 1
     assert [r.draining for r in reg.workers()] == [False, False]
     assert counted == [("draining", 1)] * 5  # at each read, per record
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.dictionaries(
+    st.sampled_from([f.name for f in dataclasses.fields(WorkerRecord)]) | st.text(max_size=16),
+    st.binary(max_size=16) | st.text(max_size=16).map(str.encode), max_size=8),
+    ledger=st.binary(max_size=16) | st.integers(1, 5000).map(lambda depth: b"[" * depth))
+def test_a_hash_that_is_not_a_record_is_a_value_error(values, ledger):
+    """Whatever a hash holds, reading it is a record or a ValueError (the readers skip and
+    count those), never another error that would stop a read of every record."""
+    base = WorkerRecord("w", "decode").to_hash()
+    raw = {k.encode(): v.encode() for k, v in base.items()}
+    raw.update({k.encode(): v for k, v in values.items()})
+    raw[b"ledger_json"] = ledger
+    try:
+        WorkerRecord.from_hash(raw)
+    except ValueError:
+        pass
+
+
+def test_a_ledger_nested_too_deep_is_skipped_as_malformed(redis_url):
+    """json.loads raises RecursionError, not ValueError, for a deep enough nesting: one raw
+    write to Redis would stop every reader's read of the registry."""
+    counted = []
+    reg = Registry(redis_url, cluster=uuid.uuid4().hex, auth=AUTH,
+                   on_malformed=lambda family, n: counted.append((family, n)))
+    reg.heartbeat(WorkerRecord("good", "decode"))
+    reg.client.hset(reg.prefix + "deep", mapping={"worker_id": "deep", "role": "decode",
+                                                  "ledger_json": "[" * 50_000})
+    assert [r.worker_id for r in reg.workers()] == ["good"] and counted == [("worker", 1)]
+    reg.close()
