@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Iterable
 
@@ -35,6 +34,7 @@ from pdserve.router.admin_server import (
     WorkerInfo,
 )
 from pdserve.router.trace import RequestTrace
+from pdserve.worker_api import WorkerStats
 
 SECRET_FIELDS = ("prefix_cache_salt",)  # engine settings GetConfig never shows
 
@@ -53,21 +53,41 @@ def select_traces(traces: Iterable[RequestTrace], request_ids: list[str],
     return [t for t in kept if t.request_id in wanted]
 
 
+# WorkerInfo fields the pool manager's member fills (its pid and error, when it has none, and
+# the heartbeat's age from the worker's registry record).
+INFO_FROM_MEMBER = ("worker_id", "role", "state", "node", "pid", "restarts", "error",
+                    "heartbeat_age_s")
+# WorkerInfo fields read from the worker's stats under another name; every WorkerInfo field
+# named in none of these three is the stats field of its own name.
+INFO_FROM_STATS = {"running": "num_running", "waiting": "num_waiting",
+                   "kv_used_blocks": "used_blocks", "kv_total_blocks": "total_blocks"}
+# WorkerInfo fields read from what binds the worker (the stats' Utilization).
+INFO_FROM_UTILIZATION = {"compute_utilization": "compute",
+                         "bandwidth_utilization": "bandwidth", "binding": "binding"}
+
+
 def worker_info(member: Member, record: WorkerRecord | None, now: float) -> WorkerInfo:
     """One member as ListWorkers reports it (``record``: its registry record, if any)."""
     rec = member.record
-    error = member.error or (record.error if record is not None else "")
+    own = {"worker_id": rec.worker_id, "role": rec.role, "state": member.state,
+           "node": rec.node_ip, "pid": rec.pid, "restarts": rec.restarts,
+           "error": member.error or (record.error if record is not None else "")}
     if record is None:
-        return WorkerInfo(rec.worker_id, rec.role, member.state, rec.node_ip, rec.pid,
-                          restarts=rec.restarts, error=error)
-    util = record.to_stats().utilization
-    return WorkerInfo(rec.worker_id, rec.role, member.state, rec.node_ip,
-                      rec.pid or record.pid, record.num_running, record.num_waiting,
-                      record.used_blocks, record.total_blocks,
-                      max(0.0, now - record.heartbeat_time), rec.restarts, error,
-                      util.compute, util.bandwidth, util.busy_fraction, util.binding,
-                      json.loads(record.ledger_json or "{}"), record.prefix_hit_tokens,
-                      record.prefix_query_tokens)
+        return WorkerInfo(**own)
+    own.update(pid=rec.pid or record.pid, heartbeat_age_s=max(0.0, now - record.heartbeat_time))
+    return WorkerInfo(**own, **_load(record.to_stats()))
+
+
+def _load(stats: WorkerStats) -> dict:
+    """The WorkerInfo fields a worker's stats fill (all but ``INFO_FROM_MEMBER``)."""
+    util = stats.utilization
+    values = {}
+    for f in dataclasses.fields(WorkerInfo):
+        if f.name in INFO_FROM_UTILIZATION:
+            values[f.name] = getattr(util, INFO_FROM_UTILIZATION[f.name])
+        elif f.name not in INFO_FROM_MEMBER:
+            values[f.name] = getattr(stats, INFO_FROM_STATS.get(f.name, f.name))
+    return values
 
 
 class ClusterAdmin:

@@ -31,6 +31,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import redis
 
@@ -49,7 +50,8 @@ _DRAINING_TAG = "draining"
 
 @dataclass
 class WorkerRecord:
-    """What the router needs to know about one worker."""
+    """What the router needs to know about one worker: every :class:`WorkerStats` field
+    (:func:`stats_stored` says how each is kept) and the registry's own (``REGISTRY_ONLY``)."""
 
     worker_id: str  # unique name, also the Ray actor name
     role: str  # "prefill" | "decode" | "colocated"
@@ -87,34 +89,21 @@ class WorkerRecord:
 
     @classmethod
     def from_stats(cls, stats: WorkerStats, pid: int = 0) -> WorkerRecord:
-        return cls(stats.worker_id, stats.role, stats.transfer_address, stats.total_blocks,
-                   stats.free_blocks, stats.num_running, stats.num_waiting,
-                   stats.queued_tokens, stats.draining, 0.0, stats.used_blocks,
-                   stats.cached_blocks, stats.num_preemptions, stats.prefix_hit_tokens,
-                   stats.prefix_query_tokens, json.dumps(stats.ledger, sort_keys=True), pid,
-                   (stats.error or "")[:MAX_ERROR_CHARS], stats.num_bounces,
-                   stats.flops_per_s, stats.bytes_per_s, stats.peak_flops_per_s,
-                   stats.peak_bytes_per_s, stats.busy_fraction,
-                   stats.spec_num_drafts, stats.spec_num_draft_tokens,
-                   stats.spec_num_accepted_tokens, stats.kv_log_id, stats.kv_events_number,
-                   stats.taken_at)
+        """The record of ``stats``: every field under its name (:data:`STATS_STORED` says
+        which are stored otherwise); the registry's own fields (:data:`REGISTRY_ONLY`) are
+        ``pid`` and defaults."""
+        values = {}
+        for f in dataclasses.fields(stats):
+            stored = stats_stored(f.name)
+            values[stored.field] = stored.encode(getattr(stats, f.name))
+        return cls(**values, pid=pid)
 
     def to_stats(self) -> WorkerStats:
-        return WorkerStats(self.worker_id, self.role, self.total_blocks, self.free_blocks,
-                           self.used_blocks, self.cached_blocks, self.num_running,
-                           self.num_waiting, self.queued_tokens, self.num_preemptions,
-                           self.prefix_hit_tokens, self.prefix_query_tokens,
-                           json.loads(self.ledger_json or "{}"), self.transfer_address,
-                           self.draining, self.error or None, self.num_bounces,
-                           flops_per_s=self.flops_per_s, bytes_per_s=self.bytes_per_s,
-                           peak_flops_per_s=self.peak_flops_per_s,
-                           peak_bytes_per_s=self.peak_bytes_per_s,
-                           busy_fraction=self.busy_fraction,
-                           spec_num_drafts=self.spec_num_drafts,
-                           spec_num_draft_tokens=self.spec_num_draft_tokens,
-                           spec_num_accepted_tokens=self.spec_num_accepted_tokens,
-                           kv_log_id=self.kv_log_id, kv_events_number=self.kv_events_number,
-                           taken_at=self.taken_at)
+        values = {}
+        for f in dataclasses.fields(WorkerStats):
+            stored = stats_stored(f.name)
+            values[f.name] = stored.decode(getattr(self, stored.field))
+        return WorkerStats(**values)
 
     def to_hash(self) -> dict[str, str]:
         return {f.name: str(int(v) if isinstance(v, bool) else v)
@@ -144,6 +133,35 @@ class WorkerRecord:
                              "is not a JSON object")
         _check_bounds(record, ledger)
         return record
+
+
+class Stored(NamedTuple):
+    """How a WorkerStats field is kept in the record."""
+
+    field: str  # the record's field
+    encode: Callable[[Any], Any]  # the stats value -> the record's
+    decode: Callable[[Any], Any]  # the record's value -> the stats'
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+# The WorkerStats fields the record keeps under another name or in another form; it keeps every
+# other one under its own name, as it is.
+STATS_STORED = {
+    "ledger": Stored("ledger_json", lambda ledger: json.dumps(ledger, sort_keys=True),
+                     lambda text: json.loads(text or "{}")),
+    "error": Stored("error", lambda error: (error or "")[:MAX_ERROR_CHARS],
+                    lambda text: text or None),
+}
+# The record's fields no WorkerStats field fills: the registry's and the signatures'.
+REGISTRY_ONLY = ("heartbeat_time", "pid", "tag", "draining_tag")
+
+
+def stats_stored(name: str) -> Stored:
+    """How the WorkerStats field ``name`` is kept in a :class:`WorkerRecord`."""
+    return STATS_STORED.get(name) or Stored(name, _same, _same)
 
 
 SIGNED_FIELDS = tuple(sorted(f.name for f in dataclasses.fields(WorkerRecord)

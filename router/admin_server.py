@@ -125,19 +125,23 @@ class AdminBackend(Protocol):
     # async def control_plane(self) -> ControlPlaneInfo
 
 
+# WorkerInfo fields the proto's Worker carries under another name or in another form: (its
+# field, the value it takes); it carries every other one under its own name, as it is, and
+# leaves an optional one unset for None.
+WORKER_PB_ENCODED = {
+    "state": ("state", _STATE_PB.__getitem__),
+    "ledger": ("ledger_json", lambda ledger: json.dumps(ledger, sort_keys=True)),
+}
+
+
 def worker_pb(info: WorkerInfo) -> admin_pb2.Worker:
-    worker = admin_pb2.Worker(
-        worker_id=info.worker_id, role=info.role, node=info.node, pid=info.pid,
-        state=_STATE_PB[info.state], running=info.running, waiting=info.waiting,
-        kv_used_blocks=info.kv_used_blocks, kv_total_blocks=info.kv_total_blocks,
-        restarts=info.restarts, error=info.error,
-        compute_utilization=info.compute_utilization,
-        bandwidth_utilization=info.bandwidth_utilization, busy_fraction=info.busy_fraction,
-        binding=info.binding, ledger_json=json.dumps(info.ledger, sort_keys=True),
-        prefix_hit_tokens=info.prefix_hit_tokens, prefix_query_tokens=info.prefix_query_tokens)
-    if info.heartbeat_age_s is not None:
-        worker.heartbeat_age_s = info.heartbeat_age_s
-    return worker
+    values = {}
+    for f in dataclasses.fields(info):
+        name, encode = WORKER_PB_ENCODED.get(f.name, (f.name, None))
+        value = getattr(info, f.name)
+        if value is not None:
+            values[name] = value if encode is None else encode(value)
+    return admin_pb2.Worker(**values)
 
 
 def trace_pb(trace: RequestTrace) -> admin_pb2.RequestTrace:
