@@ -52,7 +52,8 @@ class DecodeRank:
         self.endpoint.close()
         self.sink.close()
 
-    def _complete(self, key: TransferKey, _first_token_id: int | None) -> None:
+    def _complete(self, key: TransferKey, _first_token_id: int | None,
+                  _num_stand_ins: int) -> None:  # (the COMMIT, and its stand-ins, are rank 0's)
         self.context.report(report_name(key), "")
 
     def _failed(self, key: TransferKey, error: TransferError) -> None:

@@ -13,8 +13,9 @@ Lifecycle of one request on a decode worker D:
 2. KV frames arrive on the transfer endpoint's receive threads and are scattered straight into
    the reserved blocks (``ReservedBlocksSink``); frames for unknown or stale keys are dropped.
 3. COMMIT (token 0 from the prefill worker) hands the request to the loop thread: token 0 is
-   appended, ``num_computed_tokens`` = every token before it, and the sequence joins the
-   running batch.
+   appended, ``num_computed_tokens`` = every token before it, the blocks the COMMIT names
+   stand-ins (a windowed prompt's blocks the prefill worker had freed) are freed, the rest
+   hashed, and the sequence joins the running batch.
 4. Every step decodes the running batch; token deltas (stamped with the request's attempt) go
    to the bounded outbox, which the routers drain in batches (``poll``), each getting its own
    requests' deltas, so a slow client never stalls the loop.
@@ -35,7 +36,8 @@ decode steps as on a colocated worker, its token 0 streamed from here (the route
 disaggregation, ``router.pairing.prefill_location``).
 
 D keeps a prefix cache like any engine (unless ``enable_prefix_caching`` is off): a request's
-blocks are hashed once it runs (its KV is in), and stay cached after it ends. In step 1 the
+blocks are hashed once it runs (its KV is in; stand-ins are freed, never hashed), and stay
+cached after it ends, those out of the window too. In step 1 the
 leading blocks of a new reservation that the cache holds are shared, not allocated; the
 reservation says how many (``num_cached_blocks``), the prefill worker sends only the blocks
 after them, and the sink expects only those. At least one block is always sent (the prefix
@@ -103,7 +105,8 @@ class DecodeWorker(StreamingWorker):
         self.ranks = self.engine.ranks  # the follower ranks (None on one rank)
         self.rank_addresses: tuple[str, ...] = () if self.ranks is None else (
             self.endpoint.address, *self.ranks.published(TRANSFER_ADDRESS))
-        self._waiting_ranks: dict[TransferKey, int] = {}  # rank 0's heads in, token 0
+        # rank 0's heads in: (token 0, stand-ins) of its COMMIT
+        self._waiting_ranks: dict[TransferKey, tuple[int, int]] = {}
         self.epoch = random.getrandbits(62)  # this incarnation: older frames never match
         self._transfer_ids = itertools.count(1)
         self._reserved: dict[str, _Reserved] = {}
@@ -214,15 +217,16 @@ class DecodeWorker(StreamingWorker):
             self._fail(request_id, error)
         self.loop.outbox.put_many(self.engine.abort_all(error))
 
-    def _commit(self, key: TransferKey, first_token_id: int) -> None:
+    def _commit(self, key: TransferKey, first_token_id: int, num_stand_ins: int) -> None:
         if key not in self._by_key:  # aborted or expired meanwhile
             return
-        if self.ranks is not None and not self._ranks_in(key, first_token_id):
+        if self.ranks is not None and not self._ranks_in(key, first_token_id, num_stand_ins):
             return  # (a follower's heads still on the way: _tick looks again)
         request_id = self._by_key[key]  # until it runs, a failure releases it as reserved
         try:
             # token 0 was streamed by the prefill worker: its delta is not sent again
-            self.engine.start_running(self._reserved[request_id].seq, first_token_id)
+            self.engine.start_running(self._reserved[request_id].seq, first_token_id,
+                                      num_stand_ins)
         except Exception as exc:  # noqa: BLE001 - the request learns why; nothing leaks
             logger.exception("commit of %s failed", request_id)
             self._fail(request_id, f"commit failed: {exc!r}")
@@ -230,13 +234,13 @@ class DecodeWorker(StreamingWorker):
         self._by_key.pop(key, None)
         self._reserved.pop(request_id)
 
-    def _ranks_in(self, key: TransferKey, first_token_id: int) -> bool:
+    def _ranks_in(self, key: TransferKey, first_token_id: int, num_stand_ins: int) -> bool:
         """Whether every follower rank has its heads of ``key`` (rank 0's are in); a rank that
         failed fails the request. Not yet: the key waits in ``_waiting_ranks``."""
         reports = self.ranks.reports(report_name(key))
         failed = next((r for r in reports if r), None)
         if failed is None and None in reports:
-            self._waiting_ranks[key] = first_token_id
+            self._waiting_ranks[key] = (first_token_id, num_stand_ins)
             return False
         self._waiting_ranks.pop(key, None)
         if failed is not None:  # (its release clears the reports)
@@ -247,8 +251,8 @@ class DecodeWorker(StreamingWorker):
         return True
 
     def _tick(self) -> None:
-        for key, first_token_id in list(self._waiting_ranks.items()):
-            self._commit(key, first_token_id)
+        for key, (first_token_id, num_stand_ins) in list(self._waiting_ranks.items()):
+            self._commit(key, first_token_id, num_stand_ins)
         now = time.time()
         for request_id, entry in list(self._reserved.items()):
             if entry.seq.deadline is not None and entry.seq.deadline < now:
@@ -263,8 +267,9 @@ class DecodeWorker(StreamingWorker):
                             self.endpoint.address)
 
     # -- receive threads ----------------------------------------------------------------------
-    def _on_kv_complete(self, key: TransferKey, first_token_id: int) -> None:
-        self.loop.call(self._commit, key, first_token_id)
+    def _on_kv_complete(self, key: TransferKey, first_token_id: int,
+                        num_stand_ins: int) -> None:
+        self.loop.call(self._commit, key, first_token_id, num_stand_ins)
 
     def _on_kv_failed(self, key: TransferKey, error: TransferError) -> None:
         request_id = self._by_key.get(key)

@@ -27,15 +27,17 @@ Invariants (``check_invariants`` raises ``RuntimeError`` on a violation):
   is left to compute so the step can sample from its logits.
 
 Which blocks hold real KV (the one rule every hash obeys): entry ``i`` of a block table holds
-the KV of exactly tokens ``[i * block_size, (i + 1) * block_size)`` when it is not ``None``
-and those tokens are all before ``num_computed_tokens``, and the window (if any) has not yet
-dropped it. Only such a block ever gets a hash. Blocks past ``num_computed_tokens`` (reserved
-for a transfer still on its way, slots of drafts) are never hashed; a block out of the window
-is never hashed once it has left it, since whoever computed it may have freed it already: a
-prefill worker that ships a windowed prompt sends a stand-in for each block it freed during its
-chunked prefill, and the receiver cannot tell those from real ones, so it frees every received
-block out of its window before hashing the rest (:meth:`BlockManager.adopt_received`; a
-windowed model's decode-side prefix cache therefore never matches: its chains start at block 0).
+the KV of exactly tokens ``[i * block_size, (i + 1) * block_size)`` when it is not ``None``,
+those tokens are all before ``num_computed_tokens``, and it is not a stand-in. Only such a
+block ever gets a hash. Blocks past ``num_computed_tokens`` (reserved for a transfer still on
+its way, slots of drafts) are never hashed. A stand-in is a block a decode worker received
+without KV: a prefill worker that ships a windowed prompt may have freed its leading blocks
+(out of its window) during its chunked prefill; it sends block 0's contents for each, so the
+shipment still maps one to one onto the reservation's blocks, and its COMMIT says how many
+leading blocks of the shipment they are. :meth:`BlockManager.adopt_received` releases exactly
+those (their entries become ``None``), hashes every other full block, and only then frees what
+is out of its own window, so real blocks that left the window stay in the prefix cache
+(hashed, ref 0), as a block the scheduler hashes and then frees does.
 """
 
 from __future__ import annotations
@@ -220,13 +222,24 @@ class BlockManager:
         if num_full > num_hashed:
             self._chains[seq.request_id] = (num_full, parent)
 
-    def adopt_received(self, seq: Sequence) -> None:
+    def adopt_received(self, seq: Sequence, num_stand_ins: int = 0) -> None:
         """``seq``'s KV for every token before ``num_computed_tokens`` was written into its
-        blocks by another worker (a KV hand-off): free the entries out of the window first
-        (the sender may have sent stand-ins for them, see the module docstring), then hash
-        the full blocks that remain."""
-        self.free_out_of_window(seq)
+        blocks by another worker (a KV hand-off), except in the ``num_stand_ins`` blocks right
+        after its prefix hit (``num_cached_tokens``, which :meth:`match_prefix` set when the
+        blocks were reserved): the sender's stand-ins (see the module docstring). Release
+        those, hash every full block that remains, then free what is out of the window.
+        ValueError, with nothing changed, when a stand-in would be inside the window (a query
+        would read it)."""
+        first = seq.num_cached_tokens // self._block_size
+        num_dead = min(self._num_dead_blocks(seq.num_computed_tokens), len(seq.block_table))
+        most = max(0, num_dead - first)  # received blocks out of the window
+        if isinstance(num_stand_ins, bool) or not isinstance(num_stand_ins, int) \
+                or not 0 <= num_stand_ins <= most:
+            raise ValueError(f"{seq.request_id}: num_stand_ins must be an int in [0, {most}] "
+                             f"(received blocks out of the window), got {num_stand_ins!r}")
+        self._release_entries(seq, first, first + num_stand_ins)
         self.cache_computed_blocks(seq)
+        self._release_entries(seq, 0, num_dead)  # (hit blocks before the stand-ins too)
 
     def cache_filled_blocks(self, seqs: list[Sequence]) -> None:
         """:meth:`cache_computed_blocks` of each of ``seqs``, decodes whose step just filled
@@ -341,6 +354,15 @@ class BlockManager:
                 self._release(block_id)
                 num_freed += 1
         return num_freed
+
+    def _release_entries(self, seq: Sequence, start: int, end: int) -> None:
+        """Release the blocks of table entries ``[start, end)``, tails first; they become
+        None (entries already None are skipped)."""
+        table = seq.block_table
+        for i in range(end - 1, start - 1, -1):
+            if table[i] is not None:
+                self._release(table[i])
+                table[i] = None
 
     def free_out_of_window(self, seq: Sequence) -> int:
         """Free blocks no future query of seq can see; their entries become None."""

@@ -245,12 +245,15 @@ class LLMEngine:
         """Free the blocks of an untracked ``seq`` (a reservation that ends before it runs)."""
         self.parts.block_manager.free(seq)
 
-    def start_running(self, seq: Sequence, first_token_id: int) -> RequestDelta:
+    def start_running(self, seq: Sequence, first_token_id: int,
+                      num_stand_ins: int = 0) -> RequestDelta:
         """Join ``seq``, whose KV fills its reserved blocks, with its token 0 sampled elsewhere:
         the token runs through the same stop rules and detokenizer here, so later deltas
-        continue exactly where the prefill worker left off. Returns token 0's delta."""
+        continue exactly where the prefill worker left off. ``num_stand_ins``: the leading
+        received blocks that hold no KV (``BlockManager.adopt_received``). Returns token 0's
+        delta."""
         seq.num_computed_tokens = seq.num_tokens
-        self.parts.block_manager.adopt_received(seq)  # its prompt's blocks are in
+        self.parts.block_manager.adopt_received(seq, num_stand_ins)  # its prompt's KV is in
         self.track(seq)
         try:
             delta = self.append_token(seq, first_token_id, None, time.monotonic())

@@ -21,9 +21,13 @@ The protocol, in call order (one request, one (P, D) pair):
    ``payload_buffer`` returning ``None`` (unknown, stale or aborted key) makes the loop drain
    the payload into scratch memory and drop it, so the stream stays aligned and no block that
    might have been reused is ever written.
-6. P samples token 0, then ``sender.send_commit(key, first_token_id)``. The commit carries how
-   many LAYERS frames were sent for the key; D calls ``on_commit`` only when that many arrived
-   intact, otherwise ``on_failed``. After ``on_commit`` the blocks belong to the running request.
+6. P samples token 0, then ``sender.send_commit(key, first_token_id, num_stand_ins=n)``. The
+   commit carries how many LAYERS frames were sent for the key; D calls ``on_commit`` only when
+   that many arrived intact, otherwise ``on_failed``. After ``on_commit`` the blocks belong to
+   the running request. ``n`` counts the leading blocks of the shipment that hold no KV: with a
+   sliding window P may have freed blocks of the prompt before it ships (out of its window),
+   and sends stand-ins for them so the shipment still maps one to one onto the reservation's
+   blocks; D frees those and never hashes them into its prefix cache.
 7. Any side may give up: P sends ``send_abort(key)`` (D calls ``on_abort``, idempotent);
    a corrupt or short frame fails its key (``on_failed``); a dead or silent peer fails every
    key still open on that channel (``on_failed``) and then ``on_peer_lost(peer_id, error)``.
@@ -59,7 +63,7 @@ class FrameKind(enum.IntEnum):
     """What a frame carries; the value travels in the header."""
 
     LAYERS = 1  # a layer range of one request's blocks; payload follows
-    COMMIT = 2  # all layers sent; carries the first sampled token id and the frame count
+    COMMIT = 2  # all layers sent; carries token 0, the frame count and the stand-in count
     ABORT = 3  # the sender gave up on this key
     HEARTBEAT = 4  # keep-alive on an idle channel; no key
     CLOSE = 5  # the sender closes the channel cleanly; no key
@@ -125,10 +129,12 @@ class KVSender(abc.ABC):
         ``heads``: the K/V heads it carries, in the full model's numbering (None: all)."""
 
     @abc.abstractmethod
-    def send_commit(self, key: TransferKey, first_token_id: int, sharded: bool = False
-                    ) -> Future:
+    def send_commit(self, key: TransferKey, first_token_id: int, sharded: bool = False,
+                    num_stand_ins: int = 0) -> Future:
         """Queue COMMIT for ``key`` after its last layers; ``sharded``: other channels may
-        still carry shares of its heads (the receiver then waits for every head)."""
+        still carry shares of its heads (the receiver then waits for every head);
+        ``num_stand_ins``: how many leading blocks of the shipment hold no KV (stand-ins for
+        blocks the sender freed, see step 6). ValueError when it is not an int >= 0."""
 
     @abc.abstractmethod
     def send_share(self, key: TransferKey) -> Future:
@@ -177,9 +183,11 @@ class KVReceiveSink(Protocol):
         """``buffer`` (from ``payload_buffer``) is filled: scatter it into the reserved blocks
         (``heads``: the K/V heads it carries, full model numbering; None: all of the pool's)."""
 
-    def on_commit(self, key: TransferKey, first_token_id: int, sharded: bool = False) -> None:
+    def on_commit(self, key: TransferKey, first_token_id: int, sharded: bool = False,
+                  num_stand_ins: int = 0) -> None:
         """Every LAYERS frame of ``key`` sent on this channel arrived intact; the request may
-        start decoding (``sharded``: once every head has arrived, from any channel)."""
+        start decoding (``sharded``: once every head has arrived, from any channel). Its first
+        ``num_stand_ins`` blocks hold no KV (stand-ins, see step 6)."""
 
     def on_abort(self, key: TransferKey) -> None:
         """The sender aborted ``key``. Must be idempotent and ignore unknown keys."""

@@ -107,8 +107,8 @@ def measure_transfer(num_layers: int = 8, num_blocks: int = 64, block_size: int 
     src_ids = torch.arange(num_blocks, dtype=torch.int64)
     dst_ids = torch.arange(num_blocks, 2 * num_blocks, dtype=torch.int64)
     done = threading.Event()
-    sink = (ReservedBlocksSink(dst, on_complete=lambda key, token: done.set()) if scatter
-            else _NullSink(dst, on_complete=lambda key, token: done.set()))
+    sink = (ReservedBlocksSink(dst, on_complete=lambda key, token, stand_ins: done.set())
+            if scatter else _NullSink(dst, on_complete=lambda key, token, stand_ins: done.set()))
     config = ChannelConfig(checksum=checksum)
     endpoint = TransferEndpoint(sink, config=config)
     connector = TorchDistConnector("bench-prefill", config=config)

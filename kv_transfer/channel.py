@@ -43,6 +43,7 @@ class _Job:
     heads: tuple[int, int] | None = None  # LAYERS: K/V heads carried (None: all)
     share: bool = False  # COMMIT: the end of this channel's share of the key
     sharded: bool = False  # COMMIT: the transfer's; shares may be on other channels
+    num_stand_ins: int = 0  # COMMIT: leading shipped blocks that hold no KV
     payload: torch.Tensor | None = None  # LAYERS: flat uint8 payload
     ready: object = None  # torch.cuda.Event recorded on the caller's stream, for CUDA payloads
     future: Future = field(default_factory=Future)  # resolved with payload bytes sent
@@ -128,15 +129,18 @@ class ThreadedSender(KVSender):
             self._open[key] = self._open.get(key, 0) + 1
         return self._submit(job)
 
-    def send_commit(self, key: TransferKey, first_token_id: int, sharded: bool = False
-                    ) -> Future:
+    def send_commit(self, key: TransferKey, first_token_id: int, sharded: bool = False,
+                    num_stand_ins: int = 0) -> Future:
         _check_key(key)
         if first_token_id < 0:
             raise ValueError(f"first_token_id must be >= 0, got {first_token_id}")
+        if isinstance(num_stand_ins, bool) or not isinstance(num_stand_ins, int) \
+                or num_stand_ins < 0:
+            raise ValueError(f"num_stand_ins must be an int >= 0, got {num_stand_ins!r}")
         with self._cond:
             count = self._open.pop(key, 0)
         return self._submit(_Job(FrameKind.COMMIT, key, arg=int(first_token_id), count=count,
-                                 sharded=sharded))
+                                 sharded=sharded, num_stand_ins=num_stand_ins))
 
     def send_share(self, key: TransferKey) -> Future:
         _check_key(key)
@@ -263,7 +267,7 @@ class ThreadedSender(KVSender):
                              count=job.count,
                              payload_nbytes=0 if payload is None else payload.numel(),
                              payload_sum=checksum, heads=job.heads, share=job.share,
-                             sharded=job.sharded)
+                             sharded=job.sharded, num_stand_ins=job.num_stand_ins)
         self._send_frame(encode_header(header), payload)
         if payload is not None:
             self.bytes_sent += payload.numel()

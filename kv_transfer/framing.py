@@ -8,7 +8,11 @@ Header, ``HEADER_WORDS`` int64 values::
     3 seq              per-channel frame number, 1, 2, ... (duplicates and gaps show up here)
     4 transfer_id      TransferKey.transfer_id (0 for HEARTBEAT / CLOSE)
     5 epoch            TransferKey.epoch (0 for HEARTBEAT / CLOSE)
-    6 layer_start      LAYERS: first layer of the range
+    6 layer_start      LAYERS: first layer of the range; COMMIT: num_stand_ins, the
+                       number of leading blocks of the shipment (the blocks after the
+                       reservation's cached ones) that hold no KV: the sender had freed them
+                       (out of its sliding window) and sent stand-ins so the blocks map one to
+                       one onto the reservation's; the receiver frees them and never hashes them
     7 layer_end        LAYERS: one past the last layer
     8 arg              LAYERS: num_blocks; COMMIT: first_token_id
     9 count            COMMIT: number of LAYERS frames sent for the key on this channel;
@@ -74,6 +78,8 @@ class FrameHeader:
     # numbering); None: every head of the pool
     share: bool = False  # COMMIT: one channel's share of a transfer (FLAG_SHARE)
     sharded: bool = False  # COMMIT: the transfer's commit; shares may be elsewhere
+    num_stand_ins: int = 0  # COMMIT: leading shipped blocks that hold no KV (word 6, which
+    # LAYERS use for layer_start; a COMMIT has no layer range)
 
 
 def _to_signed(value: int) -> int:
@@ -100,7 +106,8 @@ def encode_header(header: FrameHeader) -> torch.Tensor:
     words = [
         MAGIC, VERSION, int(header.kind), header.seq,
         key.transfer_id if key else 0, key.epoch if key else 0,
-        header.layer_start, header.layer_end, header.arg, count, header.payload_nbytes,
+        header.num_stand_ins if header.kind == FrameKind.COMMIT else header.layer_start,
+        header.layer_end, header.arg, count, header.payload_nbytes,
         header.payload_sum if header.payload_sum is not None else 0, flags,
     ]
     words.append(_header_sum(words))
@@ -134,12 +141,15 @@ def decode_header(tensor: torch.Tensor, max_payload_bytes: int = 1 << 34) -> Fra
     count, heads = words[9], None
     if kind == FrameKind.LAYERS:
         count, heads = 0, (None if words[9] == 0 else (words[9] >> 32, words[9] & 0xFFFF_FFFF))
-    header = FrameHeader(kind=kind, seq=words[3], key=key, layer_start=words[6],
+    layer_start, num_stand_ins = words[6], 0
+    if kind == FrameKind.COMMIT:
+        layer_start, num_stand_ins = 0, words[6]
+    header = FrameHeader(kind=kind, seq=words[3], key=key, layer_start=layer_start,
                          layer_end=words[7], arg=words[8], count=count,
                          payload_nbytes=words[10],
                          payload_sum=words[11] if words[12] & FLAG_CHECKSUM else None,
                          heads=heads, share=bool(words[12] & FLAG_SHARE),
-                         sharded=bool(words[12] & FLAG_SHARDED))
+                         sharded=bool(words[12] & FLAG_SHARDED), num_stand_ins=num_stand_ins)
     _validate(header, max_payload_bytes)
     return header
 
@@ -167,10 +177,24 @@ def _validate(h: FrameHeader, max_payload_bytes: int) -> None:
     if h.kind == FrameKind.COMMIT and (h.count < 0 or h.arg < 0):
         raise FramingError(f"COMMIT needs count >= 0 and first_token_id >= 0, "
                            f"got {h.count}, {h.arg}")
+    _validate_stand_ins(h)
     if h.kind != FrameKind.LAYERS and h.heads is not None:
         raise FramingError(f"{h.kind.name} frame carries no head range")
     if (h.share or h.sharded) and (h.kind != FrameKind.COMMIT or (h.share and h.sharded)):
         raise FramingError("share and sharded are for COMMIT frames, one at a time")
+
+
+def _validate_stand_ins(h: FrameHeader) -> None:
+    """``num_stand_ins`` rides in word 6 of a transfer's COMMIT only (whether it is below
+    the blocks expected is the receiver's check: the header does not know them)."""
+    if h.num_stand_ins < 0:
+        raise FramingError(f"num_stand_ins must be >= 0, got {h.num_stand_ins}")
+    if h.num_stand_ins and (h.kind != FrameKind.COMMIT or h.share):
+        raise FramingError("num_stand_ins is for a transfer's COMMIT frame, not "
+                           f"{'a share' if h.share else h.kind.name}")
+    if h.kind == FrameKind.COMMIT and (h.layer_start or h.layer_end):
+        raise FramingError(f"COMMIT carries no layer range, got [{h.layer_start}, "
+                           f"{h.layer_end})")
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

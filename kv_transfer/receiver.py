@@ -171,7 +171,8 @@ class PeerDispatcher:
                 f"{key}: {received} of {header.count} layer frames arrived before COMMIT"))
             return
         if not header.share:  # a share's frames are all in; the sink completes on its heads
-            self._call(self.sink.on_commit, key, header.arg, header.sharded)
+            self._call(self.sink.on_commit, key, header.arg, header.sharded,
+                       header.num_stand_ins)
 
     def _fail(self, key: TransferKey, error: TransferError) -> None:
         self._open.pop(key, None)

@@ -3,9 +3,12 @@
 The decode worker calls ``expect(key, block_ids)`` when it reserves blocks and ``forget(key)``
 when the reservation ends for its own reasons (lease expiry, client cancel). Frames for any
 other key are refused (drained and dropped by the receive loop). Exactly one of
-``on_complete(key, first_token_id)`` / ``on_failure(key, error)`` is called per expected key,
-unless the worker forgets it first; after either, the key is forgotten, so later frames for it
-never touch the blocks (they may already belong to the running request or to someone else).
+``on_complete(key, first_token_id, num_stand_ins)`` / ``on_failure(key, error)`` is called per
+expected key, unless the worker forgets it first; after either, the key is forgotten, so later
+frames for it never touch the blocks (they may already belong to the running request or to
+someone else). ``num_stand_ins`` is the COMMIT's: how many leading blocks of the key hold no
+KV (the sender's stand-ins for blocks it freed, which the worker frees); a COMMIT naming every
+block (or more) fails the key.
 
 Scattering runs on one unpack thread, so a receive loop takes the next frame while the last one
 is being written: each loop alternates between two payload buffers and waits only when the
@@ -45,13 +48,14 @@ class _Expected:
     covered: torch.Tensor  # (num_layers, kv_heads) bool: what has been written so far
     bytes_received: int = 0  # payload bytes written so far
     first_token_id: int | None = None  # from a sharded COMMIT that came before every head
+    num_stand_ins: int = 0  # from the COMMIT: leading blocks that hold no KV
 
 
 class ReservedBlocksSink:
     """Scatters received layers into reserved blocks of ``caches``; thread-safe."""
 
     def __init__(self, caches: list[KVCacheLayer],
-                 on_complete: Callable[[TransferKey, int], None] | None = None,
+                 on_complete: Callable[[TransferKey, int | None, int], None] | None = None,
                  on_failure: Callable[[TransferKey, TransferError], None] | None = None,
                  on_peer_lost: Callable[[str, TransferError], None] | None = None,
                  backend: str = "auto", first_head: int = 0,
@@ -181,20 +185,22 @@ class ReservedBlocksSink:
         else:
             self._complete_if_whole(key)
 
-    def on_commit(self, key: TransferKey, first_token_id: int, sharded: bool = False) -> None:
-        self._unpacker.submit(self._commit, key, first_token_id, sharded)
+    def on_commit(self, key: TransferKey, first_token_id: int, sharded: bool = False,
+                  num_stand_ins: int = 0) -> None:
+        self._unpacker.submit(self._commit, key, first_token_id, sharded, num_stand_ins)
 
-    def _commit(self, key: TransferKey, first_token_id: int, sharded: bool = False) -> None:
+    def _commit(self, key: TransferKey, first_token_id: int, sharded: bool = False,
+                num_stand_ins: int = 0) -> None:
         with self._lock:
             entry = self._expected.get(key)
             if entry is None:
                 return
-            entry.first_token_id = first_token_id
-            missing = (~entry.covered.all(dim=1)).nonzero().flatten().tolist()
-            if missing and not sharded:
+            entry.first_token_id, entry.num_stand_ins = first_token_id, num_stand_ins
+            error = _commit_error(key, entry, sharded)
+            if error is not None:
                 del self._expected[key]
-        if missing and not sharded:
-            self._fail(key, TransferError(f"{key} committed with layers {missing} missing"))
+        if error is not None:
+            self._fail(key, error)
             return
         self._complete_if_whole(key)  # (a sharded commit waits for the other shares)
 
@@ -209,7 +215,7 @@ class ReservedBlocksSink:
                 return
             del self._expected[key]
         if self._on_complete is not None:
-            self._on_complete(key, entry.first_token_id)
+            self._on_complete(key, entry.first_token_id, entry.num_stand_ins)
 
     def on_abort(self, key: TransferKey) -> None:
         self.on_failed(key, TransferError(f"{key} aborted by the prefill worker"))
@@ -229,6 +235,19 @@ class ReservedBlocksSink:
     def _fail(self, key: TransferKey, error: TransferError) -> None:
         if self._on_failure is not None:
             self._on_failure(key, error)
+
+
+def _commit_error(key: TransferKey, entry: _Expected, sharded: bool) -> TransferError | None:
+    """Why ``key``'s COMMIT cannot complete it (None: it can, now or, sharded, once every
+    head is in). The last block expected always holds KV: it holds the last tokens computed."""
+    num_blocks = entry.block_ids.numel()
+    if not 0 <= entry.num_stand_ins < num_blocks:
+        return TransferError(f"{key} committed with num_stand_ins {entry.num_stand_ins}, "
+                             f"outside [0, {num_blocks}) for {num_blocks} blocks expected")
+    missing = (~entry.covered.all(dim=1)).nonzero().flatten().tolist()
+    if missing and not sharded:
+        return TransferError(f"{key} committed with layers {missing} missing")
+    return None
 
 
 def mark_covered(entry: _Expected, layer_start: int, layer_end: int,

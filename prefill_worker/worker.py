@@ -12,7 +12,9 @@ Lifecycle of one request on a prefill worker P:
    layers are sent after the forward).
 4. Token 0 is sampled; the sequence is handed off (``SENDING_KV``) and its blocks are released
    to the prefix cache at once (the payloads are copies); COMMIT(token 0) follows the layers
-   on the same channel. If token 0 already ends the request, ABORT is sent instead.
+   on the same channel, naming how many leading blocks it shipped were stand-ins for blocks
+   the window had freed here (``_blocks_to_send``). If token 0 already ends the request,
+   ABORT is sent instead.
 5. When the last frame has left, the ``PrefillResult`` future resolves with token 0 and the
    timings (queue, prefill, transfer). A failed send fails that future with TransferError; a
    request that made the step fail (the engine aborts it alone) fails it with
@@ -80,6 +82,7 @@ class _Target:
     arrival: float = field(default_factory=time.monotonic)
     frames: list[Future] = field(default_factory=list)
     bytes_sent: int = 0
+    num_stand_ins: int = 0  # leading shipped blocks that hold no KV (freed here), for COMMIT
 
     @property
     def sender(self) -> KVSender:
@@ -212,10 +215,14 @@ class PrefillWorker(StepHooks):
     def _blocks_to_send(self, seq) -> torch.Tensor:
         """The prompt's blocks after those the decode worker's prefix cache holds. A block
         already out of the window (None: freed here) is sent as a stand-in, block 0's
-        contents, which the decode worker frees before it hashes anything
-        (``BlockManager.adopt_received``)."""
-        skip = self._targets[seq.request_id].reservation.num_cached_blocks
-        ids = [0 if b is None else b for b in seq.block_table[skip:]]
+        contents, so the shipment maps one to one onto the reservation. The target counts
+        the blocks up to the last stand-in for the COMMIT (None entries are a leading run: a
+        window frees from the front, a prefix hit's dead blocks are its first), and the
+        decode worker frees those unhashed (``BlockManager.adopt_received``)."""
+        target = self._targets[seq.request_id]
+        table = seq.block_table[target.reservation.num_cached_blocks:]
+        target.num_stand_ins = max((i + 1 for i, b in enumerate(table) if b is None), default=0)
+        ids = [0 if b is None else b for b in table]
         return torch.tensor(ids, dtype=torch.int64, device=self.engine.device)
 
     def _send_layers(self, start: int, end: int) -> None:
@@ -239,7 +246,8 @@ class PrefillWorker(StepHooks):
         else:
             self.engine.hand_off(seq)  # payloads are copies: its blocks are free now
             target.frames.append(target.sender.send_commit(
-                target.key, delta.new_token_ids[0], sharded=target.routes.sharded))
+                target.key, delta.new_token_ids[0], sharded=target.routes.sharded,
+                num_stand_ins=target.num_stand_ins))
         timings = (seq.first_scheduled_time - target.arrival,
                    sampled_at - seq.first_scheduled_time)
         last = target.frames[-1]

@@ -166,6 +166,76 @@ def test_sliding_window_prefix_hit_skips_dead_blocks():
     bm.check_invariants()
 
 
+def _received(bm: BlockManager, request_id: str, token_ids: list[int]) -> Sequence:
+    """A decode reservation: its prefix hit shared, the rest allocated, its KV all in."""
+    seq = make_seq(request_id, token_ids)
+    bm.match_prefix(seq)
+    bm.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    return seq
+
+
+def test_adopt_received_frees_exactly_the_stand_ins_and_caches_the_real_blocks():
+    """Window 4, blocks of 2: a 20-token prompt whose first 2 blocks hit the cache, then 3
+    stand-ins (blocks the sender had freed), then 5 real blocks. The stand-ins go back to the
+    free list unhashed; every real block is hashed, and those out of the window (hit blocks
+    and real ones alike) stay cached. A chain through the stand-ins' positions matches once
+    someone computes them for real, and then reaches the real blocks after them."""
+    bm = BlockManager(32, 2, sliding_window=4)
+    tokens = list(range(100, 120))
+    head = _received(bm, "head", tokens[:5])
+    bm.adopt_received(head)  # caches blocks 0, 1
+    bm.free(head)
+    seq = _received(bm, "a", tokens)
+    assert seq.num_cached_tokens == 4
+    table = list(seq.block_table)
+    bm.adopt_received(seq, 3)
+    assert seq.block_table == [None] * 8 + table[8:]  # keys 0..15 are out of the window
+    assert [bm.block_hash(b) is None for b in table[2:5]] == [True] * 3
+    assert all(bm.block_hash(b) is not None for b in table[:2] + table[5:])
+    assert (bm.num_used_blocks, bm.num_cached_blocks, bm.num_free_blocks) == (2, 5, 25)
+    again = make_seq("again", tokens + [1])
+    assert bm.match_prefix(again) == 4  # the chain stops at the first stand-in
+    bm.free(again)
+    local = _received(bm, "local", tokens[:11])  # computes blocks 2..4 here
+    bm.cache_computed_blocks(local)
+    bm.free(local)
+    through = make_seq("through", tokens + [1])
+    assert bm.match_prefix(through) == 20
+    assert through.block_table[9] == table[9] and bm.ref_count(table[9]) == 2
+    for s in (seq, through):
+        bm.free(s)
+    assert bm.num_used_blocks == 0
+    bm.check_invariants()
+
+
+def test_adopt_received_after_a_prefix_hit_without_a_window_hashes_every_full_block():
+    bm = BlockManager(16, 2)
+    head = _received(bm, "head", list(range(9)))
+    bm.adopt_received(head)
+    bm.free(head)
+    seq = _received(bm, "a", list(range(12)))
+    assert seq.num_cached_tokens == 8
+    bm.adopt_received(seq)
+    assert all(bm.block_hash(b) is not None for b in seq.block_table)
+    bm.free(seq)
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize(("window", "num_stand_ins"), [(4, 9), (4, -1), (4, True), (None, 1)])
+def test_adopt_received_refuses_stand_ins_a_query_would_read(window, num_stand_ins):
+    """Received blocks 0..9 of 20 tokens, window 4: keys 0..15 (blocks 0..7) are out of it, so
+    at most 8 stand-ins; none without a window. The refusal names the field, changes nothing."""
+    bm = BlockManager(16, 2, sliding_window=window)
+    seq = _received(bm, "a", list(range(20)))
+    table = list(seq.block_table)
+    with pytest.raises(ValueError, match="num_stand_ins"):
+        bm.adopt_received(seq, num_stand_ins)
+    assert seq.block_table == table and bm.num_used_blocks == 10 and not bm.held_hashes()
+    bm.free(seq)
+    bm.check_invariants()
+
+
 def test_chain_hash_is_the_same_in_every_process():
     code = ("from pdserve.engine.prefix_hash import ROOT_HASH, chain_hash;"
             "print(chain_hash(chain_hash(ROOT_HASH, [1, 2, 3], b's'), [4, 5, 6], b's').hex())")

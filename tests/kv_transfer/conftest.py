@@ -45,14 +45,15 @@ def untouched(pool: list[KVCacheLayer], before: list[torch.Tensor], ids) -> bool
 
 
 def send_request(sender, key: TransferKey, pool, block_ids, first_token: int = 7,
-                 layers_per_frame: int = 1, commit: bool = True) -> list:
+                 layers_per_frame: int = 1, commit: bool = True, num_stand_ins: int = 0
+                 ) -> list:
     ids = torch.as_tensor(block_ids, dtype=torch.int64)
     futures = []
     for start in range(0, len(pool), layers_per_frame):
         end = min(start + layers_per_frame, len(pool))
         futures.append(sender.send_layers(key, start, end, pack_layers(pool, ids, start, end)))
     if commit:
-        futures.append(sender.send_commit(key, first_token))
+        futures.append(sender.send_commit(key, first_token, num_stand_ins=num_stand_ins))
     return futures
 
 
@@ -67,6 +68,7 @@ class RecordingSink(ReservedBlocksSink):
         RecordingSink.live.append(self)
         self.cond = threading.Condition()
         self.completed: dict[TransferKey, int] = {}
+        self.stand_ins: dict[TransferKey, int] = {}  # each completed key's COMMIT's stand-ins
         self.failed: dict[TransferKey, Exception] = {}
         self.lost: list[tuple[str, Exception]] = []
         self.ended: set[TransferKey] = set()
@@ -83,9 +85,10 @@ class RecordingSink(ReservedBlocksSink):
             self.ended.add(key)
         super().on_abort(key)
 
-    def _complete(self, key, token):
+    def _complete(self, key, token, num_stand_ins):
         with self.cond:
             self.completed[key] = token
+            self.stand_ins[key] = num_stand_ins
             self.ended.add(key)
             self.cond.notify_all()
 

@@ -13,6 +13,7 @@ from pdserve.kv_transfer import (
     TransferKey,
     decode_header,
     encode_header,
+    framing,
     layers_nbytes,
     pack_layers,
     payload_checksum,
@@ -33,6 +34,9 @@ def layers_header(**overrides) -> FrameHeader:
     layers_header(),
     layers_header(payload_sum=None),
     FrameHeader(FrameKind.COMMIT, seq=9, key=TransferKey(2**63 - 1, 0), arg=31999, count=4),
+    FrameHeader(FrameKind.COMMIT, seq=9, key=KEY, arg=5, count=4, num_stand_ins=11),
+    FrameHeader(FrameKind.COMMIT, seq=9, key=KEY, arg=5, count=2, sharded=True,
+                num_stand_ins=2**40),
     FrameHeader(FrameKind.ABORT, seq=1, key=KEY),
     FrameHeader(FrameKind.HEARTBEAT, seq=2, key=None),
     FrameHeader(FrameKind.CLOSE, seq=3, key=None),
@@ -44,8 +48,6 @@ def test_header_round_trip(header):
 
 
 def _tamper(index: int, value: int, fix_sum: bool) -> torch.Tensor:
-    from pdserve.kv_transfer import framing
-
     tensor = encode_header(layers_header())
     tensor[index] = value
     if fix_sum:  # re-seal so the field check itself is exercised, not only the header sum
@@ -91,10 +93,30 @@ def test_wrong_size_or_dtype_rejected():
     FrameHeader(FrameKind.HEARTBEAT, seq=1, key=KEY),  # key on HEARTBEAT
     FrameHeader(FrameKind.ABORT, seq=1, key=None),  # no key on ABORT
     FrameHeader(FrameKind.COMMIT, seq=1, key=KEY, arg=-1),  # negative token
+    FrameHeader(FrameKind.COMMIT, seq=1, key=KEY, num_stand_ins=-1),
+    FrameHeader(FrameKind.COMMIT, seq=1, key=KEY, count=1, share=True, num_stand_ins=1),
+    FrameHeader(FrameKind.COMMIT, seq=1, key=KEY, layer_start=3),  # word 6 is num_stand_ins
+    layers_header(num_stand_ins=1),
+    FrameHeader(FrameKind.ABORT, seq=1, key=KEY, num_stand_ins=1),
 ])
 def test_inconsistent_headers_cannot_be_encoded(header):
     with pytest.raises(FramingError):
         encode_header(header)
+
+
+def test_commit_carries_num_stand_ins_in_word_6():
+    """Word 6 is a LAYERS frame's layer_start and a COMMIT's num_stand_ins: each decodes as
+    its own field, and a COMMIT's word 6 below 0 is refused by name."""
+    commit = FrameHeader(FrameKind.COMMIT, seq=4, key=KEY, arg=17, count=3, num_stand_ins=6)
+    words = encode_header(commit)
+    assert int(words[6]) == 6
+    decoded = decode_header(words)
+    assert (decoded.num_stand_ins, decoded.layer_start) == (6, 0)
+    assert decode_header(encode_header(layers_header())).num_stand_ins == 0
+    words[6] = -3
+    words[13] = framing._header_sum(words[:13].tolist())
+    with pytest.raises(FramingError, match="num_stand_ins"):
+        decode_header(words)
 
 
 def test_transfer_key_validation():

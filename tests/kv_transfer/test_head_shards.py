@@ -27,7 +27,8 @@ def heads_of(caches, ids, first: int, end: int) -> list[torch.Tensor]:
     return [c.kv[:, torch.tensor(ids), :, first:end] for c in caches]
 
 
-def ship(sender, caches, heads, pool_first: int, commit=None, share=False, layers=LAYERS):
+def ship(sender, caches, heads, pool_first: int, commit=None, share=False, layers=LAYERS,
+         num_stand_ins: int = 0):
     """Send layers of ``heads`` (model numbering) from a pool whose head 0 is ``pool_first``."""
     ids = torch.tensor(SRC_IDS)
     local = (heads[0] - pool_first, heads[1] - pool_first)
@@ -36,7 +37,8 @@ def ship(sender, caches, heads, pool_first: int, commit=None, share=False, layer
                                   heads=heads)
                for layer in range(layers)]
     if commit is not None:
-        futures.append(sender.send_commit(KEY, commit, sharded=True))
+        futures.append(sender.send_commit(KEY, commit, sharded=True,
+                                          num_stand_ins=num_stand_ins))
     if share:
         futures.append(sender.send_share(KEY))
     for f in futures:
@@ -55,7 +57,8 @@ def _endpoint(hub, kv, name, caches, **sink_kwargs):
 
 def test_two_sender_ranks_to_one_receiver_complete_once_every_head_is_in(hub, kv,
                                                                          no_thread_leak):
-    """P TP=2 -> D TP=1: rank 0's commit arrives before rank 1's heads and waits for them."""
+    """P TP=2 -> D TP=1: rank 0's commit arrives before rank 1's heads and waits for them;
+    the completion carries that commit's token and stand-in count."""
     whole = pool(1, heads=2)
     rank_pools = [[KVCacheLayer(c.kv[:, :, :, r:r + 1].clone()) for c in whole] for r in (0, 1)]
     dst = pool(2, heads=2)
@@ -63,11 +66,11 @@ def test_two_sender_ranks_to_one_receiver_complete_once_every_head_is_in(hub, kv
     sink.expect(KEY, DST_IDS)
     senders = [InProcConnector(hub, f"prefill-0.rank{r}").sender(endpoint.address)
                for r in (0, 1)]
-    ship(senders[0], rank_pools[0], (0, 1), 0, commit=42)
+    ship(senders[0], rank_pools[0], (0, 1), 0, commit=42, num_stand_ins=2)
     assert not sink.wait(lambda s: KEY in s.ended, 0.3)  # rank 1's heads are not in yet
     ship(senders[1], rank_pools[1], (1, 2), 1, share=True)
     assert sink.wait(lambda s: KEY in s.ended, 5)
-    assert sink.completed == {KEY: 42}
+    assert (sink.completed, sink.stand_ins) == ({KEY: 42}, {KEY: 2})
     assert all(torch.equal(a, b) for a, b in zip(heads_of(whole, SRC_IDS, 0, 2),
                                                  heads_of(dst, DST_IDS, 0, 2), strict=True))
     for s in senders:

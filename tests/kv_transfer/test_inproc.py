@@ -145,6 +145,27 @@ def test_abort_is_delivered_and_fences(kv, no_thread_leak):
     assert not rig.sink.late_layers
 
 
+@pytest.mark.parametrize(("num_stand_ins", "completes"), [(0, True), (2, True), (3, False),
+                                                         (7, False)])
+def test_the_commit_names_its_stand_ins_and_the_sink_bounds_them(kv, no_thread_leak,
+                                                                 num_stand_ins, completes):
+    """The COMMIT's count of stand-in blocks reaches ``on_complete`` unchanged; naming every
+    block expected (or more) fails the key: the last block always holds real KV."""
+    rig = Rig(kv)
+    key = TransferKey(1, 1)
+    rig.sink.expect(key, DST_IDS)
+    for f in kv.send_request(rig.sender(), key, rig.src, SRC_IDS, first_token=42,
+                             num_stand_ins=num_stand_ins):
+        f.result(timeout=5)
+    assert rig.sink.wait(lambda s: key in s.ended, 5.0)
+    if completes:
+        assert (rig.sink.completed, rig.sink.stand_ins) == ({key: 42}, {key: num_stand_ins})
+    else:
+        assert key not in rig.sink.completed
+        assert "num_stand_ins" in str(rig.sink.failed[key])
+    rig.close()
+
+
 def test_sinks_satisfy_the_protocol(kv):
     assert isinstance(kv.RecordingSink(kv.make_pool(0)), KVReceiveSink)
 
@@ -158,6 +179,9 @@ def test_sender_rejects_bad_input_and_is_closed_idempotently(kv, no_thread_leak)
         sender.send_layers(TransferKey(1, 1), 0, 1, torch.zeros(10))
     with pytest.raises(ValueError, match="key"):
         sender.send_commit((1, 1), 0)
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="num_stand_ins"):
+            sender.send_commit(TransferKey(1, 1), 0, num_stand_ins=bad)
     sender.close()
     sender.close()
     assert sender.is_broken

@@ -76,10 +76,8 @@ def test_the_decode_prefix_cache_receives_only_the_blocks_it_lacks(hf_checkpoint
                                                                    greedy, family, kv):
     """A request sharing 6 blocks of prefix with one the decode worker has run: its
     reservation names them cached, the prefill worker sends only the blocks after them, and
-    greedy output still equals the colocated engine (int8 KV too). With a sliding window the
-    decode worker frees what it received out of its window (it cannot tell a prefill worker's
-    stand-ins from real blocks), so the chain has no head to match: nothing is cached, all is
-    sent, and the tokens are still exact."""
+    greedy output still equals the colocated engine (with a sliding window, whose received
+    blocks out of the window stay cached on the decode worker, and int8 KV)."""
     model_dir = hf_checkpoint(family)
     shared = prompts_for(2, [24])[0]
     prompts = [shared + tail for tail in prompts_for(3, [5, 9])]  # 8 and 9 blocks of 4
@@ -95,10 +93,6 @@ def test_the_decode_prefix_cache_receives_only_the_blocks_it_lacks(hf_checkpoint
                      result.transfer_bytes))
     assert outputs == expected
     (blocks0, cached0, bytes0), (blocks1, cached1, bytes1) = sent
-    if family == "mistral":
-        assert (blocks0, cached0, blocks1, cached1) == (8, 0, 9, 0)
-        assert pair.used_blocks() == (0, 0)
-        return
     assert (blocks0, cached0, blocks1, cached1) == (8, 0, 9, 6)
     if not kv:  # fp32: the bytes are the blocks'
         assert bytes1 * blocks0 == bytes0 * (blocks1 - cached1)
@@ -143,6 +137,36 @@ def test_a_windowed_prompt_longer_than_window_and_chunk_leaves_no_stand_in_in_th
     else:
         tokens = _submitted(pair.decode, "c", prompt_c, params)
     assert tokens == hf_greedy(model_dir, [prompt_c], 6)[0]
+    assert pair.used_blocks() == (0, 0)
+
+
+def test_a_windowed_prompt_keeps_its_real_blocks_for_the_decode_prefix_cache(
+        hf_checkpoint, make_pair, hf_greedy):
+    """Window 12, blocks of 4, chunks of 8, every prompt sharing A's tokens. H (A's first 16
+    tokens) ships no stand-in: the decode worker caches its 4 blocks, the first already out
+    of its window. A (64 tokens) hits them (4 cached) and its prefill worker, which freed A's
+    blocks 4..10 during its chunked prefill, ships 7 stand-ins for them: the decode worker
+    frees exactly those, unhashed, and keeps A's real blocks 11.. cached. L (A's first 44
+    tokens, computed on the decode worker itself) hits H's 4 blocks only, and hashes blocks
+    4..10 for real. Then C (A's first 56 tokens) hits 14 blocks: H's, L's and A's real
+    11..13. Every request's greedy tokens equal transformers'. A decode worker that hashed
+    the stand-ins served them to L (wrong tokens); one that freed every received block out
+    of its window before hashing left H and A without a chain (0 and 11 cached)."""
+    model_dir = hf_checkpoint("mistral", sliding_window=12)
+    prompt_a, tail_l, tail_c = prompts_for(8, [64, 4, 4])
+    prompts = {"h": prompt_a[:16], "a": prompt_a, "l": prompt_a[:44] + tail_l,
+               "c": prompt_a[:56] + tail_c}
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    pair = make_pair(model_dir, max_num_batched_tokens=8)
+    tokens, cached = {}, {}
+    for name, prompt in prompts.items():
+        if name == "l":
+            tokens[name] = _submitted(pair.decode, name, prompt, params)
+            continue
+        tokens[name] = pair.generate(name, prompt, params)[0]
+        cached[name] = pair.last[0].num_cached_blocks
+    assert cached == {"h": 0, "a": 4, "c": 14}
+    assert list(tokens.values()) == hf_greedy(model_dir, list(prompts.values()), 6)
     assert pair.used_blocks() == (0, 0)
 
 
