@@ -39,7 +39,7 @@ from pdserve.engine.parts import EngineParts
 from pdserve.kv_transfer import measure_channel, measure_memcpy, measure_transfer
 from pdserve.models import tiny_model_dir
 from pdserve.models.checkpoint import open_checkpoint
-from pdserve.router.backend import ModelSpec
+from pdserve.router.backend import ModelSpec, PreparedRequest, end_stream
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.grpc_server import GenerationServer
@@ -90,11 +90,12 @@ async def _ttft(handles, prompt_len: int, repeats: int) -> float:
         for i in range(repeats + 1):  # the first run warms up
             prompt = [(7 * i + j) % 4000 + 1 for j in range(prompt_len)]
             start = time.perf_counter()
-            async for _delta in router.generate(f"b{prompt_len}-{i}", prompt, params, None):
-                if i:
-                    times.append(time.perf_counter() - start)
-                break
-            await router.abort(f"b{prompt_len}-{i}")
+            stream = router.generate(PreparedRequest(f"b{prompt_len}-{i}", prompt, params,
+                                                     params.max_tokens))
+            await stream.__anext__()
+            if i:
+                times.append(time.perf_counter() - start)
+            await end_stream(stream)  # closed after the first token: aborted
     finally:
         await router.stop()
     return statistics.median(times)

@@ -26,7 +26,7 @@ import time
 
 from pdserve.api.client import AsyncPdserveClient
 from pdserve.bench.stats import format_table
-from pdserve.router.backend import ModelSpec
+from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.grpc_server import GenerationServer
 from pdserve.router.http_server import HttpServer
 from pdserve.testing.fake_backend import FakeBackend
@@ -38,7 +38,7 @@ MODEL = ModelSpec("fake", max_context_tokens=1 << 20, vocab_size=64, eos_token_i
 async def _in_process(backend: FakeBackend, num_tokens: int) -> float:
     params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
     start, count = time.perf_counter(), 0
-    async for delta in backend.generate("bench", [1, 2], params, None):
+    async for delta in backend.generate(PreparedRequest("bench", [1, 2], params, num_tokens)):
         count += len(delta.token_ids)
     return (time.perf_counter() - start) / count
 

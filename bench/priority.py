@@ -26,7 +26,7 @@ from pdserve.bench.stats import format_table, percentile, summarize
 from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.models import tiny_model_dir
-from pdserve.router.backend import ModelSpec
+from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 
@@ -49,7 +49,8 @@ class Outcome:
 async def _one(router, request_id: str, prompt: list[int], params) -> Outcome:
     start, first, tokens = time.monotonic(), None, 0
     try:
-        async for delta in router.generate(request_id, prompt, params, None):
+        async for delta in router.generate(PreparedRequest(request_id, prompt, params,
+                                                       params.max_tokens)):
             if delta.token_ids and first is None:
                 first = time.monotonic() - start
             tokens += len(delta.token_ids)

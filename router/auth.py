@@ -12,8 +12,8 @@ neither its bytes nor its length leak through timing. A router knows three kinds
 * priority keys (``priority_keys``): inference keys that may also ask ``priority`` < 0, which
   runs ahead of the default and may shed other clients' queued requests. Any other caller that
   asks for it is refused (PERMISSION_DENIED on gRPC, 403 with ``param: "priority"`` on HTTP)
-  by :func:`check_priority`, the one check both front doors call once the request's
-  SamplingParams are known.
+  by :func:`check_priority`, which the preparation stage (``pdserve.router.prepare``) calls
+  for both front doors.
 * the admin key (``admin_key``): ``pdserve.v1.Admin`` (``pdserve status`` / ``pdserve drain``)
   and the Prometheus ``/metrics`` port. Admin refuses inference keys (PERMISSION_DENIED), so
   an API client cannot drain workers or resize pools. Without an admin key, Admin answers only
@@ -26,12 +26,13 @@ Health (``grpc.health.v1``) stays open for load balancers and probes.
 * :class:`Access`: one router's keys and the rules above.
 * :class:`Caller` and :data:`CALLER`: who sent the request in hand, set by each front door's
   auth layer (:class:`AccessInterceptor` on gRPC, ``http_asgi.Guard`` on HTTP) for the handler
-  that runs in the same task; :func:`check_priority` reads it and refuses when none was set.
+  that runs in the same task, which hands it to the preparation stage; :func:`check_priority`
+  refuses a priority when none was set.
 * Tenants (fair turns inside a priority level, ``pdserve.router.admission``): with inference
   keys, each key is one tenant, named by :func:`tenant_of_key` (a short hash, never the key);
   what a client claims as its tenant is ignored, so it cannot take another key's share.
   Without keys the client's claimed name is the tenant, at most ``MAX_TENANT_CHARS`` long.
-  :func:`request_tenant` is the one rule both front doors call.
+  :func:`request_tenant` is the one rule, applied by the preparation stage.
 * :class:`AccessInterceptor`: a ``grpc.aio`` server interceptor applying :class:`Access` to
   every method; a refused call ends with UNAUTHENTICATED (no or wrong key) or
   PERMISSION_DENIED (a known caller without the right).
@@ -109,11 +110,10 @@ def tenant_of_key(key: str) -> str:
     return "key-" + hashlib.sha256(b"pdserve-tenant\0" + key.encode()).hexdigest()[:12]
 
 
-def request_tenant(claimed: str = "") -> str | None:
-    """The tenant the request in hand counts under (see the module docstring): the caller's
-    key's when :data:`CALLER` has one, ``claimed`` ignored; otherwise ``claimed`` ("" or None:
-    the anonymous tenant), RequestValidationError naming ``tenant`` when it is too long."""
-    caller = CALLER.get()
+def request_tenant(claimed: str | None, caller: Caller | None) -> str | None:
+    """The tenant a request counts under (see the module docstring): ``caller``'s key's when it
+    has one, ``claimed`` ignored; otherwise ``claimed`` ("" or None: the anonymous tenant),
+    RequestValidationError naming ``tenant`` when it is too long."""
     if caller is not None and caller.tenant is not None:
         return caller.tenant
     if claimed and len(claimed) > MAX_TENANT_CHARS:
@@ -121,12 +121,11 @@ def request_tenant(claimed: str = "") -> str | None:
     return claimed or None
 
 
-def check_priority(priority: int) -> None:
-    """Refuse ``priority`` < 0 (PermissionDeniedError naming ``priority``) unless the caller in
-    :data:`CALLER` may ask for it; the front doors call it after validating the request."""
+def check_priority(priority: int, caller: Caller | None) -> None:
+    """Refuse ``priority`` < 0 (PermissionDeniedError naming ``priority``) unless ``caller``
+    may ask for it (None, no caller known, may not)."""
     if priority >= 0:
         return
-    caller = CALLER.get()
     if caller is not None and caller.may_prioritize:
         return
     raise PermissionDeniedError(

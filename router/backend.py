@@ -1,22 +1,23 @@
-"""What the gRPC front door needs from whatever generates tokens behind it.
+"""What the front doors need from whatever generates tokens behind them.
 
-Two implementations are planned: an in-process engine (colocated, one process) and the
-disaggregated router core (prefill + decode workers). ``pdserve.testing.fake_backend`` is a
-model-free one for tests and for measuring the streaming overhead.
+Two implementations: the router core (``pdserve.router.core.Router``: prefill + decode
+workers, or colocated ones) and ``pdserve.testing.fake_backend``, a model-free one for tests
+and for measuring the streaming overhead.
 
-Call order for one request, as ``pdserve.router.grpc_server`` makes it:
+Call order for one request, as both front doors make it:
 
-1. ``model_info()`` gives the limits validation checks against. ``is_ready()`` is what health
-   reports; a backend not ready still gets ``generate`` calls (the router waits for a ready
-   worker up to the request's deadline; a backend that cannot wait raises NoWorkersError).
-2. ``tokenize(text)`` when the prompt came as text.
-3. ``generate(label, prompt_token_ids, params, deadline)`` is iterated; admission
-   failures (``QueueFullError``, ``RequestTooLargeError``, ``NoWorkersError`` from
-   ``pdserve.router.errors``) are raised from the first ``__anext__``. Each item is a
-   ``GenerationDelta``; the last one has ``finish_reason`` set and nothing follows it.
-   ``label`` is the client's id for the request (or one the door made): the backend may log
-   it, never key anything on it; it makes its own ids, so two requests with one label are
-   two requests.
+1. ``model_info()`` gives the limits the doors and the preparation stage check against.
+   ``is_ready()`` is what health reports; a backend not ready still gets ``generate`` calls
+   (the router waits for a ready worker up to the request's deadline; a backend that cannot
+   wait raises NoWorkersError).
+2. ``tokenize(text)`` when the prompt came as text (``pdserve.router.prepare`` calls it).
+3. ``generate(request)`` is iterated, ``request`` the :class:`PreparedRequest` the preparation
+   stage returned; admission failures (``QueueFullError``, ``RequestTooLargeError``,
+   ``NoWorkersError`` from ``pdserve.router.errors``) are raised from the first
+   ``__anext__``. Each item is a ``GenerationDelta``; the last one has ``finish_reason`` set
+   and nothing follows it. ``request.label`` is the client's id for the request (or one the
+   door made): the backend may log it, never key anything on it; it makes its own ids, so two
+   requests with one label are two requests.
 4. The front door closes the iterator when it is done with it, however the stream ended
    (both doors do it with :func:`end_stream`). Closing a stream before its last delta
    (client cancel, deadline, error, server stop) aborts the request: the backend frees
@@ -82,20 +83,36 @@ class GenerationDelta:
                              f"({len(self.token_ids)}), got {len(self.logprobs)}")
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """One request as the preparation stage (``pdserve.router.prepare``) made it, the same
+    whichever door it came through: what ``GenerationBackend.generate`` takes."""
+
+    label: str  # the client's id (or the door's): echoed and logged, never a key
+    prompt_token_ids: list[int]  # non-empty, inside the vocabulary, shorter than the context
+    params: SamplingParams  # max_tokens resolved: prompt + max_tokens fit the context
+    max_tokens: int | None  # as the client gave it; None: it gave none, so params.max_tokens
+    # is a ceiling the backend may lower to what one worker holds instead of refusing
+    deadline: float | None = None  # time.monotonic() instant; None: no deadline
+    tenant: str | None = None  # who it counts under for fair turns (None: anonymous)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens != self.params.max_tokens:
+            raise ValueError(f"max_tokens must be None or params.max_tokens "
+                             f"({self.params.max_tokens}), got {self.max_tokens!r}")
+
+
 @runtime_checkable
 class GenerationBackend(Protocol):
-    """Generates tokens for validated requests; see the module docstring for the call order."""
+    """Generates tokens for prepared requests; see the module docstring for the call order."""
 
-    def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
-                 deadline: float | None, tenant: str | None = None,
-                 fit_max_tokens: bool = False) -> AsyncIterator[GenerationDelta]:
+    def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationDelta]:
         """Stream the request's deltas; an ``async def`` with ``yield`` fits.
 
-        ``deadline`` is a ``time.monotonic()`` instant after which the request is worthless
-        (``None`` = no deadline); the server also enforces it and then closes the stream.
-        ``tenant`` names who sent it (fair share inside a priority level; None = anonymous).
-        ``fit_max_tokens``: the client did not set max_tokens, so ``params.max_tokens`` is a
-        ceiling the backend may lower to what one worker can hold, instead of refusing.
+        ``request.deadline`` is the instant after which the request is worthless; the door
+        also enforces it and then closes the stream. ``request.tenant`` names who sent it
+        (fair share inside a priority level). With ``request.max_tokens`` None the backend may
+        lower ``params.max_tokens`` to what one worker can hold instead of refusing.
         """
         ...
 

@@ -1,9 +1,13 @@
 """The router core: admission, pairing, the per-request state machine, streaming, failover.
 
-Per request, as ``Router.generate`` drives it (states and transitions: ``router.flight``):
+Per request, as ``Router.generate`` drives it (states and transitions: ``router.flight``); it
+takes the ``PreparedRequest`` either front door made (``router.prepare``):
 
 1. ADMITTED: bounded by requests and prompt tokens in flight (QueueFullError when full),
    whether or not workers are ready: the admission bounds are what bound how many wait.
+   Prompt + max_tokens past ``max_request_kv_fraction`` of the largest worker's KV blocks is
+   RequestTooLargeError, unless the client set no max_tokens: then it is lowered to fit
+   (checked again at placing when no worker was known yet).
 2. PLACING waits first for ready workers (a colocated one, or a prefill and a decode one:
    start-up, a pool being replaced), up to the request's deadline (DeadlineExceededError) or
    ``worker_wait_s`` (NoWorkersError), each saying what was missing. Then
@@ -57,7 +61,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.router.admission import AdmissionQueue
-from pdserve.router.backend import GenerationDelta, ModelSpec
+from pdserve.router.backend import GenerationDelta, ModelSpec, PreparedRequest
 from pdserve.router.config import RouterConfig
 from pdserve.router.directory import WorkerDirectory
 from pdserve.router.errors import (
@@ -89,7 +93,6 @@ from pdserve.worker_api import (
     Reservation,
     WorkRequest,
 )
-from pdserve.worker_api.sampling_params import SamplingParams
 
 __all__ = ["RequestTrace", "Router", "RouterConfig"]
 
@@ -155,10 +158,8 @@ class Router:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, self._tokenize, text)
 
-    async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
-                       deadline: float | None, tenant: str | None = None,
-                       fit_max_tokens: bool = False) -> AsyncIterator[GenerationDelta]:
-        flight = self._admit(label, prompt_token_ids, params, deadline, tenant, fit_max_tokens)
+    async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationDelta]:
+        flight = self._admit(request)
         finished = False
         try:
             async for delta in self._run(flight):
@@ -178,14 +179,13 @@ class Router:
                 self._release(flight)
 
     # -- admission ----------------------------------------------------------------------------
-    def _admit(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
-               deadline: float | None, tenant: str | None = None,
-               fit_max_tokens: bool = False) -> Flight:
-        cfg, n = self.config, len(prompt_token_ids)
+    def _admit(self, prepared: PreparedRequest) -> Flight:
+        cfg, n, params = self.config, len(prepared.prompt_token_ids), prepared.params
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        flight = Flight(WorkRequest(work_id(new_uid(), 1), list(prompt_token_ids), params, seed,
-                                    time.time()), label, deadline, tenant=tenant,
-                        fit_max_tokens=fit_max_tokens)
+        flight = Flight(WorkRequest(work_id(new_uid(), 1), list(prepared.prompt_token_ids),
+                                    params, seed, time.time()), prepared.label,
+                        prepared.deadline, tenant=prepared.tenant,
+                        max_tokens=prepared.max_tokens)
         self._check_kv_cap(flight)
         if len(self._flights) >= cfg.max_requests_in_flight \
                 and not self._queue.shed_worst(self._queue.key(flight)):
@@ -204,8 +204,8 @@ class Router:
 
     def _check_kv_cap(self, flight: Flight) -> None:
         """Refuse a request that would hold more than ``max_request_kv_fraction`` of the
-        largest decode (or colocated) worker's KV blocks, before it evicts anyone; with
-        ``fit_max_tokens`` (the client set no max_tokens) lower max_tokens to fit instead.
+        largest decode (or colocated) worker's KV blocks, before it evicts anyone; when the
+        client set no max_tokens (``flight.max_tokens`` None) lower it to fit instead.
         Without live workers it waits for them: placing checks again (idempotent)."""
         fraction = self.config.max_request_kv_fraction
         pools = self.workers.live("decode") or self.workers.live("colocated")
@@ -216,7 +216,7 @@ class Router:
         tokens = len(request.prompt_token_ids) + request.params.max_tokens
         needed, allowed = largest.blocks_for(tokens), int(fraction * largest.stats.total_blocks)
         room = allowed * largest.block_size - len(request.prompt_token_ids)
-        if needed > allowed and flight.fit_max_tokens and room >= 1:
+        if needed > allowed and flight.max_tokens is None and room >= 1:
             request.params = dataclasses.replace(request.params, max_tokens=room)
         elif needed > allowed:
             raise RequestTooLargeError(

@@ -100,7 +100,8 @@ class Flight:
     tenant: str | None = None  # who sent it (fair turns inside a priority level)
     queued_at: float | None = None  # time.monotonic() it last entered the admission queue
     num_bounces: int = 0  # attempts a full decode worker handed back (not failures)
-    fit_max_tokens: bool = False  # the client set no max_tokens: lower it to fit the KV cap
+    max_tokens: int | None = None  # as the client gave it (PreparedRequest.max_tokens); None:
+    # it gave none, so the KV cap lowers request.params.max_tokens instead of refusing
     last_token_at: float | None = None
 
     @property

@@ -6,8 +6,10 @@ Life of a Generate call (``GenerationServicer.Generate``):
    goes on to the backend, which waits for a ready worker (``router.core``) up to the
    request's deadline or its own bound. (Tokenize and GetModelInfo answer UNAVAILABLE until
    the backend is ready, as health does.)
-2. Validate (``pdserve.router.validation``), tokenize a text prompt through the backend, check
-   the context fits; failures are INVALID_ARGUMENT naming the field.
+2. Translate the proto (``validation.client_request_from_proto``: request id, an input set,
+   every sampling field), then prepare it as the HTTP door does (``pdserve.router.prepare``:
+   priority, tenant, max_tokens, tokenizing a text prompt through the backend, the context);
+   failures are INVALID_ARGUMENT naming the field (PERMISSION_DENIED for the priority).
 3. Iterate ``backend.generate`` and write one response chunk per delta; the first carries the
    request's id (the client's ``request_id``, a label echoed back: two requests may share one,
    and the backend keys nothing on it; the server makes one when none is given), the last
@@ -30,7 +32,7 @@ polls ``backend.is_ready()``.
 Security (``pdserve.router.auth``, whose module docstring holds the rules): with ``api_key``
 (or ``priority_api_keys``) Generation and reflection need metadata ``authorization: Bearer KEY``
 (UNAUTHENTICATED otherwise); ``priority`` < 0 needs a priority key (PERMISSION_DENIED, checked by
-``auth.check_priority`` once the request is validated); Admin needs ``admin_api_key``, or without
+the preparation stage); Admin needs ``admin_api_key``, or without
 one a loopback caller; health is open. With ``tls`` the port speaks TLS
 (mutual TLS when the config has a client CA); ``reflection=False`` leaves reflection out;
 ``max_concurrent_rpcs`` bounds the calls in progress (RESOURCE_EXHAUSTED beyond).
@@ -41,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -51,14 +52,13 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.api import generation_pb2, generation_pb2_grpc
 from pdserve.router.admin_server import AdminBackend, add_admin_service
-from pdserve.router.auth import (
-    Access,
-    AccessInterceptor,
-    TLSConfig,
-    check_priority,
-    request_tenant,
+from pdserve.router.auth import CALLER, Access, AccessInterceptor, TLSConfig
+from pdserve.router.backend import (
+    GenerationBackend,
+    GenerationDelta,
+    PreparedRequest,
+    end_stream,
 )
-from pdserve.router.backend import GenerationBackend, GenerationDelta, end_stream
 from pdserve.router.errors import (
     NOT_READY,
     DeadlineExceededError,
@@ -70,12 +70,8 @@ from pdserve.router.errors import (
     RequestValidationError,
 )
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.validation import (
-    check_prompt_text,
-    fit_to_context,
-    validate_generate_request,
-)
-from pdserve.worker_api.sampling_params import SamplingParams
+from pdserve.router.prepare import prepare
+from pdserve.router.validation import check_prompt_text, client_request_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +124,12 @@ async def _abort_with_status(context: grpc.aio.ServicerContext, exc: Exception,
     await context.abort(code, details)
 
 
-def tenant_of(request: generation_pb2.GenerateRequest,
-              context: grpc.aio.ServicerContext) -> str | None:
-    """The request's tenant (``auth.request_tenant``): its key's; on a router without keys
-    its ``tenant`` field, else ``x-pdserve-tenant`` metadata."""
-    claimed = request.tenant or dict(context.invocation_metadata() or ()).get(TENANT_METADATA, "")
-    return request_tenant(claimed)
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline as a ``time.monotonic()`` instant; None when the client set none."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining >= _NO_DEADLINE_S:
+        return None
+    return time.monotonic() + remaining
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -163,31 +159,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _generate(self, request: generation_pb2.GenerateRequest,
                         context: grpc.aio.ServicerContext) -> None:
         self._server.check_accepting()
-        model = self._backend.model_info()
-        validated = validate_generate_request(request, model)
-        check_priority(validated.params.priority)
-        prompt_token_ids = validated.prompt_token_ids
-        if prompt_token_ids is None:
-            prompt_token_ids = list(await self._backend.tokenize(validated.prompt_text))
-        params = fit_to_context(prompt_token_ids, validated, model)
-        remaining = context.time_remaining()
-        deadline = None
-        if remaining is not None and remaining < _NO_DEADLINE_S:
-            deadline = time.monotonic() + remaining
-        label = validated.request_id or uuid.uuid4().hex
+        metadata_tenant = dict(context.invocation_metadata() or ()).get(TENANT_METADATA, "")
+        incoming = client_request_from_proto(request, self._backend.model_info(),
+                                             _deadline(context), metadata_tenant)
+        prepared = await prepare(self._backend, incoming, CALLER.get())
         self._num_active += 1
         try:
-            await self._stream(label, prompt_token_ids, params, deadline, context,
-                               tenant_of(request, context), not validated.max_tokens_given)
+            await self._stream(prepared, context)
         finally:
             self._num_active -= 1
 
-    async def _stream(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, deadline: float | None,
-                      context: grpc.aio.ServicerContext, tenant: str | None,
-                      fit_max_tokens: bool) -> None:
-        deltas = self._backend.generate(request_id, prompt_token_ids, params, deadline, tenant,
-                                        fit_max_tokens)
+    async def _stream(self, request: PreparedRequest,
+                      context: grpc.aio.ServicerContext) -> None:
+        deltas = self._backend.generate(request)
+        request_id, deadline = request.label, request.deadline
         finished = False
         num_generated = 0
         try:
@@ -200,13 +185,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 finished = delta.finish_reason is not None
                 if not (delta.token_ids or delta.text or finished):
                     continue
-                response = _response_for(delta, params.logprobs)
+                response = _response_for(delta, request.params.logprobs)
                 if first:
                     response.request_id = request_id
                     first = False
                 if finished:
                     response.finish_reason = delta.finish_reason
-                    response.usage.prompt_tokens = len(prompt_token_ids)
+                    response.usage.prompt_tokens = len(request.prompt_token_ids)
                     response.usage.completion_tokens = num_generated
                 if not await self._write(context, response, request_id):
                     return

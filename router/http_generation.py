@@ -1,5 +1,5 @@
-"""One generation of the HTTP front door (``pdserve.router.http_server``), run into its
-response: the first delta awaited before any byte is sent (an admission failure is an HTTP
+"""One prepared generation of the HTTP front door (``pdserve.router.http_server``), run into
+its response: the first delta awaited before any byte is sent (an admission failure is an HTTP
 status), then SSE chunks or one JSON object, errors in the OpenAI envelope, and at the end
 the backend's stream closed (shielded), which aborts the request if it ended early."""
 
@@ -12,7 +12,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pdserve.router import openai_protocol as oa
-from pdserve.router.backend import GenerationBackend, GenerationDelta, end_stream
+from pdserve.router.backend import (
+    GenerationBackend,
+    GenerationDelta,
+    PreparedRequest,
+    end_stream,
+)
 from pdserve.router.errors import DeadlineExceededError, NoWorkersError
 from pdserve.router.http_asgi import SSE_HEADERS, send_json, sse
 from pdserve.worker_api.sampling_params import SamplingParams
@@ -22,19 +27,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class HttpJob:
-    """One validated generation, ready to run."""
+    """One prepared generation and how to answer it, ready to run."""
 
     chat: bool  # chat.completion objects (else text_completion)
-    request_id: str  # "cmpl-..." / "chatcmpl-...", the response's id (the backend's label)
     model: str  # served model name, echoed in every object
     created: int  # unix time of arrival
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    deadline: float | None  # time.monotonic() instant, from the body's timeout
+    request: PreparedRequest  # what the backend runs (its deadline from the body's timeout)
     stream: bool
     include_usage: bool
-    fit_max_tokens: bool  # no max_tokens in the body: the backend may lower it to fit a worker
-    tenant: str | None = None  # who it counts under for fair turns (auth.request_tenant)
+
+    @property
+    def request_id(self) -> str:
+        """"cmpl-..." / "chatcmpl-...", the response's id (the request's label)."""
+        return self.request.label
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
 
 class HttpGeneration:
@@ -46,13 +55,11 @@ class HttpGeneration:
 
     async def run(self, job: HttpJob, send) -> None:
         """Run ``job`` and send its response through the ASGI ``send``."""
-        deltas = self._backend.generate(job.request_id, job.prompt_token_ids, job.params,
-                                        job.deadline, job.tenant,
-                                        fit_max_tokens=job.fit_max_tokens)
+        deltas = self._backend.generate(job.request)
         state = {"done": False, "started": False}
         try:
             try:
-                first = await self._next(deltas, job.deadline)
+                first = await self._next(deltas, job.request.deadline)
             except Exception as exc:  # admission failed: an HTTP status, no stream
                 await self._send_error(send, exc, state)
                 return
@@ -110,8 +117,8 @@ class HttpGeneration:
                     logprobs.append(lp)
             if state["done"]:
                 break
-            delta = await self._next(deltas, job.deadline)
-        usage = oa.usage(len(job.prompt_token_ids), num_generated)
+            delta = await self._next(deltas, job.request.deadline)
+        usage = oa.usage(len(job.request.prompt_token_ids), num_generated)
         if job.stream:
             if job.include_usage:
                 yield sse(oa.usage_chunk(job.request_id, job.model, job.created, job.chat,

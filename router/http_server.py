@@ -5,7 +5,8 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 answers the same 503 until ready), ``GET /version``. With ``api_key`` (or
 ``priority_api_keys``) every path but ``/health`` and ``/version`` needs ``Authorization: Bearer
 KEY`` (401 otherwise), and ``priority`` < 0 a priority key (403, ``param: "priority"``), checked
-by the same :class:`pdserve.router.auth.Access` as gRPC; with ``tls`` the port speaks HTTPS
+by the same :class:`pdserve.router.auth.Access` and preparation stage as gRPC; with ``tls`` the
+port speaks HTTPS
 (mutual TLS when the config has a client CA). Bodies above ``max_body_bytes`` (by default
 sized from the model's context: ``openai_protocol.max_body_bytes``) are 413 before they are
 read whole; a request whose head and body have not arrived within ``read_timeout_s`` is 408 and
@@ -19,12 +20,14 @@ The wire format (fields, chunks, error envelope) is ``pdserve.router.openai_prot
 Life of a generation (``_completion_job`` / ``_chat_job``, then
 ``pdserve.router.http_generation``), the same steps as the gRPC servicer's:
 
-1. Validate in the handler: model name (404 when it is not the served one), unsupported
+1. Translate in the handler: model name (404 when it is not the served one), unsupported
    parameters (400), ``accepting()`` (503 while draining; a backend not ready yet is no
    refusal: the router waits for a ready worker up to the deadline), sampling fields, the
-   prompt's size before tokenizing it; tokenize (completions) or render the chat template and
-   tokenize (chat, through ``tools``); check the context fits. Every failure is the OpenAI
-   error envelope, the parameter named.
+   prompt's shape; a chat is rendered to token ids here (through ``tools``, in a thread, its
+   text size checked first). Then the preparation stage (``pdserve.router.prepare``), as on
+   gRPC: priority, tenant, max_tokens, tokenizing a text prompt, the context (an absent
+   max_tokens is 16 for completions, for chat the whole context, lowered to what fits). Every
+   failure is the OpenAI error envelope, the parameter named.
 2. The response object runs the generation as its own asyncio task beside a task that waits
    for the client to disconnect. The first delta is awaited before any byte is sent, so an
    admission failure (429 queue full, 503 no workers, 504 deadline) is an HTTP status.
@@ -49,7 +52,6 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Protocol
 
 import uvicorn
@@ -60,13 +62,12 @@ from starlette.responses import Response
 
 import pdserve
 from pdserve.router import openai_protocol as oa
-from pdserve.router.auth import Access, TLSConfig, check_priority, request_tenant
+from pdserve.router.auth import CALLER, Access, TLSConfig
 from pdserve.router.backend import GenerationBackend
 from pdserve.router.errors import (
     NOT_READY,
     DeadlineExceededError,
     NoWorkersError,
-    PermissionDeniedError,
     RequestValidationError,
 )
 from pdserve.router.http_asgi import (
@@ -77,13 +78,8 @@ from pdserve.router.http_asgi import (
     listening_socket,
 )
 from pdserve.router.http_generation import HttpGeneration, HttpJob
-from pdserve.router.validation import (
-    ValidatedRequest,
-    check_max_tokens,
-    check_prompt_text,
-    check_token_ids,
-    fit_to_context,
-)
+from pdserve.router.prepare import prepare
+from pdserve.router.validation import ClientRequest, check_prompt_text
 from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -206,12 +202,12 @@ class HttpServer:
         @app.post("/v1/completions")
         async def completions(request: Request):
             body = await self._parse(oa.CompletionRequest, request)
-            return await self._guarded(self._completion_job(body), "prompt")
+            return await self._guarded(self._completion_job(body))
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
             body = await self._parse(oa.ChatCompletionRequest, request)
-            return await self._guarded(self._chat_job(body), "messages")
+            return await self._guarded(self._chat_job(body))
 
         @app.get("/v1/models")
         async def models():
@@ -238,14 +234,14 @@ class HttpServer:
         return await asyncio.get_running_loop().run_in_executor(self._work, oa.parse_body,
                                                                 model, raw)
 
-    async def _guarded(self, making, prompt_param: str) -> Response:
+    async def _guarded(self, making) -> Response:
         try:
             job = await making
             return TaskResponse(lambda send: self._generation.run(job, send), job.request_id)
         except oa.OpenAIError:
             raise
         except Exception as exc:
-            error = oa.openai_error(exc, prompt_param)
+            error = oa.openai_error(exc)
             if error.status >= 500 and not isinstance(exc, (NoWorkersError,
                                                             DeadlineExceededError)):
                 logger.error("preparing a request failed", exc_info=exc)
@@ -257,47 +253,28 @@ class HttpServer:
             raise oa.OpenAIError(404, f"the model {name!r} does not exist; this server serves "
                                       f"{served!r}", param="model", code="model_not_found")
 
-    def _common(self, body) -> tuple[SamplingParams, bool]:
+    def _sampling(self, body, default_max_tokens: int | None = None) -> SamplingParams:
+        """What completions and chat check first, and the body's sampling fields."""
         self._check_model(body.model)
         oa.check_supported(body)
         self._accepting()
-        model = self._backend.model_info()
-        params, given = oa.sampling_params(body, model.vocab_size)
-        try:
-            check_priority(params.priority)
-        except PermissionDeniedError as exc:
-            raise oa.OpenAIError(403, str(exc), "permission_error", param=exc.field,
-                                 code="priority_not_allowed") from None
-        if given:
-            check_max_tokens("max_completion_tokens" if getattr(body, "max_completion_tokens",
-                                                                None) is not None
-                             else "max_tokens", params.max_tokens, model)
-        return params, given
+        return oa.sampling_params(body, self._backend.model_info().vocab_size,
+                                  default_max_tokens)
 
     async def _completion_job(self, body: oa.CompletionRequest) -> HttpJob:
-        params, given = self._common(body)
-        model = self._backend.model_info()
+        params = self._sampling(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise RequestValidationError("prompt", f"one prompt per request, got "
                                                        f"{len(prompt)}")
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestValidationError("prompt", "must be non-empty")
-            check_prompt_text("prompt", prompt, model)
-            ids = list(await self._backend.tokenize(prompt))
-        else:
-            if not prompt:
-                raise RequestValidationError("prompt", "must hold at least one token id")
-            check_token_ids("prompt", prompt, model.vocab_size)
-            ids = list(prompt)
-        return self._job(False, "cmpl", body, ids, params, given)
+        return await self._job(False, "cmpl", body, prompt, "prompt", params)
 
     async def _chat_job(self, body: oa.ChatCompletionRequest) -> HttpJob:
-        params, given = self._common(body)
         model = self._backend.model_info()
+        # chat generates up to the end of the context unless told otherwise
+        params = self._sampling(body, default_max_tokens=model.max_context_tokens)
         if self._tools is None or not self._tools.has_chat_template:
             raise oa.OpenAIError(400, f"the model {model.model_name!r} has no chat template "
                                       "(tokenizer_config.json chat_template or "
@@ -315,19 +292,19 @@ class HttpServer:
         except ValueError as exc:
             raise RequestValidationError("messages", f"the chat template refused the "
                                                      f"conversation: {exc}") from None
-        if not given:  # chat generates up to the end of the context unless told otherwise
-            params = replace(params, max_tokens=max(1, model.max_context_tokens - len(ids)))
-        return self._job(True, "chatcmpl", body, ids, params, given)
+        return await self._job(True, "chatcmpl", body, ids, "messages", params)
 
-    def _job(self, chat: bool, prefix: str, body, ids: list[int], params: SamplingParams,
-             given: bool) -> HttpJob:
-        model = self._backend.model_info()
-        validated = ValidatedRequest("", None, ids, params, given)
-        params = fit_to_context(ids, validated, model)
+    async def _job(self, chat: bool, prefix: str, body, prompt: str | list[int],
+                   prompt_param: str, params: SamplingParams) -> HttpJob:
+        """The body as a ClientRequest, through the preparation stage, as a job to run."""
+        max_tokens_param, max_tokens = oa.max_tokens_of(body)
         deadline = None if body.timeout is None else time.monotonic() + body.timeout
-        return HttpJob(chat, f"{prefix}-{uuid.uuid4().hex}", model.model_name, oa.now(), ids,
-                       params, deadline, body.stream, body.include_usage, not given,
-                       request_tenant())
+        incoming = ClientRequest(f"{prefix}-{uuid.uuid4().hex}", prompt, params, max_tokens,
+                                 deadline, prompt_field=prompt_param,
+                                 max_tokens_field=max_tokens_param)
+        request = await prepare(self._backend, incoming, CALLER.get())
+        return HttpJob(chat, self._backend.model_info().model_name, oa.now(), request,
+                       body.stream, body.include_usage)
 
 
 def _always() -> None:

@@ -2,7 +2,8 @@
 
 Requests are pydantic models (unknown fields are ignored, as OpenAI's SDKs send some pdserve
 does not use); :func:`sampling_params` turns one into ``SamplingParams`` with the same checks
-as the gRPC path and errors named by the OpenAI parameter (``param``). Fields OpenAI defines
+as the gRPC path and errors named by the OpenAI parameter (``param``), and
+:func:`max_tokens_of` says which parameter set max_tokens, if one did. Fields OpenAI defines
 but pdserve cannot honour (``n`` > 1, ``echo``, ``suffix``, ``logit_bias``, ``tools``, a JSON
 ``response_format``, non-text content parts) are a 400 naming the parameter, never silently
 dropped.
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pdserve.router.errors import (
     DeadlineExceededError,
     NoWorkersError,
+    PermissionDeniedError,
     QueueFullError,
     RequestFailedError,
     RequestTooLargeError,
@@ -67,29 +69,29 @@ class OpenAIError(Exception):
         return {"retry-after": str(max(1, math.ceil(self.retry_after_s)))}
 
 
-# Router error -> (status, type, code); the first match wins.
+# Router error -> (status, type, code); the first match wins. A validation or permission error
+# names its request parameter (``param``).
 _HTTP_BY_ERROR: tuple[tuple[type[Exception], int, str, str | None], ...] = (
     (RequestValidationError, 400, "invalid_request_error", None),
+    (PermissionDeniedError, 403, "permission_error", None),
     (QueueFullError, 429, "rate_limit_error", "queue_full"),
     (RequestTooLargeError, 400, "invalid_request_error", "request_too_large"),
     (NoWorkersError, 503, "service_unavailable", "no_workers"),
     (DeadlineExceededError, 504, "timeout", "deadline_exceeded"),
     (RequestFailedError, 500, "server_error", "request_failed"),
 )
-_PARAM_BY_FIELD = {"text": "prompt", "token_ids": "prompt", "input": "prompt",
-                   "sampling.max_tokens": "max_tokens", "sampling.logprobs": "logprobs"}
 
 
-def openai_error(exc: Exception, prompt_param: str = "prompt") -> OpenAIError:
-    """The OpenAI error an exception from validation or the backend is answered with."""
+def openai_error(exc: Exception) -> OpenAIError:
+    """The OpenAI error an exception from validation, preparation or the backend is answered
+    with (a refused field's error code is ``<field>_not_allowed``: ``priority_not_allowed``)."""
     if isinstance(exc, OpenAIError):
         return exc
     for error_type, status, type_, code in _HTTP_BY_ERROR:
         if isinstance(exc, error_type):
-            param = None
-            if isinstance(exc, RequestValidationError):
-                param = _PARAM_BY_FIELD.get(exc.field, exc.field.removeprefix("sampling."))
-                param = prompt_param if param == "prompt" else param
+            param = getattr(exc, "field", None)
+            if isinstance(exc, PermissionDeniedError):
+                code = f"{exc.field}_not_allowed"
             retry_after = getattr(exc, "retry_after_s", None) if status == 429 else None
             if status == 429 and retry_after is None:
                 retry_after = DEFAULT_RETRY_AFTER_S
@@ -245,13 +247,23 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
     return out
 
 
-def sampling_params(body: _SamplingBody, vocab_size: int) -> tuple[SamplingParams, bool]:
-    """(params, whether max_tokens was given); RequestValidationError names the parameter."""
+def max_tokens_of(body: _SamplingBody) -> tuple[str, int | None]:
+    """The parameter that sets max_tokens (chat's ``max_completion_tokens`` before
+    ``max_tokens``) and its value, None when the body gives neither."""
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return "max_completion_tokens", body.max_completion_tokens
+    return "max_tokens", body.max_tokens
+
+
+def sampling_params(body: _SamplingBody, vocab_size: int,
+                    default_max_tokens: int | None = None) -> SamplingParams:
+    """The body's sampling fields as ``SamplingParams``; an absent max_tokens becomes
+    ``default_max_tokens`` (None: ``SamplingParams``' own). RequestValidationError names the
+    parameter."""
     chat = isinstance(body, ChatCompletionRequest)
-    max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None \
-        else body.max_tokens
-    max_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None \
-        else "max_tokens"
+    max_param, max_tokens = max_tokens_of(body)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
     if chat:
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestValidationError("top_logprobs", "needs logprobs: true")
@@ -277,7 +289,7 @@ def sampling_params(body: _SamplingBody, vocab_size: int) -> tuple[SamplingParam
     if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
         raise RequestValidationError("top_logprobs" if chat else "logprobs",
                                      f"at most {MAX_LOGPROBS}")
-    return params, max_tokens is not None
+    return params
 
 
 # -- responses ------------------------------------------------------------------------------

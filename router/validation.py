@@ -1,28 +1,30 @@
-"""Check a GenerateRequest before any worker sees it.
+"""The field rules of a request, and the gRPC door's translation of a ``GenerateRequest``.
 
-Two steps, because a text prompt must be tokenized (by the backend) in between:
+Each rule raises ``RequestValidationError(field, message)`` naming the field as the client's
+wire format spells it (``sampling.top_p`` and ``token_ids`` on gRPC, ``top_p`` and ``prompt``
+on HTTP), which the doors return as INVALID_ARGUMENT or an HTTP 400 with ``param``.
 
-1. ``validate_generate_request(request, model)``: request id, input present and non-empty,
-   the prompt text's size (before any tokenizer sees it: at most
-   ``MAX_PROMPT_CHARS_PER_TOKEN`` characters per context token), token ids inside the
-   vocabulary (one vectorized check, no Python loop per id), every sampling field (reusing
-   ``SamplingParams``' own checks, NaN and infinity included), max_tokens below the context.
-2. ``fit_to_context(prompt_token_ids, validated, model)``: prompt + max_tokens within the
-   model's context.
-
-Each failure raises ``RequestValidationError(field, message)`` with the proto field path
-(``sampling.top_p``, ``token_ids``), which the server returns as INVALID_ARGUMENT.
+* The rules both doors' requests meet, applied once by the preparation stage
+  (``pdserve.router.prepare``): :func:`check_prompt_text` (a text's size before any tokenizer
+  sees it: at most ``MAX_PROMPT_CHARS_PER_TOKEN`` characters per context token),
+  :func:`check_token_ids` (inside the vocabulary, one vectorized check, no Python loop per
+  id), :func:`check_max_tokens` (below the context).
+* :class:`ClientRequest`: a request as a door translated it from its wire format, what the
+  preparation stage takes. Nothing in it is decided yet: no tokenizing, no limits.
+* The gRPC door's translation: :func:`client_request_from_proto` checks the request id, that
+  an input is set, and every sampling field (reusing ``SamplingParams``' own checks, NaN and
+  infinity included: :func:`sampling_params_from_proto`).
 
 Defaults for unset sampling fields are ``SamplingParams``' own: max_tokens 16, temperature 1.0
 (as OpenAI), top_p 1.0, top_k 0 (off), min_p 0, penalties neutral, seed chosen by the engine.
-An unset max_tokens is shrunk to the room left in the context when the prompt is long; an
-explicit one that does not fit is an error.
+An unset max_tokens is a ceiling the preparation stage lowers to the room left in the context;
+an explicit one that does not fit is an error.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,9 +35,9 @@ from pdserve.router.backend import ModelSpec
 from pdserve.router.errors import RequestValidationError
 from pdserve.worker_api.sampling_params import SamplingParams
 
-__all__ = ["RequestValidationError", "ValidatedRequest", "validate_generate_request",
+__all__ = ["RequestValidationError", "ClientRequest", "client_request_from_proto",
            "check_request_id", "check_prompt_text", "check_token_ids",
-           "check_max_tokens", "sampling_params_from_proto", "fit_to_context"]
+           "check_max_tokens", "sampling_params_from_proto"]
 
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
@@ -49,19 +51,24 @@ _ALL_FIELDS = frozenset(_SCALAR_FIELDS + ("stop", "stop_token_ids"))
 
 
 @dataclass(frozen=True)
-class ValidatedRequest:
-    """A request that passed step 1; exactly one of the prompt fields is set."""
+class ClientRequest:
+    """A request as a front door translated it from its wire format, before the preparation
+    stage (``pdserve.router.prepare``) decides anything about it."""
 
-    request_id: str  # as given; "" = the server assigns one
-    prompt_text: str | None  # the prompt when given as text (to be tokenized)
-    prompt_token_ids: list[int] | None  # the prompt when given as ids (range-checked)
-    params: SamplingParams  # sampling parameters with defaults filled in
-    max_tokens_given: bool  # False: fit_to_context may shrink max_tokens to fit
+    label: str  # the client's id, or one the door made: echoed, never a key
+    prompt: str | list[int]  # text to tokenize, or token ids (a chat the door rendered)
+    params: SamplingParams  # the client's sampling fields; an absent max_tokens is the door's
+    # default, a ceiling the preparation stage lowers to the room left in the context
+    max_tokens: int | None  # as the client gave it (then params.max_tokens); None: none given
+    deadline: float | None = None  # time.monotonic() instant; None: no deadline
+    claimed_tenant: str = ""  # the tenant the client names; heeded only on a router without keys
+    prompt_field: str = "prompt"  # the wire field errors about the prompt name
+    max_tokens_field: str = "max_tokens"  # the wire field errors about max_tokens name
 
-    @property
-    def input_field(self) -> str:
-        """The proto field the prompt came in, for error messages."""
-        return "text" if self.prompt_text is not None else "token_ids"
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens != self.params.max_tokens:
+            raise ValueError(f"max_tokens must be None or params.max_tokens "
+                             f"({self.params.max_tokens}), got {self.max_tokens!r}")
 
 
 def check_request_id(request_id: str) -> None:
@@ -130,51 +137,21 @@ def sampling_params_from_proto(sampling: generation_pb2.SamplingParams,
     return params
 
 
-def validate_generate_request(request: generation_pb2.GenerateRequest,
-                              model: ModelSpec) -> ValidatedRequest:
-    """Step 1: everything that can be checked before tokenization."""
+def client_request_from_proto(request: generation_pb2.GenerateRequest, model: ModelSpec,
+                              deadline: float | None = None,
+                              metadata_tenant: str = "") -> ClientRequest:
+    """The gRPC door's translation: what the proto alone can tell is wrong, and the rest as a
+    :class:`ClientRequest` (labelled with the request id, or a new one when it is empty; the
+    tenant claimed by the ``tenant`` field, else by ``metadata_tenant``)."""
     check_request_id(request.request_id)
     kind = request.WhichOneof("input")
-    prompt_text: str | None = None
-    prompt_token_ids: list[int] | None = None
     if kind is None:
         raise RequestValidationError("input", "set either text or token_ids")
-    if kind == "text":
-        if not request.text:
-            raise RequestValidationError("text", "must be non-empty")
-        check_prompt_text("text", request.text, model)
-        prompt_text = request.text
-    else:
-        prompt_token_ids = list(request.token_ids.ids)
-        if not prompt_token_ids:
-            raise RequestValidationError("token_ids", "must hold at least one token id")
-        check_token_ids("token_ids", prompt_token_ids, model.vocab_size)
+    prompt = request.text if kind == "text" else list(request.token_ids.ids)
     params = sampling_params_from_proto(request.sampling, model.vocab_size)
-    if request.sampling.HasField("max_tokens"):
-        check_max_tokens("sampling.max_tokens", params.max_tokens, model)
-    return ValidatedRequest(
-        request_id=request.request_id, prompt_text=prompt_text,
-        prompt_token_ids=prompt_token_ids, params=params,
-        max_tokens_given=request.sampling.HasField("max_tokens"))
-
-
-def fit_to_context(prompt_token_ids: list[int], validated: ValidatedRequest,
-                   model: ModelSpec) -> SamplingParams:
-    """Step 2: the params to run with, after checking prompt + max_tokens fit the context."""
-    num_prompt = len(prompt_token_ids)
-    limit = model.max_context_tokens
-    if num_prompt == 0:
-        raise RequestValidationError(validated.input_field, "tokenizes to no tokens")
-    if num_prompt >= limit:
-        raise RequestValidationError(
-            validated.input_field, f"prompt has {num_prompt} tokens but the model's context "
-            f"is {limit}, leaving no room to generate")
-    room = limit - num_prompt
-    params = validated.params
-    if params.max_tokens <= room:
-        return params
-    if validated.max_tokens_given:
-        raise RequestValidationError(
-            "sampling.max_tokens", f"prompt ({num_prompt} tokens) + max_tokens "
-            f"({params.max_tokens}) exceeds the model's context of {limit} tokens")
-    return dataclasses.replace(params, max_tokens=room)
+    max_tokens = params.max_tokens if request.sampling.HasField("max_tokens") else None
+    return ClientRequest(
+        label=request.request_id or uuid.uuid4().hex, prompt=prompt, params=params,
+        max_tokens=max_tokens, deadline=deadline,
+        claimed_tenant=request.tenant or metadata_tenant, prompt_field=kind,
+        max_tokens_field="sampling.max_tokens")

@@ -9,9 +9,9 @@ vocabulary), stopping at ``max_tokens``, a stop token id, or an eos id (unless
 Knobs for tests, settable between requests: ``ready`` (False: ``generate`` raises
 NoWorkersError, as the router does once its wait for a worker runs out), ``token_delay_s``
 (sleep before each token), ``tokens_per_delta``, ``fail_with`` (raised from the first
-``__anext__``). Every stream started is recorded in ``started_ids`` (and the tenant it
-counted under in ``tenants``), and every one closed or failed before its last delta (an abort)
-in ``aborted_ids``, both by the label ``generate`` was called with, guarded by a lock so another
+``__anext__``). Every request started is recorded whole in ``started`` (its label in
+``started_ids``, the tenant it counted under in ``tenants``), and every one closed or failed
+before its last delta (an abort) in ``aborted_ids``, by its label, guarded by a lock so another
 thread may read them.
 """
 
@@ -23,7 +23,7 @@ import math
 import threading
 from collections.abc import AsyncIterator
 
-from pdserve.router.backend import GenerationDelta, ModelSpec
+from pdserve.router.backend import GenerationDelta, ModelSpec, PreparedRequest
 from pdserve.router.errors import NOT_READY, NoWorkersError
 from pdserve.worker_api.sampling_params import SamplingParams
 
@@ -44,20 +44,22 @@ class FakeBackend:
         self.tokens_per_delta = tokens_per_delta  # ids per yielded delta
         self.fail_with: Exception | None = None  # raised instead of the first delta
         self._lock = threading.Lock()
-        self._started: list[str] = []  # request ids generate() was called with, in order
-        self._tenants: list[str | None] = []  # the tenant of each, in the same order
-        self._aborted: list[str] = []  # request ids abort() was called with, in order
-        self._running: set[str] = set()  # request ids currently generating
+        self._started: list[PreparedRequest] = []  # what generate() was called with, in order
+        self._aborted: list[str] = []  # labels of the streams ended early, in order
+        self._running: set[str] = set()  # labels of the requests generating now
 
     @property
-    def started_ids(self) -> list[str]:
+    def started(self) -> list[PreparedRequest]:
         with self._lock:
             return list(self._started)
 
     @property
+    def started_ids(self) -> list[str]:
+        return [request.label for request in self.started]
+
+    @property
     def tenants(self) -> list[str | None]:
-        with self._lock:
-            return list(self._tenants)
+        return [request.tenant for request in self.started]
 
     @property
     def aborted_ids(self) -> list[str]:
@@ -87,13 +89,10 @@ class FakeBackend:
                 return ids, "stop"
         return ids, "length"
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, deadline: float | None,
-                       tenant: str | None = None, fit_max_tokens: bool = False
-                       ) -> AsyncIterator[GenerationDelta]:
+    async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationDelta]:
+        request_id, params = request.label, request.params
         with self._lock:
-            self._started.append(request_id)
-            self._tenants.append(tenant)
+            self._started.append(request)
             self._running.add(request_id)
         finished = False
         try:
@@ -101,7 +100,7 @@ class FakeBackend:
                 raise NoWorkersError(NOT_READY)
             if self.fail_with is not None:
                 raise self.fail_with
-            ids, reason = self.expected_output(prompt_token_ids, params)
+            ids, reason = self.expected_output(request.prompt_token_ids, params)
             step = max(1, self.tokens_per_delta)
             for start in range(0, len(ids), step):
                 chunk = ids[start:start + step]

@@ -99,8 +99,9 @@ class MemberRecord:
             values = json.loads(text)
             names = {f.name for f in dataclasses.fields(cls)}
             record = cls(**{k: v for k, v in values.items() if k in names})
-        except (TypeError, ValueError, AttributeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"malformed member record: {exc}") from None
+        except (TypeError, ValueError, AttributeError, UnicodeDecodeError,
+                RecursionError) as exc:  # (RecursionError: JSON nested past the parser's depth)
+            raise ValueError(f"malformed member record: {type(exc).__name__}") from None
         kinds = [(record.worker_id, str), (record.role, str), (record.restarts, int),
                  (record.pid, int), (record.node_ip, str), (record.draining, bool),
                  (record.created_time, (int, float))]

@@ -87,12 +87,13 @@ def test_malformed_values_read_as_missing_and_are_counted(redis_url):
         store.save_member(MemberRecord("decode-0", "decode", created_time=1.0))
         store.client.hset(store.prefix + "members", "decode-1", "{not json")
         store.client.hset(store.prefix + "members", "decode-2", '{"worker_id": "decode-2"}')
+        store.client.hset(store.prefix + "members", "decode-3", "[" * 100_000)  # too deep
         assert [m.worker_id for m in store.members()] == ["decode-0"]
         store.client.sadd(store.prefix + "pids", "127.0.0.1:12", "junk", "h:-1")
         assert store.pids() == {("127.0.0.1", 12)}
         store.client.hset(store.prefix + "router", mapping={"port": "abc", "metrics_port": "9"})
         assert store.router_ports() == (None, 9)
-        assert counted == [("target", 1), ("restarts", 1), ("members", 2), ("pids", 2),
+        assert counted == [("target", 1), ("restarts", 1), ("members", 3), ("pids", 2),
                            ("router", 1)]
     finally:
         store.clear()

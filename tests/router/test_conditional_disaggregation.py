@@ -12,7 +12,7 @@ from pdserve.bench.phases import prefill_locations
 from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.router.admin_server import trace_pb
-from pdserve.router.backend import ModelSpec
+from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
@@ -114,7 +114,7 @@ def _cluster(tiny_dir, num_decode=1):
 async def _generate(router: Router, request_id: str, prompt: list[int], max_tokens: int = 8):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     tokens = []
-    async for delta in router.generate(request_id, prompt, params, None):
+    async for delta in router.generate(PreparedRequest(request_id, prompt, params, max_tokens)):
         tokens += delta.token_ids
     trace = next(t for t in reversed(router.traces) if t.request_id == request_id)
     return tokens, trace

@@ -16,7 +16,7 @@ import pytest
 from pdserve import SamplingParams
 from pdserve.cluster.workers import LocalHandle, build_local_workers
 from pdserve.engine.config import EngineConfig
-from pdserve.router.backend import ModelSpec
+from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import DeadlineExceededError, NoWorkersError
@@ -115,7 +115,8 @@ class Cluster:
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         tokens = []
         try:
-            async for delta in self.router.generate(f"r{i}", prompt, params, deadline):
+            async for delta in self.router.generate(PreparedRequest(
+                    f"r{i}", prompt, params, params.max_tokens, deadline)):
                 tokens += delta.token_ids
         except (NoWorkersError, DeadlineExceededError) as exc:
             return exc

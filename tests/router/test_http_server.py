@@ -50,9 +50,8 @@ class Loop:
 class MidStreamFailure(FakeBackend):
     """Fails after its first delta."""
 
-    async def generate(self, request_id, prompt_token_ids, params, deadline, tenant=None,
-                       fit_max_tokens=False):
-        inner = super().generate(request_id, prompt_token_ids, params, deadline)
+    async def generate(self, request):
+        inner = super().generate(request)
         try:
             yield await inner.__anext__()
             raise RuntimeError("worker exploded")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.router.backend import ModelSpec, end_stream
+from pdserve.router.backend import ModelSpec, PreparedRequest, end_stream
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import (
@@ -107,7 +107,8 @@ async def run_step(routers: list[Router], step: Step) -> tuple[str, object]:
     await asyncio.sleep(step.start_s)
     deadline = time.monotonic() + step.after if step.end == "deadline" else None
     router = routers[step.router % len(routers)]
-    stream = router.generate(step.label, step.prompt, step.params, deadline)
+    stream = router.generate(PreparedRequest(step.label, step.prompt, step.params,
+                                            step.params.max_tokens, deadline))
     tokens: list[int] = []
     try:
         async for delta in stream:

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
-from pdserve.router.backend import ModelSpec
+from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
@@ -25,7 +25,7 @@ PROMPT = [(7 * i) % 300 + 3 for i in range(26)]  # six full blocks of 4, then tw
 
 async def run(router: Router, request_id: str, prompt: list[int]):
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    async for _ in router.generate(request_id, prompt, params, None):
+    async for _ in router.generate(PreparedRequest(request_id, prompt, params, 3)):
         pass
     return router.traces[-1]
 

@@ -12,7 +12,7 @@ import pytest
 from pdserve import SamplingParams
 from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
-from pdserve.router.backend import ModelSpec
+from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import QueueFullError, RequestTooLargeError
@@ -38,7 +38,8 @@ async def serve(model_dir, decode_blocks: int, policy: str = "priority", **route
 
 async def collect(router: Router, request_id: str, prompt, params, done: list[str]):
     tokens = []
-    async for delta in router.generate(request_id, prompt, params, None):
+    async for delta in router.generate(PreparedRequest(request_id, prompt, params,
+                                                       params.max_tokens)):
         tokens += delta.token_ids
     done.append(request_id)
     return tokens
@@ -171,21 +172,22 @@ def test_the_kv_cap_refuses_at_admission(hf_checkpoint):
         handles, router = await serve(model_dir, decode_blocks=40, max_request_kv_fraction=0.5)
         try:
             small = SamplingParams(max_tokens=8, temperature=0.0)
-            async for _ in router.generate("ok", [3] * 40, small, None):  # 12 blocks <= 20
-                pass
+            async for _ in router.generate(PreparedRequest("ok", [3] * 40, small, 8)):
+                pass  # 12 blocks <= 20
             with pytest.raises(RequestTooLargeError, match="max_request_kv_fraction"):
-                await router.generate("big", [3] * 60, SamplingParams(max_tokens=40),
-                                      None).__anext__()  # 25 blocks > 20
+                big = SamplingParams(max_tokens=40)
+                await router.generate(PreparedRequest("big", [3] * 60, big, 40)
+                                      ).__anext__()  # 25 blocks > 20
             # no max_tokens from the client (a chat request is sized to the whole context):
             # lowered to what the cap holds, 20 blocks = 80 tokens, 60 of them the prompt
             unset = SamplingParams(max_tokens=196, temperature=0.0, ignore_eos=True)
-            tokens = [t async for d in router.generate("fit", [3] * 60, unset, None,
-                                                        fit_max_tokens=True)
+            tokens = [t async for d in router.generate(PreparedRequest("fit", [3] * 60, unset,
+                                                                       None))
                       for t in d.token_ids]
             assert len(tokens) == 20
             with pytest.raises(RequestTooLargeError, match="max_request_kv_fraction"):
-                await router.generate("never", [3] * 81, unset, None,  # the prompt alone
-                                      fit_max_tokens=True).__anext__()
+                await router.generate(PreparedRequest("never", [3] * 81, unset, None)
+                                      ).__anext__()  # the prompt alone
             return await idle(handles)
         finally:
             await router.stop()

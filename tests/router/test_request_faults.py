@@ -18,7 +18,7 @@ from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.seeded_uniforms import seed_key
-from pdserve.router.backend import ModelSpec
+from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import RequestFailedError
@@ -53,9 +53,10 @@ async def serve(model_dir, colocated: bool) -> dict[int, list[int] | Exception]:
     await router.start()
 
     async def one(seed: int):
-        tokens = []
+        tokens, sampling = [], params(seed)
+        request = PreparedRequest(f"r{seed}", [3, 5, 7, seed], sampling, sampling.max_tokens)
         try:
-            async for delta in router.generate(f"r{seed}", [3, 5, 7, seed], params(seed), None):
+            async for delta in router.generate(request):
                 tokens += delta.token_ids
         except RequestFailedError as exc:
             return exc

@@ -11,7 +11,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.api.client import AsyncPdserveClient, PdserveError
 from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
-from pdserve.router.backend import ModelSpec
+from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.grpc_server import GenerationServer
@@ -120,13 +120,14 @@ def test_admission_bounds_requests_in_flight(hf_checkpoint):
         await router.start()
         params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
         try:
-            first = router.generate("a", [1, 2, 3], params, None)
+            first = router.generate(PreparedRequest("a", [1, 2, 3], params, 50))
             await first.__anext__()
             with pytest.raises(QueueFullError):
-                await router.generate("b", [4, 5], params, None).__anext__()
+                await router.generate(PreparedRequest("b", [4, 5], params, 50)).__anext__()
             await first.aclose()
             with pytest.raises(QueueFullError):  # too many prompt tokens at once
-                await router.generate("c", list(range(1, 70)), params, None).__anext__()
+                await router.generate(PreparedRequest("c", list(range(1, 70)), params,
+                                                      50)).__anext__()
             await async_wait_for(lambda: used_blocks(handles) == [0, 0], 10,
                                  "every block back")
         finally:

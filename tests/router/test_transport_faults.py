@@ -13,7 +13,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import FaultKind, FaultPlan
-from pdserve.router.backend import ModelSpec
+from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import NoWorkersError
@@ -39,7 +39,8 @@ async def _run(model_dir, plan: FaultPlan, max_attempts: int = 3):
     async def one(i: int, prompt: list[int]):
         try:
             tokens = []
-            async for delta in router.generate(f"r{i}", prompt, PARAMS, None):
+            async for delta in router.generate(PreparedRequest(f"r{i}", prompt, PARAMS,
+                                                               PARAMS.max_tokens)):
                 tokens += delta.token_ids
             return tokens
         except DOCUMENTED as exc:

@@ -1,4 +1,4 @@
-"""Request validation without gRPC: defaults, field paths, context fitting."""
+"""The gRPC door's translation without gRPC: defaults, what the client gave, field paths."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pdserve.router.backend import GenerationDelta, ModelSpec
 from pdserve.router.validation import (
     RequestValidationError,
     check_request_id,
-    fit_to_context,
-    validate_generate_request,
+    client_request_from_proto,
 )
 from pdserve.worker_api.sampling_params import SamplingParams
 
@@ -18,21 +17,34 @@ MODEL = ModelSpec("m", max_context_tokens=32, vocab_size=100, eos_token_ids=(2,)
 
 
 def test_unset_sampling_fields_take_sampling_params_defaults():
-    validated = validate_generate_request(pb.GenerateRequest(text="hi"), MODEL)
-    assert validated.params == SamplingParams()
-    assert validated.params.temperature == 1.0 and validated.params.max_tokens == 16
-    assert validated.prompt_text == "hi" and validated.prompt_token_ids is None
-    assert not validated.max_tokens_given
+    incoming = client_request_from_proto(pb.GenerateRequest(text="hi"), MODEL)
+    assert incoming.params == SamplingParams()
+    assert incoming.params.temperature == 1.0 and incoming.params.max_tokens == 16
+    assert incoming.prompt == "hi" and incoming.prompt_field == "text"
+    assert incoming.max_tokens is None  # the client gave none: 16 is a ceiling
+    assert incoming.label  # the server made one
 
 
 def test_explicit_zero_values_are_kept_not_treated_as_unset():
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 99]), sampling=pb.SamplingParams(
         temperature=0.0, top_k=0, seed=0, logprobs=0, presence_penalty=0.0, max_tokens=3))
-    validated = validate_generate_request(request, MODEL)
-    params = validated.params
+    incoming = client_request_from_proto(request, MODEL)
+    params = incoming.params
     assert (params.temperature, params.seed, params.logprobs, params.max_tokens) == (0.0, 0, 0, 3)
     assert params.is_greedy
-    assert validated.max_tokens_given and validated.prompt_token_ids == [0, 99]
+    assert incoming.max_tokens == 3 and incoming.prompt == [0, 99]
+    assert (incoming.prompt_field, incoming.max_tokens_field) == ("token_ids",
+                                                                  "sampling.max_tokens")
+
+
+def test_the_label_deadline_and_claimed_tenant_are_carried_over():
+    request = pb.GenerateRequest(request_id="r-1", text="x", tenant="team-a")
+    incoming = client_request_from_proto(request, MODEL, deadline=12.5, metadata_tenant="other")
+    assert (incoming.label, incoming.deadline, incoming.claimed_tenant) == ("r-1", 12.5,
+                                                                            "team-a")
+    untold = client_request_from_proto(pb.GenerateRequest(text="x"), MODEL,
+                                       metadata_tenant="team-b")
+    assert untold.claimed_tenant == "team-b"
 
 
 def test_every_sampling_field_is_carried_over():
@@ -40,7 +52,7 @@ def test_every_sampling_field_is_carried_over():
         max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
         presence_penalty=0.5, frequency_penalty=-0.5, seed=-7, stop=["\n", "END"],
         stop_token_ids=[3, 4], ignore_eos=True, logprobs=5)
-    params = validate_generate_request(pb.GenerateRequest(text="x", sampling=sampling),
+    params = client_request_from_proto(pb.GenerateRequest(text="x", sampling=sampling),
                                        MODEL).params
     assert params == SamplingParams(
         max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
@@ -51,7 +63,7 @@ def test_every_sampling_field_is_carried_over():
 def test_sampling_error_names_the_proto_field_path():
     request = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(top_p=float("nan")))
     with pytest.raises(RequestValidationError) as info:
-        validate_generate_request(request, MODEL)
+        client_request_from_proto(request, MODEL)
     assert info.value.field == "sampling.top_p"
     assert str(info.value).startswith("sampling.top_p: top_p must be finite")
     assert isinstance(info.value, ValueError)
@@ -67,26 +79,6 @@ def test_bad_request_ids(request_id):
     with pytest.raises(RequestValidationError) as info:
         check_request_id(request_id)
     assert info.value.field == "request_id"
-
-
-def test_fit_to_context_shrinks_an_unset_max_tokens_only():
-    unset = validate_generate_request(pb.GenerateRequest(text="x"), MODEL)
-    assert fit_to_context([1] * 10, unset, MODEL).max_tokens == 16
-    assert fit_to_context([1] * 20, unset, MODEL).max_tokens == 12
-    given = validate_generate_request(
-        pb.GenerateRequest(text="x", sampling=pb.SamplingParams(max_tokens=13)), MODEL)
-    assert fit_to_context([1] * 19, given, MODEL).max_tokens == 13
-    with pytest.raises(RequestValidationError) as info:
-        fit_to_context([1] * 20, given, MODEL)
-    assert info.value.field == "sampling.max_tokens"
-
-
-@pytest.mark.parametrize("num_prompt", [0, 32, 40])
-def test_fit_to_context_rejects_prompts_that_leave_no_room(num_prompt):
-    validated = validate_generate_request(pb.GenerateRequest(text="x"), MODEL)
-    with pytest.raises(RequestValidationError) as info:
-        fit_to_context([1] * num_prompt, validated, MODEL)
-    assert info.value.field == "text"
 
 
 def test_model_spec_and_delta_reject_bad_values():

@@ -13,7 +13,7 @@ import pytest
 from pdserve import SamplingParams
 from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
-from pdserve.router.backend import ModelSpec
+from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import DeadlineExceededError, NoWorkersError, QueueFullError
@@ -28,7 +28,8 @@ WAITING = "pdserve_router_requests_waiting_for_workers"
 async def collect(router: Router, request_id: str, prompt: list[int],
                   deadline_s: float | None = None) -> list[int]:
     deadline = None if deadline_s is None else time.monotonic() + deadline_s
-    return [t async for d in router.generate(request_id, prompt, GREEDY, deadline)
+    return [t async for d in router.generate(PreparedRequest(
+        request_id, prompt, GREEDY, GREEDY.max_tokens, deadline))
             for t in d.token_ids]
 
 
