@@ -33,8 +33,13 @@ $(STAMP): pyproject.toml $(LOCK)
 demo: venv
 	$(VENV)/bin/pdserve demo
 
+# mypy checks the modules [tool.mypy] names (the worker API and every holder of a worker handle)
+# as the package pdserve, which it finds through a link of that name (the checkout's folder may
+# have any name).
 lint: venv
 	$(VENV)/bin/ruff check .
+	mkdir -p $(VENV)/typecheck && ln -sfn $(CURDIR) $(VENV)/typecheck/pdserve
+	MYPYPATH=$(VENV)/typecheck $(VENV)/bin/mypy
 
 test: venv lint
 	$(PY) $(PYTEST)
@@ -71,4 +76,4 @@ bench: venv
 	$(PY) -m pdserve.bench.engine
 
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) $(LOCK_VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST_VENV) $(LOCK_VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -48,9 +48,21 @@ from pdserve.cluster.kv_streams import KVStreams
 from pdserve.cluster.node_placement import WorkerResources, actor_resources
 from pdserve.cluster.record_auth import RecordAuth
 from pdserve.cluster.registry import Registry, WorkerRecord
-from pdserve.cluster.workers import LocalHandle, TorchTransfer, build_worker
+from pdserve.cluster.workers import TorchTransfer, Worker, WorkerHost, build_worker
 from pdserve.engine.config import EngineConfig
-from pdserve.worker_api import ROLES, KVEvents, Refusal, RequestFaultError, WorkRequest
+from pdserve.worker_api import (
+    ROLES,
+    KVEvents,
+    KVSnapshot,
+    PrefillResult,
+    Refusal,
+    RequestFaultError,
+    Reservation,
+    StepDeltas,
+    WorkerHandle,
+    WorkerStats,
+    WorkRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +125,7 @@ def limit_process_threads(log_level: str = "WARNING", num_threads: int = 1) -> N
         pass
 
 
-def build_spec_worker(spec: WorkerSpec):
+def build_spec_worker(spec: WorkerSpec) -> Worker:
     """The plain worker a spec describes, in this (the actor's) process."""
     host = spec.transfer_host or ray.util.get_node_ip_address()
     transfer = TorchTransfer(host, str(spec.config.resolve_device()), spec.join_token)
@@ -121,11 +133,11 @@ def build_spec_worker(spec: WorkerSpec):
                         orphan_timeout_s=spec.orphan_timeout_s)
 
 
-class WorkerActor(LocalHandle):
+class WorkerActor(WorkerHost):
     """Hosts one worker; see the module docstring. Create with :func:`worker_actor_options`.
-    The handle protocol methods (stats, reserve, prefill, submit, poll, abort, each naming the
-    calling router where it matters) are :class:`LocalHandle`'s, run on the actor's event
-    loop."""
+    The calls a :class:`RayHandle` makes (stats, reserve, prefill, submit, poll, abort, ...,
+    each naming the calling router where it matters) are :class:`WorkerHost`'s, run on the
+    actor's event loop."""
 
     def __init__(self, spec: WorkerSpec):
         limit_process_threads(spec.log_level, spec.resources.torch_threads)
@@ -218,7 +230,7 @@ class WorkerActor(LocalHandle):
             await loop.run_in_executor(self._io, self.registry.remove, self.spec.worker_id)
         except Exception as exc:  # noqa: BLE001 - the record expires by TTL anyway
             logger.warning("%s: could not leave the registry: %s", self.spec.worker_id, exc)
-        await loop.run_in_executor(None, super().close)
+        await loop.run_in_executor(None, self.stop)
 
 
 def worker_actor_options(spec: WorkerSpec, detached: bool = False,
@@ -242,8 +254,8 @@ def start_worker_actor(spec: WorkerSpec, detached: bool = False,
     return ray.remote(WorkerActor).options(**options).remote(spec)
 
 
-class RayHandle:
-    """The worker protocol over a worker actor (``pdserve.engine.protocol``): the worker's
+class RayHandle(WorkerHandle):
+    """The worker protocol (``worker_api.WorkerHandle``) over a worker actor: the worker's
     refusals and request faults reach the router as their own types, unwrapped from Ray's;
     ``router``: the name of the router actor holding it (its deltas are its own)."""
 
@@ -265,29 +277,35 @@ class RayHandle:
         except (Refusal, RequestFaultError) as exc:  # a RayTaskError subclassing the cause
             raise _cause(exc) from None
 
-    async def stats(self):
+    async def stats(self) -> WorkerStats:
         return await self._call("stats")
 
     async def abort(self, request_id: str) -> None:
         await self._call("abort", request_id)
 
-    async def reserve(self, request: WorkRequest):
+    async def reserve(self, request: WorkRequest) -> Reservation:
         return await self._call("reserve", request, self.router)
 
-    async def renew(self, request_id: str):
+    async def renew(self, request_id: str) -> float | None:
         return await self._call("renew", request_id)
 
-    async def prefill(self, request: WorkRequest, reservation):
+    async def prefill(self, request: WorkRequest, reservation: Reservation) -> PrefillResult:
         return await self._call("prefill", request, reservation)
 
     async def submit(self, request: WorkRequest) -> None:
         await self._call("submit", request, self.router)
 
-    async def poll(self, timeout: float):
+    async def poll(self, timeout: float) -> StepDeltas:
         return await self._call("poll", timeout, self.router)
 
-    async def kv_snapshot(self):
+    async def kv_snapshot(self) -> KVSnapshot | None:
         return await self._call("kv_snapshot")
+
+    async def drain_kv_events(self) -> None:
+        """None: a worker actor publishes its KV events itself, to its Redis stream, where
+        every router reads them (``RedisDirectory.kv_events``); draining them here would take
+        them from that stream."""
+        return None
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -307,15 +325,15 @@ class RedisDirectory:
                                     on_untrusted=registry.on_untrusted)
         # worker_id -> (heartbeat_time, stats): the same object until a newer heartbeat, so
         # the router keeps counting what it sent since (WorkerLoad.refresh)
-        self._stats: dict[str, tuple[float, object]] = {}
+        self._stats: dict[str, tuple[float, WorkerStats]] = {}
 
-    def _stats_of(self, record: WorkerRecord):
+    def _stats_of(self, record: WorkerRecord) -> WorkerStats:
         cached = self._stats.get(record.worker_id)
         if cached is None or cached[0] != record.heartbeat_time:
             cached = self._stats[record.worker_id] = (record.heartbeat_time, record.to_stats())
         return cached[1]
 
-    async def snapshot(self) -> list[tuple[RayHandle, object]]:
+    async def snapshot(self) -> list[tuple[RayHandle, WorkerStats]]:
         records = await asyncio.to_thread(self.registry.workers)
         live = []
         for record in records:

@@ -34,6 +34,7 @@ import redis
 from pdserve.cluster.actors import RayHandle, RedisDirectory
 from pdserve.cluster.registry import Registry
 from pdserve.router.metrics import RouterMetrics
+from pdserve.worker_api import WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class ResilientDirectory(RedisDirectory):
         self.health = health
         self.ping_timeout_s = ping_timeout_s
         self.keep_interval_s = keep_interval_s
-        self._known: dict[str, tuple[RayHandle, object]] = {}  # last snapshot, by worker id
+        self._known: dict[str, tuple[RayHandle, WorkerStats]] = {}  # last snapshot, by worker id
         self._unlisted: set[str] = set()  # workers kept without a record (logged once)
         self._keepers: list[Callable[[], bool]] = []
         self._kept_at = 0.0
@@ -134,7 +135,7 @@ class ResilientDirectory(RedisDirectory):
         Redis answers: it puts back what this process owns in Redis."""
         self._keepers.append(publish)
 
-    async def snapshot(self) -> list[tuple[RayHandle, object]]:
+    async def snapshot(self) -> list[tuple[RayHandle, WorkerStats]]:
         listed = None
         if self.health.can_try():
             try:

@@ -91,6 +91,7 @@ from pdserve.worker_api import (
     RequestDelta,
     RequestFaultError,
     Reservation,
+    WorkerHandle,
     WorkRequest,
 )
 
@@ -235,7 +236,7 @@ class Router:
 
     async def _abort_attempt(self, flight: Flight) -> None:
         """Abort the current attempt on both of its workers (idempotent, bounded)."""
-        ids = {flight.prefill_id, flight.decode_id} - {None}
+        ids = {w for w in (flight.prefill_id, flight.decode_id) if w is not None}
         await asyncio.gather(*(self.workers.abort_on(w, flight.request_id) for w in ids))
 
     # -- attempts -----------------------------------------------------------------------------
@@ -303,7 +304,6 @@ class Router:
         reservation = await self._reserve(flight)
         flight.move_to(Phase.PREFILLING)
         result = await self._prefill(flight, reservation)
-        self.metrics.observe_prefill(flight.prefill_id, result)
         self._transfer_cost.observe(len(_attempt_tokens(flight)) - result.num_cached_tokens,
                                     result.prefill_time_s,
                                     reservation.num_blocks - reservation.num_cached_blocks,
@@ -322,7 +322,7 @@ class Router:
             async for delta in self._drain(flight):
                 yield delta
         else:
-            await self.workers.abort_on(flight.decode_id, flight.request_id)
+            await self.workers.abort_on(reservation.worker_id, flight.request_id)
 
     async def _colocated(self, flight: Flight) -> AsyncIterator[RequestDelta]:
         def keep(routing: PrefillRouting) -> None:  # a colocated worker prefills
@@ -439,23 +439,24 @@ class Router:
 
     async def _prefill(self, flight: Flight, reservation: Reservation) -> PrefillResult:
         load = await self._pick_prefill(flight)
-        handle = self.workers.handles[load.stats.worker_id]
+        worker_id = load.stats.worker_id
+        handle = self.workers.handles[worker_id]
         renewing = asyncio.create_task(self._renew_lease(flight, reservation))
         try:
-            return await flight.bounded(lambda: handle.prefill(flight.request,
-                                                                      reservation),
-                                       self.config.prefill_timeout_s, "prefill")
+            result = await flight.bounded(lambda: handle.prefill(flight.request, reservation),
+                                          self.config.prefill_timeout_s, "prefill")
         except (AttemptFailed, DeadlineExceededError):
             raise
         except RequestFaultError as exc:  # the request's own fault: it would fail anywhere
-            raise RequestFailedError(f"{flight.name} on {flight.prefill_id}: {exc}") \
-                from None
+            raise RequestFailedError(f"{flight.name} on {worker_id}: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - any failure of the prefill moves the request
-            self.workers.suspect(flight.prefill_id, f"prefill failed: {exc}")
-            raise AttemptFailed("worker_failed", f"prefill on {flight.prefill_id} failed: "
+            self.workers.suspect(worker_id, f"prefill failed: {exc}")
+            raise AttemptFailed("worker_failed", f"prefill on {worker_id} failed: "
                                 f"{exc}") from exc
         finally:
             renewing.cancel()
+        self.metrics.observe_prefill(worker_id, result)
+        return result
 
     async def _pick_prefill(self, flight: Flight) -> WorkerLoad:
         started = time.monotonic()
@@ -531,7 +532,7 @@ class Router:
             if item.finish_reason is not None:
                 return
 
-    def _route(self, handle, delta: RequestDelta) -> None:
+    def _route(self, handle: WorkerHandle, delta: RequestDelta) -> None:
         flight = self._flights.get(delta.request_id)
         if flight is None:
             if delta.finish_reason is None:  # a request no router follows: free it

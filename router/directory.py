@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from pdserve.worker_api import KVEvents, WorkerStats
+from pdserve.worker_api import KVEvents, WorkerHandle, WorkerStats
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerDirectory(Protocol):
-    async def snapshot(self) -> list[tuple[object, WorkerStats]]:
+    async def snapshot(self) -> Sequence[tuple[WorkerHandle, WorkerStats]]:
         """(handle, latest stats) of every live worker."""
         ...
 
@@ -25,15 +26,15 @@ class WorkerDirectory(Protocol):
 class StaticDirectory:
     """A fixed set of handles whose stats are asked for directly (in-process, tests)."""
 
-    def __init__(self, handles: list, timeout_s: float = 5.0):
+    def __init__(self, handles: Iterable[WorkerHandle], timeout_s: float = 5.0):
         self.handles = list(handles)
         self.timeout_s = timeout_s
 
-    async def snapshot(self) -> list[tuple[object, WorkerStats]]:
+    async def snapshot(self) -> list[tuple[WorkerHandle, WorkerStats]]:
         results = await asyncio.gather(
             *(asyncio.wait_for(h.stats(), self.timeout_s) for h in self.handles),
             return_exceptions=True)
-        live = []
+        live: list[tuple[WorkerHandle, WorkerStats]] = []
         for handle, stats in zip(self.handles, results, strict=True):
             if isinstance(stats, BaseException):
                 logger.warning("worker %s did not answer stats: %s", handle.worker_id, stats)
@@ -46,9 +47,8 @@ class StaticDirectory:
         the same process drains its own share: the index of each sees gaps and resyncs)."""
         wanted, batches = set(worker_ids), []
         for handle in self.handles:
-            drain = getattr(handle, "drain_kv_events", None)
-            if handle.worker_id in wanted and drain is not None:
-                events = await drain()
+            if handle.worker_id in wanted:
+                events = await handle.drain_kv_events()
                 if events is not None:
                     batches.append((handle.worker_id, events))
         return batches

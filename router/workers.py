@@ -16,14 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.directory import WorkerDirectory
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import WorkerLoad
-from pdserve.worker_api import RequestDelta
+from pdserve.worker_api import KVSnapshot, RequestDelta, WorkerHandle, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +33,13 @@ class Workers:
     and a lost worker to ``lost(worker_id, why)``."""
 
     def __init__(self, directory: WorkerDirectory, config: RouterConfig,
-                 metrics: RouterMetrics, route: Callable[[object, RequestDelta], None],
+                 metrics: RouterMetrics, route: Callable[[WorkerHandle, RequestDelta], None],
                  lost: Callable[[str, str], None]):
         self.directory = directory
         self._config, self._metrics = config, metrics
         self._route, self._lost = route, lost
         self.loads: dict[str, WorkerLoad] = {}  # workers that take new requests
-        self.handles: dict = {}  # every worker seen and not lost (streams may go on)
+        self.handles: dict[str, WorkerHandle] = {}  # seen, not lost (its streams may go on)
         self._pollers: dict[str, asyncio.Task] = {}
         self._suspected: dict[str, float] = {}  # worker id -> time.time() a call on it failed
         self._tasks: list[asyncio.Task] = []  # the refresh loop, background aborts
@@ -106,7 +106,8 @@ class Workers:
         self._note_readiness()
         await self._refresh_kv_index(snapshot)
 
-    async def _refresh_kv_index(self, workers: list) -> None:
+    async def _refresh_kv_index(self,
+                                workers: Sequence[tuple[WorkerHandle, WorkerStats]]) -> None:
         """Apply the workers' new KV event batches to the index (every role caches prefixes:
         a decode worker's hits are blocks it is not sent); a worker whose entry missed a batch
         (or that is new to it) is resynced from a snapshot it sends."""
@@ -129,7 +130,7 @@ class Workers:
             elif snapshot is not None:
                 index.reset(worker_id, snapshot)
 
-    async def _kv_snapshot(self, handle):
+    async def _kv_snapshot(self, handle: WorkerHandle) -> KVSnapshot | None:
         return await asyncio.wait_for(handle.kv_snapshot(), self._config.rpc_timeout_s)
 
     async def _refresh_loop(self) -> None:
@@ -164,7 +165,7 @@ class Workers:
         self.loads.pop(worker_id, None)
         self._note_readiness()
 
-    def _still_suspected(self, stats) -> bool:
+    def _still_suspected(self, stats: WorkerStats) -> bool:
         """Whether ``stats`` are older than the failed call that made their worker suspect
         (stats of unknown age, ``taken_at`` 0, clear it)."""
         suspected_at = self._suspected.get(stats.worker_id)
@@ -175,7 +176,7 @@ class Workers:
         del self._suspected[stats.worker_id]
         return False
 
-    async def _poll(self, handle) -> None:
+    async def _poll(self, handle: WorkerHandle) -> None:
         while True:
             try:
                 deltas = await handle.poll(self._config.poll_timeout_s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import repeat
+from typing import final
 
 import numpy as np
 
@@ -34,6 +35,7 @@ class RequestDelta:
     prefill_time_s: float | None = None  # with queue_time_s: first chunk -> this token sampled
 
 
+@final  # (so that ``type(part) is _NewTokens`` tells every part's type)
 @dataclass(slots=True)
 class _NewTokens:
     """One new token for each of several requests, none final, none with logprobs: the

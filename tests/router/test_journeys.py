@@ -81,27 +81,6 @@ def journey(rng: random.Random, num_requests: int) -> list[Step]:
     return steps
 
 
-class AsRouter:
-    """A worker handle as one named router reaches it (several routers share a worker; each
-    polls its own requests' deltas)."""
-
-    def __init__(self, inner, name: str):
-        self.inner, self.name = inner, name
-        self.worker_id, self.role = inner.worker_id, inner.role
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    async def reserve(self, request):
-        return await self.inner.reserve(request, self.name)
-
-    async def submit(self, request):
-        return await self.inner.submit(request, self.name)
-
-    async def poll(self, timeout: float):
-        return await self.inner.poll(timeout, self.name)
-
-
 async def run_step(routers: list[Router], step: Step) -> tuple[str, object]:
     """(how it ended, its tokens or the error)."""
     await asyncio.sleep(step.start_s)
@@ -189,8 +168,8 @@ def test_random_journeys_end_right_and_leave_nothing(hf_checkpoint, setup, seed)
                            **build) as c:
             routers = [c.router] + [
                 Router(ModelSpec("t", 256, 509), StaticDirectory(
-                    [AsRouter(h, f"router-{i}") for h in c.handles], 2.0), tokenize=list,
-                    config=config) for i in range(1, num_routers)]
+                    [h.inner.for_router(f"router-{i}") for h in c.handles], 2.0),
+                    tokenize=list, config=config) for i in range(1, num_routers)]
             for router in routers[1:]:
                 await router.start()
             try:

@@ -39,6 +39,9 @@ class ScriptedHandle:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    async def drain_kv_events(self) -> None:
+        return None  # no prefix cache (the stats name no KV event log)
+
 
 def _workers(handles):
     routed, lost = [], []
