@@ -128,7 +128,8 @@ class PrefillWorker(StepHooks):
                                self.engine.has_unfinished_requests, tick=self._tick,
                                stats=self._stats, on_death=self._fail_everything,
                                watch=self.engine.broken,
-                               step_timeout_s=parts.config.step_timeout_s).start()
+                               step_timeout_s=parts.config.step_timeout_s)
+        self.loop.start()  # (after self.loop is set: the loop's first tick reads it)
 
     # -- public API (any thread) --------------------------------------------------------------
     def prefill(self, request: WorkRequest, reservation: Reservation) -> Future:
