@@ -134,7 +134,9 @@ async def end_stream(deltas: AsyncIterator[GenerationDelta]) -> None:
     aborts the request unless its last delta was read), shielded from the caller's
     cancellation so the abort completes. Failures are logged, not raised."""
     close = getattr(deltas, "aclose", None)
-    if close is None:
+    if close is None or getattr(deltas, "ag_running", False):
+        # (running: a task the caller drove it in, such as wait_for's, was cancelled and is
+        # running the stream's own end, its abort included)
         return
     try:
         await asyncio.shield(close())
