@@ -18,7 +18,7 @@ Lifecycle of a worker actor (``WorkerActor``, one plain worker per actor process
 3. The router calls ``reserve`` / ``prefill`` / ``submit`` / ``poll`` / ``abort`` / ``stats``
    through a :class:`RayHandle`, which names the router on ``reserve``, ``submit`` and
    ``poll``: with several routers each polls its own requests' deltas, and a router silent
-   for ``orphan_timeout_s`` has its requests freed (``pdserve.decode_worker.mailboxes``).
+   for ``orphan_timeout_s`` has its requests freed (``pdserve.streaming_worker.mailboxes``).
    The worker's futures are awaited with ``asyncio.wrap_future`` and the blocking ``poll``
    runs on its own thread, so the actor's event loop never blocks.
 4. ``close()`` stops the heartbeat, removes the record, closes the worker; the launcher then

@@ -16,9 +16,7 @@ from dataclasses import dataclass, field
 from typing import TypeAlias, TypeVar
 
 from pdserve.colocated_worker.worker import ColocatedWorker
-from pdserve.decode_worker.mailboxes import MailboxSizes
 from pdserve.decode_worker.ranks import DecodeRank
-from pdserve.decode_worker.streaming import StreamingWorker
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parts import EngineParts
@@ -33,6 +31,8 @@ from pdserve.kv_transfer import (
 )
 from pdserve.prefill_worker.ranks import PrefillRank
 from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.streaming_worker.mailboxes import MailboxSizes
+from pdserve.streaming_worker.worker import StreamingWorker
 from pdserve.worker_api import (
     ROLES,
     KVEvents,

@@ -4,7 +4,7 @@ It is the baseline every disaggregated figure is measured against, and the fallb
 one-worker setups. Lifecycle: ``submit(request, router)`` queues the prompt (plus the outputs
 already streamed, for a migrated request), owned by ``router``; steps run continuous batching;
 deltas (token 0 included, stamped with the request's attempt) go to the bounded outbox that the
-routers drain with ``poll``, each getting its own requests' (``decode_worker.mailboxes``);
+routers drain with ``poll``, each getting its own requests' (``streaming_worker.mailboxes``);
 ``abort`` is idempotent. A request also ends on its own, with an ``abort`` delta carrying the
 error, when its deadline passes, when its router has not polled for ``orphan_timeout_s``
 (whatever other routers do), or when the engine loop dies (the worker then refuses new work).
@@ -15,12 +15,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-from pdserve.decode_worker.mailboxes import RouterMailboxes
-from pdserve.decode_worker.streaming import StreamingWorker
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.worker_stats import engine_stats
+from pdserve.streaming_worker.mailboxes import RouterMailboxes
+from pdserve.streaming_worker.worker import StreamingWorker
 from pdserve.worker_api import WorkerStats
 
 

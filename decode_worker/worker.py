@@ -6,7 +6,7 @@ Lifecycle of one request on a decode worker D:
    (plus the outputs already streamed, for a migrated request) under a lease (``lease_s``) and
    a fresh ``TransferKey(transfer_id, epoch)``; the sequence waits in ``_reserved`` with status
    ``WAITING_FOR_KV``; the sink now accepts frames for the key; ``router`` owns the request
-   (``decode_worker.mailboxes``: its deltas go to that router's polls). While the prefill
+   (``streaming_worker.mailboxes``: its deltas go to that router's polls). While the prefill
    worker holds the request (queued or running), the router renews the lease (``renew``), so
    it lapses only when its owner is gone: invariant, a live router with a live prefill call
    never sees its reservation expire.
@@ -57,9 +57,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from pdserve.decode_worker.mailboxes import RouterMailboxes
 from pdserve.decode_worker.ranks import TRANSFER_ADDRESS, report_name
-from pdserve.decode_worker.streaming import StreamingWorker
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
@@ -67,6 +65,8 @@ from pdserve.engine.scheduling_policy import DecodePolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.worker_stats import engine_stats
 from pdserve.kv_transfer import KVReceiver, ReservedBlocksSink, TransferError, TransferKey
+from pdserve.streaming_worker.mailboxes import RouterMailboxes
+from pdserve.streaming_worker.worker import StreamingWorker
 from pdserve.worker_api import (
     NoRoomNow,
     RequestDelta,

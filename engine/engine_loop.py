@@ -6,7 +6,7 @@ which returns a ``concurrent.futures.Future``; the loop runs pending calls, a ho
 by steps go to a bounded :class:`DeltaOutbox` that readers drain in batches, so the step loop
 never waits on a slow reader; while the outbox is full the loop stops stepping (backpressure).
 Who reads it, and what happens to the requests of a reader that went away, is the worker's
-business (``decode_worker.mailboxes``).
+business (``streaming_worker.mailboxes``).
 
 Liveness never depends on how long a step takes: after each step and tick the loop publishes
 the worker's stats (:meth:`snapshot`), which heartbeats read without waiting for the loop.

@@ -25,18 +25,23 @@ MAY_IMPORT = {
     "kv_transfer": {"kernels", "net"},
     "api": {"net"},
     "prefill_worker": {"kernels", "models", "worker_api", "engine", "kv_transfer", "net"},
-    "decode_worker": {"kernels", "models", "worker_api", "engine", "kv_transfer", "net"},
-    # the colocated worker streams as a decode worker does (decode_worker.streaming)
+    # what the decode and colocated workers share: the engine on its loop thread taking
+    # submits, per-router mailboxes, the orphan clock
+    "streaming_worker": {"kernels", "models", "worker_api", "engine"},
+    "decode_worker": {"kernels", "models", "worker_api", "engine", "kv_transfer", "net",
+                      "streaming_worker"},
     "colocated_worker": {"kernels", "models", "worker_api", "engine", "kv_transfer", "net",
-                         "decode_worker"},
+                         "streaming_worker"},
     "router": {"worker_api", "engine", "api", "net"},
     "cluster": {"kernels", "models", "worker_api", "engine", "kv_transfer", "api", "net",
-                "prefill_worker", "decode_worker", "colocated_worker", "router"},
+                "streaming_worker", "prefill_worker", "decode_worker", "colocated_worker",
+                "router"},
     "bench": {"kernels", "models", "worker_api", "engine", "kv_transfer", "api", "net",
-              "prefill_worker", "decode_worker", "colocated_worker", "router", "cluster",
-              "testing"},
+              "streaming_worker", "prefill_worker", "decode_worker", "colocated_worker",
+              "router", "cluster", "testing"},
     "cli": {"kernels", "models", "worker_api", "engine", "kv_transfer", "api", "net",
-            "prefill_worker", "decode_worker", "colocated_worker", "router", "cluster", "bench"},
+            "streaming_worker", "prefill_worker", "decode_worker", "colocated_worker",
+            "router", "cluster", "bench"},
     # the public facade: pdserve.LLM, SamplingParams
     "__init__": {"worker_api", "engine", "import_path"},
     # tests' and bench's helpers
@@ -150,7 +155,7 @@ def test_no_bare_package_imports():
 
 
 ENGINE_INTERNALS = {"parts", "scheduler", "sampler", "runner", "block_manager"}
-WORKER_PACKAGES = ("prefill_worker", "decode_worker", "colocated_worker")
+WORKER_PACKAGES = ("streaming_worker", "prefill_worker", "decode_worker", "colocated_worker")
 
 
 @pytest.mark.parametrize("package", WORKER_PACKAGES)

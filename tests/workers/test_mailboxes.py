@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdserve.decode_worker.mailboxes import MailboxSizes, RouterMailboxes
+from pdserve.streaming_worker.mailboxes import MailboxSizes, RouterMailboxes
 from pdserve.worker_api import DuplicateRequestId, RequestDelta, StepDeltas
 
 

@@ -1,6 +1,6 @@
 """What the decode and colocated workers share: an engine stepping on its own loop thread,
 which takes prompts to prefill itself (``submit``), whose deltas the routers poll (each its
-own requests', ``decode_worker.mailboxes``) and whose stats they read, and the per-router
+own requests', ``streaming_worker.mailboxes``) and whose stats they read, and the per-router
 orphan clock that frees the requests of a router gone silent."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
-from pdserve.decode_worker.mailboxes import MailboxSizes, RouterMailboxes
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Sequence
+from pdserve.streaming_worker.mailboxes import MailboxSizes, RouterMailboxes
 from pdserve.worker_api import StepDeltas, WorkerStats, WorkRequest
 
 logger = logging.getLogger(__name__)
