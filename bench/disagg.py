@@ -31,7 +31,6 @@ import torch
 from pdserve.api.client import AsyncPdserveClient
 from pdserve.bench.engine import write_random_llama
 from pdserve.bench.stats import format_table
-from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.llm_engine import LLMEngine
@@ -46,6 +45,7 @@ from pdserve.router.grpc_server import GenerationServer
 from pdserve.testing.fake_backend import FakeBackend
 from pdserve.worker_api import StepDeltas
 from pdserve.worker_api.sampling_params import SamplingParams
+from pdserve.workers.build import build_local_workers
 
 MODEL = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 from pdserve import SamplingParams
 from pdserve.bench.stats import format_table, percentile, summarize
-from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.models import tiny_model_dir
 from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
+from pdserve.workers.build import build_local_workers
 
 logger = logging.getLogger(__name__)
 

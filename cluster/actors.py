@@ -48,7 +48,6 @@ from pdserve.cluster.kv_streams import KVStreams
 from pdserve.cluster.node_placement import WorkerResources, actor_resources
 from pdserve.cluster.record_auth import RecordAuth
 from pdserve.cluster.registry import Registry, WorkerRecord
-from pdserve.cluster.workers import TorchTransfer, Worker, WorkerHost, build_worker
 from pdserve.engine.config import EngineConfig
 from pdserve.worker_api import (
     ROLES,
@@ -63,6 +62,8 @@ from pdserve.worker_api import (
     WorkerStats,
     WorkRequest,
 )
+from pdserve.workers.build import TorchTransfer, build_worker
+from pdserve.workers.host import Worker, WorkerHost
 
 logger = logging.getLogger(__name__)
 

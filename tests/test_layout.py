@@ -32,16 +32,19 @@ MAY_IMPORT = {
                       "streaming_worker"},
     "colocated_worker": {"kernels", "models", "worker_api", "engine", "kv_transfer", "net",
                          "streaming_worker"},
+    # any role built and hosted in this process (build_worker, WorkerHost, LocalHandle)
+    "workers": {"kernels", "models", "worker_api", "engine", "kv_transfer", "net",
+                "streaming_worker", "prefill_worker", "decode_worker", "colocated_worker"},
     "router": {"worker_api", "engine", "api", "net"},
     "cluster": {"kernels", "models", "worker_api", "engine", "kv_transfer", "api", "net",
                 "streaming_worker", "prefill_worker", "decode_worker", "colocated_worker",
-                "router"},
+                "workers", "router"},
     "bench": {"kernels", "models", "worker_api", "engine", "kv_transfer", "api", "net",
               "streaming_worker", "prefill_worker", "decode_worker", "colocated_worker",
-              "router", "cluster", "testing"},
+              "workers", "router", "cluster", "testing"},
     "cli": {"kernels", "models", "worker_api", "engine", "kv_transfer", "api", "net",
             "streaming_worker", "prefill_worker", "decode_worker", "colocated_worker",
-            "router", "cluster", "bench"},
+            "workers", "router", "cluster", "bench"},
     # the public facade: pdserve.LLM, SamplingParams
     "__init__": {"worker_api", "engine", "import_path"},
     # tests' and bench's helpers

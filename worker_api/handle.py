@@ -1,6 +1,6 @@
 """The one way the router (and the cluster) reaches a worker: :class:`WorkerHandle`, whatever
 hosts the worker (a Ray actor, ``cluster.actors.RayHandle``, or this process,
-``cluster.workers.LocalHandle``). Every variable that holds a handle has this type, so a call
+``workers.host.LocalHandle``). Every variable that holds a handle has this type, so a call
 the protocol lacks is a type error (``make lint`` runs mypy), never a ``getattr``.
 
 A handle is made for one router, named at construction: several routers share a decode or

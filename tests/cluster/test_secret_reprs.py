@@ -11,11 +11,11 @@ from pdserve.cluster.actors import WorkerSpec
 from pdserve.cluster.options import ClusterOptions
 from pdserve.cluster.record_auth import RecordAuth
 from pdserve.cluster.router_actor import RouterSpec
-from pdserve.cluster.workers import TorchTransfer
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer.rendezvous import PairJoin
 from pdserve.router.auth import TLSConfig
 from pdserve.testing.certificates import make_test_certificates
+from pdserve.workers.build import TorchTransfer
 
 SECRETS = {"api": "api-SECRET-1", "admin": "admin-SECRET-2", "priority": "prio-SECRET-3",
            "redis": "redis-SECRET-4", "salt": "salt-SECRET-5", "join": "join-SECRET-6",

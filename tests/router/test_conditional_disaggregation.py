@@ -9,7 +9,6 @@ import pytest
 
 from pdserve.api.admin_client import trace_dict
 from pdserve.bench.phases import prefill_locations
-from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.router.admin_server import trace_pb
 from pdserve.router.backend import ModelSpec, PreparedRequest
@@ -20,6 +19,7 @@ from pdserve.router.pairing import PrefillRouting, TransferCost, WorkerLoad, pre
 from pdserve.router.trace import RequestTrace
 from pdserve.worker_api import WorkerStats
 from pdserve.worker_api.sampling_params import SamplingParams
+from pdserve.workers.build import build_local_workers
 
 LOCATION = "pdserve_prefill_location_total"
 

@@ -10,13 +10,13 @@ import asyncio
 
 import pytest
 
-from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
 from pdserve.worker_api.sampling_params import SamplingParams
+from pdserve.workers.build import build_local_workers
 
 SALT = "cluster-salt"
 ALWAYS = RouterConfig(disaggregation="always")

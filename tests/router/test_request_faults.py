@@ -14,7 +14,6 @@ import asyncio
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.seeded_uniforms import seed_key
@@ -23,6 +22,7 @@ from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import RequestFailedError
 from pdserve.testing.waits import async_wait_for
+from pdserve.workers.build import build_local_workers
 
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=32)
 POISON_SEED = 13

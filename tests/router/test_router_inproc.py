@@ -9,13 +9,13 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.api.client import AsyncPdserveClient, PdserveError
-from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.grpc_server import GenerationServer
 from pdserve.testing.waits import async_wait_for
+from pdserve.workers.build import build_local_workers
 
 
 def config_for(model_dir, **kw) -> EngineConfig:

@@ -10,7 +10,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import FaultKind, FaultPlan
 from pdserve.router.backend import ModelSpec, PreparedRequest
@@ -18,6 +17,7 @@ from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import NoWorkersError
 from pdserve.testing.waits import async_wait_for
+from pdserve.workers.build import build_local_workers
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43], [27, 18]]
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -11,7 +11,6 @@ import time
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.cluster.workers import build_local_workers
 from pdserve.engine.config import EngineConfig
 from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.core import Router, RouterConfig
@@ -19,6 +18,7 @@ from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import DeadlineExceededError, NoWorkersError, QueueFullError
 from pdserve.testing.draw_check import draw_problems
 from pdserve.testing.waits import async_wait_for
+from pdserve.workers.build import build_local_workers
 
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=32)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -7,10 +7,10 @@ import uuid
 
 import pytest
 
-from pdserve.cluster.workers import InProcTransfer, build_worker
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import FaultPlan
 from pdserve.worker_api import WorkRequest
+from pdserve.workers.build import InProcTransfer, build_worker
 
 
 def engine_config(model_dir, **overrides) -> EngineConfig:

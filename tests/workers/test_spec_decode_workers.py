@@ -10,9 +10,9 @@ import time
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.cluster.workers import build_worker
 from pdserve.colocated_worker.worker import ColocatedWorker
 from pdserve.worker_api import WorkRequest
+from pdserve.workers.build import build_worker
 
 from .conftest import engine_config
 

@@ -11,10 +11,10 @@ import time
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.cluster.workers import InProcTransfer, build_worker
 from pdserve.engine.engine_loop import EngineStalledError
 from pdserve.testing.waits import wait_for
 from pdserve.worker_api import DuplicateRequestId, NeverFits, WorkRequest
+from pdserve.workers.build import InProcTransfer, build_worker
 
 from .conftest import engine_config
 
