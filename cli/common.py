@@ -8,6 +8,9 @@ import os
 import sys
 
 from pdserve.api.client import ClientTLS
+from pdserve.cluster.credentials import ENV_REDIS_PASSWORD, ENV_REDIS_URL, SecretError
+from pdserve.cluster.options import ClusterOptions
+from pdserve.cluster.redis_server import url_password
 from pdserve.router.auth import keys_from_file
 
 # A flag that would put a secret in argv -> what to use instead.
@@ -43,6 +46,15 @@ def refuse_secret_flags(parser: argparse.ArgumentParser, *flags: str) -> None:
     for flag in flags:
         parser.add_argument(flag, nargs="?", action=_SecretInArgv, default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)
+
+
+def refuse_secret_in_argv(options: ClusterOptions) -> None:
+    """SecretError when ``redis_url`` (as the command line gave it) holds a password."""
+    if options.redis_url and url_password(options.redis_url) is not None:
+        raise SecretError(
+            f"argument --redis-url: the URL holds a password, which ps and shell history "
+            f"show: give the URL without it and the password in --redis-password-file FILE "
+            f"or ${ENV_REDIS_PASSWORD}, or put the whole URL in ${ENV_REDIS_URL}")
 
 
 def add_client_security(parser, *, inference: bool = True, admin: bool = False) -> None:

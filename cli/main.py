@@ -29,8 +29,9 @@ from pdserve.cli.common import (
     client_security,
     fail,
     refuse_secret_flags,
+    refuse_secret_in_argv,
 )
-from pdserve.cluster.credentials import SecretError, refuse_secret_in_argv, resolve_secrets
+from pdserve.cluster.credentials import SecretError, resolve_secrets
 from pdserve.cluster.options import ClusterOptions
 from pdserve.cluster.redis_server import redact_url
 

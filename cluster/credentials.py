@@ -16,10 +16,9 @@ key files hold exactly one.
 A flag wins over its variable. :func:`resolve_secrets` reads them into ``ClusterOptions``'
 secret fields (``api_key``, ``admin_api_key``, ``priority_api_keys``, ``redis_password``, and
 the password into ``redis_url``), which are never flags and never shown in a repr.
-:func:`refuse_secret_in_argv` is the check of what came on the command line: a ``--redis-url``
-holding a password. (The secret flags themselves, ``--api-key KEY`` and its kin, are refused by
-the parser: ``pdserve.cli.common.refuse_secret_flags``.) Every error names the flag or the variable,
-never the secret.
+The launcher reads them for any caller; what the command line itself may not hold is the CLI's
+check (``pdserve.cli.common``: ``refuse_secret_flags``, ``refuse_secret_in_argv``). Every error
+names the flag or the variable, never the secret.
 """
 
 from __future__ import annotations
@@ -41,15 +40,6 @@ ENV_REDIS_URL = "PDSERVE_REDIS_URL"
 
 class SecretError(ValueError):
     """A secret's file or variable is unusable; the message names the flag or the variable."""
-
-
-def refuse_secret_in_argv(options: ClusterOptions) -> None:
-    """SecretError when ``redis_url`` (as the command line gave it) holds a password."""
-    if options.redis_url and url_password(options.redis_url) is not None:
-        raise SecretError(
-            f"argument --redis-url: the URL holds a password, which ps and shell history "
-            f"show: give the URL without it and the password in --redis-password-file FILE "
-            f"or ${ENV_REDIS_PASSWORD}, or put the whole URL in ${ENV_REDIS_URL}")
 
 
 def _one_key(path: str, flag: str) -> str:

