@@ -2,7 +2,7 @@
 
 Prints; never asserts. For the tiny model and a random ~100M Llama (bf16) at batch 1, 8 and
 64, in one run with the two modes interleaved: the median pure decode step with the forward
-replayed from its captured graph (engine/cuda_graphs.py) and with ``enforce_eager=True``,
+replayed from its captured graph (engine/step/cuda_graphs.py) and with ``enforce_eager=True``,
 their ratio, and whether the two gave the same greedy tokens. A small model's decode step on
 a GPU is bound by kernel launches; this is the figure that says how much a graph saves.
 
@@ -22,9 +22,9 @@ import torch
 from pdserve.bench.engine import LLAMA_100M, LLAMA_TINY, decode_steps, write_random_llama
 from pdserve.bench.stats import format_table
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cuda_graphs import eager_capture
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.step.cuda_graphs import eager_capture
 from pdserve.worker_api.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 32

@@ -32,9 +32,9 @@ from pdserve.api.client import AsyncPdserveClient
 from pdserve.bench.engine import write_random_llama
 from pdserve.bench.stats import format_table
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.step.detokenizer import Detokenizer
 from pdserve.kv_transfer import measure_channel, measure_memcpy, measure_transfer
 from pdserve.models import tiny_model_dir
 from pdserve.models.checkpoint import open_checkpoint

@@ -30,10 +30,10 @@ import torch
 
 from pdserve.bench.stats import format_table, lognormal_lengths
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.decode_rows import DecodeRows
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.step.decode_rows import DecodeRows
 from pdserve.kernels import cpu_panel_gemm
 from pdserve.worker_api.sampling_params import SamplingParams
 

@@ -1,8 +1,8 @@
 """int8 KV cache quality and capacity: ``python -m pdserve.bench.kv_int8 [--model DIR]``.
 
-For each scale scheme of ``kv_int8_scales`` (see :mod:`pdserve.engine.kv_quant`), with and
-without the first/last layers kept in the model dtype, against the model-dtype cache in the
-same run, on the held-out real text of :mod:`pdserve.bench.kv_eval_text` under teacher forcing
+For each scale scheme of ``kv_int8_scales`` (see :mod:`pdserve.engine.kv_cache.int8_scales`),
+with and without the first/last layers kept in the model dtype, against the model-dtype cache in
+the same run, on the held-out real text of :mod:`pdserve.bench.kv_eval_text` under teacher forcing
 (every position predicts the true next token from a cache holding the true prefix, so one
 flipped token does not compound as in free-running greedy decoding):
 
@@ -31,9 +31,9 @@ import torch
 
 from pdserve.bench.kv_eval_text import EVAL_TEXTS
 from pdserve.bench.stats import format_table
-from pdserve.engine import memory
+from pdserve.engine.capacity import memory
 from pdserve.engine.config import KV_INT8_SCALES
-from pdserve.engine.kv_quant import teacher_forced_logits
+from pdserve.engine.kv_cache.int8_scales import teacher_forced_logits
 from pdserve.engine.llm import LLM
 from pdserve.models import tiny_model_dir
 

@@ -27,8 +27,8 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.bench import kv_int8
 from pdserve.bench.stats import format_table
-from pdserve.engine import kv_quant
 from pdserve.engine.config import KV_INT8_SCALES
+from pdserve.engine.kv_cache import int8_scales
 from pdserve.engine.llm import LLM
 from pdserve.models import tiny_model_dir
 
@@ -119,7 +119,7 @@ def shape_rows(name: str, folder: Path, schemes: list[str]) -> list[list[str]]:
                   num_kv_blocks=-(-EVAL_LEN // kv_int8.BLOCK_SIZE) + 1)
     base = LLM(str(folder), **common)
     vocab = base.engine.parts.model_config.vocab_size
-    texts = kv_quant.random_prompts(vocab, EVAL_LEN, EVAL_PROMPTS * EVAL_LEN, seed=EVAL_SEED)
+    texts = int8_scales.random_prompts(vocab, EVAL_LEN, EVAL_PROMPTS * EVAL_LEN, seed=EVAL_SEED)
     reference = [kv_int8.teacher_forced_logprobs(base, ids) for ids in texts]
     ref_nll = kv_int8.stats(reference, reference, texts)[1]
     rows = []

@@ -1,4 +1,4 @@
-"""``pdserve plan``: the capacity arithmetic of ``engine/roofline.py`` as a tool, from
+"""``pdserve plan``: the capacity arithmetic of ``engine/capacity/roofline.py`` as a tool, from
 ``config.json`` alone.
 
 For a model on an accelerator (by name from ``accelerators.json``, by its three figures, or
@@ -17,7 +17,7 @@ this machine measured now):
 4. Roofline times: a decode step of ``max_batch`` sequences at ``avg_context`` is
    max(bytes / bandwidth, FLOPs / (peak x MFU)) with bytes = weights + batch x context x KV
    bytes per token; a 1000-token prefill the same with its FLOPs
-   (:class:`pdserve.engine.roofline.StepCost`); the larger term names the binding resource.
+   (:class:`pdserve.engine.capacity.roofline.StepCost`); the larger term names the binding resource.
 5. With ``rate`` / ``isl`` / ``osl``: prefill workers = ceil(rate x prefill time(isl) / 0.8),
    each planned 80 % busy (queues grow without bound near 100 %); decode workers by Little's
    law: rate x osl x step time requests decode at once, each worker holds ``max_batch`` of
@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pdserve.engine import memory
-from pdserve.engine.budget_check import meta_weight_bytes
+from pdserve.engine.capacity import memory
+from pdserve.engine.capacity.budget_check import meta_weight_bytes
+from pdserve.engine.capacity.roofline import StepCost, copy_bandwidth, matmul_rate
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
-from pdserve.engine.roofline import StepCost, copy_bandwidth, matmul_rate
 from pdserve.models import ModelConfig
 from pdserve.models.checkpoint import open_checkpoint
 from pdserve.models.tensor_parallel import TensorShard
@@ -87,7 +87,8 @@ def find_accelerator(name: str) -> Hardware:
 def measured_hardware(device: str, dtype: torch.dtype, memory_bytes: int | None = None
                       ) -> Hardware:
     """This machine's ``device`` ("cpu" | "cuda"): matmul rate and copy bandwidth measured now
-    (:func:`pdserve.engine.roofline.measure_peaks`); memory as the engine's default budget."""
+    (:func:`pdserve.engine.capacity.roofline.measure_peaks`); memory as the engine's default
+    budget."""
 
 
     with tqdm(total=2, desc=f"measuring this {device}'s {dtype} matmul and copy",

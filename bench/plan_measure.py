@@ -4,7 +4,7 @@ run the real engine here and hold the plan against it.
 :func:`measure` builds the engine on the planned budget (the engine's own margin), then:
 
 1. KV blocks: the engine's allocated blocks against the planner's (they must be equal: both
-   go through ``engine.memory``'s per-block bytes and activation estimate);
+   go through ``engine.capacity.memory``'s per-block bytes and activation estimate);
 2. decode: one short sequence (the step is the weights streaming through), then ``batch``
    requests at ``context`` tokens (capped to what a CPU does in seconds): the median forward
    time of pure decode steps against the roofline at the same batch and context, both at the
@@ -36,10 +36,10 @@ from pdserve.bench.plan import (
     measured_hardware,
     roofline_ms,
 )
+from pdserve.engine.capacity.roofline import StepCost, copy_bandwidth, gemv_bandwidth, matmul_rate
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.roofline import StepCost, copy_bandwidth, gemv_bandwidth, matmul_rate
 from pdserve.worker_api.sampling_params import SamplingParams
 
 GiB = 1 << 30

@@ -170,7 +170,7 @@ def _checked_options(args, base, prog: str, environ=os.environ):
     # lazy: torch (see the module docstring)
     from pdserve.cli.preflight import check_cluster, check_listen_addresses, check_tls_files
     from pdserve.cli.settings import SettingsError, name_flags, options_from_args
-    from pdserve.engine.memory import MemoryBudgetError
+    from pdserve.engine.capacity.memory import MemoryBudgetError
     from pdserve.models import tiny_model_dir
 
     try:

@@ -8,9 +8,9 @@ router actor after Ray and Redis started. On a joined Ray cluster (``--ray-addre
 routers listen on their own nodes, and nothing is checked here.
 :func:`check_tls_files`: the TLS files read and parsed as PEM.
 
-Memory: :func:`check_cluster` runs ``engine.budget_check.check_engine_fits`` for the workers
-the options describe, so a budget too small is one message naming the flag instead of a failed
-actor. On a joined Ray cluster (``--ray-address``) the workers' devices may differ from this
+Memory: :func:`check_cluster` runs ``engine.capacity.budget_check.check_engine_fits`` for the
+workers the options describe, so a budget too small is one message naming the flag instead of a
+failed actor. On a joined Ray cluster (``--ray-address``) the workers' devices may differ from this
 machine's, and on CUDA without ``--memory-budget-mib`` the budget is the worker's free device
 memory; there the worker's error, unwrapped by :func:`user_error`, is what the user sees.
 """
@@ -29,9 +29,9 @@ from ray.exceptions import RayError
 from pdserve import net
 from pdserve.cli.settings import SettingsError, name_flags
 from pdserve.cluster.options import ClusterOptions
-from pdserve.engine.budget_check import check_engine_fits
+from pdserve.engine.capacity.budget_check import check_engine_fits
+from pdserve.engine.capacity.memory import MemoryBudgetError
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.memory import MemoryBudgetError
 from pdserve.router.auth import TLSConfig
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import redis
 
 from pdserve.cluster.record_auth import RecordAuth, UntrustedError
-from pdserve.engine.prefix_hash import ROOT_HASH
+from pdserve.engine.kv_cache.prefix_hash import ROOT_HASH
 from pdserve.worker_api import KVEvents
 
 logger = logging.getLogger(__name__)

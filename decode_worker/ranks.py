@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.engine.tensor_parallel import RankContext
+from pdserve.engine.tensor_parallel.group import RankContext
 from pdserve.kv_transfer import ReservedBlocksSink, TransferEndpoint, TransferError, TransferKey
 from pdserve.models.tensor_parallel import TensorShard
 

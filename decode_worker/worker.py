@@ -61,8 +61,8 @@ from pdserve.decode_worker.ranks import TRANSFER_ADDRESS, report_name
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.scheduling_policy import DecodePolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.step.scheduling_policy import DecodePolicy
 from pdserve.engine.worker_stats import engine_stats
 from pdserve.kv_transfer import KVReceiver, ReservedBlocksSink, TransferError, TransferKey
 from pdserve.streaming_worker.mailboxes import RouterMailboxes

@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.engine_loop import check_step_timeout
-from pdserve.engine.scheduler_output import check_admission_hold
-from pdserve.engine.spec_config import SpeculativeConfig
+from pdserve.engine.speculation.config import SpeculativeConfig
+from pdserve.engine.step.scheduler_output import check_admission_hold
 from pdserve.kernels import BACKENDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", "int8")
-KV_INT8_SCALES = ("static", "token", "kivi", "hybrid")  # engine/kv_quant.py describes each
+# engine/kv_cache/int8_scales.py describes each
+KV_INT8_SCALES = ("static", "token", "kivi", "hybrid")
 DEFAULT_KV_INT8_SCALES = "hybrid"  # lowest KL / highest top-1 in bench.kv_int8 (docs/kv_int8.md)
 DEFAULT_CPU_MEMORY_BUDGET = 4 << 30  # bytes for weights + KV pool + activations on a CPU worker
 
@@ -37,7 +38,7 @@ class EngineConfig:
     kv_int8_keep_edge_layers: bool = False  # with int8: first and last layers stay in model
     # dtype (no quality gain with hybrid scales, less capacity: docs/kv_int8.md)
     kv_int8_scales: str = DEFAULT_KV_INT8_SCALES  # with int8: static | token | kivi | hybrid
-    # (per-channel calibrated, per-token dynamic, or both; see pdserve.engine.kv_quant)
+    # (per-channel calibrated, per-token dynamic, or both; see pdserve.engine.kv_cache.int8_scales)
     num_kv_blocks: int | None = None  # pin the pool size instead of deriving it from the budget
     memory_budget_bytes: int | None = None  # worker memory for weights + KV + activations
     memory_safety_margin: float = 0.05  # fraction of the budget kept free

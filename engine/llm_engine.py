@@ -2,8 +2,8 @@
 (model runner, KV pool, block manager, tokenizer), a scheduler, a sampler and a text stage.
 
 :meth:`LLMEngine.step` is the one step every worker runs (offline, colocated, prefill, decode);
-a role differs only in its :class:`~pdserve.engine.scheduling_policy.SchedulingPolicy` (what is
-scheduled) and its :class:`~pdserve.engine.step_hooks.StepHooks` (what happens around the
+a role differs only in its :class:`~pdserve.engine.step.scheduling_policy.SchedulingPolicy` (what is
+scheduled) and its :class:`~pdserve.engine.step.hooks.StepHooks` (what happens around the
 forward: a prefill worker ships KV layers while the forward runs and hands finished prompts
 off). Step:
 
@@ -11,7 +11,7 @@ off). Step:
    for speculating decodes, whose drafts the speculator then proposes), or, when every
    running sequence decodes, a pure decode step of them all (``output.decodes``);
 2. ``runner.prepare(output)`` makes the flat batch (a pure decode step moves the runner's
-   persistent :class:`~pdserve.engine.decode_rows.DecodeRows` on by what changed);
+   persistent :class:`~pdserve.engine.step.decode_rows.DecodeRows` on by what changed);
    ``hooks.before_forward`` sees the sequences that sample this step (and may return a
    per-layer callback), ``runner.run()`` runs the batch and returns logits of the sequences
    whose chunk reaches their last token, then ``hooks.after_forward``;
@@ -36,23 +36,23 @@ import numpy as np
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.decode_rows import DecodeRows
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.sampler import (
+from pdserve.engine.sampling.sampler import (
     Sampler,
     check_samplable,
     greedy_token_array,
     greedy_tokens,
     sampling_row,
 )
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.scheduler_output import ScheduledSequence, SchedulerConfig
-from pdserve.engine.scheduling_policy import SchedulingPolicy
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.spec_decode import Speculator
-from pdserve.engine.step_hooks import StepHooks, StepStats
-from pdserve.engine.tensor_parallel import TensorParallelRunner
-from pdserve.engine.text_stage import TextStage
+from pdserve.engine.speculation.speculator import Speculator
+from pdserve.engine.step.decode_rows import DecodeRows
+from pdserve.engine.step.hooks import StepHooks, StepStats
+from pdserve.engine.step.scheduler import Scheduler
+from pdserve.engine.step.scheduler_output import ScheduledSequence, SchedulerConfig
+from pdserve.engine.step.scheduling_policy import SchedulingPolicy
+from pdserve.engine.step.text_stage import TextStage
+from pdserve.engine.tensor_parallel.group import TensorParallelRunner
 from pdserve.worker_api import (
     DuplicateRequestId,
     KVEvents,
@@ -91,11 +91,11 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self.text = TextStage(parts.tokenizer, defer=defer_text)
         self.last_step = StepStats()
-        # speculative decoding (engine/spec_decode.py): decode and colocated roles only
+        # speculative decoding (engine/speculation/speculator.py): decode and colocated roles only
         self.speculator = Speculator.build(parts) if self.scheduler.policy.speculates else None
         if self.speculator is not None:
             self.scheduler.lookahead = self.speculator.num_lookahead
-        # pure decode steps on the runner's persistent rows (engine/decode_rows.py): not
+        # pure decode steps on the runner's persistent rows (engine/step/decode_rows.py): not
         # with hooks that watch every step
         self.persistent_batch = type(self.hooks) is StepHooks and self.speculator is None
         # an int8 KV cache whose scales or dequantized values overflow shows as non-finite

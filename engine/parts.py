@@ -10,21 +10,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.capacity.memory import (
+    MemoryLedger,
+    allocate_kv_caches,
+    kv_layer_dtypes,
+    plan_kv_pool,
+)
+from pdserve.engine.capacity.roofline import StepCost, UtilizationMeter
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cuda_graphs import DecodeGraphs, cuda_capture
-from pdserve.engine.host_memory import keep_freed_host_memory
-from pdserve.engine.kv_events import KVEventLog
-from pdserve.engine.kv_quant import (
+from pdserve.engine.kv_cache.block_manager import BlockManager
+from pdserve.engine.kv_cache.events import KVEventLog
+from pdserve.engine.kv_cache.int8_scales import (
     INT8_SCHEMES,
     Calibration,
     calibrate_kv_scales,
     check_int8_quality,
 )
-from pdserve.engine.memory import MemoryLedger, allocate_kv_caches, kv_layer_dtypes, plan_kv_pool
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.roofline import StepCost, UtilizationMeter
-from pdserve.engine.tensor_parallel import Followers, RankRole, TensorParallelRunner
+from pdserve.engine.step.cuda_graphs import DecodeGraphs, cuda_capture
+from pdserve.engine.step.host_memory import keep_freed_host_memory
+from pdserve.engine.step.model_runner import ModelRunner
+from pdserve.engine.tensor_parallel.group import Followers, RankRole, TensorParallelRunner
 from pdserve.kernels import resolve_backend
 from pdserve.models import Checkpoint, ModelConfig, Tokenizer, open_checkpoint
 from pdserve.models.tensor_parallel import TensorShard
@@ -85,7 +90,7 @@ class EngineParts:
     @classmethod
     def build(cls, config: EngineConfig, rank_role: RankRole | None = None) -> EngineParts:
         """The parts of ``config``'s engine; with ``tensor_parallel_size`` N > 1, this process
-        is rank 0 and starts ranks 1..N-1 (engine/tensor_parallel.py), which load alongside
+        is rank 0 and starts ranks 1..N-1 (engine/tensor_parallel/group.py), which load alongside
         and take ``rank_role`` (what a worker's ranks do besides the forward)."""
         resolved = ResolvedModel.of(config)
         size = config.tensor_parallel_size
@@ -171,7 +176,7 @@ class EngineParts:
         return ids
 
     def capture_decode_graphs(self, capture=cuda_capture) -> None:
-        """Replay pure decode steps from CUDA graphs (engine/cuda_graphs.py); one block of the
+        """Replay pure decode steps from CUDA graphs (engine/step/cuda_graphs.py); one block of the
         pool becomes the padding rows' scratch. ``capture``: how (tests pass eager_capture)."""
         runner = self.runner
         scratch = self.block_manager.withhold_last_block()
@@ -187,7 +192,7 @@ def _salt_bytes(salt: str | None) -> bytes | None:
 def _int8_pool(config: EngineConfig, resolved: ResolvedModel, model, ledger: MemoryLedger,
                layer_dtypes, tokenizer) -> tuple[EngineConfig, MemoryLedger, list]:
     """(config, ledger, caches) of an int8 pool that passed its start-up check against the
-    model dtype (``kv_quant.check_int8_quality``). A scheme that fails falls back to
+    model dtype (``int8_scales.check_int8_quality``). A scheme that fails falls back to
     ``token`` (no calibration, so no calibration to go wrong) with a warning; when ``token``
     fails too, the engine refuses to start with both measurements. Never serves garbage."""
     mc, device, backend = resolved.model_config, resolved.device, resolved.backend

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.tensor_parallel import RankContext
+from pdserve.engine.tensor_parallel.group import RankContext
 from pdserve.kv_transfer import KVSender, TorchDistConnector, TransferKey, pack_layers
 from pdserve.models.config import ModelConfig
 from pdserve.models.tensor_parallel import TensorShard, head_routes

@@ -48,9 +48,9 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineDeadError, EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.scheduler_output import ScheduledSequence
-from pdserve.engine.scheduling_policy import PrefillOnlyPolicy
-from pdserve.engine.step_hooks import StepHooks
+from pdserve.engine.step.hooks import StepHooks
+from pdserve.engine.step.scheduler_output import ScheduledSequence
+from pdserve.engine.step.scheduling_policy import PrefillOnlyPolicy
 from pdserve.engine.worker_stats import engine_stats
 from pdserve.kv_transfer import KVConnector, KVSender, TransferError, TransferKey
 from pdserve.models.tensor_parallel import TensorShard

@@ -9,8 +9,9 @@ workers compute their prompts too): the lowest cost in prompt tokens of work
 not count yet), less the prompt tokens its prefix cache holds, plus a term for its KV usage,
 with weights from ``RouterConfig``. The router reads the cached tokens off its KV index
 (``router/kv_index.py``, fed by the workers' KV events; every router sees the same) by the
-prompt's chained block hashes (the engine's own salted sha256, ``pdserve.engine.prefix_hash``,
-with the cluster's salt). Where the prompt is computed: :func:`prefill_location`.
+prompt's chained block hashes (the engine's own salted sha256,
+``pdserve.engine.kv_cache.prefix_hash``, with the cluster's salt). Where the prompt is computed:
+:func:`prefill_location`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pdserve.engine.prefix_hash import chained_block_hashes
+from pdserve.engine.kv_cache.prefix_hash import chained_block_hashes
 from pdserve.router.kv_index import KVIndex
 from pdserve.worker_api import WorkerStats
 

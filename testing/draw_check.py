@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.sampler import SamplingRow, apply_penalties, inverse_cdf_draw
-from pdserve.engine.sampling_filters import filter_weights, softmax_weights
-from pdserve.engine.seeded_uniforms import draw_uniforms
+from pdserve.engine.sampling.filters import filter_weights, softmax_weights
+from pdserve.engine.sampling.sampler import SamplingRow, apply_penalties, inverse_cdf_draw
+from pdserve.engine.sampling.seeded_uniforms import draw_uniforms
 from pdserve.worker_api.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 

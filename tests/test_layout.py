@@ -234,7 +234,7 @@ def test_no_import_cycle_between_modules():
 
 
 # What the router may read of the engine (workers it sees through pdserve.worker_api).
-ROUTER_SEES_OF_ENGINE = {"pdserve.engine.prefix_hash"}
+ROUTER_SEES_OF_ENGINE = {"pdserve.engine.kv_cache.prefix_hash"}
 
 
 def test_the_router_sees_workers_only_through_the_protocol():
@@ -248,8 +248,8 @@ def test_the_scheduler_never_sees_the_runners_rows():
     """The persistent decode rows are the model runner's; the scheduler hands it what changed
     (a SchedulerOutput) and never imports the runner or its rows."""
     bad = [f"{name} imports {n}" for name in ("scheduler.py", "scheduler_output.py")
-           for n in imported_modules(ROOT / "engine" / name)
-           if n in ("pdserve.engine.decode_rows", "pdserve.engine.model_runner")]
+           for n in imported_modules(ROOT / "engine" / "step" / name)
+           if n in ("pdserve.engine.step.decode_rows", "pdserve.engine.step.model_runner")]
     assert not bad, "\n".join(bad)
 
 

@@ -33,7 +33,7 @@ class WorkRequest:
 
 @dataclass(frozen=True)
 class KVEvents:
-    """One batch of a worker's prefix-cache changes, by block hash (``engine.prefix_hash``:
+    """One batch of a worker's prefix-cache changes, by block hash (``engine.kv_cache.prefix_hash``:
     salted, so token ids never leave the worker). ``number`` counts the batches of one event
     log (``log_id``, new with each engine) from 1: a reader that gets a number other than its
     last + 1, or another log's, has missed some and resyncs from a :class:`KVSnapshot`. A

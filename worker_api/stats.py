@@ -1,6 +1,6 @@
 """What a worker reports of itself: its role (:data:`ROLES`), load and memory
 (:class:`WorkerStats`), and what its recent forward passes achieved against its device's
-measured peaks (:class:`Utilization`, ``engine.roofline`` measures them)."""
+measured peaks (:class:`Utilization`, ``engine.capacity.roofline`` measures them)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from pdserve.decode_worker.ranks import DecodeRank
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.tensor_parallel import RankRole
+from pdserve.engine.tensor_parallel.group import RankRole
 from pdserve.kv_transfer import (
     FaultPlan,
     InProcConnector,

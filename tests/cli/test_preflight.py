@@ -11,10 +11,10 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from pdserve.cli.preflight import user_error
-from pdserve.engine.budget_check import check_engine_fits
+from pdserve.engine.capacity.budget_check import check_engine_fits
+from pdserve.engine.capacity.memory import MemoryBudgetError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import LLM
-from pdserve.engine.memory import MemoryBudgetError
 
 MiB = 1 << 20
 

@@ -11,8 +11,8 @@ import redis
 
 from pdserve.cluster.kv_streams import HASH_BYTES, MAX_BATCH_HASHES, MAX_ENTRY_BYTES, KVStreams
 from pdserve.cluster.record_auth import RecordAuth
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_events import KVEventLog
+from pdserve.engine.kv_cache.block_manager import BlockManager
+from pdserve.engine.kv_cache.events import KVEventLog
 from pdserve.engine.sequence import Sequence
 from pdserve.router.kv_index import KVIndex
 from pdserve.worker_api import KVEvents

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from pdserve.engine.tensor_parallel import FOLLOWER_MODULE
+from pdserve.engine.tensor_parallel.group import FOLLOWER_MODULE
 from pdserve.router.config import RouterConfig
 
 pytestmark = pytest.mark.e2e

@@ -11,12 +11,12 @@ import time
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache.block_manager import BlockManager
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.sequence import SequenceStatus
+from pdserve.engine.step.scheduler import Scheduler, SchedulerConfig
 
 from .test_scheduler import TOKEN, req
 

@@ -24,8 +24,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.prefix_hash import ROOT_HASH, chain_hash
+from pdserve.engine.kv_cache.block_manager import BlockManager
+from pdserve.engine.kv_cache.prefix_hash import ROOT_HASH, chain_hash
 from pdserve.engine.sequence import Sequence
 from pdserve.worker_api.sampling_params import SamplingParams
 
@@ -237,7 +237,7 @@ def test_adopt_received_refuses_stand_ins_a_query_would_read(window, num_stand_i
 
 
 def test_chain_hash_is_the_same_in_every_process():
-    code = ("from pdserve.engine.prefix_hash import ROOT_HASH, chain_hash;"
+    code = ("from pdserve.engine.kv_cache.prefix_hash import ROOT_HASH, chain_hash;"
             "print(chain_hash(chain_hash(ROOT_HASH, [1, 2, 3], b's'), [4, 5, 6], b's').hex())")
     outs = set()
     for seed in ("1", "2"):

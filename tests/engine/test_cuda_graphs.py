@@ -1,4 +1,4 @@
-"""Decode CUDA graphs (engine/cuda_graphs.py): padded static buffers give the eager logits.
+"""Decode CUDA graphs (engine/step/cuda_graphs.py): padded static buffers give the eager logits.
 
 On every machine the graphs are built with ``eager_capture`` (the replay calls the forward on
 the static buffers), which checks the buffer plumbing, the batch-size ladder and the padding
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cuda_graphs import DecodeGraphs, eager_capture
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.step.cuda_graphs import DecodeGraphs, eager_capture
 from pdserve.worker_api.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The persistent decode rows (engine/decode_rows.py) equal a batch rebuilt every step.
+"""The persistent decode rows (engine/step/decode_rows.py) equal a batch rebuilt every step.
 
 Random traffic (arrivals, aborts, finishes, and preemptions from a pool too small for the
 load) runs on two engines: one whose pure decode steps run on the persistent rows, one whose
@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.engine import decode_rows
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.model_runner import ModelInput
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.sampler import SamplingBatch, sampling_row
-from pdserve.engine.scheduling_policy import DecodePolicy
+from pdserve.engine.sampling.sampler import SamplingBatch, sampling_row
+from pdserve.engine.step import decode_rows
+from pdserve.engine.step.model_runner import ModelInput
+from pdserve.engine.step.scheduling_policy import DecodePolicy
 from pdserve.worker_api import NoRoomNow, WorkRequest
 from pdserve.worker_api.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.detokenizer import (
+from pdserve.engine.step.detokenizer import (
     MAX_HELD_TOKENS,
     PROMPT_CONTEXT_TOKENS,
     REPLACEMENT_CHAR,

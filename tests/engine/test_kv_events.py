@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import random
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_events import KVEventLog
-from pdserve.engine.prefix_hash import chained_block_hashes
+from pdserve.engine.kv_cache.block_manager import BlockManager
+from pdserve.engine.kv_cache.events import KVEventLog
+from pdserve.engine.kv_cache.prefix_hash import chained_block_hashes
 from pdserve.engine.sequence import Sequence
 from pdserve.router.kv_index import KVIndex
 from pdserve.worker_api.sampling_params import SamplingParams

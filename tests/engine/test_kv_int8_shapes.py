@@ -21,10 +21,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pdserve.engine.kv_quant as kv_quant
 from pdserve import LLM, SamplingParams
 from pdserve.bench.kv_int8_matrix import SHAPES, scale_attention_kv, write_word_level_tokenizer
-from pdserve.engine.kv_quant import INT8_SCHEMES, check_int8_quality
+from pdserve.engine.kv_cache import int8_scales
+from pdserve.engine.kv_cache.int8_scales import INT8_SCHEMES, check_int8_quality
 
 SCHEMES = sorted(INT8_SCHEMES)
 
@@ -67,7 +67,7 @@ def test_every_scheme_on_every_shape_stays_close_to_full_precision(shape_dir, na
                                                                    monkeypatch):
     llm = build(shape_dir(name), kv_cache_dtype="int8", kv_int8_scales=scheme)
     assert llm.engine.parts.config.kv_int8_scales == scheme, llm.engine.parts.ledger.kv_int8
-    monkeypatch.setattr(kv_quant, "CHECK_SEED", 7)
+    monkeypatch.setattr(int8_scales, "CHECK_SEED", 7)
     check = independent_check(llm)
     # stricter than the start-up bound, which only has to catch garbage
     assert check.top1 >= 0.9 and check.kl <= 5e-3, check.describe()
@@ -91,9 +91,9 @@ def test_greedy_int8_starts_like_full_precision(shape_dir, name):
 def test_a_scheme_that_fails_its_check_falls_back_to_token(shape_dir, monkeypatch):
     """The old calibration (unreadable text used as is, no floor) fails the check at start-up;
     the engine serves with ``token`` and says so in its ledger."""
-    monkeypatch.setattr(kv_quant, "MIN_TEXT_KNOWN", 0.0)
-    monkeypatch.setattr(kv_quant, "MIN_DISTINCT_TOKENS", 0)
-    monkeypatch.setattr(kv_quant, "CHANNEL_SCALE_FLOOR", 0.0)
+    monkeypatch.setattr(int8_scales, "MIN_TEXT_KNOWN", 0.0)
+    monkeypatch.setattr(int8_scales, "MIN_DISTINCT_TOKENS", 0)
+    monkeypatch.setattr(int8_scales, "CHANNEL_SCALE_FLOOR", 0.0)
     llm = build(shape_dir("qwen3 hd32 kv1, words"), kv_cache_dtype="int8",
                 kv_int8_scales="static")
     parts = llm.engine.parts
@@ -104,7 +104,7 @@ def test_a_scheme_that_fails_its_check_falls_back_to_token(shape_dir, monkeypatc
 
 
 def test_when_no_scheme_passes_the_engine_refuses_to_start(shape_dir, monkeypatch):
-    monkeypatch.setattr(kv_quant, "MAX_CHECK_KL", -1.0)  # nothing can pass
+    monkeypatch.setattr(int8_scales, "MAX_CHECK_KL", -1.0)  # nothing can pass
     with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' is not usable.*token "
                                          r"\(fallback from hybrid.*FAILED.*'auto'"):
         build(shape_dir("llama hd64 mha tied"), kv_cache_dtype="int8")
@@ -149,13 +149,13 @@ def test_the_default_scheme_agrees_on_random_shapes(hf_checkpoint, head_dim, num
     assert llm.engine.parts.config.kv_int8_scales == "hybrid"
     parts, runner = llm.engine.parts, llm.engine.parts.runner
     mc = parts.model_config
-    prompts = kv_quant.random_prompts(mc.vocab_size, 64, 64, seed=head_dim + num_layers)
-    full = kv_quant.teacher_forced_logits(
-        runner.model, kv_quant.scratch_caches(mc, torch.float32, runner.device,
+    prompts = int8_scales.random_prompts(mc.vocab_size, 64, 64, seed=head_dim + num_layers)
+    full = int8_scales.teacher_forced_logits(
+        runner.model, int8_scales.scratch_caches(mc, torch.float32, runner.device,
                                               mc.num_hidden_layers, prompts, 4),
         4, runner.device, runner.backend, prompts)[0]
-    int8 = kv_quant.teacher_forced_logits(
-        runner.model, kv_quant.scratch_caches(mc, torch.float32, runner.device,
+    int8 = int8_scales.teacher_forced_logits(
+        runner.model, int8_scales.scratch_caches(mc, torch.float32, runner.device,
                                               mc.num_hidden_layers, prompts, 4,
                                               like=runner.kv_caches),
         4, runner.device, runner.backend, prompts)[0]

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
-from pdserve.engine.scheduling_policy import (
+from pdserve.engine.kv_cache.block_manager import BlockManager
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.step.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.step.scheduling_policy import (
     DecodePolicy,
     PrefillOnlyPolicy,
     SchedulingPolicy,
 )
-from pdserve.engine.sequence import Sequence, SequenceStatus
 
 TOKEN = 7
 

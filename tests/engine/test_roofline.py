@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.engine.capacity.roofline import StepCost, UtilizationMeter, attended_pairs
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.roofline import StepCost, UtilizationMeter, attended_pairs
 from pdserve.engine.worker_stats import engine_stats
 from pdserve.models import ModelConfig
 from pdserve.models.checkpoint import open_checkpoint

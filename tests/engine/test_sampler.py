@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import pdserve.engine.sampling_filters as filters_module
-from pdserve.engine.sampler import Sampler, SamplingRow, inverse_cdf_draw
-from pdserve.engine.sampling_filters import filter_weights, softmax_weights, top_values
-from pdserve.engine.seeded_uniforms import (
+import pdserve.engine.sampling.filters as filters_module
+from pdserve.engine.sampling.filters import filter_weights, softmax_weights, top_values
+from pdserve.engine.sampling.sampler import Sampler, SamplingRow, inverse_cdf_draw
+from pdserve.engine.sampling.seeded_uniforms import (
     draw_uniform,
     draw_uniforms,
     keyed_uniforms,
@@ -383,7 +383,7 @@ def test_logprobs_are_log_softmax_of_processed_logits():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_greedy_tokens_are_argmax_with_ties_and_nan_at_the_first_index(dtype):
-    from pdserve.engine.sampler import greedy_tokens
+    from pdserve.engine.sampling.sampler import greedy_tokens
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(33, 517, generator=gen).to(dtype)

@@ -6,15 +6,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.scheduler import (
+from pdserve.engine.kv_cache.block_manager import BlockManager
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.step.scheduler import (
     DecodePolicy,
     PrefillOnlyPolicy,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.worker_api.sampling_params import SamplingParams
 
 TOKEN = 7  # what the fake runner samples

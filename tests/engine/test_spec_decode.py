@@ -13,14 +13,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.rejection_sampler import DRAFT_STREAM, DraftedRows, stream_uniform, verify
-from pdserve.engine.sampler import SamplingRow, inverse_cdf_draw
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.kv_cache.block_manager import BlockManager
+from pdserve.engine.sampling.rejection_sampler import (
+    DRAFT_STREAM,
+    DraftedRows,
+    stream_uniform,
+    verify,
+)
+from pdserve.engine.sampling.sampler import SamplingRow, inverse_cdf_draw
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.spec_config import SpeculativeConfig
-from pdserve.engine.spec_decode import NgramProposer, Speculator
+from pdserve.engine.speculation.config import SpeculativeConfig
+from pdserve.engine.speculation.speculator import NgramProposer, Speculator
+from pdserve.engine.step.scheduler import Scheduler, SchedulerConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -173,7 +178,7 @@ def test_rejection_sampling_unit_follows_p_and_a_wrong_rule_fails(monkeypatch):
     logits, seqs = _one_step_rows(6000, p_logits, q_logits)
     first = torch.tensor([v.token_ids[0] for v in verify(logits, seqs)])
     assert chi_square_p_value(torch.bincount(first, minlength=6), p) > 1e-3
-    import pdserve.engine.rejection_sampler as rs
+    import pdserve.engine.sampling.rejection_sampler as rs
 
     real = rs.stream_uniform
     monkeypatch.setattr(rs, "stream_uniform", lambda seed, position, stream: 0.0

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.sampler import Sampler
-from pdserve.engine.seeded_uniforms import seed_key
+from pdserve.engine.sampling.sampler import Sampler
+from pdserve.engine.sampling.seeded_uniforms import seed_key
 from pdserve.worker_api import RequestDelta
 
 POISON_SEED = 2

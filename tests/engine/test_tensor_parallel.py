@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine import tensor_parallel
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop, EngineStalledError
-from pdserve.engine.tensor_parallel import FOLLOWER_MODULE, Followers
+from pdserve.engine.tensor_parallel import group
+from pdserve.engine.tensor_parallel.group import FOLLOWER_MODULE, Followers
 from pdserve.testing.waits import wait_for
 from pdserve.worker_api import WorkRequest
 
@@ -156,7 +156,7 @@ def test_an_idle_spell_longer_than_the_step_timeout_keeps_the_group(
         hf_checkpoint, monkeypatch):
     """Followers wait for the next step as long as the engine idles; the step timeout bounds
     only the collectives inside a step."""
-    monkeypatch.setattr(tensor_parallel, "STEP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(group, "STEP_TIMEOUT_S", 1.0)
     with LLM(str(hf_checkpoint("llama-gqa")), tensor_parallel_size=2, **ENGINE) as llm:
         first = [o.token_ids for o in llm.generate(_prompts(2), GREEDY, use_tqdm=False)]
         time.sleep(3.0)
@@ -259,7 +259,7 @@ def test_the_groups_store_takes_only_values_its_ranks_signed():
 
     import torch.distributed as dist
 
-    from pdserve.engine.tensor_parallel import SignedStore, Signer, TamperedError
+    from pdserve.engine.tensor_parallel.group import SignedStore, Signer, TamperedError
 
     raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                         timeout=datetime.timedelta(seconds=5))

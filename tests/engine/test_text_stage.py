@@ -1,4 +1,4 @@
-"""Deferred detokenization (engine/text_stage.py): the text is the same, made off the step.
+"""Deferred detokenization (engine/step/text_stage.py): the text is the same, made off the step.
 
 Requests without stop strings get their text when the deltas are read (``engine.render``),
 possibly on another thread while the engine steps; requests with stop strings keep it in the
@@ -12,9 +12,9 @@ import threading
 import pytest
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.step.detokenizer import Detokenizer
 from pdserve.worker_api import StepDeltas
 from pdserve.worker_api.sampling_params import SamplingParams
 

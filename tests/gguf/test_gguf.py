@@ -113,7 +113,7 @@ def test_tokenizer_matches_transformers(kind, pre, gguf_file):
 
 
 def test_folder_and_file_serve_alike_and_ledger_names_the_types(gguf_file, tmp_path):
-    from pdserve.engine.budget_check import check_engine_fits
+    from pdserve.engine.capacity.budget_check import check_engine_fits
 
     path = gguf_file("llama-gqa", "Q8_0")
     llm = LLM(str(path.parent), num_kv_blocks=16, block_size=4)

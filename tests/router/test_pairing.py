@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_cache.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.pairing import WorkerLoad, chained_block_hashes, rank_decode, rank_prefill

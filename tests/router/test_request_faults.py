@@ -15,8 +15,8 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampler import Sampler
-from pdserve.engine.seeded_uniforms import seed_key
+from pdserve.engine.sampling.sampler import Sampler
+from pdserve.engine.sampling.seeded_uniforms import seed_key
 from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory

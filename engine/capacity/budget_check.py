@@ -2,13 +2,13 @@
 weight: the model config from the checkpoint, the weight bytes from the model built on the
 ``meta`` device (a head tied to the embedding where the checkpoint has no ``lm_head.weight``, as
 the loader does; GGUF weights counted dequantized, as loaded), the activations from
-``engine.memory``'s estimate."""
+``engine.capacity.memory``'s estimate."""
 
 from __future__ import annotations
 
 import torch
 
-from pdserve.engine import memory
+from pdserve.engine.capacity import memory
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
 from pdserve.engine.parts import ResolvedModel
 from pdserve.kernels.linear import can_pack
@@ -19,7 +19,7 @@ from pdserve.models.tensor_parallel import TensorShard
 
 def meta_weight_bytes(checkpoint: Checkpoint, mc: ModelConfig, dtype: torch.dtype,
                       packed_head: bool = False) -> int:
-    """What ``engine.memory.weight_bytes`` will count for the loaded model, read from the
+    """What ``engine.capacity.memory.weight_bytes`` will count for the loaded model, read from the
     safetensors headers and a ``meta``-device model (no weight is read). ``packed_head``: the
     engine packs its GEMMs, so a head tied to the embedding gets a copy of its own."""
     names = checkpoint.tensor_names()  # safetensors headers or a GGUF's tensor table

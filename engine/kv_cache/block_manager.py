@@ -19,8 +19,8 @@ Invariants (``check_invariants`` raises ``RuntimeError`` on a violation):
 - ``free`` releases a table in reverse order, tails first, so the LRU end of the cache holds
   chain tails and the heads of shared prefixes survive longest.
 - A hash maps to one block; a block carries at most one hash. A block's hash is the salted
-  sha256 of its parent's hash and its token ids (``pdserve.engine.prefix_hash``), chained from
-  the first block, so a hit on block ``i`` implies the whole prefix
+  sha256 of its parent's hash and its token ids (``pdserve.engine.kv_cache.prefix_hash``),
+  chained from the first block, so a hit on block ``i`` implies the whole prefix
   ``[0, (i + 1) * block_size)`` matches. The salt is one per cluster (the launcher passes it
   in ``EngineConfig.prefix_cache_salt``); without one each block manager draws its own.
 - ``match_prefix`` never serves every token of a sequence from the cache: at least one token
@@ -47,7 +47,7 @@ import secrets
 from collections import OrderedDict, deque
 from operator import attrgetter
 
-from pdserve.engine.prefix_hash import ROOT_HASH, SALT_BYTES, chain_hash
+from pdserve.engine.kv_cache.prefix_hash import ROOT_HASH, SALT_BYTES, chain_hash
 from pdserve.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class BlockManager:
         self.num_prefix_queries = 0  # match_prefix calls
         self.num_prefix_query_tokens = 0  # tokens looked up by match_prefix
         self.num_prefix_hit_tokens = 0  # tokens served from the prefix cache
-        # a KVEventLog (engine/kv_events.py) told of every hash the cache gains and loses,
+        # a KVEventLog (engine/kv_cache/events.py) told of every hash the cache gains and loses,
         # when the worker publishes its cache to the routers (None: nobody listens)
         self.events = None
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
-from pdserve.engine.kv_quant import INT8_SCHEMES, token_scale_bytes_per_block
+from pdserve.engine.kv_cache.int8_scales import INT8_SCHEMES, token_scale_bytes_per_block
 from pdserve.kernels import KVCacheLayer
 from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE
 from pdserve.models.checkpoint import open_checkpoint
@@ -48,7 +48,7 @@ class MemoryLedger:
     draft_bytes: int = 0  # speculative decoding: the draft model's weights + its KV pool (as
     # many blocks as the target's), inside the budget
     kv_int8: str = ""  # int8 pools: the scheme, what its scales were calibrated on and how it
-    # compared with the model dtype at start-up (kv_quant.Calibration.describe)
+    # compared with the model dtype at start-up (int8_scales.Calibration.describe)
     tensor_parallel_size: int = 1  # ranks computing the engine; every figure here is one
     # rank's (each holds its share of the heads and the MLP, and as many KV blocks)
 
@@ -231,7 +231,8 @@ def allocate_kv_caches(mc, ledger: MemoryLedger, layer_dtypes, device: torch.dev
                        scales: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
                        scheme=None) -> list[KVCacheLayer]:
     """Zero-filled pools, one :class:`KVCacheLayer` per layer (int8 layers need ``scales``;
-    ``scheme``, an :class:`~pdserve.engine.kv_quant.Int8Scheme`, adds their token scales)."""
+    ``scheme``, an :class:`~pdserve.engine.kv_cache.int8_scales.Int8Scheme`, adds their token
+    scales)."""
     shape = (2, ledger.num_kv_blocks, ledger.block_size, mc.num_key_value_heads, mc.head_dim)
     caches = []
     for layer, dtype in enumerate(layer_dtypes):

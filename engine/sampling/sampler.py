@@ -20,7 +20,7 @@ Semantics, applied per row in this order (Hugging Face / vLLM / OpenAI conventio
      changes nothing). The order top-k, top-p, min-p is Hugging Face's.
 5. The draw is an inverse-CDF draw from the filtered distribution with ONE uniform per row,
    ``u = draw_uniform(seed, position)``, a splitmix64 hash of the request's seed and the
-   output position (``engine.seeded_uniforms``; ``keyed_uniforms`` makes a batch's): the
+   output position (``engine.sampling.seeded_uniforms``; ``keyed_uniforms`` makes a batch's): the
    token is the first whose cumulative probability (in token id order) exceeds ``u``. It
    depends only on (seed, position, the row's logits): not on the other rows, the row
    index or which process samples it (the prefill worker draws position 0, the decode worker the
@@ -33,7 +33,7 @@ Logprobs (``params.logprobs = n``): ``log_softmax`` of the logits after penaltie
 "processed_logprobs"): the n most likely tokens plus the sampled one.
 
 Cost: no Python loop over rows once their parameters are arrays (a :class:`SamplingBatch`,
-which the persistent decode rows keep across steps); the filters (``engine.sampling_filters``)
+which the persistent decode rows keep across steps); the filters (``engine.sampling.filters``)
 are thresholds per row on ``exp(logit - max)``.
 """
 
@@ -47,14 +47,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.sampling_filters import (
+from pdserve.engine.sampling.filters import (
     CDF_BLOCK,
     block_sums,
     filter_weights,
     numpy_viewable,
     softmax_weights,
 )
-from pdserve.engine.seeded_uniforms import keyed_uniforms, seed_key
+from pdserve.engine.sampling.seeded_uniforms import keyed_uniforms, seed_key
 from pdserve.engine.sequence import Sequence
 from pdserve.worker_api.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 

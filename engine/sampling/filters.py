@@ -1,5 +1,5 @@
-"""The top-k, top-p and min-p filters of the sampler (``engine.sampler``), and the pieces the
-draw shares with them.
+"""The top-k, top-p and min-p filters of the sampler (``engine.sampling.sampler``), and the
+pieces the draw shares with them.
 
 The filters work on ``exp(logit - max)`` (max 1 per row, so min-p is ``weight >= min_p``) and
 are thresholds per row. Top-k is one ranking (``top_values``: ``torch.topk``, or on CPU

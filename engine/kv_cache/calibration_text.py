@@ -1,4 +1,4 @@
-"""The real text int8 KV scales are calibrated on (:mod:`pdserve.engine.kv_quant`).
+"""The real text int8 KV scales are calibrated on (:mod:`pdserve.engine.kv_cache.int8_scales`).
 
 Five short passages of different kinds, so keys and values see prose, speech, technical
 writing, code and numbers: Lincoln's Gettysburg Address (1863, public domain), the opening of

@@ -2,7 +2,7 @@
 step's time went (:class:`StepStats`).
 
 Roles differ in two kinds of policy object, never in a copy of ``LLMEngine.step``: the
-scheduling policy (``engine.scheduling_policy``: what is scheduled) and these hooks (what
+scheduling policy (``engine.step.scheduling_policy``: what is scheduled) and these hooks (what
 happens around the forward). The prefill worker's hooks open the KV shipments of the prompts
 a step completes and hand them off; every other role keeps the default, which adds nothing
 (and lets pure decode steps run on the runner's persistent rows: they sample no
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.scheduler_output import ScheduledSequence
+from pdserve.engine.step.scheduler_output import ScheduledSequence
 from pdserve.worker_api import RequestDelta
 
 

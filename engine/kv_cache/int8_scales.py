@@ -24,7 +24,7 @@ takes the token's own maximum (no saturation). The default, ``hybrid``, is chose
 measurements of ``python -m pdserve.bench.kv_int8`` (docs/kv_int8.md).
 
 Calibration: the model runs once over real text only, :data:`CALIBRATION_TEXTS` (documented in
-:mod:`pdserve.engine.kv_calibration_text`) through the checkpoint's tokenizer, up to
+:mod:`pdserve.engine.kv_cache.calibration_text`) through the checkpoint's tokenizer, up to
 ``CALIBRATION_TOKENS`` tokens in prompts of at most 256, with a full-precision scratch pool;
 the largest absolute K and V per (layer, kv head, channel), times ``headroom``, maps to 127.
 A checkpoint without a tokenizer cannot be calibrated: only ``token`` (no static part) runs
@@ -41,10 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.kv_calibration_text import CALIBRATION_TEXTS
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from pdserve.engine.kv_cache.calibration_text import CALIBRATION_TEXTS
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.step.model_runner import ModelRunner
+from pdserve.engine.step.scheduler_output import ScheduledSequence, SchedulerOutput
 from pdserve.kernels import KVCacheLayer
 from pdserve.kernels.kv_layout import TOKEN_SCALE_DTYPE
 from pdserve.worker_api.sampling_params import SamplingParams

@@ -1,5 +1,5 @@
-"""``speculative_config``, validated: vLLM's keys for the two methods (engine/spec_decode.py
-runs them), every bad value a ValueError naming its field."""
+"""``speculative_config``, validated: vLLM's keys for the two methods
+(engine/speculation/speculator.py runs them), every bad value a ValueError naming its field."""
 
 from __future__ import annotations
 

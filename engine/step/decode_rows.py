@@ -26,12 +26,12 @@ The rows mirror the scheduler's ``running_version`` they were synced at (``versi
 
 Each step moves the arrays on in place (a sync, a drop or wider tables make new ones), so
 the runner's CPU tensors over them (``ModelRunner.prepare_rows``) are made once per arrays,
-and a :class:`~pdserve.engine.model_runner.ModelInput` of the rows holds for its own step
+and a :class:`~pdserve.engine.step.model_runner.ModelInput` of the rows holds for its own step
 only. What outlives the step is copied: the counters of its deltas, and the per-row lists,
 which a sync or a drop replaces rather than edits.
 
 The rows belong to the model runner (``ModelRunner.prepare`` syncs them from a
-:class:`~pdserve.engine.scheduler_output.SchedulerOutput` of a pure decode step); the
+:class:`~pdserve.engine.step.scheduler_output.SchedulerOutput` of a pure decode step); the
 scheduler never reads them: it gives the sequences their blocks and counts their progress,
 and hands the rows the blocks it appended (:meth:`DecodeRows.blocks_added`).
 
@@ -53,7 +53,7 @@ from operator import attrgetter, is_
 import numpy as np
 import torch
 
-from pdserve.engine.sampler import SamplingBatch, SamplingRow, is_penalized, takes_argmax
+from pdserve.engine.sampling.sampler import SamplingBatch, SamplingRow, is_penalized, takes_argmax
 from pdserve.engine.sequence import Sequence
 from pdserve.worker_api import StepDeltas
 

@@ -3,7 +3,7 @@
 For one speculating sequence the target computed logits at the k + 1 positions ``P .. P + k``
 (``P`` = the output position of its next token) over its last token followed by the drafts
 ``d_1 .. d_k``; row ``j`` predicts the token at output position ``P + j``. Each row is processed
-exactly as :mod:`pdserve.engine.sampler` processes a row (penalties with the token history
+exactly as :mod:`pdserve.engine.sampling.sampler` processes a row (penalties with the token history
 extended by the drafts before that position, temperature, top-k / top-p / min-p), giving the
 target's distribution ``p_j``; the draft's ``q_j`` comes from the same processing of the draft
 model's logits (``None``: one-hot at the draft, as for n-gram lookup).
@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.sampler import (
+from pdserve.engine.sampling.filters import block_sums
+from pdserve.engine.sampling.sampler import (
     SamplingBatch,
     SamplingRow,
     _gather_logprobs,
@@ -46,8 +47,7 @@ from pdserve.engine.sampler import (
     inverse_cdf_draw,
     sampled_weights,
 )
-from pdserve.engine.sampling_filters import block_sums
-from pdserve.engine.seeded_uniforms import draw_uniform
+from pdserve.engine.sampling.seeded_uniforms import draw_uniform
 from pdserve.worker_api.sampling_params import GREEDY_TEMPERATURE
 
 ACCEPT_STREAM = 0x5EC0_0001_A11C_E5ED  # u of the accept test at a position

@@ -1,4 +1,4 @@
-"""A follower rank of a tensor parallel engine: ``python -m pdserve.engine.tensor_follower
+"""A follower rank of a tensor parallel engine: ``python -m pdserve.engine.tensor_parallel.follower
 --store HOST:PORT --rank R --size N``, started by rank 0 (:class:`Followers.start`).
 
 1. Read the engine config from rank 0's store; load this rank's shard of the model.
@@ -21,9 +21,9 @@ import pickle
 
 import torch
 
-from pdserve.engine.memory import allocate_kv_caches, kv_layer_dtypes
+from pdserve.engine.capacity.memory import allocate_kv_caches, kv_layer_dtypes
 from pdserve.engine.parts import ResolvedModel
-from pdserve.engine.tensor_parallel import (
+from pdserve.engine.tensor_parallel.group import (
     OP_CALL,
     SECRET_ENV,
     START_TIMEOUT_S,

@@ -1,6 +1,6 @@
 """Small policy objects that make the scheduler's ordering and admission decisions.
 
-The :class:`~pdserve.engine.scheduler.Scheduler` owns the queues and the block bookkeeping;
+The :class:`~pdserve.engine.step.scheduler.Scheduler` owns the queues and the block bookkeeping;
 a policy answers five questions, each a short pure function:
 
 1. ``order_running``: in which order do running sequences claim this step's token budget?

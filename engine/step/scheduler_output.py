@@ -1,7 +1,7 @@
 """What a schedule is made of: the scheduler's limits (:class:`SchedulerConfig`), one
 sequence's share of a step (:class:`ScheduledSequence`) and the step's whole batch
 (:class:`SchedulerOutput`), which the model runner, the speculator and the prefill worker's
-hooks read. ``engine.scheduler`` makes them.
+hooks read. ``engine.step.scheduler`` makes them.
 """
 
 from __future__ import annotations

@@ -31,14 +31,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.scheduler_output import ScheduledSequence, SchedulerConfig, SchedulerOutput
-from pdserve.engine.scheduling_policy import (
+from pdserve.engine.kv_cache.block_manager import BlockManager
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.step.scheduler_output import ScheduledSequence, SchedulerConfig, SchedulerOutput
+from pdserve.engine.step.scheduling_policy import (
     DecodePolicy,
     PrefillOnlyPolicy,
     SchedulingPolicy,
 )
-from pdserve.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

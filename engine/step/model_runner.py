@@ -16,10 +16,10 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from pdserve.engine.cuda_graphs import DecodeGraphs
-from pdserve.engine.decode_rows import DecodeRows
-from pdserve.engine.roofline import UtilizationMeter, attended_pairs
-from pdserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from pdserve.engine.capacity.roofline import UtilizationMeter, attended_pairs
+from pdserve.engine.step.cuda_graphs import DecodeGraphs
+from pdserve.engine.step.decode_rows import DecodeRows
+from pdserve.engine.step.scheduler_output import ScheduledSequence, SchedulerOutput
 from pdserve.kernels import KVCacheLayer
 from pdserve.models.attention import AttentionMetadata
 

@@ -3,7 +3,7 @@ every layer's heads and MLP (the splits: :mod:`pdserve.models.tensor_parallel`).
 
 Rank 0 is the engine as at N=1: scheduler, block manager, sampling, the KV handoff. Ranks
 1..N-1 are follower processes it starts on its own machine (``python -m
-pdserve.engine.tensor_follower``), so a worker's ranks are placed together and restarted as
+pdserve.engine.tensor_parallel.follower``), so a worker's ranks are placed together and restarted as
 one. Each rank's KV pool holds its own K/V heads of the same blocks: block ids mean the same
 on every rank, and only rank 0 keeps the block tables.
 
@@ -53,16 +53,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.capacity.memory import MemoryLedger
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineBrokenError
-from pdserve.engine.memory import MemoryLedger
-from pdserve.engine.model_runner import ModelInput, ModelRunner
+from pdserve.engine.step.model_runner import ModelInput, ModelRunner
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-FOLLOWER_MODULE = "pdserve.engine.tensor_follower"
+FOLLOWER_MODULE = "pdserve.engine.tensor_parallel.follower"
 OP_STOP, OP_FORWARD, OP_CALL = 0, 1, 2
 # op, num_tokens, num_seqs, block table width, max_query_len, max_context_len, the rows
 # sampled, and the bytes of the pickled extras (FORWARD) or call (CALL) that follow the body

@@ -1,7 +1,7 @@
 """Speculative decoding on decode and colocated workers: propose k tokens cheaply, verify them in
 one target forward, keep the longest prefix the target agrees with.
 
-Configuration (vLLM's keys, validated in engine/spec_config.py):
+Configuration (vLLM's keys, validated in engine/speculation/config.py):
 ``EngineConfig.speculative_config`` / ``LLM(..., speculative_config=...)`` /
 ``pdserve serve --speculative-config JSON``::
 
@@ -18,7 +18,7 @@ A step with speculation (:meth:`LLMEngine.step` drives it):
 3. The runner appends the drafts after each sequence's new token and returns logits at every
    one of its k + 1 positions; one target forward verifies every speculating sequence of the
    mixed batch (the paged attention kernels take several query tokens per sequence).
-4. :meth:`Speculator.emit` verifies (:mod:`pdserve.engine.rejection_sampler`), appends the
+4. :meth:`Speculator.emit` verifies (:mod:`pdserve.engine.sampling.rejection_sampler`), appends the
    accepted tokens one by one through the engine's stop / detokenizer path (stopping at the
    first that finishes the request), then rolls back: ``num_computed_tokens`` covers only the
    tokens whose KV is valid (the accepted drafts) and the blocks past the sequence's tokens are
@@ -52,9 +52,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.memory import allocate_kv_caches
-from pdserve.engine.model_runner import Chunk, ModelRunner
-from pdserve.engine.rejection_sampler import (
+from pdserve.engine.capacity.memory import allocate_kv_caches
+from pdserve.engine.sampling.rejection_sampler import (
     DRAFT_STREAM,
     DraftedRows,
     Verified,
@@ -62,9 +61,10 @@ from pdserve.engine.rejection_sampler import (
     stream_uniform,
     verify,
 )
-from pdserve.engine.sampler import SamplingRow, inverse_cdf_draw, is_penalized
+from pdserve.engine.sampling.sampler import SamplingRow, inverse_cdf_draw, is_penalized
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.spec_config import SpeculativeConfig
+from pdserve.engine.speculation.config import SpeculativeConfig
+from pdserve.engine.step.model_runner import Chunk, ModelRunner
 from pdserve.models import load_model
 from pdserve.models.checkpoint import open_checkpoint
 from pdserve.worker_api import RequestDelta

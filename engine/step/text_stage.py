@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import threading
 
-from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.step.detokenizer import Detokenizer
 from pdserve.worker_api import StepDeltas
 
 
