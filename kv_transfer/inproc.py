@@ -183,7 +183,7 @@ class InProcEndpoint(KVReceiver):
             thread = threading.Thread(target=self._loop, args=(idx, wire), daemon=True,
                                       name=f"kv-inproc-recv-{peer_id}-{idx}")
             self._loops[idx] = thread
-        thread.start()
+            thread.start()  # (under the lock: close() joins every thread it finds listed)
         return wire
 
     def _loop(self, idx: int, wire: _Wire) -> None:
