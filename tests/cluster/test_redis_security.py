@@ -1,7 +1,10 @@
 """The embedded redis-server: a generated password (never on its command line), loopback only,
-and URLs printed with the password hidden."""
+URLs printed with the password hidden, and a child that dies with the thread that started it."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import psutil
 import pytest
@@ -24,6 +27,21 @@ def test_embedded_redis_requires_its_generated_password():
         listening = {c.laddr.ip for c in child.net_connections("inet")
                      if c.status == psutil.CONN_LISTEN}
         assert listening == {"127.0.0.1"}
+
+
+def test_the_child_is_killed_when_the_thread_that_started_it_ends():
+    server = RedisServer()
+    started = threading.Thread(target=server.start)
+    started.start()
+    started.join()
+    try:
+        assert psutil.Process(server.process.pid).name() == "redis-server"  # exec'd, not a wrapper
+        deadline = time.monotonic() + 10
+        while server.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.process.returncode == -9  # SIGKILL from the parent-death signal
+    finally:
+        server.stop()
 
 
 def test_a_given_password_and_redaction():
