@@ -35,6 +35,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.step.decode_rows import DecodeRows
 from pdserve.kernels import cpu_panel_gemm
+from pdserve.testing import general_steps
 from pdserve.worker_api.sampling_params import SamplingParams
 
 LLAMA_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -226,8 +227,7 @@ def _overhead_run(parts: EngineParts, batch: int, prompt_len: int, steps: int, s
     run of ``decode_steps`` on a fresh engine (``rows`` False: every step on the general
     path)."""
     render_s: list[float] = []
-    engine = LLMEngine(parts)
-    engine.persistent_batch = rows
+    engine = general_steps.engine(parts, rows=rows)
     stats = decode_steps(engine, batch, prompt_len, steps, render_s, spread, sampling)
     total = sum(s.total_s for s in stats)
     forward = sum(s.forward_s for s in stats)

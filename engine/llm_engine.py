@@ -16,11 +16,18 @@ off). Step:
    per-layer callback), ``runner.run()`` runs the batch and returns logits of the sequences
    whose chunk reaches their last token, then ``hooks.after_forward``;
 3. ``scheduler.update()`` advances ``num_computed_tokens`` and caches full blocks;
-4. the sampler draws one token per such sequence (the speculator verifies drafts instead; a
-   pure decode step draws from the rows' arrays); stop checks follow, and finished sequences
-   free their blocks through ``scheduler.finish``; ``hooks.after_sample`` decides which
-   deltas the step returns. Text is made in the step only for requests with stop strings;
-   the others' when their deltas are read (:meth:`render`).
+4. :meth:`draw` takes one token per such sequence (a pure decode step's from the rows'
+   arrays; a speculating decode's drafts are verified instead, :meth:`Speculator.verify`,
+   which gives its accepted tokens); the one output stage
+   (:class:`~pdserve.engine.step.output_stage.OutputStage`) appends them, applies the stop
+   rules (finished sequences free their blocks through ``scheduler.finish``) and builds the
+   deltas; the speculator then frees the slots of rejected drafts; ``hooks.after_sample``
+   decides which deltas the step returns. Text is made in the step only for requests with
+   stop strings; the others' when their deltas are read (:meth:`render`).
+
+A pure decode step happens only under a policy whose decodes take one token each and without
+speculation (the scheduler's own rule), so a prefill worker's hooks see every sequence that
+samples.
 
 Workers never reach into the parts: what they need of the engine is a method here
 (``hand_off``, ``reserve_blocks``, ``release_blocks``, ``start_running``, ``render``,
@@ -31,6 +38,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -39,17 +47,19 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.sampling.sampler import (
     Sampler,
+    SamplingBatch,
     check_samplable,
     greedy_token_array,
     greedy_tokens,
     sampling_row,
 )
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculation.speculator import Speculator
 from pdserve.engine.step.decode_rows import DecodeRows
 from pdserve.engine.step.hooks import StepHooks, StepStats
+from pdserve.engine.step.output_stage import OutputStage
 from pdserve.engine.step.scheduler import Scheduler
-from pdserve.engine.step.scheduler_output import ScheduledSequence, SchedulerConfig
+from pdserve.engine.step.scheduler_output import SchedulerConfig
 from pdserve.engine.step.scheduling_policy import SchedulingPolicy
 from pdserve.engine.step.text_stage import TextStage
 from pdserve.engine.tensor_parallel.group import TensorParallelRunner
@@ -88,29 +98,17 @@ class LLMEngine:
             parts.block_manager, policy or SchedulingPolicy(cfg.scheduling_policy))
         self.sampler = Sampler()
         self._seed_source = random.Random(cfg.seed)
-        self._sequences: dict[str, Sequence] = {}
         self.text = TextStage(parts.tokenizer, defer=defer_text)
+        self.output = OutputStage(self.scheduler, self.text, parts.eos_token_ids,
+                                  parts.max_model_len)
         self.last_step = StepStats()
         # speculative decoding (engine/speculation/speculator.py): decode and colocated roles only
         self.speculator = Speculator.build(parts) if self.scheduler.policy.speculates else None
         if self.speculator is not None:
             self.scheduler.lookahead = self.speculator.num_lookahead
-        # pure decode steps on the runner's persistent rows (engine/step/decode_rows.py): not
-        # with hooks that watch every step
-        self.persistent_batch = type(self.hooks) is StepHooks and self.speculator is None
         # an int8 KV cache whose scales or dequantized values overflow shows as non-finite
         # logits: each step checks them, and fails the rows that have them (loudly)
         self._int8_kv = cfg.kv_int8_scales if cfg.kv_cache_dtype == "int8" else None
-
-    @property
-    def persistent_batch(self) -> bool:
-        """Whether pure decode steps run on the runner's persistent rows (False: every step
-        is scheduled and batched from scratch, what the rows are tested against)."""
-        return self.scheduler.pure_decode_steps
-
-    @persistent_batch.setter
-    def persistent_batch(self, on: bool) -> None:
-        self.scheduler.pure_decode_steps = on
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -131,7 +129,7 @@ class LLMEngine:
         """A validated, untracked Sequence. NeverFits (a ValueError) naming what this engine can
         never take: a prompt its model or tokenizer cannot read, a context longer than its
         limit, more blocks than its pool, parameters no step can pack."""
-        if request_id in self._sequences:
+        if request_id in self.output.sequences:
             raise DuplicateRequestId(f"request_id {request_id!r} is already running")
         try:
             token_ids = self.parts.encode_prompt(prompt)
@@ -174,7 +172,7 @@ class LLMEngine:
     def add_sequence(self, seq: Sequence) -> Sequence:
         """Queue a checked, untracked sequence (:meth:`sequence_for`); DuplicateRequestId if
         its request id is already here."""
-        if seq.request_id in self._sequences:
+        if seq.request_id in self.output.sequences:
             raise DuplicateRequestId(f"request_id {seq.request_id!r} is already running")
         self.scheduler.add(seq)
         self.track(seq)
@@ -183,8 +181,7 @@ class LLMEngine:
     def track(self, seq: Sequence) -> None:
         """Start detokenizing and stop-checking ``seq``'s output (resumed outputs replayed, so
         text and stop-string hold-back continue where the previous worker left them)."""
-        self._sequences[seq.request_id] = seq
-        self.text.track(seq)
+        self.output.track(seq)
 
     def render(self, deltas: StepDeltas) -> StepDeltas:
         """``deltas`` with the deferred text filled in (any thread; once per delta, in the
@@ -193,7 +190,7 @@ class LLMEngine:
 
     def expire(self, now: float) -> list[RequestDelta]:
         """Abort every tracked request whose deadline (``time.time()``) has passed."""
-        late = [s.request_id for s in self._sequences.values()
+        late = [s.request_id for s in self.output.sequences.values()
                 if s.deadline is not None and s.deadline < now]
         deltas = []
         for request_id in late:
@@ -205,7 +202,7 @@ class LLMEngine:
 
     def abort_all(self, error: str) -> list[RequestDelta]:
         """Abort every tracked request; each final delta carries ``error``."""
-        deltas = [self.abort(request_id) for request_id in list(self._sequences)]
+        deltas = [self.abort(request_id) for request_id in list(self.output.sequences)]
         for delta in deltas:
             delta.error = error
         return deltas
@@ -213,10 +210,7 @@ class LLMEngine:
     def untrack(self, request_id: str) -> Sequence | None:
         """Stop following a request (it left this engine: handed off or aborted elsewhere);
         its text state goes too."""
-        seq = self._sequences.pop(request_id, None)
-        if seq is not None:
-            self.text.drop(request_id, seq.attempt)
-        return seq
+        return self.output.untrack(request_id)
 
     def hand_off(self, seq: Sequence) -> None:
         """A prefill worker's prompt is done and its KV packed (copies): it leaves this engine,
@@ -256,7 +250,7 @@ class LLMEngine:
         self.parts.block_manager.adopt_received(seq, num_stand_ins)  # its prompt's KV is in
         self.track(seq)
         try:
-            delta = self.append_token(seq, first_token_id, None, time.monotonic())
+            delta = self.output.append_token(seq, first_token_id, None, time.monotonic())
             self.render(StepDeltas([delta]))
             if not seq.is_finished:
                 self.scheduler.add_running(seq)
@@ -306,19 +300,14 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestDelta | None:
         """Idempotent: frees the request's blocks; returns its final delta if it was live."""
-        seq = self.untrack(request_id)
-        self.scheduler.abort(request_id)
-        if seq is None:
-            return None
-        return RequestDelta(request_id, [], "", "abort", None, seq.num_prompt_tokens,
-                            seq.num_output_tokens, attempt=seq.attempt)
+        return self.output.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
     @property
     def num_requests(self) -> int:
-        return len(self._sequences)
+        return len(self.output.sequences)
 
     # -- stepping ---------------------------------------------------------------------------
 
@@ -326,7 +315,7 @@ class LLMEngine:
         """One step; its deltas go through :meth:`render` before anyone reads them."""
         start = time.perf_counter()
         output = self.scheduler.schedule()
-        deltas = StepDeltas(self._hand_back(output.bounced))
+        deltas = StepDeltas(self.output.handed_back(output.bounced))
         if output.is_empty:
             self.last_step = StepStats()
             return deltas
@@ -342,105 +331,63 @@ class LLMEngine:
         self.hooks.after_forward()
         self.scheduler.update(output)
         if output.decodes is not None:  # every row samples, from the runner's rows
-            deltas.extend(self._sample_and_emit_rows(runner.rows, logits))
-        else:
-            if self.speculator is None:
-                made = self.sample_and_emit(sampling, logits)
-            else:  # verify drafts, append the accepted tokens, roll rejected slots back
-                made = self.speculator.emit(self, sampling, logits)
+            deltas.extend(self._rows_step(runner.rows, logits))
+        elif sampling:
+            seqs = [item.seq for item in sampling]
+            if self.speculator is not None and self.speculator.drafted(sampling):
+                token_ids, logprobs, faults = self.speculator.verify(sampling, logits,
+                                                                     self.draw)
+            else:
+                token_ids, logprobs, faults = self.draw(logits, seqs)
+                token_ids = [[t] for t in token_ids]
+                logprobs = [None if e is None else [e] for e in logprobs]
+            made = self.output.emit(seqs, token_ids, logprobs, faults)
+            if self.speculator is not None:  # rejected drafts' slots go back to the pool
+                self.speculator.roll_back_each(sampling)
             deltas.extend(self.hooks.after_sample(sampling, made))
         self.last_step = StepStats(output.num_batched_tokens, output.num_seqs, forward_s,
                                    time.perf_counter() - start)
         return deltas
 
-    def _sample_and_emit_rows(self, rows: DecodeRows, logits: torch.Tensor) -> StepDeltas:
-        """A pure decode step's tokens, drawn by array ops over the rows (one per row), and
-        their deltas (:meth:`_emit_rows`)."""
-        faults = self._non_finite_rows(logits)
+    def _rows_step(self, rows: DecodeRows, logits: torch.Tensor) -> StepDeltas:
+        """A pure decode step's tokens, one per row, drawn with the rows' own arrays, appended
+        by ``rows.advance``, then their deltas; the rows learn which ended."""
+        version = self.scheduler.running_version
         if rows.all_greedy:
-            tokens, logprobs = greedy_token_array(logits), None
+            tokens, logprobs, faults = greedy_token_array(logits), None, \
+                self._non_finite_rows(logits)
             token_ids = tokens.tolist()
         else:  # the parameters are the rows' arrays; token histories only for penalties
-            def sample_batch():
+            def batch() -> SamplingBatch:
                 penalized = list(map(sampling_row, rows.seqs)) if rows.any_penalized else None
-                return self.sampler.sample(logits, rows.sampling_batch(penalized))
-            token_ids, logprobs, failed = self._sample_each_alone_on_failure(
-                logits, list(rows.seqs), sample_batch)
-            faults.update(failed)
+                return rows.sampling_batch(penalized)
+            token_ids, logprobs, faults = self.draw(logits, rows.seqs, batch)
             tokens = np.asarray(token_ids, np.int64)
         rows.advance(token_ids, tokens)
-        return self._emit_rows(rows, token_ids, logprobs, faults)
-
-    def _emit_rows(self, rows: DecodeRows, token_ids: list[int], logprobs: list | None,
-                   faults: dict[int, Exception]) -> StepDeltas:
-        """The deltas of a rows step (after ``rows.advance``): one compact delta for the rows
-        that go on, the per-token path for the others (and the rows at fault, which end
-        failed); rows that ended are dropped."""
-        if not self.text.defers:  # every token's text is made in the step
-            per_token = list(range(len(rows)))
-        else:
-            per_token = rows.ending(self.parts.eos_token_ids).tolist()
-            if faults:
-                per_token = sorted(set(per_token).union(faults))
-        deltas = rows.new_token_deltas(token_ids, per_token)
-        if per_token:
-            version, now = self.scheduler.running_version, time.monotonic()
-            deltas.extend([self._fault(rows.seqs[i], faults[i]) if i in faults
-                           else self._token_appended_or_fault(
-                               rows.seqs[i], token_ids[i], logprobs[i] if logprobs else None,
-                               now)
-                           for i in per_token])
-            ended = [i for i in per_token if rows.seqs[i].is_finished]
-            if ended and rows.version == version == self.scheduler.running_version - len(ended):
-                rows.drop(ended, self.scheduler.running_version)  # only these left running
-        rows.first_tokens_sent()
+        deltas, ended = self.output.emit_rows(rows, token_ids, logprobs, faults)
+        if ended:
+            rows.ended(ended, version, self.scheduler.running_version)
         return deltas
 
-    def _hand_back(self, bounced: list[Sequence]) -> list[RequestDelta]:
-        """Final deltas of sequences the scheduler preempted by handing them back."""
-        deltas = []
-        for seq in bounced:
-            self._sequences.pop(seq.request_id, None)  # its final delta closes its text
-            self.text.finish(seq.request_id)
-            deltas.append(RequestDelta(seq.request_id, [], "", "abort", None,
-                                       seq.num_prompt_tokens, seq.num_output_tokens,
-                                       error="preempted: no free KV blocks on this worker",
-                                       attempt=seq.attempt, preempted=True))
-        return deltas
+    # -- drawing tokens: a request that makes its step fail fails alone ------------------------
 
-    def sample_and_emit(self, sampling: list[ScheduledSequence],
-                        logits: torch.Tensor) -> list[RequestDelta]:
-        """Sample one token per sequence in ``sampling``, apply stop rules, emit deltas."""
-        if not sampling:
-            return []
-        seqs = [item.seq for item in sampling]
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence],
+             batch: Callable[[], SamplingBatch] | None = None) -> tuple[list, list, dict]:
+        """(token_ids, logprobs, faults): one token per row of ``logits``, row ``i`` drawn for
+        ``seqs[i]`` (from ``batch()``, its sampling inputs, when given; else built from the
+        sequences). ``faults`` maps the rows that failed to their error: a row whose logits
+        are not finite (int8 KV), or that fails to sample alone when the batch failed (its
+        token is the row's argmax, a placeholder never emitted)."""
         faults = self._non_finite_rows(logits)
-        if Sampler.is_plain_greedy([seq.sampling_params for seq in seqs]):
-            token_ids, logprobs = greedy_tokens(logits), [None] * len(seqs)
-        else:
-            token_ids, logprobs, failed = self._sample_each_alone_on_failure(
-                logits, seqs, lambda: self.sampler(logits, list(map(sampling_row, seqs))))
-            faults.update(failed)
-        now = time.monotonic()
-        return [self._fault(seq, faults[i]) if i in faults
-                else self._append_or_fault(seq, token_id, entry, now)
-                for i, (seq, token_id, entry) in enumerate(zip(seqs, token_ids, logprobs,
-                                                               strict=True))]
-
-    # -- a request that makes its step fail fails alone ----------------------------------------
-
-    def _sample_each_alone_on_failure(self, logits: torch.Tensor, seqs: list[Sequence],
-                                      sample_batch) -> tuple[list, list, dict]:
-        """(token_ids, logprobs, faults) of one token per row: ``sample_batch()`` (a
-        SamplerOutput) when it succeeds, else each row sampled alone; ``faults`` maps the rows
-        that fail alone to their error (their token is the row's argmax, a placeholder the
-        caller never emits)."""
+        if batch is None and Sampler.is_plain_greedy([seq.sampling_params for seq in seqs]):
+            return greedy_tokens(logits), [None] * len(seqs), faults
         try:
-            sampled = sample_batch()
-            return sampled.token_ids, sampled.logprobs, {}
+            sampled = (self.sampler.sample(logits, batch()) if batch is not None
+                       else self.sampler(logits, list(map(sampling_row, seqs))))
+            return sampled.token_ids, sampled.logprobs, faults
         except Exception:  # noqa: BLE001 - find the rows at fault instead of dying
             logger.exception("sampling %d rows failed; sampling each row alone", len(seqs))
-        token_ids, logprobs, faults = [], [], {}
+        token_ids, logprobs = [], []
         for i, seq in enumerate(seqs):
             try:
                 sampled = self.sampler(logits[i:i + 1], [sampling_row(seq)])
@@ -461,74 +408,3 @@ class LLMEngine:
             f"non-finite logits with the int8 KV cache (kv_int8_scales={self._int8_kv!r}): "
             "its scales or dequantized values overflowed; serve this model with "
             "kv_cache_dtype='auto'") for i in bad}
-
-    def _append_or_fault(self, seq: Sequence, token_id: int,
-                         logprobs: dict[int, float] | None, now: float) -> RequestDelta:
-        try:
-            return self.append_token(seq, token_id, logprobs, now)
-        except Exception as exc:  # noqa: BLE001 - stop rules or text of this request alone
-            return self._fault(seq, exc)
-
-    def _fault(self, seq: Sequence, exc: Exception) -> RequestDelta:
-        """Abort ``seq``, which made this step fail, with a final delta saying why."""
-        logger.error("request %s failed in a step and is aborted alone", seq.request_id,
-                     exc_info=exc)
-        delta = self.abort(seq.request_id) or RequestDelta(
-            seq.request_id, [], "", "abort", None, seq.num_prompt_tokens,
-            seq.num_output_tokens, attempt=seq.attempt)
-        delta.error = f"the request failed in the engine: {type(exc).__name__}: {exc}"
-        delta.faulted = True
-        return delta
-
-    def _token_appended_or_fault(self, seq: Sequence, token_id: int,
-                                 logprobs: dict[int, float] | None, now: float) -> RequestDelta:
-        try:
-            return self._token_appended(seq, token_id, logprobs, now)
-        except Exception as exc:  # noqa: BLE001 - stop rules or text of this request alone
-            return self._fault(seq, exc)
-
-    def append_token(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
-                     now: float) -> RequestDelta:
-        """Append ``token_id`` to ``seq``, detokenize it, apply the stop rules (finishing the
-        request when one holds) and return its delta. Runs once per sequence per step: keep
-        it lean."""
-        seq.token_ids.append(token_id)
-        return self._token_appended(seq, token_id, logprobs, now)
-
-    def _token_appended(self, seq: Sequence, token_id: int, logprobs: dict[int, float] | None,
-                        now: float) -> RequestDelta:
-        """:meth:`append_token` once ``token_id`` is the last of ``seq.token_ids``."""
-        timings = None
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            if seq.first_scheduled_time is not None:  # prefilled here: where TTFT went
-                timings = (seq.first_scheduled_time - seq.arrival_time,
-                           now - seq.first_scheduled_time)
-        if logprobs is not None:
-            seq.output_logprobs.append(logprobs)
-        text, stopped = self.text.append(seq.request_id, token_id)
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens
-        status = self.stop_status(seq, token_id, stopped, num_output)
-        if status is not None:
-            text += self.text.finish(seq.request_id)  # held back text ("" after a stop)
-            self.scheduler.finish(seq, status)
-            self._sequences.pop(seq.request_id, None)  # its final delta closes its text
-        delta = RequestDelta(seq.request_id, [token_id], text,
-                             status.finish_reason if status else None,
-                             [logprobs] if logprobs is not None else None,
-                             seq.num_prompt_tokens, num_output, attempt=seq.attempt)
-        if timings is not None:
-            delta.queue_time_s, delta.prefill_time_s = timings
-        return delta
-
-    def stop_status(self, seq: Sequence, token_id: int, stop_string_hit: bool,
-                    num_output: int) -> SequenceStatus | None:
-        params = seq.sampling_params
-        if stop_string_hit or (params.stop_token_ids and token_id in params.stop_token_ids):
-            return SequenceStatus.FINISHED_STOPPED
-        if not params.ignore_eos and token_id in self.parts.eos_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
-        if num_output >= params.max_tokens or len(seq.token_ids) >= self.parts.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-

@@ -18,9 +18,10 @@ A step with speculation (:meth:`LLMEngine.step` drives it):
 3. The runner appends the drafts after each sequence's new token and returns logits at every
    one of its k + 1 positions; one target forward verifies every speculating sequence of the
    mixed batch (the paged attention kernels take several query tokens per sequence).
-4. :meth:`Speculator.emit` verifies (:mod:`pdserve.engine.sampling.rejection_sampler`), appends the
-   accepted tokens one by one through the engine's stop / detokenizer path (stopping at the
-   first that finishes the request), then rolls back: ``num_computed_tokens`` covers only the
+4. :meth:`Speculator.verify` verifies (:mod:`pdserve.engine.sampling.rejection_sampler`) and
+   returns the accepted tokens as data; the engine's output stage appends them one by one
+   (stopping at the first that finishes the request); then :meth:`Speculator.roll_back_each`
+   rolls back: ``num_computed_tokens`` covers only the
    tokens whose KV is valid (the accepted drafts) and the blocks past the sequence's tokens are
    freed (``BlockManager.trim``).
 
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +56,6 @@ from pdserve.engine.capacity.memory import allocate_kv_caches
 from pdserve.engine.sampling.rejection_sampler import (
     DRAFT_STREAM,
     DraftedRows,
-    Verified,
     process_rows,
     stream_uniform,
     verify,
@@ -67,7 +66,6 @@ from pdserve.engine.speculation.config import SpeculativeConfig
 from pdserve.engine.step.model_runner import Chunk, ModelRunner
 from pdserve.models import load_model
 from pdserve.models.checkpoint import open_checkpoint
-from pdserve.worker_api import RequestDelta
 from pdserve.worker_api.sampling_params import GREEDY_TEMPERATURE
 
 logger = logging.getLogger(__name__)
@@ -221,18 +219,6 @@ class DraftModelProposer:
         return logits if with_logits else None
 
 
-# -- the engine's side --------------------------------------------------------------------------
-
-def merge_deltas(parts: list[RequestDelta]) -> RequestDelta:
-    """One delta for the tokens one sequence emitted this step (the last one's status)."""
-    if len(parts) == 1:
-        return parts[0]
-    logprobs = None if any(d.logprobs is None for d in parts) else \
-        [entry for d in parts for entry in d.logprobs]
-    return dataclasses.replace(parts[-1], new_token_ids=[t for d in parts for t in d.new_token_ids],
-                               text="".join(d.text for d in parts), logprobs=logprobs)
-
-
 class Speculator:
     """What speculation adds to one engine: lookahead sizes, proposals, verification, rollback."""
 
@@ -275,12 +261,16 @@ class Speculator:
                 item.draft_token_ids = drafts
                 self._draft_weights[id(item)] = weights
 
-    def emit(self, engine, sampling, logits: torch.Tensor) -> list[RequestDelta]:
-        """The deltas of ``sampling`` (one per sequence, in order) from ``logits`` (one row per
-        plain sequence, k + 1 per speculating one): plain rows through the engine's sampler,
-        speculating ones verified, their accepted tokens appended, their rejected slots freed."""
-        if not self._draft_weights:
-            return engine.sample_and_emit(sampling, logits)
+    def drafted(self, sampling) -> bool:
+        """Whether any item of ``sampling`` has drafts to verify this step."""
+        return bool(self._draft_weights) and any(item.draft_token_ids for item in sampling)
+
+    def verify(self, sampling, logits: torch.Tensor, draw) -> tuple[list, list, dict]:
+        """The tokens of ``sampling`` from ``logits`` (one row per plain item, k + 1 per
+        speculating one), as (token_ids, logprobs, faults) with a list of tokens per item: a
+        plain item's one token drawn by ``draw(logits, seqs)`` (the engine's), a speculating
+        one's accepted drafts and the target's own token (:func:`verify`). Data only: the
+        output stage appends them, then :meth:`roll_back_each` frees what was rejected."""
         plain, plain_rows, spec, spec_rows = [], [], [], []
         row = 0
         for i, item in enumerate(sampling):
@@ -288,35 +278,34 @@ class Speculator:
             (spec if item.draft_token_ids else plain).append(i)
             (spec_rows if item.draft_token_ids else plain_rows).extend(range(row, row + n))
             row += n
-        deltas: list[RequestDelta | None] = [None] * len(sampling)
+        token_ids: list = [None] * len(sampling)
+        logprobs: list = [None] * len(sampling)
+        faults: dict[int, Exception] = {}
         drafted = [DraftedRows(drafted_rows(sampling[i].seq, list(sampling[i].draft_token_ids),
                                             1 + len(sampling[i].draft_token_ids)),
                                list(sampling[i].draft_token_ids),
                                self._draft_weights.pop(id(sampling[i]))) for i in spec]
         self._draft_weights.clear()
-        verified = verify(logits[spec_rows], drafted)
+        for i, v in zip(spec, verify(logits[spec_rows], drafted), strict=True):
+            token_ids[i], logprobs[i] = v.token_ids, v.logprobs
+            self.stats.num_drafts += 1
+            self.stats.num_draft_tokens += len(sampling[i].draft_token_ids)
+            self.stats.num_accepted_tokens += v.num_accepted
         if plain:
-            for i, delta in zip(plain, engine.sample_and_emit(
-                    [sampling[i] for i in plain], logits[plain_rows]), strict=True):
-                deltas[i] = delta
-        now = time.monotonic()
-        for i, v in zip(spec, verified, strict=True):
-            deltas[i] = self._emit_verified(engine, sampling[i], v, now)
-        return deltas
+            drawn, entries, failed = draw(logits[plain_rows], [sampling[i].seq for i in plain])
+            for k, i in enumerate(plain):
+                token_ids[i] = [drawn[k]]
+                logprobs[i] = None if entries[k] is None else [entries[k]]
+                if k in failed:
+                    faults[i] = failed[k]
+        return token_ids, logprobs, faults
 
-    def _emit_verified(self, engine, item, v: Verified, now: float) -> RequestDelta:
-        seq = item.seq
-        parts = []
-        for token_id, logprobs in zip(v.token_ids, v.logprobs, strict=True):
-            parts.append(engine.append_token(seq, token_id, logprobs, now))
-            if seq.is_finished:
-                break
-        self.stats.num_drafts += 1
-        self.stats.num_draft_tokens += len(item.draft_token_ids)
-        self.stats.num_accepted_tokens += v.num_accepted
-        if not seq.is_finished:
-            self.roll_back(seq)
-        return merge_deltas(parts)
+    def roll_back_each(self, sampling) -> None:
+        """After the output stage: each speculating sequence still running is rolled back to
+        the tokens whose KV is valid (:meth:`roll_back`)."""
+        for item in sampling:
+            if item.draft_token_ids and not item.seq.is_finished:
+                self.roll_back(item.seq)
 
     def roll_back(self, seq: Sequence) -> None:
         """After appending: the accepted drafts' KV is valid, the last token's is not computed

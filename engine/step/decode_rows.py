@@ -19,8 +19,8 @@ The rows mirror the scheduler's ``running_version`` they were synced at (``versi
   index each); a sequence that joined, or whose table was replaced (preempted and admitted
   again), gets a fresh column read from it; when the only change is sequences joining after
   every current row (a decode worker's steady state), the arrays just grow by their columns;
-- :meth:`DecodeRows.drop` removes the rows that finished in the step just run, when that is
-  all that changed, so a finish costs no sync;
+- :meth:`DecodeRows.ended` removes the rows that finished in the step just run, when that
+  is all that changed, so a finish costs no sync;
 - a general step makes them stale (:meth:`DecodeRows.invalidate`): the next sync reads every
   column again.
 
@@ -229,6 +229,14 @@ class DecodeRows:
         self.context_lens = (state[POSITIONS] + 1).astype(np.int32)
         self._batch_totals()
         return fresh_seqs
+
+    def ended(self, rows: list[int], version_before: int, version: int) -> None:
+        """Rows ``rows`` ended in the step just run, which the scheduler's ``running_version``
+        saw go from ``version_before`` to ``version``: when the rows mirrored the former and
+        those ends are all that changed, they are dropped (:meth:`drop`), so the next step
+        needs no sync; otherwise the next step's sync rebuilds them."""
+        if self.version == version_before == version - len(rows):
+            self.drop(rows, version)
 
     def drop(self, rows: list[int], version: int) -> None:
         """Rows ``rows`` ended in the step just run, and that is all that changed in the

@@ -9,9 +9,10 @@ Lifecycle of one step (the engine drives it):
    waiting. If no running sequence went short, waiting sequences are admitted FCFS: prefix
    cache first (``match_prefix``), then a chunk of what remains, while ``max_num_seqs`` and
    the budget allow. Returns a :class:`SchedulerOutput` in batch order.
-   With ``pure_decode_steps`` on, a step in which every running sequence decodes is a pure
-   decode step instead: ``SchedulerOutput.decodes`` lists them all, and those entering a new
-   block have it in their tables (see ``_schedule_pure_decode``).
+   A step in which every running sequence decodes, under a policy that asks for it
+   (``pure_decode_steps``) and without speculation, is a pure decode step instead:
+   ``SchedulerOutput.decodes`` lists them all, and those entering a new block have it in
+   their tables (see ``_schedule_pure_decode``).
 2. The model runner computes ``seq.token_ids[start : start + num_new_tokens]`` for every
    :class:`ScheduledSequence` (each sequence's last token in a pure decode step); the engine
    samples one token for those whose ``samples`` is True (every one in a pure decode step).
@@ -71,10 +72,6 @@ class Scheduler:
         self.num_bounces = 0  # of which handed back to the router (decode role)
         # speculative decoding (set by the engine): draft slots a decode may get this step
         self.lookahead: Callable[[Sequence], int] | None = None
-        # a step in which every running sequence decodes is scheduled as a pure decode step
-        # (SchedulerOutput.decodes, which the engine runs on the runner's persistent rows,
-        # and turns on); False: as any step, one ScheduledSequence each
-        self.pure_decode_steps = False
         self._decodes: list[Sequence] = []  # the latest pure decode step's sequences
         self._decodes_version = -1  # the running_version they are
         # sequences that need a block at the next pure decode step (None: not known, every
@@ -197,7 +194,7 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = self._schedule_pure_decode() if self.pure_decode_steps else None
+        out = self._schedule_pure_decode()
         self._joined = []
         if out is not None:
             return out
@@ -241,12 +238,12 @@ class Scheduler:
 
     def _schedule_pure_decode(self) -> SchedulerOutput | None:
         """A pure decode step of every running sequence when that is what the general
-        schedule would do: nothing waits (or every seat is taken), the policy gives decodes
-        one token each, none speculates, every running sequence has one token left to
+        schedule would do: nothing waits (or every seat is taken), the policy asks for pure
+        decode steps, none speculates, every running sequence has one token left to
         compute, all fit the step's limits, and the sequences entering a new block get one.
         None when the step needs the general schedule."""
         cfg = self.config
-        if (not self.policy.decodes_take_one_token or self.lookahead is not None
+        if (not self.policy.pure_decode_steps or self.lookahead is not None
                 or not self.running
                 or (self.waiting and len(self.running) < cfg.max_num_seqs
                     and not self._holds_admission())):

@@ -17,6 +17,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.sequence import SequenceStatus
 from pdserve.engine.step.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.step.scheduling_policy import SchedulingPolicy
+from pdserve.testing.general_steps import general_steps
 
 from .test_scheduler import TOKEN, req
 
@@ -24,9 +26,8 @@ from .test_scheduler import TOKEN, req
 def make(hold_s: float, budget: int = 32, pure: bool = False) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=256,
                              admission_hold_s=hold_s)
-    sched = Scheduler(config, BlockManager(64, 4, True, None))
-    sched.pure_decode_steps = pure
-    return sched
+    return Scheduler(config, BlockManager(64, 4, True, None),
+                     SchedulingPolicy() if pure else general_steps())
 
 
 def step(sched: Scheduler):

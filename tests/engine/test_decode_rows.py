@@ -24,6 +24,7 @@ from pdserve.engine.sampling.sampler import SamplingBatch, sampling_row
 from pdserve.engine.step import decode_rows
 from pdserve.engine.step.model_runner import ModelInput
 from pdserve.engine.step.scheduling_policy import DecodePolicy
+from pdserve.testing import general_steps
 from pdserve.worker_api import NoRoomNow, WorkRequest
 from pdserve.worker_api.sampling_params import SamplingParams
 
@@ -32,9 +33,8 @@ def _engine(tiny_dir, rebuild: bool) -> LLMEngine:
     parts = EngineParts.build(EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=24,
                                            max_num_seqs=12, max_num_batched_tokens=64,
                                            enable_prefix_caching=True))
-    engine = LLMEngine(parts)
+    engine = general_steps.engine(parts, rows=not rebuild)
     if rebuild:
-        engine.persistent_batch = False
         runner = parts.runner
         runner.prepare = lambda output: runner._prepare_general(output.scheduled)  # no rows
     return engine
@@ -276,8 +276,7 @@ def test_a_decode_that_must_preempt_leaves_the_rows_for_the_general_step(tiny_di
     def run(rebuild: bool) -> dict[str, list[int]]:
         parts = EngineParts.build(EngineConfig(model=str(tiny_dir), block_size=4,
                                                num_kv_blocks=6, max_num_seqs=4))
-        engine = LLMEngine(parts)
-        engine.persistent_batch = not rebuild
+        engine = general_steps.engine(parts, rows=not rebuild)
         for i in range(3):
             engine.add_request(f"p{i}", [3 + i, 4, 5], SamplingParams(
                 max_tokens=9, temperature=0.0, ignore_eos=True))
@@ -295,9 +294,7 @@ def test_a_decode_that_must_preempt_leaves_the_rows_for_the_general_step(tiny_di
 def _decode_engine(tiny_dir, rows_on: bool) -> LLMEngine:
     parts = EngineParts.build(EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=40,
                                            max_num_seqs=12))
-    engine = LLMEngine(parts, policy=DecodePolicy())
-    engine.persistent_batch = rows_on
-    return engine
+    return general_steps.engine(parts, rows=rows_on, policy=DecodePolicy())
 
 
 def _decode_traffic(engine: LLMEngine, seed: int, batches: list) -> dict[str, list]:
@@ -365,8 +362,7 @@ def test_a_full_house_with_a_queue_still_decodes_on_the_rows(tiny_dir):
     def run(rows_on: bool) -> tuple[dict[str, list], list[int]]:
         parts = EngineParts.build(EngineConfig(model=str(tiny_dir), block_size=4,
                                                num_kv_blocks=64, max_num_seqs=2))
-        engine = LLMEngine(parts)
-        engine.persistent_batch = rows_on
+        engine = general_steps.engine(parts, rows=rows_on)
         queued = []  # requests waiting at each step on the rows
         schedule = engine.scheduler.schedule
 

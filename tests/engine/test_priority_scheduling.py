@@ -15,6 +15,7 @@ from pdserve.engine.step.scheduling_policy import (
     PrefillOnlyPolicy,
     SchedulingPolicy,
 )
+from pdserve.testing.general_steps import general_steps
 
 TOKEN = 7
 
@@ -22,7 +23,7 @@ TOKEN = 7
 def make(policy, num_blocks=64, budget=16, max_seqs=8) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                              max_model_len=512)
-    return Scheduler(config, BlockManager(num_blocks, 4, True, None), policy)
+    return Scheduler(config, BlockManager(num_blocks, 4, True, None), general_steps(policy))
 
 
 def seq(request_id: str, n: int, priority: int = 0, max_tokens: int = 2,

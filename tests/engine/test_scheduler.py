@@ -15,6 +15,7 @@ from pdserve.engine.step.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from pdserve.testing.general_steps import general_steps
 from pdserve.worker_api.sampling_params import SamplingParams
 
 TOKEN = 7  # what the fake runner samples
@@ -37,7 +38,7 @@ def make_sched(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_model_len
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                              max_model_len=max_model_len, enable_chunked_prefill=chunked)
     sched = Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching, window),
-                      policy)
+                      general_steps(policy))  # (step() below reads the general shape)
     _created.append(sched)
     return sched
 

@@ -15,6 +15,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.step.detokenizer import Detokenizer
+from pdserve.testing.general_steps import general_steps
 from pdserve.worker_api import StepDeltas
 from pdserve.worker_api.sampling_params import SamplingParams
 
@@ -128,7 +129,7 @@ def test_offline_llm_reads_column_deltas_as_render_would(tiny_dir):
     params = [_params(), SamplingParams(max_tokens=20, temperature=0.8, seed=3),
               SamplingParams(max_tokens=15, temperature=0.0)]
     llm, reference = LLM(str(tiny_dir), num_kv_blocks=256), LLM(str(tiny_dir), num_kv_blocks=256)
-    reference.engine.persistent_batch = False
+    general_steps(reference.engine.scheduler.policy)  # its every step general
     calls = []
     read = StepDeltas.read
 
