@@ -4,6 +4,7 @@ between folders form no cycle."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -287,3 +288,27 @@ def test_cluster_is_ray_and_redis():
     assert found == KEPT_IN_CLUSTER, (
         f"neither Ray nor Redis, and not kept: {sorted(found - KEPT_IN_CLUSTER)}; kept, but "
         f"gone or using them now: {sorted(KEPT_IN_CLUSTER - found)}")
+
+
+def test_the_architecture_table_states_the_floor_plan():
+    """docs/architecture.md's table of floors says what MAY_IMPORT and OWNERS say: every floor
+    has a row, and its "may import" column names exactly the floors it may import (in
+    backticks; "the three roles" for the role folders) and the owned third-party packages
+    it may import (plain words)."""
+    roles = ["prefill_worker", "decode_worker", "colocated_worker"]
+    rows: dict[str, str] = {}
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`"):
+            continue
+        for name in re.findall(r"`([\w.]+?)(?:/|\.py)?`", cells[0]):
+            rows[name] = cells[2]
+    assert set(rows) == set(MAY_IMPORT) - {"__init__"}
+    for floor, text in rows.items():
+        named = set(re.findall(r"`([\w.]+)`", text)) & set(MAY_IMPORT)
+        if "the three roles" in text:
+            named.update(roles)
+        assert named == MAY_IMPORT[floor], (floor, text)
+        words = set(re.findall(r"\b[a-z]+\b", re.sub(r"`[^`]*`", "", text)))
+        owned = {pkg for pkg, floors in OWNERS.items() if floor in floors}
+        assert words & set(OWNERS) == owned, (floor, text)
