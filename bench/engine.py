@@ -168,7 +168,7 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
             compute_s = 2 * params * batch / peak_flops
             roof = max(bytes_read / bandwidth, compute_s)
             achievable = max(bytes_read / gemv_bw, compute_s)
-            gemm_used = gemm if gemm != "panel" or cpu_panel_gemm.available() else "onednn"
+            gemm_used = gemm if gemm != "panel" or cpu_panel_gemm.beats_onednn() else "onednn"
             rows.append([dtype, gemm_used, parts.runner.backend, batch,
                          median.total_s * 1e3,
                          f"{1 - median.forward_s / median.total_s:.1%}", roof * 1e3,

@@ -81,6 +81,17 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *packed, int64_t kp,
     return 0;
 }
 
+/* Whether a block of rows keeps its accumulators in registers on the CPU this was built for:
+ * ROW_BLOCK x 4 vectors of 16 floats and the panel row's 4 need AVX-512's 32 registers; with
+ * AVX2's 16 (a vector of 16 floats takes two) or NEON's they spill to memory on every k. */
+int panel_gemm_rows_in_registers(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Whether packed (nbytes) holds w (n, k, row-major) in the panel layout above, kp = k rounded
  * up to 16, padding zero: 1 yes, 0 no. Checked once per weight before the kernel reads it. */
 int panel_layout_matches(const float *w, int64_t n, int64_t k, const float *packed,

@@ -1,10 +1,10 @@
 """A decode step's few rows against a packed weight, through the C kernel
 (``cpu_panel_gemm.c``) that streams oneDNN's packed layout once instead of calling oneDNN.
 
-oneDNN's float32 GEMM keeps a packed weight in panels of 64 output columns (where the CPU has
-AVX-512); reading those panels row by row, a few input rows are multiplied against the weight
-at close to the speed memory delivers it, where oneDNN's kernel for so few rows is built for
-many. The layout is oneDNN's choice, not a documented contract, so :func:`record_layout` checks
+oneDNN's float32 GEMM keeps a packed weight in panels of 64 output columns; reading those
+panels row by row, a few input rows are multiplied against the weight at close to the speed
+memory delivers it, where oneDNN's kernel for so few rows is built for many. That holds where
+the CPU has AVX-512 (:func:`beats_onednn`); elsewhere the rows stay with oneDNN. The layout is oneDNN's choice, not a documented contract, so :func:`record_layout` checks
 it on the first weight of every shape that :func:`~pdserve.kernels.linear.pack_weight` packs,
 and only the shapes it confirmed come here (:func:`takes`); the rest stay with oneDNN.
 """
@@ -34,12 +34,23 @@ def _library():
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return native_build.bind("cpu_panel_gemm", {
         "panel_gemm_f32": (i32, [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]),
-        "panel_layout_matches": (i32, [ptr, i64, i64, ptr, i64])})
+        "panel_layout_matches": (i32, [ptr, i64, i64, ptr, i64]),
+        "panel_gemm_rows_in_registers": (i32, [])})
 
 
 def available() -> bool:
     """Whether the C kernel is built and loaded on this machine (builds it on first call)."""
     return _library() is not None
+
+
+@functools.cache
+def beats_onednn() -> bool:
+    """Whether :func:`~pdserve.kernels.linear.linear` sends a decode step's rows here: where
+    the kernel's accumulators for a block of rows stay in vector registers (AVX-512). Without
+    AVX-512 they spill on every step of the sum and oneDNN's own kernel is the faster one
+    (docs/cpu-speed.md), so the rows stay with oneDNN; the kernel still builds and is tested."""
+    lib = _library()
+    return lib is not None and bool(lib.panel_gemm_rows_in_registers())
 
 
 def record_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ of re-packing it on every call, which is what a decode step (a few rows against 
 spends most of its time on. Anywhere else (CUDA, other dtypes, no oneDNN) the weight is not
 packed and ``F.linear`` runs. A decode step's few rows (up to ``cpu_panel_gemm.MAX_ROWS``) read
 the packed weight through pdserve's C kernel (:mod:`pdserve.kernels.cpu_panel_gemm`) where it
-builds and the layout checks out. :func:`linear` is the one entry; ``F.linear`` over the
+builds, the layout checks out and the CPU has AVX-512 (elsewhere oneDNN's kernel is faster). :func:`linear` is the one entry; ``F.linear`` over the
 unpacked weight is its reference (the packed GEMMs sum in other orders: the same to fp32
 rounding).
 
@@ -49,7 +49,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """(T, in) -> (T, out); through ``packed`` (from :func:`pack_weight`) when given."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if cpu_panel_gemm.takes(x, packed):
+    if cpu_panel_gemm.takes(x, packed) and cpu_panel_gemm.beats_onednn():
         return cpu_panel_gemm.panel_linear(x, packed, bias)
     rows = x.shape[0]
     if rows < MIN_PACKED_ROWS:  # the same sums, a faster kernel: pad with zero rows
