@@ -30,6 +30,7 @@ Where the peer is not installed (no ``vllm`` executable), it says so and exits 0
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -114,17 +115,25 @@ def start(server: Server, port: int, log: Path) -> subprocess.Popen:
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM to the server's process group, SIGKILL after ``grace_s``."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+    """SIGTERM to the server itself, which stops what it started (a signal to its whole
+    process group at once would stop its children under it, and it would wait for them until
+    the grace ran out); after ``grace_s``, SIGTERM to the group, then SIGKILL. Whatever of the
+    group is left when the server has exited is killed."""
+    steps = ((lambda sig: proc.send_signal(sig), signal.SIGTERM, grace_s),
+             (lambda sig: os.killpg(proc.pid, sig), signal.SIGTERM, 10.0),
+             (lambda sig: os.killpg(proc.pid, sig), signal.SIGKILL, 10.0))
+    for send, sig, wait_s in steps:
         try:
-            os.killpg(proc.pid, sig)
+            send(sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(wait_s)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def bench_point(vllm: str, server: Server, port: int, tokenizer: str, args, out: Path,
