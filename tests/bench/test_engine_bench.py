@@ -17,7 +17,7 @@ def test_engine_bench_quick_prints_every_section(capsys):
                   "3. continuous batching vs Hugging Face static batching"):
         assert title in out, out
     native = "native" if kernels.cpu_decode_attention.available() else "torch"
-    panel = "panel" if cpu_panel_gemm.available() else "onednn"
+    panel = "panel" if cpu_panel_gemm.beats_onednn() else "onednn"
     for dtype, gemm, attention in (("float32", panel, native), ("float32", "onednn", native),
                                    ("float32", panel, "torch"), ("float32", "plain", native),
                                    ("bfloat16", "plain", native)):

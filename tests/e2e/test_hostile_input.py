@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -155,6 +156,7 @@ GRPC_ANSWERS = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
 grpc_sampling = st.dictionaries(st.sampled_from(sorted(GRPC_VALUES)), st.none(), min_size=1,
                                 max_size=3).flatmap(
     lambda names: st.fixed_dictionaries({n: st.sampled_from(GRPC_VALUES[n]) for n in names}))
+SWEEP_CLIENTS = 6  # the sweep's requests in flight at once
 FUZZ = settings(max_examples=25, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
@@ -179,17 +181,30 @@ def harmless(cluster, chat_model, e2e):
 
 def test_every_field_at_every_hostile_value(cluster, chat_model, e2e):
     """The sweep behind the fuzz: each sampling field alone at each hostile value, on both
-    front doors, beside the ordinary streams."""
-    with harmless(cluster, chat_model, e2e) as stub:
-        for name in SAMPLING_FIELDS:
-            for value in HOSTILE_VALUES:
-                body = {**VALID_COMPLETION, name: value}
-                check_http_answer(post(cluster.http_url, "/v1/completions", body), body)
-        for name, values in GRPC_VALUES.items():
-            for value in values:
-                request = pb.GenerateRequest(sampling=sampling_proto({name: value}))
-                request.token_ids.ids.extend([5, 6, 7])
-                assert grpc_answer(stub, request) in GRPC_ANSWERS, (name, value)
+    front doors, beside the ordinary streams; SWEEP_CLIENTS at a time, so they also arrive
+    as a burst."""
+    bodies = [{**VALID_COMPLETION, name: value}
+              for name in SAMPLING_FIELDS for value in HOSTILE_VALUES]
+    requests = []
+    for name, values in GRPC_VALUES.items():
+        for value in values:
+            request = pb.GenerateRequest(sampling=sampling_proto({name: value}))
+            request.token_ids.ids.extend([5, 6, 7])
+            requests.append((name, value, request))
+    with harmless(cluster, chat_model, e2e) as stub, httpx.Client(timeout=60) as client, \
+            ThreadPoolExecutor(SWEEP_CLIENTS) as pool:
+        def http(body: dict) -> None:
+            response = client.post(cluster.http_url + "/v1/completions",
+                                   content=json.dumps(body),
+                                   headers={"content-type": "application/json"})
+            check_http_answer(response, body)
+
+        def generate(item) -> None:
+            name, value, request = item
+            assert grpc_answer(stub, request) in GRPC_ANSWERS, (name, value)
+
+        list(pool.map(http, bodies))  # (re-raises the first failed check)
+        list(pool.map(generate, requests))
 
 
 def test_hostile_requests_harm_no_one(cluster, chat_model, e2e):

@@ -76,18 +76,29 @@ def test_several_threads_give_the_same_sums(gen, monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_linear_sends_few_rows_to_the_kernel_and_more_to_onednn(gen, monkeypatch):
+@pytest.mark.parametrize("registers_fit", [True, False])
+def test_linear_sends_few_rows_to_the_kernel_and_more_to_onednn(gen, monkeypatch,
+                                                                registers_fit):
+    """Where the kernel's rows stay in registers (AVX-512) up to MAX_ROWS rows go to it;
+    elsewhere every row goes to oneDNN."""
     weight, packed = _packed(gen, 192, 64)
     calls = []
     real = cpu_panel_gemm.panel_linear
     monkeypatch.setattr(cpu_panel_gemm, "panel_linear",
                         lambda x, *args: calls.append(x.shape[0]) or real(x, *args))
+    monkeypatch.setattr(cpu_panel_gemm, "beats_onednn", lambda: registers_fit)
     for rows in (1, cpu_panel_gemm.MAX_ROWS, cpu_panel_gemm.MAX_ROWS + 1):
         x = torch.randn(rows, 64, generator=gen)
         got = klinear.linear(x, weight, None, packed)
         torch.testing.assert_close(got.double(), _reference(x, weight, None), rtol=1e-5,
                                    atol=1e-5)
-    assert calls == [1, cpu_panel_gemm.MAX_ROWS]
+    assert calls == ([1, cpu_panel_gemm.MAX_ROWS] if registers_fit else [])
+
+
+def test_the_build_says_whether_its_rows_stay_in_registers():
+    """AVX-512 (the compiler's target here: -march=native) and only it."""
+    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
+    assert cpu_panel_gemm.beats_onednn() == ("avx512f" in flags)
 
 
 def test_the_layout_check_refuses_what_is_not_the_panels(gen):
