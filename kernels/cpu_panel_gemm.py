@@ -4,9 +4,10 @@
 oneDNN's float32 GEMM keeps a packed weight in panels of 64 output columns; reading those
 panels row by row, a few input rows are multiplied against the weight at close to the speed
 memory delivers it, where oneDNN's kernel for so few rows is built for many. That holds where
-the CPU has AVX-512 (:func:`beats_onednn`); elsewhere the rows stay with oneDNN. The layout is oneDNN's choice, not a documented contract, so :func:`record_layout` checks
-it on the first weight of every shape that :func:`~pdserve.kernels.linear.pack_weight` packs,
-and only the shapes it confirmed come here (:func:`takes`); the rest stay with oneDNN.
+the CPU has AVX-512 (:func:`beats_onednn`); elsewhere the rows stay with oneDNN. The layout is
+oneDNN's choice, not a documented contract, so :func:`record_layout` checks it on the first
+weight of every shape that :func:`~pdserve.kernels.linear.pack_weight` packs, and only the
+shapes it confirmed come here (:func:`takes`); the rest stay with oneDNN.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ of re-packing it on every call, which is what a decode step (a few rows against 
 spends most of its time on. Anywhere else (CUDA, other dtypes, no oneDNN) the weight is not
 packed and ``F.linear`` runs. A decode step's few rows (up to ``cpu_panel_gemm.MAX_ROWS``) read
 the packed weight through pdserve's C kernel (:mod:`pdserve.kernels.cpu_panel_gemm`) where it
-builds, the layout checks out and the CPU has AVX-512 (elsewhere oneDNN's kernel is faster). :func:`linear` is the one entry; ``F.linear`` over the
-unpacked weight is its reference (the packed GEMMs sum in other orders: the same to fp32
-rounding).
+builds, the layout checks out and the CPU has AVX-512 (elsewhere oneDNN's kernel is faster).
+:func:`linear` is the one entry; ``F.linear`` over the unpacked weight is its reference (the
+packed GEMMs sum in other orders: the same to fp32 rounding).
 
 A packed weight is an opaque oneDNN tensor: no storage torch can see (no ``data_ptr``;
 ``torch.ops.mkldnn.data_ptr`` gives its buffer to the C kernel); count its bytes as elements x
