@@ -33,7 +33,7 @@ from pdserve.bench.kv_eval_text import EVAL_TEXTS
 from pdserve.bench.stats import format_table
 from pdserve.engine.capacity import memory
 from pdserve.engine.config import KV_INT8_SCALES
-from pdserve.engine.kv_cache.int8_scales import teacher_forced_logits
+from pdserve.engine.int8_calibration import teacher_forced_logits
 from pdserve.engine.llm import LLM
 from pdserve.models import tiny_model_dir
 

@@ -18,14 +18,10 @@ from pdserve.engine.capacity.memory import (
 )
 from pdserve.engine.capacity.roofline import StepCost, UtilizationMeter
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.int8_calibration import calibrate_kv_scales, check_int8_quality
 from pdserve.engine.kv_cache.block_manager import BlockManager
 from pdserve.engine.kv_cache.events import KVEventLog
-from pdserve.engine.kv_cache.int8_scales import (
-    INT8_SCHEMES,
-    Calibration,
-    calibrate_kv_scales,
-    check_int8_quality,
-)
+from pdserve.engine.kv_cache.int8_scales import INT8_SCHEMES, Calibration
 from pdserve.engine.step.cuda_graphs import DecodeGraphs, cuda_capture
 from pdserve.engine.step.host_memory import keep_freed_host_memory
 from pdserve.engine.step.model_runner import ModelRunner
@@ -192,7 +188,7 @@ def _salt_bytes(salt: str | None) -> bytes | None:
 def _int8_pool(config: EngineConfig, resolved: ResolvedModel, model, ledger: MemoryLedger,
                layer_dtypes, tokenizer) -> tuple[EngineConfig, MemoryLedger, list]:
     """(config, ledger, caches) of an int8 pool that passed its start-up check against the
-    model dtype (``int8_scales.check_int8_quality``). A scheme that fails falls back to
+    model dtype (``int8_calibration.check_int8_quality``). A scheme that fails falls back to
     ``token`` (no calibration, so no calibration to go wrong) with a warning; when ``token``
     fails too, the engine refuses to start with both measurements. Never serves garbage."""
     mc, device, backend = resolved.model_config, resolved.device, resolved.backend

@@ -254,6 +254,24 @@ def test_the_scheduler_never_sees_the_runners_rows():
     assert not bad, "\n".join(bad)
 
 
+# The engine's bottom folders: what they may import of the rest of the engine.
+ENGINE_BOTTOM = {"kv_cache": {"sequence"}, "sampling": {"sequence"}}
+
+
+def test_the_kv_cache_and_sampling_need_nothing_of_the_step():
+    """engine/kv_cache/ and engine/sampling/ sit under the step: the step builds on them, never
+    the reverse (int8 calibration, which runs the model, lives above both)."""
+    bad = []
+    for folder, allowed in ENGINE_BOTTOM.items():
+        for path in sorted((ROOT / "engine" / folder).rglob("*.py")):
+            for name in imported_modules(path):
+                parts = name.split(".")
+                if parts[:2] == ["pdserve", "engine"] and len(parts) > 2 \
+                        and parts[2] != folder and parts[2] not in allowed:
+                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
 def test_one_module_knows_how_deltas_are_encoded():
     """StepDeltas (worker_api/deltas.py) alone chooses the encoding: no other module names its
     parts or tests a delta's type against them."""

@@ -8,11 +8,11 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.kv_eval_text import EVAL_TEXTS
+from pdserve.engine.int8_calibration import calibrate_kv_scales
 from pdserve.engine.kv_cache.calibration_text import CALIBRATION_TEXTS
 from pdserve.engine.kv_cache.int8_scales import (
     CALIBRATION_TOKENS,
     INT8_SCHEMES,
-    calibrate_kv_scales,
     calibration_prompts,
 )
 from pdserve.kernels import KVCacheLayer

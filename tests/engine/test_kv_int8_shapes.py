@@ -23,8 +23,10 @@ from hypothesis import strategies as st
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.kv_int8_matrix import SHAPES, scale_attention_kv, write_word_level_tokenizer
+from pdserve.engine import int8_calibration
+from pdserve.engine.int8_calibration import check_int8_quality
 from pdserve.engine.kv_cache import int8_scales
-from pdserve.engine.kv_cache.int8_scales import INT8_SCHEMES, check_int8_quality
+from pdserve.engine.kv_cache.int8_scales import INT8_SCHEMES
 
 SCHEMES = sorted(INT8_SCHEMES)
 
@@ -150,12 +152,12 @@ def test_the_default_scheme_agrees_on_random_shapes(hf_checkpoint, head_dim, num
     parts, runner = llm.engine.parts, llm.engine.parts.runner
     mc = parts.model_config
     prompts = int8_scales.random_prompts(mc.vocab_size, 64, 64, seed=head_dim + num_layers)
-    full = int8_scales.teacher_forced_logits(
-        runner.model, int8_scales.scratch_caches(mc, torch.float32, runner.device,
+    full = int8_calibration.teacher_forced_logits(
+        runner.model, int8_calibration.scratch_caches(mc, torch.float32, runner.device,
                                               mc.num_hidden_layers, prompts, 4),
         4, runner.device, runner.backend, prompts)[0]
-    int8 = int8_scales.teacher_forced_logits(
-        runner.model, int8_scales.scratch_caches(mc, torch.float32, runner.device,
+    int8 = int8_calibration.teacher_forced_logits(
+        runner.model, int8_calibration.scratch_caches(mc, torch.float32, runner.device,
                                               mc.num_hidden_layers, prompts, 4,
                                               like=runner.kv_caches),
         4, runner.device, runner.backend, prompts)[0]
