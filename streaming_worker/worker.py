@@ -5,6 +5,7 @@ orphan clock that frees the requests of a router gone silent."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import Future
 
@@ -12,7 +13,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Sequence
 from pdserve.streaming_worker.mailboxes import MailboxSizes, RouterMailboxes
-from pdserve.worker_api import StepDeltas, WorkerStats, WorkRequest
+from pdserve.worker_api import RequestDelta, StepDeltas, WorkerStats, WorkRequest
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,23 @@ class StreamingWorker:
         if queued.done():  # refused at once: the loop is dead or stopping
             self.mailboxes.release(request.request_id)
             return queued
+        queued.add_done_callback(functools.partial(self._submit_ended, request))
         done.set_result(None)
         return done
+
+    def _submit_ended(self, request: WorkRequest, queued: Future) -> None:
+        """A submit the caller was told is queued, but the loop never added: it died or
+        stopped first (or adding it failed). Its router gets a final delta saying so, as the
+        requests already running got theirs from the loop's death (loop thread)."""
+        exc = queued.exception()
+        if exc is None:
+            return
+        logger.warning("%s: request %s was queued but never added: %s", self.worker_id,
+                       request.request_id, exc)
+        self.loop.outbox.put_many([RequestDelta(
+            request.request_id, [], "", "abort", None, len(request.prompt_token_ids),
+            len(request.output_token_ids), attempt=request.attempt,
+            error=f"the engine loop ended before the request was added: {exc}")])
 
     def _submit(self, seq: Sequence) -> None:
         """Add a checked and claimed request (loop thread)."""

@@ -149,3 +149,18 @@ def test_a_submit_to_a_stuck_worker_fails_at_once_and_its_requests_end(bounded_w
     assert worker.mailbox_sizes().num_owned == 1  # the refused request left no owner entry
     deltas = collect(worker, {"first"})["first"]
     assert deltas[-1].error is not None and "EngineStalledError" in deltas[-1].error
+
+
+def test_a_submit_queued_when_the_loop_dies_gets_a_final_delta(worker):
+    """The loop dies (a part it needs is gone) between a step and the calls queued during it:
+    a submit it accepted but never added still ends, with an error its router reads, as the
+    request that was running does; nothing stays held."""
+    worker.loop.inject_fault("stall", STALL_S)
+    worker.submit(request("running")).result(5)
+    assert wait_for(lambda: worker.loop.busy_since is not None, 10)  # the stalled step began
+    worker.submit(request("queued")).result(5)  # accepted: queued for after the step
+    worker.loop._watch = lambda: "a part the engine needs is gone (injected)"
+    deltas = collect(worker, {"running", "queued"})
+    assert "before the request was added" in deltas["queued"][-1].error
+    assert deltas["running"][-1].error and "died" in deltas["running"][-1].error
+    assert worker.engine.num_requests == 0
