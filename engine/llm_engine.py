@@ -25,9 +25,9 @@ off). Step:
    decides which deltas the step returns. Text is made in the step only for requests with
    stop strings; the others' when their deltas are read (:meth:`render`).
 
-A pure decode step happens only under a policy whose decodes take one token each and without
-speculation (the scheduler's own rule), so a prefill worker's hooks see every sequence that
-samples.
+A pure decode step happens only under a policy that asks for them
+(``SchedulingPolicy.pure_decode_steps``) and without speculation (the scheduler's own rule);
+the prefill worker's policy asks for none, so its hooks see every sequence that samples.
 
 Workers never reach into the parts: what they need of the engine is a method here
 (``hand_off``, ``reserve_blocks``, ``release_blocks``, ``start_running``, ``render``,

@@ -4,9 +4,10 @@ step's time went (:class:`StepStats`).
 Roles differ in two kinds of policy object, never in a copy of ``LLMEngine.step``: the
 scheduling policy (``engine.step.scheduling_policy``: what is scheduled) and these hooks (what
 happens around the forward). The prefill worker's hooks open the KV shipments of the prompts
-a step completes and hand them off; every other role keeps the default, which adds nothing
-(and lets pure decode steps run on the runner's persistent rows: they sample no
-``ScheduledSequence`` a hook could watch).
+a step completes and hand them off; every other role keeps the default, which adds nothing.
+A pure decode step (the runner's persistent rows) samples no ``ScheduledSequence`` a hook
+could watch; the prefill worker's policy asks for none
+(``SchedulingPolicy.pure_decode_steps``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,17 @@
+"""``python -m pdserve.bench.packed_rows --quick`` prints its table (it never asserts timings)."""
+
+from __future__ import annotations
+
+import re
+
+from pdserve.bench import packed_rows
+
+
+def test_packed_rows_quick_prints_every_row_count(capsys):
+    packed_rows.main(["--quick"])
+    out = capsys.readouterr().out
+    if "nothing to measure" in out:
+        return
+    assert all(f"{way} ms" in out for way in packed_rows.WAYS), out
+    for rows in (1, 2, 3, 4, 8):
+        assert re.search(rf"^\s*{rows}(\s+[\d.]+){{3}}\s*$", out, re.M), out
