@@ -203,6 +203,7 @@ def e2e() -> Helpers:
 HERE = Path(__file__).parent
 RAY = [sys.executable, "-P", "-c", "from ray.scripts.scripts import main; main()"]
 NODE_START_S = 120.0  # bound on one Ray node coming up
+STOP_GRACE_S = 8.0  # RayNodes.stop: SIGTERM to SIGKILL, for every node together
 
 
 class RayNodes:
@@ -260,16 +261,18 @@ class RayNodes:
         """Every live process under node ``name``'s ``ray start``."""
         return {p.pid for p in psutil.Process(self.nodes[name].pid).children(recursive=True)}
 
-    def stop(self) -> None:
-        """SIGTERM every node (its ``ray start --block`` stops its own processes), then
-        SIGKILL whatever of theirs is left."""
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM every node (its ``ray start --block`` stops its own processes), then, after
+        ``grace_s`` for them all, SIGKILL whatever of theirs is left (one node of the chart
+        smoke run's cluster used to take the whole 30 s each node was given)."""
         self.remember()
         for proc in reversed(list(self.nodes.values())):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         for proc in self.nodes.values():
             try:
-                proc.wait(30)
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
         for pid in self._seen:
