@@ -239,7 +239,8 @@ def _overhead_run(parts: EngineParts, batch: int, prompt_len: int, steps: int, s
 
 def join_sync_line(model_dir: Path, batch: int = 64, repeats: int = 300) -> str:
     """What one request joining ``batch`` decode rows costs the rows' sync: appended after
-    them (a decode worker's join), mapped by identity (a join with a finish), read afresh."""
+    them (a decode worker's join), mapped by identity (a join with a finish, or a step the
+    scheduler made in full), read afresh (every row new)."""
     parts = EngineParts.build(EngineConfig(model=str(model_dir), num_kv_blocks=4096,
                                            max_num_seqs=batch + 1))
     engine = LLMEngine(parts)
@@ -248,24 +249,26 @@ def join_sync_line(model_dir: Path, batch: int = 64, repeats: int = 300) -> str:
         engine.add_request(f"j{i}", [(5 * i + j) % 500 + 1 for j in range(20)], params)
     engine.step()  # every prompt in one step: each sequence has one token left
     seqs = list(engine.scheduler.running)
-    base = DecodeRows(parts.block_manager.block_size)
+    empty = DecodeRows(parts.block_manager.block_size)
+    base = copy.copy(empty)
     base.sync(seqs[:batch], 1)
-    cases = {"appended": (seqs, 2), "mapped": ([*seqs[:batch - 1], seqs[batch]], 2),
-             "read afresh": (seqs, None)}
+    cases = {"appended": (base, seqs, 2), "mapped": (base, [*seqs[:batch - 1], seqs[batch]], -1),
+             "read afresh": (empty, seqs, -1)}
     cells = []
-    for name, (new, version) in cases.items():
+    for name, (rows, new, version) in cases.items():
         start = time.perf_counter()
         for _ in range(repeats):
-            copy.copy(base).sync(new, version)
+            copy.copy(rows).sync(new, version)
         cells.append(f"{name} {(time.perf_counter() - start) / repeats * 1e6:.0f} us")
     return f"one join to {batch} decode rows, the rows' sync: " + ", ".join(cells)
 
 
 def arrivals_line(model_dir: Path, batch: int = 64, every: int = 8, steps: int = 160) -> str:
     """What arrivals cost the decode rows on a colocated worker: a request joins ``batch``
-    decoding rows every ``every`` steps, so its prefill runs in a general step, and the rows
-    step after it reads the moved rows again; medians outside the forward of those rows
-    steps and of the others (a decode worker's joins take neither)."""
+    decoding rows every ``every`` steps, so its prefill runs beside them in a step the
+    scheduler makes in full, and the rows step after it syncs the rows by identity; medians
+    outside the forward of those rows steps and of the others (a decode worker's joins take
+    neither)."""
     parts = EngineParts.build(EngineConfig(model=str(model_dir), num_kv_blocks=4096,
                                            max_num_seqs=batch + 8))
     engine = LLMEngine(parts)

@@ -118,7 +118,7 @@ def teacher_forced_logits(model, caches: list[KVCacheLayer], block_size: int,
         blocks = -(-len(prompt) // block_size)
         seq.block_table = list(range(first, first + blocks))
         first += blocks
-        batch = runner.prepare(SchedulerOutput([ScheduledSequence(seq, len(prompt))]))
+        batch = runner.prepare(SchedulerOutput(chunks=[ScheduledSequence(seq, len(prompt))]))
         hidden = model(batch.input_ids, batch.positions, caches, batch.metadata)
         logits.append(model.compute_logits(hidden).float())
     return logits

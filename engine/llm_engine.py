@@ -7,27 +7,28 @@ scheduled) and its :class:`~pdserve.engine.step.hooks.StepHooks` (what happens a
 forward: a prefill worker ships KV layers while the forward runs and hands finished prompts
 off). Step:
 
-1. ``scheduler.schedule()`` picks sequences and how many tokens each computes (plus draft slots
-   for speculating decodes, whose drafts the speculator then proposes), or, when every
-   running sequence decodes, a pure decode step of them all (``output.decodes``);
-2. ``runner.prepare(output)`` makes the flat batch (a pure decode step moves the runner's
-   persistent :class:`~pdserve.engine.step.decode_rows.DecodeRows` on by what changed);
-   ``hooks.before_forward`` sees the sequences that sample this step (and may return a
-   per-layer callback), ``runner.run()`` runs the batch and returns logits of the sequences
-   whose chunk reaches their last token, then ``hooks.after_forward``;
+1. ``scheduler.schedule()`` gives the step's one :class:`SchedulerOutput`: the decodes (each
+   computes its last token and samples the next) and the chunks (prompt chunks, and
+   speculating decodes with draft slots, whose drafts the speculator then proposes);
+2. ``runner.prepare(output)`` makes the flat batch: the decodes are the runner's persistent
+   :class:`~pdserve.engine.step.decode_rows.DecodeRows`, moved on by the step's diff, the
+   chunks follow, built for the step; ``hooks.before_forward`` sees the chunks that sample
+   this step (and may return a per-layer callback), ``runner.run()`` runs the batch and
+   returns logits of every decode, then of the chunks that reach their last token, then
+   ``hooks.after_forward``;
 3. ``scheduler.update()`` advances ``num_computed_tokens`` and caches full blocks;
-4. :meth:`draw` takes one token per such sequence (a pure decode step's from the rows'
-   arrays; a speculating decode's drafts are verified instead, :meth:`Speculator.verify`,
-   which gives its accepted tokens); the one output stage
+4. :meth:`draw` takes one token per decode, from the rows' arrays, and per sampling chunk (a
+   speculating decode's drafts are verified instead, :meth:`Speculator.verify`, which gives
+   its accepted tokens); the one output stage
    (:class:`~pdserve.engine.step.output_stage.OutputStage`) appends them, applies the stop
    rules (finished sequences free their blocks through ``scheduler.finish``) and builds the
    deltas; the speculator then frees the slots of rejected drafts; ``hooks.after_sample``
-   decides which deltas the step returns. Text is made in the step only for requests with
-   stop strings; the others' when their deltas are read (:meth:`render`).
+   decides which of the chunks' deltas the step returns. Text is made in the step only for
+   requests with stop strings; the others' when their deltas are read (:meth:`render`).
 
-A pure decode step happens only under a policy that asks for them
-(``SchedulingPolicy.pure_decode_steps``) and without speculation (the scheduler's own rule);
-the prefill worker's policy asks for none, so its hooks see every sequence that samples.
+Decodes are on the rows under a policy that puts them there
+(``SchedulingPolicy.decodes_on_rows``) and without speculation (the scheduler's own rule);
+the prefill worker's policy has no decodes, so its hooks see every sequence that samples.
 
 Workers never reach into the parts: what they need of the engine is a method here
 (``hand_off``, ``reserve_blocks``, ``release_blocks``, ``start_running``, ``render``,
@@ -319,9 +320,9 @@ class LLMEngine:
         if output.is_empty:
             self.last_step = StepStats()
             return deltas
-        sampling = [item for item in output.scheduled if item.samples]
+        sampling = [item for item in output.chunks if item.samples]
         if self.speculator is not None:  # drafts ride in the batch after each decode's token
-            self.speculator.propose(output.scheduled)
+            self.speculator.propose(output.chunks)
         runner = self.parts.runner
         batch = runner.prepare(output)
         after_layer = self.hooks.before_forward(sampling)
@@ -330,9 +331,11 @@ class LLMEngine:
         forward_s = time.perf_counter() - forward_start
         self.hooks.after_forward()
         self.scheduler.update(output)
-        if output.decodes is not None:  # every row samples, from the runner's rows
-            deltas.extend(self._rows_step(runner.rows, logits))
-        elif sampling:
+        num_decodes = len(output.decodes)  # the logits' first rows, one per decode
+        if num_decodes:
+            deltas.extend(self._rows_step(runner.rows, logits[:num_decodes]))
+        if sampling:
+            logits = logits[num_decodes:]
             seqs = [item.seq for item in sampling]
             if self.speculator is not None and self.speculator.drafted(sampling):
                 token_ids, logprobs, faults = self.speculator.verify(sampling, logits,
@@ -350,8 +353,8 @@ class LLMEngine:
         return deltas
 
     def _rows_step(self, rows: DecodeRows, logits: torch.Tensor) -> StepDeltas:
-        """A pure decode step's tokens, one per row, drawn with the rows' own arrays, appended
-        by ``rows.advance``, then their deltas; the rows learn which ended."""
+        """The decodes' tokens, one per row, drawn with the rows' own arrays, appended by
+        ``rows.advance``, then their deltas; the rows learn which ended."""
         version = self.scheduler.running_version
         if rows.all_greedy:
             tokens, logprobs, faults = greedy_token_array(logits), None, \

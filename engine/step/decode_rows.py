@@ -1,9 +1,9 @@
-"""The decode batch kept across steps, so that a step of pure decodes costs a few array ops.
+"""The decode batch kept across steps, so that a step's decodes cost a few array ops.
 
-A step in which every running sequence computes exactly one token (its last) and samples the
-next is a pure decode step. In continuous batching most steps are, and from one to the next
-the batch barely changes: each sequence gains one position, one in ``block_size`` steps gains
-a block, a few finish and a few join. :class:`DecodeRows` keeps the batch's state in numpy
+A decode computes exactly one token (its last) and samples the next. In continuous batching
+most sequences decode in most steps, and from one step to the next their batch barely
+changes: each sequence gains one position, one in ``block_size`` steps gains a block, a few
+finish and a few join. :class:`DecodeRows` keeps the batch's state in numpy
 arrays, one column per sequence in ``state`` (the step's tokens, positions and KV slots, then
 what the stop rules, the deltas and the sampler need) and one row per sequence in ``tables``
 (its block table). Each step moves them on by diffs and mirrors into the
@@ -11,29 +11,32 @@ what the stop rules, the deltas and the sampler need) and one row per sequence i
 more computed token), so those stay the source of truth outside the step (aborts,
 preemption, migration, stats).
 
-The rows mirror the scheduler's ``running_version`` they were synced at (``version``) and are
-``current`` while no step but theirs has moved the sequences:
+Only the rows' steps move a decoding sequence (a sequence leaves the decodes only by ending
+or being preempted), so a row's state holds for as long as its sequence stays in the rows. The
+rows mirror the decodes of the scheduler's ``running_version`` they were synced at
+(``version``; -1 after a step the scheduler made in full, whose decodes are matched by
+identity):
 
-- :meth:`DecodeRows.sync` rebuilds them for a new running set in its order: a sequence that
-  stayed keeps its table row and, when the rows are current, its state column (one fancy
-  index each); a sequence that joined, or whose table was replaced (preempted and admitted
-  again), gets a fresh column read from it; when the only change is sequences joining after
-  every current row (a decode worker's steady state), the arrays just grow by their columns;
+- :meth:`DecodeRows.sync` rebuilds them for a step's decodes in their order: a sequence that
+  stayed keeps its table row and its state column (one fancy index each), the blocks the
+  schedule gave it read from its table; a sequence that joined, or whose table was replaced
+  (preempted and admitted again), gets a fresh column read from it; when the only change is
+  sequences joining after every row of a steady step (a decode worker's steady state), the
+  arrays just grow by their columns;
 - :meth:`DecodeRows.ended` removes the rows that finished in the step just run, when that
-  is all that changed, so a finish costs no sync;
-- a general step makes them stale (:meth:`DecodeRows.invalidate`): the next sync reads every
-  column again.
+  is all that changed, so a finish costs no sync.
 
 Each step moves the arrays on in place (a sync, a drop or wider tables make new ones), so
-the runner's CPU tensors over them (``ModelRunner.prepare_rows``) are made once per arrays,
+the runner's CPU tensors over them (``ModelRunner.prepare``) are made once per arrays,
 and a :class:`~pdserve.engine.step.model_runner.ModelInput` of the rows holds for its own step
 only. What outlives the step is copied: the counters of its deltas, and the per-row lists,
 which a sync or a drop replaces rather than edits.
 
-The rows belong to the model runner (``ModelRunner.prepare`` syncs them from a
-:class:`~pdserve.engine.step.scheduler_output.SchedulerOutput` of a pure decode step); the
-scheduler never reads them: it gives the sequences their blocks and counts their progress,
-and hands the rows the blocks it appended (:meth:`DecodeRows.blocks_added`).
+The rows belong to the model runner (``ModelRunner.prepare`` syncs them from each
+:class:`~pdserve.engine.step.scheduler_output.SchedulerOutput`'s decodes, and puts the step's
+chunks after them); the scheduler never reads them: it gives the sequences their blocks and
+counts their progress, and hands the rows the blocks it appended
+(:meth:`DecodeRows.blocks_added`).
 
 With a sliding window, blocks that fell out of it are freed by the scheduler and
 become ``None`` in the sequence's table; the rows keep the old id there (0 for an entry
@@ -41,8 +44,8 @@ already ``None`` when read), which the attention kernels never read: they read o
 window's blocks.
 
 ``tests/engine/test_decode_rows.py`` runs random traffic through an engine with the rows and
-one whose every step takes the general path: every forward's tensors and every rendered delta
-are equal.
+one whose every sequence is a chunk built per step: every forward's tensors and every rendered
+delta are equal.
 """
 
 from __future__ import annotations
@@ -80,7 +83,6 @@ class DecodeRows:
         self.max_model_len = max_model_len  # the context limit (a row at it ends)
         self.window = window  # the model's sliding window (None: none)
         self.version = -1  # the scheduler's running_version these rows mirror (-1: none)
-        self.current = False  # the state matches the sequences (False after a general step)
         self.seqs: list[Sequence] = []
         # one int64 column per row: the step's tokens, positions (= num_computed_tokens) and
         # KV slots (-1: the position starts a block the row does not have yet), then what
@@ -108,38 +110,27 @@ class DecodeRows:
         """(3, rows) int64: the step's tokens, positions and slots (what the model reads)."""
         return self.state[:SLOTS + 1]
 
-    def invalidate(self) -> None:
-        """The sequences moved outside the rows (a general step): sync before the next use."""
-        self.version, self.current = -1, False
-
     # -- sync --------------------------------------------------------------------------------
 
-    def sync(self, seqs: list[Sequence], version: int | None = None) -> list[Sequence]:
+    def sync(self, seqs: list[Sequence], version: int = -1) -> list[Sequence]:
         """Make the rows those of ``seqs`` in order (each with one token left to compute).
-        With the scheduler's ``version`` the rows then mirror it; without (a general step
-        reads them once) they are stale right after. Returns the sequences that got fresh
-        rows (the others kept theirs)."""
+        ``version``: the scheduler's running_version whose decodes ``seqs`` are, -1 when the
+        schedule was made in full (it may have given kept rows blocks). Returns the sequences
+        that got fresh rows (the others kept theirs)."""
         seqs, n = list(seqs), len(self.seqs)
         tables = list(map(_BLOCK_TABLE, seqs))
-        # a kept row's state still holds unless a general step moved it (or, with no
-        # version, is scheduling this step: it may have given rows blocks)
-        keep_state = self.current and version is not None
-        if keep_state and len(seqs) > n and all(map(is_, seqs, self.seqs)):
+        if version >= 0 and len(seqs) > n and all(map(is_, seqs, self.seqs)):
             fresh = self._append(seqs[n:], tables[n:])  # (a decode worker's joins)
         else:
             old = self._old_rows(seqs, tables)
             num_blocks = self._sync_tables(tables, old)
-            fresh = self._sync_state(
-                seqs, old if keep_state else np.full(len(seqs), -1, np.int64), num_blocks)
+            fresh = self._sync_state(seqs, old, num_blocks)
         self._set_seqs(seqs, tables)
-        if version is None:
-            self.invalidate()
-        else:
-            self.version, self.current = version, True
+        self.version = version
         return fresh
 
     def _append(self, seqs: list[Sequence], tables: list[list]) -> list[Sequence]:
-        """Fresh rows for ``seqs`` after every current row (which stay as they are)."""
+        """Fresh rows for ``seqs`` after every row there is (which stay as they are)."""
         n, k = len(self.seqs), len(seqs)
         grown = np.zeros((n + k, self._table_width(max(map(len, tables)))), np.int32)
         grown[:n, :self.tables.shape[1]] = self.tables

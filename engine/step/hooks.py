@@ -5,9 +5,9 @@ Roles differ in two kinds of policy object, never in a copy of ``LLMEngine.step`
 scheduling policy (``engine.step.scheduling_policy``: what is scheduled) and these hooks (what
 happens around the forward). The prefill worker's hooks open the KV shipments of the prompts
 a step completes and hand them off; every other role keeps the default, which adds nothing.
-A pure decode step (the runner's persistent rows) samples no ``ScheduledSequence`` a hook
-could watch; the prefill worker's policy asks for none
-(``SchedulingPolicy.pure_decode_steps``).
+Hooks see a step's chunks (``SchedulerOutput.chunks``), not its decodes (the runner's
+persistent rows); the prefill worker's policy has no decodes
+(``SchedulingPolicy.decodes_on_rows``).
 """
 
 from __future__ import annotations

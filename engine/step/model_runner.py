@@ -51,6 +51,15 @@ _TOKEN_IDS, _START, _NUM_SAMPLED = (attrgetter("token_ids"), attrgetter("start")
                                     attrgetter("num_sampled"))
 
 
+def _chunk(item: ScheduledSequence) -> Chunk:
+    """A scheduled chunk's tokens (then its drafts, when speculating); the rows of the last
+    new token and of every draft are sampled."""
+    seq, start = item.seq, item.start
+    drafts = item.draft_token_ids  # speculative decoding: verified after the new token
+    return Chunk([*seq.token_ids[start:start + item.num_new_tokens], *drafts], start,
+                 seq.block_table, 1 + len(drafts) if item.samples else 0)
+
+
 def _on(values: np.ndarray, device: torch.device) -> torch.Tensor:
     """The array as a tensor on ``device`` (its memory itself on the CPU)."""
     tensor = torch.from_numpy(values)
@@ -78,23 +87,18 @@ class ModelRunner:
         self._rows_views: tuple | None = None  # (key, host views, tables): _host_views
 
     def prepare(self, output: SchedulerOutput) -> ModelInput:
-        """The flat batch of a step: a pure decode step (``output.decodes``) moves the
-        persistent :class:`DecodeRows` on by what changed (synced when the running set did,
-        the blocks its rows entered added) and reads them, as does a step
-        of decodes alone; any other step is built from scratch."""
+        """The flat batch of a step: its decodes first, the persistent :class:`DecodeRows`
+        moved on by the step's diff (synced when its decodes changed, the blocks they entered
+        added), then its chunks, built for the step. A step of decodes alone is the rows'
+        arrays as they stand."""
         rows = self.rows
-        if output.decodes is not None:
-            if rows.version != output.decodes_version:
+        if output.decodes or len(rows):
+            if output.decodes_version < 0 or rows.version != output.decodes_version:
                 rows.sync(output.decodes, output.decodes_version)
             rows.blocks_added(output.grown, output.new_blocks)
+        if not output.chunks:
             return self.prepare_rows()
-        scheduled = output.scheduled
-        # (a sequence with speculative drafts brings several tokens: the general path)
-        if all(item.is_decode and not item.draft_token_ids for item in scheduled):
-            rows.sync([item.seq for item in scheduled])
-            return self.prepare_rows()
-        rows.invalidate()
-        return self._prepare_general(scheduled)
+        return self.prepare_chunks(list(map(_chunk, output.chunks)), rows)
 
     def prepare_rows(self) -> ModelInput:
         """The batch of the decode rows as they stand: one token per row (its last), every
@@ -141,36 +145,39 @@ class ModelRunner:
             self._aranged_n, self._aranged_pair = n, (self._aranged[:n], self._aranged32[:n + 1])
         return self._aranged_pair
 
-    def _prepare_general(self, scheduled: list[ScheduledSequence]) -> ModelInput:
-        """Any step: each sequence's new tokens (then its drafts, when speculating); the rows
-        of the last new token and of every draft are sampled."""
-        chunks = []
-        for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            drafts = item.draft_token_ids  # speculative decoding: verified after the new token
-            chunks.append(Chunk([*seq.token_ids[start:start + item.num_new_tokens], *drafts],
-                                start, seq.block_table,
-                                1 + len(drafts) if item.samples else 0))
-        return self.prepare_chunks(chunks)
-
-    def prepare_chunks(self, chunks: list[Chunk]) -> ModelInput:
-        """The flat batch of ``chunks`` (a speculative draft model prepares its own with it),
-        built in numpy on the host, then one tensor per array (copied when not on the CPU)."""
-        n, bs = len(chunks), self.block_size
-        q_lens = np.fromiter(map(len, map(_TOKEN_IDS, chunks)), np.int64, n)
-        starts = np.fromiter(map(_START, chunks), np.int64, n)  # first position computed
+    def prepare_chunks(self, chunks: list[Chunk], rows: DecodeRows | None = None) -> ModelInput:
+        """The flat batch of ``rows`` (one token each, every one sampled), then ``chunks``
+        (a speculative draft model prepares its own with it), built in numpy on the host,
+        then one tensor per array (copied when not on the CPU)."""
+        bs = self.block_size
+        r = 0 if rows is None else len(rows)  # the rows come first
+        n = r + len(chunks)
+        q_lens = np.ones(n, np.int64)
+        q_lens[r:] = np.fromiter(map(len, map(_TOKEN_IDS, chunks)), np.int64, len(chunks))
+        starts = np.fromiter(map(_START, chunks), np.int64, len(chunks))
         ends = np.cumsum(q_lens)  # one past each sequence's last token in the flat batch
         input_ids = np.fromiter(chain.from_iterable(map(_TOKEN_IDS, chunks)), np.int64,
-                                int(ends[-1]))
-        # each token's position: its row in the flat batch, shifted per sequence
-        positions = np.arange(len(input_ids)) - np.repeat(ends - q_lens - starts, q_lens)
-        tables = np.zeros((n, max(len(c.block_table) for c in chunks)), np.int32)
-        for row, chunk in enumerate(chunks):
+                                int(ends[-1]) - r)
+        # each chunk token's position: its row in the flat batch, shifted per sequence
+        positions = np.arange(r, r + len(input_ids)) - np.repeat(
+            ends[r:] - q_lens[r:] - starts, q_lens[r:])
+        width = max([len(c.block_table) for c in chunks] + [0 if rows is None else
+                                                             rows.max_blocks])
+        tables = np.zeros((n, max(width, 1)), np.int32)
+        for row, chunk in enumerate(chunks, r):
             tables[row, :len(chunk.block_table)] = [0 if b is None else b
                                                     for b in chunk.block_table]
-        slots = (tables[np.repeat(np.arange(n), q_lens), positions // bs].astype(np.int64) * bs
-                 + positions % bs)
-        sampled = np.fromiter(map(_NUM_SAMPLED, chunks), np.int64, n)
+        slots = (tables[np.repeat(np.arange(r, n), q_lens[r:]), positions // bs]
+                 .astype(np.int64) * bs + positions % bs)
+        sampled = np.ones(n, np.int64)
+        sampled[r:] = np.fromiter(map(_NUM_SAMPLED, chunks), np.int64, len(chunks))
+        if rows is not None and r:  # the rows' tokens, positions, slots, tables go first
+            row_tokens, row_positions, row_slots = rows.host
+            input_ids = np.concatenate([row_tokens, input_ids])
+            positions = np.concatenate([row_positions, positions])
+            slots = np.concatenate([row_slots, slots])
+            tables[:r, :rows.max_blocks] = rows.tables[:, :rows.max_blocks]
+            starts = np.concatenate([row_positions, starts])
         # the last num_sampled rows of each sequence
         sample_indices = (np.arange(int(sampled.sum()))
                           + np.repeat(ends - sampled - (np.cumsum(sampled) - sampled), sampled))

@@ -8,14 +8,15 @@ Lifecycle of one step (the engine drives it):
    its blocks are freed, ``num_computed_tokens`` drops to 0 and it goes to the FRONT of
    waiting. If no running sequence went short, waiting sequences are admitted FCFS: prefix
    cache first (``match_prefix``), then a chunk of what remains, while ``max_num_seqs`` and
-   the budget allow. Returns a :class:`SchedulerOutput` in batch order.
-   A step in which every running sequence decodes, under a policy that asks for it
-   (``pure_decode_steps``) and without speculation, is a pure decode step instead:
-   ``SchedulerOutput.decodes`` lists them all, and those entering a new block have it in
-   their tables (see ``_schedule_pure_decode``).
-2. The model runner computes ``seq.token_ids[start : start + num_new_tokens]`` for every
-   :class:`ScheduledSequence` (each sequence's last token in a pure decode step); the engine
-   samples one token for those whose ``samples`` is True (every one in a pure decode step).
+   the budget allow. Returns one :class:`SchedulerOutput`: the decodes (under a policy that
+   puts them on the runner's rows, ``decodes_on_rows``, and without speculation), then the
+   chunks. When nothing but positions changed since the last step (every running sequence
+   decodes, nothing to admit), the schedule is the last one's decodes, moved on by a diff:
+   those that joined, those entering a new block and the block each got
+   (``_schedule_steady``), without a pass over the running set.
+2. The model runner computes each decode's last token and each chunk's
+   ``seq.token_ids[start : start + num_new_tokens]`` in one forward; the engine samples one
+   token for every decode and for the chunks whose ``samples`` is True.
 3. ``update(output)``: advance ``num_computed_tokens``, register full blocks in the prefix
    cache, free blocks that left the sliding window. Call it before ``finish``.
 4. The engine appends sampled tokens, decides stop, and calls ``finish(seq, status)`` (or
@@ -31,6 +32,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import chain
+from operator import attrgetter
 
 from pdserve.engine.kv_cache.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -45,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DecodePolicy", "PrefillOnlyPolicy", "ScheduledSequence", "Scheduler",
            "SchedulerConfig", "SchedulerOutput", "SchedulingPolicy"]
+
+
+_SEQ = attrgetter("seq")
 
 
 def _remove(items: list[Sequence] | deque[Sequence], seq: Sequence) -> bool:
@@ -72,9 +78,9 @@ class Scheduler:
         self.num_bounces = 0  # of which handed back to the router (decode role)
         # speculative decoding (set by the engine): draft slots a decode may get this step
         self.lookahead: Callable[[Sequence], int] | None = None
-        self._decodes: list[Sequence] = []  # the latest pure decode step's sequences
+        self._decodes: list[Sequence] = []  # the latest steady step's sequences
         self._decodes_version = -1  # the running_version they are
-        # sequences that need a block at the next pure decode step (None: not known, every
+        # sequences that need a block at the next steady step (None: not known, every
         # sequence is checked), and those that joined running since the latest schedule()
         self._due: list[Sequence] | None = None
         self._joined: list[Sequence] = []
@@ -146,8 +152,8 @@ class Scheduler:
 
     def _join_running(self, seq: Sequence) -> None:
         """Every change to ``running`` goes through here or :meth:`_leave_running`: the
-        version they count is what the runner's rows mirror; a pure decode step checks
-        the sequences that joined since the last one."""
+        version they count is what the runner's rows mirror; a steady step checks the
+        sequences that joined since the last one."""
         self.running.append(seq)
         self.running_version += 1
         self._joined.append(seq)
@@ -194,26 +200,32 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = self._schedule_pure_decode()
+        out = self._schedule_steady()
         self._joined = []
         if out is not None:
             return out
-        self._due = None  # (a general step moves sequences on in its own way)
+        self._due = None  # (known again after the next steady step)
         out = SchedulerOutput()
         budget, short, deferred = self._schedule_running(out, self.config.max_num_batched_tokens)
         # never admit while the running set is short of blocks
         if not short and not self._holds_admission():
             budget = self._schedule_waiting(out, budget)
         for seq in deferred:  # prefills that let better waiting requests go first
-            if budget <= 0 or len(out.scheduled) >= self.config.max_num_seqs:
+            if budget <= 0 or out.num_seqs >= self.config.max_num_seqs:
                 break
             if seq.status == SequenceStatus.RUNNING:
                 budget -= self._schedule_one(seq, budget, out)[0]
         now = time.monotonic()
-        for item in out.scheduled:
-            if item.seq.first_scheduled_time is None:
-                item.seq.first_scheduled_time = now
+        for seq in chain(out.decodes, map(_SEQ, out.chunks)):
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
         return out
+
+    @property
+    def _decodes_on_rows(self) -> bool:
+        """Whether decodes go to ``SchedulerOutput.decodes`` (the runner's rows): when the
+        policy puts them there and nothing speculates (a speculating decode is a chunk)."""
+        return self.policy.decodes_on_rows and self.lookahead is None
 
     def _holds_admission(self) -> bool:
         """Whether the waiting prompts wait this step (``SchedulerConfig.admission_hold_s``).
@@ -236,15 +248,14 @@ class Scheduler:
         waiting_tokens = sum(s.num_uncomputed_tokens for s in self.waiting)
         return waiting_tokens < self.config.max_num_batched_tokens
 
-    def _schedule_pure_decode(self) -> SchedulerOutput | None:
-        """A pure decode step of every running sequence when that is what the general
-        schedule would do: nothing waits (or every seat is taken), the policy asks for pure
-        decode steps, none speculates, every running sequence has one token left to
+    def _schedule_steady(self) -> SchedulerOutput | None:
+        """The decodes of every running sequence, made from the last steady step's by a diff,
+        when that is what the general schedule would give: nothing waits (or every seat is
+        taken), decodes are on the rows, every running sequence has one token left to
         compute, all fit the step's limits, and the sequences entering a new block get one.
         None when the step needs the general schedule."""
         cfg = self.config
-        if (not self.policy.pure_decode_steps or self.lookahead is not None
-                or not self.running
+        if (not self._decodes_on_rows or not self.running
                 or (self.waiting and len(self.running) < cfg.max_num_seqs
                     and not self._holds_admission())):
             return None  # (with every seat taken, the general schedule would admit no one)
@@ -282,12 +293,13 @@ class Scheduler:
         """Give running sequences their tokens; returns (budget left, went short of blocks,
         the prefills deferred behind better waiting requests)."""
         short, deferred = False, []
-        scheduled, max_num_seqs = out.scheduled, self.config.max_num_seqs
+        decodes, chunks, max_num_seqs = out.decodes, out.chunks, self.config.max_num_seqs
         fast, block_size = self.policy.decodes_take_one_token, self.block_manager.block_size
         fast = fast and self.lookahead is None  # speculating decodes take draft slots too
+        on_rows = self._decodes_on_rows
         running, num_fast = SequenceStatus.RUNNING, 0  # (locals: this loop runs per sequence)
         for seq in self.policy.order_running(self.running):
-            if budget <= 0 or len(scheduled) >= max_num_seqs:
+            if budget <= 0 or len(decodes) + len(chunks) >= max_num_seqs:
                 break
             if seq.status != running:  # preempted earlier in this loop
                 continue
@@ -295,7 +307,10 @@ class Scheduler:
             if (fast and len(seq.token_ids) - computed == 1
                     and computed < len(seq.block_table) * block_size):
                 # a decode whose last block has room (most sequences, most steps)
-                scheduled.append(ScheduledSequence(seq, 1))
+                if on_rows:
+                    decodes.append(seq)
+                else:
+                    chunks.append(ScheduledSequence(seq, 1))
                 num_fast += 1
                 budget -= 1
                 continue
@@ -317,7 +332,7 @@ class Scheduler:
         if self.lookahead is not None and n == 1 and seq.num_uncomputed_tokens == 1:
             return self._schedule_speculative(seq, budget, out)
         if seq.num_computed_tokens + n <= len(seq.block_table) * self.block_manager.block_size:
-            out.add(seq, n)  # the table already covers the tokens (most decode steps)
+            self._add(out, seq, n)  # the table already covers the tokens
             return n, False
         short = False
         if not self.block_manager.can_allocate(seq, n):
@@ -326,8 +341,16 @@ class Scheduler:
             if n == 0:
                 return 0, short
         self.block_manager.allocate(seq, n)
-        out.add(seq, n)
+        self._add(out, seq, n)
         return n, short
+
+    def _add(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        """Running ``seq``'s ``n`` tokens into ``out``: a decode on the rows when it computes
+        its last token alone and decodes are on the rows, else a chunk."""
+        if n == 1 and self._decodes_on_rows and seq.num_uncomputed_tokens == 1:
+            out.add_decode(seq)
+        else:
+            out.add(seq, n)
 
     def _schedule_speculative(self, seq: Sequence, budget: int,
                               out: SchedulerOutput) -> tuple[int, bool]:
@@ -350,7 +373,7 @@ class Scheduler:
         """
         bm = self.block_manager
         while not bm.can_allocate(seq, n):
-            scheduled = {id(item.seq) for item in out.scheduled}
+            scheduled = set(map(id, chain(out.decodes, map(_SEQ, out.chunks))))
             candidates = [s for s in self.running if id(s) not in scheduled]
             victim = self.policy.pick_victim(candidates)
             if not any(victim is s for s in candidates):
@@ -390,7 +413,7 @@ class Scheduler:
         allow; returns the budget left."""
         cfg, bm = self.config, self.block_manager
         while (budget > 0 and len(self.running) < cfg.max_num_seqs
-               and len(out.scheduled) < cfg.max_num_seqs):
+               and out.num_seqs < cfg.max_num_seqs):
             seq = self.policy.next_waiting(self.waiting)
             if seq is None:
                 break
@@ -415,15 +438,18 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput) -> None:
         """After the model ran: advance progress, cache full blocks, free out-of-window blocks."""
-        if output.decodes is not None:
-            self._update_pure_decode(output)
-            return
+        if output.decodes:
+            self._update_decodes(output)
+        if output.chunks:
+            self._update_chunks(output.chunks)
+
+    def _update_chunks(self, chunks: list[ScheduledSequence]) -> None:
         bm = self.block_manager
         bs = bm.block_size
         # only a block filled by this step gets hashed; only a window frees blocks
         caching, windowed = bm.enable_prefix_caching, bm.sliding_window is not None
         finished = SequenceStatus.FINISHED_STOPPED  # (a local: this loop runs per sequence)
-        for item in output.scheduled:
+        for item in chunks:
             seq = item.seq
             if seq.status >= finished:  # finished or aborted between schedule and update
                 continue
@@ -436,10 +462,9 @@ class Scheduler:
             if windowed:
                 bm.free_out_of_window(seq)
 
-    def _update_pure_decode(self, output: SchedulerOutput) -> None:
-        """:meth:`update` of a pure decode step: every sequence computed one more token; note
-        those whose next position starts a block they do not have (the next pure decode step
-        gives them one)."""
+    def _update_decodes(self, output: SchedulerOutput) -> None:
+        """The decodes computed one more token each; after a steady step, note those whose
+        next position starts a block they do not have (the next steady step gives them one)."""
         bm = self.block_manager
         bs = bm.block_size
         filled = []
@@ -449,11 +474,18 @@ class Scheduler:
                 filled.append(seq)
         if filled and bm.enable_prefix_caching:
             bm.cache_filled_blocks(filled)
-        self._due = [s for s in filled if s.num_computed_tokens == len(s.block_table) * bs]
+        steady = output.decodes_version >= 0
+        if steady:
+            self._due = [s for s in filled if s.num_computed_tokens == len(s.block_table) * bs]
         window = bm.sliding_window
-        if window is not None:  # those whose step pushed a block out, and those that joined
-            joined = set(map(id, output.joined))  # (a decode worker's bring whole prompts)
+        if window is None:
+            return
+        if not steady:  # (a general step frees every decode's, as it does every chunk's)
             for seq in output.decodes:
-                oldest = seq.num_computed_tokens - (window - 1)  # next query's first key
-                if (oldest > 0 and not oldest % bs) or id(seq) in joined:
-                    bm.free_out_of_window(seq)
+                bm.free_out_of_window(seq)
+            return
+        joined = set(map(id, output.joined))  # (a decode worker's bring whole prompts)
+        for seq in output.decodes:  # those whose step pushed a block out, and those that joined
+            oldest = seq.num_computed_tokens - (window - 1)  # next query's first key
+            if (oldest > 0 and not oldest % bs) or id(seq) in joined:
+                bm.free_out_of_window(seq)

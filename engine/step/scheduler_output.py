@@ -49,10 +49,11 @@ class SchedulerConfig:
 
 
 class ScheduledSequence:
-    """One sequence's share of a step (a plain slotted class: one is made per sequence per
-    step, so construction stays cheap)."""
+    """One sequence's tokens in a step, read from the sequence: a prompt chunk, or a
+    speculating decode's token and draft slots (a plain slotted class: one is made per
+    sequence per step, so construction stays cheap)."""
 
-    __slots__ = ("seq", "num_new_tokens", "start", "samples", "is_decode", "num_lookahead",
+    __slots__ = ("seq", "num_new_tokens", "start", "samples", "num_lookahead",
                  "draft_token_ids")
 
     def __init__(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> None:
@@ -61,8 +62,6 @@ class ScheduledSequence:
         self.start = seq.num_computed_tokens  # first position computed this step
         # the chunk reaches the end of token_ids: sample a token
         self.samples = self.start + num_new_tokens >= len(seq.token_ids)
-        # computes one token, the sequence's last, and samples the next
-        self.is_decode = num_new_tokens == 1 and self.samples
         # speculative decoding: KV slots allocated past the new tokens for drafts, and the
         # drafts proposed into them (at most num_lookahead; verified in this step's forward)
         self.num_lookahead = num_lookahead
@@ -75,30 +74,42 @@ class ScheduledSequence:
 
 @dataclass
 class SchedulerOutput:
-    """What the model runner computes this step."""
+    """What the model runner computes this step, in batch order: the decodes, then the chunks.
 
-    scheduled: list[ScheduledSequence] = field(default_factory=list)  # batch order
-    preempted: list[Sequence] = field(default_factory=list)  # preempted in this schedule()
-    bounced: list[Sequence] = field(default_factory=list)  # preempted and handed back (ended)
-    num_batched_tokens: int = 0  # sum of num_new_tokens (and draft slots)
-    # a pure decode step (``scheduled`` empty): every running sequence, in batch order,
-    # computes its last token and samples the next; the blocks it enters are appended to
-    # the tables (and listed in ``grown`` and ``new_blocks``)
-    decodes: list[Sequence] | None = None
-    decodes_version: int = -1  # the scheduler's running_version that ``decodes`` is
-    joined: list[Sequence] = field(default_factory=list)  # in ``decodes``, new to them
+    ``decodes`` are running sequences that compute their last token and sample the next; they
+    are the model runner's persistent rows (``DecodeRows``), which move on by this step's diff:
+    when ``decodes_version`` is the scheduler's ``running_version`` the rows mirror (a steady
+    step: the same sequences as the last step's, plus ``joined``), only ``grown`` changed, each
+    given ``new_blocks[i]``; otherwise (-1) the rows are matched to ``decodes`` by identity and
+    read the blocks the schedule gave them from their tables. ``chunks`` are the sequences
+    whose tokens are read from them this step: prompt chunks (a new request's first one, or
+    the next of a running one) and speculating decodes (their token plus draft slots)."""
+
+    decodes: list[Sequence] = field(default_factory=list)  # row order
+    chunks: list[ScheduledSequence] = field(default_factory=list)  # after the decodes
+    decodes_version: int = -1  # the running_version ``decodes`` is (-1: match by identity)
+    joined: list[Sequence] = field(default_factory=list)  # in ``decodes``, new to running
     grown: list[Sequence] = field(default_factory=list)  # in ``decodes``, given a block
     new_blocks: list[int] = field(default_factory=list)  # the block each of ``grown`` got
+    preempted: list[Sequence] = field(default_factory=list)  # preempted in this schedule()
+    bounced: list[Sequence] = field(default_factory=list)  # preempted and handed back (ended)
+    num_batched_tokens: int = 0  # one per decode, plus the chunks' tokens and draft slots
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.decodes
+        return not self.decodes and not self.chunks
 
     @property
     def num_seqs(self) -> int:
-        return len(self.decodes) if self.decodes is not None else len(self.scheduled)
+        return len(self.decodes) + len(self.chunks)
+
+    def add_decode(self, seq: Sequence) -> None:
+        """``seq`` computes its last token (its table covers it) and samples the next."""
+        self.decodes.append(seq)
+        self.num_batched_tokens += 1
 
     def add(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> None:
-        """Schedule ``num_new_tokens`` of ``seq`` (and ``num_lookahead`` draft slots)."""
-        self.scheduled.append(ScheduledSequence(seq, num_new_tokens, num_lookahead))
+        """Schedule ``num_new_tokens`` of ``seq`` as a chunk (and ``num_lookahead`` draft
+        slots)."""
+        self.chunks.append(ScheduledSequence(seq, num_new_tokens, num_lookahead))
         self.num_batched_tokens += num_new_tokens + num_lookahead

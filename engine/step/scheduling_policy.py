@@ -46,9 +46,9 @@ class SchedulingPolicy:
     # A decode (one token left) computes it whenever budget is left and never defers; the
     # scheduler then takes its fast path without asking num_new_tokens / defers.
     decodes_take_one_token = True
-    # A step in which every running sequence decodes (and none speculates) is a pure decode
-    # step on the model runner's persistent rows (SchedulerOutput.decodes).
-    pure_decode_steps = True
+    # Decodes (none speculating) are the model runner's persistent rows
+    # (SchedulerOutput.decodes); off, every sequence of a step is a chunk built for it.
+    decodes_on_rows = True
 
     def __init__(self, ordering: str = "fcfs") -> None:
         if ordering not in ORDERINGS:
@@ -109,7 +109,7 @@ class PrefillOnlyPolicy(SchedulingPolicy):
     accepts_running = False
     speculates = False  # samples token 0 only: a speculative_config is ignored here
     decodes_take_one_token = False  # a prompt's last token is computed once, never decoded
-    pure_decode_steps = False  # (the prefill worker's hooks see every sequence that samples)
+    decodes_on_rows = False  # (none decodes; its hooks see every sequence that samples)
 
     def num_new_tokens(self, seq: Sequence, num_computed_tokens: int, budget: int,
                        enable_chunked_prefill: bool) -> int:

@@ -1,8 +1,8 @@
 """The persistent decode rows (engine/step/decode_rows.py) equal a batch rebuilt every step.
 
 Random traffic (arrivals, aborts, finishes, and preemptions from a pool too small for the
-load) runs on two engines: one whose pure decode steps run on the persistent rows, one whose
-every step takes the general path and rebuilds its batch. The requests mix what the rows treat
+load) runs on two engines: one whose decodes run on the persistent rows, one whose every
+sequence is a chunk rebuilt every step. The requests mix what the rows treat
 differently: greedy and seeded sampling, EOS on and off, stop strings, stop token ids,
 logprobs, penalties, max_tokens. Every step's tensors and every request's rendered deltas
 (tokens, text, finish reason, logprobs, counters) must be equal, and no block may leak.
@@ -33,11 +33,7 @@ def _engine(tiny_dir, rebuild: bool) -> LLMEngine:
     parts = EngineParts.build(EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=24,
                                            max_num_seqs=12, max_num_batched_tokens=64,
                                            enable_prefix_caching=True))
-    engine = general_steps.engine(parts, rows=not rebuild)
-    if rebuild:
-        runner = parts.runner
-        runner.prepare = lambda output: runner._prepare_general(output.scheduled)  # no rows
-    return engine
+    return general_steps.engine(parts, rows=not rebuild)
 
 
 def _params(rng: random.Random) -> SamplingParams:
@@ -167,7 +163,7 @@ def _count_window_frees(engine: LLMEngine) -> None:
     def counted(output) -> None:
         used = bm.num_used_blocks
         update(output)
-        if output.decodes is not None:
+        if output.decodes:
             engine.window_frees += used - bm.num_used_blocks
 
     scheduler.update = counted
@@ -191,6 +187,7 @@ def _assert_same_as_rebuilding(model_dir, events, window: int | None = None,
     assert sum(len(d[0]) for ds in fast_deltas.values() for d in ds) > 100
     assert len(rows_steps) >= 20 and len(set(rows_steps)) >= 3  # the rows served steps of
     # several batch sizes (rows joined and left between them)
+    assert fast.mixed_steps >= 5  # and steps whose decodes ran beside chunks
     finishes = {ds[-1][2] for ds in fast_deltas.values() if ds}  # (aborts: none)
     assert {"stop", "length"} <= finishes
     for engine in (fast, rebuilt):
@@ -201,16 +198,19 @@ def _assert_same_as_rebuilding(model_dir, events, window: int | None = None,
 
 
 def _count_rows_steps(engine: LLMEngine) -> list[int]:
-    """The batch sizes of the pure decode steps (those the scheduler hands the runner's
-    persistent rows), as they happen."""
+    """The batch sizes of the steps of decodes alone, as they happen; the steps with decodes
+    and chunks are counted in ``engine.mixed_steps``."""
     sizes: list[int] = []
     runner = engine.parts.runner
     prepare = runner.prepare
+    engine.mixed_steps = 0
 
     def counted(output):
         batch = prepare(output)
-        if output.decodes is not None:
-            assert len(runner.rows) == len(output.decodes)
+        assert len(runner.rows) == len(output.decodes)
+        if output.decodes and output.chunks:
+            engine.mixed_steps += 1
+        elif output.decodes:
             sizes.append(len(runner.rows))
         return batch
 
@@ -255,7 +255,7 @@ def test_the_rows_serve_pure_decode_steps(tiny_dir):
     sizes = _count_rows_steps(engine)
     rows, syncs = engine.parts.runner.rows, []
     sync = rows.sync
-    rows.sync = lambda seqs, version=None: syncs.append(len(seqs)) or sync(seqs, version)
+    rows.sync = lambda seqs, version=-1: syncs.append(len(seqs)) or sync(seqs, version)
     for i in range(3):
         engine.add_request(f"d{i}", [5, 6, 7 + i], SamplingParams(max_tokens=6 + i,
                                                                    temperature=0.0,
@@ -339,7 +339,7 @@ def test_decode_worker_joins_and_finishes_give_the_same_batches_and_deltas(
     syncs: list[int] = []
     rows = rows_engine.parts.runner.rows
     sync, old_rows = rows.sync, rows._old_rows
-    rows.sync = lambda seqs, version=None: syncs.append(len(seqs)) or sync(seqs, version)
+    rows.sync = lambda seqs, version=-1: syncs.append(len(seqs)) or sync(seqs, version)
     mapped: list[int] = []  # syncs that mapped every sequence to its row (not an append)
     rows._old_rows = lambda seqs, tables: mapped.append(len(seqs)) or old_rows(seqs, tables)
     rows_batches, reference_batches = [], []
@@ -368,7 +368,7 @@ def test_a_full_house_with_a_queue_still_decodes_on_the_rows(tiny_dir):
 
         def schedule_noting_the_queue():
             output = schedule()
-            if output.decodes is not None:
+            if output.decodes and not output.chunks:
                 queued.append(len(engine.scheduler.waiting))
             return output
         engine.scheduler.schedule = schedule_noting_the_queue

@@ -37,7 +37,7 @@ def seq(request_id: str, n: int, priority: int = 0, max_tokens: int = 2,
 def step(sched: Scheduler):
     out = sched.schedule()
     sched.update(out)
-    for item in out.scheduled:
+    for item in out.chunks:
         if item.samples:
             item.seq.append_token(TOKEN)
             if item.seq.num_output_tokens >= item.seq.sampling_params.max_tokens:
@@ -83,7 +83,7 @@ def test_a_long_low_priority_prefill_yields_to_a_short_high_priority_one():
     short = seq("short", 6, priority=0, max_tokens=1, arrival=1)
     sched.add(short)
     out = sched.schedule()
-    assert out.scheduled[0].seq is short and out.scheduled[0].samples  # whole prompt first
+    assert out.chunks[0].seq is short and out.chunks[0].samples  # whole prompt first
     sched.update(out)
     for s in (short, long):
         sched.abort(s.request_id)
@@ -97,7 +97,7 @@ def test_fcfs_lets_the_running_prefill_keep_its_chunk():
     step(sched)
     sched.add(seq("short", 6, priority=0, max_tokens=1, arrival=1))
     out = sched.schedule()
-    assert out.scheduled[0].seq is long and out.num_batched_tokens == 8
+    assert out.chunks[0].seq is long and out.num_batched_tokens == 8
     sched.update(out)
     for request_id in ("long", "short"):
         sched.abort(request_id)

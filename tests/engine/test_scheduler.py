@@ -52,15 +52,15 @@ def step(sched: Scheduler) -> SchedulerOutput:
     """One engine step: schedule, 'run', update, sample TOKEN, finish on max_tokens."""
     cfg, bm = sched.config, sched.block_manager
     out = sched.schedule()
-    assert out.num_batched_tokens == sum(i.num_new_tokens for i in out.scheduled)
+    assert out.num_batched_tokens == sum(i.num_new_tokens for i in out.chunks)
     assert out.num_batched_tokens <= cfg.max_num_batched_tokens
-    assert len(out.scheduled) <= cfg.max_num_seqs
-    assert len({id(i.seq) for i in out.scheduled}) == len(out.scheduled)
-    for item in out.scheduled:
+    assert len(out.chunks) <= cfg.max_num_seqs
+    assert len({id(i.seq) for i in out.chunks}) == len(out.chunks)
+    for item in out.chunks:
         assert item.num_new_tokens >= 1 and item.seq.status == SequenceStatus.RUNNING
         assert len(item.seq.block_table) * bm.block_size >= item.start + item.num_new_tokens
     sched.update(out)
-    for item in out.scheduled:
+    for item in out.chunks:
         if item.samples:
             item.seq.append_token(TOKEN)
             if item.seq.num_output_tokens >= item.seq.sampling_params.max_tokens:
@@ -95,9 +95,9 @@ def test_chunked_prefill_splits_a_long_prompt():
     seq = req("long", 50, max_tokens=2)
     sched.add(seq)
     outs = run_all(sched)
-    assert [o.scheduled[0].num_new_tokens for o in outs] == [16, 16, 16, 2, 1]
-    assert [o.scheduled[0].samples for o in outs] == [False, False, False, True, True]
-    assert [o.scheduled[0].start for o in outs] == [0, 16, 32, 48, 50]
+    assert [o.chunks[0].num_new_tokens for o in outs] == [16, 16, 16, 2, 1]
+    assert [o.chunks[0].samples for o in outs] == [False, False, False, True, True]
+    assert [o.chunks[0].start for o in outs] == [0, 16, 32, 48, 50]
 
 
 def test_without_chunking_a_prompt_waits_for_a_step_it_fits():
@@ -106,9 +106,9 @@ def test_without_chunking_a_prompt_waits_for_a_step_it_fits():
     sched.add(a)
     sched.add(b)
     first = step(sched)
-    assert [(i.seq.request_id, i.num_new_tokens) for i in first.scheduled] == [("a", 40)]
+    assert [(i.seq.request_id, i.num_new_tokens) for i in first.chunks] == [("a", 40)]
     second = step(sched)
-    assert [(i.seq.request_id, i.num_new_tokens) for i in second.scheduled] == [("a", 1),
+    assert [(i.seq.request_id, i.num_new_tokens) for i in second.chunks] == [("a", 1),
                                                                                 ("b", 30)]
     run_all(sched)
 
@@ -132,7 +132,7 @@ def test_decodes_are_scheduled_before_prefill_chunks():
     decoding = computed_elsewhere(sched.block_manager, "dec", 6, max_tokens=4)
     sched.add_running(decoding)  # joins the running list behind the partial prefill
     out = step(sched)
-    assert [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled] == [("dec", 1),
+    assert [(i.seq.request_id, i.num_new_tokens) for i in out.chunks] == [("dec", 1),
                                                                              ("long", 15)]
     run_all(sched)
     assert decoding.output_token_ids == [TOKEN] * 4
@@ -150,12 +150,12 @@ def test_preemption_takes_the_tail_which_recomputes_and_finishes():
     assert preempting.preempted == [b] and list(sched.waiting) == [b, c]  # b goes first
     outs += run_all(sched)
     preempting = [o for o in outs if o.preempted]
-    assert [i.seq.request_id for i in preempting[0].scheduled] == ["a"]  # no admission then
+    assert [i.seq.request_id for i in preempting[0].chunks] == ["a"]  # no admission then
     assert b.num_preemptions >= 1 and a.num_preemptions == 0
     assert sched.num_preemptions == b.num_preemptions
     # b's recompute covers prompt + generated tokens and ends in a sample.
     after = outs[outs.index(preempting[0]) + 1:]
-    recompute = next(i for o in after for i in o.scheduled if i.seq is b)
+    recompute = next(i for o in after for i in o.chunks if i.seq is b)
     assert recompute.start == b.num_cached_tokens and recompute.samples
     for seq in (a, b):
         assert seq.output_token_ids == [TOKEN] * 8
@@ -256,7 +256,7 @@ def test_shared_system_prompt_hits_the_prefix_cache():
     second = req("second", system + [4, 5])
     sched.add(second)
     out = step(sched)
-    chunk = next(i for i in out.scheduled if i.seq is second)
+    chunk = next(i for i in out.chunks if i.seq is second)
     assert second.num_cached_tokens == 32 and (chunk.start, chunk.num_new_tokens) == (32, 2)
     assert second.block_table[:8] == first.block_table[:8]
     bm = sched.block_manager
@@ -285,7 +285,7 @@ def test_prefill_only_policy_hands_off_after_the_prompt():
     seq = req("a", 20)
     sched.add(seq)
     outs = [step(sched) for _ in range(3)]
-    assert outs[-1].scheduled[0].samples and seq.output_token_ids == [TOKEN]
+    assert outs[-1].chunks[0].samples and seq.output_token_ids == [TOKEN]
     assert step(sched).is_empty  # prompt done: never decoded here
     sched.hand_off(seq)
     assert seq.status == SequenceStatus.SENDING_KV and not sched.has_unfinished
@@ -305,7 +305,7 @@ def test_decode_only_policy_continues_committed_sequences():
     assert bounced[0].status == SequenceStatus.FINISHED_ABORTED and not bounced[0].block_table
     survivor = next(s for s in seqs if s is not bounced[0])
     assert survivor.output_token_ids == [TOKEN] * 6
-    assert all(item.num_new_tokens == 1 for o in outs for item in o.scheduled)  # no prefill
+    assert all(item.num_new_tokens == 1 for o in outs for item in o.chunks)  # no prefill
 
 
 def test_running_sequences_beyond_max_num_seqs_take_turns():
@@ -315,7 +315,7 @@ def test_running_sequences_beyond_max_num_seqs_take_turns():
     for seq in seqs:
         sched.add_running(seq)
     outs = run_all(sched)
-    assert all(len(o.scheduled) == 1 for o in outs) and len(outs) == 4
+    assert all(len(o.chunks) == 1 for o in outs) and len(outs) == 4
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -282,7 +282,7 @@ def test_random_accept_patterns_never_leak(data, block_size, num_blocks, k, cach
             break
         out = sched.schedule()
         sched.update(out)
-        for item in out.scheduled:
+        for item in out.chunks:
             seq = item.seq
             if not item.samples or seq.is_finished:
                 continue

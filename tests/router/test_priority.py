@@ -53,13 +53,14 @@ async def idle(handles) -> list[int]:
 
 
 def chunk_sizes(decode_worker) -> list[int]:
-    """Record the size of every chunk the decode worker's scheduler schedules."""
+    """Record the tokens each sequence computes in each step of the decode worker (a
+    decode's: 1)."""
     sizes: list[int] = []
     schedule = decode_worker.engine.scheduler.schedule
 
     def recording():
         out = schedule()
-        sizes.extend(item.num_new_tokens for item in out.scheduled)
+        sizes.extend([1] * len(out.decodes) + [item.num_new_tokens for item in out.chunks])
         return out
 
     decode_worker.engine.scheduler.schedule = recording
