@@ -7,9 +7,16 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.engine_loop import check_step_timeout
-from pdserve.engine.speculation.config import SpeculativeConfig
-from pdserve.engine.step.scheduler_output import check_admission_hold
+from pdserve.engine.speculative_config import SpeculativeConfig
 from pdserve.kernels import BACKENDS
+
+
+def check_admission_hold(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0.0 <= value < float("inf"):
+        raise ValueError(f"admission_hold_s must be a finite number of seconds >= 0, "
+                         f"got {value!r}")
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", "int8")

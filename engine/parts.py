@@ -1,6 +1,6 @@
 """What an engine is built from: the model, its KV pool and block manager, the tokenizer and
-the memory ledger (``EngineParts.build``), and what a config means on this machine
-(``ResolvedModel``). ``LLMEngine`` (engine/llm_engine.py) steps over these parts."""
+the memory ledger (``EngineParts.build``, from a ``ResolvedModel``). ``LLMEngine``
+(engine/llm_engine.py) steps over these parts."""
 
 from __future__ import annotations
 
@@ -22,52 +22,14 @@ from pdserve.engine.int8_calibration import calibrate_kv_scales, check_int8_qual
 from pdserve.engine.kv_cache.block_manager import BlockManager
 from pdserve.engine.kv_cache.events import KVEventLog
 from pdserve.engine.kv_cache.int8_scales import INT8_SCHEMES, Calibration
+from pdserve.engine.resolved_model import ResolvedModel
 from pdserve.engine.step.cuda_graphs import DecodeGraphs, cuda_capture
-from pdserve.engine.step.host_memory import keep_freed_host_memory
 from pdserve.engine.step.model_runner import ModelRunner
 from pdserve.engine.tensor_parallel.group import Followers, RankRole, TensorParallelRunner
-from pdserve.kernels import resolve_backend
-from pdserve.models import Checkpoint, ModelConfig, Tokenizer, open_checkpoint
+from pdserve.models import ModelConfig, Tokenizer
 from pdserve.models.tensor_parallel import TensorShard
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ResolvedModel:
-    """What an engine config means on this machine, before any weight is read."""
-
-    checkpoint: Checkpoint
-    model_config: ModelConfig
-    device: torch.device
-    dtype: torch.dtype  # the dtype weights and activations run in
-    backend: str  # attention kernels: "torch" | "native" | "triton"
-    max_model_len: int  # the context limit in force
-
-    @classmethod
-    def of(cls, config: EngineConfig) -> ResolvedModel:
-        checkpoint = open_checkpoint(config.model)
-        mc = checkpoint.model_config
-        device = config.resolve_device()
-        dtype = config.resolve_dtype(getattr(mc, "torch_dtype", None), device)
-        max_model_len = config.max_model_len or mc.max_position_embeddings
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({mc.max_position_embeddings})")
-        return cls(checkpoint, mc, device, dtype, resolve_backend(config.attention_backend, device),
-                   max_model_len)
-
-    def load_model(self, config: EngineConfig, shard: TensorShard | None = None,
-                   device: torch.device | None = None) -> torch.nn.Module:
-        """The weights on ``device`` (default: this machine's), packed for the CPU's GEMM
-        when ``config`` says so; with ``shard``, one tensor parallel rank's part."""
-        device = self.device if device is None else device
-        if device.type == "cpu":
-            keep_freed_host_memory()
-        model = self.checkpoint.load(self.dtype, device, shard)
-        if config.cpu_packed_gemm:
-            model.pack_linears()  # (a no-op but on a CPU in float32)
-        return model
 
 
 @dataclass

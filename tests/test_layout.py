@@ -272,6 +272,37 @@ def test_the_kv_cache_and_sampling_need_nothing_of_the_step():
     assert not bad, "\n".join(bad)
 
 
+def _engine_unit(name: str) -> str | None:
+    """The part of engine/ module ``name`` lies in: its folder, or the top-level module."""
+    parts = name.split(".")
+    return parts[2] if parts[:2] == ["pdserve", "engine"] and len(parts) > 2 else None
+
+
+def test_the_engine_folders_and_modules_have_no_cycle():
+    """engine/'s folders and top-level modules, each taken whole, import one another without a
+    cycle (a folder's modules may import each other): each can be read from the bottom up."""
+    edges: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        rel = path.relative_to(ROOT / "engine")
+        unit = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        for name in imported_modules(path):
+            other = _engine_unit(name)
+            if other is not None and other != unit:
+                edges.setdefault(unit, set()).add(other)
+    done: set[str] = set()
+
+    def visit(unit: str, path: tuple[str, ...]) -> None:
+        assert unit not in path, " -> ".join((*path, unit))
+        if unit not in done:
+            for lower in sorted(edges.get(unit, ())):
+                visit(lower, (*path, unit))
+            done.add(unit)
+
+    for unit in sorted(edges):
+        visit(unit, ())
+    assert {"step", "kv_cache", "parts", "llm_engine"} <= done  # (the walk saw the engine)
+
+
 def test_one_module_knows_how_deltas_are_encoded():
     """StepDeltas (worker_api/deltas.py) alone chooses the encoding: no other module names its
     parts or tests a delta's type against them."""

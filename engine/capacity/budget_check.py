@@ -10,7 +10,7 @@ import torch
 
 from pdserve.engine.capacity import memory
 from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, EngineConfig
-from pdserve.engine.parts import ResolvedModel
+from pdserve.engine.resolved_model import ResolvedModel
 from pdserve.kernels.linear import can_pack
 from pdserve.models import ModelConfig, build_model
 from pdserve.models.checkpoint import Checkpoint

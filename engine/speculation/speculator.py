@@ -1,7 +1,7 @@
 """Speculative decoding on decode and colocated workers: propose k tokens cheaply, verify them in
 one target forward, keep the longest prefix the target agrees with.
 
-Configuration (vLLM's keys, validated in engine/speculation/config.py):
+Configuration (vLLM's keys, validated in engine/speculative_config.py):
 ``EngineConfig.speculative_config`` / ``LLM(..., speculative_config=...)`` /
 ``pdserve serve --speculative-config JSON``::
 
@@ -62,7 +62,7 @@ from pdserve.engine.sampling.rejection_sampler import (
 )
 from pdserve.engine.sampling.sampler import SamplingRow, inverse_cdf_draw, is_penalized
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculation.config import SpeculativeConfig
+from pdserve.engine.speculative_config import SpeculativeConfig
 from pdserve.engine.step.model_runner import Chunk, ModelRunner
 from pdserve.models import load_model
 from pdserve.models.checkpoint import open_checkpoint

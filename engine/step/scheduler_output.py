@@ -8,19 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.config import check_admission_hold
 from pdserve.engine.sequence import Sequence
 
 
 def _check_int(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def check_admission_hold(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0.0 <= value < float("inf"):
-        raise ValueError(f"admission_hold_s must be a finite number of seconds >= 0, "
-                         f"got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

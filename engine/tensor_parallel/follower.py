@@ -22,7 +22,7 @@ import pickle
 import torch
 
 from pdserve.engine.capacity.memory import allocate_kv_caches, kv_layer_dtypes
-from pdserve.engine.parts import ResolvedModel
+from pdserve.engine.resolved_model import ResolvedModel
 from pdserve.engine.tensor_parallel.group import (
     OP_CALL,
     SECRET_ENV,

@@ -11,7 +11,7 @@ import pytest
 
 SCRIPT = """
 import ctypes
-from pdserve.engine.step.host_memory import keep_freed_host_memory
+from pdserve.engine.host_memory import keep_freed_host_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (

@@ -23,8 +23,8 @@ from pdserve.engine.sampling.rejection_sampler import (
 )
 from pdserve.engine.sampling.sampler import SamplingRow, inverse_cdf_draw
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.speculation.config import SpeculativeConfig
 from pdserve.engine.speculation.speculator import NgramProposer, Speculator
+from pdserve.engine.speculative_config import SpeculativeConfig
 from pdserve.engine.step.scheduler import Scheduler, SchedulerConfig
 
 transformers = pytest.importorskip("transformers")
