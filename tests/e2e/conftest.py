@@ -262,25 +262,42 @@ class RayNodes:
         return {p.pid for p in psutil.Process(self.nodes[name].pid).children(recursive=True)}
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM every node (its ``ray start --block`` stops its own processes), then, after
-        ``grace_s`` for them all, SIGKILL whatever of theirs is left (one node of the chart
-        smoke run's cluster used to take the whole 30 s each node was given)."""
+        """SIGTERM the joined nodes' process groups and wait for them, then the head's
+        ``ray start --block`` (which stops its own processes); after ``grace_s`` for them all,
+        SIGKILL whatever of theirs is left. A joined node's ``ray start`` alone, SIGTERMed,
+        outlasted the whole grace every time; with its raylet and agents SIGTERMed too, it
+        stops at once, and so does the head once they are gone."""
         self.remember()
-        for proc in reversed(list(self.nodes.values())):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for proc in self.nodes.values():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        self._terminate([p for name, p in self.nodes.items() if name != "head"], deadline,
+                        group=True)
+        self._terminate([p for name, p in self.nodes.items() if name == "head"], deadline,
+                        group=False)
         for pid in self._seen:
             if is_running(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+    @staticmethod
+    def _terminate(procs: list[subprocess.Popen], deadline: float, group: bool) -> None:
+        """SIGTERM each process (with ``group``, its whole process group), wait until
+        ``deadline``, SIGKILL it if it still runs."""
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    if group:
+                        os.killpg(proc.pid, signal.SIGTERM)
+                    else:
+                        proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 @pytest.fixture(scope="session")
