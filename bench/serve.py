@@ -314,11 +314,14 @@ def hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> f
 
 def server_side(admins: list, request_ids: list[str], sampled: dict[str, dict]) -> dict:
     """Traces of ``request_ids`` (each router keeps those it routed; a router without the
-    Admin service gives none) -> ``phases`` and ``prefill_locations``; from the first admin,
+    Admin service gives none) -> ``phases``, ``prefill_locations`` and ``pool_prompt_tokens``
+    (the prompt tokens computed on prefill or colocated workers, whose prefix caches
+    ``prefix_counters`` reads; a prompt a decode worker computed itself is not among them);
+    from the first admin,
     workers' ledgers and sampled utilisation and the server's configuration. Each part is
     None when the server does not offer it."""
-    out: dict = {"phases": None, "num_traces": 0, "prefill_locations": None, "workers": None,
-                 "server_config": None}
+    out: dict = {"phases": None, "num_traces": 0, "prefill_locations": None,
+                 "pool_prompt_tokens": None, "workers": None, "server_config": None}
     traces = []
     for admin in admins:
         try:
@@ -328,6 +331,9 @@ def server_side(admins: list, request_ids: list[str], sampled: dict[str, dict]) 
     out["num_traces"] = len(traces)
     out["phases"] = phase_split(traces) if traces else None
     out["prefill_locations"] = prefill_locations(traces)
+    if traces:
+        out["pool_prompt_tokens"] = sum(t["num_prompt_tokens"] for t in traces
+                                        if t["prefill_location"] != "local")
     admin = admins[0]
     try:
         out["workers"] = {w.worker_id: {"role": w.role, "ledger": json.loads(w.ledger_json or
@@ -370,7 +376,9 @@ async def _benchmark(opts: ServeOptions) -> dict:
         await sampler.stop()
         side = await asyncio.to_thread(server_side, admins, [o.request_id for o in outcomes],
                                        sampler.summary())
-        looked_up = sum(o.prompt_len for o in outcomes if o.success)
+        looked_up = side["pool_prompt_tokens"]
+        if looked_up is None:  # (no traces: every prompt, as a colocated server computes them)
+            looked_up = sum(o.prompt_len for o in outcomes if o.success)
         side["prefix_hit_rate"] = hit_rate(before, await asyncio.to_thread(
             settled_prefix_counters, admins[0], before, looked_up))
     result = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "pdserve",
