@@ -52,6 +52,7 @@ WIDE = {"type": "object", "properties": {f"field_{i}": {"type": ["string", "inte
 
 
 def xgrammar_runs(tok, vocab_size):
+    # lazy: neither library is in the lock; each engine's run imports its own
     import xgrammar as xgr
 
     start = time.perf_counter()
@@ -82,6 +83,7 @@ def xgrammar_runs(tok, vocab_size):
 
 
 def llguidance_runs(tok, vocab_size):
+    # lazy: neither library is in the lock; each engine's run imports its own
     import llguidance
     import llguidance.hf
     import llguidance.numpy as llnp
