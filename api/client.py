@@ -14,7 +14,10 @@ with PdserveClient("127.0.0.1:50051") as client:
 The prompt is a string or a list of token ids. Sampling keywords mirror ``SamplingParams``
 (OpenAI-like): ``max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
 presence_penalty, frequency_penalty, seed, stop (str or list), stop_token_ids, ignore_eos,
-logprobs``; a keyword left as ``None`` is unset and takes the server's default. ``timeout``
+logprobs, structured_outputs``; a keyword left as ``None`` is unset and takes the server's
+default. ``structured_outputs`` is a dict with one of ``json`` (a schema: a dict or JSON
+text), ``json_object`` (True), ``regex``, ``choice`` (a list of strings) or ``grammar``
+(EBNF), and the output will match it. ``timeout``
 (seconds) becomes the gRPC deadline. Every failure is a ``PdserveError`` with the gRPC code.
 Leaving a ``generate_stream`` loop early cancels the call, which frees the request's KV.
 
@@ -27,6 +30,7 @@ client's own certificate for mutual TLS.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -141,6 +145,7 @@ def build_generate_request(
         seed: int | None = None, stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
         logprobs: int | None = None, priority: int | None = None,
+        structured_outputs: dict | None = None,
         tenant: str = "") -> generation_pb2.GenerateRequest:
     """The request proto for a prompt and OpenAI-like sampling keywords (``None`` = unset)."""
     request = generation_pb2.GenerateRequest(request_id=request_id or "", tenant=tenant or "")
@@ -161,6 +166,15 @@ def build_generate_request(
         request.sampling.stop.extend([stop] if isinstance(stop, str) else stop)
     if stop_token_ids is not None:
         request.sampling.stop_token_ids.extend(stop_token_ids)
+    if structured_outputs is not None:
+        target = request.sampling.structured_outputs
+        target.SetInParent()  # (an empty dict still sends the field: the server names it)
+        for name, value in structured_outputs.items():
+            if name == "choice":
+                target.choice.choices.extend(value)
+            else:
+                setattr(target, name, value if name != "json" or isinstance(value, str)
+                        else json.dumps(value))
     return request
 
 

@@ -46,6 +46,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.sampling.grammar import GrammarCompiler
 from pdserve.engine.sampling.sampler import (
     Sampler,
     SamplingBatch,
@@ -110,6 +111,7 @@ class LLMEngine:
         # an int8 KV cache whose scales or dequantized values overflow shows as non-finite
         # logits: each step checks them, and fails the rows that have them (loudly)
         self._int8_kv = cfg.kv_int8_scales if cfg.kv_cache_dtype == "int8" else None
+        self._grammars: GrammarCompiler | None = None  # made by the first constrained request
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -144,6 +146,8 @@ class LLMEngine:
             seq = Sequence(request_id, token_ids, params, seed=seed)
             self.scheduler.check_fits(seq)
             check_samplable(seq)
+            if params.structured_outputs is not None:
+                seq.constraint = self._constraint(params)
         except NeverFits:
             raise
         except ValueError as exc:
@@ -161,6 +165,11 @@ class LLMEngine:
                              f"max_tokens ({request.params.max_tokens})")
         if resumed:
             self.parts.encode_prompt(resumed)  # the same id checks as a prompt
+        if seq.constraint is not None:  # the grammar goes on from the outputs so far
+            for i, token_id in enumerate(resumed):
+                if not seq.constraint.accept(token_id):
+                    raise NeverFits(f"output_token_ids[{i}] ({token_id}) does not follow "
+                                    f"the request's structured_outputs")
         seq.token_ids.extend(resumed)
         seq.num_resumed_tokens = len(resumed)
         seq.deadline, seq.attempt = request.deadline, request.attempt
@@ -178,6 +187,27 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.track(seq)
         return seq
+
+    def _constraint(self, params: SamplingParams):
+        """A new matcher for ``params``' structured outputs (ValueError naming the field when
+        they cannot be served here); the grammar engine starts with the first request."""
+        if self.speculator is not None:
+            raise ValueError("structured_outputs: not served with speculative decoding yet; "
+                             "send it to a pool without speculative_config")
+        if self.parts.tokenizer is None:
+            raise ValueError("structured_outputs: this model has no tokenizer to build a "
+                             "grammar over")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.parts.tokenizer,
+                                             self.parts.model_config.vocab_size)
+        return self._grammars.constraint(params.structured_outputs)
+
+    def _constrain(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Limit each constrained sequence's row of ``logits`` (row ``i`` is ``seqs[i]``'s) to
+        what its grammar allows next; unconstrained rows are untouched."""
+        rows = [(i, seq.constraint) for i, seq in enumerate(seqs) if seq.constraint is not None]
+        if rows:
+            self._grammars.apply(logits, rows)
 
     def track(self, seq: Sequence) -> None:
         """Start detokenizing and stop-checking ``seq``'s output (resumed outputs replayed, so
@@ -357,8 +387,10 @@ class LLMEngine:
         ``rows.advance``, then their deltas; the rows learn which ended."""
         version = self.scheduler.running_version
         if rows.all_greedy:
-            tokens, logprobs, faults = greedy_token_array(logits), None, \
-                self._non_finite_rows(logits)
+            faults = self._non_finite_rows(logits)
+            if rows.any_per_token:  # (a constrained row is one: few steps pay for the check)
+                self._constrain(logits, rows.seqs)
+            tokens, logprobs = greedy_token_array(logits), None
             token_ids = tokens.tolist()
         else:  # the parameters are the rows' arrays; token histories only for penalties
             def batch() -> SamplingBatch:
@@ -380,8 +412,10 @@ class LLMEngine:
         ``seqs[i]`` (from ``batch()``, its sampling inputs, when given; else built from the
         sequences). ``faults`` maps the rows that failed to their error: a row whose logits
         are not finite (int8 KV), or that fails to sample alone when the batch failed (its
-        token is the row's argmax, a placeholder never emitted)."""
-        faults = self._non_finite_rows(logits)
+        token is the row's argmax, a placeholder never emitted). A constrained sequence's
+        row is limited to what its grammar allows first."""
+        faults = self._non_finite_rows(logits)  # (before the grammars' -inf go in)
+        self._constrain(logits, seqs)
         if batch is None and Sampler.is_plain_greedy([seq.sampling_params for seq in seqs]):
             return greedy_tokens(logits), [None] * len(seqs), faults
         try:

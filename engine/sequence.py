@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Protocol
 
 from pdserve.worker_api.sampling_params import SamplingParams
 
@@ -28,6 +29,15 @@ class SequenceStatus(IntEnum):
     def finish_reason(self) -> str | None:
         return {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
                 SequenceStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class OutputConstraint(Protocol):
+    """Where a constrained request is in its grammar (``engine/sampling/grammar.py``)."""
+
+    def accept(self, token_id: int) -> bool: ...
+
+    @property
+    def is_terminated(self) -> bool: ...
 
 
 @dataclass
@@ -57,6 +67,8 @@ class Sequence:
     attempt: int = 1  # the router's attempt epoch, echoed in this sequence's deltas
     num_draft_computed_tokens: int = 0  # speculative decoding: tokens whose KV the draft model
     # holds (in the draft's pool, same block table); preemption resets it
+    # structured output: the grammar's matcher, moved on by every output token (None: free)
+    constraint: OutputConstraint | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

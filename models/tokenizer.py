@@ -95,7 +95,8 @@ class Tokenizer:
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
-        """The ``tokenizers.Tokenizer`` doing the work (incremental decoding streams on it)."""
+        """The ``tokenizers.Tokenizer`` doing the work (incremental decoding streams on it; a
+        grammar engine reads the vocabulary from it)."""
         return self._tok
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

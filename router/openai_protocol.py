@@ -4,13 +4,16 @@ Requests are pydantic models (unknown fields are ignored, as OpenAI's SDKs send 
 does not use); :func:`sampling_params` turns one into ``SamplingParams`` with the same checks
 as the gRPC path and errors named by the OpenAI parameter (``param``), and
 :func:`max_tokens_of` says which parameter set max_tokens, if one did. Fields OpenAI defines
-but pdserve cannot honour (``n`` > 1, ``echo``, ``suffix``, ``logit_bias``, ``tools``, a JSON
-``response_format``, non-text content parts) are a 400 naming the parameter, never silently
-dropped.
+but pdserve cannot honour (``n`` > 1, ``echo``, ``suffix``, ``logit_bias``, ``tools``,
+non-text content parts) are a 400 naming the parameter, never silently dropped.
+``response_format`` (``text``, ``json_object``, ``json_schema``) constrains the output, as
+vLLM's ``structured_outputs`` extra does (``json``, ``json_object``, ``regex``, ``choice``,
+``grammar``; one or the other).
 
 pdserve's extras, accepted in the body (``extra_body`` in the ``openai`` package): ``top_k``,
-``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``priority`` and
-``timeout`` (seconds the request may take; past it the answer is 504).
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``priority``,
+``structured_outputs`` and ``timeout`` (seconds the request may take; past it the answer is
+504).
 
 Responses are plain dicts built here, so the server and the tests read one definition.
 """
@@ -155,6 +158,8 @@ class _SamplingBody(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     priority: int | None = None
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar
     timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S,
                                   allow_inf_nan=False)  # seconds; past it: 504
 
@@ -197,7 +202,6 @@ class ChatCompletionRequest(_SamplingBody):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None  # refused
     tool_choice: str | dict[str, Any] | None = None  # only "none"
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
     add_generation_prompt: bool = True  # the template's assistant header (pdserve extra)
 
 
@@ -223,8 +227,6 @@ def check_supported(body: _SamplingBody) -> None:
             _refuse("tools", "tool calling is not supported")
         if body.tool_choice not in (None, "none"):
             _refuse("tool_choice", "tool calling is not supported")
-        if body.response_format and body.response_format.get("type") not in (None, "text"):
-            _refuse("response_format", "only the text response format is supported")
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -245,6 +247,36 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
             entry["name"] = message.name
         out.append(entry)
     return out
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def structured_outputs_of(body: _SamplingBody) -> tuple[str, dict | None]:
+    """The parameter that constrains the output and the constraint as ``StructuredOutputs``
+    fields (None: free text); a 400 naming the parameter for a format pdserve does not know."""
+    fmt = body.response_format
+    kind = None if fmt is None else fmt.get("type")
+    if fmt is not None and kind not in RESPONSE_FORMATS:
+        raise RequestValidationError("response_format.type",
+                                     f"must be one of {', '.join(RESPONSE_FORMATS)}, "
+                                     f"got {kind!r}")
+    if body.structured_outputs is not None:
+        if kind not in (None, "text"):
+            raise RequestValidationError("structured_outputs", "give either response_format "
+                                         "or structured_outputs, not both")
+        return "structured_outputs", body.structured_outputs
+    if kind == "json_object":
+        return "response_format", {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestValidationError("response_format.json_schema.schema",
+                                         "a json_schema response format needs its schema "
+                                         "(an object)")
+        return "response_format", {"json": schema}
+    return "response_format", None
 
 
 def max_tokens_of(body: _SamplingBody) -> tuple[str, int | None]:
@@ -277,6 +309,7 @@ def sampling_params(body: _SamplingBody, vocab_size: int,
               "presence_penalty": body.presence_penalty,
               "frequency_penalty": body.frequency_penalty, "seed": body.seed,
               "ignore_eos": body.ignore_eos, "logprobs": logprobs, "priority": body.priority}
+    outputs_param, values["structured_outputs"] = structured_outputs_of(body)
     kwargs = {k: v for k, v in values.items() if v is not None}
     try:
         params = SamplingParams(stop=stop, stop_token_ids=list(body.stop_token_ids or []),
@@ -285,6 +318,8 @@ def sampling_params(body: _SamplingBody, vocab_size: int,
         name = str(exc).split(" ", 1)[0]
         param = {"max_tokens": max_param, "logprobs": "top_logprobs" if chat else "logprobs"
                  }.get(name, name)
+        if name.split(".")[0] == "structured_outputs":
+            param = outputs_param
         raise RequestValidationError(param, str(exc)) from exc
     if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
         raise RequestValidationError("top_logprobs" if chat else "logprobs",

@@ -47,7 +47,7 @@ MAX_PROMPT_CHARS_PER_TOKEN = 32  # a longer text can never fit the context (toke
 _SCALAR_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs",
                   "priority")
-_ALL_FIELDS = frozenset(_SCALAR_FIELDS + ("stop", "stop_token_ids"))
+_ALL_FIELDS = frozenset(_SCALAR_FIELDS + ("stop", "stop_token_ids", "structured_outputs"))
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,16 @@ def check_max_tokens(field: str, max_tokens: int, model: ModelSpec) -> None:
             f"got {max_tokens}")
 
 
+def structured_outputs_from_proto(outputs: generation_pb2.StructuredOutputs) -> dict:
+    """The proto's one kind as ``StructuredOutputs`` fields (checked by SamplingParams)."""
+    kind = outputs.WhichOneof("kind")
+    if kind is None:
+        return {}  # (SamplingParams names the missing kind)
+    if kind == "choice":
+        return {"choice": list(outputs.choice.choices)}
+    return {kind: getattr(outputs, kind)}
+
+
 def sampling_params_from_proto(sampling: generation_pb2.SamplingParams,
                                vocab_size: int) -> SamplingParams:
     """Build ``SamplingParams`` from the proto; unset fields take its defaults."""
@@ -126,12 +136,14 @@ def sampling_params_from_proto(sampling: generation_pb2.SamplingParams,
         name: getattr(sampling, name) for name in _SCALAR_FIELDS if sampling.HasField(name)}
     stop = list(sampling.stop)
     stop_token_ids = list(sampling.stop_token_ids)
+    if sampling.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_proto(sampling.structured_outputs)
     try:
         params = SamplingParams(stop=stop, stop_token_ids=stop_token_ids, **kwargs)
     except ValueError as exc:
-        # SamplingParams' messages start with the field's name.
+        # SamplingParams' messages start with the field's name (a part's: its dotted path).
         name = str(exc).split(" ", 1)[0]
-        field = f"sampling.{name}" if name in _ALL_FIELDS else "sampling"
+        field = f"sampling.{name}" if name.split(".")[0] in _ALL_FIELDS else "sampling"
         raise RequestValidationError(field, str(exc)) from exc
     check_token_ids("sampling.stop_token_ids", params.stop_token_ids, vocab_size)
     return params

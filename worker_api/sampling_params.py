@@ -14,6 +14,7 @@ these checks are the one validation both front doors (gRPC and HTTP) and the off
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ MAX_INT32 = 2**31 - 1  # the ceiling of every count a request sets (max_tokens, 
 MAX_REPETITION_PENALTY = 100.0  # beyond this every seen token is simply never chosen again
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_CONSTRAINT_CHARS = 65536  # a schema, regex or grammar's text at most
+MAX_CHOICES = 256  # choices a request may constrain its output to
 
 
 def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
@@ -71,6 +74,84 @@ def _short(value) -> str:
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's output must match (vLLM's ``structured_outputs``): exactly one of a
+    JSON schema (``json``, as text or a dict), any JSON object (``json_object``), a regular
+    expression, one of ``choice``'s strings, or an EBNF ``grammar``. Checked here for shape and
+    size; whether it compiles is the engine's check (``engine/sampling/grammar.py``)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in CONSTRAINT_KINDS
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of "
+                             f"{', '.join(CONSTRAINT_KINDS)}, got {given or 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got "
+                             f"{_short(self.json_object)}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object), got "
+                                 f"{_short(schema)}")
+            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True))
+        for name in ("json", "regex", "grammar"):
+            text = getattr(self, name)
+            if text is None:
+                continue
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got "
+                                 f"{_short(text)}")
+            if len(text) > MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"structured_outputs.{name} must be at most "
+                                 f"{MAX_CONSTRAINT_CHARS} characters, got {len(text)}")
+        if self.choice is not None:
+            choices = _check_list("structured_outputs.choice", self.choice, MAX_CHOICES)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError("structured_outputs.choice must be a list of non-empty strings")
+            if sum(map(len, choices)) > MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"structured_outputs.choice must total at most "
+                                 f"{MAX_CONSTRAINT_CHARS} characters")
+            object.__setattr__(self, "choice", tuple(choices))
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (equal constraints share one)."""
+        return (self.kind, getattr(self, self.kind))
+
+    @classmethod
+    def of(cls, value) -> StructuredOutputs:
+        """``value`` as StructuredOutputs: one already, or a dict of its fields."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs must be an object, got {_short(value)}")
+        unknown = sorted(set(value) - set(CONSTRAINT_KINDS))
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown fields {unknown}; it takes "
+                             f"{', '.join(CONSTRAINT_KINDS)}")
+        return cls(**value)
+
+
 @dataclass
 class SamplingParams:
     """How to pick each generated token and when to stop.
@@ -93,6 +174,8 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past the model's end-of-sequence ids
     logprobs: int | None = None  # return this many (0..20) top log-probabilities per token
     priority: int = 0  # scheduling priority: lower runs earlier (ties by arrival), as vLLM
+    # the output must match this (a JSON schema, a regex, a choice, a grammar); None: free
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1, high=MAX_INT32)
@@ -126,6 +209,8 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         self.priority = _check_int("priority", self.priority, low=-(2**31), high=2**31 - 1)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
 
     @property
     def is_greedy(self) -> bool:

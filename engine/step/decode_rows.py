@@ -265,7 +265,8 @@ class DecodeRows:
             limit = min(limit, self.max_model_len)
         return (seq.token_ids[-1], seq.num_computed_tokens, -1, len(seq.block_table),
                 limit - 1, seq.num_prompt_tokens, seq.num_output_tokens, not p.ignore_eos,
-                bool(p.stop or p.stop_token_ids or p.logprobs is not None),  # PER_TOKEN
+                bool(p.stop or p.stop_token_ids or p.logprobs is not None  # PER_TOKEN
+                     or p.structured_outputs is not None),
                 seq.first_token_time is None, takes_argmax(p),
                 is_penalized(p), *SamplingBatch.columns(seq))
 

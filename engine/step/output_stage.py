@@ -160,6 +160,8 @@ class OutputStage:
         """``token_id``, now the last of ``seq.token_ids``: its text, the stop rules (the
         request finishes when one holds) and its delta. Runs once per sequence per step
         outside the compact rows: keep it lean."""
+        if seq.constraint is not None and not seq.constraint.accept(token_id):
+            raise ValueError(f"token {token_id} breaks the request's structured_outputs")
         timings = None
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -189,6 +191,8 @@ class OutputStage:
         if stop_string_hit or (params.stop_token_ids and token_id in params.stop_token_ids):
             return SequenceStatus.FINISHED_STOPPED
         if not params.ignore_eos and token_id in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.constraint is not None and seq.constraint.is_terminated:  # its grammar ended
             return SequenceStatus.FINISHED_STOPPED
         if num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH

@@ -34,6 +34,23 @@ def test_build_request_sets_only_given_fields_and_keeps_zeros():
         build_generate_request("hi", temprature=0.5)
 
 
+def test_build_request_carries_structured_outputs_as_the_server_reads_them():
+    from pdserve.router.backend import ModelSpec
+    from pdserve.router.validation import client_request_from_proto
+
+    model = ModelSpec("m", max_context_tokens=32, vocab_size=100, eos_token_ids=(2,))
+    for given, field, expected in [
+            ({"json": {"type": "object"}}, "json", '{"type": "object"}'),
+            ({"json": '{"type": "string"}'}, "json", '{"type": "string"}'),
+            ({"choice": ["a", "b"]}, "choice", ("a", "b")),
+            ({"regex": "[0-9]+"}, "regex", "[0-9]+"),
+            ({"json_object": True}, "json_object", True)]:
+        request = build_generate_request("hi", structured_outputs=given)
+        params = client_request_from_proto(request, model).params
+        assert getattr(params.structured_outputs, field) == expected
+    assert not build_generate_request("hi").sampling.HasField("structured_outputs")
+
+
 def test_package_reexports_the_clients():
     import pdserve.api
 

@@ -8,6 +8,8 @@ the cluster's salted hashes."""
 from __future__ import annotations
 
 import datetime
+import json
+import re
 import ssl
 
 import grpc
@@ -120,6 +122,37 @@ def test_error_envelope(cluster, client, model_name, verify):
     assert slow.status_code == 504, slow.text
     assert slow.json()["error"]["code"] == "deadline_exceeded"
     assert httpx.get(cluster.http_url + "/health", verify=verify).status_code == 200
+
+
+WEATHER = {"type": "object", "properties": {
+    "sky": {"enum": ["clear", "cloudy", "rain"]}, "windy": {"type": "boolean"},
+    "station": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+    "required": ["sky", "windy", "station"], "additionalProperties": False}
+
+
+def test_structured_output_holds_across_the_kv_hand_off(cluster, client, model_name, e2e):
+    """Every prompt here is prefilled on the prefill worker, whose token 0 obeys the
+    constraint; the decode worker replays it into its own matcher and goes on. The model's
+    weights are random, so an answer that parses and matches is the grammar's doing."""
+    messages = [{"role": "user", "content": "What is the weather at the station?"}]
+    for temperature in (0.0, 1.0):
+        answer = client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=80, temperature=temperature,
+            seed=3, response_format={"type": "json_schema",
+                                     "json_schema": {"name": "weather", "schema": WEATHER}})
+        choice = answer.choices[0]
+        value = json.loads(choice.message.content)
+        assert value["sky"] in ("clear", "cloudy", "rain") and isinstance(value["windy"], bool)
+        assert re.fullmatch("[A-Z]{3}", value["station"]) and choice.finish_reason == "stop"
+    chunks = list(client.completions.create(
+        model=model_name, prompt="code:", max_tokens=40, temperature=1.0, seed=5, stream=True,
+        extra_body={"structured_outputs": {"regex": "[a-f]{4}-[0-9]{3}"}}))
+    assert re.fullmatch("[a-f]{4}-[0-9]{3}", "".join(c.choices[0].text for c in chunks))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name, prompt="x", max_tokens=4, extra_body={
+            "structured_outputs": {"json": {"properties": {"a": {"$ref": "#/$defs/none"}}}}})
+    assert "structured_outputs.json does not compile" in err.value.body["message"]
+    assert e2e.wait_idle(cluster)
 
 
 def test_disconnect_frees_every_block(cluster, model_name, verify, e2e):

@@ -217,6 +217,19 @@ def test_usage_chunk_rules_on_the_wire(fake):
     ({"model": MODEL, "prompt": [1], "stop_token_ids": [10**30]}, 400, "stop_token_ids"),
     ({"model": MODEL, "prompt": [1], "timeout": 1e30}, 400, "timeout"),
     ({"model": MODEL, "prompt": [1], "timeout": 0}, 400, "timeout"),
+    ({"model": MODEL, "prompt": [1], "response_format": {"type": "xml"}}, 400,
+     "response_format.type"),
+    ({"model": MODEL, "prompt": [1], "response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema.schema"),
+    ({"model": MODEL, "prompt": [1], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": "not an object"}}}, 400,
+     "response_format.json_schema.schema"),
+    ({"model": MODEL, "prompt": [1], "structured_outputs": {"regex": "a", "choice": ["a"]}},
+     400, "structured_outputs"),
+    ({"model": MODEL, "prompt": [1], "structured_outputs": {"json": "{not json"}}, 400,
+     "structured_outputs"),
+    ({"model": MODEL, "prompt": [1], "structured_outputs": {"choice": ["a"]},
+      "response_format": {"type": "json_object"}}, 400, "structured_outputs"),
 ])
 def test_bad_requests_get_the_error_envelope(fake, body, status, param):
     response = _post(fake[1], "/v1/completions", body)
@@ -224,6 +237,35 @@ def test_bad_requests_get_the_error_envelope(fake, body, status, param):
     error = response.json()["error"]
     assert error["param"] == param and error["message"] and set(error) == {
         "message", "type", "param", "code"}
+
+
+def test_response_formats_and_structured_outputs_reach_the_backend(fake, client):
+    """The official client's ``parse`` with a pydantic model, ``json_object`` on completions,
+    and vLLM's ``structured_outputs`` extra: each reaches the router as one
+    ``StructuredOutputs``; ``text`` constrains nothing."""
+    import pydantic
+
+    class Weather(pydantic.BaseModel):
+        city: str
+        celsius: int
+
+    backend, _ = fake
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(Exception):  # noqa: B017 - the fake's counter text is not a Weather
+        client.chat.completions.parse(model=MODEL, messages=messages, max_tokens=2,
+                                      response_format=Weather)
+    schema = json.loads(backend.started[-1].params.structured_outputs.json)
+    assert schema["properties"] == {"city": {"title": "City", "type": "string"},
+                                    "celsius": {"title": "Celsius", "type": "integer"}}
+    client.completions.create(model=MODEL, prompt=[1], max_tokens=2,
+                              extra_body={"response_format": {"type": "json_object"}})
+    assert backend.started[-1].params.structured_outputs.json_object is True
+    client.completions.create(model=MODEL, prompt=[1], max_tokens=2,
+                              extra_body={"structured_outputs": {"choice": ["a", "b"]}})
+    assert backend.started[-1].params.structured_outputs.choice == ("a", "b")
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                   response_format={"type": "text"})
+    assert backend.started[-1].params.structured_outputs is None
 
 
 def test_non_finite_numbers_are_refused_naming_the_field(fake):

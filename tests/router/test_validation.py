@@ -69,6 +69,27 @@ def test_sampling_error_names_the_proto_field_path():
     assert isinstance(info.value, ValueError)
 
 
+def test_structured_outputs_are_carried_over_and_their_errors_named():
+    def params(outputs: pb.StructuredOutputs) -> SamplingParams:
+        request = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(
+            structured_outputs=outputs))
+        return client_request_from_proto(request, MODEL).params
+
+    assert params(pb.StructuredOutputs(json='{"type": "object"}')).structured_outputs.json \
+        == '{"type": "object"}'
+    assert params(pb.StructuredOutputs(choice=pb.Choices(choices=["a", "b"]))
+                  ).structured_outputs.choice == ("a", "b")
+    assert params(pb.StructuredOutputs(json_object=True)).structured_outputs.json_object
+    assert params(pb.StructuredOutputs(regex="[0-9]+")).structured_outputs.regex == "[0-9]+"
+    for outputs, field in [(pb.StructuredOutputs(), "sampling.structured_outputs"),
+                           (pb.StructuredOutputs(json="{bad"), "sampling.structured_outputs.json"),
+                           (pb.StructuredOutputs(choice=pb.Choices()),
+                            "sampling.structured_outputs.choice")]:
+        with pytest.raises(RequestValidationError) as info:
+            params(outputs)
+        assert info.value.field == field, str(info.value)
+
+
 @pytest.mark.parametrize("request_id", ["", "a", "req-1_2.3:4", "A" * 128])
 def test_good_request_ids(request_id):
     check_request_id(request_id)

@@ -1,0 +1,122 @@
+"""Constrained decoding (docs/structured-output.md): a request's ``StructuredOutputs`` compiled
+into a grammar, one matcher per sequence that follows the tokens it gets, and the token
+bitmask that limits a row's logits to what its grammar allows next.
+
+The grammar engine is xgrammar. A compiled grammar depends only on the constraint and the
+tokenizer, so one engine keeps the grammars it compiled, keyed by constraint
+(``StructuredOutputs.key``), and equal constraints share one. A matcher belongs to its
+sequence (``Sequence.constraint``): the output stage advances it with every token appended,
+and a worker that takes a request over (a decode worker after the hand-off, a migration, a
+bounce) builds a fresh one and replays the outputs the request already has. So no matcher
+state crosses a process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.worker_api.sampling_params import StructuredOutputs
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from pdserve.models import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+CACHED_GRAMMARS = 256  # compiled grammars one engine keeps (least recently used go first)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary (the model's logits width)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        # lazy: xgrammar imports transformers (over a second); only an engine that gets a
+        # constrained request pays for it
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        start = time.perf_counter()
+        info = xgr.TokenizerInfo.from_huggingface(
+            PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend),
+            vocab_size=vocab_size, stop_token_ids=list(tokenizer.eos_token_ids) or None)
+        self._xgr = xgr
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._grammars: OrderedDict[tuple, xgrammar.CompiledGrammar] = OrderedDict()
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.vocab_size = vocab_size
+        logger.info("grammar engine ready for %d tokens in %.0f ms", vocab_size,
+                    (time.perf_counter() - start) * 1e3)
+
+    def constraint(self, outputs: StructuredOutputs) -> Constraint:
+        """A new matcher at the start of ``outputs``' grammar. ValueError naming the field
+        when it does not compile."""
+        return Constraint(self._xgr.GrammarMatcher(self.compile(outputs)))
+
+    def compile(self, outputs: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        key = outputs.key
+        grammar = self._grammars.get(key)
+        if grammar is not None:
+            self._grammars.move_to_end(key)
+            return grammar
+        kind, compiler = outputs.kind, self._compiler
+        try:
+            if kind == "json":
+                grammar = compiler.compile_json_schema(outputs.json, any_whitespace=False,
+                                                       separators=(",", ":"))
+            elif kind == "json_object":
+                grammar = compiler.compile_builtin_json_grammar()
+            elif kind == "regex":
+                grammar = compiler.compile_regex(outputs.regex)
+            elif kind == "choice":
+                grammar = compiler.compile_grammar(choice_grammar(outputs.choice))
+            else:
+                grammar = compiler.compile_grammar(outputs.grammar)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises several kinds
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"structured_outputs.{kind} does not compile: {message}") from None
+        self._grammars[key] = grammar
+        if len(self._grammars) > CACHED_GRAMMARS:
+            self._grammars.popitem(last=False)
+        return grammar
+
+    def apply(self, logits: torch.Tensor, rows: list[tuple[int, Constraint]]) -> None:
+        """Set to -inf, in place, every logit ``rows``' grammars forbid next: ``(i, c)`` limits
+        row ``i`` of ``logits`` to what ``c`` allows. The other rows are left alone."""
+        n = logits.shape[0]
+        if self._bitmask.shape[0] < n:
+            self._bitmask = self._xgr.allocate_token_bitmask(n, self.vocab_size)
+        bitmask = self._bitmask[:n]
+        for i, constraint in rows:
+            constraint.matcher.fill_next_token_bitmask(bitmask, i)
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+                                              indices=[i for i, _ in rows])
+
+
+class Constraint:
+    """One sequence's place in its grammar (the ``OutputConstraint`` a ``Sequence`` holds)."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False (and no move) when the grammar forbids it."""
+        return bool(self.matcher.accept_token(token_id))
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar has ended (its stop token accepted): nothing may follow."""
+        return bool(self.matcher.is_terminated())
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """An EBNF grammar whose sentences are exactly ``choices``."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)

@@ -1,0 +1,166 @@
+"""Structured output in the engine (engine/sampling/grammar.py): the built-in tiny model has
+random weights, so whatever it writes under a constraint matches it only because the grammar's
+token mask allowed nothing else. Greedy under a JSON schema equals a Hugging Face greedy loop
+with the same mask; unconstrained rows in the same batch get the tokens they get alone; a
+request resumed elsewhere (its outputs replayed into a fresh matcher) goes on where it was."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from pdserve.engine.llm import LLM
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.worker_api import NeverFits, WorkRequest
+from pdserve.worker_api.sampling_params import SamplingParams, StructuredOutputs
+
+SCHEMA = {"type": "object", "properties": {
+    "color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+    "code": {"type": "string", "pattern": "^[a-c]{2}[0-9]$"}},
+    "required": ["color", "ok", "code"], "additionalProperties": False}
+REGEX = "[a-c]{3}-[0-9]{2}"
+CHOICES = ["yes", "no", "maybe not"]
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [40, 41], [77, 3, 9, 100, 4]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    with LLM(str(tiny_dir), num_kv_blocks=64, block_size=4) as engine:
+        yield engine
+
+
+def constrained(outputs: dict, temperature: float = 0.0, seed: int | None = None,
+                max_tokens: int = 60) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                          structured_outputs=outputs)
+
+
+def test_structured_outputs_are_checked_when_built():
+    assert StructuredOutputs.of({"json": SCHEMA}).json == json.dumps(SCHEMA, sort_keys=True)
+    assert SamplingParams(structured_outputs={"choice": ["a", "b"]}).structured_outputs.choice \
+        == ("a", "b")
+    bad = [({}, "exactly one"), ({"regex": "a", "choice": ["a"]}, "exactly one"),
+           ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
+           ({"json": "[1, 2]"}, "structured_outputs.json must be a JSON schema"),
+           ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
+           ({"grammar": "x" * 70000}, "structured_outputs.grammar must be at most"),
+           ({"choice": []}, "structured_outputs.choice must be a list of non-empty strings"),
+           ({"choice": ["a"] * 300}, "structured_outputs.choice must hold at most"),
+           ({"json_object": 1}, "structured_outputs.json_object must be a bool"),
+           ({"jsn": "{}"}, "unknown fields ['jsn']")]
+    for value, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            SamplingParams(structured_outputs=value)
+    with pytest.raises(ValueError, match="structured_outputs must be an object"):
+        SamplingParams(structured_outputs="json")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_outputs_match_their_constraint_whatever_the_model_prefers(llm, temperature):
+    kinds = [{"json": SCHEMA}, {"regex": REGEX}, {"choice": CHOICES}]
+    params = [constrained(kind, temperature, seed=i) for i, kind in enumerate(kinds * 2)]
+    prompts = (PROMPTS * 2)[:len(params)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, p in zip(outs, params, strict=True):
+        assert out.finish_reason == "stop", (out.text, p.structured_outputs)
+        kind = p.structured_outputs.kind
+        if kind == "json":
+            value = json.loads(out.text)
+            assert set(value) == {"color", "ok", "code"} and value["color"] in \
+                ("red", "green", "blue") and isinstance(value["ok"], bool)
+            assert re.fullmatch("[a-c]{2}[0-9]", value["code"])
+        elif kind == "regex":
+            assert re.fullmatch(REGEX, out.text), out.text
+        else:
+            assert out.text in CHOICES
+    free = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0,
+                                                    ignore_eos=True), use_tqdm=False)[0]
+    assert not re.fullmatch(REGEX, free.text)  # (the model alone writes none of these)
+
+
+def test_unconstrained_rows_beside_constrained_ones_get_their_own_tokens(llm):
+    free = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1], free, use_tqdm=False)[0].token_ids
+    mixed = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]],
+                         [constrained({"json": SCHEMA}), free, constrained({"regex": REGEX})],
+                         use_tqdm=False)
+    assert mixed[1].token_ids == alone
+    assert json.loads(mixed[0].text) and re.fullmatch(REGEX, mixed[2].text)
+
+
+def test_greedy_under_a_schema_equals_a_hugging_face_loop_with_the_same_mask(llm, tiny_dir):
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM
+
+    engine: LLMEngine = llm.engine
+    params = constrained({"json": SCHEMA})
+    ours = llm.generate(PROMPTS[3], params, use_tqdm=False)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    constraint = engine._constraint(params)  # a fresh matcher at the grammar's start
+    vocab = engine.parts.model_config.vocab_size
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    ids, theirs = list(PROMPTS[3]), []
+    with torch.no_grad():
+        while not constraint.is_terminated and len(theirs) < params.max_tokens:
+            logits = model(torch.tensor([ids])).logits[:, -1, :].float()
+            constraint.matcher.fill_next_token_bitmask(bitmask, 0)
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
+            token = int(logits.argmax())
+            assert constraint.accept(token)
+            ids.append(token)
+            theirs.append(token)
+    assert ours.token_ids == theirs and ours.finish_reason == "stop"
+
+
+def test_a_resumed_request_goes_on_where_it_was_and_refuses_outputs_off_its_grammar(llm):
+    engine: LLMEngine = llm.engine
+    params = constrained({"json": SCHEMA})
+    whole = llm.generate(PROMPTS[2], params, use_tqdm=False)[0].token_ids
+    assert len(whole) > 6
+    cut = len(whole) // 2
+    engine.add_work(WorkRequest("resumed", list(PROMPTS[2]), params, seed=0, arrival_time=0.0,
+                                output_token_ids=whole[:cut]))
+    tokens = []
+    while engine.has_unfinished_requests():
+        for delta in engine.render(engine.step()):
+            tokens += delta.new_token_ids
+    assert tokens == whole[cut:]
+    probe = engine._constraint(params)  # the grammar after whole[:cut - 1]: find a token
+    assert all(map(probe.accept, whole[:cut - 1]))  # it forbids there
+    refused = next(t for t in range(engine.parts.model_config.vocab_size) if not probe.accept(t))
+    off = whole[:cut - 1] + [refused]
+    with pytest.raises(NeverFits, match=r"output_token_ids\[\d+\] .* structured_outputs"):
+        engine.sequence_for(WorkRequest("off", list(PROMPTS[2]), params, seed=0,
+                                        arrival_time=0.0, output_token_ids=off))
+
+
+@pytest.mark.parametrize("outputs,field", [({"json": {"type": "object", "properties": {
+    "a": {"$ref": "#/$defs/missing"}}}}, "structured_outputs.json"),
+    ({"regex": "(unclosed"}, "structured_outputs.regex"),
+    ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar")])
+def test_a_constraint_that_does_not_compile_is_refused_naming_its_field(llm, outputs, field):
+    with pytest.raises(NeverFits, match=re.escape(field) + " does not compile"):
+        llm.engine.add_request("bad", PROMPTS[0], constrained(outputs))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_int8_kv_checks_its_logits_before_the_grammar_masks_them(tiny_dir):
+    """The int8 KV cache fails a row whose logits are not finite; the grammar's -inf are not
+    that, so they go in after the check."""
+    with LLM(str(tiny_dir), num_kv_blocks=64, block_size=4, kv_cache_dtype="int8") as int8:
+        outs = int8.generate(PROMPTS[:2], [constrained({"regex": REGEX}),
+                                           constrained({"regex": REGEX}, temperature=1.0)],
+                             use_tqdm=False)
+    for out in outs:
+        assert out.finish_reason == "stop" and re.fullmatch(REGEX, out.text), out
+
+
+def test_a_speculating_engine_refuses_a_constraint_naming_it(tiny_dir):
+    with LLM(str(tiny_dir), num_kv_blocks=64, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 2}) as speculating:
+        with pytest.raises(NeverFits, match="structured_outputs: not served with speculative"):
+            speculating.engine.add_request("s", PROMPTS[0], constrained({"choice": CHOICES}))
+        assert not speculating.engine.has_unfinished_requests()
