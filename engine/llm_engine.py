@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 
@@ -112,6 +113,7 @@ class LLMEngine:
         # logits: each step checks them, and fails the rows that have them (loudly)
         self._int8_kv = cfg.kv_int8_scales if cfg.kv_cache_dtype == "int8" else None
         self._grammars: GrammarCompiler | None = None  # made by the first constrained request
+        self._grammars_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -197,9 +199,10 @@ class LLMEngine:
         if self.parts.tokenizer is None:
             raise ValueError("structured_outputs: this model has no tokenizer to build a "
                              "grammar over")
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.parts.tokenizer,
-                                             self.parts.model_config.vocab_size)
+        with self._grammars_lock:  # (workers check requests on their callers' threads)
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.parts.tokenizer,
+                                                 self.parts.model_config.vocab_size)
         return self._grammars.constraint(params.structured_outputs)
 
     def _constrain(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

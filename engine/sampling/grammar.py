@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -34,7 +35,10 @@ CACHED_GRAMMARS = 256  # compiled grammars one engine keeps (least recently used
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer and vocabulary (the model's logits width)."""
+    """Compiles constraints for one tokenizer and vocabulary (the model's logits width).
+
+    :meth:`constraint` may run on any thread (a worker checks a request on the caller's thread
+    before its loop adds it); :meth:`apply` runs on the engine loop's."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         # lazy: xgrammar imports transformers (over a second); only an engine that gets a
@@ -49,6 +53,7 @@ class GrammarCompiler:
         self._xgr = xgr
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._grammars: OrderedDict[tuple, xgrammar.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()  # guards _grammars (compiling runs outside it)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.vocab_size = vocab_size
         logger.info("grammar engine ready for %d tokens in %.0f ms", vocab_size,
@@ -61,10 +66,11 @@ class GrammarCompiler:
 
     def compile(self, outputs: StructuredOutputs) -> xgrammar.CompiledGrammar:
         key = outputs.key
-        grammar = self._grammars.get(key)
-        if grammar is not None:
-            self._grammars.move_to_end(key)
-            return grammar
+        with self._lock:
+            grammar = self._grammars.get(key)
+            if grammar is not None:
+                self._grammars.move_to_end(key)
+                return grammar
         kind, compiler = outputs.kind, self._compiler
         try:
             if kind == "json":
@@ -81,9 +87,10 @@ class GrammarCompiler:
         except Exception as exc:  # noqa: BLE001 - xgrammar raises several kinds
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"structured_outputs.{kind} does not compile: {message}") from None
-        self._grammars[key] = grammar
-        if len(self._grammars) > CACHED_GRAMMARS:
-            self._grammars.popitem(last=False)
+        with self._lock:
+            self._grammars[key] = grammar
+            if len(self._grammars) > CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
         return grammar
 
     def apply(self, logits: torch.Tensor, rows: list[tuple[int, Constraint]]) -> None:

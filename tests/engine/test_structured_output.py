@@ -164,3 +164,27 @@ def test_a_speculating_engine_refuses_a_constraint_naming_it(tiny_dir):
         with pytest.raises(NeverFits, match="structured_outputs: not served with speculative"):
             speculating.engine.add_request("s", PROMPTS[0], constrained({"choice": CHOICES}))
         assert not speculating.engine.has_unfinished_requests()
+
+
+def test_constraints_made_on_many_threads_at_once_each_follow_their_own_grammar(
+        tiny_dir, monkeypatch):
+    """A colocated worker checks requests on its callers' threads while the loop steps: the
+    grammar engine is made once and its cache holds under eviction (kept small here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdserve.engine.sampling import grammar
+
+    monkeypatch.setattr(grammar, "CACHED_GRAMMARS", 2)
+    with LLM(str(tiny_dir), num_kv_blocks=64) as fresh:
+        engine: LLMEngine = fresh.engine
+        regexes = [f"x{i}[a-c]" for i in range(12)] * 3
+
+        def make(regex):
+            return engine._constraint(constrained({"regex": regex}))
+
+        with ThreadPoolExecutor(6) as pool:
+            made = list(pool.map(make, regexes))
+        x = engine.parts.tokenizer.encode("x", add_special_tokens=False)
+        for regex, constraint in zip(regexes, made, strict=True):
+            assert constraint.accept(x[0]), regex  # every grammar starts with "x"
+        assert len(engine._grammars._grammars) <= 2
