@@ -82,18 +82,25 @@ def test_every_floor_is_placed():
     assert {floor_of(p) for p in package_files()} == set(MAY_IMPORT)
 
 
-def test_the_floors_have_no_cycle():
+def assert_no_cycle(edges: dict[str, set[str]]) -> set[str]:
+    """Fail naming the first cycle in ``edges`` (node -> what it imports); returns the nodes
+    walked."""
     done: set[str] = set()
 
-    def visit(floor: str, path: tuple[str, ...]) -> None:
-        assert floor not in path, " -> ".join((*path, floor))
-        if floor not in done:
-            for lower in MAY_IMPORT[floor]:
-                visit(lower, (*path, floor))
-            done.add(floor)
+    def visit(node: str, path: tuple[str, ...]) -> None:
+        assert node not in path, " -> ".join((*path, node))
+        if node not in done:
+            for lower in sorted(edges.get(node, ())):
+                visit(lower, (*path, node))
+            done.add(node)
 
-    for floor in MAY_IMPORT:
-        visit(floor, ())
+    for node in sorted(edges):
+        visit(node, ())
+    return done
+
+
+def test_the_floors_have_no_cycle():
+    assert_no_cycle({floor: set(lower) for floor, lower in MAY_IMPORT.items()})
 
 
 def pdserve_floor(name: str) -> str | None:
@@ -289,17 +296,7 @@ def test_the_engine_folders_and_modules_have_no_cycle():
             other = _engine_unit(name)
             if other is not None and other != unit:
                 edges.setdefault(unit, set()).add(other)
-    done: set[str] = set()
-
-    def visit(unit: str, path: tuple[str, ...]) -> None:
-        assert unit not in path, " -> ".join((*path, unit))
-        if unit not in done:
-            for lower in sorted(edges.get(unit, ())):
-                visit(lower, (*path, unit))
-            done.add(unit)
-
-    for unit in sorted(edges):
-        visit(unit, ())
+    done = assert_no_cycle(edges)
     assert {"step", "kv_cache", "parts", "llm_engine"} <= done  # (the walk saw the engine)
 
 

@@ -91,8 +91,7 @@ class StructuredOutputs:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in CONSTRAINT_KINDS
-                 if getattr(self, name) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of "
                              f"{', '.join(CONSTRAINT_KINDS)}, got {given or 'none'}")
@@ -129,9 +128,12 @@ class StructuredOutputs:
                                  f"{MAX_CONSTRAINT_CHARS} characters")
             object.__setattr__(self, "choice", tuple(choices))
 
+    def _given(self) -> list[str]:
+        return [name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
+
     @property
     def kind(self) -> str:
-        return next(name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False))
+        return self._given()[0]
 
     @property
     def key(self) -> tuple:

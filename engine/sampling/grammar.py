@@ -41,8 +41,8 @@ class GrammarCompiler:
     before its loop adds it); :meth:`apply` runs on the engine loop's."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
-        # lazy: xgrammar imports transformers (over a second); only an engine that gets a
-        # constrained request pays for it
+        # lazy: xgrammar imports transformers (slow; docs/structured-output.md); only an
+        # engine that gets a constrained request pays for it
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
 

@@ -32,8 +32,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import chain
-from operator import attrgetter
 
 from pdserve.engine.kv_cache.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -48,9 +46,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DecodePolicy", "PrefillOnlyPolicy", "ScheduledSequence", "Scheduler",
            "SchedulerConfig", "SchedulerOutput", "SchedulingPolicy"]
-
-
-_SEQ = attrgetter("seq")
 
 
 def _remove(items: list[Sequence] | deque[Sequence], seq: Sequence) -> bool:
@@ -216,7 +211,7 @@ class Scheduler:
             if seq.status == SequenceStatus.RUNNING:
                 budget -= self._schedule_one(seq, budget, out)[0]
         now = time.monotonic()
-        for seq in chain(out.decodes, map(_SEQ, out.chunks)):
+        for seq in out.sequences():
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
         return out
@@ -373,7 +368,7 @@ class Scheduler:
         """
         bm = self.block_manager
         while not bm.can_allocate(seq, n):
-            scheduled = set(map(id, chain(out.decodes, map(_SEQ, out.chunks))))
+            scheduled = set(map(id, out.sequences()))
             candidates = [s for s in self.running if id(s) not in scheduled]
             victim = self.policy.pick_victim(candidates)
             if not any(victim is s for s in candidates):

@@ -6,6 +6,7 @@ hooks read. ``engine.step.scheduler`` makes them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import check_admission_hold
@@ -96,6 +97,12 @@ class SchedulerOutput:
     @property
     def num_seqs(self) -> int:
         return len(self.decodes) + len(self.chunks)
+
+    def sequences(self) -> Iterator[Sequence]:
+        """Every sequence of the step, in batch order."""
+        yield from self.decodes
+        for item in self.chunks:
+            yield item.seq
 
     def add_decode(self, seq: Sequence) -> None:
         """``seq`` computes its last token (its table covers it) and samples the next."""
