@@ -43,6 +43,7 @@ from pdserve.engine.config import DEFAULT_CPU_MEMORY_BUDGET, DTYPES, KV_CACHE_DT
 from pdserve.kernels import BACKENDS
 from pdserve.router.config import DISAGGREGATION_MODES, PREFILL_ROUTINGS
 from pdserve.router.core import RouterConfig
+from pdserve.router.tool_calling import TOOL_CALL_PARSERS
 
 MiB = 1 << 20
 
@@ -82,6 +83,7 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("cluster", "decode_device"): POOL_DEVICES,
     ("router", "prefill_routing"): PREFILL_ROUTINGS,
     ("router", "disaggregation"): DISAGGREGATION_MODES,
+    ("cluster", "tool_call_parser"): TOOL_CALL_PARSERS,
 }
 # Help for fields whose source has no comment.
 FALLBACK_HELP: dict[tuple[str, str], str] = {

@@ -186,7 +186,7 @@ class EmbeddedCluster:
                           priority_api_keys=opts.priority_api_keys, tls=self.tls(),
                           prefix_cache_salt=self._engine_config().prefix_cache_salt,
                           record_key=self.derived_secret("redis-records"),
-                          reflection=opts.reflection,
+                          reflection=opts.reflection, tool_call_parser=opts.tool_call_parser,
                           max_concurrent_rpcs=opts.max_concurrent_rpcs,
                           autoscale=opts.autoscale if opts.autoscale.enabled and first else None,
                           name=router_name(index), resources=resources)

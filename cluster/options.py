@@ -17,6 +17,7 @@ from pdserve.cluster.node_placement import (
 from pdserve.cluster.pools.plan import MAX_WORKERS_PER_POOL
 from pdserve.router.auth import Access
 from pdserve.router.core import RouterConfig
+from pdserve.router.tool_calling import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class ClusterOptions:
     tls_key: str | None = None  # PEM private key file of tls_cert
     tls_client_ca: str | None = None  # PEM CA file: clients need a certificate it signed (mTLS)
     reflection: bool = True  # gRPC server reflection (grpcurl lists the services)
+    tool_call_parser: str = "auto"  # how chat answers' tool calls are read: hermes (Qwen 2.5,
+    # Hermes), llama3_json, mistral, none, or auto (from the chat template)
     max_concurrent_rpcs: int | None = 4096  # gRPC calls (and HTTP connections) in progress
     ray_address: str | None = None  # join this Ray cluster instead of starting one
     redis_url: str | None = field(default=None, repr=False)  # use this Redis instead of
@@ -115,6 +118,9 @@ class ClusterOptions:
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1 or none, got "
                              f"{self.max_concurrent_rpcs}")

@@ -70,6 +70,7 @@ from pdserve.router.errors import RequestValidationError
 from pdserve.router.grpc_server import GenerationServer
 from pdserve.router.http_server import HttpServer
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.tool_calling import parser_for
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class RouterSpec:
     record_key: str = field(default="", repr=False)  # the cluster's key: workers' records,
     # KV events and drain marks in Redis are signed with it (required to run)
     reflection: bool = True  # gRPC server reflection
+    tool_call_parser: str = "auto"  # how chat answers' tool calls are read (tool_calling)
     max_concurrent_rpcs: int | None = None  # gRPC calls / HTTP connections in progress, at most
     autoscale: AutoscaleConfig | None = None  # the autoscaler (needs pools; None or not
     # enabled: fixed targets)
@@ -123,13 +125,16 @@ class RouterSpec:
 class ModelPromptTools:
     """``PromptTools`` (pdserve.router.http_server) over the checkpoint's tokenizer."""
 
-    def __init__(self, tokenizer, model_dir: str) -> None:
+    def __init__(self, tokenizer, model_dir: str, tool_call_parser: str = "auto") -> None:
         self._tokenizer = tokenizer
         self._template = load_chat_template(model_dir, tokenizer) if tokenizer else None
         self.has_chat_template = self._template is not None
+        self.tool_call_parser = parser_for(tool_call_parser, self._template and
+                                           self._template.source)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self._template.render(messages, add_generation_prompt)
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> list[int]:
+        text = self._template.render(messages, add_generation_prompt, tools)
         return self._tokenizer.encode(text, add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
@@ -209,7 +214,8 @@ class RouterActor:
                 raise RequestValidationError("text", "the model has no tokenizer; send token_ids")
             return tokenizer.encode(text)
 
-        self._tools = await asyncio.to_thread(ModelPromptTools, tokenizer, spec.model)
+        self._tools = await asyncio.to_thread(ModelPromptTools, tokenizer, spec.model,
+                                         spec.tool_call_parser)
         metrics = RouterMetrics()
         health = ControlPlaneHealth(metrics)
         registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s, health.count_malformed,

@@ -7,7 +7,8 @@ GGUF file's metadata). A checkpoint with none has no template (:func:`load_chat_
 returns None).
 
 Rendering: a sandboxed Jinja2 environment (``trim_blocks``, ``lstrip_blocks``, loop controls),
-the variables ``messages``, ``add_generation_prompt``, ``tools`` (None), ``documents`` (None)
+the variables ``messages``, ``add_generation_prompt``, ``tools`` (the request's functions as
+``{"type": "function", "function": {...}}``, or None), ``documents`` (None)
 and the special token strings (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``),
 the helpers ``raise_exception`` (its message becomes a ``ValueError``, e.g. "roles must
 alternate"), ``strftime_now`` and a ``tojson`` filter that keeps non-ASCII text. The rendered
@@ -93,15 +94,17 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
         try:
             self._template = env.from_string(source)
+            self.source = source  # what it was compiled from (tool_calling reads its syntax)
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template does not compile: {exc}") from None
         self._special = {name: special_tokens.get(name) or "" for name in SPECIAL_TOKENS}
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
         try:
             return self._template.render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self._special)
+                                         tools=tools, documents=None, **self._special)
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as exc:

@@ -20,6 +20,7 @@ from pdserve.router.backend import (
 )
 from pdserve.router.errors import DeadlineExceededError, NoWorkersError
 from pdserve.router.http_asgi import SSE_HEADERS, send_json, sse
+from pdserve.router.tool_calling import ToolCalling, ToolCallStream, message
 from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class HttpJob:
     request: PreparedRequest  # what the backend runs (its deadline from the body's timeout)
     stream: bool
     include_usage: bool
+    tools: ToolCalling | None = None  # a chat's tool calling (None: no tools)
 
     @property
     def request_id(self) -> str:
@@ -90,6 +92,7 @@ class HttpGeneration:
         logprobs: list = []
         num_generated, offset = 0, 0
         delta = first
+        calls = ToolCallStream(job.tools) if job.stream and job.tools is not None else None
         if job.stream and job.chat:
             yield sse(oa.chat_chunk(job.request_id, job.model, job.created,
                                      {"role": "assistant", "content": ""}, None, None,
@@ -104,9 +107,8 @@ class HttpGeneration:
             offset += len(delta.text)
             if job.stream and (delta.text or delta.token_ids or state["done"]):
                 if job.chat:
-                    content = {"content": delta.text} if delta.text or delta.token_ids else {}
-                    yield sse(oa.chat_chunk(job.request_id, job.model, job.created, content,
-                                             delta.finish_reason, lp, job.include_usage))
+                    for chunk in self._chat_chunks(job, delta, lp, calls, state["done"]):
+                        yield sse(chunk)
                 else:
                     yield sse(oa.completion_chunk(job.request_id, job.model, job.created,
                                                    delta.text, delta.finish_reason, lp,
@@ -127,9 +129,35 @@ class HttpGeneration:
             return
         merged = oa.merge_logprobs(logprobs, job.chat) if job.params.logprobs is not None \
             else None
-        build = oa.chat_object if job.chat else oa.completion_object
-        yield build(job.request_id, job.model, job.created, "".join(texts),
-                    delta.finish_reason, merged, usage)
+        text = "".join(texts)
+        if not job.chat:
+            yield oa.completion_object(job.request_id, job.model, job.created, text,
+                                       delta.finish_reason, merged, usage)
+            return
+        answer, reason = ({"role": "assistant", "content": text}, None) if job.tools is None \
+            else message(job.tools, text)
+        yield oa.chat_object(job.request_id, job.model, job.created, answer,
+                             reason or delta.finish_reason, merged, usage)
+
+    @staticmethod
+    def _chat_chunks(job: HttpJob, delta: GenerationDelta, lp: dict | None,
+                     calls: ToolCallStream | None, done: bool) -> list[dict]:
+        """The chat chunks one delta makes: its content, or with tools what
+        ``ToolCallStream`` lets out (content, tool_calls); the last chunk of the answer
+        carries the finish reason, the first of a delta its logprobs."""
+        if calls is None:
+            parts = [{"content": delta.text}] if delta.text or delta.token_ids else []
+        else:
+            parts = calls.feed(delta.text) + (calls.end() if done else [])
+        if not parts and (done or lp is not None):
+            parts = [{}]
+        reason = delta.finish_reason
+        if calls is not None and reason is not None:
+            reason = calls.finish_reason or reason
+        return [oa.chat_chunk(job.request_id, job.model, job.created, part,
+                              reason if i == len(parts) - 1 else None,
+                              lp if i == 0 else None, job.include_usage)
+                for i, part in enumerate(parts)]
 
     def _logprobs(self, job: HttpJob, delta: GenerationDelta, offset: int) -> dict | None:
         if job.params.logprobs is None or delta.logprobs is None or not delta.token_ids:

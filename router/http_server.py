@@ -79,6 +79,7 @@ from pdserve.router.http_asgi import (
 )
 from pdserve.router.http_generation import HttpGeneration, HttpJob
 from pdserve.router.prepare import prepare
+from pdserve.router.tool_calling import ToolCalling, ToolCallParser, tool_calling_of
 from pdserve.router.validation import ClientRequest, check_prompt_text
 from pdserve.worker_api.sampling_params import SamplingParams
 
@@ -92,9 +93,12 @@ class PromptTools(Protocol):
     """What the HTTP front door needs of the model's tokenizer (the router actor's)."""
 
     has_chat_template: bool  # False: chat is a 400, completions still serve
+    tool_call_parser: ToolCallParser | None  # reads the model's tool calls (None: none known)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Prompt token ids of a conversation (ValueError for one the template refuses)."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Prompt token ids of a conversation, ``tools`` shown to the model (ValueError for
+        one the template refuses)."""
         ...
 
     def token_text(self, token_id: int) -> str:
@@ -253,16 +257,23 @@ class HttpServer:
             raise oa.OpenAIError(404, f"the model {name!r} does not exist; this server serves "
                                       f"{served!r}", param="model", code="model_not_found")
 
-    def _sampling(self, body, default_max_tokens: int | None = None) -> SamplingParams:
-        """What completions and chat check first, and the body's sampling fields."""
+    def _sampling(self, body, default_max_tokens: int | None = None
+                  ) -> tuple[SamplingParams, ToolCalling | None]:
+        """What completions and chat check first, the body's sampling fields and a chat's
+        tool calling."""
         self._check_model(body.model)
         oa.check_supported(body)
         self._accepting()
+        tools = None
+        if isinstance(body, oa.ChatCompletionRequest):
+            parser = self._tools.tool_call_parser if self._tools is not None else None
+            tools = tool_calling_of(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                    parser)
         return oa.sampling_params(body, self._backend.model_info().vocab_size,
-                                  default_max_tokens)
+                                  default_max_tokens, tools), tools
 
     async def _completion_job(self, body: oa.CompletionRequest) -> HttpJob:
-        params = self._sampling(body)
+        params, _ = self._sampling(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -274,7 +285,7 @@ class HttpServer:
     async def _chat_job(self, body: oa.ChatCompletionRequest) -> HttpJob:
         model = self._backend.model_info()
         # chat generates up to the end of the context unless told otherwise
-        params = self._sampling(body, default_max_tokens=model.max_context_tokens)
+        params, tools = self._sampling(body, default_max_tokens=model.max_context_tokens)
         if self._tools is None or not self._tools.has_chat_template:
             raise oa.OpenAIError(400, f"the model {model.model_name!r} has no chat template "
                                       "(tokenizer_config.json chat_template or "
@@ -288,14 +299,16 @@ class HttpServer:
         check_prompt_text("messages", "".join(m["content"] for m in messages), model)
         try:
             ids = await asyncio.get_running_loop().run_in_executor(
-                self._work, self._tools.render_chat, messages, body.add_generation_prompt)
+                self._work, self._tools.render_chat, messages, body.add_generation_prompt,
+                tools.template_tools if tools is not None else None)
         except ValueError as exc:
             raise RequestValidationError("messages", f"the chat template refused the "
                                                      f"conversation: {exc}") from None
-        return await self._job(True, "chatcmpl", body, ids, "messages", params)
+        return await self._job(True, "chatcmpl", body, ids, "messages", params, tools)
 
     async def _job(self, chat: bool, prefix: str, body, prompt: str | list[int],
-                   prompt_param: str, params: SamplingParams) -> HttpJob:
+                   prompt_param: str, params: SamplingParams,
+                   tools: ToolCalling | None = None) -> HttpJob:
         """The body as a ClientRequest, through the preparation stage, as a job to run."""
         max_tokens_param, max_tokens = oa.max_tokens_of(body)
         deadline = None if body.timeout is None else time.monotonic() + body.timeout
@@ -304,7 +317,7 @@ class HttpServer:
                                  max_tokens_field=max_tokens_param)
         request = await prepare(self._backend, incoming, CALLER.get())
         return HttpJob(chat, self._backend.model_info().model_name, oa.now(), request,
-                       body.stream, body.include_usage)
+                       body.stream, body.include_usage, tools)
 
 
 def _always() -> None:

@@ -4,11 +4,12 @@ Requests are pydantic models (unknown fields are ignored, as OpenAI's SDKs send 
 does not use); :func:`sampling_params` turns one into ``SamplingParams`` with the same checks
 as the gRPC path and errors named by the OpenAI parameter (``param``), and
 :func:`max_tokens_of` says which parameter set max_tokens, if one did. Fields OpenAI defines
-but pdserve cannot honour (``n`` > 1, ``echo``, ``suffix``, ``logit_bias``, ``tools``,
-non-text content parts) are a 400 naming the parameter, never silently dropped.
+but pdserve cannot honour (``n`` > 1, ``echo``, ``suffix``, ``logit_bias``, non-text content
+parts) are a 400 naming the parameter, never silently dropped.
 ``response_format`` (``text``, ``json_object``, ``json_schema``) constrains the output, as
 vLLM's ``structured_outputs`` extra does (``json``, ``json_object``, ``regex``, ``choice``,
-``grammar``; one or the other).
+``grammar``; one or the other). Chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls``
+are read by ``pdserve.router.tool_calling``.
 
 pdserve's extras, accepted in the body (``extra_body`` in the ``openai`` package): ``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``priority``,
@@ -35,6 +36,7 @@ from pdserve.router.errors import (
     RequestTooLargeError,
     RequestValidationError,
 )
+from pdserve.router.tool_calling import ToolCalling, template_tool_calls
 from pdserve.worker_api.sampling_params import MAX_LOGPROBS, SamplingParams
 
 UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob too small to report
@@ -44,7 +46,8 @@ BODY_BYTES_PER_CONTEXT_TOKEN = 64  # the default body bound: this much per token
 BODY_BYTES_BASE = 64 * 1024  # plus this (a prompt's JSON is far below it; see max_body_bytes)
 INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this are parsed on the event loop, larger in a
 # thread, so a large body never holds the loop (and every stream on it) for its whole parse
-FINISH_REASONS = {"stop": "stop", "length": "length"}  # pdserve's -> OpenAI's
+FINISH_REASONS = {"stop": "stop", "length": "length",  # pdserve's -> OpenAI's
+                  "tool_calls": "tool_calls"}  # (the last one the HTTP front door's own)
 
 
 class OpenAIError(Exception):
@@ -191,6 +194,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to which call
 
 
 class ChatCompletionRequest(_SamplingBody):
@@ -200,8 +205,9 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = None  # preferred over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None  # refused
-    tool_choice: str | dict[str, Any] | None = None  # only "none"
+    tools: list[dict[str, Any]] | None = None  # functions the model may call
+    tool_choice: str | dict[str, Any] | None = None  # none, auto, required or a function
+    parallel_tool_calls: bool | None = None  # more than one call per answer (default true)
     add_generation_prompt: bool = True  # the template's assistant header (pdserve extra)
 
 
@@ -222,15 +228,11 @@ def check_supported(body: _SamplingBody) -> None:
             _refuse("suffix", "suffix is not supported")
         if body.best_of not in (None, 1):
             _refuse("best_of", f"only best_of=1 is supported, got {body.best_of}")
-    if isinstance(body, ChatCompletionRequest):
-        if body.tools:
-            _refuse("tools", "tool calling is not supported")
-        if body.tool_choice not in (None, "none"):
-            _refuse("tool_choice", "tool calling is not supported")
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as chat templates read them: role and text content."""
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as chat templates read them: role, text content, an assistant's tool calls
+    (arguments as objects) and a tool message's call id."""
     out = []
     for i, message in enumerate(body.messages):
         content = message.content
@@ -242,9 +244,14 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
                                                       "are not supported (text only)")
                 texts.append(part.text)
             content = "".join(texts)
-        entry = {"role": message.role, "content": content or ""}
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = template_tool_calls(f"messages[{i}].tool_calls",
+                                                      message.tool_calls)
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
 
@@ -252,9 +259,23 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
-def structured_outputs_of(body: _SamplingBody) -> tuple[str, dict | None]:
+def structured_outputs_of(body: _SamplingBody,
+                          tools: ToolCalling | None = None) -> tuple[str, dict | None]:
     """The parameter that constrains the output and the constraint as ``StructuredOutputs``
-    fields (None: free text); a 400 naming the parameter for a format pdserve does not know."""
+    fields (None: free text); a 400 naming the parameter for a format pdserve does not know.
+    ``tools``: the chat's tool calling, whose ``required`` or named function forces the
+    output itself."""
+    param, given = _response_constraint(body)
+    forced = tools.structured_outputs() if tools is not None else None
+    if forced is None:
+        return param, given
+    if given is not None:
+        raise RequestValidationError("tool_choice", f"a tool_choice that forces a call "
+                                     f"decides the output's shape; drop {param}")
+    return "tool_choice", forced
+
+
+def _response_constraint(body: _SamplingBody) -> tuple[str, dict | None]:
     fmt = body.response_format
     kind = None if fmt is None else fmt.get("type")
     if fmt is not None and kind not in RESPONSE_FORMATS:
@@ -288,10 +309,11 @@ def max_tokens_of(body: _SamplingBody) -> tuple[str, int | None]:
 
 
 def sampling_params(body: _SamplingBody, vocab_size: int,
-                    default_max_tokens: int | None = None) -> SamplingParams:
+                    default_max_tokens: int | None = None,
+                    tools: ToolCalling | None = None) -> SamplingParams:
     """The body's sampling fields as ``SamplingParams``; an absent max_tokens becomes
-    ``default_max_tokens`` (None: ``SamplingParams``' own). RequestValidationError names the
-    parameter."""
+    ``default_max_tokens`` (None: ``SamplingParams``' own); ``tools`` may force the output
+    (:func:`structured_outputs_of`). RequestValidationError names the parameter."""
     chat = isinstance(body, ChatCompletionRequest)
     max_param, max_tokens = max_tokens_of(body)
     if max_tokens is None:
@@ -309,7 +331,7 @@ def sampling_params(body: _SamplingBody, vocab_size: int,
               "presence_penalty": body.presence_penalty,
               "frequency_penalty": body.frequency_penalty, "seed": body.seed,
               "ignore_eos": body.ignore_eos, "logprobs": logprobs, "priority": body.priority}
-    outputs_param, values["structured_outputs"] = structured_outputs_of(body)
+    outputs_param, values["structured_outputs"] = structured_outputs_of(body, tools)
     kwargs = {k: v for k, v in values.items() if v is not None}
     try:
         params = SamplingParams(stop=stop, stop_token_ids=list(body.stop_token_ids or []),
@@ -385,10 +407,12 @@ def completion_object(request_id: str, model: str, created: int, text: str,
             "usage": usage_}
 
 
-def chat_object(request_id: str, model: str, created: int, text: str, reason: str | None,
-                logprobs: dict | None, usage_: dict) -> dict:
+def chat_object(request_id: str, model: str, created: int, message: dict,
+                reason: str | None, logprobs: dict | None, usage_: dict) -> dict:
+    """``message``: ``{"role": "assistant", "content": ...}`` plus ``tool_calls`` when the
+    answer made any (``tool_calling.message``)."""
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+            "choices": [{"index": 0, "message": message,
                          "logprobs": logprobs, "finish_reason": finish_reason(reason)}],
             "usage": usage_}
 

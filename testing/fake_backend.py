@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 
 from pdserve.router.backend import GenerationDelta, ModelSpec, PreparedRequest
 from pdserve.router.errors import NOT_READY, NoWorkersError
+from pdserve.router.tool_calling import HermesParser
 from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -144,14 +145,17 @@ class FakePromptTools:
     ``assistant:`` when asked, tokenized by the FakeBackend's one-character-per-id rule."""
 
     has_chat_template = True
+    tool_call_parser = HermesParser()
 
     def __init__(self, backend: FakeBackend) -> None:
         self._backend = backend
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> list[int]:
         if messages[-1]["role"] == "assistant" and add_generation_prompt:
             raise ValueError("the last message is the assistant's already")
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        text = "".join(f"tool: {t['function']['name']}\n" for t in tools or ())
+        text += "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         if add_generation_prompt:
             text += "assistant:"
         vocab = self._backend.model.vocab_size

@@ -33,6 +33,7 @@ import pytest
 from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
 from pdserve.cluster.processes import is_running
 from pdserve.cluster.redis_server import RedisServer, free_port
+from pdserve.testing.chat_templates import CHATML_WITH_TOOLS
 from pdserve.testing.waits import wait_for
 
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=32)
@@ -181,17 +182,13 @@ def model_dir(hf_checkpoint):
     return hf_checkpoint("qwen2", max_position_embeddings=2048)
 
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-          "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-
-
 @pytest.fixture(scope="session")
 def chat_model(hf_checkpoint, tmp_path_factory):
-    """The default e2e checkpoint plus a ChatML chat_template.jinja (served as qwen2-chat)."""
+    """The default e2e checkpoint plus a ChatML chat_template.jinja that shows tools the
+    Hermes way (served as qwen2-chat)."""
     folder = tmp_path_factory.mktemp("chat-model") / "qwen2-chat"
     shutil.copytree(hf_checkpoint("qwen2", max_position_embeddings=2048), folder)
-    (folder / "chat_template.jinja").write_text(CHATML)
+    (folder / "chat_template.jinja").write_text(CHATML_WITH_TOOLS)
     return folder
 
 

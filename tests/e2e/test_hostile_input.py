@@ -35,7 +35,7 @@ SAMPLING_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "min_p",
                    "stop", "stop_token_ids", "ignore_eos", "logprobs", "priority", "timeout",
                    "n", "best_of", "user", "logit_bias", "stream"]
 CHAT_FIELDS = ["max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-               "response_format", "logprobs", "add_generation_prompt"]
+               "parallel_tool_calls", "response_format", "logprobs", "add_generation_prompt"]
 INT64 = [0, -1, 1, 2**31, 2**63 - 1, -(2**63), 10**12]
 DOUBLES = [0.0, -1.0, 0.5, 1e-300, 1e30, -1e30, math.nan, math.inf, -math.inf]
 
@@ -142,7 +142,13 @@ chat_bodies = st.builds(
                      {"messages": [{"role": "user", "content": "x" * 70_000}]},
                      {"messages": [{"role": "user", "content": ""}] * 3000},
                      {"messages": [{"role": "wizard", "content": "hi"}]},
-                     {"messages": [{"role": "user", "content": [{"type": "image"}]}]}]),
+                     {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+                     {"messages": [{"role": "assistant", "tool_calls": [
+                         {"function": {"name": "f", "arguments": "x" * 70_000}}]}]},
+                     {"messages": [{"role": "tool", "content": "1", "tool_call_id": 2**63}]},
+                     {"tools": [{"type": "function", "function": {"name": "f",
+                                 "parameters": {"type": "array", "minItems": 2**63}}}],
+                      "tool_choice": "required"}]),
     hostile_fields(SAMPLING_FIELDS + CHAT_FIELDS + ["messages"]))
 GRPC_VALUES = {  # what each proto field's type can carry
     **{name: INT64 for name in ("max_tokens", "top_k", "seed", "logprobs")},

@@ -14,6 +14,7 @@ import ssl
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import psutil
 import pytest
@@ -152,6 +153,74 @@ def test_structured_output_holds_across_the_kv_hand_off(cluster, client, model_n
         client.completions.create(model=model_name, prompt="x", max_tokens=4, extra_body={
             "structured_outputs": {"json": {"properties": {"a": {"$ref": "#/$defs/none"}}}}})
     assert "structured_outputs.json does not compile" in err.value.body["message"]
+    assert e2e.wait_idle(cluster)
+
+
+WINDY = {"type": "object", "properties": {"windy": {"type": "boolean"}},
+         "required": ["windy"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+         "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WINDY}},
+         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
+
+
+def _check_call(call):
+    schema = {"get_weather": WINDY, "get_time": CLOCK}
+    jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
+    assert call.type == "function" and call.id.startswith("call_")
+
+
+def test_tool_calls_round_trip_across_the_kv_hand_off(cluster, client, model_name, e2e):
+    """A named function and ``required`` are forced by a grammar; ``auto`` is read by the
+    Hermes parser the template names (here the model is made to write a Hermes call by a
+    regex, since its random weights never would). Each answer's calls validate against
+    their function's schema, streamed the same as whole, and the tool's result goes back
+    through the template for the next answer."""
+    tools = TOOLS  # short: the tools' JSON takes ~300 of the pool's 512 token slots
+    ask = [{"role": "user", "content": "Is it windy at the station?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(model=model_name, messages=ask, tools=tools,
+                                           tool_choice=named, max_tokens=80, temperature=0)
+    call = whole.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and whole.choices[0].finish_reason == "stop"
+    _check_call(call)
+    chunks = list(client.chat.completions.create(model=model_name, messages=ask, tools=tools,
+                                                 tool_choice=named, max_tokens=80,
+                                                 temperature=0, stream=True))
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    for seed in range(3):
+        required = client.chat.completions.create(
+            model=model_name, messages=ask, tools=tools, tool_choice="required",
+            parallel_tool_calls=False, max_tokens=60, temperature=1.0, seed=seed)
+        assert required.choices[0].finish_reason == "tool_calls"
+        assert len(required.choices[0].message.tool_calls) == 1
+        _check_call(required.choices[0].message.tool_calls[0])
+    hermes = {"regex": r'Checking\.<tool_call>\{"name":"get_time","arguments":'
+                       r'\{"zone":"(UTC|CET)"\}\}</tool_call>'}
+    auto = client.chat.completions.create(model=model_name, messages=ask, tools=tools,
+                                          max_tokens=80, temperature=1.0, seed=4,
+                                          extra_body={"structured_outputs": hermes})
+    answer = auto.choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content == "Checking."
+    _check_call(answer.message.tool_calls[0])
+    chunks = list(client.chat.completions.create(
+        model=model_name, messages=ask, tools=tools, max_tokens=80, temperature=1.0, seed=4,
+        stream=True, extra_body={"structured_outputs": hermes}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Checking."
+    streamed = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in streamed] == \
+        [(c.function.name, c.function.arguments) for c in answer.message.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    history = ask + [whole.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id,
+                      "content": '{"windy": true}'}]
+    reply = client.chat.completions.create(  # "none": the tools are not shown again
+        model=model_name, messages=history, tools=tools, tool_choice="none", max_tokens=6,
+        temperature=0, extra_body={"ignore_eos": True})
+    first = client.chat.completions.create(model=model_name, messages=ask, max_tokens=1)
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.usage.prompt_tokens > first.usage.prompt_tokens + 40  # the call, its result
     assert e2e.wait_idle(cluster)
 
 

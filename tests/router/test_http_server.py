@@ -268,6 +268,79 @@ def test_response_formats_and_structured_outputs_reach_the_backend(fake, client)
     assert backend.started[-1].params.structured_outputs is None
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_reach_the_template_and_forced_choices_the_grammar(fake, client):
+    """The fake writes counter text, never a call: ``auto`` answers it as content, a named
+    function as that function's arguments (the grammar would have made them JSON), and
+    ``required``'s array schema and the tools shown to the template reach the backend."""
+    backend, url = fake
+    ask = [{"role": "user", "content": "weather?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=3,
+                                           tools=[WEATHER_TOOL], tool_choice="none")
+    assert plain.choices[0].message.tool_calls is None
+    no_tools_prompt = backend.started[-1].prompt_token_ids
+    auto = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=3,
+                                          tools=[WEATHER_TOOL])
+    assert len(backend.started[-1].prompt_token_ids) > len(no_tools_prompt)  # tools shown
+    assert backend.started[-1].params.structured_outputs is None
+    assert auto.choices[0].message.content == plain.choices[0].message.content
+    assert auto.choices[0].message.tool_calls is None
+    client.chat.completions.create(model=MODEL, messages=ask, max_tokens=3,
+                                   tools=[WEATHER_TOOL], tool_choice="required",
+                                   parallel_tool_calls=False)
+    schema = json.loads(backend.started[-1].params.structured_outputs.json)
+    assert schema["type"] == "array" and schema["maxItems"] == 1
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=3,
+                                           tools=[WEATHER_TOOL], tool_choice=named)
+    assert json.loads(backend.started[-1].params.structured_outputs.json) == \
+        WEATHER_TOOL["function"]["parameters"]
+    choice = whole.choices[0]
+    assert choice.message.content is None and choice.finish_reason == "length"
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("call_") and call.function.arguments == plain.choices[0] \
+        .message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask, max_tokens=3,
+                                                 tools=[WEATHER_TOOL], tool_choice=named,
+                                                 stream=True))
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "length"
+    history = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "3 degrees"}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, max_tokens=3,
+                                            tools=[WEATHER_TOOL])
+    assert answer.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+     "tools[0].function.name"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL] * 2}, "tools"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+])
+def test_bad_tool_requests_are_400s_naming_the_parameter(fake, extra, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            **extra}
+    response = _post(fake[1], "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 def test_non_finite_numbers_are_refused_naming_the_field(fake):
     """JSON has no NaN or Infinity, but Python's encoders (and many clients) send them."""
     for field in ("temperature", "top_p", "timeout", "presence_penalty"):
