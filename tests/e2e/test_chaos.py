@@ -11,6 +11,7 @@ last bits with the batch it shares).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -64,6 +65,31 @@ def test_decode_worker_sigkilled_mid_stream(cluster, model_dir, e2e):
     records, traces = run_chaos(cluster, model_dir, "kill-d",
                                           sigkill_busiest(cluster, "decode"), tokens=LONG)
     assert any(t.num_migrations for t in traces)  # the kill landed on running streams
+    back_to_baseline(cluster, e2e)
+
+
+PAIRS = "(ab|cd){250}"  # a matcher restarted rather than replayed would run on past 250
+
+
+def test_constrained_streams_resume_their_grammar_after_a_killed_decode_worker(
+        cluster, model_dir, e2e):
+    """A migrated constrained request's new decode worker replays the tokens already streamed
+    into a fresh matcher: every answer, greedy and sampled, still matches whole."""
+    from pdserve.models.checkpoint import open_checkpoint
+
+    requests = chaos_requests(8, seed=7, prefix="kill-g", min_tokens=600, max_tokens=600)
+    for r in requests:
+        r.sampling.update(ignore_eos=False, structured_outputs={"regex": PAIRS})
+    cluster.refresh_workers()
+    records, _ = asyncio.run(stream_all(cluster.target, requests,
+                                        sigkill_busiest(cluster, "decode")))
+    traces = {t.request_id: t for t in cluster.traces()}
+    assert [r.error for r in records] == [None] * len(records)
+    assert any(traces[r.request_id].num_migrations for r in requests)
+    tokenizer = open_checkpoint(str(model_dir)).tokenizer()
+    for record in records:
+        text = tokenizer.decode(record.token_ids)
+        assert re.fullmatch(PAIRS, text), text
     back_to_baseline(cluster, e2e)
 
 

@@ -63,12 +63,13 @@ def model_name(client):
     return client.models.list().data[0].id
 
 
-def _offline(model_dir, prompt_ids, max_tokens):
+def _offline(model_dir, prompt_ids, max_tokens, **sampling):
     from pdserve import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=256)
-    out = llm.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                    ignore_eos=True), use_tqdm=False)[0]
+    params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, "ignore_eos": True,
+                                                      **sampling})
+    out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
     return out.token_ids, out.text
 
 
@@ -131,7 +132,8 @@ WEATHER = {"type": "object", "properties": {
     "required": ["sky", "windy", "station"], "additionalProperties": False}
 
 
-def test_structured_output_holds_across_the_kv_hand_off(cluster, client, model_name, e2e):
+def test_structured_output_holds_across_the_kv_hand_off(cluster, client, model_name, e2e,
+                                                        chat_model):
     """Every prompt here is prefilled on the prefill worker, whose token 0 obeys the
     constraint; the decode worker replays it into its own matcher and goes on. The model's
     weights are random, so an answer that parses and matches is the grammar's doing."""
@@ -145,6 +147,13 @@ def test_structured_output_holds_across_the_kv_hand_off(cluster, client, model_n
         value = json.loads(choice.message.content)
         assert value["sky"] in ("clear", "cloudy", "rain") and isinstance(value["windy"], bool)
         assert re.fullmatch("[A-Z]{3}", value["station"]) and choice.finish_reason == "stop"
+    prompt = list(range(60, 90))
+    _, text = _offline(chat_model, prompt, 80, ignore_eos=False,
+                       structured_outputs={"json": WEATHER})
+    served = client.completions.create(model=model_name, prompt=prompt, max_tokens=80,
+                                       temperature=0, extra_body={"structured_outputs": {
+                                           "json": WEATHER}})
+    assert served.choices[0].text == text  # greedy under a constraint: the offline engine's
     chunks = list(client.completions.create(
         model=model_name, prompt="code:", max_tokens=40, temperature=1.0, seed=5, stream=True,
         extra_body={"structured_outputs": {"regex": "[a-f]{4}-[0-9]{3}"}}))
