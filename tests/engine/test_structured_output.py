@@ -188,3 +188,22 @@ def test_constraints_made_on_many_threads_at_once_each_follow_their_own_grammar(
         for regex, constraint in zip(regexes, made, strict=True):
             assert constraint.accept(x[0]), regex  # every grammar starts with "x"
         assert len(engine._grammars._grammars) <= 2
+
+
+SUMS = 'root ::= "(" sum ")"\nsum ::= digit | digit "+" digit | digit "+" digit "+" digit\n' \
+       'digit ::= [0-9]'
+
+
+@pytest.mark.parametrize("outputs, check", [
+    ({"choice": CHOICES}, lambda text: text in CHOICES),
+    ({"regex": REGEX}, lambda text: re.fullmatch(REGEX, text)),
+    ({"grammar": SUMS}, lambda text: re.fullmatch(r"\(\d(\+\d){0,2}\)", text))])
+def test_two_hundred_sampled_outputs_each_match(llm, outputs, check):
+    params = [constrained(outputs, temperature=1.0, seed=seed, max_tokens=40)
+              for seed in range(200)]
+    prompts = [PROMPTS[seed % len(PROMPTS)] for seed in range(200)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [out.finish_reason for out in outs] == ["stop"] * 200
+    wrong = [out.text for out in outs if not check(out.text)]
+    assert wrong == []
+    assert len({out.text for out in outs}) > 2  # sampled, not one answer 200 times
