@@ -173,8 +173,8 @@ def build_generate_request(
             if name == "choice":
                 target.choice.choices.extend(value)
             else:
-                setattr(target, name, value if name != "json" or isinstance(value, str)
-                        else json.dumps(value))
+                setattr(target, name, value if name not in ("json", "structural_tag")
+                        or isinstance(value, str) else json.dumps(value))
     return request
 
 

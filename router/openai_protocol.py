@@ -6,10 +6,10 @@ as the gRPC path and errors named by the OpenAI parameter (``param``), and
 :func:`max_tokens_of` says which parameter set max_tokens, if one did. Fields OpenAI defines
 but pdserve cannot honour (``n`` > 1, ``echo``, ``suffix``, ``logit_bias``, non-text content
 parts) are a 400 naming the parameter, never silently dropped.
-``response_format`` (``text``, ``json_object``, ``json_schema``) constrains the output, as
-vLLM's ``structured_outputs`` extra does (``json``, ``json_object``, ``regex``, ``choice``,
-``grammar``; one or the other). Chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls``
-are read by ``pdserve.router.tool_calling``.
+``response_format`` (``text``, ``json_object``, ``json_schema``, ``structural_tag``) constrains
+the output, as vLLM's ``structured_outputs`` extra does (``json``, ``json_object``, ``regex``,
+``choice``, ``grammar``, ``structural_tag``; one or the other). Chat's ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` are read by ``pdserve.router.tool_calling``.
 
 pdserve's extras, accepted in the body (``extra_body`` in the ``openai`` package): ``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``priority``,
@@ -256,7 +256,7 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 
 
 def structured_outputs_of(body: _SamplingBody,
@@ -297,6 +297,8 @@ def _response_constraint(body: _SamplingBody) -> tuple[str, dict | None]:
                                          "a json_schema response format needs its schema "
                                          "(an object)")
         return "response_format", {"json": schema}
+    if kind == "structural_tag":  # xgrammar's ("format") or vLLM's older form ("structures")
+        return "response_format", {"structural_tag": fmt}
     return "response_format", None
 
 

@@ -74,21 +74,25 @@ def _short(value) -> str:
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
-CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutputs:
     """What a request's output must match (vLLM's ``structured_outputs``): exactly one of a
     JSON schema (``json``, as text or a dict), any JSON object (``json_object``), a regular
-    expression, one of ``choice``'s strings, or an EBNF ``grammar``. Checked here for shape and
-    size; whether it compiles is the engine's check (``engine/sampling/grammar.py``)."""
+    expression, one of ``choice``'s strings, an EBNF ``grammar``, or a ``structural_tag`` (free
+    text in which a trigger starts a region that must match its schema, as text or a dict:
+    xgrammar's ``{"type": "structural_tag", "format": {...}}``, or vLLM's older
+    ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``). Checked here for
+    shape and size; whether it compiles is the engine's check (``engine/sampling/grammar.py``)."""
 
     json: str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         given = self._given()
@@ -99,17 +103,10 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs.json_object must be a bool, got "
                              f"{_short(self.json_object)}")
         if self.json is not None:
-            schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as exc:
-                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError("structured_outputs.json must be a JSON schema (an object), got "
-                                 f"{_short(schema)}")
-            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True))
-        for name in ("json", "regex", "grammar"):
+            self._as_json_text("json", (dict, bool), "a JSON schema (an object)")
+        if self.structural_tag is not None:
+            self._as_json_text("structural_tag", dict, "an object")
+        for name in ("json", "regex", "grammar", "structural_tag"):
             text = getattr(self, name)
             if text is None:
                 continue
@@ -127,6 +124,18 @@ class StructuredOutputs:
                 raise ValueError(f"structured_outputs.choice must total at most "
                                  f"{MAX_CONSTRAINT_CHARS} characters")
             object.__setattr__(self, "choice", tuple(choices))
+
+    def _as_json_text(self, name: str, types, what: str) -> None:
+        """Field ``name`` (JSON text or its value) kept as canonical JSON text."""
+        value = getattr(self, name)
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.{name} is not valid JSON: {exc}") from None
+        if not isinstance(value, types):
+            raise ValueError(f"structured_outputs.{name} must be {what}, got {_short(value)}")
+        object.__setattr__(self, name, json.dumps(value, sort_keys=True))
 
     def _given(self) -> list[str]:
         return [name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]

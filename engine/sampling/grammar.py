@@ -82,6 +82,8 @@ class GrammarCompiler:
                 grammar = compiler.compile_regex(outputs.regex)
             elif kind == "choice":
                 grammar = compiler.compile_grammar(choice_grammar(outputs.choice))
+            elif kind == "structural_tag":
+                grammar = self._structural_tag(json.loads(outputs.structural_tag))
             else:
                 grammar = compiler.compile_grammar(outputs.grammar)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises several kinds
@@ -92,6 +94,19 @@ class GrammarCompiler:
             if len(self._grammars) > CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
         return grammar
+
+    def _structural_tag(self, tag: dict) -> xgrammar.CompiledGrammar:
+        """xgrammar's structural tag, or vLLM's older form (``structures`` + ``triggers``)."""
+        if "structures" not in tag:
+            return self._compiler.compile_structural_tag(tag)
+        structures, triggers = tag.get("structures"), tag.get("triggers")
+        if not isinstance(structures, list) or not isinstance(triggers, list):
+            raise ValueError("structures and triggers must be lists")
+        items = [self._xgr.StructuralTagItem(
+            begin=s["begin"], end=s["end"],
+            schema=s["schema"] if isinstance(s["schema"], str) else json.dumps(s["schema"]))
+            for s in structures]
+        return self._compiler.compile_structural_tag(items, triggers)
 
     def apply(self, logits: torch.Tensor, rows: list[tuple[int, Constraint]]) -> None:
         """Set to -inf, in place, every logit ``rows``' grammars forbid next: ``(i, c)`` limits

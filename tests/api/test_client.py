@@ -44,7 +44,9 @@ def test_build_request_carries_structured_outputs_as_the_server_reads_them():
             ({"json": '{"type": "string"}'}, "json", '{"type": "string"}'),
             ({"choice": ["a", "b"]}, "choice", ("a", "b")),
             ({"regex": "[0-9]+"}, "regex", "[0-9]+"),
-            ({"json_object": True}, "json_object", True)]:
+            ({"json_object": True}, "json_object", True),
+            ({"structural_tag": {"triggers": ["<w>"], "structures": []}}, "structural_tag",
+             '{"structures": [], "triggers": ["<w>"]}')]:
         request = build_generate_request("hi", structured_outputs=given)
         params = client_request_from_proto(request, model).params
         assert getattr(params.structured_outputs, field) == expected

@@ -207,3 +207,43 @@ def test_two_hundred_sampled_outputs_each_match(llm, outputs, check):
     wrong = [out.text for out in outs if not check(out.text)]
     assert wrong == []
     assert len({out.text for out in outs}) > 2  # sampled, not one answer 200 times
+
+
+SKY = {"type": "object", "properties": {"sky": {"enum": ["clear", "rain"]}},
+       "required": ["sky"], "additionalProperties": False}
+TAGGED = {"type": "structural_tag", "format": {
+    "type": "triggered_tags", "triggers": ["<w>"], "at_least_one": True,
+    "stop_after_first": True,
+    "tags": [{"begin": "<w>", "content": {"type": "json_schema", "json_schema": SKY},
+              "end": "</w>"}]}}
+OLDER_TAGGED = {"structures": [{"begin": "<w>", "schema": SKY, "end": "</w>"}],
+                "triggers": ["<w>"]}
+
+
+@pytest.mark.parametrize("tag", [TAGGED, OLDER_TAGGED, json.dumps(OLDER_TAGGED)])
+def test_a_structural_tag_frees_the_text_and_holds_its_regions(llm, tag):
+    """Text is free until a trigger; from there the region must match its schema and end."""
+    params = constrained({"structural_tag": tag})
+    assert json.loads(params.structured_outputs.structural_tag)  # kept as canonical JSON
+    free = "" if tag is TAGGED else "any words "  # (at_least_one: a tag comes first)
+    probe = llm.engine._constraint(params).matcher
+    assert probe.accept_string(free + '<w>{"sky":"rain"}</w>')
+    refused = llm.engine._constraint(params).matcher
+    assert refused.accept_string(free + "<w>") and not refused.accept_string('{"sky":"snow"')
+
+
+def test_a_tag_that_must_appear_appears_whole_in_sampled_outputs(llm):
+    params = [constrained({"structural_tag": TAGGED}, temperature=1.0, seed=seed,
+                          max_tokens=80) for seed in range(8)]
+    for out in llm.generate(PROMPTS * 2, params, use_tqdm=False):
+        assert out.finish_reason == "stop", out.text
+        region = re.search(r"<w>(.*)</w>", out.text, re.DOTALL)
+        assert region and json.loads(region.group(1))["sky"] in ("clear", "rain"), out.text
+
+
+def test_a_structural_tag_that_is_not_an_object_or_does_not_compile_is_refused(llm):
+    with pytest.raises(ValueError, match="structured_outputs.structural_tag must be an object"):
+        SamplingParams(structured_outputs={"structural_tag": "[1]"})
+    with pytest.raises(NeverFits, match="structured_outputs.structural_tag does not compile"):
+        llm.engine.add_request("bad", PROMPTS[0], constrained(
+            {"structural_tag": {"structures": [{"begin": "<w>"}], "triggers": ["<w>"]}}))

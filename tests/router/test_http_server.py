@@ -266,6 +266,11 @@ def test_response_formats_and_structured_outputs_reach_the_backend(fake, client)
     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
                                    response_format={"type": "text"})
     assert backend.started[-1].params.structured_outputs is None
+    tag = {"type": "structural_tag", "structures": [{"begin": "<w>", "schema": {}, "end": "</w>"}],
+           "triggers": ["<w>"]}
+    client.completions.create(model=MODEL, prompt=[1], max_tokens=2,
+                              extra_body={"response_format": tag})
+    assert json.loads(backend.started[-1].params.structured_outputs.structural_tag) == tag
 
 
 WEATHER_TOOL = {"type": "function", "function": {

@@ -81,10 +81,14 @@ def test_structured_outputs_are_carried_over_and_their_errors_named():
                   ).structured_outputs.choice == ("a", "b")
     assert params(pb.StructuredOutputs(json_object=True)).structured_outputs.json_object
     assert params(pb.StructuredOutputs(regex="[0-9]+")).structured_outputs.regex == "[0-9]+"
+    assert params(pb.StructuredOutputs(structural_tag='{"triggers": [], "structures": []}')
+                  ).structured_outputs.structural_tag == '{"structures": [], "triggers": []}'
     for outputs, field in [(pb.StructuredOutputs(), "sampling.structured_outputs"),
                            (pb.StructuredOutputs(json="{bad"), "sampling.structured_outputs.json"),
                            (pb.StructuredOutputs(choice=pb.Choices()),
-                            "sampling.structured_outputs.choice")]:
+                            "sampling.structured_outputs.choice"),
+                           (pb.StructuredOutputs(structural_tag="[]"),
+                            "sampling.structured_outputs.structural_tag")]:
         with pytest.raises(RequestValidationError) as info:
             params(outputs)
         assert info.value.field == field, str(info.value)
