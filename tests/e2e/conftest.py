@@ -96,21 +96,26 @@ class Helpers:
         return [[rng.randrange(3, 400) for _ in range(rng.randrange(low, high))]
                 for _ in range(n)]
 
-    def reference(self, model_dir: Path, prompts: list[list[int]], max_tokens: int):
-        """Greedy token ids from the offline LLM (which the engine tests tie to HF)."""
+    def reference(self, model_dir: Path, prompts: list[list[int]], max_tokens: int,
+                  **sampling):
+        """Greedy token ids from the offline LLM (which the engine tests tie to HF);
+        ``sampling``: more SamplingParams fields (ignore_eos is on unless it says)."""
         from pdserve import LLM, SamplingParams
 
-        key = (str(model_dir), tuple(map(tuple, prompts)), max_tokens)
+        key = (str(model_dir), tuple(map(tuple, prompts)), max_tokens,
+               json.dumps(sampling, sort_keys=True))
         if key not in self._reference:
             llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=256)
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0,
+                                                              "ignore_eos": True, **sampling})
             outs = llm.generate(prompts, params, use_tqdm=False)
             self._reference[key] = [o.token_ids for o in outs]
         return self._reference[key]
 
     @staticmethod
-    def generate_all(target: str, prompts: list[list[int]], max_tokens: int):
-        """Send every prompt at once through gRPC (greedy); results in prompt order."""
+    def generate_all(target: str, prompts: list[list[int]], max_tokens: int, **sampling):
+        """Send every prompt at once through gRPC (greedy, ``sampling``: more keywords of
+        the client's, as ``reference`` takes them); results in prompt order."""
         import asyncio
 
         from pdserve.api.client import AsyncPdserveClient
@@ -118,7 +123,9 @@ class Helpers:
         async def main():
             async with AsyncPdserveClient(target, timeout=60) as client:
                 return await asyncio.gather(*(
-                    client.generate(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                    client.generate(p, max_tokens=max_tokens, **{"temperature": 0.0,
+                                                                 "ignore_eos": True,
+                                                                 **sampling})
                     for p in prompts))
 
         return asyncio.run(main())

@@ -25,6 +25,15 @@ def test_concurrent_greedy_equals_offline(cluster, model_dir, e2e):
     assert all(r.finish_reason == "length" for r in results)
 
 
+def test_constrained_greedy_equals_offline(cluster, model_dir, e2e):
+    prompts = e2e.prompts(5, 4)
+    sampling = {"ignore_eos": False, "structured_outputs": {"regex": "[a-d]{3}-[0-9]{2}"}}
+    expected = e2e.reference(model_dir, prompts, 24, **sampling)
+    results = e2e.generate_all(cluster.target, prompts, 24, **sampling)
+    assert [r.token_ids for r in results] == expected
+    assert all(r.finish_reason == "stop" for r in results)
+
+
 def test_cancel_mid_stream_and_deadline_free_every_block(cluster, e2e):
     code, got = e2e.cancel_then_deadline(cluster.target)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -56,6 +56,27 @@ def test_short_prompts_on_the_decode_actor_long_ones_shipped(cluster, model_dir,
     assert e2e.wait_idle(cluster) == {"prefill-0": 0, "decode-0": 0}
 
 
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                           "tag": {"enum": ["a", "bb", "ccc"]}},
+          "required": ["ok", "tag"], "additionalProperties": False}
+
+
+def test_a_constraint_gives_the_same_output_on_either_path(cluster, model_dir, e2e):
+    """Short prompts are prefilled on the decode actor, long ones on the prefill actor (whose
+    token 0 the decode actor replays into its matcher): the same greedy output as offline."""
+    prompts = [[(7 * i + 5 * j) % 400 + 3 for j in range(n)]
+               for i, n in enumerate((5, 30, 8, 44))]
+    sampling = {"ignore_eos": False, "structured_outputs": {"json": SCHEMA}}
+    before = locations(cluster)
+    expected = e2e.reference(model_dir, prompts, 40, **sampling)
+    results = e2e.generate_all(cluster.target, prompts, 40, **sampling)
+    assert [r.token_ids for r in results] == expected
+    assert all(r.finish_reason == "stop" for r in results)
+    after = locations(cluster)
+    assert after["remote"] > before["remote"] and after["local"] > before["local"]
+    assert e2e.wait_idle(cluster) == {"prefill-0": 0, "decode-0": 0}
+
+
 def test_each_pool_runs_the_threads_it_asked_for(cluster):
     stats = cluster.worker_stats()
     threads = {s.role: s.ledger["num_threads"] for s in stats.values()}
