@@ -193,9 +193,6 @@ class LLMEngine:
     def _constraint(self, params: SamplingParams):
         """A new matcher for ``params``' structured outputs (ValueError naming the field when
         they cannot be served here); the grammar engine starts with the first request."""
-        if self.speculator is not None:
-            raise ValueError("structured_outputs: not served with speculative decoding yet; "
-                             "send it to a pool without speculative_config")
         if self.parts.tokenizer is None:
             raise ValueError("structured_outputs: this model has no tokenizer to build a "
                              "grammar over")
@@ -211,6 +208,19 @@ class LLMEngine:
         rows = [(i, seq.constraint) for i, seq in enumerate(seqs) if seq.constraint is not None]
         if rows:
             self._grammars.apply(logits, rows)
+
+    def _constrain_drafts(self, sampling: list, logits: torch.Tensor) -> None:
+        """Limit each constrained speculating item's k + 1 rows of ``logits`` to what its
+        grammar allows at each position (after the drafts before it), so verification accepts
+        a draft only where the grammar does and the target's own token obeys it too. Plain
+        items' rows are constrained by ``draw``."""
+        items, row = [], 0
+        for item in sampling:
+            if item.draft_token_ids and item.seq.constraint is not None:
+                items.append((row, item.seq.constraint, list(item.draft_token_ids)))
+            row += 1 + len(item.draft_token_ids)
+        if items:
+            self._grammars.apply_drafted(logits, items)
 
     def track(self, seq: Sequence) -> None:
         """Start detokenizing and stop-checking ``seq``'s output (resumed outputs replayed, so
@@ -371,6 +381,7 @@ class LLMEngine:
             logits = logits[num_decodes:]
             seqs = [item.seq for item in sampling]
             if self.speculator is not None and self.speculator.drafted(sampling):
+                self._constrain_drafts(sampling, logits)
                 token_ids, logprobs, faults = self.speculator.verify(sampling, logits,
                                                                      self.draw)
             else:

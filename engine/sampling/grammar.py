@@ -112,13 +112,42 @@ class GrammarCompiler:
         """Set to -inf, in place, every logit ``rows``' grammars forbid next: ``(i, c)`` limits
         row ``i`` of ``logits`` to what ``c`` allows. The other rows are left alone."""
         n = logits.shape[0]
-        if self._bitmask.shape[0] < n:
-            self._bitmask = self._xgr.allocate_token_bitmask(n, self.vocab_size)
+        self._ensure_rows(n)
         bitmask = self._bitmask[:n]
         for i, constraint in rows:
             constraint.matcher.fill_next_token_bitmask(bitmask, i)
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
                                               indices=[i for i, _ in rows])
+
+
+    def apply_drafted(self, logits: torch.Tensor,
+                      items: list[tuple[int, Constraint, list[int]]]) -> None:
+        """Speculation's form of :meth:`apply`: for ``(i, c, drafts)``, row ``i + j`` of
+        ``logits`` is the position after ``drafts[:j]`` and is limited to what ``c`` allows
+        there. The rows after a draft the grammar refuses are left alone: the target gives
+        that draft probability 0, so verification rejects it (and draws from the residual,
+        which keeps sampling exact), and rows past a rejection are never read. Each matcher
+        ends where it began."""
+        rows = []
+        self._ensure_rows(logits.shape[0])
+        for i, constraint, drafts in items:
+            accepted = 0
+            for j in range(len(drafts) + 1):
+                constraint.matcher.fill_next_token_bitmask(self._bitmask, i + j)
+                rows.append(i + j)
+                if j == len(drafts) or not constraint.accept(drafts[j]):
+                    break
+                accepted += 1
+                if constraint.is_terminated:  # (the output ends at that draft)
+                    break
+            if accepted:
+                constraint.matcher.rollback(accepted)
+        self._xgr.apply_token_bitmask_inplace(logits, self._bitmask[:logits.shape[0]],
+                                              vocab_size=self.vocab_size, indices=rows)
+
+    def _ensure_rows(self, n: int) -> None:
+        if self._bitmask.shape[0] < n:
+            self._bitmask = self._xgr.allocate_token_bitmask(n, self.vocab_size)
 
 
 class Constraint:
