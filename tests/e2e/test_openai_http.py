@@ -137,8 +137,21 @@ def test_structured_output_holds_across_the_kv_hand_off(cluster, client, model_n
     """Every prompt here is prefilled on the prefill worker, whose token 0 obeys the
     constraint; the decode worker replays it into its own matcher and goes on. The model's
     weights are random, so an answer that parses and matches is the grammar's doing."""
+    import typing
+
+    import pydantic
+
+    class Weather(pydantic.BaseModel):  # what the official client's parse() sends and reads
+        sky: typing.Literal["clear", "cloudy", "rain"]
+        windy: bool
+        station: str = pydantic.Field(pattern="^[A-Z]{3}$")
+
     messages = [{"role": "user", "content": "What is the weather at the station?"}]
     for temperature in (0.0, 1.0):
+        parsed = client.chat.completions.parse(model=model_name, messages=messages,
+                                               max_tokens=80, temperature=temperature, seed=4,
+                                               response_format=Weather)
+        assert isinstance(parsed.choices[0].message.parsed, Weather)
         answer = client.chat.completions.create(
             model=model_name, messages=messages, max_tokens=80, temperature=temperature,
             seed=3, response_format={"type": "json_schema",
