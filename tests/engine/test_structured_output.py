@@ -271,3 +271,23 @@ def test_a_structural_tag_that_is_not_an_object_or_does_not_compile_is_refused(l
     with pytest.raises(NeverFits, match="structured_outputs.structural_tag does not compile"):
         llm.engine.add_request("bad", PROMPTS[0], constrained(
             {"structural_tag": {"structures": [{"begin": "<w>"}], "triggers": ["<w>"]}}))
+
+
+def test_a_constraint_holds_with_chunked_prefill_a_prefix_hit_and_stop_strings(llm, tiny_dir):
+    """A long prompt prefilled in chunks of 8 tokens, then again from the prefix cache: the
+    same constrained greedy output as in one chunk; a stop string cuts a constrained answer
+    where it appears (finish_reason stop, the text before it)."""
+    long_prompt = [(11 * i) % 300 + 3 for i in range(45)]
+    params = constrained({"json": SCHEMA})
+    whole = llm.generate([long_prompt], params, use_tqdm=False)[0]
+    with LLM(str(tiny_dir), num_kv_blocks=64, block_size=4, max_num_batched_tokens=8,
+             enable_prefix_caching=True) as chunked:
+        first, again = (chunked.generate([long_prompt], params, use_tqdm=False)[0]
+                        for _ in range(2))
+    assert again.num_cached_tokens > 0
+    assert first.token_ids == again.token_ids == whole.token_ids
+    cut = whole.text.index('"ok"')  # a stop string inside the JSON
+    stopped = llm.generate([long_prompt], SamplingParams(
+        max_tokens=60, temperature=0.0, stop=['"ok"'], structured_outputs={"json": SCHEMA}),
+        use_tqdm=False)[0]
+    assert stopped.finish_reason == "stop" and stopped.text == whole.text[:cut]
