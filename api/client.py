@@ -14,8 +14,9 @@ with PdserveClient("127.0.0.1:50051") as client:
 The prompt is a string or a list of token ids. Sampling keywords mirror ``SamplingParams``
 (OpenAI-like): ``max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
 presence_penalty, frequency_penalty, seed, stop (str or list), stop_token_ids, ignore_eos,
-logprobs, structured_outputs``; a keyword left as ``None`` is unset and takes the server's
-default. ``structured_outputs`` is a dict with one of ``json`` (a schema: a dict or JSON
+logprobs, structured_outputs, logit_bias``; a keyword left as ``None`` is unset and takes
+the server's default. ``logit_bias`` maps token ids to biases in [-100, 100].
+``structured_outputs`` is a dict with one of ``json`` (a schema: a dict or JSON
 text), ``json_object`` (True), ``regex``, ``choice`` (a list of strings) or ``grammar``
 (EBNF), and the output will match it. ``timeout``
 (seconds) becomes the gRPC deadline. Every failure is a ``PdserveError`` with the gRPC code.
@@ -145,7 +146,7 @@ def build_generate_request(
         seed: int | None = None, stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
         logprobs: int | None = None, priority: int | None = None,
-        structured_outputs: dict | None = None,
+        structured_outputs: dict | None = None, logit_bias: dict[int, float] | None = None,
         tenant: str = "") -> generation_pb2.GenerateRequest:
     """The request proto for a prompt and OpenAI-like sampling keywords (``None`` = unset)."""
     request = generation_pb2.GenerateRequest(request_id=request_id or "", tenant=tenant or "")
@@ -175,6 +176,8 @@ def build_generate_request(
             else:
                 setattr(target, name, value if name != "json" or isinstance(value, str)
                         else json.dumps(value))
+    if logit_bias is not None:
+        request.sampling.logit_bias.update(logit_bias)
     return request
 
 

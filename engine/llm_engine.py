@@ -148,6 +148,7 @@ class LLMEngine:
             seq = Sequence(request_id, token_ids, params, seed=seed)
             self.scheduler.check_fits(seq)
             check_samplable(seq)
+            self._check_logit_bias(params)
             if params.structured_outputs is not None:
                 seq.constraint = self._constraint(params)
         except NeverFits:
@@ -189,6 +190,15 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.track(seq)
         return seq
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        """ValueError naming ``logit_bias`` and the key when a biased id is outside the
+        vocabulary (the logits' width)."""
+        vocab = self.parts.model_config.vocab_size
+        outside = [t for t in params.logit_bias or () if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), "
+                             f"got {outside[0]}")
 
     def _constraint(self, params: SamplingParams):
         """A new matcher for ``params``' structured outputs (ValueError naming the field when

@@ -4,8 +4,10 @@ Requests are pydantic models (unknown fields are ignored, as OpenAI's SDKs send 
 does not use); :func:`sampling_params` turns one into ``SamplingParams`` with the same checks
 as the gRPC path and errors named by the OpenAI parameter (``param``), and
 :func:`max_tokens_of` says which parameter set max_tokens, if one did. Fields OpenAI defines
-but pdserve cannot honour (``n`` > 1, ``echo``, ``suffix``, ``logit_bias``, ``tools``,
-non-text content parts) are a 400 naming the parameter, never silently dropped.
+but pdserve cannot honour (``n`` > 1, ``suffix``, ``tools``, non-text content parts) are a
+400 naming the parameter, never silently dropped. ``logit_bias`` maps token ids (JSON string
+keys) to biases in [-100, 100] added to the logits before sampling (at most 1024 entries);
+reported logprobs are the model's, before the bias, as vLLM's.
 ``response_format`` (``text``, ``json_object``, ``json_schema``) constrains the output, as
 vLLM's ``structured_outputs`` extra does (``json``, ``json_object``, ``regex``, ``choice``,
 ``grammar``; one or the other).
@@ -21,6 +23,7 @@ Responses are plain dicts built here, so the server and the tests read one defin
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any, Literal
 
@@ -35,7 +38,8 @@ from pdserve.router.errors import (
     RequestTooLargeError,
     RequestValidationError,
 )
-from pdserve.worker_api.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.router.validation import check_logit_bias
+from pdserve.worker_api.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob too small to report
 MAX_TIMEOUT_S = 86_400.0  # the longest ``timeout`` a request may ask for (a day)
@@ -44,6 +48,7 @@ BODY_BYTES_PER_CONTEXT_TOKEN = 64  # the default body bound: this much per token
 BODY_BYTES_BASE = 64 * 1024  # plus this (a prompt's JSON is far below it; see max_body_bytes)
 INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this are parsed on the event loop, larger in a
 # thread, so a large body never holds the loop (and every stream on it) for its whole parse
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,20}")  # a logit_bias key: a token id in decimal
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # pdserve's -> OpenAI's
 
 
@@ -149,7 +154,7 @@ class _SamplingBody(BaseModel):
     n: int | None = None  # only 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None  # refused unless empty
+    logit_bias: dict[str, Any] | None = None  # token id (a string) -> bias in [-100, 100]
     user: str | None = None  # accepted, unused
     # pdserve extras
     top_k: int | None = None
@@ -213,8 +218,6 @@ def check_supported(body: _SamplingBody) -> None:
     """400 naming the parameter for what the request asks and pdserve cannot do."""
     if body.n not in (None, 1):
         _refuse("n", f"only n=1 is supported, got {body.n}")
-    if body.logit_bias:
-        _refuse("logit_bias", "logit_bias is not supported")
     if isinstance(body, CompletionRequest):
         if body.echo:
             _refuse("echo", "echo is not supported")
@@ -310,6 +313,7 @@ def sampling_params(body: _SamplingBody, vocab_size: int,
               "frequency_penalty": body.frequency_penalty, "seed": body.seed,
               "ignore_eos": body.ignore_eos, "logprobs": logprobs, "priority": body.priority}
     outputs_param, values["structured_outputs"] = structured_outputs_of(body)
+    values["logit_bias"] = logit_bias_of(body)
     kwargs = {k: v for k, v in values.items() if v is not None}
     try:
         params = SamplingParams(stop=stop, stop_token_ids=list(body.stop_token_ids or []),
@@ -324,7 +328,24 @@ def sampling_params(body: _SamplingBody, vocab_size: int,
     if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
         raise RequestValidationError("top_logprobs" if chat else "logprobs",
                                      f"at most {MAX_LOGPROBS}")
+    check_logit_bias("logit_bias", params.logit_bias, vocab_size)
     return params
+
+
+def logit_bias_of(body: _SamplingBody) -> dict[int, Any] | None:
+    """The body's ``logit_bias`` with its JSON string keys as token ids (the values are
+    SamplingParams' to check); a key that is not a decimal integer is a 400 naming it."""
+    if body.logit_bias is None:
+        return None
+    if len(body.logit_bias) > MAX_LOGIT_BIAS:  # (before converting a huge map's keys)
+        raise RequestValidationError("logit_bias", f"must hold at most {MAX_LOGIT_BIAS} "
+                                     f"entries, got {len(body.logit_bias)}")
+    out = {}
+    for key, bias in body.logit_bias.items():
+        if not _TOKEN_KEY.fullmatch(key):
+            raise RequestValidationError("logit_bias", f"keys must be token ids, got {key[:40]!r}")
+        out[int(key)] = bias
+    return out
 
 
 # -- responses ------------------------------------------------------------------------------

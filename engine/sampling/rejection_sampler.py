@@ -43,6 +43,7 @@ from pdserve.engine.sampling.sampler import (
     SamplingBatch,
     SamplingRow,
     _gather_logprobs,
+    apply_logit_bias,
     apply_penalties,
     inverse_cdf_draw,
     sampled_weights,
@@ -62,20 +63,22 @@ def stream_uniform(seed: int, position: int, stream: int) -> float:
 
 def process_rows(logits: torch.Tensor,
                  rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(penalised logits, weights): the sampler's processing of every row. ``weights`` are the
+    """(penalised logits, weights): the sampler's processing of every row (the logits before
+    any ``logit_bias``, what logprobs report; the weights after it). ``weights`` are the
     filtered, unnormalised softmax (max 1 per row) of sampled rows, one-hot at the argmax of
     greedy rows; a draw from a row is ``inverse_cdf_draw(weights, u)``."""
     logits, batch, dev = logits.float(), SamplingBatch.of(rows), logits.device
     if batch.penalized is not None:
         logits = apply_penalties(logits, rows)
+    biased = logits if batch.biases is None else apply_logit_bias(logits, batch.biases)
     weights = torch.zeros_like(logits)
     is_greedy = batch.floats[0] < GREEDY_TEMPERATURE
     greedy, sampled = np.flatnonzero(is_greedy), np.flatnonzero(~is_greedy)
     if len(greedy):
         index = torch.from_numpy(greedy).to(dev)
-        weights[index, logits[index].argmax(dim=1)] = 1.0
+        weights[index, biased[index].argmax(dim=1)] = 1.0
     if len(sampled):
-        weights[torch.from_numpy(sampled).to(dev)] = sampled_weights(logits, batch, sampled)
+        weights[torch.from_numpy(sampled).to(dev)] = sampled_weights(biased, batch, sampled)
     return logits, weights
 
 

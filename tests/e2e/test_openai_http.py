@@ -155,6 +155,43 @@ def test_structured_output_holds_across_the_kv_hand_off(cluster, client, model_n
     assert e2e.wait_idle(cluster)
 
 
+def test_logit_bias_holds_across_the_kv_hand_off(cluster, client, model_name, chat_model, certs,
+                                                 e2e):
+    """Token 0 is sampled on the prefill worker, the rest on the decode worker: +100 forces a
+    token at every position; banning each greedy choice gives the offline engine's tokens
+    under the same ban (so both workers applied it)."""
+    from pdserve import LLM, SamplingParams
+
+    prompt = list(range(50, 70))
+    forced = client.completions.create(model=model_name, prompt=prompt, max_tokens=6,
+                                       temperature=0, logprobs=0, logit_bias={"321": 100},
+                                       extra_body={"ignore_eos": True})
+    tokens = forced.choices[0].logprobs.tokens
+    assert len(tokens) == 6 and len(set(tokens)) == 1
+    free_ids, _ = _offline(chat_model, prompt, 6)
+    ban = {token: -100.0 for token in free_ids[:3]}
+    llm = LLM(str(chat_model), dtype="float32", block_size=4, num_kv_blocks=256)
+    expected = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
+                                                     ignore_eos=True, logit_bias=ban),
+                            use_tqdm=False)[0]
+    assert set(expected.token_ids).isdisjoint(ban)
+    banned = client.completions.create(model=model_name, prompt=prompt, max_tokens=6,
+                                       temperature=0, logit_bias={str(t): b for t, b in
+                                                                  ban.items()},
+                                       extra_body={"ignore_eos": True})
+    assert banned.choices[0].text == expected.text
+    with PdserveClient(cluster.target, timeout=30, tls=ClientTLS.from_files(ca=certs["ca"]),
+                       api_key=KEY) as grpc_client:
+        result = grpc_client.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True,
+                                      logit_bias={321: 100.0})
+    assert result.token_ids == [321] * 6
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=2,
+                                  logit_bias={"10000000": 1})
+    assert err.value.body["param"] == "logit_bias"
+    assert e2e.wait_idle(cluster)
+
+
 def test_disconnect_frees_every_block(cluster, model_name, verify, e2e):
     with httpx.stream("POST", cluster.http_url + "/v1/completions", verify=verify, timeout=60,
                       headers={"authorization": f"Bearer {KEY}"},
