@@ -35,6 +35,8 @@ class HttpJob:
     request: PreparedRequest  # what the backend runs (its deadline from the body's timeout)
     stream: bool
     include_usage: bool
+    echo: str | None = None  # completions' echo: the prompt's text, sent before the output
+    prompt_only: bool = False  # echo with max_tokens 0: the one token generated is dropped
 
     @property
     def request_id(self) -> str:
@@ -94,7 +96,19 @@ class HttpGeneration:
             yield sse(oa.chat_chunk(job.request_id, job.model, job.created,
                                      {"role": "assistant", "content": ""}, None, None,
                                      job.include_usage))
+        if job.echo is not None:  # the prompt first, as one more piece of the output
+            lp = self._prompt_logprobs(job, first)
+            offset = len(job.echo)
+            if job.stream:
+                yield sse(oa.completion_chunk(job.request_id, job.model, job.created,
+                                               job.echo, None, lp, job.include_usage))
+            else:
+                texts.append(job.echo)
+                if lp is not None:
+                    logprobs.append(lp)
         while True:
+            if job.prompt_only and delta.finish_reason != "abort":  # max_tokens 0: "length"
+                delta = GenerationDelta([], "", None, delta.finish_reason and "length")
             if delta.finish_reason == "abort":
                 state["done"] = True
                 raise NoWorkersError("the request was aborted by the server")
@@ -130,6 +144,14 @@ class HttpGeneration:
         build = oa.chat_object if job.chat else oa.completion_object
         yield build(job.request_id, job.model, job.created, "".join(texts),
                     delta.finish_reason, merged, usage)
+
+    def _prompt_logprobs(self, job: HttpJob, first: GenerationDelta) -> dict | None:
+        """The echoed prompt's completions logprobs object (None: logprobs not asked)."""
+        if job.params.logprobs is None or first.prompt_logprobs is None:
+            return None
+        text = self._tools.token_text if self._tools is not None else str
+        return oa.completion_logprobs(job.request.prompt_token_ids, first.prompt_logprobs,
+                                      job.params.logprobs, text, 0)
 
     def _logprobs(self, job: HttpJob, delta: GenerationDelta, offset: int) -> dict | None:
         if job.params.logprobs is None or delta.logprobs is None or not delta.token_ids:

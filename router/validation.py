@@ -47,7 +47,7 @@ MAX_PROMPT_CHARS_PER_TOKEN = 32  # a longer text can never fit the context (toke
 # Optional scalar fields of pdserve.v1.SamplingParams, named as in SamplingParams.
 _SCALAR_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs",
-                  "priority")
+                  "priority", "prompt_logprobs")
 _ALL_FIELDS = frozenset(_SCALAR_FIELDS + ("stop", "stop_token_ids", "structured_outputs",
                                            "logit_bias"))
 

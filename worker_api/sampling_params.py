@@ -200,6 +200,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end generation
     ignore_eos: bool = False  # keep going past the model's end-of-sequence ids
     logprobs: int | None = None  # return this many (0..20) top log-probabilities per token
+    # the prompt's log-probabilities too: this many (0..20) top ones at each prompt position,
+    # and the prompt token's own (the first token's is None), with the first output
+    prompt_logprobs: int | None = None
     priority: int = 0  # scheduling priority: lower runs earlier (ties by arrival), as vLLM
     # the output must match this (a JSON schema, a regex, a choice, a grammar); None: free
     structured_outputs: StructuredOutputs | None = None
@@ -239,6 +242,9 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {_short(self.ignore_eos)}")
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, low=0,
+                                              high=MAX_LOGPROBS)
         self.priority = _check_int("priority", self.priority, low=-(2**31), high=2**31 - 1)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
