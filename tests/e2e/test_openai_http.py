@@ -192,6 +192,35 @@ def test_logit_bias_holds_across_the_kv_hand_off(cluster, client, model_name, ch
     assert e2e.wait_idle(cluster)
 
 
+def test_echo_and_prompt_logprobs_come_back_from_the_prefill_worker(cluster, client, model_name,
+                                                                   chat_model, certs, e2e):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 0) on the 1P1D cluster:
+    the prefill worker scores the prompt (its prefix cache skipped) and the scores ride to the
+    router with token 0; they equal the offline engine's (tied to Hugging Face there)."""
+    from pdserve import LLM, SamplingParams
+
+    prompt = list(range(30, 78))  # more than one 32-token step: chunked on the prefill worker
+    llm = LLM(str(chat_model), dtype="float32", block_size=4, num_kv_blocks=256)
+    expected = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0,
+                                                     prompt_logprobs=1), use_tqdm=False)[0]
+    for _ in range(2):  # the second time the prompt's blocks are in the prefix cache
+        out = client.completions.create(model=model_name, prompt=prompt, max_tokens=0,
+                                        echo=True, logprobs=1, temperature=0)
+        lp = out.choices[0].logprobs
+        assert out.usage.completion_tokens == 0 and len(lp.tokens) == len(prompt)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i, value in enumerate(lp.token_logprobs[1:], 1):
+            assert abs(value - expected.prompt_logprobs[i][prompt[i]]) < 1e-4, i
+    with PdserveClient(cluster.target, timeout=30, tls=ClientTLS.from_files(ca=certs["ca"]),
+                       api_key=KEY) as grpc_client:
+        result = grpc_client.generate(prompt, max_tokens=3, temperature=0, prompt_logprobs=2)
+    assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(prompt)
+    for i, entry in enumerate(result.prompt_logprobs[1:], 1):
+        assert abs(entry.logprob - expected.prompt_logprobs[i][prompt[i]]) < 1e-4, i
+        assert len(entry.top) == 2
+    assert e2e.wait_idle(cluster)
+
+
 def test_disconnect_frees_every_block(cluster, model_name, verify, e2e):
     with httpx.stream("POST", cluster.http_url + "/v1/completions", verify=verify, timeout=60,
                       headers={"authorization": f"Bearer {KEY}"},
