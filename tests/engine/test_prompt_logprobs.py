@@ -89,3 +89,13 @@ def test_prompt_logprobs_are_checked_when_built():
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_a_speculating_engine_scores_prompts_too(tiny_dir, hf):
+    with LLM(str(tiny_dir), num_kv_blocks=64, block_size=4, max_num_batched_tokens=8,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 2}) as llm:
+        outs = llm.generate(PROMPTS, [greedy(8), greedy(8, prompt_logprobs=2), greedy(8)],
+                            use_tqdm=False)
+        alone = llm.generate(PROMPTS[1], greedy(8), use_tqdm=False)[0].token_ids
+    check(PROMPTS[1], outs[1].prompt_logprobs, hf(PROMPTS[1]), 2)
+    assert outs[1].token_ids == alone
