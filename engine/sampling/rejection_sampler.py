@@ -43,9 +43,9 @@ from pdserve.engine.sampling.sampler import (
     SamplingBatch,
     SamplingRow,
     _gather_logprobs,
-    apply_logit_bias,
     apply_penalties,
     inverse_cdf_draw,
+    logit_bias_added,
     sampled_weights,
 )
 from pdserve.engine.sampling.seeded_uniforms import draw_uniform
@@ -70,15 +70,15 @@ def process_rows(logits: torch.Tensor,
     logits, batch, dev = logits.float(), SamplingBatch.of(rows), logits.device
     if batch.penalized is not None:
         logits = apply_penalties(logits, rows)
-    biased = logits if batch.biases is None else apply_logit_bias(logits, batch.biases)
     weights = torch.zeros_like(logits)
     is_greedy = batch.floats[0] < GREEDY_TEMPERATURE
     greedy, sampled = np.flatnonzero(is_greedy), np.flatnonzero(~is_greedy)
-    if len(greedy):
-        index = torch.from_numpy(greedy).to(dev)
-        weights[index, biased[index].argmax(dim=1)] = 1.0
-    if len(sampled):
-        weights[torch.from_numpy(sampled).to(dev)] = sampled_weights(biased, batch, sampled)
+    with logit_bias_added(logits, batch.biases):
+        if len(greedy):
+            index = torch.from_numpy(greedy).to(dev)
+            weights[index, logits[index].argmax(dim=1)] = 1.0
+        if len(sampled):
+            weights[torch.from_numpy(sampled).to(dev)] = sampled_weights(logits, batch, sampled)
     return logits, weights
 
 

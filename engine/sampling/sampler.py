@@ -44,9 +44,11 @@ are thresholds per row on ``exp(logit - max)``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,18 +114,30 @@ def logit_bias_of(params: list[SamplingParams]) -> list[tuple[int, dict[int, flo
     return biased or None
 
 
-def apply_logit_bias(logits: torch.Tensor,
-                     biases: list[tuple[int, dict[int, float]]]) -> torch.Tensor:
-    """A new (num_rows, vocab) tensor: ``logits`` with ``biases`` (``(row, {token_id: bias})``)
-    added; sparse, as the penalties: only the biased entries are written."""
+@contextlib.contextmanager
+def logit_bias_added(logits: torch.Tensor,
+                     biases: list[tuple[int, dict[int, float]]] | None) -> Iterator[None]:
+    """Within the block, ``logits`` (num_rows, vocab) hold ``biases`` (``(row, {token_id:
+    bias})``) added in place; after it, the entries it wrote hold their own values again
+    (restored, not subtracted: exact). Sparse, as the penalties: only the biased entries are
+    read and written, so a biased row costs its entries, not a copy of the logits."""
+    if biases is None:
+        yield
+        return
     rows = [row for row, _ in biases]
     flat = _flat_ids(rows, [list(bias) for _, bias in biases], logits.shape[1], logits.device,
                      "logit_bias")
     values = torch.tensor([v for _, bias in biases for v in bias.values()], dtype=logits.dtype,
                           device=logits.device)
-    out = logits.clone()
-    out.view(-1).index_add_(0, flat, values)  # (num_rows * vocab,)
-    return out
+    entries = logits.view(-1)  # (num_rows * vocab,)
+    own = entries[flat]  # (a copy: the values to restore)
+    with torch.inference_mode():  # (the model's logits are inference tensors)
+        entries.index_add_(0, flat, values)  # (a row's ids are a dict's keys: no repeats)
+    try:
+        yield
+    finally:
+        with torch.inference_mode():
+            entries[flat] = own
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -341,20 +355,24 @@ class Sampler:
         if batch.penalized is not None:
             logits = apply_penalties(logits, batch.penalized)
         # the draw reads the biased logits; logprobs the unbiased ones (the module docstring)
-        biased = logits if batch.biases is None else apply_logit_bias(logits, batch.biases)
+        with logit_bias_added(logits, batch.biases):
+            token_ids = self._tokens(logits, batch)
+        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, batch, token_ids))
+
+    def _tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """(rows,) each row's token: the argmax of greedy rows, a draw for the others."""
         is_greedy = batch.floats[0] < GREEDY_TEMPERATURE
         if is_greedy.all():
-            token_ids = biased.argmax(dim=1)
-        elif not is_greedy.any():
-            token_ids = self._sample(biased, batch, None)
-        else:
-            dev = logits.device
-            greedy = torch.from_numpy(np.flatnonzero(is_greedy)).to(dev)
-            sampled = np.flatnonzero(~is_greedy)
-            token_ids = torch.empty(len(batch), dtype=torch.int64, device=dev)
-            token_ids[greedy] = biased[greedy].argmax(dim=1)
-            token_ids[torch.from_numpy(sampled).to(dev)] = self._sample(biased, batch, sampled)
-        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, batch, token_ids))
+            return logits.argmax(dim=1)
+        if not is_greedy.any():
+            return self._sample(logits, batch, None)
+        dev = logits.device
+        greedy = torch.from_numpy(np.flatnonzero(is_greedy)).to(dev)
+        sampled = np.flatnonzero(~is_greedy)
+        token_ids = torch.empty(len(batch), dtype=torch.int64, device=dev)
+        token_ids[greedy] = logits[greedy].argmax(dim=1)
+        token_ids[torch.from_numpy(sampled).to(dev)] = self._sample(logits, batch, sampled)
+        return token_ids
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch,

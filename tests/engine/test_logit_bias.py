@@ -104,14 +104,16 @@ def test_an_id_outside_the_vocabulary_is_refused_naming_the_field(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_the_sampler_leaves_rows_without_a_bias_untouched():
+def test_the_sampler_leaves_rows_without_a_bias_and_the_callers_logits_untouched():
     logits = torch.randn(3, 50)
     rows = [SamplingRow(greedy(logit_bias={7: 100.0}), 0, 0, [], []),
             SamplingRow(greedy(), 0, 0, [], []),
             SamplingRow(SamplingParams(temperature=1.0, logit_bias={1: -100.0, 9: 100.0}),
                         5, 0, [], [])]
-    out = Sampler()(logits.clone(), rows)
+    given = logits.clone()
+    out = Sampler()(given, rows)
     assert out.token_ids == [7, int(logits[1].argmax()), 9]
+    assert torch.equal(given, logits)  # the biases went in place and came out exactly
 
 
 def test_a_speculating_engine_serves_the_bias(tiny_dir):
