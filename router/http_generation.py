@@ -149,18 +149,21 @@ class HttpGeneration:
         """The echoed prompt's completions logprobs object (None: logprobs not asked)."""
         if job.params.logprobs is None or first.prompt_logprobs is None:
             return None
-        text = self._tools.token_text if self._tools is not None else str
         return oa.completion_logprobs(job.request.prompt_token_ids, first.prompt_logprobs,
-                                      job.params.logprobs, text, 0)
+                                      job.params.logprobs, self.token_text, 0)
 
     def _logprobs(self, job: HttpJob, delta: GenerationDelta, offset: int) -> dict | None:
         if job.params.logprobs is None or delta.logprobs is None or not delta.token_ids:
             return None
-        text = self._tools.token_text if self._tools is not None else str
         if job.chat:
-            return oa.chat_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs, text)
+            return oa.chat_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs,
+                                    self.token_text)
         return oa.completion_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs,
-                                      text, offset)
+                                      self.token_text, offset)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (its id as text without the tools)."""
+        return self._tools.token_text(token_id) if self._tools is not None else str(token_id)
 
     @staticmethod
     async def _next(deltas: AsyncIterator[GenerationDelta],

@@ -272,12 +272,10 @@ class HttpServer:
         job = await self._job(False, "cmpl", body, prompt, "prompt", params)
         if body.echo:
             job.echo = prompt if isinstance(prompt, str) else "".join(
-                map(self._token_text, job.request.prompt_token_ids))
+                map(self._generation.token_text, job.request.prompt_token_ids))
             job.prompt_only = oa.echoes_prompt_only(body)
         return job
 
-    def _token_text(self, token_id: int) -> str:
-        return self._tools.token_text(token_id) if self._tools is not None else str(token_id)
 
     async def _chat_job(self, body: oa.ChatCompletionRequest) -> HttpJob:
         model = self._backend.model_info()
