@@ -276,7 +276,6 @@ class HttpServer:
             job.prompt_only = oa.echoes_prompt_only(body)
         return job
 
-
     async def _chat_job(self, body: oa.ChatCompletionRequest) -> HttpJob:
         model = self._backend.model_info()
         # chat generates up to the end of the context unless told otherwise
