@@ -14,8 +14,11 @@ with PdserveClient("127.0.0.1:50051") as client:
 The prompt is a string or a list of token ids. Sampling keywords mirror ``SamplingParams``
 (OpenAI-like): ``max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
 presence_penalty, frequency_penalty, seed, stop (str or list), stop_token_ids, ignore_eos,
-logprobs, structured_outputs``; a keyword left as ``None`` is unset and takes the server's
-default. ``structured_outputs`` is a dict with one of ``json`` (a schema: a dict or JSON
+logprobs, prompt_logprobs, structured_outputs, logit_bias``; a keyword left as ``None`` is
+unset and takes the server's default. ``logit_bias`` maps token ids to biases in [-100, 100].
+``prompt_logprobs=k`` returns each prompt token's logprob and the k best at its position
+(``GenerateResult.prompt_logprobs``; the first token's is None).
+``structured_outputs`` is a dict with one of ``json`` (a schema: a dict or JSON
 text), ``json_object`` (True), ``regex``, ``choice`` (a list of strings) or ``grammar``
 (EBNF), and the output will match it. ``timeout``
 (seconds) becomes the gRPC deadline. Every failure is a ``PdserveError`` with the gRPC code.
@@ -42,7 +45,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.api import generation_pb2, generation_pb2_grpc
 
-__all__ = ["PdserveError", "Usage", "GenerateChunk", "GenerateResult", "ModelInfo", "ClientTLS",
+__all__ = ["PdserveError", "Usage", "GenerateChunk", "GenerateResult", "PromptLogprob",
+           "ModelInfo", "ClientTLS",
            "PdserveClient", "AsyncPdserveClient", "build_generate_request", "open_channel",
            "auth_metadata"]
 
@@ -106,6 +110,14 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """Log-probabilities at one prompt position."""
+
+    logprob: float  # of the prompt token there
+    top: dict[int, float]  # the most likely tokens there: id -> logprob
+
+
+@dataclass(frozen=True)
 class GenerateChunk:
     """One streamed response."""
 
@@ -115,6 +127,8 @@ class GenerateChunk:
     logprobs: list[dict[int, float]] | None  # per id: top id -> logprob (when requested)
     finish_reason: str | None  # "stop" | "length" | "abort" on the last chunk, else None
     usage: Usage | None  # on the last chunk, else None
+    # the first chunk, when prompt_logprobs was asked: one per prompt token (the first None)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,7 @@ class GenerateResult:
     finish_reason: str | None  # "stop" | "length" | "abort"
     usage: Usage | None  # prompt and completion token counts
     logprobs: list[dict[int, float]] | None  # per generated id, when requested
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # per prompt id, when requested
 
 
 @dataclass(frozen=True)
@@ -145,7 +160,8 @@ def build_generate_request(
         seed: int | None = None, stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
         logprobs: int | None = None, priority: int | None = None,
-        structured_outputs: dict | None = None,
+        prompt_logprobs: int | None = None, structured_outputs: dict | None = None,
+        logit_bias: dict[int, float] | None = None,
         tenant: str = "") -> generation_pb2.GenerateRequest:
     """The request proto for a prompt and OpenAI-like sampling keywords (``None`` = unset)."""
     request = generation_pb2.GenerateRequest(request_id=request_id or "", tenant=tenant or "")
@@ -158,7 +174,7 @@ def build_generate_request(
                "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
                "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
                "seed": seed, "ignore_eos": ignore_eos, "logprobs": logprobs,
-               "priority": priority}
+               "priority": priority, "prompt_logprobs": prompt_logprobs}
     for name, value in scalars.items():
         if value is not None:
             setattr(request.sampling, name, value)
@@ -175,6 +191,8 @@ def build_generate_request(
             else:
                 setattr(target, name, value if name not in ("json", "structural_tag")
                         or isinstance(value, str) else json.dumps(value))
+    if logit_bias is not None:
+        request.sampling.logit_bias.update(logit_bias)
     return request
 
 
@@ -190,9 +208,15 @@ def _chunk(response: generation_pb2.GenerateResponse) -> GenerateChunk:
     usage = None
     if response.HasField("usage"):
         usage = Usage(response.usage.prompt_tokens, response.usage.completion_tokens)
+    prompt_logprobs = None
+    if len(response.prompt_logprobs):
+        prompt_logprobs = [
+            PromptLogprob(entry.logprob, {top.token_id: top.logprob for top in entry.top})
+            if entry.HasField("logprob") else None for entry in response.prompt_logprobs]
     return GenerateChunk(request_id=response.request_id, token_ids=list(response.token_ids),
                          text=response.text, logprobs=logprobs,
-                         finish_reason=response.finish_reason or None, usage=usage)
+                         finish_reason=response.finish_reason or None, usage=usage,
+                         prompt_logprobs=prompt_logprobs)
 
 
 class _Collector:
@@ -203,6 +227,7 @@ class _Collector:
         self.texts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = None
+        self.prompt_logprobs: list[PromptLogprob | None] | None = None
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
 
@@ -212,13 +237,15 @@ class _Collector:
         self.token_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
+        self.prompt_logprobs = self.prompt_logprobs or chunk.prompt_logprobs
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.usage = chunk.usage or self.usage
 
     def result(self) -> GenerateResult:
         return GenerateResult(request_id=self.request_id, text="".join(self.texts),
                               token_ids=self.token_ids, finish_reason=self.finish_reason,
-                              usage=self.usage, logprobs=self.logprobs)
+                              usage=self.usage, logprobs=self.logprobs,
+                              prompt_logprobs=self.prompt_logprobs)
 
 
 def _model_info(reply: generation_pb2.ModelInfo) -> ModelInfo:

@@ -24,6 +24,8 @@ class RequestOutput:
     text: str = ""  # generated text (stop strings excluded)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[dict[int, float]] | None = None  # per generated token, when requested
+    # per prompt token, when SamplingParams.prompt_logprobs asks (the first entry None)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -51,6 +53,8 @@ class RequestOutput:
         self.text += delta.text
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason, self.finish_time = delta.finish_reason, now
 

@@ -61,6 +61,7 @@ from pdserve.engine.speculation.speculator import Speculator
 from pdserve.engine.step.decode_rows import DecodeRows
 from pdserve.engine.step.hooks import StepHooks, StepStats
 from pdserve.engine.step.output_stage import OutputStage
+from pdserve.engine.step.prompt_logprobs import score_prompts
 from pdserve.engine.step.scheduler import Scheduler
 from pdserve.engine.step.scheduler_output import SchedulerConfig
 from pdserve.engine.step.scheduling_policy import SchedulingPolicy
@@ -146,8 +147,11 @@ class LLMEngine:
                 seed = params.seed if params.seed is not None else \
                     self._seed_source.getrandbits(63)
             seq = Sequence(request_id, token_ids, params, seed=seed)
+            if params.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]  # (the first token has none)
             self.scheduler.check_fits(seq)
             check_samplable(seq)
+            self._check_logit_bias(params)
             if params.structured_outputs is not None:
                 seq.constraint = self._constraint(params)
         except NeverFits:
@@ -174,6 +178,8 @@ class LLMEngine:
                                     f"the request's structured_outputs")
         seq.token_ids.extend(resumed)
         seq.num_resumed_tokens = len(resumed)
+        if resumed:  # the first output, which carried the prompt logprobs, was streamed
+            seq.prompt_logprobs = None
         seq.deadline, seq.attempt = request.deadline, request.attempt
         return seq
 
@@ -189,6 +195,15 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.track(seq)
         return seq
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        """ValueError naming ``logit_bias`` and the key when a biased id is outside the
+        vocabulary (the logits' width)."""
+        vocab = self.parts.model_config.vocab_size
+        outside = [t for t in params.logit_bias or () if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), "
+                             f"got {outside[0]}")
 
     def _constraint(self, params: SamplingParams):
         """A new matcher for ``params``' structured outputs (ValueError naming the field when
@@ -291,6 +306,7 @@ class LLMEngine:
         received blocks that hold no KV (``BlockManager.adopt_received``). Returns token 0's
         delta."""
         seq.num_computed_tokens = seq.num_tokens
+        seq.prompt_logprobs = None  # (the prefill worker sent them with token 0)
         self.parts.block_manager.adopt_received(seq, num_stand_ins)  # its prompt's KV is in
         self.track(seq)
         try:
@@ -373,6 +389,9 @@ class LLMEngine:
         logits = runner.run(batch, after_layer)
         forward_s = time.perf_counter() - forward_start
         self.hooks.after_forward()
+        if batch.num_scored:  # the last rows: prompt positions, before update moves the chunks
+            score_prompts(output.chunks, logits[len(logits) - batch.num_scored:])
+            logits = logits[:len(logits) - batch.num_scored]
         self.scheduler.update(output)
         num_decodes = len(output.decodes)  # the logits' first rows, one per decode
         if num_decodes:

@@ -69,6 +69,10 @@ class Sequence:
     # holds (in the draft's pool, same block table); preemption resets it
     # structured output: the grammar's matcher, moved on by every output token (None: free)
     constraint: OutputConstraint | None = None
+    # prompt logprobs (sampling_params.prompt_logprobs): entry i for prompt token i (entry 0
+    # None), filled as the prompt's chunks run, handed to the first output's delta; None when
+    # not asked or already handed. While set, the prefix cache serves the sequence nothing.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -98,6 +102,14 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def num_prompt_rows_to_score(self) -> int:
+        """Positions from ``num_computed_tokens`` on whose logits give a prompt token's logprob
+        (position p scores token p + 1); 0 when prompt logprobs are not wanted."""
+        if self.prompt_logprobs is None:
+            return 0
+        return max(0, self.num_prompt_tokens - 1 - self.num_computed_tokens)
 
     @property
     def num_uncomputed_tokens(self) -> int:

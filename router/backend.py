@@ -73,6 +73,9 @@ class GenerationDelta:
     text: str = ""  # text those ids add (stop strings already cut)
     logprobs: list[dict[int, float]] | None = None  # per id in token_ids: top id -> logprob
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta only
+    # the first delta only, when the request asked (SamplingParams.prompt_logprobs): one
+    # entry per prompt token, top id -> logprob with the prompt token's own; the first None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:

@@ -169,7 +169,7 @@ class Router:
                     self.traces.append(trace)
                 finished = delta.finish_reason is not None  # (closed after it: no abort)
                 yield GenerationDelta(delta.new_token_ids, delta.text, delta.logprobs,
-                                      delta.finish_reason)
+                                      delta.finish_reason, delta.prompt_logprobs)
                 if finished:
                     return
         finally:

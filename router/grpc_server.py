@@ -98,16 +98,30 @@ def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"
 
 
-def _response_for(delta: GenerationDelta, num_top: int | None) -> generation_pb2.GenerateResponse:
+def _response_for(delta: GenerationDelta,
+                  request: PreparedRequest) -> generation_pb2.GenerateResponse:
     response = generation_pb2.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
-    if delta.logprobs is not None and num_top is not None:
-        for token_id, top in zip(delta.token_ids, delta.logprobs, strict=True):
-            entry = response.logprobs.add()
-            if token_id in top:
-                entry.logprob = top[token_id]
-            best = sorted(top.items(), key=lambda item: -item[1])[:num_top]
-            entry.top.extend(generation_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in best)
+    params = request.params
+    if delta.logprobs is not None and params.logprobs is not None:
+        _add_logprobs(response.logprobs, delta.token_ids, delta.logprobs, params.logprobs)
+    if delta.prompt_logprobs is not None and params.prompt_logprobs is not None:
+        _add_logprobs(response.prompt_logprobs, request.prompt_token_ids,
+                      delta.prompt_logprobs, params.prompt_logprobs)
     return response
+
+
+def _add_logprobs(entries, token_ids: list[int], logprobs: list[dict[int, float] | None],
+                  num_top: int) -> None:
+    """One ``TokenLogprobs`` per entry of ``logprobs`` into ``entries``: ``token_ids[i]``'s
+    own and the ``num_top`` best; a None entry (a prompt's first token) stays empty."""
+    for token_id, top in zip(token_ids, logprobs, strict=True):
+        entry = entries.add()
+        if top is None:
+            continue
+        if token_id in top:
+            entry.logprob = top[token_id]
+        best = sorted(top.items(), key=lambda item: -item[1])[:num_top]
+        entry.top.extend(generation_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in best)
 
 
 async def _abort_with_status(context: grpc.aio.ServicerContext, exc: Exception,
@@ -185,7 +199,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 finished = delta.finish_reason is not None
                 if not (delta.token_ids or delta.text or finished):
                     continue
-                response = _response_for(delta, request.params.logprobs)
+                response = _response_for(delta, request)
                 if first:
                     response.request_id = request_id
                     first = False

@@ -37,6 +37,8 @@ class HttpJob:
     stream: bool
     include_usage: bool
     tools: ToolCalling | None = None  # a chat's tool calling (None: no tools)
+    echo: str | None = None  # completions' echo: the prompt's text, sent before the output
+    prompt_only: bool = False  # echo with max_tokens 0: the one token generated is dropped
 
     @property
     def request_id(self) -> str:
@@ -97,7 +99,19 @@ class HttpGeneration:
             yield sse(oa.chat_chunk(job.request_id, job.model, job.created,
                                      {"role": "assistant", "content": ""}, None, None,
                                      job.include_usage))
+        if job.echo is not None:  # the prompt first, as one more piece of the output
+            lp = self._prompt_logprobs(job, first)
+            offset = len(job.echo)
+            if job.stream:
+                yield sse(oa.completion_chunk(job.request_id, job.model, job.created,
+                                               job.echo, None, lp, job.include_usage))
+            else:
+                texts.append(job.echo)
+                if lp is not None:
+                    logprobs.append(lp)
         while True:
+            if job.prompt_only and delta.finish_reason != "abort":  # max_tokens 0: "length"
+                delta = GenerationDelta([], "", None, delta.finish_reason and "length")
             if delta.finish_reason == "abort":
                 state["done"] = True
                 raise NoWorkersError("the request was aborted by the server")
@@ -159,14 +173,25 @@ class HttpGeneration:
                               lp if i == 0 else None, job.include_usage)
                 for i, part in enumerate(parts)]
 
+    def _prompt_logprobs(self, job: HttpJob, first: GenerationDelta) -> dict | None:
+        """The echoed prompt's completions logprobs object (None: logprobs not asked)."""
+        if job.params.logprobs is None or first.prompt_logprobs is None:
+            return None
+        return oa.completion_logprobs(job.request.prompt_token_ids, first.prompt_logprobs,
+                                      job.params.logprobs, self.token_text, 0)
+
     def _logprobs(self, job: HttpJob, delta: GenerationDelta, offset: int) -> dict | None:
         if job.params.logprobs is None or delta.logprobs is None or not delta.token_ids:
             return None
-        text = self._tools.token_text if self._tools is not None else str
         if job.chat:
-            return oa.chat_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs, text)
+            return oa.chat_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs,
+                                    self.token_text)
         return oa.completion_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs,
-                                      text, offset)
+                                      self.token_text, offset)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (its id as text without the tools)."""
+        return self._tools.token_text(token_id) if self._tools is not None else str(token_id)
 
     @staticmethod
     async def _next(deltas: AsyncIterator[GenerationDelta],

@@ -280,7 +280,12 @@ class HttpServer:
                 raise RequestValidationError("prompt", f"one prompt per request, got "
                                                        f"{len(prompt)}")
             prompt = prompt[0]
-        return await self._job(False, "cmpl", body, prompt, "prompt", params)
+        job = await self._job(False, "cmpl", body, prompt, "prompt", params)
+        if body.echo:
+            job.echo = prompt if isinstance(prompt, str) else "".join(
+                map(self._generation.token_text, job.request.prompt_token_ids))
+            job.prompt_only = oa.echoes_prompt_only(body)
+        return job
 
     async def _chat_job(self, body: oa.ChatCompletionRequest) -> HttpJob:
         model = self._backend.model_info()

@@ -4,8 +4,13 @@ Requests are pydantic models (unknown fields are ignored, as OpenAI's SDKs send 
 does not use); :func:`sampling_params` turns one into ``SamplingParams`` with the same checks
 as the gRPC path and errors named by the OpenAI parameter (``param``), and
 :func:`max_tokens_of` says which parameter set max_tokens, if one did. Fields OpenAI defines
-but pdserve cannot honour (``n`` > 1, ``echo``, ``suffix``, ``logit_bias``, non-text content
-parts) are a 400 naming the parameter, never silently dropped.
+but pdserve cannot honour (``n`` > 1, ``suffix``, non-text content parts) are a 400 naming
+the parameter, never silently dropped. Completions' ``echo`` returns the prompt before the
+completion, and with ``logprobs: k`` the prompt tokens' logprobs too (the first token's null),
+as vLLM; ``max_tokens: 0`` with ``echo`` generates nothing (lm-eval's loglikelihood requests):
+the engine runs the prefill, which samples one token, and the door drops it. ``logit_bias``
+maps token ids (JSON string keys) to biases in [-100, 100] added to the logits before sampling
+(at most 1024 entries); reported logprobs are the model's, before the bias, as vLLM's.
 ``response_format`` (``text``, ``json_object``, ``json_schema``, ``structural_tag``) constrains
 the output, as vLLM's ``structured_outputs`` extra does (``json``, ``json_object``, ``regex``,
 ``choice``, ``grammar``, ``structural_tag``; one or the other). Chat's ``tools``,
@@ -22,6 +27,7 @@ Responses are plain dicts built here, so the server and the tests read one defin
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any, Literal
 
@@ -37,7 +43,8 @@ from pdserve.router.errors import (
     RequestValidationError,
 )
 from pdserve.router.tool_calling import ToolCalling, template_tool_calls
-from pdserve.worker_api.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.router.validation import check_logit_bias
+from pdserve.worker_api.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob too small to report
 MAX_TIMEOUT_S = 86_400.0  # the longest ``timeout`` a request may ask for (a day)
@@ -46,6 +53,7 @@ BODY_BYTES_PER_CONTEXT_TOKEN = 64  # the default body bound: this much per token
 BODY_BYTES_BASE = 64 * 1024  # plus this (a prompt's JSON is far below it; see max_body_bytes)
 INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this are parsed on the event loop, larger in a
 # thread, so a large body never holds the loop (and every stream on it) for its whole parse
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,20}")  # a logit_bias key: a token id in decimal
 FINISH_REASONS = {"stop": "stop", "length": "length",  # pdserve's -> OpenAI's
                   "tool_calls": "tool_calls"}  # (the last one the HTTP front door's own)
 
@@ -152,7 +160,7 @@ class _SamplingBody(BaseModel):
     n: int | None = None  # only 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None  # refused unless empty
+    logit_bias: dict[str, Any] | None = None  # token id (a string) -> bias in [-100, 100]
     user: str | None = None  # accepted, unused
     # pdserve extras
     top_k: int | None = None
@@ -176,7 +184,7 @@ class CompletionRequest(_SamplingBody):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None  # top log-probabilities per token (0..20)
-    echo: bool | None = None  # refused when true
+    echo: bool | None = None  # the prompt before the completion (its logprobs with logprobs)
     suffix: str | None = None  # refused
     best_of: int | None = None  # only 1
 
@@ -219,11 +227,7 @@ def check_supported(body: _SamplingBody) -> None:
     """400 naming the parameter for what the request asks and pdserve cannot do."""
     if body.n not in (None, 1):
         _refuse("n", f"only n=1 is supported, got {body.n}")
-    if body.logit_bias:
-        _refuse("logit_bias", "logit_bias is not supported")
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            _refuse("echo", "echo is not supported")
         if body.suffix:
             _refuse("suffix", "suffix is not supported")
         if body.best_of not in (None, 1):
@@ -302,11 +306,20 @@ def _response_constraint(body: _SamplingBody) -> tuple[str, dict | None]:
     return "response_format", None
 
 
+def echoes_prompt_only(body: _SamplingBody) -> bool:
+    """A completion that asks for its prompt echoed and nothing generated (``max_tokens`` 0):
+    the engine runs with max_tokens 1 (a prefill samples a token) and the door drops it."""
+    return isinstance(body, CompletionRequest) and bool(body.echo) and body.max_tokens == 0
+
+
 def max_tokens_of(body: _SamplingBody) -> tuple[str, int | None]:
     """The parameter that sets max_tokens (chat's ``max_completion_tokens`` before
-    ``max_tokens``) and its value, None when the body gives neither."""
+    ``max_tokens``) and its value, None when the body gives neither (1 for
+    :func:`echoes_prompt_only`)."""
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         return "max_completion_tokens", body.max_completion_tokens
+    if echoes_prompt_only(body):
+        return "max_tokens", 1
     return "max_tokens", body.max_tokens
 
 
@@ -324,31 +337,52 @@ def sampling_params(body: _SamplingBody, vocab_size: int,
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestValidationError("top_logprobs", "needs logprobs: true")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prompt_logprobs = None
     else:
         logprobs = body.logprobs
+        prompt_logprobs = logprobs if body.echo else None
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     values = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
               "top_k": body.top_k, "min_p": body.min_p,
               "repetition_penalty": body.repetition_penalty,
               "presence_penalty": body.presence_penalty,
               "frequency_penalty": body.frequency_penalty, "seed": body.seed,
-              "ignore_eos": body.ignore_eos, "logprobs": logprobs, "priority": body.priority}
+              "ignore_eos": body.ignore_eos, "logprobs": logprobs, "priority": body.priority,
+              "prompt_logprobs": prompt_logprobs}
     outputs_param, values["structured_outputs"] = structured_outputs_of(body, tools)
+    values["logit_bias"] = logit_bias_of(body)
     kwargs = {k: v for k, v in values.items() if v is not None}
     try:
         params = SamplingParams(stop=stop, stop_token_ids=list(body.stop_token_ids or []),
                                 **kwargs)
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
-        param = {"max_tokens": max_param, "logprobs": "top_logprobs" if chat else "logprobs"
-                 }.get(name, name)
+        param = {"max_tokens": max_param, "logprobs": "top_logprobs" if chat else "logprobs",
+                 "prompt_logprobs": "logprobs"}.get(name, name)
         if name.split(".")[0] == "structured_outputs":
             param = outputs_param
         raise RequestValidationError(param, str(exc)) from exc
     if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
         raise RequestValidationError("top_logprobs" if chat else "logprobs",
                                      f"at most {MAX_LOGPROBS}")
+    check_logit_bias("logit_bias", params.logit_bias, vocab_size)
     return params
+
+
+def logit_bias_of(body: _SamplingBody) -> dict[int, Any] | None:
+    """The body's ``logit_bias`` with its JSON string keys as token ids (the values are
+    SamplingParams' to check); a key that is not a decimal integer is a 400 naming it."""
+    if body.logit_bias is None:
+        return None
+    if len(body.logit_bias) > MAX_LOGIT_BIAS:  # (before converting a huge map's keys)
+        raise RequestValidationError("logit_bias", f"must hold at most {MAX_LOGIT_BIAS} "
+                                     f"entries, got {len(body.logit_bias)}")
+    out = {}
+    for key, bias in body.logit_bias.items():
+        if not _TOKEN_KEY.fullmatch(key):
+            raise RequestValidationError("logit_bias", f"keys must be token ids, got {key[:40]!r}")
+        out[int(key)] = bias
+    return out
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -370,16 +404,23 @@ def _top(top: dict[int, float], num_top: int) -> list[tuple[int, float]]:
     return sorted(top.items(), key=lambda item: -item[1])[:num_top]
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], num_top: int,
-                        token_text, offset: int) -> dict:
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None],
+                        num_top: int, token_text, offset: int) -> dict:
     """The completions ``logprobs`` object for ``token_ids``; ``offset``: characters of text
-    already returned before them."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+    already returned before them. A None entry (an echoed prompt's first token) is null."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict | None] = []
+    offsets: list[int] = []
     for token_id, top in zip(token_ids, logprobs, strict=True):
         text = token_text(token_id)
         tokens.append(text)
-        token_logprobs.append(_finite(top.get(token_id)))
-        tops.append({token_text(t): _finite(lp) for t, lp in _top(top, num_top)})
+        if top is None:  # an echoed prompt's first token: nothing precedes it
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            token_logprobs.append(_finite(top.get(token_id)))
+            tops.append({token_text(t): _finite(lp) for t, lp in _top(top, num_top)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,

@@ -8,7 +8,8 @@ on HTTP), which the doors return as INVALID_ARGUMENT or an HTTP 400 with ``param
   (``pdserve.router.prepare``): :func:`check_prompt_text` (a text's size before any tokenizer
   sees it: at most ``MAX_PROMPT_CHARS_PER_TOKEN`` characters per context token),
   :func:`check_token_ids` (inside the vocabulary, one vectorized check, no Python loop per
-  id), :func:`check_max_tokens` (below the context).
+  id), :func:`check_max_tokens` (below the context), :func:`check_logit_bias` (its keys
+  inside the vocabulary; each door calls it once it has the map as ids).
 * :class:`ClientRequest`: a request as a door translated it from its wire format, what the
   preparation stage takes. Nothing in it is decided yet: no tokenizing, no limits.
 * The gRPC door's translation: :func:`client_request_from_proto` checks the request id, that
@@ -37,7 +38,7 @@ from pdserve.worker_api.sampling_params import SamplingParams
 
 __all__ = ["RequestValidationError", "ClientRequest", "client_request_from_proto",
            "check_request_id", "check_prompt_text", "check_token_ids",
-           "check_max_tokens", "sampling_params_from_proto"]
+           "check_max_tokens", "check_logit_bias", "sampling_params_from_proto"]
 
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
@@ -46,8 +47,9 @@ MAX_PROMPT_CHARS_PER_TOKEN = 32  # a longer text can never fit the context (toke
 # Optional scalar fields of pdserve.v1.SamplingParams, named as in SamplingParams.
 _SCALAR_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs",
-                  "priority")
-_ALL_FIELDS = frozenset(_SCALAR_FIELDS + ("stop", "stop_token_ids", "structured_outputs"))
+                  "priority", "prompt_logprobs")
+_ALL_FIELDS = frozenset(_SCALAR_FIELDS + ("stop", "stop_token_ids", "structured_outputs",
+                                           "logit_bias"))
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,14 @@ def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> No
 
 
 
+def check_logit_bias(field: str, logit_bias: dict[int, float] | None, vocab_size: int) -> None:
+    """Raise naming ``field`` and the key unless every biased id is in [0, vocab_size)."""
+    outside = [t for t in logit_bias or () if t >= vocab_size]
+    if outside:
+        raise RequestValidationError(field, f"token id {outside[0]} is outside the vocabulary "
+                                            f"[0, {vocab_size})")
+
+
 def check_max_tokens(field: str, max_tokens: int, model: ModelSpec) -> None:
     """Raise when ``max_tokens`` alone leaves no room for a prompt in the context."""
     if max_tokens >= model.max_context_tokens:
@@ -138,6 +148,8 @@ def sampling_params_from_proto(sampling: generation_pb2.SamplingParams,
     stop_token_ids = list(sampling.stop_token_ids)
     if sampling.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_outputs_from_proto(sampling.structured_outputs)
+    if len(sampling.logit_bias):
+        kwargs["logit_bias"] = dict(sampling.logit_bias)
     try:
         params = SamplingParams(stop=stop, stop_token_ids=stop_token_ids, **kwargs)
     except ValueError as exc:
@@ -146,6 +158,7 @@ def sampling_params_from_proto(sampling: generation_pb2.SamplingParams,
         field = f"sampling.{name}" if name.split(".")[0] in _ALL_FIELDS else "sampling"
         raise RequestValidationError(field, str(exc)) from exc
     check_token_ids("sampling.stop_token_ids", params.stop_token_ids, vocab_size)
+    check_logit_bias("sampling.logit_bias", params.logit_bias, vocab_size)
     return params
 
 

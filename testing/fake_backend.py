@@ -108,10 +108,15 @@ class FakeBackend:
                 if self.token_delay_s > 0:
                     await asyncio.sleep(self.token_delay_s * len(chunk))
                 last = finished = start + step >= len(ids)
+                prompt_logprobs = None
+                if start == 0 and params.prompt_logprobs is not None:
+                    prompt = request.prompt_token_ids
+                    prompt_logprobs = [None, *self._logprobs(prompt[1:],
+                                                             params.prompt_logprobs)]
                 yield GenerationDelta(
                     token_ids=chunk, text=self.decode(chunk),
                     logprobs=self._logprobs(chunk, params.logprobs),
-                    finish_reason=reason if last else None)
+                    finish_reason=reason if last else None, prompt_logprobs=prompt_logprobs)
         finally:
             with self._lock:
                 self._running.discard(request_id)

@@ -33,6 +33,9 @@ class RequestDelta:
     # at the worker -> first chunk scheduled (colocated traces; the prefill worker's are in
     # PrefillResult)
     prefill_time_s: float | None = None  # with queue_time_s: first chunk -> this token sampled
+    # on the first output's delta, when SamplingParams.prompt_logprobs asks: one entry per
+    # prompt token ({token_id: logprob}: the top ones and the prompt token's), the first None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @final  # (so that ``type(part) is _NewTokens`` tells every part's type)

@@ -29,6 +29,8 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SA
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_CONSTRAINT_CHARS = 65536  # a schema, regex or grammar's text at most
 MAX_CHOICES = 256  # choices a request may constrain its output to
+MAX_LOGIT_BIAS = 1024  # entries of a logit_bias map (OpenAI's limit)
+LOGIT_BIAS_RANGE = 100.0  # a bias is in [-100, 100] (OpenAI's range)
 
 
 def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
@@ -72,6 +74,29 @@ def _short(value) -> str:
         return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def _check_logit_bias(value) -> dict[int, float] | None:
+    """``value`` as {token id: bias}; None for none or an empty map."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a map of token id to bias, got {_short(value)}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, "
+                         f"got {len(value)}")
+    out = {}
+    for key, bias in value.items():
+        if isinstance(key, bool) or not isinstance(key, numbers.Integral) \
+                or not 0 <= int(key) <= MAX_INT32:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got "
+                             f"{_short(key)}")
+        if isinstance(bias, bool) or not isinstance(bias, numbers.Real) \
+                or not -LOGIT_BIAS_RANGE <= float(bias) <= LOGIT_BIAS_RANGE:  # (False for NaN)
+            raise ValueError(f"logit_bias of token {int(key)} must be a number in "
+                             f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {_short(bias)}")
+        out[int(key)] = float(bias)
+    return out or None
 
 
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -184,9 +209,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end generation
     ignore_eos: bool = False  # keep going past the model's end-of-sequence ids
     logprobs: int | None = None  # return this many (0..20) top log-probabilities per token
+    # the prompt's log-probabilities too: this many (0..20) top ones at each prompt position,
+    # and the prompt token's own (the first token's is None), with the first output
+    prompt_logprobs: int | None = None
     priority: int = 0  # scheduling priority: lower runs earlier (ties by arrival), as vLLM
     # the output must match this (a JSON schema, a regex, a choice, a grammar); None: free
     structured_outputs: StructuredOutputs | None = None
+    # token id -> added to its logit before sampling, in [-100, 100] (OpenAI's logit_bias);
+    # None (or empty): no bias. Ids are checked against the vocabulary by who knows it
+    # (the router's doors, the engine). Reported logprobs are the logits' before the bias.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1, high=MAX_INT32)
@@ -219,9 +251,13 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {_short(self.ignore_eos)}")
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, low=0,
+                                              high=MAX_LOGPROBS)
         self.priority = _check_int("priority", self.priority, low=-(2**31), high=2**31 - 1)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
+        self.logit_bias = _check_logit_bias(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:

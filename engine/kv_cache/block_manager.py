@@ -142,8 +142,8 @@ class BlockManager:
         bs = self._block_size
         hits: list[int] = []
         parent = ROOT_HASH
-        if not self.enable_prefix_caching:
-            return hits, parent
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+            return hits, parent  # (a prompt whose logprobs are wanted computes every position)
         for i in range((seq.num_tokens - 1) // bs):  # leave at least one token to compute
             h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], self._salt)
             block_id = self._hash_to_block.get(h)

@@ -45,6 +45,7 @@ from pdserve.engine.sampling.sampler import (
     _gather_logprobs,
     apply_penalties,
     inverse_cdf_draw,
+    logit_bias_added,
     sampled_weights,
 )
 from pdserve.engine.sampling.seeded_uniforms import draw_uniform
@@ -62,7 +63,8 @@ def stream_uniform(seed: int, position: int, stream: int) -> float:
 
 def process_rows(logits: torch.Tensor,
                  rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(penalised logits, weights): the sampler's processing of every row. ``weights`` are the
+    """(penalised logits, weights): the sampler's processing of every row (the logits before
+    any ``logit_bias``, what logprobs report; the weights after it). ``weights`` are the
     filtered, unnormalised softmax (max 1 per row) of sampled rows, one-hot at the argmax of
     greedy rows; a draw from a row is ``inverse_cdf_draw(weights, u)``."""
     logits, batch, dev = logits.float(), SamplingBatch.of(rows), logits.device
@@ -71,11 +73,12 @@ def process_rows(logits: torch.Tensor,
     weights = torch.zeros_like(logits)
     is_greedy = batch.floats[0] < GREEDY_TEMPERATURE
     greedy, sampled = np.flatnonzero(is_greedy), np.flatnonzero(~is_greedy)
-    if len(greedy):
-        index = torch.from_numpy(greedy).to(dev)
-        weights[index, logits[index].argmax(dim=1)] = 1.0
-    if len(sampled):
-        weights[torch.from_numpy(sampled).to(dev)] = sampled_weights(logits, batch, sampled)
+    with logit_bias_added(logits, batch.biases):
+        if len(greedy):
+            index = torch.from_numpy(greedy).to(dev)
+            weights[index, logits[index].argmax(dim=1)] = 1.0
+        if len(sampled):
+            weights[torch.from_numpy(sampled).to(dev)] = sampled_weights(logits, batch, sampled)
     return logits, weights
 
 

@@ -7,10 +7,13 @@ Semantics, applied per row in this order (Hugging Face / vLLM / OpenAI conventio
    ``logit / penalty``.
 2. ``frequency_penalty`` / ``presence_penalty`` (OpenAI, vLLM): on output tokens only,
    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
-3. Greedy rows (``temperature < 1e-5``, i.e. 0): ``token = argmax(logits)`` over the penalized
-   logits, first index on ties. With no penalties set the row is never modified, so the token is
-   exactly ``torch.argmax`` of the raw logits (the engine relies on this to match HF).
-4. Other rows: ``logits / temperature``, softmax, then the filters, each keeping a top set of
+3. ``logit_bias`` (OpenAI): ``logit[token_id] += bias`` for the row's entries; rows without
+   one are not touched (a batch with no biased row pays nothing).
+4. Greedy rows (``temperature < 1e-5``, i.e. 0): ``token = argmax(logits)`` over the penalized,
+   biased logits, first index on ties. With no penalty or bias set the row is never modified,
+   so the token is exactly ``torch.argmax`` of the raw logits (the engine relies on this to
+   match HF).
+5. Other rows: ``logits / temperature``, softmax, then the filters, each keeping a top set of
    tokens (always at least the most likely one; tokens tied with a threshold are all kept):
    - top-k (0 = off, >= vocab = off): keep the k most likely tokens;
    - top-p (1 = off): on the distribution renormalized after top-k, keep a token if the mass of
@@ -18,7 +21,7 @@ Semantics, applied per row in this order (Hugging Face / vLLM / OpenAI conventio
      HF ``TopPLogitsWarper``);
    - min-p (0 = off): keep tokens with ``p >= min_p * p_max`` (a ratio, so renormalizing first
      changes nothing). The order top-k, top-p, min-p is Hugging Face's.
-5. The draw is an inverse-CDF draw from the filtered distribution with ONE uniform per row,
+6. The draw is an inverse-CDF draw from the filtered distribution with ONE uniform per row,
    ``u = draw_uniform(seed, position)``, a splitmix64 hash of the request's seed and the
    output position (``engine.sampling.seeded_uniforms``; ``keyed_uniforms`` makes a batch's): the
    token is the first whose cumulative probability (in token id order) exceeds ``u``. It
@@ -29,8 +32,10 @@ Semantics, applied per row in this order (Hugging Face / vLLM / OpenAI conventio
    are never drawn and the rest are drawn with their float32 softmax probability.
 
 Logprobs (``params.logprobs = n``): ``log_softmax`` of the logits after penalties and temperature
-(temperature 1 for greedy rows) and BEFORE top-k / top-p / min-p filtering (vLLM's
-"processed_logprobs"): the n most likely tokens plus the sampled one.
+(temperature 1 for greedy rows) and BEFORE ``logit_bias`` and top-k / top-p / min-p filtering:
+the n most likely tokens plus the sampled one. Leaving the bias out is vLLM's default (its
+logprobs are the model's, not the biased ones), so a biased token's reported logprob is what
+the model gave it.
 
 Cost: no Python loop over rows once their parameters are arrays (a :class:`SamplingBatch`,
 which the persistent decode rows keep across steps); the filters (``engine.sampling.filters``)
@@ -39,9 +44,11 @@ are thresholds per row on ``exp(logit - max)``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,6 +106,38 @@ def _flat_ids(rows: list[int], id_lists: list[list[int]], vocab: int, device,
         raise ValueError(f"{field} must be token ids in [0, {vocab})")
     row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)
     return (row_of * vocab + flat).to(device)
+
+
+def logit_bias_of(params: list[SamplingParams]) -> list[tuple[int, dict[int, float]]] | None:
+    """``(row, logit_bias)`` of the rows of ``params`` that have a bias; None when none has."""
+    biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias is not None]
+    return biased or None
+
+
+@contextlib.contextmanager
+def logit_bias_added(logits: torch.Tensor,
+                     biases: list[tuple[int, dict[int, float]]] | None) -> Iterator[None]:
+    """Within the block, ``logits`` (num_rows, vocab) hold ``biases`` (``(row, {token_id:
+    bias})``) added in place; after it, the entries it wrote hold their own values again
+    (restored, not subtracted: exact). Sparse, as the penalties: only the biased entries are
+    read and written, so a biased row costs its entries, not a copy of the logits."""
+    if biases is None:
+        yield
+        return
+    rows = [row for row, _ in biases]
+    flat = _flat_ids(rows, [list(bias) for _, bias in biases], logits.shape[1], logits.device,
+                     "logit_bias")
+    values = torch.tensor([v for _, bias in biases for v in bias.values()], dtype=logits.dtype,
+                          device=logits.device)
+    entries = logits.view(-1)  # (num_rows * vocab,)
+    own = entries[flat]  # (a copy: the values to restore)
+    with torch.inference_mode():  # (the model's logits are inference tensors)
+        entries.index_add_(0, flat, values)  # (a row's ids are a dict's keys: no repeats)
+    try:
+        yield
+    finally:
+        with torch.inference_mode():
+            entries[flat] = own
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -200,9 +239,9 @@ def is_penalized(p: SamplingParams) -> bool:
 
 
 def takes_argmax(p: SamplingParams) -> bool:
-    """Greedy with no penalty and no logprobs: the token is exactly the row's argmax."""
+    """Greedy with no penalty, no bias and no logprobs: the token is exactly the row's argmax."""
     return (p.temperature < GREEDY_TEMPERATURE and p.logprobs is None
-            and not is_penalized(p))
+            and not is_penalized(p) and p.logit_bias is None)
 
 
 _FLOATS, _FLOAT_BITS = struct.Struct("<3d"), struct.Struct("<3q")
@@ -220,6 +259,7 @@ class SamplingBatch:
     seed_keys: np.ndarray  # uint64 (rows,): each seed's first hash round (seed_key)
     positions: np.ndarray  # int64 (rows,): the output position each row samples
     penalized: list[SamplingRow] | None = None  # every row, when some row has a penalty
+    biases: list[tuple[int, dict[int, float]]] | None = None  # (row, logit_bias); None: none
 
     NUM_COLUMNS = 6  # int64 values of one row in columns()
 
@@ -238,10 +278,11 @@ class SamplingBatch:
 
     @classmethod
     def from_columns(cls, columns: np.ndarray, positions: np.ndarray,
-                     penalized: list[SamplingRow] | None) -> SamplingBatch:
+                     penalized: list[SamplingRow] | None,
+                     biases: list[tuple[int, dict[int, float]]] | None = None) -> SamplingBatch:
         """The batch over (NUM_COLUMNS, rows) int64 ``columns`` (views, no copy)."""
         return cls(columns[3:6].view(np.float64), columns[0], columns[1],
-                   columns[2].view(np.uint64), positions, penalized)
+                   columns[2].view(np.uint64), positions, penalized, biases)
 
     @classmethod
     def of(cls, rows: list[SamplingRow]) -> SamplingBatch:
@@ -253,7 +294,8 @@ class SamplingBatch:
                             np.int64),
                    np.array([seed_key(r.seed) for r in rows], np.uint64),
                    np.array([r.position for r in rows], np.int64),
-                   rows if any(map(is_penalized, params)) else None)
+                   rows if any(map(is_penalized, params)) else None,
+                   logit_bias_of(params))
 
 
 def check_samplable(seq: Sequence) -> None:
@@ -312,19 +354,25 @@ class Sampler:
         logits = logits.float()
         if batch.penalized is not None:
             logits = apply_penalties(logits, batch.penalized)
+        # the draw reads the biased logits; logprobs the unbiased ones (the module docstring)
+        with logit_bias_added(logits, batch.biases):
+            token_ids = self._tokens(logits, batch)
+        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, batch, token_ids))
+
+    def _tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """(rows,) each row's token: the argmax of greedy rows, a draw for the others."""
         is_greedy = batch.floats[0] < GREEDY_TEMPERATURE
         if is_greedy.all():
-            token_ids = logits.argmax(dim=1)
-        elif not is_greedy.any():
-            token_ids = self._sample(logits, batch, None)
-        else:
-            dev = logits.device
-            greedy = torch.from_numpy(np.flatnonzero(is_greedy)).to(dev)
-            sampled = np.flatnonzero(~is_greedy)
-            token_ids = torch.empty(len(batch), dtype=torch.int64, device=dev)
-            token_ids[greedy] = logits[greedy].argmax(dim=1)
-            token_ids[torch.from_numpy(sampled).to(dev)] = self._sample(logits, batch, sampled)
-        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, batch, token_ids))
+            return logits.argmax(dim=1)
+        if not is_greedy.any():
+            return self._sample(logits, batch, None)
+        dev = logits.device
+        greedy = torch.from_numpy(np.flatnonzero(is_greedy)).to(dev)
+        sampled = np.flatnonzero(~is_greedy)
+        token_ids = torch.empty(len(batch), dtype=torch.int64, device=dev)
+        token_ids[greedy] = logits[greedy].argmax(dim=1)
+        token_ids[torch.from_numpy(sampled).to(dev)] = self._sample(logits, batch, sampled)
+        return token_ids
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch,

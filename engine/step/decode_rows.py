@@ -56,13 +56,19 @@ from operator import attrgetter, is_
 import numpy as np
 import torch
 
-from pdserve.engine.sampling.sampler import SamplingBatch, SamplingRow, is_penalized, takes_argmax
+from pdserve.engine.sampling.sampler import (
+    SamplingBatch,
+    SamplingRow,
+    is_penalized,
+    logit_bias_of,
+    takes_argmax,
+)
 from pdserve.engine.sequence import Sequence
 from pdserve.worker_api import StepDeltas
 
 # the rows of DecodeRows.state, one column per batch row; from SAMPLING on, the sampler's
 (TOKENS, POSITIONS, SLOTS, NUM_BLOCKS, LAST_POSITIONS, NUM_PROMPT, NUM_OUTPUT, STOPS_ON_EOS,
- PER_TOKEN, FIRST, GREEDY, PENALIZED, SAMPLING) = range(13)
+ PER_TOKEN, FIRST, GREEDY, PENALIZED, BIASED, SAMPLING) = range(14)
 NUM_FIELDS = SAMPLING + SamplingBatch.NUM_COLUMNS
 # up to this many rows, a loop of scalar reads and writes beats numpy's fixed cost per call
 # (a few us each right after a forward): the rows that enter a block in one step of a batch
@@ -95,7 +101,7 @@ class DecodeRows:
         self.tables_tensor = torch.from_numpy(self.tables)  # the same memory
         self.max_blocks = 0
         self.any_eos = self.any_per_token = self.any_first = self.all_greedy = False
-        self.any_penalized = False
+        self.any_penalized = self.any_biased = False
         # per-row constants of the compact deltas (new lists on every sync: deltas hold them)
         self.request_ids: list[str] = []
         self.attempts: list[int] = []
@@ -257,6 +263,7 @@ class DecodeRows:
         self.any_first = bool(state[FIRST].any())
         self.all_greedy = bool(state[GREEDY].all())
         self.any_penalized = bool(state[PENALIZED].any())
+        self.any_biased = bool(state[BIASED].any())
 
     def _fresh_row(self, seq: Sequence) -> tuple:
         p = seq.sampling_params
@@ -268,7 +275,7 @@ class DecodeRows:
                 bool(p.stop or p.stop_token_ids or p.logprobs is not None  # PER_TOKEN
                      or p.structured_outputs is not None),
                 seq.first_token_time is None, takes_argmax(p),
-                is_penalized(p), *SamplingBatch.columns(seq))
+                is_penalized(p), p.logit_bias is not None, *SamplingBatch.columns(seq))
 
     def _look_up_slots(self, rows: np.ndarray) -> list[int]:
         """Slots of ``rows`` from their tables (-1 where the position's block is missing);
@@ -305,9 +312,12 @@ class DecodeRows:
 
     def sampling_batch(self, penalized: list[SamplingRow] | None = None) -> SamplingBatch:
         """The rows' sampling inputs as views of their state (this step's: ``advance`` makes a
-        new state); ``penalized``: every row's SamplingRow, needed when :attr:`any_penalized`."""
+        new state); ``penalized``: every row's SamplingRow, needed when :attr:`any_penalized`;
+        the rows' logit biases are read from their sequences when :attr:`any_biased`."""
         state = self.state
-        return SamplingBatch.from_columns(state[SAMPLING:], state[NUM_OUTPUT], penalized)
+        biases = logit_bias_of([seq.sampling_params for seq in self.seqs]) \
+            if self.any_biased else None
+        return SamplingBatch.from_columns(state[SAMPLING:], state[NUM_OUTPUT], penalized, biases)
 
     def blocks_added(self, seqs: list[Sequence], blocks: list[int]) -> None:
         """``seqs`` were each given their next block, ``blocks[i]`` for ``seqs[i]`` (the last

@@ -27,12 +27,14 @@ from pdserve.models.attention import AttentionMetadata
 @dataclass
 class Chunk:
     """Tokens one sequence computes in a step, at positions ``start ..``, into the KV slots its
-    block table maps them to; the rows of the last ``num_sampled`` tokens get logits."""
+    block table maps them to; the rows of the last ``num_sampled`` tokens get logits, and
+    those of the first ``num_scored`` (prompt positions whose logprobs are wanted)."""
 
     token_ids: list[int]
     start: int
     block_table: list[int | None]
     num_sampled: int = 0
+    num_scored: int = 0
 
 
 @dataclass
@@ -42,13 +44,20 @@ class ModelInput:
     input_ids: torch.Tensor  # (num_tokens,) int64
     positions: torch.Tensor  # (num_tokens,) int64
     metadata: AttentionMetadata
-    sample_indices: torch.Tensor  # (num_sampled,) int64: rows of the flat batch to sample from
+    # (num_sampled + num_scored,) int64, ascending (as the model takes them): rows of the flat
+    # batch that get logits, those to sample from and the prompt positions to score
+    sample_indices: torch.Tensor
+    num_scored: int = 0  # prompt positions scored for prompt logprobs: the logits' last rows
+    # with num_scored: the logits' order, the sampled rows first, then the scored ones (an
+    # index into the rows of sample_indices); None: sample_indices' own order
+    logit_order: torch.Tensor | None = None
     num_attended: int = 0  # (query, key) pairs the step's attention computes (causal)
     num_context: int = 0  # KV tokens the step reads: every sequence's context, new ones included
 
 
-_TOKEN_IDS, _START, _NUM_SAMPLED = (attrgetter("token_ids"), attrgetter("start"),
-                                    attrgetter("num_sampled"))
+_TOKEN_IDS, _START, _NUM_SAMPLED, _NUM_SCORED = (
+    attrgetter("token_ids"), attrgetter("start"), attrgetter("num_sampled"),
+    attrgetter("num_scored"))
 
 
 def _chunk(item: ScheduledSequence) -> Chunk:
@@ -57,7 +66,7 @@ def _chunk(item: ScheduledSequence) -> Chunk:
     seq, start = item.seq, item.start
     drafts = item.draft_token_ids  # speculative decoding: verified after the new token
     return Chunk([*seq.token_ids[start:start + item.num_new_tokens], *drafts], start,
-                 seq.block_table, 1 + len(drafts) if item.samples else 0)
+                 seq.block_table, 1 + len(drafts) if item.samples else 0, item.num_scored)
 
 
 def _on(values: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -181,6 +190,15 @@ class ModelRunner:
         # the last num_sampled rows of each sequence
         sample_indices = (np.arange(int(sampled.sum()))
                           + np.repeat(ends - sampled - (np.cumsum(sampled) - sampled), sampled))
+        scored = np.fromiter(map(_NUM_SCORED, chunks), np.int64, len(chunks))
+        num_scored, logit_order = int(scored.sum()), None
+        if num_scored:  # each scoring chunk's first rows: the model takes them in row order,
+            firsts = np.repeat(ends[r:] - q_lens[r:], scored)  # the logits put them last
+            wanted = np.concatenate([sample_indices, firsts + np.arange(num_scored)
+                                     - np.repeat(np.cumsum(scored) - scored, scored)])
+            order = np.argsort(wanted, kind="stable")
+            sample_indices, logit_order = wanted[order], np.empty_like(order)
+            logit_order[order] = np.arange(len(order))  # (the inverse permutation)
         context_lens = (starts + q_lens).astype(np.int32)
         cu = np.zeros(n + 1, np.int32)
         cu[1:] = ends
@@ -192,7 +210,8 @@ class ModelRunner:
             backend=self.backend)
         return ModelInput(
             input_ids=_on(input_ids, dev), positions=_on(positions, dev), metadata=meta,
-            sample_indices=_on(sample_indices, dev),
+            sample_indices=_on(sample_indices, dev), num_scored=num_scored,
+            logit_order=None if logit_order is None else _on(logit_order, dev),
             num_attended=attended_pairs(starts.tolist(), q_lens.tolist()),
             num_context=int(starts.sum()) + len(input_ids))
 
@@ -205,7 +224,7 @@ class ModelRunner:
         """The model forward and logits of a prepared batch (timed into ``meter`` when set; on
         CUDA that waits for the step, which sampling does next anyway)."""
         start = time.perf_counter()
-        if (self.graphs is not None and after_layer is None
+        if (self.graphs is not None and after_layer is None and not batch.num_scored
                 and len(batch.sample_indices) == len(batch.input_ids)
                 and self.graphs.fits(batch.input_ids, batch.metadata)):
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.metadata)
@@ -214,6 +233,8 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
                                 batch.metadata, after_layer=after_layer,
                                 rows=batch.sample_indices)
+            if batch.logit_order is not None:
+                hidden = hidden[batch.logit_order]
             logits = self.model.compute_logits(hidden)
         if self.meter is not None:
             if self.device.type == "cuda":

@@ -62,6 +62,11 @@ class ScheduledSequence:
         self.num_lookahead = num_lookahead
         self.draft_token_ids: list[int] | tuple = ()
 
+    @property
+    def num_scored(self) -> int:
+        """The chunk's first rows whose logits score prompt tokens (prompt logprobs)."""
+        return min(self.num_new_tokens, self.seq.num_prompt_rows_to_score)
+
     def __repr__(self) -> str:
         return (f"ScheduledSequence({self.seq.request_id!r}, start={self.start}, "
                 f"num_new_tokens={self.num_new_tokens})")

@@ -246,6 +246,72 @@ def test_tool_calls_round_trip_across_the_kv_hand_off(cluster, client, model_nam
     assert e2e.wait_idle(cluster)
 
 
+def test_logit_bias_holds_across_the_kv_hand_off(cluster, client, model_name, chat_model, certs,
+                                                 e2e):
+    """Token 0 is sampled on the prefill worker, the rest on the decode worker: +100 forces a
+    token at every position; banning each greedy choice gives the offline engine's tokens
+    under the same ban (so both workers applied it)."""
+    from pdserve import LLM, SamplingParams
+
+    prompt = list(range(50, 70))
+    forced = client.completions.create(model=model_name, prompt=prompt, max_tokens=6,
+                                       temperature=0, logprobs=0, logit_bias={"321": 100},
+                                       extra_body={"ignore_eos": True})
+    tokens = forced.choices[0].logprobs.tokens
+    assert len(tokens) == 6 and len(set(tokens)) == 1
+    free_ids, _ = _offline(chat_model, prompt, 6)
+    ban = {token: -100.0 for token in free_ids[:3]}
+    llm = LLM(str(chat_model), dtype="float32", block_size=4, num_kv_blocks=256)
+    expected = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
+                                                     ignore_eos=True, logit_bias=ban),
+                            use_tqdm=False)[0]
+    assert set(expected.token_ids).isdisjoint(ban)
+    banned = client.completions.create(model=model_name, prompt=prompt, max_tokens=6,
+                                       temperature=0, logit_bias={str(t): b for t, b in
+                                                                  ban.items()},
+                                       extra_body={"ignore_eos": True})
+    assert banned.choices[0].text == expected.text
+    with PdserveClient(cluster.target, timeout=30, tls=ClientTLS.from_files(ca=certs["ca"]),
+                       api_key=KEY) as grpc_client:
+        result = grpc_client.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True,
+                                      logit_bias={321: 100.0})
+    assert result.token_ids == [321] * 6
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=2,
+                                  logit_bias={"10000000": 1})
+    assert err.value.body["param"] == "logit_bias"
+    assert e2e.wait_idle(cluster)
+
+
+def test_echo_and_prompt_logprobs_come_back_from_the_prefill_worker(cluster, client, model_name,
+                                                                   chat_model, certs, e2e):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 0) on the 1P1D cluster:
+    the prefill worker scores the prompt (its prefix cache skipped) and the scores ride to the
+    router with token 0; they equal the offline engine's (tied to Hugging Face there)."""
+    from pdserve import LLM, SamplingParams
+
+    prompt = list(range(30, 78))  # more than one 32-token step: chunked on the prefill worker
+    llm = LLM(str(chat_model), dtype="float32", block_size=4, num_kv_blocks=256)
+    expected = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0,
+                                                     prompt_logprobs=1), use_tqdm=False)[0]
+    for _ in range(2):  # the second time the prompt's blocks are in the prefix cache
+        out = client.completions.create(model=model_name, prompt=prompt, max_tokens=0,
+                                        echo=True, logprobs=1, temperature=0)
+        lp = out.choices[0].logprobs
+        assert out.usage.completion_tokens == 0 and len(lp.tokens) == len(prompt)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i, value in enumerate(lp.token_logprobs[1:], 1):
+            assert abs(value - expected.prompt_logprobs[i][prompt[i]]) < 1e-4, i
+    with PdserveClient(cluster.target, timeout=30, tls=ClientTLS.from_files(ca=certs["ca"]),
+                       api_key=KEY) as grpc_client:
+        result = grpc_client.generate(prompt, max_tokens=3, temperature=0, prompt_logprobs=2)
+    assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(prompt)
+    for i, entry in enumerate(result.prompt_logprobs[1:], 1):
+        assert abs(entry.logprob - expected.prompt_logprobs[i][prompt[i]]) < 1e-4, i
+        assert len(entry.top) == 2
+    assert e2e.wait_idle(cluster)
+
+
 def test_disconnect_frees_every_block(cluster, model_name, verify, e2e):
     with httpx.stream("POST", cluster.http_url + "/v1/completions", verify=verify, timeout=60,
                       headers={"authorization": f"Bearer {KEY}"},

@@ -198,3 +198,27 @@ def test_auto_prefills_short_prompts_locally_once_the_transfer_is_measured(tiny_
     assert [t["prefill_location"] for t in over_admin] == ["remote", "local", "remote"]
     assert prefill_locations(over_admin) == {"remote": 2, "local": 1}
     assert prefill_locations([trace_dict(trace_pb(RequestTrace("c", 0.1, 0.2)))]) is None
+
+
+def test_prompt_logprobs_and_logit_bias_hold_wherever_the_prompt_is_prefilled(tiny_dir):
+    """The decode worker prefilling itself (never) scores the prompt and applies the bias as
+    the prefill worker does (always): the same prompt logprobs with token 0, the same
+    forced tokens on both sides of the hand-off."""
+    prompt = _prompt(23, 4)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2,
+                            logit_bias={77: 100.0})
+
+    async def run(router):
+        deltas = [d async for d in router.generate(PreparedRequest("b", prompt, params, 4))]
+        return [t for d in deltas for t in d.token_ids], [d.prompt_logprobs for d in deltas]
+
+    results = {mode: _run(_cluster(tiny_dir), RouterConfig(disaggregation=mode), run)
+               for mode in ("always", "never")}
+    for tokens, scores in results.values():
+        assert tokens == [77] * 4
+        assert scores[0] is not None and len(scores[0]) == len(prompt) and scores[0][0] is None
+        assert all(s is None for s in scores[1:])
+    remote, local = (results[mode][1][0] for mode in ("always", "never"))
+    for there, here in zip(remote[1:], local[1:], strict=True):
+        assert there.keys() == here.keys()
+        assert all(abs(there[t] - here[t]) < 1e-4 for t in there)

@@ -202,7 +202,7 @@ def test_usage_chunk_rules_on_the_wire(fake):
     ({"model": MODEL, "prompt": []}, 400, "prompt"),
     ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     ({"model": MODEL, "prompt": "A" * 20_000}, 400, "prompt"),
-    ({"model": MODEL, "prompt": [1], "echo": True}, 400, "echo"),
+    ({"model": MODEL, "prompt": [1], "suffix": "x"}, 400, "suffix"),
     ({"model": MODEL}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1], "stop": ["x"] * 40}, 400, "stop"),
     ({"model": "other", "prompt": [1]}, 404, "model"),
