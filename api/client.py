@@ -17,7 +17,9 @@ presence_penalty, frequency_penalty, seed, stop (str or list), stop_token_ids, i
 logprobs, structured_outputs``; a keyword left as ``None`` is unset and takes the server's
 default. ``structured_outputs`` is a dict with one of ``json`` (a schema: a dict or JSON
 text), ``json_object`` (True), ``regex``, ``choice`` (a list of strings) or ``grammar``
-(EBNF), and the output will match it. ``timeout``
+(EBNF), and the output will match it. ``n`` (1..16) asks for that many completions of one
+prefill: chunks carry their ``index``, and ``generate`` returns index 0's result with every
+completion's in ``choices`` (``best_of`` above ``n`` is HTTP's only). ``timeout``
 (seconds) becomes the gRPC deadline. Every failure is a ``PdserveError`` with the gRPC code.
 Leaving a ``generate_stream`` loop early cancels the call, which frees the request's KV.
 
@@ -30,6 +32,7 @@ client's own certificate for mutual TLS.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -114,7 +117,9 @@ class GenerateChunk:
     text: str  # text those ids add
     logprobs: list[dict[int, float]] | None  # per id: top id -> logprob (when requested)
     finish_reason: str | None  # "stop" | "length" | "abort" on the last chunk, else None
+    # (with n > 1: on each completion's last chunk)
     usage: Usage | None  # on the last chunk, else None
+    index: int = 0  # which of the n completions (0..n-1) the chunk is of
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,9 @@ class GenerateResult:
     finish_reason: str | None  # "stop" | "length" | "abort"
     usage: Usage | None  # prompt and completion token counts
     logprobs: list[dict[int, float]] | None  # per generated id, when requested
+    # with n > 1: every completion's result by index (the fields above are index 0's, but
+    # usage, the whole request's); () when n == 1
+    choices: tuple[GenerateResult, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -145,8 +153,8 @@ def build_generate_request(
         seed: int | None = None, stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
         logprobs: int | None = None, priority: int | None = None,
-        structured_outputs: dict | None = None,
-        tenant: str = "") -> generation_pb2.GenerateRequest:
+        structured_outputs: dict | None = None, n: int | None = None,
+        best_of: int | None = None, tenant: str = "") -> generation_pb2.GenerateRequest:
     """The request proto for a prompt and OpenAI-like sampling keywords (``None`` = unset)."""
     request = generation_pb2.GenerateRequest(request_id=request_id or "", tenant=tenant or "")
     if isinstance(prompt, str):
@@ -158,7 +166,7 @@ def build_generate_request(
                "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
                "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
                "seed": seed, "ignore_eos": ignore_eos, "logprobs": logprobs,
-               "priority": priority}
+               "priority": priority, "n": n, "best_of": best_of}
     for name, value in scalars.items():
         if value is not None:
             setattr(request.sampling, name, value)
@@ -192,33 +200,51 @@ def _chunk(response: generation_pb2.GenerateResponse) -> GenerateChunk:
         usage = Usage(response.usage.prompt_tokens, response.usage.completion_tokens)
     return GenerateChunk(request_id=response.request_id, token_ids=list(response.token_ids),
                          text=response.text, logprobs=logprobs,
-                         finish_reason=response.finish_reason or None, usage=usage)
+                         finish_reason=response.finish_reason or None, usage=usage,
+                         index=response.index)
 
 
 class _Collector:
-    """Concatenates chunks into a ``GenerateResult``."""
+    """Concatenates chunks into a ``GenerateResult`` (those of each index apart, n > 1)."""
 
     def __init__(self) -> None:
         self.request_id = ""
+        self.usage: Usage | None = None
+        self.choices: dict[int, _Choice] = {}
+
+    def add(self, chunk: GenerateChunk) -> None:
+        self.request_id = self.request_id or chunk.request_id
+        self.usage = chunk.usage or self.usage
+        self.choices.setdefault(chunk.index, _Choice()).add(chunk)
+
+    def result(self) -> GenerateResult:
+        results = [self.choices[i].result(self.request_id, self.usage)
+                   for i in sorted(self.choices)] or [_Choice().result(self.request_id,
+                                                                       self.usage)]
+        return dataclasses.replace(results[0], choices=tuple(results) if len(results) > 1
+                                   else ())
+
+
+class _Choice:
+    """One completion's chunks."""
+
+    def __init__(self) -> None:
         self.texts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = None
         self.finish_reason: str | None = None
-        self.usage: Usage | None = None
 
     def add(self, chunk: GenerateChunk) -> None:
-        self.request_id = self.request_id or chunk.request_id
         self.texts.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
         self.finish_reason = chunk.finish_reason or self.finish_reason
-        self.usage = chunk.usage or self.usage
 
-    def result(self) -> GenerateResult:
-        return GenerateResult(request_id=self.request_id, text="".join(self.texts),
+    def result(self, request_id: str, usage: Usage | None) -> GenerateResult:
+        return GenerateResult(request_id=request_id, text="".join(self.texts),
                               token_ids=self.token_ids, finish_reason=self.finish_reason,
-                              usage=self.usage, logprobs=self.logprobs)
+                              usage=usage, logprobs=self.logprobs)
 
 
 def _model_info(reply: generation_pb2.ModelInfo) -> ModelInfo:

@@ -69,6 +69,7 @@ class Sequence:
     # holds (in the draft's pool, same block table); preemption resets it
     # structured output: the grammar's matcher, moved on by every output token (None: free)
     constraint: OutputConstraint | None = None
+    index: int = 0  # which of its request's n (best_of) sequences; 0 also when n == 1
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.router import openai_protocol as oa
 from pdserve.router.backend import (
@@ -23,6 +23,30 @@ from pdserve.router.http_asgi import SSE_HEADERS, send_json, sse
 from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Choice:
+    """One sequence of a generation as the door has it so far."""
+
+    texts: list[str] = field(default_factory=list)  # its text deltas (not streaming)
+    logprobs: list[dict] = field(default_factory=list)  # its logprobs objects (not streaming)
+    offset: int = 0  # characters of text so far (completions' text_offset)
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0  # of its tokens (best_of ranks by it)
+
+    def add(self, delta: GenerationDelta, logprobs: dict | None, keep: bool) -> None:
+        """``delta``, whose rendered ``logprobs`` object is given; ``keep``: its text and
+        logprobs too (a whole response is being built)."""
+        self.offset += len(delta.text)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        if delta.logprobs is not None:
+            self.cumulative_logprob += sum(top.get(token_id, 0.0) for token_id, top
+                                           in zip(delta.token_ids, delta.logprobs, strict=True))
+        if keep:
+            self.texts.append(delta.text)
+            if logprobs is not None:
+                self.logprobs.append(logprobs)
 
 
 @dataclass
@@ -85,36 +109,37 @@ class HttpGeneration:
 
     async def _stream(self, job: HttpJob, first: GenerationDelta,
                       deltas: AsyncIterator[GenerationDelta], state: dict) -> AsyncIterator:
-        """SSE events (streaming) or, last, the whole response object (not streaming)."""
-        texts: list[str] = []
-        logprobs: list = []
-        num_generated, offset = 0, 0
+        """SSE events (streaming) or, last, the whole response object (not streaming); with
+        ``n`` (``best_of``) > 1 each delta is its sequence's (``GenerationDelta.index``)."""
+        choices = [_Choice() for _ in range(job.params.num_sequences)]
+        num_left, num_generated = len(choices), 0
         delta = first
         if job.stream and job.chat:
-            yield sse(oa.chat_chunk(job.request_id, job.model, job.created,
-                                     {"role": "assistant", "content": ""}, None, None,
-                                     job.include_usage))
+            for index in range(len(choices)):
+                yield sse(oa.chat_chunk(job.request_id, job.model, job.created,
+                                         {"role": "assistant", "content": ""}, None, None,
+                                         job.include_usage, index))
         while True:
             if delta.finish_reason == "abort":
                 state["done"] = True
                 raise NoWorkersError("the request was aborted by the server")
-            state["done"] = delta.finish_reason is not None
+            ended = delta.finish_reason is not None
+            num_left -= ended
+            state["done"] = num_left == 0
             num_generated += len(delta.token_ids)
-            lp = self._logprobs(job, delta, offset)
-            offset += len(delta.text)
-            if job.stream and (delta.text or delta.token_ids or state["done"]):
+            choice = choices[delta.index]
+            lp = self._logprobs(job, delta, choice.offset)
+            if job.stream and (delta.text or delta.token_ids or ended):
                 if job.chat:
                     content = {"content": delta.text} if delta.text or delta.token_ids else {}
                     yield sse(oa.chat_chunk(job.request_id, job.model, job.created, content,
-                                             delta.finish_reason, lp, job.include_usage))
+                                             delta.finish_reason, lp, job.include_usage,
+                                             delta.index))
                 else:
                     yield sse(oa.completion_chunk(job.request_id, job.model, job.created,
                                                    delta.text, delta.finish_reason, lp,
-                                                   job.include_usage))
-            elif not job.stream:
-                texts.append(delta.text)
-                if lp is not None:
-                    logprobs.append(lp)
+                                                   job.include_usage, delta.index))
+            choice.add(delta, lp, keep=not job.stream)
             if state["done"]:
                 break
             delta = await self._next(deltas, job.request.deadline)
@@ -125,11 +150,16 @@ class HttpGeneration:
                                           usage))
             yield b"data: [DONE]\n\n"
             return
-        merged = oa.merge_logprobs(logprobs, job.chat) if job.params.logprobs is not None \
-            else None
-        build = oa.chat_object if job.chat else oa.completion_object
-        yield build(job.request_id, job.model, job.created, "".join(texts),
-                    delta.finish_reason, merged, usage)
+        if len(choices) > job.params.n:  # best_of: the n of highest cumulative logprob
+            choices = sorted(choices, key=lambda c: c.cumulative_logprob,
+                             reverse=True)[:job.params.n]
+        build = oa.chat_choice if job.chat else oa.completion_choice
+        body = [build(index, "".join(c.texts), c.finish_reason,
+                      oa.merge_logprobs(c.logprobs, job.chat)
+                      if job.params.logprobs is not None else None)
+                for index, c in enumerate(choices)]
+        build_object = oa.chat_object if job.chat else oa.completion_object
+        yield build_object(job.request_id, job.model, job.created, body, usage)
 
     def _logprobs(self, job: HttpJob, delta: GenerationDelta, offset: int) -> dict | None:
         if job.params.logprobs is None or delta.logprobs is None or not delta.token_ids:
