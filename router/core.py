@@ -166,11 +166,11 @@ class Router:
         num_left = request.params.num_sequences  # sequences still to finish
         try:
             async for delta in self._run(flight):
-                trace = observe(flight, delta, self.metrics)
-                if trace is not None:
-                    self.traces.append(trace)
                 num_left -= delta.finish_reason is not None
                 finished = num_left == 0  # (closed after it: no abort)
+                trace = observe(flight, delta, self.metrics, finished)
+                if trace is not None:
+                    self.traces.append(trace)
                 yield GenerationDelta(delta.new_token_ids, delta.text, delta.logprobs,
                                       delta.finish_reason, split_choice(delta.request_id)[1])
                 if finished:

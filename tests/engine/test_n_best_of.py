@@ -139,3 +139,48 @@ def test_a_forked_request_never_resumes_elsewhere(llm):
                           output_token_ids=[3])
     with pytest.raises(NeverFits, match="^n: a request forked"):
         llm.engine.sequence_for(request)
+
+
+def test_every_sequence_ends_with_a_final_delta(tiny_dir):
+    """expire, abort_all and abort_request end each forked sequence with its own final delta
+    (a worker's mailboxes end each sequence's owner entry with it); before the fork, only
+    the request's own."""
+    with LLM(str(tiny_dir), num_kv_blocks=64, block_size=4) as offline:
+        engine = offline.engine
+        params = sampled(5, n=3, max_tokens=40, ignore_eos=True)
+        engine.add_request("early", PROMPT, params)
+        assert [d.request_id for d in engine.abort_request("early")] == ["early"]
+        for end in ("expire", "abort_all", "abort_request"):
+            seq = engine.add_request("r", PROMPT, params)
+            step_until(engine, lambda: engine.num_requests == 3)
+            if end == "expire":
+                for s in [seq, *(engine.scheduler.get(choice_request_id("r", i))
+                                 for i in (1, 2))]:
+                    s.deadline = 0.0
+                deltas = engine.expire(1.0)
+                assert all(d.deadline_exceeded for d in deltas)
+            elif end == "abort_all":
+                deltas = engine.abort_all("gone")
+                assert all(d.error == "gone" for d in deltas)
+            else:
+                deltas = engine.abort_request("r")
+            assert sorted(d.request_id for d in deltas) == ["r", "r#1", "r#2"], end
+            assert all(d.finish_reason == "abort" for d in deltas)
+            assert engine.num_requests == 0
+            assert engine.parts.block_manager.num_used_blocks == 0
+
+
+def test_forks_belong_to_the_requests_router():
+    from pdserve.streaming_worker.mailboxes import RouterMailboxes
+    from pdserve.worker_api import RequestDelta, StepDeltas
+
+    boxes = RouterMailboxes()
+    boxes.claim("r.1", 1, "router-a")
+    boxes.claim_forks("r.1", ["r.1#1", "r.1#2"])
+    boxes.claim_forks("unknown", ["unknown#1"])  # (no owner: nothing claimed)
+    assert boxes.sizes().num_owned == 3
+    deltas = StepDeltas([RequestDelta("r.1#1", [4], "", "stop", attempt=1),
+                         RequestDelta("r.1#2", [5], "", None, attempt=1)])
+    assert not boxes.sort(deltas, "router-b")  # router-a's, boxed for it
+    assert [d.request_id for d in boxes.take("router-a")] == ["r.1#1", "r.1#2"]
+    assert boxes.sizes().num_owned == 2  # r.1#1's final delta ended its entry

@@ -90,6 +90,7 @@ def test_each_choice_is_its_seeds_draws_over_grpc(hf_checkpoint, name):
     assert len(result.choices) == 4 and result.usage.completion_tokens == 48
     assert all(c.finish_reason == "length" and len(c.token_ids) == 12 for c in result.choices)
     assert len({tuple(c.token_ids) for c in result.choices}) > 1
+    assert len(s.router.traces) == 1 and s.router.traces[0].num_output_tokens == 48
     alone = [(PROMPT, dataclasses.replace(params, n=1, seed=child_seed(77, i)))
              for i in range(4)]
     assert draw_problems(str(model_dir), alone, [c.token_ids for c in result.choices]) == []
