@@ -17,10 +17,13 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from pdserve import SamplingParams
 from pdserve.api.client import AsyncPdserveClient, PdserveClient, PdserveError
 from pdserve.cluster.processes import is_running
 from pdserve.router.config import RouterConfig
 from pdserve.router.grpc_server import SERVICE_NAME
+from pdserve.testing.draw_check import draw_problems
+from pdserve.worker_api.sampling_params import child_seed
 
 pytestmark = pytest.mark.e2e
 
@@ -102,10 +105,6 @@ def test_n_forks_one_prefill_on_the_decode_worker(cluster, model_dir, e2e):
     """n = 4 across Ray actors: one prefill and one KV shipment, forked on the decode worker;
     greedy choices equal the offline output, seeded ones are each their own seed's draws, a
     cancel frees every sequence."""
-    from pdserve import SamplingParams
-    from pdserve.testing.draw_check import draw_problems
-    from pdserve.worker_api.sampling_params import child_seed
-
     prompt = e2e.prompts(0, 8)[5]
     num_traces = len(cluster.traces())
     with PdserveClient(cluster.target, timeout=60) as client:

@@ -11,7 +11,15 @@ import pytest
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Sequence
-from pdserve.worker_api import NeverFits, WorkRequest, choice_request_id, split_choice
+from pdserve.streaming_worker.mailboxes import RouterMailboxes
+from pdserve.worker_api import (
+    NeverFits,
+    RequestDelta,
+    StepDeltas,
+    WorkRequest,
+    choice_request_id,
+    split_choice,
+)
 from pdserve.worker_api.sampling_params import MAX_N, SamplingParams, child_seed
 
 PROMPT = [5, 6, 7, 9, 10, 11, 12, 40, 41, 77]  # 10 tokens: 2 full blocks of 4, 2 left
@@ -171,9 +179,6 @@ def test_every_sequence_ends_with_a_final_delta(tiny_dir):
 
 
 def test_forks_belong_to_the_requests_router():
-    from pdserve.streaming_worker.mailboxes import RouterMailboxes
-    from pdserve.worker_api import RequestDelta, StepDeltas
-
     boxes = RouterMailboxes()
     boxes.claim("r.1", 1, "router-a")
     boxes.claim_forks("r.1", ["r.1#1", "r.1#2"])
