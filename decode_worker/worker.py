@@ -73,6 +73,7 @@ from pdserve.worker_api import (
     Reservation,
     WorkerStats,
     WorkRequest,
+    choice_request_id,
 )
 
 logger = logging.getLogger(__name__)
@@ -230,6 +231,9 @@ class DecodeWorker(StreamingWorker):
                                       num_stand_ins)
         except Exception as exc:  # noqa: BLE001 - the request learns why; nothing leaks
             logger.exception("commit of %s failed", request_id)
+            seq = self._reserved[request_id].seq
+            for index in range(1, seq.sampling_params.num_sequences):  # forks it made, if any
+                self.mailboxes.release(choice_request_id(request_id, index))  # (no deltas)
             self._fail(request_id, f"commit failed: {exc!r}")
             return
         self._by_key.pop(key, None)

@@ -163,7 +163,7 @@ class Router:
     async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationDelta]:
         flight = self._admit(request)
         finished = False
-        num_left = request.params.num_sequences  # sequences still to finish
+        num_left = num_seqs = request.params.num_sequences  # sequences still to finish
         try:
             async for delta in self._run(flight):
                 num_left -= delta.finish_reason is not None
@@ -171,8 +171,9 @@ class Router:
                 trace = observe(flight, delta, self.metrics, finished)
                 if trace is not None:
                     self.traces.append(trace)
+                index = split_choice(delta.request_id)[1] if num_seqs > 1 else 0
                 yield GenerationDelta(delta.new_token_ids, delta.text, delta.logprobs,
-                                      delta.finish_reason, split_choice(delta.request_id)[1])
+                                      delta.finish_reason, index)
                 if finished:
                     return
         finally:
@@ -225,7 +226,8 @@ class Router:
             request.params = dataclasses.replace(request.params, max_tokens=room)
         elif needed > allowed:
             raise RequestTooLargeError(
-                f"prompt + max_tokens ({tokens} tokens) needs {needed} KV blocks, more than "
+                f"prompt + {'max_tokens' if num_seqs == 1 else f'{num_seqs} x max_tokens'} "
+                f"({tokens} tokens) needs {needed} KV blocks, more than "
                 f"max_request_kv_fraction {fraction:g} of a worker's {largest.stats.total_blocks} "
                 f"blocks ({allowed}); shorten the prompt or max_tokens")
 
