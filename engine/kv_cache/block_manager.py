@@ -213,14 +213,19 @@ class BlockManager:
         (each ref count + 1, entries out of the window stay None): every full block whose
         tokens the parent has computed, less the one holding the last prompt token (the
         child computes it to sample its own first token), as :meth:`match_prefix` leaves one.
-        The partial last block is never shared: the child fills its own. Sets the child's
-        ``block_table``, ``num_computed_tokens`` and ``num_cached_tokens``; returns the
-        shared tokens."""
+        The partial last block is never shared: the child fills its own. With a sliding
+        window, when the child's first queries would need a block the parent has already
+        freed (out of the parent's window, not of the child's), nothing is shared: the child
+        computes the whole prompt. Sets the child's ``block_table``, ``num_computed_tokens``
+        and ``num_cached_tokens``; returns the shared tokens."""
         if child.block_table or child.num_computed_tokens:
             raise RuntimeError(f"fork needs a fresh child; {child.request_id} has "
                                f"{len(child.block_table)} blocks")
         num_tokens = min(parent.num_computed_tokens, child.num_prompt_tokens)
         num_shared = min(max(0, num_tokens - 1) // self._block_size, len(parent.block_table))
+        first_needed = self._num_dead_blocks(num_shared * self._block_size)
+        if None in parent.block_table[first_needed:num_shared]:
+            num_shared = 0
         table = parent.block_table[:num_shared]
         for block_id in table:
             if block_id is not None:

@@ -189,3 +189,26 @@ def test_forks_belong_to_the_requests_router():
     assert not boxes.sort(deltas, "router-b")  # router-a's, boxed for it
     assert [d.request_id for d in boxes.take("router-a")] == ["r.1#1", "r.1#2"]
     assert boxes.sizes().num_owned == 2  # r.1#1's final delta ended its entry
+
+
+@pytest.mark.parametrize("prompt_len, num_shared_blocks", [(10, 2), (27, 0)])
+def test_forks_under_a_sliding_window(hf_checkpoint, prompt_len, num_shared_blocks):
+    """Mistral, window 8, blocks of 4: a prompt inside the window forks sharing its full
+    blocks; one past it, whose parent freed the blocks a fork's first queries still need,
+    forks sharing none (each computes the prompt). Each equals its seed run alone."""
+    with LLM(str(hf_checkpoint("mistral")), dtype="float32", num_kv_blocks=64, block_size=4,
+             enable_prefix_caching=False) as windowed:
+        engine, prompt = windowed.engine, list(range(3, 3 + prompt_len))
+        engine.add_request("w", prompt, sampled(8, n=3, ignore_eos=True))
+        step_until(engine, lambda: engine.num_requests == 3)
+        child = engine.scheduler.get(choice_request_id("w", 1))
+        assert child.num_cached_tokens == 4 * num_shared_blocks
+        engine.abort("w")
+        outs = windowed.generate(prompt, sampled(8, n=3, ignore_eos=True), use_tqdm=False)
+        for out in outs:
+            alone = windowed.generate(prompt, sampled(child_seed(8, out.index), ignore_eos=True),
+                                      use_tqdm=False)[0]
+            assert out.token_ids == alone.token_ids, out.index
+        bm = windowed.engine.parts.block_manager
+        assert bm.num_used_blocks == 0
+        bm.check_invariants()
