@@ -20,7 +20,9 @@ unset and takes the server's default. ``logit_bias`` maps token ids to biases in
 (``GenerateResult.prompt_logprobs``; the first token's is None).
 ``structured_outputs`` is a dict with one of ``json`` (a schema: a dict or JSON
 text), ``json_object`` (True), ``regex``, ``choice`` (a list of strings) or ``grammar``
-(EBNF), and the output will match it. ``timeout``
+(EBNF), and the output will match it. ``n`` (1..16) asks for that many completions of one
+prefill: chunks carry their ``index``, and ``generate`` returns index 0's result with every
+completion's in ``choices`` (``best_of`` above ``n`` is HTTP's only). ``timeout``
 (seconds) becomes the gRPC deadline. Every failure is a ``PdserveError`` with the gRPC code.
 Leaving a ``generate_stream`` loop early cancels the call, which frees the request's KV.
 
@@ -33,6 +35,7 @@ client's own certificate for mutual TLS.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -126,9 +129,11 @@ class GenerateChunk:
     text: str  # text those ids add
     logprobs: list[dict[int, float]] | None  # per id: top id -> logprob (when requested)
     finish_reason: str | None  # "stop" | "length" | "abort" on the last chunk, else None
+    # (with n > 1: on each completion's last chunk)
     usage: Usage | None  # on the last chunk, else None
     # the first chunk, when prompt_logprobs was asked: one per prompt token (the first None)
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    index: int = 0  # which of the n completions (0..n-1) the chunk is of
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,9 @@ class GenerateResult:
     usage: Usage | None  # prompt and completion token counts
     logprobs: list[dict[int, float]] | None  # per generated id, when requested
     prompt_logprobs: list[PromptLogprob | None] | None = None  # per prompt id, when requested
+    # with n > 1: every completion's result by index (the fields above are index 0's, but
+    # usage, the whole request's); () when n == 1
+    choices: tuple[GenerateResult, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -161,8 +169,8 @@ def build_generate_request(
         stop_token_ids: Sequence[int] | None = None, ignore_eos: bool | None = None,
         logprobs: int | None = None, priority: int | None = None,
         prompt_logprobs: int | None = None, structured_outputs: dict | None = None,
-        logit_bias: dict[int, float] | None = None,
-        tenant: str = "") -> generation_pb2.GenerateRequest:
+        logit_bias: dict[int, float] | None = None, n: int | None = None,
+        best_of: int | None = None, tenant: str = "") -> generation_pb2.GenerateRequest:
     """The request proto for a prompt and OpenAI-like sampling keywords (``None`` = unset)."""
     request = generation_pb2.GenerateRequest(request_id=request_id or "", tenant=tenant or "")
     if isinstance(prompt, str):
@@ -174,7 +182,8 @@ def build_generate_request(
                "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
                "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
                "seed": seed, "ignore_eos": ignore_eos, "logprobs": logprobs,
-               "priority": priority, "prompt_logprobs": prompt_logprobs}
+               "priority": priority, "prompt_logprobs": prompt_logprobs, "n": n,
+               "best_of": best_of}
     for name, value in scalars.items():
         if value is not None:
             setattr(request.sampling, name, value)
@@ -216,35 +225,52 @@ def _chunk(response: generation_pb2.GenerateResponse) -> GenerateChunk:
     return GenerateChunk(request_id=response.request_id, token_ids=list(response.token_ids),
                          text=response.text, logprobs=logprobs,
                          finish_reason=response.finish_reason or None, usage=usage,
-                         prompt_logprobs=prompt_logprobs)
+                         prompt_logprobs=prompt_logprobs, index=response.index)
 
 
 class _Collector:
-    """Concatenates chunks into a ``GenerateResult``."""
+    """Concatenates chunks into a ``GenerateResult`` (those of each index apart, n > 1)."""
 
     def __init__(self) -> None:
         self.request_id = ""
+        self.usage: Usage | None = None
+        self.choices: dict[int, _Choice] = {}
+
+    def add(self, chunk: GenerateChunk) -> None:
+        self.request_id = self.request_id or chunk.request_id
+        self.usage = chunk.usage or self.usage
+        self.choices.setdefault(chunk.index, _Choice()).add(chunk)
+
+    def result(self) -> GenerateResult:
+        results = [self.choices[i].result(self.request_id, self.usage)
+                   for i in sorted(self.choices)] or [_Choice().result(self.request_id,
+                                                                       self.usage)]
+        return dataclasses.replace(results[0], choices=tuple(results) if len(results) > 1
+                                   else ())
+
+
+class _Choice:
+    """One completion's chunks."""
+
+    def __init__(self) -> None:
         self.texts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = None
         self.prompt_logprobs: list[PromptLogprob | None] | None = None
         self.finish_reason: str | None = None
-        self.usage: Usage | None = None
 
     def add(self, chunk: GenerateChunk) -> None:
-        self.request_id = self.request_id or chunk.request_id
         self.texts.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
         self.prompt_logprobs = self.prompt_logprobs or chunk.prompt_logprobs
         self.finish_reason = chunk.finish_reason or self.finish_reason
-        self.usage = chunk.usage or self.usage
 
-    def result(self) -> GenerateResult:
-        return GenerateResult(request_id=self.request_id, text="".join(self.texts),
+    def result(self, request_id: str, usage: Usage | None) -> GenerateResult:
+        return GenerateResult(request_id=request_id, text="".join(self.texts),
                               token_ids=self.token_ids, finish_reason=self.finish_reason,
-                              usage=self.usage, logprobs=self.logprobs,
+                              usage=usage, logprobs=self.logprobs,
                               prompt_logprobs=self.prompt_logprobs)
 
 

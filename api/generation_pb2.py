@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/api/generation.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x8a\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x03H\n\x88\x01\x01\x12\x15\n\x08priority\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12>\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputsH\x0c\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x03H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x0b\n\t_priorityB\x15\n\x13_structured_outputsB\x12\n\x10_prompt_logprobs\"\xa7\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xa7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x05 \x01(\tB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\rTokenLogprobs\x12\x14\n\x07logprob\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprobB\n\n\x08_logprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"\xe1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x15\n\x13GetModelInfoRequest\"f\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x15\n\reos_token_ids\x18\x04 \x03(\x03\x32\xe4\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/api/generation.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xc2\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x03H\n\x88\x01\x01\x12\x15\n\x08priority\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12>\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputsH\x0c\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x03H\r\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\x03H\x0e\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x13 \x01(\x03H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x0b\n\t_priorityB\x15\n\x13_structured_outputsB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\n\n\x08_best_of\"\xa7\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xa7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x05 \x01(\tB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\rTokenLogprobs\x12\x14\n\x07logprob\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprobB\n\n\x08_logprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"\xf0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18\x08 \x01(\x03\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x15\n\x13GetModelInfoRequest\"f\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x15\n\reos_token_ids\x18\x04 \x03(\x03\x32\xe4\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_SAMPLINGPARAMS']._serialized_start=70
-  _globals['_SAMPLINGPARAMS']._serialized_end=848
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=580
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=628
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=851
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1018
-  _globals['_CHOICES']._serialized_start=1020
-  _globals['_CHOICES']._serialized_end=1046
-  _globals['_GENERATEREQUEST']._serialized_start=1049
-  _globals['_GENERATEREQUEST']._serialized_end=1216
-  _globals['_TOPLOGPROB']._serialized_start=1218
-  _globals['_TOPLOGPROB']._serialized_end=1265
-  _globals['_TOKENLOGPROBS']._serialized_start=1267
-  _globals['_TOKENLOGPROBS']._serialized_end=1353
-  _globals['_USAGE']._serialized_start=1355
-  _globals['_USAGE']._serialized_end=1412
-  _globals['_GENERATERESPONSE']._serialized_start=1415
-  _globals['_GENERATERESPONSE']._serialized_end=1640
-  _globals['_TOKENIZEREQUEST']._serialized_start=1642
-  _globals['_TOKENIZEREQUEST']._serialized_end=1673
-  _globals['_TOKENIZERESPONSE']._serialized_start=1675
-  _globals['_TOKENIZERESPONSE']._serialized_end=1712
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1714
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1735
-  _globals['_MODELINFO']._serialized_start=1737
-  _globals['_MODELINFO']._serialized_end=1839
-  _globals['_GENERATION']._serialized_start=1842
-  _globals['_GENERATION']._serialized_end=2070
+  _globals['_SAMPLINGPARAMS']._serialized_end=904
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=618
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=666
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=907
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1074
+  _globals['_CHOICES']._serialized_start=1076
+  _globals['_CHOICES']._serialized_end=1102
+  _globals['_GENERATEREQUEST']._serialized_start=1105
+  _globals['_GENERATEREQUEST']._serialized_end=1272
+  _globals['_TOPLOGPROB']._serialized_start=1274
+  _globals['_TOPLOGPROB']._serialized_end=1321
+  _globals['_TOKENLOGPROBS']._serialized_start=1323
+  _globals['_TOKENLOGPROBS']._serialized_end=1409
+  _globals['_USAGE']._serialized_start=1411
+  _globals['_USAGE']._serialized_end=1468
+  _globals['_GENERATERESPONSE']._serialized_start=1471
+  _globals['_GENERATERESPONSE']._serialized_end=1711
+  _globals['_TOKENIZEREQUEST']._serialized_start=1713
+  _globals['_TOKENIZEREQUEST']._serialized_end=1744
+  _globals['_TOKENIZERESPONSE']._serialized_start=1746
+  _globals['_TOKENIZERESPONSE']._serialized_end=1783
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1785
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1806
+  _globals['_MODELINFO']._serialized_start=1808
+  _globals['_MODELINFO']._serialized_end=1910
+  _globals['_GENERATION']._serialized_start=1913
+  _globals['_GENERATION']._serialized_end=2141
 # @@protoc_insertion_point(module_scope)

@@ -20,7 +20,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.worker_stats import engine_stats
 from pdserve.streaming_worker.mailboxes import RouterMailboxes
-from pdserve.streaming_worker.worker import StreamingWorker
+from pdserve.streaming_worker.worker import ForkOwners, StreamingWorker
 from pdserve.worker_api import WorkerStats
 
 
@@ -29,9 +29,9 @@ class ColocatedWorker(StreamingWorker):
 
     def __init__(self, worker_id: str, parts: EngineParts, orphan_timeout_s: float = 30.0):
         self.worker_id = worker_id
-        self.engine = LLMEngine(parts)
-        self.orphan_timeout_s = orphan_timeout_s
         self.mailboxes = RouterMailboxes()
+        self.engine = LLMEngine(parts, hooks=ForkOwners(self.mailboxes))
+        self.orphan_timeout_s = orphan_timeout_s
         self.loop = EngineLoop(f"colocated-{worker_id}", self.engine.step,
                                self.engine.has_unfinished_requests, tick=self._tick,
                                stats=self._stats, on_death=self._fail_everything,
@@ -48,16 +48,14 @@ class ColocatedWorker(StreamingWorker):
 
     # -- loop thread --------------------------------------------------------------------------
     def _abort(self, request_id: str) -> None:
-        """The router's abort: its final delta (no error) only ends the owner entry."""
-        delta = self.engine.abort(request_id)
-        if delta is not None:
-            self.loop.outbox.put_many([delta])
+        """The router's abort: its final deltas (no error) only end the owner entry."""
+        self.loop.outbox.put_many(self.engine.abort_request(request_id))
 
     def _fail_request(self, request_id: str, error: str) -> None:
-        delta = self.engine.abort(request_id)
-        if delta is not None:
+        deltas = self.engine.abort_request(request_id)
+        for delta in deltas:
             delta.error = error
-            self.loop.outbox.put_many([delta])
+        self.loop.outbox.put_many(deltas)
 
     def _stats(self) -> WorkerStats:
         return engine_stats(self.worker_id, self.role, self.engine)

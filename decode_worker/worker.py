@@ -66,13 +66,14 @@ from pdserve.engine.step.scheduling_policy import DecodePolicy
 from pdserve.engine.worker_stats import engine_stats
 from pdserve.kv_transfer import KVReceiver, ReservedBlocksSink, TransferError, TransferKey
 from pdserve.streaming_worker.mailboxes import RouterMailboxes
-from pdserve.streaming_worker.worker import StreamingWorker
+from pdserve.streaming_worker.worker import ForkOwners, StreamingWorker
 from pdserve.worker_api import (
     NoRoomNow,
     RequestDelta,
     Reservation,
     WorkerStats,
     WorkRequest,
+    choice_request_id,
 )
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,9 @@ class DecodeWorker(StreamingWorker):
                  make_endpoint: Callable[[ReservedBlocksSink], KVReceiver],
                  lease_s: float = 60.0, orphan_timeout_s: float = 30.0):
         self.worker_id = worker_id
-        self.engine = LLMEngine(parts, policy=DecodePolicy(parts.config.scheduling_policy))
+        self.mailboxes = RouterMailboxes()
+        self.engine = LLMEngine(parts, policy=DecodePolicy(parts.config.scheduling_policy),
+                                hooks=ForkOwners(self.mailboxes))
         self.lease_s = lease_s
         self.orphan_timeout_s = orphan_timeout_s
         self.sink = ReservedBlocksSink(self.engine.kv_caches, on_complete=self._on_kv_complete,
@@ -111,7 +114,6 @@ class DecodeWorker(StreamingWorker):
         self._transfer_ids = itertools.count(1)
         self._reserved: dict[str, _Reserved] = {}
         self._by_key: dict[TransferKey, str] = {}
-        self.mailboxes = RouterMailboxes()
         self.loop = EngineLoop(f"decode-{worker_id}", self.engine.step,
                                self.engine.has_unfinished_requests, tick=self._tick,
                                stats=self._stats, on_death=self._fail_everything,
@@ -182,9 +184,8 @@ class DecodeWorker(StreamingWorker):
     def _abort(self, request_id: str) -> None:
         """The router's abort: its final delta (no error) only ends the owner entry."""
         entry = self._release(request_id)
-        delta = self.engine.abort(request_id) if entry is None else _final(entry.seq, None)
-        if delta is not None:
-            self.loop.outbox.put_many([delta])
+        self.loop.outbox.put_many(self.engine.abort_request(request_id) if entry is None
+                                  else [_final(entry.seq, None)])
 
     def _renew(self, request_id: str) -> float | None:
         entry = self._reserved.get(request_id)
@@ -207,10 +208,10 @@ class DecodeWorker(StreamingWorker):
         if request_id in self._reserved:
             self._fail(request_id, error)
             return
-        delta = self.engine.abort(request_id)
-        if delta is not None:
+        deltas = self.engine.abort_request(request_id)
+        for delta in deltas:
             delta.error = error
-            self.loop.outbox.put_many([delta])
+        self.loop.outbox.put_many(deltas)
 
     def _fail_everything(self, error: str) -> None:
         """Every reservation and running request ends with ``error`` (the loop died)."""
@@ -230,6 +231,9 @@ class DecodeWorker(StreamingWorker):
                                       num_stand_ins)
         except Exception as exc:  # noqa: BLE001 - the request learns why; nothing leaks
             logger.exception("commit of %s failed", request_id)
+            seq = self._reserved[request_id].seq
+            for index in range(1, seq.sampling_params.num_sequences):  # forks it made, if any
+                self.mailboxes.release(choice_request_id(request_id, index))  # (no deltas)
             self._fail(request_id, f"commit failed: {exc!r}")
             return
         self._by_key.pop(key, None)

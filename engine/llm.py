@@ -10,16 +10,17 @@ from tqdm.auto import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.worker_api import RequestDelta, StepDeltas
+from pdserve.worker_api import RequestDelta, StepDeltas, choice_request_id
 from pdserve.worker_api.sampling_params import SamplingParams
 
 
 @dataclass
 class RequestOutput:
-    """One finished request."""
+    """One finished request, or one of its ``n`` completions (``index``)."""
 
     request_id: str
     prompt_token_ids: list[int]
+    index: int = 0  # which of the request's n completions (0 when n == 1)
     token_ids: list[int] = field(default_factory=list)  # generated ids only
     text: str = ""  # generated text (stop strings excluded)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -30,6 +31,14 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the generated tokens' log-probabilities (None without logprobs)."""
+        if self.logprobs is None:
+            return None
+        return sum(entry[token_id] for entry, token_id in zip(self.logprobs, self.token_ids,
+                                                               strict=True))
 
     @property
     def ttft_s(self) -> float | None:
@@ -98,29 +107,37 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (a string or a list of token ids); outputs in input order."""
+        """Generate for every prompt (a string or a list of token ids); outputs in input order.
+        A prompt whose params have ``n`` > 1 gives its ``n`` outputs one after another
+        (``index`` 0..n-1), forked from one prefill; with ``best_of`` the ``n`` of highest
+        cumulative log-probability, best first."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"params: got {len(per_prompt)} for {len(prompts)} prompts")
-        outputs: dict[str, RequestOutput] = {}
-        sequences = {}
+        outputs: dict[str, RequestOutput] = {}  # by the id of each sequence
+        requests = []  # (request_id, params, its sequence 0)
         try:
             for prompt, p in zip(prompts, per_prompt, strict=True):
                 request_id = f"offline-{next(self._ids)}"
-                seq = sequences[request_id] = self.engine.add_request(request_id, prompt, p)
-                outputs[request_id] = RequestOutput(request_id, list(seq.token_ids),
-                                                    arrival_time=seq.arrival_time)
+                seq = self.engine.add_request(request_id, prompt, p)
+                requests.append((request_id, p, seq))
+                for index in range(p.num_sequences):
+                    outputs[choice_request_id(request_id, index)] = RequestOutput(
+                        request_id, list(seq.token_ids), index, arrival_time=seq.arrival_time)
             self._run(outputs, use_tqdm)
-            for request_id, out in outputs.items():
-                out.num_cached_tokens = sequences[request_id].num_cached_tokens
         finally:
-            for request_id, out in outputs.items():
-                if out.finish_reason is None:
-                    self.engine.abort(request_id)
-        return list(outputs.values())
+            for request_id, _, _ in requests:
+                self.engine.abort(request_id)  # (idempotent; every sequence of it)
+        results = []
+        for request_id, p, seq in requests:
+            outs = [outputs[choice_request_id(request_id, i)] for i in range(p.num_sequences)]
+            for out in outs:
+                out.num_cached_tokens = seq.num_cached_tokens
+            results += best_of(outs, p)
+        return results
 
     def _run(self, outputs: dict[str, RequestOutput], use_tqdm: bool) -> None:
         pending = len(outputs)
@@ -147,3 +164,18 @@ class LLM:
         deltas.read(lambda request_id, token_id, text:
                     outputs[request_id].add_token(token_id, text, now), add)
         return finished
+
+
+def best_of(outs: list[RequestOutput], params: SamplingParams) -> list[RequestOutput]:
+    """A request's outputs as returned: all ``n``, or with ``best_of`` the ``n`` of highest
+    cumulative log-probability, best first, re-indexed 0..n-1 (their logprobs kept only when
+    the request asked for them)."""
+    if params.num_sequences == params.n:
+        return outs
+    ranked = sorted(outs, key=lambda out: out.cumulative_logprob or 0.0, reverse=True)
+    kept = ranked[:params.n]
+    for index, out in enumerate(kept):
+        out.index = index
+        if params.logprobs is None:
+            out.logprobs = None
+    return kept

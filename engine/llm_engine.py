@@ -36,6 +36,7 @@ Workers never reach into the parts: what they need of the engine is a method her
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -76,8 +77,9 @@ from pdserve.worker_api import (
     RequestDelta,
     StepDeltas,
     WorkRequest,
+    choice_request_id,
 )
-from pdserve.worker_api.sampling_params import SamplingParams
+from pdserve.worker_api.sampling_params import MAX_N, SamplingParams, child_seed
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +117,9 @@ class LLMEngine:
         self._int8_kv = cfg.kv_int8_scales if cfg.kv_cache_dtype == "int8" else None
         self._grammars: GrammarCompiler | None = None  # made by the first constrained request
         self._grammars_lock = threading.Lock()
+        # requests of n (best_of) > 1 whose prompt is still computing here: each forks into
+        # its other sequences when it samples its first token (:meth:`_fork`)
+        self._to_fork: dict[str, Sequence] = {}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -125,18 +130,21 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, seed: int | None = None) -> Sequence:
         """Validate and queue a prompt; ``seed`` overrides the request's random stream key."""
-        seq = self.new_sequence(request_id, prompt, params or SamplingParams(), seed)
-        self.scheduler.add(seq)
-        self.track(seq)
-        return seq
+        return self.add_sequence(self.new_sequence(request_id, prompt,
+                                                   params or SamplingParams(), seed))
 
     def new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      seed: int | None = None) -> Sequence:
         """A validated, untracked Sequence. NeverFits (a ValueError) naming what this engine can
         never take: a prompt its model or tokenizer cannot read, a context longer than its
         limit, more blocks than its pool, parameters no step can pack."""
-        if request_id in self.output.sequences:
-            raise DuplicateRequestId(f"request_id {request_id!r} is already running")
+        for index in range(params.num_sequences):
+            if choice_request_id(request_id, index) in self.output.sequences:
+                raise DuplicateRequestId(f"request_id {choice_request_id(request_id, index)!r} "
+                                         f"is already running")
+        if params.num_sequences > params.n and params.logprobs is None:
+            # best_of ranks the sequences by their tokens' log-probabilities
+            params = dataclasses.replace(params, logprobs=0)
         try:
             token_ids = self.parts.encode_prompt(prompt)
             limit = self.parts.max_model_len
@@ -166,6 +174,9 @@ class LLMEngine:
         seq = self.new_sequence(request.request_id, request.prompt_token_ids, request.params,
                                 request.seed)
         resumed = list(request.output_token_ids)
+        if resumed and request.params.num_sequences > 1:
+            raise NeverFits("n: a request forked into several sequences (n or best_of > 1) "
+                            "cannot resume from its outputs on another worker")
         if len(resumed) >= request.params.max_tokens:
             raise ValueError(f"output_token_ids ({len(resumed)}) must be fewer than "
                              f"max_tokens ({request.params.max_tokens})")
@@ -194,6 +205,8 @@ class LLMEngine:
             raise DuplicateRequestId(f"request_id {seq.request_id!r} is already running")
         self.scheduler.add(seq)
         self.track(seq)
+        if seq.sampling_params.num_sequences > 1 and self.scheduler.policy.accepts_running:
+            self._to_fork[seq.request_id] = seq  # (a prefill worker hands one sequence off)
         return seq
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
@@ -204,6 +217,28 @@ class LLMEngine:
         if outside:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), "
                              f"got {outside[0]}")
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Start the other sequences of ``parent``'s request (``n``/``best_of`` > 1), whose
+        prompt's KV is computed: each shares its full prompt blocks (``BlockManager.fork``),
+        computes the rest of the prompt in its own block and samples its first token with
+        its own random stream (:func:`child_seed`), and its own grammar matcher."""
+        params = parent.sampling_params
+        children = []
+        for index in range(1, params.num_sequences):
+            child = Sequence(choice_request_id(parent.request_id, index),
+                             parent.prompt_token_ids, params,
+                             seed=child_seed(parent.seed, index), index=index,
+                             arrival_time=parent.arrival_time, deadline=parent.deadline,
+                             attempt=parent.attempt)
+            if params.structured_outputs is not None:
+                child.constraint = self._constraint(params)
+            self.parts.block_manager.fork(parent, child)
+            self.scheduler.add_running(child)
+            self.track(child)
+            children.append(child)
+        self.hooks.forked(parent, children)
+        return children
 
     def _constraint(self, params: SamplingParams):
         """A new matcher for ``params``' structured outputs (ValueError naming the field when
@@ -251,17 +286,15 @@ class LLMEngine:
         """Abort every tracked request whose deadline (``time.time()``) has passed."""
         late = [s.request_id for s in self.output.sequences.values()
                 if s.deadline is not None and s.deadline < now]
-        deltas = []
-        for request_id in late:
-            delta = self.abort(request_id)
-            if delta is not None:
-                delta.error, delta.deadline_exceeded = "the request's deadline passed", True
-                deltas.append(delta)
+        deltas = [delta for request_id in late for delta in self.abort_request(request_id)]
+        for delta in deltas:
+            delta.error, delta.deadline_exceeded = "the request's deadline passed", True
         return deltas
 
     def abort_all(self, error: str) -> list[RequestDelta]:
         """Abort every tracked request; each final delta carries ``error``."""
-        deltas = [self.abort(request_id) for request_id in list(self.output.sequences)]
+        deltas = [delta for request_id in list(self.output.sequences)
+                  for delta in self.abort_request(request_id)]
         for delta in deltas:
             delta.error = error
         return deltas
@@ -310,13 +343,14 @@ class LLMEngine:
         self.parts.block_manager.adopt_received(seq, num_stand_ins)  # its prompt's KV is in
         self.track(seq)
         try:
+            if seq.sampling_params.num_sequences > 1:  # one KV hand-off, forked here
+                self._fork(seq)
             delta = self.output.append_token(seq, first_token_id, None, time.monotonic())
             self.render(StepDeltas([delta]))
             if not seq.is_finished:
                 self.scheduler.add_running(seq)
         except Exception:
-            self.untrack(seq.request_id)
-            self.scheduler.abort(seq.request_id)
+            self.abort(seq.request_id)  # (untracked, out of the scheduler, forks too)
             raise
         return delta
 
@@ -359,8 +393,18 @@ class LLMEngine:
         return self.parts.runner.device
 
     def abort(self, request_id: str) -> RequestDelta | None:
-        """Idempotent: frees the request's blocks; returns its final delta if it was live."""
-        return self.output.abort(request_id)
+        """Idempotent: frees the request's blocks, those of every sequence it forked into
+        too (:meth:`abort_request`); returns sequence 0's final delta if it was live."""
+        deltas = self.abort_request(request_id)
+        return deltas[0] if deltas and deltas[0].request_id == request_id else None
+
+    def abort_request(self, request_id: str) -> list[RequestDelta]:
+        """Idempotent: abort every sequence of the request (``n``/``best_of`` > 1: each it
+        forked into); the final deltas of those that were live, sequence 0's first."""
+        self._to_fork.pop(request_id, None)
+        deltas = [self.output.abort(choice_request_id(request_id, index))
+                  for index in range(MAX_N)]
+        return [delta for delta in deltas if delta is not None]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -376,6 +420,8 @@ class LLMEngine:
         start = time.perf_counter()
         output = self.scheduler.schedule()
         deltas = StepDeltas(self.output.handed_back(output.bounced))
+        for seq in output.bounced:  # (forks when it comes back, prefilled anew)
+            self._to_fork.pop(seq.request_id, None)
         if output.is_empty:
             self.last_step = StepStats()
             return deltas
@@ -407,6 +453,11 @@ class LLMEngine:
                 token_ids, logprobs, faults = self.draw(logits, seqs)
                 token_ids = [[t] for t in token_ids]
                 logprobs = [None if e is None else [e] for e in logprobs]
+            if self._to_fork:  # before any of them can finish and free its blocks
+                for i, seq in enumerate(seqs):  # (one that failed ends its request unforked)
+                    if self._to_fork.get(seq.request_id) is seq and i not in faults:
+                        del self._to_fork[seq.request_id]
+                        self._fork(seq)
             made = self.output.emit(seqs, token_ids, logprobs, faults)
             if self.speculator is not None:  # rejected drafts' slots go back to the pool
                 self.speculator.roll_back_each(sampling)

@@ -73,6 +73,7 @@ class Sequence:
     # None), filled as the prompt's chunks run, handed to the first output's delta; None when
     # not asked or already handed. While set, the prefix cache serves the sequence nothing.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    index: int = 0  # which of its request's n (best_of) sequences; 0 also when n == 1
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

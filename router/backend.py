@@ -15,9 +15,12 @@ Call order for one request, as both front doors make it:
    stage returned; admission failures (``QueueFullError``, ``RequestTooLargeError``,
    ``NoWorkersError`` from ``pdserve.router.errors``) are raised from the first
    ``__anext__``. Each item is a ``GenerationDelta``; the last one has ``finish_reason`` set
-   and nothing follows it. ``request.label`` is the client's id for the request (or one the
-   door made): the backend may log it, never key anything on it; it makes its own ids, so two
-   requests with one label are two requests.
+   and nothing follows it. A request of ``n`` (``best_of``) > 1 streams each sequence's
+   deltas under its ``index``, interleaved; each sequence's last delta has its
+   ``finish_reason``, and the stream ends after the last sequence's. ``request.label`` is
+   the client's id for the request (or one the door made): the backend may log it, never
+   key anything on it; it makes its own ids, so two requests with one label are two
+   requests.
 4. The front door closes the iterator when it is done with it, however the stream ended
    (both doors do it with :func:`end_stream`). Closing a stream before its last delta
    (client cancel, deadline, error, server stop) aborts the request: the backend frees
@@ -76,6 +79,8 @@ class GenerationDelta:
     # the first delta only, when the request asked (SamplingParams.prompt_logprobs): one
     # entry per prompt token, top id -> logprob with the prompt token's own; the first None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    index: int = 0  # which of the request's n (best_of) sequences, 0..n-1 (with n > 1
+    # each index ends with its own finish_reason)
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:

@@ -93,6 +93,7 @@ from pdserve.worker_api import (
     Reservation,
     WorkerHandle,
     WorkRequest,
+    split_choice,
 )
 
 __all__ = ["RequestTrace", "Router", "RouterConfig"]
@@ -162,14 +163,17 @@ class Router:
     async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationDelta]:
         flight = self._admit(request)
         finished = False
+        num_left = num_seqs = request.params.num_sequences  # sequences still to finish
         try:
             async for delta in self._run(flight):
-                trace = observe(flight, delta, self.metrics)
+                num_left -= delta.finish_reason is not None
+                finished = num_left == 0  # (closed after it: no abort)
+                trace = observe(flight, delta, self.metrics, finished)
                 if trace is not None:
                     self.traces.append(trace)
-                finished = delta.finish_reason is not None  # (closed after it: no abort)
+                index = split_choice(delta.request_id)[1] if num_seqs > 1 else 0
                 yield GenerationDelta(delta.new_token_ids, delta.text, delta.logprobs,
-                                      delta.finish_reason, delta.prompt_logprobs)
+                                      delta.finish_reason, delta.prompt_logprobs, index)
                 if finished:
                     return
         finally:
@@ -214,14 +218,16 @@ class Router:
             return
         largest = max(pools, key=lambda w: w.stats.total_blocks)
         request = flight.request
-        tokens = len(request.prompt_token_ids) + request.params.max_tokens
+        num_seqs = request.params.num_sequences  # (n > 1: the prompt once, outputs each)
+        tokens = len(request.prompt_token_ids) + num_seqs * request.params.max_tokens
         needed, allowed = largest.blocks_for(tokens), int(fraction * largest.stats.total_blocks)
-        room = allowed * largest.block_size - len(request.prompt_token_ids)
+        room = (allowed * largest.block_size - len(request.prompt_token_ids)) // num_seqs
         if needed > allowed and flight.max_tokens is None and room >= 1:
             request.params = dataclasses.replace(request.params, max_tokens=room)
         elif needed > allowed:
             raise RequestTooLargeError(
-                f"prompt + max_tokens ({tokens} tokens) needs {needed} KV blocks, more than "
+                f"prompt + {'max_tokens' if num_seqs == 1 else f'{num_seqs} x max_tokens'} "
+                f"({tokens} tokens) needs {needed} KV blocks, more than "
                 f"max_request_kv_fraction {fraction:g} of a worker's {largest.stats.total_blocks} "
                 f"blocks ({allowed}); shorten the prompt or max_tokens")
 
@@ -268,8 +274,13 @@ class Router:
         self._flights[flight.request_id] = flight
 
     def _count_failure(self, flight: Flight, failure: AttemptFailed) -> None:
-        """Raise NoWorkersError when this failure spends the request's last attempt."""
+        """Raise NoWorkersError when this failure spends the request's last attempt, or when
+        it would move a request forked into several sequences (``n``/``best_of`` > 1) after
+        tokens streamed: those never resume elsewhere (a worker refuses them)."""
         cfg = self.config
+        if flight.output_ids and flight.request.params.num_sequences > 1:
+            raise NoWorkersError(f"{failure}; a request of n or best_of > 1 cannot move to "
+                                 f"another worker once its tokens have streamed")
         if failure.reason == "preempted":  # a full decode worker handed it back: not a fault
             if flight.num_bounces >= cfg.max_bounces:
                 raise QueueFullError(
@@ -318,8 +329,9 @@ class Router:
                                         decode_cached_blocks=reservation.num_cached_blocks)
         flight.move_to(Phase.DECODING)
         yield result.first
-        if result.first.finish_reason is None:
-            async for delta in self._drain(flight):
+        num_finished = result.first.finish_reason is not None
+        if num_finished < flight.request.params.num_sequences:  # (n > 1: forks decode on)
+            async for delta in self._drain(flight, num_finished):
                 yield delta
         else:
             await self.workers.abort_on(reservation.worker_id, flight.request_id)
@@ -512,8 +524,11 @@ class Router:
                 return
 
     # -- streaming ----------------------------------------------------------------------------
-    async def _drain(self, flight: Flight) -> AsyncIterator[RequestDelta]:
+    async def _drain(self, flight: Flight, num_finished: int = 0) -> AsyncIterator[RequestDelta]:
+        """The attempt's deltas until every sequence of the request (``n``/``best_of``) has
+        finished, ``num_finished`` of them already."""
         limit = self.config.stream_timeout_s
+        num_seqs = flight.request.params.num_sequences
         while True:
             item = await flight.bounded(flight.queue.get, limit,
                                        f"waiting for {flight.decode_id}'s next token")
@@ -529,11 +544,14 @@ class Router:
             if item.error is not None:
                 raise AttemptFailed("worker_failed", f"{flight.decode_id}: {item.error}")
             yield item
-            if item.finish_reason is not None:
+            num_finished += item.finish_reason is not None
+            if num_finished == num_seqs:
                 return
 
     def _route(self, handle: WorkerHandle, delta: RequestDelta) -> None:
         flight = self._flights.get(delta.request_id)
+        if flight is None:  # a forked sequence's (n > 1) is under its request's work id
+            flight = self._flights.get(split_choice(delta.request_id)[0])
         if flight is None:
             if delta.finish_reason is None:  # a request no router follows: free it
                 self._abort_orphan(handle.worker_id, delta.request_id)

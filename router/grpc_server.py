@@ -187,24 +187,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                       context: grpc.aio.ServicerContext) -> None:
         deltas = self._backend.generate(request)
         request_id, deadline = request.label, request.deadline
-        finished = False
+        num_left = request.params.num_sequences  # (n > 1: each index ends on its own)
         num_generated = 0
         try:
             first = True
-            while not finished:
+            while num_left:
                 delta = await self._next_delta(deltas, deadline)
                 if delta is None:
                     raise RuntimeError("backend ended the stream without a finish_reason")
                 num_generated += len(delta.token_ids)
                 finished = delta.finish_reason is not None
+                num_left -= finished
                 if not (delta.token_ids or delta.text or finished):
                     continue
                 response = _response_for(delta, request)
+                response.index = delta.index
                 if first:
                     response.request_id = request_id
                     first = False
                 if finished:
                     response.finish_reason = delta.finish_reason
+                if not num_left:  # the stream's last chunk: every index's tokens
                     response.usage.prompt_tokens = len(request.prompt_token_ids)
                     response.usage.completion_tokens = num_generated
                 if not await self._write(context, response, request_id):

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.router import openai_protocol as oa
 from pdserve.router.backend import (
@@ -24,6 +24,31 @@ from pdserve.router.tool_calling import ToolCalling, ToolCallStream, message
 from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Choice:
+    """One sequence of a generation as the door has it so far."""
+
+    texts: list[str] = field(default_factory=list)  # its text deltas (not streaming)
+    logprobs: list[dict] = field(default_factory=list)  # its logprobs objects (not streaming)
+    offset: int = 0  # characters of text so far (completions' text_offset)
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0  # of its tokens (best_of ranks by it)
+    calls: ToolCallStream | None = None  # a streamed chat's tool calls (None: no tools)
+
+    def add(self, delta: GenerationDelta, logprobs: dict | None, keep: bool) -> None:
+        """``delta``, whose rendered ``logprobs`` object is given; ``keep``: its text and
+        logprobs too (a whole response is being built)."""
+        self.offset += len(delta.text)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        if delta.logprobs is not None:
+            self.cumulative_logprob += sum(top.get(token_id, 0.0) for token_id, top
+                                           in zip(delta.token_ids, delta.logprobs, strict=True))
+        if keep:
+            self.texts.append(delta.text)
+            if logprobs is not None:
+                self.logprobs.append(logprobs)
 
 
 @dataclass
@@ -89,48 +114,51 @@ class HttpGeneration:
 
     async def _stream(self, job: HttpJob, first: GenerationDelta,
                       deltas: AsyncIterator[GenerationDelta], state: dict) -> AsyncIterator:
-        """SSE events (streaming) or, last, the whole response object (not streaming)."""
-        texts: list[str] = []
-        logprobs: list = []
-        num_generated, offset = 0, 0
+        """SSE events (streaming) or, last, the whole response object (not streaming); with
+        ``n`` (``best_of``) > 1 each delta is its sequence's (``GenerationDelta.index``)."""
+        choices = [_Choice(calls=ToolCallStream(job.tools)
+                           if job.stream and job.tools is not None else None)
+                   for _ in range(job.params.num_sequences)]
+        num_left, num_generated = len(choices), 0
         delta = first
-        calls = ToolCallStream(job.tools) if job.stream and job.tools is not None else None
-        if job.stream and job.chat:
-            yield sse(oa.chat_chunk(job.request_id, job.model, job.created,
-                                     {"role": "assistant", "content": ""}, None, None,
-                                     job.include_usage))
-        if job.echo is not None:  # the prompt first, as one more piece of the output
-            lp = self._prompt_logprobs(job, first)
-            offset = len(job.echo)
-            if job.stream:
-                yield sse(oa.completion_chunk(job.request_id, job.model, job.created,
-                                               job.echo, None, lp, job.include_usage))
-            else:
-                texts.append(job.echo)
-                if lp is not None:
-                    logprobs.append(lp)
+        for index, choice in enumerate(choices):  # what every choice starts with
+            if job.stream and job.chat:
+                yield sse(oa.chat_chunk(job.request_id, job.model, job.created,
+                                         {"role": "assistant", "content": ""}, None, None,
+                                         job.include_usage, index))
+            if job.echo is not None:  # the prompt first, as one more piece of the output
+                lp = self._prompt_logprobs(job, first)
+                choice.offset = len(job.echo)
+                if job.stream:
+                    yield sse(oa.completion_chunk(job.request_id, job.model, job.created,
+                                                   job.echo, None, lp, job.include_usage,
+                                                   index))
+                else:
+                    choice.texts.append(job.echo)
+                    if lp is not None:
+                        choice.logprobs.append(lp)
         while True:
             if job.prompt_only and delta.finish_reason != "abort":  # max_tokens 0: "length"
-                delta = GenerationDelta([], "", None, delta.finish_reason and "length")
+                delta = GenerationDelta([], "", None, delta.finish_reason and "length",
+                                        index=delta.index)
             if delta.finish_reason == "abort":
                 state["done"] = True
                 raise NoWorkersError("the request was aborted by the server")
-            state["done"] = delta.finish_reason is not None
+            ended = delta.finish_reason is not None
+            num_left -= ended
+            state["done"] = num_left == 0
             num_generated += len(delta.token_ids)
-            lp = self._logprobs(job, delta, offset)
-            offset += len(delta.text)
-            if job.stream and (delta.text or delta.token_ids or state["done"]):
+            choice = choices[delta.index]
+            lp = self._logprobs(job, delta, choice.offset)
+            if job.stream and (delta.text or delta.token_ids or ended):
                 if job.chat:
-                    for chunk in self._chat_chunks(job, delta, lp, calls, state["done"]):
+                    for chunk in self._chat_chunks(job, delta, lp, choice.calls, ended):
                         yield sse(chunk)
                 else:
                     yield sse(oa.completion_chunk(job.request_id, job.model, job.created,
                                                    delta.text, delta.finish_reason, lp,
-                                                   job.include_usage))
-            elif not job.stream:
-                texts.append(delta.text)
-                if lp is not None:
-                    logprobs.append(lp)
+                                                   job.include_usage, delta.index))
+            choice.add(delta, lp, keep=not job.stream)
             if state["done"]:
                 break
             delta = await self._next(deltas, job.request.deadline)
@@ -141,36 +169,41 @@ class HttpGeneration:
                                           usage))
             yield b"data: [DONE]\n\n"
             return
-        merged = oa.merge_logprobs(logprobs, job.chat) if job.params.logprobs is not None \
-            else None
-        text = "".join(texts)
-        if not job.chat:
-            yield oa.completion_object(job.request_id, job.model, job.created, text,
-                                       delta.finish_reason, merged, usage)
-            return
-        answer, reason = ({"role": "assistant", "content": text}, None) if job.tools is None \
-            else message(job.tools, text)
-        yield oa.chat_object(job.request_id, job.model, job.created, answer,
-                             reason or delta.finish_reason, merged, usage)
+        if len(choices) > job.params.n:  # best_of: the n of highest cumulative logprob
+            choices = sorted(choices, key=lambda c: c.cumulative_logprob,
+                             reverse=True)[:job.params.n]
+        body = []
+        for index, c in enumerate(choices):
+            text = "".join(c.texts)
+            merged = oa.merge_logprobs(c.logprobs, job.chat) \
+                if job.params.logprobs is not None else None
+            if not job.chat:
+                body.append(oa.completion_choice(index, text, c.finish_reason, merged))
+                continue
+            answer, reason = ({"role": "assistant", "content": text}, None) \
+                if job.tools is None else message(job.tools, text)
+            body.append(oa.chat_choice(index, answer, reason or c.finish_reason, merged))
+        build_object = oa.chat_object if job.chat else oa.completion_object
+        yield build_object(job.request_id, job.model, job.created, body, usage)
 
     @staticmethod
     def _chat_chunks(job: HttpJob, delta: GenerationDelta, lp: dict | None,
-                     calls: ToolCallStream | None, done: bool) -> list[dict]:
-        """The chat chunks one delta makes: its content, or with tools what
-        ``ToolCallStream`` lets out (content, tool_calls); the last chunk of the answer
+                     calls: ToolCallStream | None, ended: bool) -> list[dict]:
+        """The chat chunks one delta makes for its choice: its content, or with tools what
+        ``ToolCallStream`` lets out (content, tool_calls); the last chunk of the choice
         carries the finish reason, the first of a delta its logprobs."""
         if calls is None:
             parts = [{"content": delta.text}] if delta.text or delta.token_ids else []
         else:
-            parts = calls.feed(delta.text) + (calls.end() if done else [])
-        if not parts and (done or lp is not None):
+            parts = calls.feed(delta.text) + (calls.end() if ended else [])
+        if not parts and (ended or lp is not None):
             parts = [{}]
         reason = delta.finish_reason
         if calls is not None and reason is not None:
             reason = calls.finish_reason or reason
         return [oa.chat_chunk(job.request_id, job.model, job.created, part,
                               reason if i == len(parts) - 1 else None,
-                              lp if i == 0 else None, job.include_usage)
+                              lp if i == 0 else None, job.include_usage, delta.index)
                 for i, part in enumerate(parts)]
 
     def _prompt_logprobs(self, job: HttpJob, first: GenerationDelta) -> dict | None:

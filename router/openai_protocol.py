@@ -4,13 +4,16 @@ Requests are pydantic models (unknown fields are ignored, as OpenAI's SDKs send 
 does not use); :func:`sampling_params` turns one into ``SamplingParams`` with the same checks
 as the gRPC path and errors named by the OpenAI parameter (``param``), and
 :func:`max_tokens_of` says which parameter set max_tokens, if one did. Fields OpenAI defines
-but pdserve cannot honour (``n`` > 1, ``suffix``, non-text content parts) are a 400 naming
-the parameter, never silently dropped. Completions' ``echo`` returns the prompt before the
-completion, and with ``logprobs: k`` the prompt tokens' logprobs too (the first token's null),
-as vLLM; ``max_tokens: 0`` with ``echo`` generates nothing (lm-eval's loglikelihood requests):
-the engine runs the prefill, which samples one token, and the door drops it. ``logit_bias``
-maps token ids (JSON string keys) to biases in [-100, 100] added to the logits before sampling
-(at most 1024 entries); reported logprobs are the model's, before the bias, as vLLM's.
+but pdserve cannot honour (``best_of`` above ``n`` with ``stream``, ``suffix``, non-text
+content parts) are a 400 naming the parameter, never silently dropped. ``n`` > 1 returns
+``choices`` 0..n-1 forked from one prefill (streamed chunks carry their index, each choice ends
+with its own ``finish_reason``); ``best_of`` (completions) returns the ``n`` of highest
+cumulative log-probability. Completions' ``echo`` returns the prompt before the completion,
+and with ``logprobs: k`` the prompt tokens' logprobs too (the first token's null), as vLLM;
+``max_tokens: 0`` with ``echo`` generates nothing (lm-eval's loglikelihood requests): the
+engine runs the prefill, which samples one token, and the door drops it. ``logit_bias`` maps
+token ids (JSON string keys) to biases in [-100, 100] added to the logits before sampling (at
+most 1024 entries); reported logprobs are the model's, before the bias, as vLLM's.
 ``response_format`` (``text``, ``json_object``, ``json_schema``, ``structural_tag``) constrains
 the output, as vLLM's ``structured_outputs`` extra does (``json``, ``json_object``, ``regex``,
 ``choice``, ``grammar``, ``structural_tag``; one or the other). Chat's ``tools``,
@@ -157,7 +160,7 @@ class _SamplingBody(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    n: int | None = None  # only 1
+    n: int | None = None  # completions (1..16), forked from one prefill; choices 0..n-1
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None  # token id (a string) -> bias in [-100, 100]
@@ -186,7 +189,8 @@ class CompletionRequest(_SamplingBody):
     logprobs: int | None = None  # top log-probabilities per token (0..20)
     echo: bool | None = None  # the prompt before the completion (its logprobs with logprobs)
     suffix: str | None = None  # refused
-    best_of: int | None = None  # only 1
+    best_of: int | None = None  # sequences generated (n..16), the n most likely returned;
+    # not with stream
 
 
 class TextPart(BaseModel):
@@ -225,13 +229,12 @@ def _refuse(param: str, message: str):
 
 def check_supported(body: _SamplingBody) -> None:
     """400 naming the parameter for what the request asks and pdserve cannot do."""
-    if body.n not in (None, 1):
-        _refuse("n", f"only n=1 is supported, got {body.n}")
     if isinstance(body, CompletionRequest):
         if body.suffix:
             _refuse("suffix", "suffix is not supported")
-        if body.best_of not in (None, 1):
-            _refuse("best_of", f"only best_of=1 is supported, got {body.best_of}")
+        if body.stream and body.best_of not in (None, body.n or 1):
+            _refuse("best_of", f"best_of ({body.best_of}) above n cannot stream (the n best "
+                               f"are known only once every sequence ends)")
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -348,7 +351,8 @@ def sampling_params(body: _SamplingBody, vocab_size: int,
               "presence_penalty": body.presence_penalty,
               "frequency_penalty": body.frequency_penalty, "seed": body.seed,
               "ignore_eos": body.ignore_eos, "logprobs": logprobs, "priority": body.priority,
-              "prompt_logprobs": prompt_logprobs}
+              "prompt_logprobs": prompt_logprobs, "n": body.n,
+              "best_of": None if chat else body.best_of}
     outputs_param, values["structured_outputs"] = structured_outputs_of(body, tools)
     values["logit_bias"] = logit_bias_of(body)
     kwargs = {k: v for k, v in values.items() if v is not None}
@@ -442,38 +446,47 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], num_to
     return {"content": content}
 
 
-def completion_object(request_id: str, model: str, created: int, text: str,
-                      reason: str | None, logprobs: dict | None, usage_: dict) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                         "finish_reason": finish_reason(reason)}],
-            "usage": usage_}
+def completion_choice(index: int, text: str, reason: str | None,
+                      logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": finish_reason(reason)}
 
 
-def chat_object(request_id: str, model: str, created: int, message: dict,
-                reason: str | None, logprobs: dict | None, usage_: dict) -> dict:
+def chat_choice(index: int, message: dict, reason: str | None, logprobs: dict | None) -> dict:
     """``message``: ``{"role": "assistant", "content": ...}`` plus ``tool_calls`` when the
     answer made any (``tool_calling.message``)."""
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason(reason)}
+
+
+def completion_object(request_id: str, model: str, created: int, choices: list[dict],
+                      usage_: dict) -> dict:
+    """``choices``: :func:`completion_choice` of each index, in order."""
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def chat_object(request_id: str, model: str, created: int, choices: list[dict],
+                usage_: dict) -> dict:
+    """``choices``: :func:`chat_choice` of each index, in order."""
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message,
-                         "logprobs": logprobs, "finish_reason": finish_reason(reason)}],
-            "usage": usage_}
+            "choices": choices, "usage": usage_}
 
 
 def completion_chunk(request_id: str, model: str, created: int, text: str,
-                     reason: str | None, logprobs: dict | None, with_usage: bool) -> dict:
+                     reason: str | None, logprobs: dict | None, with_usage: bool,
+                     index: int = 0) -> dict:
     chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                          "finish_reason": finish_reason(reason)}]}
+             "choices": [completion_choice(index, text, reason, logprobs)]}
     if with_usage:
         chunk["usage"] = None
     return chunk
 
 
 def chat_chunk(request_id: str, model: str, created: int, delta: dict, reason: str | None,
-               logprobs: dict | None, with_usage: bool) -> dict:
+               logprobs: dict | None, with_usage: bool, index: int = 0) -> dict:
     chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-             "model": model, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+             "model": model, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                           "finish_reason": finish_reason(reason)}]}
     if with_usage:
         chunk["usage"] = None

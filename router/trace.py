@@ -41,8 +41,10 @@ class RequestTrace:
         return self.decode / max(1, self.num_output_tokens - 1)
 
 
-def observe(flight: Flight, delta: RequestDelta, metrics: RouterMetrics) -> RequestTrace | None:
-    """Account one streamed delta (TTFT, ITL, counts); returns the trace when it finishes."""
+def observe(flight: Flight, delta: RequestDelta, metrics: RouterMetrics,
+            ends: bool) -> RequestTrace | None:
+    """Account one streamed delta (TTFT, ITL, counts); returns the trace when it ``ends`` the
+    request (its final delta; with ``n`` > 1, that of the last sequence to finish)."""
     now, n = time.monotonic(), len(delta.new_token_ids)
     if flight.trace is None:
         flight.trace = _colocated_trace(flight, delta, metrics)
@@ -54,8 +56,11 @@ def observe(flight: Flight, delta: RequestDelta, metrics: RouterMetrics) -> Requ
         metrics.observe_itl((now - flight.last_token_at) / n, n)
     if n:
         flight.last_token_at = now
-    trace.num_output_tokens = delta.num_output_tokens or trace.num_output_tokens + n
-    if delta.finish_reason is None:
+    if flight.request.params.num_sequences == 1:
+        trace.num_output_tokens = delta.num_output_tokens or trace.num_output_tokens + n
+    else:  # (each delta counts its own sequence's: the request's are their sum)
+        trace.num_output_tokens += n
+    if not ends:
         return None
     trace.e2e = now - flight.arrival
     trace.decode = trace.e2e - trace.ttft

@@ -47,7 +47,7 @@ MAX_PROMPT_CHARS_PER_TOKEN = 32  # a longer text can never fit the context (toke
 # Optional scalar fields of pdserve.v1.SamplingParams, named as in SamplingParams.
 _SCALAR_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "seed", "ignore_eos", "logprobs",
-                  "priority", "prompt_logprobs")
+                  "priority", "prompt_logprobs", "n", "best_of")
 _ALL_FIELDS = frozenset(_SCALAR_FIELDS + ("stop", "stop_token_ids", "structured_outputs",
                                            "logit_bias"))
 
@@ -159,6 +159,11 @@ def sampling_params_from_proto(sampling: generation_pb2.SamplingParams,
         raise RequestValidationError(field, str(exc)) from exc
     check_token_ids("sampling.stop_token_ids", params.stop_token_ids, vocab_size)
     check_logit_bias("sampling.logit_bias", params.logit_bias, vocab_size)
+    if params.num_sequences > params.n:
+        raise RequestValidationError("sampling.best_of", f"best_of ({params.best_of}) above n "
+                                     f"({params.n}) is not served on a stream (the n best are "
+                                     f"known only once every sequence ends): use the HTTP "
+                                     f"completions endpoint without stream")
     return params
 
 

@@ -79,6 +79,16 @@ class RouterMailboxes:
             self._owners[request_id] = (router, attempt)
             self._heard.setdefault(router, self._clock())
 
+    def claim_forks(self, request_id: str, fork_ids: list[str]) -> None:
+        """The sequences ``request_id`` forked into (``n`` > 1), each with an id of its own
+        (``choice_request_id``), belong to its owner; each entry ends with its own final
+        delta. Nothing when ``request_id`` has no owner entry (its deltas go to the poller)."""
+        with self._lock:
+            entry = self._owners.get(request_id)
+            if entry is not None:
+                for fork_id in fork_ids:
+                    self._owners.setdefault(fork_id, entry)
+
     def release(self, request_id: str) -> None:
         """Undo a claim whose request was refused after all."""
         with self._lock:

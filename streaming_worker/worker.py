@@ -12,10 +12,22 @@ from concurrent.futures import Future
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.step.hooks import StepHooks
 from pdserve.streaming_worker.mailboxes import MailboxSizes, RouterMailboxes
 from pdserve.worker_api import RequestDelta, StepDeltas, WorkerStats, WorkRequest
 
 logger = logging.getLogger(__name__)
+
+
+class ForkOwners(StepHooks):
+    """A streaming worker's step hooks: the sequences a request of ``n`` > 1 forks into
+    belong to the router that owns the request (``RouterMailboxes.claim_forks``)."""
+
+    def __init__(self, mailboxes: RouterMailboxes) -> None:
+        self.mailboxes = mailboxes
+
+    def forked(self, parent: Sequence, children: list[Sequence]) -> None:
+        self.mailboxes.claim_forks(parent.request_id, [child.request_id for child in children])
 
 
 class StreamingWorker:

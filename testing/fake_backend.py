@@ -103,20 +103,23 @@ class FakeBackend:
                 raise self.fail_with
             ids, reason = self.expected_output(request.prompt_token_ids, params)
             step = max(1, self.tokens_per_delta)
-            for start in range(0, len(ids), step):
-                chunk = ids[start:start + step]
-                if self.token_delay_s > 0:
-                    await asyncio.sleep(self.token_delay_s * len(chunk))
-                last = finished = start + step >= len(ids)
-                prompt_logprobs = None
-                if start == 0 and params.prompt_logprobs is not None:
-                    prompt = request.prompt_token_ids
-                    prompt_logprobs = [None, *self._logprobs(prompt[1:],
-                                                             params.prompt_logprobs)]
-                yield GenerationDelta(
-                    token_ids=chunk, text=self.decode(chunk),
-                    logprobs=self._logprobs(chunk, params.logprobs),
-                    finish_reason=reason if last else None, prompt_logprobs=prompt_logprobs)
+            for index in range(params.num_sequences):  # (n > 1: each counts alike, in turn)
+                for start in range(0, len(ids), step):
+                    chunk = ids[start:start + step]
+                    if self.token_delay_s > 0:
+                        await asyncio.sleep(self.token_delay_s * len(chunk))
+                    last = start + step >= len(ids)
+                    finished = last and index == params.num_sequences - 1
+                    prompt_logprobs = None
+                    if index == start == 0 and params.prompt_logprobs is not None:
+                        prompt = request.prompt_token_ids
+                        prompt_logprobs = [None, *self._logprobs(prompt[1:],
+                                                                 params.prompt_logprobs)]
+                    yield GenerationDelta(
+                        token_ids=chunk, text=self.decode(chunk),
+                        logprobs=self._logprobs(chunk, params.logprobs),
+                        finish_reason=reason if last else None,
+                        prompt_logprobs=prompt_logprobs, index=index)
         finally:
             with self._lock:
                 self._running.discard(request_id)

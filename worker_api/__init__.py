@@ -7,7 +7,8 @@ cluster call the handle.
   holder of a handle names as its type;
 - ``messages``: :class:`WorkRequest` in, :class:`Reservation` and :class:`PrefillResult`
   back, a worker's KV events (:class:`KVEvents`, :class:`KVSnapshot`);
-- ``deltas``: a step's :class:`RequestDelta`\\ s, polled as :class:`StepDeltas`;
+- ``deltas``: a step's :class:`RequestDelta`\\ s, polled as :class:`StepDeltas`; the
+  request ids of a forked request's sequences (:func:`choice_request_id`);
 - ``stats``: :class:`WorkerStats` (load and memory), :class:`Utilization`, :data:`ROLES`;
 - ``refusals``: :class:`NoRoomNow`, :class:`NeverFits` (both a :class:`Refusal`),
   :class:`DuplicateRequestId`, :class:`RequestFaultError`;
@@ -15,7 +16,7 @@ cluster call the handle.
   :class:`WorkRequest`; the offline API takes it too).
 """
 
-from pdserve.worker_api.deltas import RequestDelta, StepDeltas
+from pdserve.worker_api.deltas import RequestDelta, StepDeltas, choice_request_id, split_choice
 from pdserve.worker_api.handle import WorkerHandle
 from pdserve.worker_api.messages import (
     KVEvents,
@@ -52,4 +53,6 @@ __all__ = [
     "WorkRequest",
     "WorkerHandle",
     "WorkerStats",
+    "choice_request_id",
+    "split_choice",
 ]

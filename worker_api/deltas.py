@@ -11,6 +11,23 @@ from typing import final
 
 import numpy as np
 
+CHOICE_SEPARATOR = "#"  # in a forked sequence's request id, before its index
+
+
+def choice_request_id(request_id: str, index: int) -> str:
+    """The request id a worker gives sequence ``index`` of a request forked into several
+    (``SamplingParams.n``/``best_of``): the request's own for index 0, else with the index
+    appended, so every sequence's deltas name it (:func:`split_choice` reads it back)."""
+    return request_id if index == 0 else f"{request_id}{CHOICE_SEPARATOR}{index}"
+
+
+def split_choice(request_id: str) -> tuple[str, int]:
+    """(the request's id, the sequence's index) of a delta's ``request_id``."""
+    base, sep, index = request_id.rpartition(CHOICE_SEPARATOR)
+    if sep and index.isdigit() and index[0] != "0":
+        return base, int(index)
+    return request_id, 0
+
 
 @dataclass
 class RequestDelta:

@@ -14,6 +14,7 @@ these checks are the one validation both front doors (gRPC and HTTP) and the off
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import numbers
@@ -31,6 +32,8 @@ MAX_CONSTRAINT_CHARS = 65536  # a schema, regex or grammar's text at most
 MAX_CHOICES = 256  # choices a request may constrain its output to
 MAX_LOGIT_BIAS = 1024  # entries of a logit_bias map (OpenAI's limit)
 LOGIT_BIAS_RANGE = 100.0  # a bias is in [-100, 100] (OpenAI's range)
+MAX_N = 16  # sequences one request may fork into (n, best_of): each holds a seat and its own
+# blocks past the shared prompt, so one request never fills a step's batch alone
 
 
 def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
@@ -219,6 +222,14 @@ class SamplingParams:
     # None (or empty): no bias. Ids are checked against the vocabulary by who knows it
     # (the router's doors, the engine). Reported logprobs are the logits' before the bias.
     logit_bias: dict[int, float] | None = None
+    n: int = 1  # completions returned (1..MAX_N); they share the prompt's KV (one prefill)
+    best_of: int | None = None  # sequences generated (n..MAX_N), the n of highest cumulative
+    # log-probability returned; None = n
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request forks into: ``best_of`` (``n`` when unset)."""
+        return self.n if self.best_of is None else self.best_of
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1, high=MAX_INT32)
@@ -258,7 +269,22 @@ class SamplingParams:
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        self.n = _check_int("n", self.n, low=1, high=MAX_N)
+        if self.best_of is not None:
+            self.best_of = _check_int("best_of", self.best_of, low=1, high=MAX_N)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The random stream key of a request's sequence ``index`` (of ``n``/``best_of``): the
+    request's own for index 0, else one derived from (seed, index) in the int64 range, so
+    ``SamplingParams(seed=child_seed(seed, i))`` alone reproduces that sequence offline."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)

@@ -7,7 +7,8 @@ Every block is in exactly one of three states:
   (least recently released first). Allocation takes free blocks first, then evicts the LRU
   cached block and drops its hash.
 - **used**: ref count > 0; the ref count equals the number of block tables that hold it (a
-  block is shared only through a prefix-cache hit).
+  block is shared through a prefix-cache hit, or by :meth:`BlockManager.fork`: the sequences
+  of one request, ``n`` > 1, hold one copy of their prompt's full blocks).
 
 Invariants (``check_invariants`` raises ``RuntimeError`` on a violation):
 
@@ -206,6 +207,32 @@ class BlockManager:
         self.num_prefix_query_tokens += seq.num_tokens
         self.num_prefix_hit_tokens += num_hit_tokens
         return num_hit_tokens
+
+    def fork(self, parent: Sequence, child: Sequence) -> int:
+        """Give fresh ``child`` (same prompt) ``parent``'s leading full prompt blocks, shared
+        (each ref count + 1, entries out of the window stay None): every full block whose
+        tokens the parent has computed, less the one holding the last prompt token (the
+        child computes it to sample its own first token), as :meth:`match_prefix` leaves one.
+        The partial last block is never shared: the child fills its own. With a sliding
+        window, when the child's first queries would need a block the parent has already
+        freed (out of the parent's window, not of the child's), nothing is shared: the child
+        computes the whole prompt. Sets the child's ``block_table``, ``num_computed_tokens``
+        and ``num_cached_tokens``; returns the shared tokens."""
+        if child.block_table or child.num_computed_tokens:
+            raise RuntimeError(f"fork needs a fresh child; {child.request_id} has "
+                               f"{len(child.block_table)} blocks")
+        num_tokens = min(parent.num_computed_tokens, child.num_prompt_tokens)
+        num_shared = min(max(0, num_tokens - 1) // self._block_size, len(parent.block_table))
+        first_needed = self._num_dead_blocks(num_shared * self._block_size)
+        if None in parent.block_table[first_needed:num_shared]:
+            num_shared = 0
+        table = parent.block_table[:num_shared]
+        for block_id in table:
+            if block_id is not None:
+                self._ref_counts[block_id] += 1
+        child.block_table = list(table)
+        child.num_computed_tokens = child.num_cached_tokens = num_shared * self._block_size
+        return child.num_computed_tokens
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register a chained hash for every newly full block whose tokens are all computed

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.engine.sequence import Sequence
 from pdserve.engine.step.scheduler_output import ScheduledSequence
 from pdserve.worker_api import RequestDelta
 
@@ -44,3 +45,8 @@ class StepHooks:
                      deltas: list[RequestDelta]) -> list[RequestDelta]:
         """Called with one delta per sampling sequence; returns the deltas the step emits."""
         return deltas
+
+    def forked(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Called when ``parent``'s request (``n``/``best_of`` > 1) forked into ``children``,
+        now tracked, before any of them has made a delta (a streaming worker gives them
+        their request's owner)."""

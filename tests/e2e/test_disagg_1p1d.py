@@ -17,10 +17,13 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from pdserve import SamplingParams
 from pdserve.api.client import AsyncPdserveClient, PdserveClient, PdserveError
 from pdserve.cluster.processes import is_running
 from pdserve.router.config import RouterConfig
 from pdserve.router.grpc_server import SERVICE_NAME
+from pdserve.testing.draw_check import draw_problems
+from pdserve.worker_api.sampling_params import child_seed
 
 pytestmark = pytest.mark.e2e
 
@@ -98,13 +101,43 @@ def test_cancel_mid_stream_and_deadline_free_every_block(cluster, e2e):
     assert e2e.wait_idle(cluster) == {"prefill-0": 0, "decode-0": 0}
 
 
+def test_n_forks_one_prefill_on_the_decode_worker(cluster, model_dir, e2e):
+    """n = 4 across Ray actors: one prefill and one KV shipment, forked on the decode worker;
+    greedy choices equal the offline output, seeded ones are each their own seed's draws, a
+    cancel frees every sequence."""
+    prompt = e2e.prompts(0, 8)[5]
+    num_traces = len(cluster.traces())
+    with PdserveClient(cluster.target, timeout=60) as client:
+        greedy = client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                                 ignore_eos=True, n=4)
+        seeded = client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.8, seed=3,
+                                 ignore_eos=True, n=3)
+        for _chunk in client.generate_stream(prompt, max_tokens=1000, temperature=0.0,
+                                             ignore_eos=True, n=4):
+            break  # cancel mid-stream
+    expected = e2e.reference(model_dir, e2e.prompts(0, 8), MAX_TOKENS)[5]
+    assert [c.token_ids for c in greedy.choices] == [expected] * 4
+    assert greedy.usage.completion_tokens == 4 * MAX_TOKENS
+    alone = [(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8,
+                                     seed=child_seed(3, i), ignore_eos=True)) for i in range(3)]
+    assert draw_problems(str(model_dir), alone, [c.token_ids for c in seeded.choices]) == []
+    assert e2e.wait_idle(cluster) == {"prefill-0": 0, "decode-0": 0}
+    traces = cluster.traces()[num_traces:]  # one per request (the cancelled one: none)
+    assert [t.num_output_tokens for t in traces] == [4 * MAX_TOKENS, 3 * MAX_TOKENS]
+    assert all(t.prefill > 0 and t.num_migrations == 0 for t in traces)
+
+
 @pytest.mark.parametrize("request_kwargs, field", [
     (dict(prompt=[]), "token_ids"),
     (dict(prompt=""), "text"),
     (dict(prompt=[1, 512]), "token_ids"),
     (dict(prompt=[1, 2], temperature=math.nan), "sampling.temperature"),
     (dict(prompt=[1] * 20, max_tokens=2030), "sampling.max_tokens"),
-], ids=["empty-ids", "empty-text", "out-of-vocab", "nan-temperature", "beyond-context"])
+    (dict(prompt=[1, 2], n=0), "sampling.n"),
+    (dict(prompt=[1, 2], n=-1), "sampling.n"),
+    (dict(prompt=[1, 2], n=2, best_of=3), "sampling.best_of"),
+], ids=["empty-ids", "empty-text", "out-of-vocab", "nan-temperature", "beyond-context",
+        "n-zero", "n-negative", "best-of-streamed"])
 def test_bad_input_is_invalid_argument_naming_the_field(cluster, request_kwargs, field):
     with PdserveClient(cluster.target, timeout=30) as client:
         with pytest.raises(PdserveError) as err:

@@ -151,7 +151,7 @@ chat_bodies = st.builds(
                       "tool_choice": "required"}]),
     hostile_fields(SAMPLING_FIELDS + CHAT_FIELDS + ["messages"]))
 GRPC_VALUES = {  # what each proto field's type can carry
-    **{name: INT64 for name in ("max_tokens", "top_k", "seed", "logprobs")},
+    **{name: INT64 for name in ("max_tokens", "top_k", "seed", "logprobs", "n", "best_of")},
     **{name: DOUBLES for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                                   "presence_penalty", "frequency_penalty")},
     "priority": [0, -1, 2**31 - 1, -(2**31)], "ignore_eos": [True, False],

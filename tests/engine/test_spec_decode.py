@@ -26,6 +26,7 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.speculation.speculator import NgramProposer, Speculator
 from pdserve.engine.speculative_config import SpeculativeConfig
 from pdserve.engine.step.scheduler import Scheduler, SchedulerConfig
+from pdserve.worker_api.sampling_params import child_seed
 
 transformers = pytest.importorskip("transformers")
 
@@ -394,3 +395,21 @@ def test_triton_backend_verifies_drafts(hf_checkpoint, hf_model, hf_greedy):
     assert llm.spec_decode_stats()["num_accepted_tokens"] > 0
     assert "pdserve.kernels.prefill_attention" in sys.modules
     assert_no_leak(llm)
+
+
+def test_n_forks_speculate_as_the_request_alone(hf_checkpoint):
+    """n = 3 under speculation (the draft's KV of the shared prompt blocks included): each
+    sequence equals the same speculating engine run alone with its seed (sampled drafts are
+    accepted by rejection sampling, so a draft model's tokens are not plain decoding's), and
+    every block comes back."""
+    model_dir = hf_checkpoint("llama")
+    prompt = [5, 6, 7, 8, 9] * 3
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=21, ignore_eos=True, n=3)
+    for spec in (NGRAM, draft_config(hf_checkpoint, "llama", {})):
+        llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=128,
+                  speculative_config=spec)
+        alone = [llm.generate(prompt, dataclasses.replace(params, n=1, seed=child_seed(21, i)),
+                              use_tqdm=False)[0].token_ids for i in range(3)]
+        outs = llm.generate(prompt, params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == alone, spec["method"]
+        assert_no_leak(llm)

@@ -193,9 +193,46 @@ def test_usage_chunk_rules_on_the_wire(fake):
     assert len(lp["top_logprobs"][0]) == 2
 
 
+def test_n_choices_whole_and_streamed(fake, client):
+    """n > 1: choices 0..n-1, each with its own finish_reason; a stream's chunks carry their
+    index; usage counts every choice's tokens (the FakeBackend gives each the same count)."""
+    _, url = fake
+    body = {"model": MODEL, "prompt": [5], "max_tokens": 3, "n": 3}
+    whole = _post(url, "/v1/completions", body).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert {c["text"] for c in whole["choices"]} == {"GHI"}
+    assert all(c["finish_reason"] == "length" for c in whole["choices"])
+    assert whole["usage"] == {"prompt_tokens": 1, "completion_tokens": 9, "total_tokens": 10}
+    chat = _post(url, "/v1/chat/completions", {"model": MODEL, "n": 2, "max_tokens": 2,
+                                               "messages": [{"role": "user", "content": "A"}]})
+    contents = [c["message"]["content"] for c in chat.json()["choices"]]
+    assert len(contents) == 2 and contents[0] == contents[1] and len(contents[0]) == 2
+    stream = _events(_post(url, "/v1/completions", {**body, "stream": True,
+                                                    "stream_options": {"include_usage": True}}))
+    assert stream[-1] == "[DONE]" and stream[-2]["usage"]["completion_tokens"] == 9
+    for index in range(3):
+        mine = [c["choices"][0] for c in stream[:-2] if c["choices"][0]["index"] == index]
+        assert "".join(c["text"] for c in mine) == "GHI"
+        assert [c["finish_reason"] for c in mine] == [None, None, "length"]
+    chat_stream = _events(_post(url, "/v1/chat/completions", {
+        "model": MODEL, "n": 2, "max_tokens": 2, "stream": True,
+        "messages": [{"role": "user", "content": "A"}]}))
+    roles = [c["choices"][0]["index"] for c in chat_stream[:-1]
+             if c["choices"][0]["delta"].get("role")]
+    assert roles == [0, 1]
+    sdk = client.completions.create(model=MODEL, prompt=[5], max_tokens=2, n=2, best_of=4)
+    assert [c.index for c in sdk.choices] == [0, 1] and sdk.usage.completion_tokens == 8
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"model": MODEL, "prompt": [1], "temperature": -1}, 400, "temperature"),
-    ({"model": MODEL, "prompt": [1], "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": [1], "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": [1], "n": -1}, 400, "n"),
+    ({"model": MODEL, "prompt": [1], "n": 2**63}, 400, "n"),
+    ({"model": MODEL, "prompt": [1], "n": 17}, 400, "n"),
+    ({"model": MODEL, "prompt": [1], "n": 3, "best_of": 2}, 400, "best_of"),
+    ({"model": MODEL, "prompt": [1], "best_of": 0}, 400, "best_of"),
+    ({"model": MODEL, "prompt": [1], "n": 2, "best_of": 3, "stream": True}, 400, "best_of"),
     ({"model": MODEL, "prompt": [1], "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": [1], "max_tokens": 10_000}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": [999]}, 400, "prompt"),
@@ -603,7 +640,8 @@ _bodies = st.fixed_dictionaries({}, optional={
         {"role": st.sampled_from(["user", "system", "assistant", "bot"]),
          "content": st.text(max_size=10) | _scalars}), max_size=3), _scalars),
     "max_tokens": _scalars, "temperature": _scalars, "top_p": _scalars, "top_k": _scalars,
-    "n": _scalars, "stop": st.one_of(_scalars, st.lists(st.text(max_size=3), max_size=3)),
+    "n": _scalars, "best_of": _scalars,
+    "stop": st.one_of(_scalars, st.lists(st.text(max_size=3), max_size=3)),
     "stream": _scalars, "logprobs": _scalars, "top_logprobs": _scalars, "seed": _scalars,
     "stream_options": st.one_of(_scalars, st.fixed_dictionaries({"include_usage": _scalars})),
     "presence_penalty": _scalars, "stop_token_ids": st.lists(st.integers(-2, 70), max_size=3),

@@ -69,6 +69,22 @@ def test_sampling_error_names_the_proto_field_path():
     assert isinstance(info.value, ValueError)
 
 
+def test_n_and_best_of_are_carried_over_and_bounded():
+    sampling = pb.SamplingParams(n=4, best_of=4)
+    params = client_request_from_proto(pb.GenerateRequest(text="x", sampling=sampling),
+                                       MODEL).params
+    assert (params.n, params.best_of, params.num_sequences) == (4, 4, 4)
+    for fields, field in [(dict(n=0), "sampling.n"), (dict(n=-1), "sampling.n"),
+                          (dict(n=2**63 - 1), "sampling.n"), (dict(n=-(2**63)), "sampling.n"),
+                          (dict(n=3, best_of=2), "sampling.best_of"),
+                          (dict(best_of=0), "sampling.best_of"),
+                          (dict(n=2, best_of=3), "sampling.best_of")]:  # (a stream: refused)
+        request = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(**fields))
+        with pytest.raises(RequestValidationError) as info:
+            client_request_from_proto(request, MODEL)
+        assert info.value.field == field, fields
+
+
 def test_structured_outputs_are_carried_over_and_their_errors_named():
     def params(outputs: pb.StructuredOutputs) -> SamplingParams:
         request = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(
