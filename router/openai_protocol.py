@@ -35,7 +35,7 @@ from pdserve.router.errors import (
     RequestTooLargeError,
     RequestValidationError,
 )
-from pdserve.worker_api.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.worker_api.sampling_params import CONSTRAINT_KINDS, MAX_LOGPROBS, SamplingParams
 
 UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob too small to report
 MAX_TIMEOUT_S = 86_400.0  # the longest ``timeout`` a request may ask for (a day)
@@ -279,6 +279,13 @@ def structured_outputs_of(body: _SamplingBody) -> tuple[str, dict | None]:
     return "response_format", None
 
 
+def constraint_field(body: _SamplingBody, kind: str) -> str:
+    """The parameter errors about the body's constraint (of ``kind``) name."""
+    if body.structured_outputs is not None:
+        return f"structured_outputs.{kind}"
+    return "response_format.json_schema.schema" if kind == "json" else "response_format"
+
+
 def max_tokens_of(body: _SamplingBody) -> tuple[str, int | None]:
     """The parameter that sets max_tokens (chat's ``max_completion_tokens`` before
     ``max_tokens``) and its value, None when the body gives neither."""
@@ -319,7 +326,8 @@ def sampling_params(body: _SamplingBody, vocab_size: int,
         param = {"max_tokens": max_param, "logprobs": "top_logprobs" if chat else "logprobs"
                  }.get(name, name)
         if name.split(".")[0] == "structured_outputs":
-            param = outputs_param
+            kind = name.partition(".")[2]
+            param = constraint_field(body, kind) if kind in CONSTRAINT_KINDS else outputs_param
         raise RequestValidationError(param, str(exc)) from exc
     if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
         raise RequestValidationError("top_logprobs" if chat else "logprobs",

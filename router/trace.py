@@ -35,6 +35,9 @@ class RequestTrace:
     # chosen (the first attempt's)
     decode_cached_blocks: int = 0  # the prompt's leading blocks the decode worker's prefix
     # cache held (its KV was not sent)
+    grammar_compile_s: float | None = None  # the router's compile of its structured output
+    # (0 when cached; None: free output, or not checked)
+    grammar_cache_hit: bool | None = None  # the router's check answered from its cache
 
     @property
     def tpot(self) -> float:

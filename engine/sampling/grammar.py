@@ -34,6 +34,15 @@ logger = logging.getLogger(__name__)
 CACHED_GRAMMARS = 256  # compiled grammars one engine keeps (least recently used go first)
 
 
+class GrammarError(ValueError):
+    """A constraint that does not compile; the message names its field, ``reason`` is the
+    grammar engine's own first line."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"structured_outputs.{kind} does not compile: {reason}")
+        self.kind, self.reason = kind, reason
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary (the model's logits width).
 
@@ -60,8 +69,8 @@ class GrammarCompiler:
                     (time.perf_counter() - start) * 1e3)
 
     def constraint(self, outputs: StructuredOutputs) -> Constraint:
-        """A new matcher at the start of ``outputs``' grammar. ValueError naming the field
-        when it does not compile."""
+        """A new matcher at the start of ``outputs``' grammar. GrammarError (a ValueError
+        naming the field) when it does not compile."""
         return Constraint(self._xgr.GrammarMatcher(self.compile(outputs)))
 
     def compile(self, outputs: StructuredOutputs) -> xgrammar.CompiledGrammar:
@@ -85,8 +94,8 @@ class GrammarCompiler:
             else:
                 grammar = compiler.compile_grammar(outputs.grammar)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises several kinds
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"structured_outputs.{kind} does not compile: {message}") from None
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise GrammarError(kind, reason) from None
         with self._lock:
             self._grammars[key] = grammar
             if len(self._grammars) > CACHED_GRAMMARS:

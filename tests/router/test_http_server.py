@@ -227,7 +227,10 @@ def test_usage_chunk_rules_on_the_wire(fake):
     ({"model": MODEL, "prompt": [1], "structured_outputs": {"regex": "a", "choice": ["a"]}},
      400, "structured_outputs"),
     ({"model": MODEL, "prompt": [1], "structured_outputs": {"json": "{not json"}}, 400,
-     "structured_outputs"),
+     "structured_outputs.json"),
+    ({"model": MODEL, "prompt": [1], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"enum": list(range(2000))}}}}, 400,
+     "response_format.json_schema.schema"),
     ({"model": MODEL, "prompt": [1], "structured_outputs": {"choice": ["a"]},
       "response_format": {"type": "json_object"}}, 400, "structured_outputs"),
 ])
