@@ -61,6 +61,7 @@ from pdserve.decode_worker.ranks import TRANSFER_ADDRESS, report_name
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.sampling.grammar import Constraint
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.step.scheduling_policy import DecodePolicy
 from pdserve.engine.worker_stats import engine_stats
@@ -123,8 +124,11 @@ class DecodeWorker(StreamingWorker):
     def reserve(self, request: WorkRequest, router: str = "") -> Future:
         """Future[Reservation]; fails with NeverFits or NoRoomNow when it declines, and with
         DuplicateRequestId when the id is held here already (reserved, submitted or running).
-        ``router`` (its actor name) owns the request once reserved."""
-        return self.loop.call(self._reserve, request, router)
+        ``router`` (its actor name) owns the request once reserved. A constrained request's
+        grammar compiles first, off the loop (``LLMEngine.then_with_constraint``)."""
+        return self.engine.then_with_constraint(
+            request.params, lambda constraint: self.loop.call(self._reserve, request, router,
+                                                              constraint))
 
     def renew(self, request_id: str) -> Future:
         """Future[float | None]: the reservation's new lease deadline (None: not reserved)."""
@@ -139,8 +143,9 @@ class DecodeWorker(StreamingWorker):
         self.loop.stop()
 
     # -- loop thread ------------------------------------------------------------------------
-    def _reserve(self, request: WorkRequest, router: str) -> Reservation:
-        seq = self.engine.sequence_for(request)
+    def _reserve(self, request: WorkRequest, router: str,
+                 constraint: Constraint | None) -> Reservation:
+        seq = self.engine.sequence_for(request, constraint)
         self.mailboxes.claim(seq.request_id, seq.attempt, router)  # DuplicateRequestId first
         try:
             return self._reserve_claimed(seq)

@@ -36,18 +36,20 @@ Workers never reach into the parts: what they need of the engine is a method her
 """
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.sampling.grammar import GrammarCompiler
+from pdserve.engine.sampling.grammar import Constraint, GrammarCompiler
 from pdserve.engine.sampling.sampler import (
     Sampler,
     SamplingBatch,
@@ -79,6 +81,8 @@ from pdserve.worker_api import (
 from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_THREADS = 2  # constraints one engine compiles at once, off its loop
 
 
 class LLMEngine:
@@ -114,6 +118,9 @@ class LLMEngine:
         self._int8_kv = cfg.kv_int8_scales if cfg.kv_cache_dtype == "int8" else None
         self._grammars: GrammarCompiler | None = None  # made by the first constrained request
         self._grammars_lock = threading.Lock()
+        # constraints compiled for workers' loops, off them (threads start with the first)
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS,
+                                                thread_name_prefix="pdserve-grammar")
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -130,10 +137,12 @@ class LLMEngine:
         return seq
 
     def new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     seed: int | None = None) -> Sequence:
+                     seed: int | None = None,
+                     constraint: Constraint | None = None) -> Sequence:
         """A validated, untracked Sequence. NeverFits (a ValueError) naming what this engine can
         never take: a prompt its model or tokenizer cannot read, a context longer than its
-        limit, more blocks than its pool, parameters no step can pack."""
+        limit, more blocks than its pool, parameters no step can pack. A constrained request's
+        matcher is ``constraint`` when given (:meth:`constraint_for`), else made here."""
         if request_id in self.output.sequences:
             raise DuplicateRequestId(f"request_id {request_id!r} is already running")
         try:
@@ -149,18 +158,20 @@ class LLMEngine:
             self.scheduler.check_fits(seq)
             check_samplable(seq)
             if params.structured_outputs is not None:
-                seq.constraint = self._constraint(params)
+                seq.constraint = constraint or self._constraint(params)
         except NeverFits:
             raise
         except ValueError as exc:
             raise NeverFits(str(exc)) from None
         return seq
 
-    def sequence_for(self, request: WorkRequest) -> Sequence:
+    def sequence_for(self, request: WorkRequest,
+                     constraint: Constraint | None = None) -> Sequence:
         """An untracked Sequence for a router's request: prompt + the outputs already streamed
-        (a migrated request resumes at output position ``len(request.output_token_ids)``)."""
+        (a migrated request resumes at output position ``len(request.output_token_ids)``);
+        ``constraint`` as for :meth:`new_sequence`."""
         seq = self.new_sequence(request.request_id, request.prompt_token_ids, request.params,
-                                request.seed)
+                                request.seed, constraint)
         resumed = list(request.output_token_ids)
         if len(resumed) >= request.params.max_tokens:
             raise ValueError(f"output_token_ids ({len(resumed)}) must be fewer than "
@@ -177,9 +188,9 @@ class LLMEngine:
         seq.deadline, seq.attempt = request.deadline, request.attempt
         return seq
 
-    def add_work(self, request: WorkRequest) -> Sequence:
+    def add_work(self, request: WorkRequest, constraint: Constraint | None = None) -> Sequence:
         """Queue a router's request (see :meth:`sequence_for`)."""
-        return self.add_sequence(self.sequence_for(request))
+        return self.add_sequence(self.sequence_for(request, constraint))
 
     def add_sequence(self, seq: Sequence) -> Sequence:
         """Queue a checked, untracked sequence (:meth:`sequence_for`); DuplicateRequestId if
@@ -190,7 +201,29 @@ class LLMEngine:
         self.track(seq)
         return seq
 
-    def _constraint(self, params: SamplingParams):
+    def then_with_constraint(self, params: SamplingParams,
+                             then: Callable[[Constraint | None], Future]) -> Future:
+        """``then(constraint)``'s future, ``constraint`` the matcher for ``params``' structured
+        outputs compiled on the engine's grammar threads (None when free): a worker's loop
+        never compiles, and its steps go on while a request waits for its grammar. A
+        constraint that cannot be served fails the returned future with NeverFits, and
+        ``then`` is not called."""
+        if params.structured_outputs is None:
+            return then(None)
+        result: Future = Future()
+
+        def compiled(made: Future) -> None:
+            exc = made.exception()
+            if exc is not None:
+                result.set_exception(exc if isinstance(exc, NeverFits) or
+                                     not isinstance(exc, ValueError) else NeverFits(str(exc)))
+                return
+            then(made.result()).add_done_callback(functools.partial(_copy_outcome, result))
+
+        self._grammar_pool.submit(self._constraint, params).add_done_callback(compiled)
+        return result
+
+    def _constraint(self, params: SamplingParams) -> Constraint:
         """A new matcher for ``params``' structured outputs (ValueError naming the field when
         they cannot be served here); the grammar engine starts with the first request."""
         if self.speculator is not None:
@@ -307,7 +340,9 @@ class LLMEngine:
         return None if bm.events is None else bm.events.snapshot(bm.held_hashes())
 
     def close(self) -> None:
-        """Stop what the engine runs beside this process (its tensor parallel ranks)."""
+        """Stop what the engine runs beside this process (its tensor parallel ranks, its
+        grammar threads)."""
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.parts.close()
 
     def broken(self) -> str | None:
@@ -448,3 +483,15 @@ class LLMEngine:
             f"non-finite logits with the int8 KV cache (kv_int8_scales={self._int8_kv!r}): "
             "its scales or dequantized values overflowed; serve this model with "
             "kv_cache_dtype='auto'") for i in bad}
+
+
+def _copy_outcome(target: Future, source: Future) -> None:
+    """Resolve ``target`` as ``source`` resolved."""
+    if source.cancelled():
+        target.cancel()
+        return
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
