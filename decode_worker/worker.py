@@ -61,7 +61,7 @@ from pdserve.decode_worker.ranks import TRANSFER_ADDRESS, report_name
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.sampling.grammar import Constraint
+from pdserve.engine.sampling.grammar import Constraint, grammar_timing
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.step.scheduling_policy import DecodePolicy
 from pdserve.engine.worker_stats import engine_stats
@@ -169,7 +169,8 @@ class DecodeWorker(StreamingWorker):
         self._by_key[key] = seq.request_id
         return Reservation(seq.request_id, self.worker_id, self.endpoint.address,
                            key.transfer_id, key.epoch, len(seq.block_table), deadline,
-                           self.rank_addresses, num_cached_blocks=num_cached)
+                           self.rank_addresses, num_cached_blocks=num_cached,
+                           **grammar_timing(seq.constraint))
 
     def _release(self, request_id: str) -> _Reserved | None:
         entry = self._reserved.pop(request_id, None)

@@ -48,7 +48,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineDeadError, EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.sampling.grammar import Constraint
+from pdserve.engine.sampling.grammar import Constraint, grammar_timing
 from pdserve.engine.step.hooks import StepHooks
 from pdserve.engine.step.scheduler_output import ScheduledSequence
 from pdserve.engine.step.scheduling_policy import PrefillOnlyPolicy
@@ -273,7 +273,8 @@ class PrefillWorker(StepHooks):
         target.result.set_result(PrefillResult(
             seq.request_id, delta, queue_time_s=timings[0], prefill_time_s=timings[1],
             transfer_time_s=time.monotonic() - sampled_at, transfer_bytes=target.bytes_sent,
-            num_cached_tokens=seq.num_cached_tokens))
+            num_cached_tokens=seq.num_cached_tokens,
+            **grammar_timing(seq.constraint)))
 
     def _stats(self) -> WorkerStats:
         return engine_stats(self.worker_id, self.role, self.engine)

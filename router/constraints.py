@@ -5,7 +5,8 @@ time, before any worker sees the request (docs/structured-output.md).
 nesting, enum values, regex groups). What only compiling can tell, whether a schema, regex or
 grammar is valid and whether it compiles in reasonable time, is told here:
 
-1. A constraint compiled before (or refused before) is answered from an LRU of keys at once.
+1. A constraint compiled before (or refused before) is answered from an LRU of keys at once
+   (a refusal for time for ``TOO_COMPLEX_KEPT_S`` only: it may have been the machine's load).
 2. Otherwise it is compiled in a child process that holds a grammar compiler for the served
    tokenizer (``engine.sampling.grammar.GrammarCompiler``, started with the first constrained
    request: the grammar engine's import and its tokenizer table take a few seconds once).
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 CHECKED_CONSTRAINTS = 4096  # constraints whose answer the router keeps (LRU)
 CHILD_START_TIMEOUT_S = 120.0  # the child's grammar engine set-up, at most
 TOO_COMPLEX = "is too complex"  # how a refusal for time starts
+TOO_COMPLEX_KEPT_S = 300.0  # how long a refusal for time is answered from the cache
 
 
 class ConstraintRefused(ValueError):
@@ -73,9 +75,10 @@ class ConstraintChecker:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.tokenizer, self.vocab_size, self.timeout_s = tokenizer, vocab_size, timeout_s
-        self._answers: OrderedDict[tuple, str | None] = OrderedDict()  # key -> why refused
+        # key -> (why refused or None, time.monotonic() until which the answer holds)
+        self._answers: OrderedDict[tuple, tuple[str | None, float]] = OrderedDict()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar-check")
-        self._child: _Child | None = None  # (the check thread's alone)
+        self._child: _Child | None = None  # (the check thread's, and close's)
         self._lock = threading.Lock()  # guards _answers (loop and check thread)
 
     async def check(self, outputs: StructuredOutputs) -> ConstraintCheck:
@@ -83,10 +86,10 @@ class ConstraintChecker:
         deadline to; otherwise how it was checked."""
         key = outputs.key
         with self._lock:
-            cached = key in self._answers
+            why, until = self._answers.get(key, (None, 0.0))
+            cached = key in self._answers and until >= time.monotonic()
             if cached:
                 self._answers.move_to_end(key)
-                why = self._answers[key]
         if cached:
             check = ConstraintCheck(0.0, True)
         else:
@@ -97,8 +100,11 @@ class ConstraintChecker:
                 logger.error("structured output not checked in the router: %s", exc)
                 return ConstraintCheck(0.0, False)
             check = ConstraintCheck(seconds, False)
+            # a refusal for time may have been the machine's load: tried again after a while
+            kept_s = TOO_COMPLEX_KEPT_S if why is not None and why.startswith(TOO_COMPLEX) \
+                else float("inf")
             with self._lock:
-                self._answers[key] = why
+                self._answers[key] = (why, time.monotonic() + kept_s)
                 if len(self._answers) > CHECKED_CONSTRAINTS:
                     self._answers.popitem(last=False)
         if why is not None:
@@ -106,9 +112,10 @@ class ConstraintChecker:
         return check
 
     def close(self) -> None:
-        """Stop the child once the compile in progress (bounded by the deadline) ends."""
-        self._thread.submit(self._stop_child)
+        """Drop the queued checks and kill the child (a compile in progress is answered as
+        having ended the compiler)."""
         self._thread.shutdown(wait=False, cancel_futures=True)
+        self._stop_child()
 
     # -- the check thread ---------------------------------------------------------------------
     def _compile(self, outputs: StructuredOutputs) -> tuple[str | None, float]:

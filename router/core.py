@@ -337,7 +337,11 @@ class Router:
                                         prefill_routing=flight.prefill_routing,
                                         prefill_location=flight.prefill_location,
                                         decode_routing=flight.decode_routing,
-                                        decode_cached_blocks=reservation.num_cached_blocks)
+                                        decode_cached_blocks=reservation.num_cached_blocks,
+                                        prefill_grammar_compile_s=result.grammar_compile_s,
+                                        prefill_grammar_cache_hit=result.grammar_cache_hit,
+                                        decode_grammar_compile_s=reservation.grammar_compile_s,
+                                        decode_grammar_cache_hit=reservation.grammar_cache_hit)
         flight.move_to(Phase.DECODING)
         yield result.first
         if result.first.finish_reason is None:

@@ -38,6 +38,10 @@ class RequestTrace:
     grammar_compile_s: float | None = None  # the router's compile of its structured output
     # (0 when cached; None: free output, or not checked)
     grammar_cache_hit: bool | None = None  # the router's check answered from its cache
+    prefill_grammar_compile_s: float | None = None  # the prefill worker's compile of it
+    prefill_grammar_cache_hit: bool | None = None  # (its grammar cache held it)
+    decode_grammar_compile_s: float | None = None  # the decode worker's compile of it
+    decode_grammar_cache_hit: bool | None = None  # (its grammar cache held it)
 
     @property
     def tpot(self) -> float:

@@ -71,15 +71,22 @@ class GrammarCompiler:
     def constraint(self, outputs: StructuredOutputs) -> Constraint:
         """A new matcher at the start of ``outputs``' grammar. GrammarError (a ValueError
         naming the field) when it does not compile."""
-        return Constraint(self._xgr.GrammarMatcher(self.compile(outputs)))
+        start = time.perf_counter()
+        grammar, cached = self._compiled(outputs)
+        return Constraint(self._xgr.GrammarMatcher(grammar), time.perf_counter() - start, cached)
 
     def compile(self, outputs: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        """``outputs``' grammar, from the cache or compiled now (GrammarError)."""
+        return self._compiled(outputs)[0]
+
+    def _compiled(self, outputs: StructuredOutputs) -> tuple[xgrammar.CompiledGrammar, bool]:
+        """(the grammar, whether the cache held it)."""
         key = outputs.key
         with self._lock:
             grammar = self._grammars.get(key)
             if grammar is not None:
                 self._grammars.move_to_end(key)
-                return grammar
+                return grammar, True
         kind, compiler = outputs.kind, self._compiler
         try:
             if kind == "json":
@@ -100,7 +107,7 @@ class GrammarCompiler:
             self._grammars[key] = grammar
             if len(self._grammars) > CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
-        return grammar
+        return grammar, False
 
     def apply(self, logits: torch.Tensor, rows: list[tuple[int, Constraint]]) -> None:
         """Set to -inf, in place, every logit ``rows``' grammars forbid next: ``(i, c)`` limits
@@ -118,10 +125,13 @@ class GrammarCompiler:
 class Constraint:
     """One sequence's place in its grammar (the ``OutputConstraint`` a ``Sequence`` holds)."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "compile_s", "cache_hit")
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgrammar.GrammarMatcher, compile_s: float = 0.0,
+                 cache_hit: bool = False) -> None:
         self.matcher = matcher
+        self.compile_s = compile_s  # seconds its grammar took to get (compile or cache)
+        self.cache_hit = cache_hit  # the engine's cache held its grammar
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False (and no move) when the grammar forbids it."""
@@ -131,6 +141,14 @@ class Constraint:
     def is_terminated(self) -> bool:
         """The grammar has ended (its stop token accepted): nothing may follow."""
         return bool(self.matcher.is_terminated())
+
+
+def grammar_timing(constraint: Constraint | None) -> dict:
+    """A worker message's ``grammar_compile_s`` and ``grammar_cache_hit`` for a sequence's
+    constraint (empty for free output)."""
+    if constraint is None:
+        return {}
+    return {"grammar_compile_s": constraint.compile_s, "grammar_cache_hit": constraint.cache_hit}
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:

@@ -3,7 +3,8 @@
 tokenizer. A constraint that does not compile, or not within the deadline, is refused before
 any worker sees it, naming the field as each door spells it (gRPC INVALID_ARGUMENT, HTTP 400);
 the event loop goes on while a compile runs; hostile and random constraints are answered,
-never hang the checker."""
+never hang the checker; with real workers behind the router core, the trace and the metrics
+say where each constraint was compiled and where a cache held it."""
 
 from __future__ import annotations
 
@@ -18,18 +19,26 @@ import pytest
 
 from pdserve.api import generation_pb2 as pb
 from pdserve.api import generation_pb2_grpc
+from pdserve.engine.config import EngineConfig
 from pdserve.models import Tokenizer
 from pdserve.router.backend import ModelSpec
 from pdserve.router.constraints import ConstraintCheck, ConstraintChecker, ConstraintRefused
+from pdserve.router.core import Router, RouterConfig
+from pdserve.router.directory import StaticDirectory
+from pdserve.router.errors import RequestValidationError
 from pdserve.router.grpc_server import GenerationServer
 from pdserve.router.http_server import HttpServer
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prepare import prepare
+from pdserve.router.validation import ClientRequest
 from pdserve.testing.fake_backend import FakeBackend, FakePromptTools
 from pdserve.worker_api.sampling_params import (
     MAX_REGEX_DEPTH,
     MAX_SCHEMA_DEPTH,
+    SamplingParams,
     StructuredOutputs,
 )
+from pdserve.workers.build import build_local_workers
 
 VOCAB = 512  # the tiny model's
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -240,4 +249,51 @@ def test_random_constraints_are_compiled_or_refused_never_stuck(tokenizer):
             assert not (await checker.check(outputs(json=SCHEMA))).cached
         finally:
             checker.close()
+    run(body())
+
+
+def test_a_router_checks_then_its_workers_compile_and_the_trace_says_so(hf_checkpoint):
+    """The router core with a prefill and a decode worker in this process: a constrained
+    request's trace holds the router's check and each worker's compile; the same constraint
+    again is a hit everywhere; a bad one is refused before any worker sees it."""
+    model_dir = hf_checkpoint("llama")
+    config = EngineConfig(model=str(model_dir), dtype="float32", block_size=4,
+                          num_kv_blocks=96, max_num_batched_tokens=32)
+
+    async def body():
+        handles = build_local_workers(config, num_prefill=1, num_decode=1)
+        checker = ConstraintChecker(Tokenizer.from_hf_folder(model_dir), VOCAB)
+        router = Router(ModelSpec("t", 256, VOCAB, ()), StaticDirectory(handles),
+                        tokenize=list, config=RouterConfig(disaggregation="always"),
+                        constraints=checker)
+        await router.start()
+        try:
+            params = SamplingParams(max_tokens=20, temperature=0.0,
+                                    structured_outputs={"regex": "[a-c]{3}-[0-9]{2}"})
+            for _ in range(2):
+                prepared = await prepare(router, ClientRequest("x", [5, 6, 7], params, 20),
+                                         None)
+                async for _delta in router.generate(prepared):
+                    pass
+            first, second = list(router.traces)[-2:]
+            assert first.finish_reason == second.finish_reason == "stop"
+            assert first.grammar_cache_hit is False and first.grammar_compile_s > 0
+            assert first.prefill_grammar_cache_hit is False
+            assert first.decode_grammar_cache_hit is False
+            assert first.prefill_grammar_compile_s > 0 and first.decode_grammar_compile_s > 0
+            assert (second.grammar_cache_hit, second.prefill_grammar_cache_hit,
+                    second.decode_grammar_cache_hit) == (True, True, True)
+            bad = SamplingParams(max_tokens=4, structured_outputs={"grammar": "root ::= ("})
+            with pytest.raises(RequestValidationError) as info:
+                await prepare(router, ClientRequest("y", [5], bad, 4,
+                                                    constraint_field="sampling.x"), None)
+            assert info.value.field == "sampling.x"
+            sample = router.metrics.registry.get_sample_value
+            assert sample("pdserve_structured_output_compiles_total") == 2
+            assert sample("pdserve_structured_output_cache_hits_total") == 1
+            assert sample("pdserve_structured_output_compile_seconds_count") == 2
+        finally:
+            await router.stop()
+            for handle in handles:
+                handle.close()
     run(body())

@@ -24,7 +24,7 @@ CONSTRAINED = SamplingParams(max_tokens=20, temperature=0.0,
 @pytest.fixture
 def gate(monkeypatch):
     """Every compile waits until ``gate.open`` is set; ``gate.threads`` names where they ran."""
-    original = GrammarCompiler.compile
+    original = GrammarCompiler.constraint
 
     class Gate:
         open = threading.Event()
@@ -37,7 +37,7 @@ def gate(monkeypatch):
         assert Gate.open.wait(60), "the test never opened the gate"
         return original(self, outputs)
 
-    monkeypatch.setattr(GrammarCompiler, "compile", gated)
+    monkeypatch.setattr(GrammarCompiler, "constraint", gated)
     yield Gate
     Gate.open.set()
 
@@ -78,7 +78,12 @@ def test_a_slow_compile_holds_no_step_on_either_worker(hf_checkpoint, make_pair,
     assert (len(tokens), reason) == (6, "length")
     assert not prefilling.done()
     gate.open.set()
-    first = prefilling.result(30).first
+    result = prefilling.result(30)
+    first = result.first
+    # each worker's compile, for the request's trace; a free request has none
+    assert reservation.grammar_cache_hit is False and reservation.grammar_compile_s >= 0
+    assert result.grammar_cache_hit is False and result.grammar_compile_s >= 0
+    assert pair.last[0].grammar_compile_s is None and pair.last[1].grammar_compile_s is None
     text = pair.decode.engine.parts.tokenizer.decode(_decoded(pair, "held", first))
     assert re.fullmatch(REGEX, text), text
     assert gate.threads and all(name.startswith("pdserve-grammar") for name in gate.threads)
