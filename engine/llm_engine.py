@@ -142,7 +142,7 @@ class LLMEngine:
         """A validated, untracked Sequence. NeverFits (a ValueError) naming what this engine can
         never take: a prompt its model or tokenizer cannot read, a context longer than its
         limit, more blocks than its pool, parameters no step can pack. A constrained request's
-        matcher is ``constraint`` when given (:meth:`constraint_for`), else made here."""
+        matcher is ``constraint`` when given (:meth:`then_with_constraint`), else made here."""
         if request_id in self.output.sequences:
             raise DuplicateRequestId(f"request_id {request_id!r} is already running")
         try:
@@ -213,12 +213,21 @@ class LLMEngine:
         result: Future = Future()
 
         def compiled(made: Future) -> None:
+            if made.cancelled():
+                result.set_exception(RuntimeError("the engine closed before the request's "
+                                                  "grammar compiled"))
+                return
             exc = made.exception()
             if exc is not None:
                 result.set_exception(exc if isinstance(exc, NeverFits) or
                                      not isinstance(exc, ValueError) else NeverFits(str(exc)))
                 return
-            then(made.result()).add_done_callback(functools.partial(_copy_outcome, result))
+            try:
+                after = then(made.result())
+            except Exception as then_exc:  # noqa: BLE001 - the caller's future must resolve
+                result.set_exception(then_exc)
+                return
+            after.add_done_callback(functools.partial(_copy_outcome, result))
 
         self._grammar_pool.submit(self._constraint, params).add_done_callback(compiled)
         return result
