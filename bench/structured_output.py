@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--model", help="a checkpoint folder instead of the random tiny Llama")
+    parser.add_argument("--steps", type=int, default=32, help="measured steps per variant")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the variants")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -126,8 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         print("1. a constraint's cost before its first token")
         print(compile_lines(model_dir))  # (first: the process has not loaded xgrammar yet)
         print("\n2. decode step time with rows under a JSON schema, against none")
-        print(step_table(model_dir, [8] if args.quick else [8, 32], 4 if args.quick else 32,
-                         1 if args.quick else 3))
+        print(step_table(model_dir, [8] if args.quick else [8, 32],
+                         4 if args.quick else args.steps, 1 if args.quick else args.rounds))
 
 
 if __name__ == "__main__":

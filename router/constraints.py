@@ -160,7 +160,12 @@ class _Child:
             self.kill()
             raise RuntimeError(f"the grammar check process did not start in "
                                f"{CHILD_START_TIMEOUT_S:g} s")
-        self._conn.recv()  # (its ready message)
+        try:
+            self._conn.recv()  # (its ready message)
+        except EOFError:
+            self.kill()
+            raise RuntimeError(f"the grammar check process exited while starting (exit code "
+                               f"{self._process.exitcode})") from None
 
     def compile(self, outputs: StructuredOutputs, timeout_s: float) -> str | None:
         """Why the child refused ``outputs`` (None: it compiled), _TIMED_OUT or _CHILD_GONE."""

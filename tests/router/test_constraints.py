@@ -100,6 +100,19 @@ def test_a_compile_past_the_deadline_is_refused_and_the_loop_goes_on(tokenizer):
     run(body())
 
 
+def test_a_compiler_that_cannot_start_leaves_the_check_to_the_workers(caplog):
+    """No tokenizer table can be built (the child exits while starting): the router logs it
+    and lets the request on, unchecked; its workers' own compile still refuses a bad one."""
+    async def body():
+        checker = ConstraintChecker(None, VOCAB)  # (GrammarCompiler fails on it in the child)
+        try:
+            assert await checker.check(outputs(regex="a")) == ConstraintCheck(0.0, False)
+        finally:
+            checker.close()
+    run(body())
+    assert "structured output not checked in the router" in caplog.text
+
+
 class CheckingBackend(FakeBackend):
     """A FakeBackend whose constraints a real ConstraintChecker checks (as the router's)."""
 
