@@ -52,6 +52,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -111,6 +112,9 @@ class DecodeWorker(StreamingWorker):
         self.epoch = random.getrandbits(62)  # this incarnation: older frames never match
         self._transfer_ids = itertools.count(1)
         self._reserved: dict[str, _Reserved] = {}
+        # requests whose grammar compiles before they reserve -> aborted meanwhile
+        self._compiling: dict[str, bool] = {}
+        self._compiling_lock = threading.Lock()  # (reserve's callers and the loop)
         self._by_key: dict[TransferKey, str] = {}
         self.mailboxes = RouterMailboxes()
         self.loop = EngineLoop(f"decode-{worker_id}", self.engine.step,
@@ -125,10 +129,18 @@ class DecodeWorker(StreamingWorker):
         """Future[Reservation]; fails with NeverFits or NoRoomNow when it declines, and with
         DuplicateRequestId when the id is held here already (reserved, submitted or running).
         ``router`` (its actor name) owns the request once reserved. A constrained request's
-        grammar compiles first, off the loop (``LLMEngine.then_with_constraint``)."""
-        return self.engine.then_with_constraint(
+        grammar compiles first, off the loop (``LLMEngine.then_with_constraint``); an abort
+        that arrives meanwhile stops it before it holds any block."""
+        request_id = request.request_id
+        if request.params.structured_outputs is not None:
+            with self._compiling_lock:
+                self._compiling[request_id] = False
+        reserved = self.engine.then_with_constraint(
             request.params, lambda constraint: self.loop.call(self._reserve, request, router,
                                                               constraint))
+        if request.params.structured_outputs is not None:
+            reserved.add_done_callback(lambda _: self._compiled(request_id))
+        return reserved
 
     def renew(self, request_id: str) -> Future:
         """Future[float | None]: the reservation's new lease deadline (None: not reserved)."""
@@ -143,8 +155,15 @@ class DecodeWorker(StreamingWorker):
         self.loop.stop()
 
     # -- loop thread ------------------------------------------------------------------------
+    def _compiled(self, request_id: str) -> bool:
+        """Forget a request whose grammar was compiling; True when it was aborted meanwhile."""
+        with self._compiling_lock:
+            return self._compiling.pop(request_id, False)
+
     def _reserve(self, request: WorkRequest, router: str,
                  constraint: Constraint | None) -> Reservation:
+        if constraint is not None and self._compiled(request.request_id):
+            raise RuntimeError(f"{request.request_id} was aborted while its grammar compiled")
         seq = self.engine.sequence_for(request, constraint)
         self.mailboxes.claim(seq.request_id, seq.attempt, router)  # DuplicateRequestId first
         try:
@@ -187,6 +206,9 @@ class DecodeWorker(StreamingWorker):
 
     def _abort(self, request_id: str) -> None:
         """The router's abort: its final delta (no error) only ends the owner entry."""
+        with self._compiling_lock:
+            if request_id in self._compiling:  # (its reserve stops once the grammar is ready)
+                self._compiling[request_id] = True
         entry = self._release(request_id)
         delta = self.engine.abort(request_id) if entry is None else _final(entry.seq, None)
         if delta is not None:

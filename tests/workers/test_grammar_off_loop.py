@@ -101,3 +101,20 @@ def test_a_constraint_that_does_not_compile_fails_that_request_alone(hf_checkpoi
     tokens, reason = pair.generate("after", [3, 4], FREE, timeout=30)
     assert (len(tokens), reason) == (6, "length")
     assert pair.used_blocks() == (0, 0)
+
+
+def test_an_abort_while_the_grammar_compiles_leaves_no_reservation(hf_checkpoint, make_pair,
+                                                                    gate):
+    """The router gave the attempt up (a timeout) and aborted it before its grammar was
+    ready: once the grammar is, the reservation is refused instead of holding blocks until
+    its lease ends."""
+    pair = make_pair(hf_checkpoint("llama"))
+    reserving = pair.decode.reserve(_request("late", CONSTRAINED))
+    assert gate.entered.wait(60)
+    pair.decode.abort("late").result(30)
+    gate.open.set()
+    with pytest.raises(RuntimeError, match="aborted while its grammar compiled"):
+        reserving.result(30)
+    assert pair.used_blocks() == (0, 0)
+    tokens, reason = pair.generate("next", [3, 4], FREE, timeout=30)  # the worker goes on
+    assert (len(tokens), reason) == (6, "length")
