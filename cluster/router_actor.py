@@ -65,6 +65,7 @@ from pdserve.models.checkpoint import open_checkpoint
 from pdserve.router.admin_server import AdminUnavailableError, PoolInfo, WorkerInfo
 from pdserve.router.auth import TLSConfig
 from pdserve.router.backend import ModelSpec
+from pdserve.router.constraints import ConstraintChecker
 from pdserve.router.core import RequestTrace, Router, RouterConfig
 from pdserve.router.errors import RequestValidationError
 from pdserve.router.grpc_server import GenerationServer
@@ -223,8 +224,10 @@ class RouterActor:
         store = PoolStore(spec.redis_url, spec.cluster, health.count_malformed)
         self.directory = ResilientDirectory(registry, cluster_namespace(spec.cluster), spec.name,
                                             health)
+        constraints = None if tokenizer is None else ConstraintChecker(
+            tokenizer, model.vocab_size, spec.config.grammar_check_timeout_s)
         self.router = Router(model, self.directory, tokenize, spec.config, metrics,
-                             prefix_cache_salt=spec.prefix_cache_salt)
+                             prefix_cache_salt=spec.prefix_cache_salt, constraints=constraints)
         await self.router.start()
         if spec.pools is not None:
             self.pools = PoolManager(store, registry, spec.pools, cluster_namespace(spec.cluster),

@@ -52,6 +52,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -61,6 +62,7 @@ from pdserve.decode_worker.ranks import TRANSFER_ADDRESS, report_name
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.sampling.grammar import Constraint, grammar_timing
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.step.scheduling_policy import DecodePolicy
 from pdserve.engine.worker_stats import engine_stats
@@ -113,6 +115,9 @@ class DecodeWorker(StreamingWorker):
         self.epoch = random.getrandbits(62)  # this incarnation: older frames never match
         self._transfer_ids = itertools.count(1)
         self._reserved: dict[str, _Reserved] = {}
+        # requests whose grammar compiles before they reserve -> aborted meanwhile
+        self._compiling: dict[str, bool] = {}
+        self._compiling_lock = threading.Lock()  # (reserve's callers and the loop)
         self._by_key: dict[TransferKey, str] = {}
         self.loop = EngineLoop(f"decode-{worker_id}", self.engine.step,
                                self.engine.has_unfinished_requests, tick=self._tick,
@@ -125,8 +130,19 @@ class DecodeWorker(StreamingWorker):
     def reserve(self, request: WorkRequest, router: str = "") -> Future:
         """Future[Reservation]; fails with NeverFits or NoRoomNow when it declines, and with
         DuplicateRequestId when the id is held here already (reserved, submitted or running).
-        ``router`` (its actor name) owns the request once reserved."""
-        return self.loop.call(self._reserve, request, router)
+        ``router`` (its actor name) owns the request once reserved. A constrained request's
+        grammar compiles first, off the loop (``LLMEngine.then_with_constraint``); an abort
+        that arrives meanwhile stops it before it holds any block."""
+        request_id = request.request_id
+        if request.params.structured_outputs is not None:
+            with self._compiling_lock:
+                self._compiling[request_id] = False
+        reserved = self.engine.then_with_constraint(
+            request.params, lambda constraint: self.loop.call(self._reserve, request, router,
+                                                              constraint))
+        if request.params.structured_outputs is not None:
+            reserved.add_done_callback(lambda _: self._compiled(request_id))
+        return reserved
 
     def renew(self, request_id: str) -> Future:
         """Future[float | None]: the reservation's new lease deadline (None: not reserved)."""
@@ -141,8 +157,16 @@ class DecodeWorker(StreamingWorker):
         self.loop.stop()
 
     # -- loop thread ------------------------------------------------------------------------
-    def _reserve(self, request: WorkRequest, router: str) -> Reservation:
-        seq = self.engine.sequence_for(request)
+    def _compiled(self, request_id: str) -> bool:
+        """Forget a request whose grammar was compiling; True when it was aborted meanwhile."""
+        with self._compiling_lock:
+            return self._compiling.pop(request_id, False)
+
+    def _reserve(self, request: WorkRequest, router: str,
+                 constraint: Constraint | None) -> Reservation:
+        if constraint is not None and self._compiled(request.request_id):
+            raise RuntimeError(f"{request.request_id} was aborted while its grammar compiled")
+        seq = self.engine.sequence_for(request, constraint)
         self.mailboxes.claim(seq.request_id, seq.attempt, router)  # DuplicateRequestId first
         try:
             return self._reserve_claimed(seq)
@@ -166,7 +190,8 @@ class DecodeWorker(StreamingWorker):
         self._by_key[key] = seq.request_id
         return Reservation(seq.request_id, self.worker_id, self.endpoint.address,
                            key.transfer_id, key.epoch, len(seq.block_table), deadline,
-                           self.rank_addresses, num_cached_blocks=num_cached)
+                           self.rank_addresses, num_cached_blocks=num_cached,
+                           **grammar_timing(seq.constraint))
 
     def _release(self, request_id: str) -> _Reserved | None:
         entry = self._reserved.pop(request_id, None)
@@ -183,6 +208,9 @@ class DecodeWorker(StreamingWorker):
 
     def _abort(self, request_id: str) -> None:
         """The router's abort: its final delta (no error) only ends the owner entry."""
+        with self._compiling_lock:
+            if request_id in self._compiling:  # (its reserve stops once the grammar is ready)
+                self._compiling[request_id] = True
         entry = self._release(request_id)
         self.loop.outbox.put_many(self.engine.abort_request(request_id) if entry is None
                                   else [_final(entry.seq, None)])

@@ -37,18 +37,20 @@ Workers never reach into the parts: what they need of the engine is a method her
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parts import EngineParts
-from pdserve.engine.sampling.grammar import GrammarCompiler
+from pdserve.engine.sampling.grammar import Constraint, GrammarCompiler
 from pdserve.engine.sampling.sampler import (
     Sampler,
     SamplingBatch,
@@ -82,6 +84,8 @@ from pdserve.worker_api import (
 from pdserve.worker_api.sampling_params import MAX_N, SamplingParams, child_seed
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_THREADS = 2  # constraints one engine compiles at once, off its loop
 
 
 class LLMEngine:
@@ -120,6 +124,9 @@ class LLMEngine:
         # requests of n (best_of) > 1 whose prompt is still computing here: each forks into
         # its other sequences when it samples its first token (:meth:`_fork`)
         self._to_fork: dict[str, Sequence] = {}
+        # constraints compiled for workers' loops, off them (threads start with the first)
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS,
+                                                thread_name_prefix="pdserve-grammar")
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -134,10 +141,12 @@ class LLMEngine:
                                                    params or SamplingParams(), seed))
 
     def new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     seed: int | None = None) -> Sequence:
+                     seed: int | None = None,
+                     constraint: Constraint | None = None) -> Sequence:
         """A validated, untracked Sequence. NeverFits (a ValueError) naming what this engine can
         never take: a prompt its model or tokenizer cannot read, a context longer than its
-        limit, more blocks than its pool, parameters no step can pack."""
+        limit, more blocks than its pool, parameters no step can pack. A constrained request's
+        matcher is ``constraint`` when given (:meth:`then_with_constraint`), else made here."""
         for index in range(params.num_sequences):
             if choice_request_id(request_id, index) in self.output.sequences:
                 raise DuplicateRequestId(f"request_id {choice_request_id(request_id, index)!r} "
@@ -161,18 +170,20 @@ class LLMEngine:
             check_samplable(seq)
             self._check_logit_bias(params)
             if params.structured_outputs is not None:
-                seq.constraint = self._constraint(params)
+                seq.constraint = constraint or self._constraint(params)
         except NeverFits:
             raise
         except ValueError as exc:
             raise NeverFits(str(exc)) from None
         return seq
 
-    def sequence_for(self, request: WorkRequest) -> Sequence:
+    def sequence_for(self, request: WorkRequest,
+                     constraint: Constraint | None = None) -> Sequence:
         """An untracked Sequence for a router's request: prompt + the outputs already streamed
-        (a migrated request resumes at output position ``len(request.output_token_ids)``)."""
+        (a migrated request resumes at output position ``len(request.output_token_ids)``);
+        ``constraint`` as for :meth:`new_sequence`."""
         seq = self.new_sequence(request.request_id, request.prompt_token_ids, request.params,
-                                request.seed)
+                                request.seed, constraint)
         resumed = list(request.output_token_ids)
         if resumed and request.params.num_sequences > 1:
             raise NeverFits("n: a request forked into several sequences (n or best_of > 1) "
@@ -194,9 +205,9 @@ class LLMEngine:
         seq.deadline, seq.attempt = request.deadline, request.attempt
         return seq
 
-    def add_work(self, request: WorkRequest) -> Sequence:
+    def add_work(self, request: WorkRequest, constraint: Constraint | None = None) -> Sequence:
         """Queue a router's request (see :meth:`sequence_for`)."""
-        return self.add_sequence(self.sequence_for(request))
+        return self.add_sequence(self.sequence_for(request, constraint))
 
     def add_sequence(self, seq: Sequence) -> Sequence:
         """Queue a checked, untracked sequence (:meth:`sequence_for`); DuplicateRequestId if
@@ -240,7 +251,38 @@ class LLMEngine:
         self.hooks.forked(parent, children)
         return children
 
-    def _constraint(self, params: SamplingParams):
+    def then_with_constraint(self, params: SamplingParams,
+                             then: Callable[[Constraint | None], Future]) -> Future:
+        """``then(constraint)``'s future, ``constraint`` the matcher for ``params``' structured
+        outputs compiled on the engine's grammar threads (None when free): a worker's loop
+        never compiles, and its steps go on while a request waits for its grammar. A
+        constraint that cannot be served fails the returned future with NeverFits, and
+        ``then`` is not called."""
+        if params.structured_outputs is None:
+            return then(None)
+        result: Future = Future()
+
+        def compiled(made: Future) -> None:
+            if made.cancelled():
+                result.set_exception(RuntimeError("the engine closed before the request's "
+                                                  "grammar compiled"))
+                return
+            exc = made.exception()
+            if exc is not None:
+                result.set_exception(exc if isinstance(exc, NeverFits) or
+                                     not isinstance(exc, ValueError) else NeverFits(str(exc)))
+                return
+            try:
+                after = then(made.result())
+            except Exception as then_exc:  # noqa: BLE001 - the caller's future must resolve
+                result.set_exception(then_exc)
+                return
+            after.add_done_callback(functools.partial(_copy_outcome, result))
+
+        self._grammar_pool.submit(self._constraint, params).add_done_callback(compiled)
+        return result
+
+    def _constraint(self, params: SamplingParams) -> Constraint:
         """A new matcher for ``params``' structured outputs (ValueError naming the field when
         they cannot be served here); the grammar engine starts with the first request."""
         if self.parts.tokenizer is None:
@@ -367,7 +409,9 @@ class LLMEngine:
         return None if bm.events is None else bm.events.snapshot(bm.held_hashes())
 
     def close(self) -> None:
-        """Stop what the engine runs beside this process (its tensor parallel ranks)."""
+        """Stop what the engine runs beside this process (its tensor parallel ranks, its
+        grammar threads)."""
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.parts.close()
 
     def broken(self) -> str | None:
@@ -529,3 +573,15 @@ class LLMEngine:
             f"non-finite logits with the int8 KV cache (kv_int8_scales={self._int8_kv!r}): "
             "its scales or dequantized values overflowed; serve this model with "
             "kv_cache_dtype='auto'") for i in bad}
+
+
+def _copy_outcome(target: Future, source: Future) -> None:
+    """Resolve ``target`` as ``source`` resolved."""
+    if source.cancelled():
+        target.cancel()
+        return
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())

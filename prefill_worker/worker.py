@@ -48,6 +48,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineDeadError, EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
+from pdserve.engine.sampling.grammar import Constraint, grammar_timing
 from pdserve.engine.step.hooks import StepHooks
 from pdserve.engine.step.scheduler_output import ScheduledSequence
 from pdserve.engine.step.scheduling_policy import PrefillOnlyPolicy
@@ -133,9 +134,13 @@ class PrefillWorker(StepHooks):
 
     # -- public API (any thread) --------------------------------------------------------------
     def prefill(self, request: WorkRequest, reservation: Reservation) -> Future:
-        """Future[PrefillResult]: resolves once token 0 is sampled and the KV has been sent."""
+        """Future[PrefillResult]: resolves once token 0 is sampled and the KV has been sent.
+        A constrained request's grammar compiles first, off the loop
+        (``LLMEngine.then_with_constraint``)."""
         result: Future = Future()
-        admitted = self.loop.call(self._admit, request, reservation, result)
+        admitted = self.engine.then_with_constraint(
+            request.params, lambda constraint: self.loop.call(self._admit, request, reservation,
+                                                              result, constraint))
         admitted.add_done_callback(
             lambda f: f.exception() is not None and not result.done()
             and result.set_exception(f.exception()))
@@ -157,12 +162,13 @@ class PrefillWorker(StepHooks):
         self._fail_everything("the prefill worker was closed")  # the loop has stopped
 
     # -- loop thread --------------------------------------------------------------------------
-    def _admit(self, request: WorkRequest, reservation: Reservation, result: Future) -> None:
+    def _admit(self, request: WorkRequest, reservation: Reservation, result: Future,
+               constraint: Constraint | None) -> None:
         if request.request_id in self._targets:
             raise DuplicateRequestId(f"request_id {request.request_id!r} is already held here")
         routes = Routes(self.model_config, self.shard, self.connector,  # connect lazily
                         _addresses(reservation))
-        self.engine.add_work(request)
+        self.engine.add_work(request, constraint)
         self._targets[request.request_id] = _Target(reservation, result, routes)
 
     def _abort(self, request_id: str, why: str = "aborted") -> None:
@@ -267,7 +273,8 @@ class PrefillWorker(StepHooks):
         target.result.set_result(PrefillResult(
             seq.request_id, delta, queue_time_s=timings[0], prefill_time_s=timings[1],
             transfer_time_s=time.monotonic() - sampled_at, transfer_bytes=target.bytes_sent,
-            num_cached_tokens=seq.num_cached_tokens))
+            num_cached_tokens=seq.num_cached_tokens,
+            **grammar_timing(seq.constraint)))
 
     def _stats(self) -> WorkerStats:
         return engine_stats(self.worker_id, self.role, self.engine)

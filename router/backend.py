@@ -10,7 +10,8 @@ Call order for one request, as both front doors make it:
    ``is_ready()`` is what health reports; a backend not ready still gets ``generate`` calls
    (the router waits for a ready worker up to the request's deadline; a backend that cannot
    wait raises NoWorkersError).
-2. ``tokenize(text)`` when the prompt came as text (``pdserve.router.prepare`` calls it).
+2. ``tokenize(text)`` when the prompt came as text, and ``check_constraint(outputs)`` when the
+   request constrains its output (``pdserve.router.prepare`` calls both).
 3. ``generate(request)`` is iterated, ``request`` the :class:`PreparedRequest` the preparation
    stage returned; admission failures (``QueueFullError``, ``RequestTooLargeError``,
    ``NoWorkersError`` from ``pdserve.router.errors``) are raised from the first
@@ -39,7 +40,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from pdserve.worker_api.sampling_params import SamplingParams
+from pdserve.router.constraints import ConstraintCheck
+from pdserve.worker_api.sampling_params import SamplingParams, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,8 @@ class PreparedRequest:
     # is a ceiling the backend may lower to what one worker holds instead of refusing
     deadline: float | None = None  # time.monotonic() instant; None: no deadline
     tenant: str | None = None  # who it counts under for fair turns (None: anonymous)
+    constraint_check: ConstraintCheck | None = None  # how the router checked its structured
+    # output (None: free output, or a backend that does not check)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens != self.params.max_tokens:
@@ -126,6 +130,11 @@ class GenerationBackend(Protocol):
 
     async def tokenize(self, text: str) -> list[int]:
         """The prompt's token ids, as the engine would see them (special tokens included)."""
+        ...
+
+    async def check_constraint(self, outputs: StructuredOutputs) -> ConstraintCheck | None:
+        """Check that workers can compile ``outputs`` before any sees it: ConstraintRefused
+        (a ValueError saying why) when they cannot; None when this backend does not check."""
         ...
 
     def model_info(self) -> ModelSpec:

@@ -44,6 +44,8 @@ class RouterConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority: order of the waiting queue
     priority_aging_s: float = 10.0  # a waiting request gains one priority level per this long
     max_request_kv_fraction: float = 1.0  # most of a decode worker's KV one request may hold
+    grammar_check_timeout_s: float = 2.0  # a structured output's compile in the router, at
+    # most; a constraint that takes longer is refused as too complex
 
     def __post_init__(self) -> None:
         if self.prefill_routing not in PREFILL_ROUTINGS:
@@ -66,7 +68,7 @@ class RouterConfig:
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
         for name in ("rpc_timeout_s", "prefill_timeout_s", "stream_timeout_s", "worker_wait_s",
-                     "poll_timeout_s", "stats_interval_s"):
+                     "poll_timeout_s", "stats_interval_s", "grammar_check_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -63,6 +63,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.backend import GenerationDelta, ModelSpec, PreparedRequest
 from pdserve.router.config import RouterConfig
+from pdserve.router.constraints import ConstraintCheck, ConstraintChecker, ConstraintRefused
 from pdserve.router.directory import WorkerDirectory
 from pdserve.router.errors import (
     DeadlineExceededError,
@@ -95,6 +96,7 @@ from pdserve.worker_api import (
     WorkRequest,
     split_choice,
 )
+from pdserve.worker_api.sampling_params import StructuredOutputs
 
 __all__ = ["RequestTrace", "Router", "RouterConfig"]
 
@@ -110,11 +112,15 @@ class Router:
 
     def __init__(self, spec: ModelSpec, directory: WorkerDirectory,
                  tokenize: Callable[[str], list[int]], config: RouterConfig | None = None,
-                 metrics: RouterMetrics | None = None, prefix_cache_salt: str | None = None):
+                 metrics: RouterMetrics | None = None, prefix_cache_salt: str | None = None,
+                 constraints: ConstraintChecker | None = None):
         """``prefix_cache_salt``: the workers' (``EngineConfig.prefix_cache_salt``), so the
         router hashes a prompt's blocks as their prefix caches do and finds the prefill worker
-        that holds most of it (None: the queues alone choose)."""
+        that holds most of it (None: the queues alone choose). ``constraints`` compiles
+        requests' structured outputs before any worker sees them (None: the workers alone
+        check them; the router owns and closes it)."""
         self.spec = spec
+        self._constraints = constraints
         self._salt = None if prefix_cache_salt is None else prefix_cache_salt.encode()
         self._prefill_turns = itertools.count()  # prefill_routing round-robin
         self._transfer_cost = TransferCost()  # KV block transfer vs prompt token prefill
@@ -143,6 +149,8 @@ class Router:
     async def stop(self) -> None:
         await self.workers.stop()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        if self._constraints is not None:
+            self._constraints.close()
 
     @property
     def mode(self) -> str:
@@ -160,6 +168,17 @@ class Router:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, self._tokenize, text)
 
+    async def check_constraint(self, outputs: StructuredOutputs) -> ConstraintCheck | None:
+        if self._constraints is None:
+            return None
+        try:
+            check = await self._constraints.check(outputs)
+        except ConstraintRefused as exc:
+            self.metrics.observe_constraint_check(exc.check, exc)
+            raise
+        self.metrics.observe_constraint_check(check, None)
+        return check
+
     async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationDelta]:
         flight = self._admit(request)
         finished = False
@@ -170,6 +189,9 @@ class Router:
                 finished = num_left == 0  # (closed after it: no abort)
                 trace = observe(flight, delta, self.metrics, finished)
                 if trace is not None:
+                    if request.constraint_check is not None:
+                        trace.grammar_compile_s = request.constraint_check.compile_s
+                        trace.grammar_cache_hit = request.constraint_check.cached
                     self.traces.append(trace)
                 index = split_choice(delta.request_id)[1] if num_seqs > 1 else 0
                 yield GenerationDelta(delta.new_token_ids, delta.text, delta.logprobs,
@@ -326,7 +348,11 @@ class Router:
                                         prefill_routing=flight.prefill_routing,
                                         prefill_location=flight.prefill_location,
                                         decode_routing=flight.decode_routing,
-                                        decode_cached_blocks=reservation.num_cached_blocks)
+                                        decode_cached_blocks=reservation.num_cached_blocks,
+                                        prefill_grammar_compile_s=result.grammar_compile_s,
+                                        prefill_grammar_cache_hit=result.grammar_cache_hit,
+                                        decode_grammar_compile_s=reservation.grammar_compile_s,
+                                        decode_grammar_cache_hit=reservation.grammar_cache_hit)
         flight.move_to(Phase.DECODING)
         yield result.first
         num_finished = result.first.finish_reason is not None

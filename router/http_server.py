@@ -317,9 +317,12 @@ class HttpServer:
         """The body as a ClientRequest, through the preparation stage, as a job to run."""
         max_tokens_param, max_tokens = oa.max_tokens_of(body)
         deadline = None if body.timeout is None else time.monotonic() + body.timeout
+        outputs = params.structured_outputs
         incoming = ClientRequest(f"{prefix}-{uuid.uuid4().hex}", prompt, params, max_tokens,
                                  deadline, prompt_field=prompt_param,
-                                 max_tokens_field=max_tokens_param)
+                                 max_tokens_field=max_tokens_param,
+                                 constraint_field=None if outputs is None
+                                 else oa.constraint_field(body, outputs.kind, tools))
         request = await prepare(self._backend, incoming, CALLER.get())
         return HttpJob(chat, self._backend.model_info().model_name, oa.now(), request,
                        body.stream, body.include_usage, tools)

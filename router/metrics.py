@@ -13,6 +13,13 @@ Control plane (``pdserve.cluster.control_plane``): ``pdserve_control_plane_degra
 while Redis is unreachable), ``pdserve_malformed_records_total{family}``,
 ``pdserve_untrusted_records_total{kind}`` and ``pdserve_control_plane_repairs_total{family}``.
 
+Structured output (the router's check of each request's constraint, ``router.constraints``):
+``pdserve_structured_output_compiles_total`` (constraints it compiled),
+``pdserve_structured_output_cache_hits_total`` (answered from its cache),
+``pdserve_structured_output_compile_seconds`` and
+``pdserve_structured_output_invalid_requests_total{reason}`` (``does_not_compile``,
+``too_complex``).
+
 Besides the histograms the router keeps :class:`SlidingWindow` samples of what the
 autoscaler reads (percentiles and rates over its window): the router's TTFT, the ITL, the
 prefill pool's part of TTFT (queue + compute + KV send at the worker) and prompt tokens.
@@ -28,6 +35,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.router.constraints import ConstraintCheck, ConstraintRefused
 from pdserve.router.metrics_http import start_metrics_server
 from pdserve.worker_api import PrefillResult, WorkerStats
 
@@ -86,6 +94,7 @@ class RouterMetrics:
         self._add_request_latencies()
         self._add_worker_gauges()
         self._add_cluster_metrics()
+        self._add_structured_output_metrics()
         # What the autoscaler reads (seconds; ITL weighted by tokens).
         self.ttft_window = SlidingWindow()  # the router's TTFT
         self.itl_window = SlidingWindow()  # gaps between streamed tokens
@@ -191,6 +200,33 @@ class RouterMetrics:
                                              "back in Redis after it lost them or held them "
                                              "malformed, by key family", ("family",),
                                              registry=r)
+
+    def _add_structured_output_metrics(self) -> None:
+        """The router's checks of requests' constraints (``router.constraints``)."""
+        r = self.registry
+        self.grammar_compiles = Counter("pdserve_structured_output_compiles", "Constraints the "
+                                        "router compiled to check them", registry=r)
+        self.grammar_cache_hits = Counter("pdserve_structured_output_cache_hits", "Constraint "
+                                          "checks answered from the router's cache", registry=r)
+        self.grammar_compile = Histogram("pdserve_structured_output_compile_seconds", "Time "
+                                         "the router's check took to compile a constraint",
+                                         registry=r, buckets=_LATENCY_BUCKETS)
+        self.grammar_invalid = Counter("pdserve_structured_output_invalid_requests", "Requests "
+                                       "refused because their constraint does not compile "
+                                       "(does_not_compile) or not in time (too_complex)",
+                                       ("reason",), registry=r)
+
+    def observe_constraint_check(self, check: ConstraintCheck, refused: ConstraintRefused | None
+                                 ) -> None:
+        """One check of a request's constraint, and its refusal if it was refused."""
+        if check.cached:
+            self.grammar_cache_hits.inc()
+        else:
+            self.grammar_compiles.inc()
+            self.grammar_compile.observe(check.compile_s)
+        if refused is not None:
+            reason = "too_complex" if refused.is_too_complex else "does_not_compile"
+            self.grammar_invalid.labels(reason).inc()
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.labels("router").observe(seconds)

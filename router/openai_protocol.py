@@ -47,7 +47,12 @@ from pdserve.router.errors import (
 )
 from pdserve.router.tool_calling import ToolCalling, template_tool_calls
 from pdserve.router.validation import check_logit_bias
-from pdserve.worker_api.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from pdserve.worker_api.sampling_params import (
+    CONSTRAINT_KINDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    SamplingParams,
+)
 
 UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob too small to report
 MAX_TIMEOUT_S = 86_400.0  # the longest ``timeout`` a request may ask for (a day)
@@ -315,6 +320,17 @@ def echoes_prompt_only(body: _SamplingBody) -> bool:
     return isinstance(body, CompletionRequest) and bool(body.echo) and body.max_tokens == 0
 
 
+def constraint_field(body: _SamplingBody, kind: str,
+                     tools: ToolCalling | None = None) -> str:
+    """The parameter errors about the body's constraint (of ``kind``) name: ``tools`` when
+    the tool calling forces the output (the functions' schemas make the constraint)."""
+    if tools is not None and tools.forced:
+        return "tools"
+    if body.structured_outputs is not None:
+        return f"structured_outputs.{kind}"
+    return "response_format.json_schema.schema" if kind == "json" else "response_format"
+
+
 def max_tokens_of(body: _SamplingBody) -> tuple[str, int | None]:
     """The parameter that sets max_tokens (chat's ``max_completion_tokens`` before
     ``max_tokens``) and its value, None when the body gives neither (1 for
@@ -364,7 +380,9 @@ def sampling_params(body: _SamplingBody, vocab_size: int,
         param = {"max_tokens": max_param, "logprobs": "top_logprobs" if chat else "logprobs",
                  "prompt_logprobs": "logprobs"}.get(name, name)
         if name.split(".")[0] == "structured_outputs":
-            param = outputs_param
+            kind = name.partition(".")[2]
+            param = constraint_field(body, kind, tools) if kind in CONSTRAINT_KINDS \
+                else outputs_param
         raise RequestValidationError(param, str(exc)) from exc
     if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
         raise RequestValidationError("top_logprobs" if chat else "logprobs",

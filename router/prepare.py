@@ -15,6 +15,9 @@ order, by :func:`prepare`:
    tokenized by the backend (off the event loop); ids non-empty and inside the vocabulary.
 5. The context: the prompt leaves room to generate; prompt + a given max_tokens fit it (else
    an error), an absent one (its ceiling the door's default) is lowered to the room left.
+6. The structured output, when the request constrains it: compiled by the backend, bounded in
+   time (``backend.check_constraint``, ``router.constraints``); one that does not compile, or
+   not in time, is refused naming ``ClientRequest.constraint_field``.
 
 Each failure raises ``RequestValidationError`` naming the field as the client's wire format
 spells it (``ClientRequest.prompt_field``, ``max_tokens_field``). The result is one
@@ -30,6 +33,7 @@ import dataclasses
 
 from pdserve.router.auth import Caller, check_priority, request_tenant
 from pdserve.router.backend import GenerationBackend, ModelSpec, PreparedRequest
+from pdserve.router.constraints import ConstraintCheck, ConstraintRefused
 from pdserve.router.errors import RequestValidationError
 from pdserve.router.validation import (
     ClientRequest,
@@ -37,7 +41,7 @@ from pdserve.router.validation import (
     check_prompt_text,
     check_token_ids,
 )
-from pdserve.worker_api.sampling_params import SamplingParams
+from pdserve.worker_api.sampling_params import SamplingParams, StructuredOutputs
 
 __all__ = ["ClientRequest", "PreparedRequest", "prepare"]
 
@@ -53,8 +57,20 @@ async def prepare(backend: GenerationBackend, request: ClientRequest,
         check_max_tokens(request.max_tokens_field, request.max_tokens, model)
     prompt_token_ids = await _prompt_token_ids(backend, request, model)
     params = _fit_to_context(request, len(prompt_token_ids), model)
+    check = None
+    if params.structured_outputs is not None:
+        check = await _check_constraint(backend, request, params.structured_outputs)
     return PreparedRequest(request.label, prompt_token_ids, params, request.max_tokens,
-                           request.deadline, tenant)
+                           request.deadline, tenant, check)
+
+
+async def _check_constraint(backend: GenerationBackend, request: ClientRequest,
+                            outputs: StructuredOutputs) -> ConstraintCheck | None:
+    try:
+        return await backend.check_constraint(outputs)
+    except ConstraintRefused as exc:
+        field = request.constraint_field or f"structured_outputs.{outputs.kind}"
+        raise RequestValidationError(field, str(exc)) from None
 
 
 async def _prompt_token_ids(backend: GenerationBackend, request: ClientRequest,

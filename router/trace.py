@@ -35,6 +35,13 @@ class RequestTrace:
     # chosen (the first attempt's)
     decode_cached_blocks: int = 0  # the prompt's leading blocks the decode worker's prefix
     # cache held (its KV was not sent)
+    grammar_compile_s: float | None = None  # the router's compile of its structured output
+    # (0 when cached; None: free output, or not checked)
+    grammar_cache_hit: bool | None = None  # the router's check answered from its cache
+    prefill_grammar_compile_s: float | None = None  # the prefill worker's compile of it
+    prefill_grammar_cache_hit: bool | None = None  # (its grammar cache held it)
+    decode_grammar_compile_s: float | None = None  # the decode worker's compile of it
+    decode_grammar_cache_hit: bool | None = None  # (its grammar cache held it)
 
     @property
     def tpot(self) -> float:

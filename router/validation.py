@@ -66,6 +66,8 @@ class ClientRequest:
     claimed_tenant: str = ""  # the tenant the client names; heeded only on a router without keys
     prompt_field: str = "prompt"  # the wire field errors about the prompt name
     max_tokens_field: str = "max_tokens"  # the wire field errors about max_tokens name
+    constraint_field: str | None = None  # the wire field errors about the structured output
+    # name (None: structured_outputs.<kind>)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens != self.params.max_tokens:
@@ -184,4 +186,6 @@ def client_request_from_proto(request: generation_pb2.GenerateRequest, model: Mo
         label=request.request_id or uuid.uuid4().hex, prompt=prompt, params=params,
         max_tokens=max_tokens, deadline=deadline,
         claimed_tenant=request.tenant or metadata_tenant, prompt_field=kind,
-        max_tokens_field="sampling.max_tokens")
+        max_tokens_field="sampling.max_tokens",
+        constraint_field=None if params.structured_outputs is None
+        else f"sampling.structured_outputs.{params.structured_outputs.kind}")

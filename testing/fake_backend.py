@@ -24,9 +24,10 @@ import threading
 from collections.abc import AsyncIterator
 
 from pdserve.router.backend import GenerationDelta, ModelSpec, PreparedRequest
+from pdserve.router.constraints import ConstraintCheck
 from pdserve.router.errors import NOT_READY, NoWorkersError
 from pdserve.router.tool_calling import HermesParser
-from pdserve.worker_api.sampling_params import SamplingParams
+from pdserve.worker_api.sampling_params import SamplingParams, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,9 @@ class FakeBackend:
 
     async def tokenize(self, text: str) -> list[int]:
         return [(ord(c) - FIRST_CHAR) % self.model.vocab_size for c in text]
+
+    async def check_constraint(self, outputs: StructuredOutputs) -> ConstraintCheck | None:
+        return None  # (no grammar engine: constraints are not checked here)
 
     def model_info(self) -> ModelSpec:
         return self.model

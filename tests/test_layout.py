@@ -241,8 +241,10 @@ def test_no_import_cycle_between_modules():
         visit(module, ())
 
 
-# What the router may read of the engine (workers it sees through pdserve.worker_api).
-ROUTER_SEES_OF_ENGINE = {"pdserve.engine.kv_cache.prefix_hash"}
+# What the router may read of the engine (workers it sees through pdserve.worker_api): how
+# workers hash prompt blocks, and how they compile a constraint (router.constraints checks it
+# in a child process, as a worker would compile it).
+ROUTER_SEES_OF_ENGINE = {"pdserve.engine.kv_cache.prefix_hash", "pdserve.engine.sampling.grammar"}
 
 
 def test_the_router_sees_workers_only_through_the_protocol():

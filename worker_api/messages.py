@@ -70,6 +70,9 @@ class Reservation:
     # endpoint in rank order (the first is transfer_address); each takes only its K/V heads
     num_cached_blocks: int = 0  # leading blocks the decode worker's prefix cache holds: the
     # prefill worker sends only the blocks after them
+    grammar_compile_s: float | None = None  # the decode worker's compile of the request's
+    # grammar (None: free output)
+    grammar_cache_hit: bool | None = None  # its grammar cache held it
 
 
 @dataclass
@@ -83,5 +86,8 @@ class PrefillResult:
     transfer_time_s: float  # token 0 sampled -> last frame (commit) sent
     transfer_bytes: int  # KV payload bytes sent
     num_cached_tokens: int  # prompt tokens served by the prefill worker's prefix cache
+    grammar_compile_s: float | None = None  # the prefill worker's compile of the request's
+    # grammar (None: free output)
+    grammar_cache_hit: bool | None = None  # its grammar cache held it
 
 

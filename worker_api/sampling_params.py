@@ -34,6 +34,9 @@ MAX_LOGIT_BIAS = 1024  # entries of a logit_bias map (OpenAI's limit)
 LOGIT_BIAS_RANGE = 100.0  # a bias is in [-100, 100] (OpenAI's range)
 MAX_N = 16  # sequences one request may fork into (n, best_of): each holds a seat and its own
 # blocks past the shared prompt, so one request never fills a step's batch alone
+MAX_SCHEMA_DEPTH = 64  # objects and arrays nested in a JSON schema's text, at most
+MAX_SCHEMA_ENUM_VALUES = 1024  # enum and const values in one JSON schema, at most
+MAX_REGEX_DEPTH = 32  # groups nested in a regex, at most
 
 
 def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
@@ -144,6 +147,9 @@ class StructuredOutputs:
             if len(text) > MAX_CONSTRAINT_CHARS:
                 raise ValueError(f"structured_outputs.{name} must be at most "
                                  f"{MAX_CONSTRAINT_CHARS} characters, got {len(text)}")
+        if self.regex is not None and _regex_depth(self.regex) > MAX_REGEX_DEPTH:
+            raise ValueError(f"structured_outputs.regex nests more than {MAX_REGEX_DEPTH} "
+                             f"groups")
         if self.choice is not None:
             choices = _check_list("structured_outputs.choice", self.choice, MAX_CHOICES)
             if not choices or not all(isinstance(c, str) and c for c in choices):
@@ -159,10 +165,14 @@ class StructuredOutputs:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
+            except RecursionError:
+                raise ValueError(f"structured_outputs.{name} nests more than "
+                                 f"{MAX_SCHEMA_DEPTH} levels") from None
             except ValueError as exc:
                 raise ValueError(f"structured_outputs.{name} is not valid JSON: {exc}") from None
         if not isinstance(value, types):
             raise ValueError(f"structured_outputs.{name} must be {what}, got {_short(value)}")
+        _check_schema_size(name, value)
         object.__setattr__(self, name, json.dumps(value, sort_keys=True))
 
     def _given(self) -> list[str]:
@@ -189,6 +199,48 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs has unknown fields {unknown}; it takes "
                              f"{', '.join(CONSTRAINT_KINDS)}")
         return cls(**value)
+
+
+def _check_schema_size(name: str, schema) -> None:
+    """Refuse a schema (field ``name``'s) nested deeper than MAX_SCHEMA_DEPTH or with more
+    than MAX_SCHEMA_ENUM_VALUES enum/const values (one pass, no recursion: a deep one is
+    refused, not a RecursionError)."""
+    pending, num_values = [(schema, 1)], 0
+    while pending:
+        value, depth = pending.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"structured_outputs.{name} nests more than {MAX_SCHEMA_DEPTH} "
+                             "levels")
+        if isinstance(value, dict):
+            enum = value.get("enum")
+            num_values += (len(enum) if isinstance(enum, list) else 0) + ("const" in value)
+            pending.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            pending.extend((v, depth + 1) for v in value)
+    if num_values > MAX_SCHEMA_ENUM_VALUES:
+        raise ValueError(f"structured_outputs.{name} has {num_values} enum and const values; "
+                         f"at most {MAX_SCHEMA_ENUM_VALUES}")
+
+
+def _regex_depth(regex: str) -> int:
+    """How deep ``regex``'s groups nest (escaped and bracketed parentheses aside)."""
+    depth = deepest = 0
+    escaped = in_class = False
+    for char in regex:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth = max(0, depth - 1)
+    return deepest
 
 
 @dataclass

@@ -34,6 +34,15 @@ logger = logging.getLogger(__name__)
 CACHED_GRAMMARS = 256  # compiled grammars one engine keeps (least recently used go first)
 
 
+class GrammarError(ValueError):
+    """A constraint that does not compile; the message names its field, ``reason`` is the
+    grammar engine's own first line."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"structured_outputs.{kind} does not compile: {reason}")
+        self.kind, self.reason = kind, reason
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary (the model's logits width).
 
@@ -60,17 +69,24 @@ class GrammarCompiler:
                     (time.perf_counter() - start) * 1e3)
 
     def constraint(self, outputs: StructuredOutputs) -> Constraint:
-        """A new matcher at the start of ``outputs``' grammar. ValueError naming the field
-        when it does not compile."""
-        return Constraint(self._xgr.GrammarMatcher(self.compile(outputs)))
+        """A new matcher at the start of ``outputs``' grammar. GrammarError (a ValueError
+        naming the field) when it does not compile."""
+        start = time.perf_counter()
+        grammar, cached = self._compiled(outputs)
+        return Constraint(self._xgr.GrammarMatcher(grammar), time.perf_counter() - start, cached)
 
     def compile(self, outputs: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        """``outputs``' grammar, from the cache or compiled now (GrammarError)."""
+        return self._compiled(outputs)[0]
+
+    def _compiled(self, outputs: StructuredOutputs) -> tuple[xgrammar.CompiledGrammar, bool]:
+        """(the grammar, whether the cache held it)."""
         key = outputs.key
         with self._lock:
             grammar = self._grammars.get(key)
             if grammar is not None:
                 self._grammars.move_to_end(key)
-                return grammar
+                return grammar, True
         kind, compiler = outputs.kind, self._compiler
         try:
             if kind == "json":
@@ -87,13 +103,13 @@ class GrammarCompiler:
             else:
                 grammar = compiler.compile_grammar(outputs.grammar)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises several kinds
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"structured_outputs.{kind} does not compile: {message}") from None
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise GrammarError(kind, reason) from None
         with self._lock:
             self._grammars[key] = grammar
             if len(self._grammars) > CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
-        return grammar
+        return grammar, False
 
     def _structural_tag(self, tag: dict) -> xgrammar.CompiledGrammar:
         """xgrammar's structural tag, or vLLM's older form (``structures`` + ``triggers``)."""
@@ -153,10 +169,13 @@ class GrammarCompiler:
 class Constraint:
     """One sequence's place in its grammar (the ``OutputConstraint`` a ``Sequence`` holds)."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "compile_s", "cache_hit")
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgrammar.GrammarMatcher, compile_s: float = 0.0,
+                 cache_hit: bool = False) -> None:
         self.matcher = matcher
+        self.compile_s = compile_s  # seconds its grammar took to get (compile or cache)
+        self.cache_hit = cache_hit  # the engine's cache held its grammar
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False (and no move) when the grammar forbids it."""
@@ -166,6 +185,14 @@ class Constraint:
     def is_terminated(self) -> bool:
         """The grammar has ended (its stop token accepted): nothing may follow."""
         return bool(self.matcher.is_terminated())
+
+
+def grammar_timing(constraint: Constraint | None) -> dict:
+    """A worker message's ``grammar_compile_s`` and ``grammar_cache_hit`` for a sequence's
+    constraint (empty for free output)."""
+    if constraint is None:
+        return {}
+    return {"grammar_compile_s": constraint.compile_s, "grammar_cache_hit": constraint.cache_hit}
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:

@@ -174,7 +174,9 @@ def test_structured_output_holds_across_the_kv_hand_off(cluster, client, model_n
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model_name, prompt="x", max_tokens=4, extra_body={
             "structured_outputs": {"json": {"properties": {"a": {"$ref": "#/$defs/none"}}}}})
-    assert "structured_outputs.json does not compile" in err.value.body["message"]
+    # refused by the router's own compile, before any worker saw it
+    assert err.value.body["param"] == "structured_outputs.json"
+    assert err.value.body["message"].startswith("structured_outputs.json: does not compile")
     assert e2e.wait_idle(cluster)
 
 

@@ -264,7 +264,10 @@ def test_n_choices_whole_and_streamed(fake, client):
     ({"model": MODEL, "prompt": [1], "structured_outputs": {"regex": "a", "choice": ["a"]}},
      400, "structured_outputs"),
     ({"model": MODEL, "prompt": [1], "structured_outputs": {"json": "{not json"}}, 400,
-     "structured_outputs"),
+     "structured_outputs.json"),
+    ({"model": MODEL, "prompt": [1], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"enum": list(range(2000))}}}}, 400,
+     "response_format.json_schema.schema"),
     ({"model": MODEL, "prompt": [1], "structured_outputs": {"choice": ["a"]},
       "response_format": {"type": "json_object"}}, 400, "structured_outputs"),
 ])
