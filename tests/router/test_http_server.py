@@ -357,6 +357,17 @@ def test_tools_reach_the_template_and_forced_choices_the_grammar(fake, client):
     assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "length"
+    two = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=3, n=2,
+                                         tools=[WEATHER_TOOL], tool_choice=named)
+    assert [c.message.tool_calls[0].function.name for c in two.choices] == ["get_weather"] * 2
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask, max_tokens=3, n=2,
+                                                 tools=[WEATHER_TOOL], tool_choice=named,
+                                                 stream=True))
+    for index in (0, 1):  # each choice streams its own call
+        mine = [d for c in chunks for d in c.choices[0].delta.tool_calls or []
+                if c.choices[0].index == index]
+        assert mine[0].function.name == "get_weather"
+        assert "".join(d.function.arguments or "" for d in mine) == call.function.arguments
     history = ask + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": "get_weather",
                                                           "arguments": '{"city": "Oslo"}'}}]},
