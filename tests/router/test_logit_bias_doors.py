@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import grpc
 import httpx
@@ -19,9 +18,8 @@ from pdserve.api import generation_pb2 as pb
 from pdserve.api import generation_pb2_grpc
 from pdserve.api.client import build_generate_request
 from pdserve.router.grpc_server import GenerationServer
-from pdserve.router.http_server import HttpServer
 from pdserve.router.validation import client_request_from_proto
-from pdserve.testing.fake_backend import FakeBackend, FakePromptTools
+from pdserve.testing.fake_backend import FakeBackend
 from pdserve.worker_api.sampling_params import MAX_LOGIT_BIAS
 
 MODEL = "fake-counter"
@@ -37,24 +35,10 @@ BAD_MAPS = [  # (logit_bias, what the error says)
 
 
 @pytest.fixture(scope="module")
-def http():
-    """An HTTP door on its own event loop thread; yields (backend, url)."""
-    backend = FakeBackend()
-    loop = asyncio.new_event_loop()
-
-    async def start() -> HttpServer:
-        server = HttpServer(backend, model_root="/models/fake", tools=FakePromptTools(backend))
-        await server.start("127.0.0.1", 0)
-        return server
-
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    server = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
-    yield backend, f"http://127.0.0.1:{server.port}"
-    asyncio.run_coroutine_threadsafe(server.stop(1.0), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+def http(fake_http):
+    """(backend, url) of the HTTP door over a FakeBackend."""
+    backend, url = fake_http
+    return backend, url
 
 
 def post(url: str, path: str, body: dict | str) -> httpx.Response:
