@@ -148,14 +148,18 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
     the bandwidth of a plain read and, as the achievable ceiling, of torch's own GEMV; each of
     ROOFLINE_VARIANTS in the same run."""
     rows = []
+    ceilings: dict[torch.dtype, tuple[float, float]] = {}  # torch's own, one per dtype
     for dtype, gemm, attention in ROOFLINE_VARIANTS:
         parts = EngineParts.build(EngineConfig(model=str(model_dir), dtype=dtype,
                                                num_kv_blocks=4096, max_num_seqs=256,
                                                cpu_packed_gemm=gemm != "plain",
                                                attention_backend=attention))
         engine = LLMEngine(parts)
-        gemv_bw, _ = measure_linear(parts.runner.model.dtype, 1)
-        _, peak_flops = measure_linear(parts.runner.model.dtype, 512)
+        model_dtype = parts.runner.model.dtype
+        if model_dtype not in ceilings:  # the same torch linear for every variant of a dtype
+            ceilings[model_dtype] = (measure_linear(model_dtype, 1)[0],
+                                     measure_linear(model_dtype, 512)[1])
+        gemv_bw, peak_flops = ceilings[model_dtype]
         params = parts.model_config.num_parameters()
         for batch in batches:
             prompt_len = 128

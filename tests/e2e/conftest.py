@@ -38,6 +38,9 @@ from pdserve.testing.waits import wait_for
 
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=32)
 WAIT_S = 30.0  # bound on waiting for an asynchronous effect
+# How often e2e waits look: each look asks the cluster (a Ray call, an RPC, a process table),
+# and on 2 cores looking every 0.02 s takes CPU from the start or replacement waited for.
+POLL_S = 0.1
 
 
 @pytest.fixture(scope="session")
@@ -88,6 +91,7 @@ class Helpers:
 
     def __init__(self):
         self._reference: dict = {}
+        self._offline: dict = {}  # model folder -> its offline LLM, loaded once a session
 
     @staticmethod
     def prompts(seed: int, n: int, low: int = 3, high: int = 40) -> list[list[int]]:
@@ -105,7 +109,10 @@ class Helpers:
         key = (str(model_dir), tuple(map(tuple, prompts)), max_tokens,
                json.dumps(sampling, sort_keys=True))
         if key not in self._reference:
-            llm = LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=256)
+            if key[0] not in self._offline:
+                self._offline[key[0]] = LLM(key[0], dtype="float32", block_size=4,
+                                            num_kv_blocks=256)
+            llm = self._offline[key[0]]
             params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0,
                                                               "ignore_eos": True, **sampling})
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -168,7 +175,12 @@ class Helpers:
 
         return asyncio.run(main())
 
-    wait_for = staticmethod(wait_for)  # pdserve.testing.waits.wait_for: the one polling helper
+    @staticmethod
+    def wait_for(predicate, timeout: float = WAIT_S, what: str = "a condition",
+                 interval: float = POLL_S):
+        """``pdserve.testing.waits.wait_for`` (the one polling helper), looking every
+        ``POLL_S`` unless told otherwise."""
+        return wait_for(predicate, timeout, what, interval)
 
     @staticmethod
     def used_blocks(cluster: EmbeddedCluster) -> dict[str, int]:
@@ -180,7 +192,7 @@ class Helpers:
             used = self.used_blocks(cluster)
             return used if used and not any(used.values()) else False
 
-        return wait_for(idle, WAIT_S, "every worker's blocks back to 0", 0.1)
+        return wait_for(idle, WAIT_S, "every worker's blocks back to 0", POLL_S)
 
 
 @pytest.fixture(scope="module")

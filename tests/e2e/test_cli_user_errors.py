@@ -30,7 +30,8 @@ def test_worker_budget_error_crosses_ray_and_exits_2(ray_session, redis_url, tin
     try:
         with pytest.raises(SystemExit) as exc:  # --ray-address: joins the session's Ray
             main(["serve", "--model", str(tiny_dir), "--ray-address", "session", "--port", "0",
-                  "--metrics-port", "none", "--memory-budget-mib", "1"])
+                  "--metrics-port", "none", "--memory-budget-mib", "1",
+                  "--colocated"])  # one worker actor to fail is enough
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)

@@ -1,9 +1,9 @@
 """Operating a running 1 prefill + 2 decode cluster on real Ray, Redis and gRPC: ``pdserve
 status`` and ``pdserve drain`` (the real CLI in a subprocess), a SIGKILLed worker replaced, the
-router actor killed and restarted by Ray, and no process left after stop. Then two small
-clusters of their own: a worker that cannot start (its error reaches the launcher), and a
-detached cluster left running by one launcher and adopted by the next, and one left running
-on a Redis that is gone, which the next launcher replaces.
+router actor killed and restarted by Ray, and no process left after stop. Then small
+clusters of their own (one colocated worker each): a worker that cannot start (its error
+reaches the launcher), and a detached cluster left running by one launcher and adopted by the
+next, and one left running on a Redis that is gone, which the next launcher replaces.
 
 The shared cluster's tests run in file order; each leaves the pools at their targets for the
 next (the drain lowers the decode target to 1 for good).
@@ -28,6 +28,13 @@ pytestmark = pytest.mark.e2e
 
 LONG_TOKENS = 600  # a stream that outlives the drain by seconds on any machine
 START_S = 120.0  # bound on a replacement worker or a restarted router coming up
+# Each look through the real CLI starts an interpreter, each look at health opens a gRPC
+# channel: on 2 cores, looking every 0.02 s (wait_for's default) takes the CPU from the worker
+# or router being waited for.
+POLL_S = 0.5
+# The small clusters of their own: one colocated worker (a disaggregated pair would only
+# start one more worker actor; what these tests check is the launcher's, for any pool).
+SMALL = dict(colocated=True, num_decode=1)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +121,7 @@ def test_drain_lets_its_streams_finish_then_stops_the_worker_for_good(cluster, e
         report = status(cluster)
         return report if victim not in {w["worker_id"] for w in report["workers"]} else None
 
-    final = e2e.wait_for(gone, START_S, f"{victim} to leave the status")
+    final = e2e.wait_for(gone, START_S, f"{victim} to leave the status", POLL_S)
     assert final["pools"]["decode"]["target"] == 1 and final["pools"]["decode"]["ready"] == 1
     assert len(live(final, "decode")) == 1 and final["pools"]["decode"]["restarts"] == 0
     again = e2e.generate_all(cluster.target, prompts[:1], LONG_TOKENS)[0]
@@ -131,11 +138,11 @@ def test_sigkilled_worker_is_replaced_and_its_series_dropped(cluster, model_dir,
         pool = report["pools"]["decode"]
         return report if new and pool["ready"] == pool["target"] == 1 else None
 
-    report = e2e.wait_for(replaced, START_S, "a replacement decode worker")
+    report = e2e.wait_for(replaced, START_S, "a replacement decode worker", POLL_S)
     [new] = live(report, "decode")
     assert new["restarts"] == 1 and report["pools"]["decode"]["restarts"] == 1
     assert is_running(new["pid"]) and not is_running(old["pid"])
-    e2e.wait_for(lambda: serving(cluster), START_S, "SERVING again")
+    e2e.wait_for(lambda: serving(cluster), START_S, "SERVING again", POLL_S)
     prompts = e2e.prompts(3, 4)
     results = e2e.generate_all(cluster.target, prompts, 8)
     assert [r.token_ids for r in results] == e2e.reference(model_dir, prompts, 8)
@@ -155,14 +162,14 @@ def test_killed_router_is_restarted_by_ray_and_adopts_the_pools(cluster, model_d
     router_pid = cluster._ray.get(cluster.router.info.remote(), timeout=30)["pid"]
     os.kill(router_pid, signal.SIGKILL)
     e2e.wait_for(lambda: not is_running(router_pid), 30, "the router process to die")
-    e2e.wait_for(lambda: serving(cluster), START_S, "the restarted router SERVING")
+    e2e.wait_for(lambda: serving(cluster), START_S, "the restarted router SERVING", POLL_S)
 
     def adopted():  # the same workers (same processes), ready again, none started
         report = status(cluster)
         states = {w["worker_id"]: w["state"] for w in report["workers"]}
         return report if all(states.get(w) == "ready" for w in before) else None
 
-    after = e2e.wait_for(adopted, START_S, "the pools adopted")
+    after = e2e.wait_for(adopted, START_S, "the pools adopted", POLL_S)
     assert {w["worker_id"]: w["pid"] for w in after["workers"] if w["state"] != "dead"} == before
     assert after["pools"]["decode"]["target"] == 1 and after["pools"]["prefill"]["target"] == 1
     prompts = e2e.prompts(4, 3)
@@ -190,7 +197,8 @@ def test_a_worker_that_cannot_start_fails_the_start_with_its_own_error(start_clu
     from pdserve.cluster.pools.manager import WorkerStartError
 
     with pytest.raises(WorkerStartError, match="MemoryBudgetError") as err:
-        start_cluster(model_dir, engine=dict(memory_budget_bytes=1 << 20, num_kv_blocks=None))
+        start_cluster(model_dir, **SMALL,
+                      engine=dict(memory_budget_bytes=1 << 20, num_kv_blocks=None))
     assert "--memory-budget-mib" in str(user_error(err.value))
 
 
@@ -199,12 +207,13 @@ def test_a_detached_cluster_left_running_is_adopted_by_the_next_launcher(start_c
     import uuid
 
     name = f"adopt{uuid.uuid4().hex[:6]}"
-    first = start_cluster(model_dir, cluster_name=name, detached=True, detach_on_stop=True)
+    first = start_cluster(model_dir, **SMALL, cluster_name=name, detached=True,
+                          detach_on_stop=True)
     pids = first.started_pids()
     workers = {w: info["pid"] for w, info in first.worker_info.items()}
     first.stop()  # leaves the router and its pools running
     assert all(is_running(pid) for pid in pids)
-    second = start_cluster(model_dir, cluster_name=name, detached=True)
+    second = start_cluster(model_dir, **SMALL, cluster_name=name, detached=True)
     try:
         assert second.port == first.port and second.started_pids() == pids
         assert {w: info["pid"] for w, info in second.worker_info.items()} == workers
@@ -227,13 +236,13 @@ def test_a_left_router_of_another_redis_is_replaced_not_adopted(start_cluster, m
     from pdserve.cluster.redis_server import url_password
 
     name = f"stale{uuid.uuid4().hex[:6]}"
-    first = start_cluster(model_dir, own_redis=True, cluster_name=name, detached=True,
-                          detach_on_stop=True)
+    first = start_cluster(model_dir, **SMALL, own_redis=True, cluster_name=name,
+                          detached=True, detach_on_stop=True)
     left = first.actor_pids()
     first.stop()  # leaves the router and its pools running, stops the Redis they use
     assert left and all(is_running(pid) for pid in left)
     password = url_password(first.redis_url)
-    second = start_cluster(model_dir, cluster_name=name, detached=True)
+    second = start_cluster(model_dir, **SMALL, cluster_name=name, detached=True)
     try:
         stale = [r.getMessage() for r in caplog.records if "stale router" in r.getMessage()]
         assert stale and ":***@" in stale[0], stale
