@@ -40,10 +40,17 @@ FIGURES = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT P50 m
 
 
 def offline(model: str, requests: list[BenchRequest], concurrency: int) -> dict:
-    """``requests`` through the engine in this process, ``concurrency`` at a time."""
-
-
+    """``requests`` through the engine in this process, ``concurrency`` at a time, on one
+    torch thread (the process's own count is restored after)."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _offline(model, requests, concurrency)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _offline(model: str, requests: list[BenchRequest], concurrency: int) -> dict:
     engine = LLM(model, dtype="float32").engine
     outcomes = {str(i): RequestOutcome(str(i), r.prompt_len) for i, r in enumerate(requests)}
     pending = list(enumerate(requests))

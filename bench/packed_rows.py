@@ -60,14 +60,18 @@ def main(argv: list[str] | None = None) -> None:
     if not can_pack(torch.empty(1, 1)):
         print("oneDNN is not available in this torch build: nothing to measure")
         return
+    threads = torch.get_num_threads()  # (restored after: a caller's process keeps its own)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     layers, vocab, passes = (2, 1024, 3) if args.quick else (LAYERS, VOCAB, 9)
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, one thread, "
           f"{layers} layers")
-    with torch.inference_mode():
-        table = [[rows, *(step_ms(rows, way, layers, vocab, passes) for way in WAYS)]
-                 for rows in (1, 2, 3, 4, 8)]
+    try:
+        with torch.inference_mode():
+            table = [[rows, *(step_ms(rows, way, layers, vocab, passes) for way in WAYS)]
+                     for rows in (1, 2, 3, 4, 8)]
+    finally:
+        torch.set_num_threads(threads)
     print(format_table(["rows", *(f"{way} ms" for way in WAYS)], table))
 
 
