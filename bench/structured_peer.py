@@ -9,8 +9,9 @@ number and a short list, as an extraction pipeline asks), sampled at ``--tempera
 seed per request. Reports per server and concurrency: answers that parse and validate against
 the schema (of those sent), output tokens per second over the point's wall time, and the
 median TTFT and time per output token (from the usage chunk), with each figure's ratio against
-vLLM's in the same sitting. Never asserts; not part of ``make test``. Where the peer is not
-installed it says so and exits 0.
+vLLM's in the same sitting. ``--free`` sends the same requests without the schema (their
+answers then rarely validate), to tell the grammar's cost from the servers' own gap. Never
+asserts; not part of ``make test``. Where the peer is not installed it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def messages(i: int) -> list[dict]:
 async def one(client: httpx.AsyncClient, model: str, i: int, args) -> dict:
     body = {"model": model, "messages": messages(i), "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": 1000 + i, "stream": True,
-            "stream_options": {"include_usage": True},
-            "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "record", "schema": SCHEMA}}}
+            "stream_options": {"include_usage": True}}
+    if not args.free:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "record", "schema": SCHEMA}}
     start, first, text, tokens = time.perf_counter(), None, [], 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
@@ -150,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=120)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--sittings", type=int, default=1)
+    parser.add_argument("--free", action="store_true",
+                        help="send no response_format: the same requests unconstrained, to "
+                             "tell the grammar's cost from the servers' own gap")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--out", default="bench/results/structured-peer")
     args = parser.parse_args(argv)
