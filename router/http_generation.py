@@ -169,7 +169,13 @@ class HttpGeneration:
                                           usage))
             yield b"data: [DONE]\n\n"
             return
-        if len(choices) > job.params.n:  # best_of: the n of highest cumulative logprob
+        yield self._whole(job, choices, usage)
+
+    @staticmethod
+    def _whole(job: HttpJob, choices: list[_Choice], usage: dict) -> dict:
+        """The response object of a job not streamed: its choices (best_of: the n of highest
+        cumulative logprob), a chat's with the tool calls its text makes."""
+        if len(choices) > job.params.n:
             choices = sorted(choices, key=lambda c: c.cumulative_logprob,
                              reverse=True)[:job.params.n]
         body = []
@@ -184,7 +190,7 @@ class HttpGeneration:
                 if job.tools is None else message(job.tools, text)
             body.append(oa.chat_choice(index, answer, reason or c.finish_reason, merged))
         build_object = oa.chat_object if job.chat else oa.completion_object
-        yield build_object(job.request_id, job.model, job.created, body, usage)
+        return build_object(job.request_id, job.model, job.created, body, usage)
 
     @staticmethod
     def _chat_chunks(job: HttpJob, delta: GenerationDelta, lp: dict | None,

@@ -248,11 +248,16 @@ def _calls(items: Any, *arg_keys: str) -> list[ParsedCall] | None:
     return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
-def _required_calls(text: str) -> list[ParsedCall] | None:
+def _json_calls(text: str, *arg_keys: str) -> list[ParsedCall] | None:
+    """The calls ``text`` holds as JSON (one call or a list), None when it holds none whole."""
     try:
-        return _calls(json.loads(text), "parameters", "arguments")
+        return _calls(json.loads(text), *arg_keys)
     except ValueError:
         return None
+
+
+def _required_calls(text: str) -> list[ParsedCall] | None:
+    return _json_calls(text, "parameters", "arguments")
 
 
 def _json_values(text: str) -> Iterator[Any]:
@@ -321,10 +326,7 @@ class HermesParser:
             return None
         calls = []
         for block in self.BLOCK.findall(text[at:]):
-            try:
-                parsed = _calls(json.loads(block), "arguments", "parameters")
-            except ValueError:
-                return None
+            parsed = _json_calls(block, "arguments", "parameters")
             if parsed is None:
                 return None
             calls.extend(parsed)
@@ -406,10 +408,7 @@ class MistralParser:
                     return None
                 calls.append(ParsedCall(name.strip(), _arguments_text(value)))
                 continue
-            try:
-                parsed = _calls(json.loads(part), "arguments", "parameters")
-            except ValueError:
-                return None
+            parsed = _json_calls(part, "arguments", "parameters")
             if parsed is None:
                 return None
             calls.extend(parsed)

@@ -38,10 +38,15 @@ class Pair:
         result = self.prefill.prefill(request, reservation).result(timeout)
         self.last = (reservation, result)  # what the last request reserved and sent
         first = result.first
-        tokens, reason = list(first.new_token_ids), first.finish_reason
-        if reason is not None:
+        if first.finish_reason is not None:
             self.decode.abort(request_id).result(timeout)
-            return tokens, reason
+            return list(first.new_token_ids), first.finish_reason
+        return self.follow(request_id, first, timeout)
+
+    def follow(self, request_id: str, first, timeout: float = 60.0):
+        """The decode worker's deltas of ``request_id`` after its ``first`` one, until it
+        finishes or ``timeout`` passes; returns (tokens, reason)."""
+        tokens, reason = list(first.new_token_ids), first.finish_reason
         deadline = time.monotonic() + timeout
         while reason is None and time.monotonic() < deadline:
             for delta in self.decode.poll(0.2):

@@ -46,14 +46,8 @@ def _request(request_id: str, params: SamplingParams) -> WorkRequest:
     return WorkRequest(request_id, [5, 6, 7, 8], params, seed=7, arrival_time=time.time())
 
 
-def _decoded(pair, request_id: str, first, timeout: float = 60.0) -> list[int]:
-    tokens, reason = list(first.new_token_ids), first.finish_reason
-    deadline = time.monotonic() + timeout
-    while reason is None and time.monotonic() < deadline:
-        for delta in pair.decode.poll(0.2):
-            assert delta.request_id == request_id
-            tokens += delta.new_token_ids
-            reason = delta.finish_reason
+def _decoded(pair, request_id: str, first) -> list[int]:
+    tokens, reason = pair.follow(request_id, first)
     assert reason == "stop", reason
     return tokens
 
