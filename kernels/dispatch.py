@@ -20,6 +20,7 @@ from pdserve.kernels import (
     cpu_causal_attention,
     cpu_decode_attention,
     cpu_pointwise,
+    lora,
     torch_attention,
 )
 from pdserve.kernels import torch_ops as ref
@@ -191,3 +192,10 @@ def unpack_blocks(buffer, caches: list[KVCacheLayer], block_ids, backend: str = 
     if resolve_backend(backend, block_ids.device) == "triton":
         return _triton("block_copy").unpack_blocks(buffer, caches, block_ids)
     return ref.unpack_blocks_torch(buffer, caches, block_ids)
+
+
+def lora_delta(out, x, a, b, batch, backend: str = "auto") -> None:
+    """Add each row's LoRA update into ``out`` in place (:mod:`pdserve.kernels.lora`)."""
+    if resolve_backend(backend, x.device) == "triton":
+        return _triton("lora_triton").lora_delta_triton(out, x, a, b, batch.token_slots)
+    return lora.lora_delta_grouped(out, x, a, b, batch)

@@ -19,7 +19,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-ROOT_HASH = bytes(32)  # parent hash of a sequence's first block
+ROOT_HASH = bytes(32)  # parent hash of a sequence's first block (the base model's)
 SALT_BYTES = 16  # length of a generated salt
 
 
@@ -34,9 +34,20 @@ def chain_hash(parent_hash: bytes, token_ids: Sequence[int], salt: bytes) -> byt
     return hashlib.sha256(salt + parent_hash + words).digest()
 
 
-def chained_block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes) -> list[bytes]:
-    """Hash of every full block of ``token_ids``, each chained to its predecessor."""
-    hashes, parent = [], ROOT_HASH
+def adapter_root_hash(digest: str | None) -> bytes:
+    """The parent hash of the first block of a sequence run under the LoRA adapter whose files
+    have sha256 ``digest`` (``ROOT_HASH`` for the base model, ``digest`` None): the same
+    tokens under two adapters, or under the base model, never share a block."""
+    if digest is None:
+        return ROOT_HASH
+    return hashlib.sha256(b"pdserve-lora-adapter" + bytes.fromhex(digest)).digest()
+
+
+def chained_block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes,
+                         root: bytes = ROOT_HASH) -> list[bytes]:
+    """Hash of every full block of ``token_ids``, each chained to its predecessor, the first
+    to ``root`` (:func:`adapter_root_hash`)."""
+    hashes, parent = [], root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = chain_hash(parent, token_ids[start:start + block_size], salt)
         hashes.append(parent)
