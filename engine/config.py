@@ -77,6 +77,12 @@ class EngineConfig:
     # longer makes the worker not ready: it refuses new work, its pool replaces it, its
     # requests move (docs/failure-handling.md). None: derived from the measured step time,
     # max(60 s, 10 x the slowest of the last 64 steps); inf: no bound
+    enable_lora: bool = False  # serve LoRA adapters of the model (a request's adapter runs
+    # in the same steps as the base model's requests and other adapters'; docs/lora.md)
+    max_loras: int = 4  # with LoRA: adapters resident in the model at once (slots)
+    max_lora_rank: int = 16  # with LoRA: the largest adapter rank served (sizes the slots)
+    max_cpu_loras: int | None = None  # with LoRA: adapters kept read in host memory (None:
+    # max_loras), so that a slot is refilled without reading files
     prefix_cache_salt: str | None = field(default=None, repr=False)  # secret mixed into every
     # prefix-cache block hash, one per cluster (the launcher generates it); None: each engine
     # draws its own; never in the repr
@@ -107,6 +113,9 @@ class EngineConfig:
                              "supported (the int8 calibration runs the model on one rank); "
                              "use kv_cache_dtype='auto'")
         _positive_int("block_size", self.block_size)
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        _positive_int("max_cpu_loras", self.max_cpu_loras, allow_none=True)
         _positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _positive_int("memory_budget_bytes", self.memory_budget_bytes, allow_none=True)
         _positive_int("max_num_seqs", self.max_num_seqs)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.models.lora import adapter_digest
 from pdserve.worker_api import RequestDelta, StepDeltas, choice_request_id
+from pdserve.worker_api.adapters import AdapterRef
 from pdserve.worker_api.sampling_params import SamplingParams
 
 
@@ -105,24 +108,41 @@ class LLM:
         speculator = self.engine.speculator
         return None if speculator is None else speculator.stats.to_dict()
 
+    @staticmethod
+    def adapter(path: str | Path, name: str | None = None) -> AdapterRef:
+        """The LoRA adapter in the PEFT folder ``path`` (named after the folder unless
+        ``name``), for :meth:`generate`'s ``adapters``; the engine needs ``enable_lora``."""
+        folder = Path(path)
+        try:
+            digest = adapter_digest(folder)
+        except OSError as exc:
+            raise ValueError(f"LoRA adapter at {folder}: {exc}") from None
+        return AdapterRef(name or folder.name, str(folder), digest)
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 adapters: AdapterRef | list[AdapterRef | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs in input order.
         A prompt whose params have ``n`` > 1 gives its ``n`` outputs one after another
         (``index`` 0..n-1), forked from one prefill; with ``best_of`` the ``n`` of highest
-        cumulative log-probability, best first."""
+        cumulative log-probability, best first. ``adapters``: the LoRA adapter (:meth:`adapter`)
+        of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"params: got {len(per_prompt)} for {len(prompts)} prompts")
+        per_adapter = adapters if isinstance(adapters, list) else [adapters] * len(prompts)
+        if len(per_adapter) != len(prompts):
+            raise ValueError(f"adapters: got {len(per_adapter)} for {len(prompts)} prompts")
         outputs: dict[str, RequestOutput] = {}  # by the id of each sequence
         requests = []  # (request_id, params, its sequence 0)
         try:
-            for prompt, p in zip(prompts, per_prompt, strict=True):
+            for prompt, p, adapter in zip(prompts, per_prompt, per_adapter, strict=True):
                 request_id = f"offline-{next(self._ids)}"
-                seq = self.engine.add_request(request_id, prompt, p)
+                seq = self.engine.add_request(request_id, prompt, p, adapter=adapter)
                 requests.append((request_id, p, seq))
                 for index in range(p.num_sequences):
                     outputs[choice_request_id(request_id, index)] = RequestOutput(

@@ -81,6 +81,7 @@ from pdserve.worker_api import (
     WorkRequest,
     choice_request_id,
 )
+from pdserve.worker_api.adapters import AdapterRef
 from pdserve.worker_api.sampling_params import MAX_N, SamplingParams, child_seed
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class LLMEngine:
                             enable_chunked_prefill=cfg.enable_chunked_prefill,
                             admission_hold_s=cfg.admission_hold_s),
             parts.block_manager, policy or SchedulingPolicy(cfg.scheduling_policy))
+        self.scheduler.adapters = parts.adapters
         self.sampler = Sampler()
         self._seed_source = random.Random(cfg.seed)
         self.text = TextStage(parts.tokenizer, defer=defer_text)
@@ -135,14 +137,17 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None, seed: int | None = None) -> Sequence:
-        """Validate and queue a prompt; ``seed`` overrides the request's random stream key."""
+                    params: SamplingParams | None = None, seed: int | None = None,
+                    adapter: AdapterRef | None = None) -> Sequence:
+        """Validate and queue a prompt; ``seed`` overrides the request's random stream key;
+        ``adapter``: the LoRA adapter it runs under (None: the base model)."""
         return self.add_sequence(self.new_sequence(request_id, prompt,
-                                                   params or SamplingParams(), seed))
+                                                   params or SamplingParams(), seed,
+                                                   adapter=adapter))
 
     def new_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     seed: int | None = None,
-                     constraint: Constraint | None = None) -> Sequence:
+                     seed: int | None = None, constraint: Constraint | None = None,
+                     adapter: AdapterRef | None = None) -> Sequence:
         """A validated, untracked Sequence. NeverFits (a ValueError) naming what this engine can
         never take: a prompt its model or tokenizer cannot read, a context longer than its
         limit, more blocks than its pool, parameters no step can pack. A constrained request's
@@ -163,7 +168,8 @@ class LLMEngine:
             if seed is None:
                 seed = params.seed if params.seed is not None else \
                     self._seed_source.getrandbits(63)
-            seq = Sequence(request_id, token_ids, params, seed=seed)
+            seq = Sequence(request_id, token_ids, params, seed=seed,
+                           adapter=self._check_adapter(adapter))
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]  # (the first token has none)
             self.scheduler.check_fits(seq)
@@ -183,7 +189,7 @@ class LLMEngine:
         (a migrated request resumes at output position ``len(request.output_token_ids)``);
         ``constraint`` as for :meth:`new_sequence`."""
         seq = self.new_sequence(request.request_id, request.prompt_token_ids, request.params,
-                                request.seed, constraint)
+                                request.seed, constraint, request.adapter)
         resumed = list(request.output_token_ids)
         if resumed and request.params.num_sequences > 1:
             raise NeverFits("n: a request forked into several sequences (n or best_of > 1) "
@@ -229,6 +235,16 @@ class LLMEngine:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), "
                              f"got {outside[0]}")
 
+    def _check_adapter(self, adapter: AdapterRef | None) -> AdapterRef | None:
+        """``adapter`` once this engine has read it (ValueError naming it when it cannot)."""
+        if adapter is None:
+            return None
+        if self.parts.adapters is None:
+            raise ValueError(f"LoRA adapter {adapter.name!r}: this engine serves no adapters "
+                             f"(start it with enable_lora)")
+        self.parts.adapters.read(adapter)
+        return adapter
+
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Start the other sequences of ``parent``'s request (``n``/``best_of`` > 1), whose
         prompt's KV is computed: each shares its full prompt blocks (``BlockManager.fork``),
@@ -241,7 +257,7 @@ class LLMEngine:
                              parent.prompt_token_ids, params,
                              seed=child_seed(parent.seed, index), index=index,
                              arrival_time=parent.arrival_time, deadline=parent.deadline,
-                             attempt=parent.attempt)
+                             attempt=parent.attempt, adapter=parent.adapter)
             if params.structured_outputs is not None:
                 child.constraint = self._constraint(params)
             self.parts.block_manager.fork(parent, child)
@@ -359,6 +375,11 @@ class LLMEngine:
         blocks were cached (their KV need not be sent); NoRoomNow, with nothing held, when the
         pool has no room for the rest now."""
         bm = self.parts.block_manager
+        adapters = self.parts.adapters
+        if seq.adapter is not None and adapters is not None and not adapters.can_take(seq.adapter):
+            raise NoRoomNow(f"all {adapters.max_loras} LoRA slots are in use by other "
+                            f"adapters (max_loras); request {seq.request_id} needs "
+                            f"{seq.adapter.name!r}")
         bm.match_prefix(seq)
         if not bm.can_allocate(seq, seq.num_tokens - seq.num_computed_tokens):
             needed = bm.blocks_needed(seq, seq.num_tokens - seq.num_computed_tokens)
@@ -367,11 +388,14 @@ class LLMEngine:
                             f"{seq.request_id} needs {needed}")
         num_cached = seq.num_computed_tokens // bm.block_size
         bm.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+        self.scheduler.pin_adapter(seq)
         return num_cached
 
     def release_blocks(self, seq: Sequence) -> None:
-        """Free the blocks of an untracked ``seq`` (a reservation that ends before it runs)."""
+        """Free the blocks (and the LoRA slot) of an untracked ``seq`` (a reservation that ends
+        before it runs)."""
         self.parts.block_manager.free(seq)
+        self.scheduler.unpin_adapter(seq)
 
     def start_running(self, seq: Sequence, first_token_id: int,
                       num_stand_ins: int = 0) -> RequestDelta:

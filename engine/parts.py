@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.adapters import AdapterSlots
 from pdserve.engine.capacity.memory import (
     MemoryLedger,
     allocate_kv_caches,
@@ -44,6 +45,7 @@ class EngineParts:
     ledger: MemoryLedger
     max_model_len: int
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    adapters: AdapterSlots | None = None  # LoRA slots and host cache (enable_lora)
 
     @classmethod
     def build(cls, config: EngineConfig, rank_role: RankRole | None = None) -> EngineParts:
@@ -75,6 +77,7 @@ class EngineParts:
         backend, max_model_len = resolved.backend, resolved.max_model_len
         model = resolved.load_model(config, shard)
         local = model.config  # this rank's shapes (mc itself without tensor parallelism)
+        adapters = lora_slots(config, model, mc, shard)  # (before the pool is sized: weights)
         ledger = plan_kv_pool(local, config, model, dtype, device, max_model_len, backend)
         layer_dtypes = kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
         try:
@@ -93,6 +96,7 @@ class EngineParts:
         else:
             model.join_tensor_group(followers.join(ledger, device).all_reduce)
             runner = TensorParallelRunner(*runner_args, followers=followers)
+        runner.serves_lora = adapters is not None
         runner.meter = UtilizationMeter(
             StepCost.for_model(local, ledger.weight_bytes, ledger.kv_bytes_per_token), device,
             dtype)
@@ -104,7 +108,7 @@ class EngineParts:
             block_manager.events = KVEventLog()
         logger.info("engine ready: %s", ", ".join(f"{k} {v}" for k, v in ledger.rows()))
         parts = cls(config, mc, tokenizer, runner, block_manager, ledger, max_model_len,
-                    tuple(mc.eos_token_ids))
+                    tuple(mc.eos_token_ids), adapters)
         if (device.type == "cuda" and backend == "triton" and not config.enforce_eager
                 and followers is None):
             parts.capture_decode_graphs()
@@ -180,3 +184,14 @@ def _int8_pool(config: EngineConfig, resolved: ResolvedModel, model, ledger: Mem
     logger.info("int8 KV cache: %s", calibration.describe())
     return config, dataclasses.replace(ledger, kv_int8=calibration.describe()), caches
 
+
+def lora_slots(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
+               shard: TensorShard | None) -> AdapterSlots | None:
+    """The model's LoRA slots when ``config`` serves adapters (None otherwise)."""
+    if not config.enable_lora:
+        return None
+    slots = AdapterSlots(model, model_config, config.max_loras, config.max_lora_rank,
+                         config.max_cpu_loras or config.max_loras, shard)
+    logger.info("LoRA: %d slots of rank <= %d (%.1f MiB)", config.max_loras,
+                config.max_lora_rank, slots.slot_bytes / (1 << 20))
+    return slots

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol
 
+from pdserve.worker_api.adapters import AdapterRef
 from pdserve.worker_api.sampling_params import SamplingParams
 
 
@@ -74,6 +75,8 @@ class Sequence:
     # not asked or already handed. While set, the prefix cache serves the sequence nothing.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     index: int = 0  # which of its request's n (best_of) sequences; 0 also when n == 1
+    adapter: AdapterRef | None = None  # the LoRA adapter it runs under (None: the base model)
+    lora_slot: int = -1  # the adapter's slot while the sequence pins it (engine/adapters.py)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

@@ -13,6 +13,7 @@ from torch import nn
 
 from pdserve import kernels
 from pdserve.kernels import KVCacheLayer
+from pdserve.kernels.lora import LoraBatch
 
 
 @dataclass
@@ -26,6 +27,7 @@ class AttentionMetadata:
     max_query_len: int  # longest query run in the batch
     max_context_len: int  # longest context in the batch
     backend: str = "auto"  # kernel backend: "auto" | "torch" | "native" | "triton"
+    lora: LoraBatch | None = None  # each row's LoRA adapter slot (None: every row the base's)
 
     @property
     def is_decode_only(self) -> bool:
@@ -47,7 +49,7 @@ class AttentionMetadata:
             cu_seqlens_q=torch.arange(len(rows) + 1, dtype=torch.int32, device=rows.device),
             context_lens=context_lens.to(torch.int32), block_tables=self.block_tables[seq],
             max_query_len=1, max_context_len=int(context_lens.max()) if len(rows) else 0,
-            backend=self.backend)
+            backend=self.backend, lora=None if self.lora is None else self.lora.of_rows(rows))
 
 
 class Attention(nn.Module):

@@ -33,6 +33,7 @@ from pdserve.kernels import KVCacheLayer
 # imported, it replaces the package attribute ``rotary`` (the dispatch function).
 from pdserve.kernels import dispatch as kernels
 from pdserve.kernels import linear as klinear
+from pdserve.kernels.lora import LoraBatch
 from pdserve.kernels.torch_ops import as_dtype
 from pdserve.models.attention import Attention, AttentionMetadata
 from pdserve.models.config import ModelConfig
@@ -61,13 +62,24 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with an optional bias, weights loaded, never initialised. Once
-    :meth:`pack` has run (CPU, float32) the weight lives only in its packed form."""
+    :meth:`pack` has run (CPU, float32) the weight lives only in its packed form.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+    ``parts``: the widths of the projections fused into the output (q, k, v; gate, up), in
+    order. With LoRA on (:meth:`init_lora`) each row also adds its adapter's update from the
+    layer's slot pool (:mod:`pdserve.kernels.lora`): ``lora_a`` (slots, parts x rank, in) holds
+    each part's A stacked, ``lora_b`` (slots, out, parts x rank) each part's B on its own rows
+    and columns (block-diagonal), zero where an adapter leaves a part alone."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 parts: tuple[int, ...] | None = None):
         super().__init__()
+        self.in_features = in_features
+        self.parts = parts or (out_features,)
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
         self.register_buffer("packed", None)  # the weight in the CPU GEMM's layout, once packed
+        self.register_buffer("lora_a", None)
+        self.register_buffer("lora_b", None)
 
     def pack(self) -> None:
         """Keep the weight packed for the CPU's GEMM (:mod:`pdserve.kernels.linear`) and drop
@@ -76,8 +88,42 @@ class Linear(nn.Module):
             self.packed = klinear.pack_weight(self.weight)
             self.weight = _param(0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return klinear.linear(x, self.weight, self.bias, self.packed)
+    def init_lora(self, slots: int, rank: int, in_features: int | None = None) -> None:
+        """Zeroed slot pools for ``slots`` adapters of rank up to ``rank``; ``in_features``:
+        the A width when it differs from the layer's (a row-parallel rank's slice)."""
+        width = self.in_features if in_features is None else in_features
+        dtype, device = self.lora_dtype_device()
+        ranks = len(self.parts) * rank
+        self.lora_a = torch.zeros(slots, ranks, width, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(slots, sum(self.parts), ranks, dtype=dtype, device=device)
+
+    def lora_dtype_device(self) -> tuple[torch.dtype, torch.device]:
+        source = self.bias if self.bias is not None else self.weight
+        dtype = torch.float32 if self.packed is not None else source.dtype
+        return dtype, source.device
+
+    def set_lora(self, slot: int,
+                 pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Fill ``slot`` with one (A (r, in), B (part, r)) per part (None: that part is not
+        adapted)."""
+        a, b = self.lora_a[slot], self.lora_b[slot]
+        a.zero_()
+        b.zero_()
+        rank = a.shape[0] // len(self.parts)
+        first = 0
+        for part, (width, pair) in enumerate(zip(self.parts, pairs, strict=True)):
+            if pair is not None:
+                r = pair[0].shape[0]
+                a[part * rank:part * rank + r].copy_(pair[0])
+                b[first:first + width, part * rank:part * rank + r].copy_(pair[1])
+            first += width
+
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None,
+                backend: str = "auto") -> torch.Tensor:
+        y = klinear.linear(x, self.weight, self.bias, self.packed)
+        if lora is not None and self.lora_a is not None:
+            kernels.lora_delta(y, x, self.lora_a, self.lora_b, lora, backend=backend)
+        return y
 
 
 class SelfAttention(nn.Module):
@@ -90,7 +136,8 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                               config.attention_bias)
+                               config.attention_bias,
+                               parts=(self.q_size, self.kv_size, self.kv_size))
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -108,7 +155,7 @@ class SelfAttention(nn.Module):
         """``rope``: (cos_sin_cache, its rope_table for ``positions``), shared by the layers.
         ``rows``: only those rows' outputs (:meth:`Attention.forward`); every K/V is written."""
         num_tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj.forward(hidden)  # (T, q_size + 2 * kv_size)
+        qkv = self.qkv_proj.forward(hidden, meta.lora, meta.backend)  # (T, q_size + 2 kv)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].reshape(num_tokens, kv_heads, self.head_dim)  # (T, kv_heads, hd)
         if self.q_norm is None:  # q and k side by side in qkv: rotated as one tensor
@@ -124,7 +171,9 @@ class SelfAttention(nn.Module):
         out = self.attn.forward(q, k, v, cache, meta, rows)  # (T or rows, heads, head_dim)
         if not len(out):
             return hidden[:0]
-        return self.o_proj.forward(out.reshape(len(out), self.q_size))  # (T or rows, hidden)
+        lora = (meta if rows is None else rows[1]).lora
+        return self.o_proj.forward(out.reshape(len(out), self.q_size), lora,
+                                   meta.backend)  # (T or rows, hidden)
 
 
 class MLP(nn.Module):
@@ -133,12 +182,15 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
-                                   config.mlp_bias)
+                                   config.mlp_bias,
+                                   parts=(config.intermediate_size, config.intermediate_size))
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
 
-    def forward(self, x: torch.Tensor, backend: str) -> torch.Tensor:
-        gate_up = self.gate_up_proj.forward(x)  # (T, 2 * intermediate)
-        return self.down_proj.forward(kernels.silu_and_mul(gate_up, backend=backend))
+    def forward(self, x: torch.Tensor, backend: str, lora: LoraBatch | None = None
+                ) -> torch.Tensor:
+        gate_up = self.gate_up_proj.forward(x, lora, backend)  # (T, 2 * intermediate)
+        return self.down_proj.forward(kernels.silu_and_mul(gate_up, backend=backend), lora,
+                                      backend)
 
 
 class DecoderLayer(nn.Module):
@@ -162,14 +214,16 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm.forward(hidden, residual, backend=backend)
         hidden = self.self_attn.forward(positions, hidden, cache, meta, rope, rows)
+        lora = meta.lora
         if rows is not None:
+            lora = rows[1].lora
             residual = residual.index_select(0, rows[0])
             if not len(hidden):
                 return hidden, residual
         if self.all_reduce is not None:
             self.all_reduce(hidden)
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual, backend=backend)
-        hidden = self.mlp.forward(hidden, backend)
+        hidden = self.mlp.forward(hidden, backend, lora)
         if self.all_reduce is not None:
             self.all_reduce(hidden)
         return hidden, residual

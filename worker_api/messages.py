@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.worker_api.adapters import AdapterRef
 from pdserve.worker_api.deltas import RequestDelta
 from pdserve.worker_api.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ class WorkRequest:
     attempt: int = 1  # the router's attempt epoch: deltas carry it, stale ones are dropped
     output_token_ids: list[int] = field(default_factory=list)  # already streamed (migration):
     # the worker computes prompt + these, and samples output position len(output_token_ids)
+    adapter: AdapterRef | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 @dataclass(frozen=True)

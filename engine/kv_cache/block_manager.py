@@ -48,13 +48,18 @@ import secrets
 from collections import OrderedDict, deque
 from operator import attrgetter
 
-from pdserve.engine.kv_cache.prefix_hash import ROOT_HASH, SALT_BYTES, chain_hash
+from pdserve.engine.kv_cache.prefix_hash import SALT_BYTES, adapter_root_hash, chain_hash
 from pdserve.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 _BLOCK_TABLE = attrgetter("block_table")
 
+
+
+def _root(seq: Sequence) -> bytes:
+    """The parent hash of seq's first block: its LoRA adapter's (the base model's: zeros)."""
+    return adapter_root_hash(None if seq.adapter is None else seq.adapter.digest)
 
 class BlockManager:
     """Hands out KV cache blocks to sequences and keeps finished prefixes for reuse."""
@@ -142,7 +147,7 @@ class BlockManager:
         """Hit blocks of seq's full-block hash chain, and the hash of the last hit (pure)."""
         bs = self._block_size
         hits: list[int] = []
-        parent = ROOT_HASH
+        parent = _root(seq)
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return hits, parent  # (a prompt whose logprobs are wanted computes every position)
         for i in range((seq.num_tokens - 1) // bs):  # leave at least one token to compute
@@ -240,7 +245,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self._block_size
-        num_hashed, parent = self._chains.get(seq.request_id, (0, ROOT_HASH))
+        num_hashed, parent = self._chains.get(seq.request_id, (0, _root(seq)))
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         for i in range(num_hashed, num_full):
             h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], self._salt)
@@ -277,7 +282,7 @@ class BlockManager:
         bs, salt, chains, register = self._block_size, self._salt, self._chains, self._register
         for seq in seqs:
             num_full, request_id = seq.num_computed_tokens // bs, seq.request_id
-            num_hashed, parent = chains.get(request_id, (0, ROOT_HASH))
+            num_hashed, parent = chains.get(request_id, (0, _root(seq)))
             if num_hashed != num_full - 1 or num_full > len(seq.block_table):
                 self.cache_computed_blocks(seq)
                 continue

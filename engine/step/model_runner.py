@@ -21,6 +21,7 @@ from pdserve.engine.step.cuda_graphs import DecodeGraphs
 from pdserve.engine.step.decode_rows import DecodeRows
 from pdserve.engine.step.scheduler_output import ScheduledSequence, SchedulerOutput
 from pdserve.kernels import KVCacheLayer
+from pdserve.kernels.lora import LoraBatch
 from pdserve.models.attention import AttentionMetadata
 
 
@@ -35,6 +36,7 @@ class Chunk:
     block_table: list[int | None]
     num_sampled: int = 0
     num_scored: int = 0
+    lora_slot: int = -1  # its LoRA adapter's slot (-1: the base model)
 
 
 @dataclass
@@ -66,7 +68,13 @@ def _chunk(item: ScheduledSequence) -> Chunk:
     seq, start = item.seq, item.start
     drafts = item.draft_token_ids  # speculative decoding: verified after the new token
     return Chunk([*seq.token_ids[start:start + item.num_new_tokens], *drafts], start,
-                 seq.block_table, 1 + len(drafts) if item.samples else 0, item.num_scored)
+                 seq.block_table, 1 + len(drafts) if item.samples else 0, item.num_scored,
+                 seq.lora_slot)
+
+
+def _row_slots(rows: DecodeRows) -> np.ndarray:
+    """The LoRA slot of each decode row's sequence (-1: the base model)."""
+    return np.fromiter((seq.lora_slot for seq in rows.seqs), np.int64, len(rows.seqs))
 
 
 def _on(values: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -94,6 +102,7 @@ class ModelRunner:
         self._aranged = self._aranged32 = torch.arange(0, device=device)
         self._aranged_n, self._aranged_pair = -1, (self._aranged, self._aranged32)
         self._rows_views: tuple | None = None  # (key, host views, tables): _host_views
+        self.serves_lora = False  # the model has LoRA slots: each batch says each row's slot
 
     def prepare(self, output: SchedulerOutput) -> ModelInput:
         """The flat batch of a step: its decodes first, the persistent :class:`DecodeRows`
@@ -128,7 +137,9 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu_seqlens,
                                  context_lens=context_lens, block_tables=tables,
                                  max_query_len=1, max_context_len=rows.max_context_len,
-                                 backend=self.backend)
+                                 backend=self.backend,
+                                 lora=self._lora_batch(_row_slots(rows)) if self.serves_lora
+                                 else None)
         return ModelInput(input_ids=input_ids, positions=positions, metadata=meta,
                           sample_indices=sample_rows, num_attended=rows.num_context,
                           num_context=rows.num_context)
@@ -203,17 +214,29 @@ class ModelRunner:
         cu = np.zeros(n + 1, np.int32)
         cu[1:] = ends
         dev = self.device
+        lora = None
+        if self.serves_lora:
+            seq_slots = np.fromiter((c.lora_slot for c in chunks), np.int64, len(chunks))
+            if r:
+                seq_slots = np.concatenate([_row_slots(rows), seq_slots])
+            lora = self._lora_batch(np.repeat(seq_slots, q_lens))
         meta = AttentionMetadata(
             slot_mapping=_on(slots, dev), cu_seqlens_q=_on(cu, dev),
             context_lens=_on(context_lens, dev), block_tables=_on(tables, dev),
             max_query_len=int(q_lens.max()), max_context_len=int(context_lens.max()),
-            backend=self.backend)
+            backend=self.backend, lora=lora)
         return ModelInput(
             input_ids=_on(input_ids, dev), positions=_on(positions, dev), metadata=meta,
             sample_indices=_on(sample_indices, dev), num_scored=num_scored,
             logit_order=None if logit_order is None else _on(logit_order, dev),
             num_attended=attended_pairs(starts.tolist(), q_lens.tolist()),
             num_context=int(starts.sum()) + len(input_ids))
+
+    def _lora_batch(self, token_slots: np.ndarray) -> LoraBatch | None:
+        """Each row's LoRA slot for the step (None when every row runs the base model)."""
+        if not (token_slots >= 0).any():
+            return None
+        return LoraBatch.of(_on(token_slots, self.device))
 
     def close(self) -> None:
         """Release what the runner holds beyond its tensors (nothing on one rank)."""
@@ -225,6 +248,7 @@ class ModelRunner:
         CUDA that waits for the step, which sampling does next anyway)."""
         start = time.perf_counter()
         if (self.graphs is not None and after_layer is None and not batch.num_scored
+                and batch.metadata.lora is None
                 and len(batch.sample_indices) == len(batch.input_ids)
                 and self.graphs.fits(batch.input_ids, batch.metadata)):
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.metadata)

@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from pdserve.engine.adapters import AdapterSlots
 from pdserve.engine.kv_cache.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.step.scheduler_output import ScheduledSequence, SchedulerConfig, SchedulerOutput
@@ -79,6 +80,9 @@ class Scheduler:
         # sequence is checked), and those that joined running since the latest schedule()
         self._due: list[Sequence] | None = None
         self._joined: list[Sequence] = []
+        # LoRA (set by the engine when it serves adapters): a running sequence pins its
+        # adapter's slot; a waiting one for an adapter without a slot waits for one
+        self.adapters: AdapterSlots | None = None
 
     # ---- counts -------------------------------------------------------------------------
 
@@ -149,6 +153,7 @@ class Scheduler:
         """Every change to ``running`` goes through here or :meth:`_leave_running`: the
         version they count is what the runner's rows mirror; a steady step checks the
         sequences that joined since the last one."""
+        self.pin_adapter(seq)
         self.running.append(seq)
         self.running_version += 1
         self._joined.append(seq)
@@ -156,8 +161,23 @@ class Scheduler:
     def _leave_running(self, seq: Sequence) -> bool:
         if not _remove(self.running, seq):
             return False
+        self.unpin_adapter(seq)
         self.running_version += 1
         return True
+
+    def pin_adapter(self, seq: Sequence) -> None:
+        """Hold seq's LoRA slot (loading the adapter into one), unless it holds it already
+        or runs the base model; RuntimeError when every slot is pinned by other adapters."""
+        if seq.adapter is not None and seq.lora_slot < 0:
+            if self.adapters is None:
+                raise ValueError(f"{seq.request_id}: LoRA adapter {seq.adapter.name!r} asked "
+                                 f"of an engine without LoRA (enable_lora)")
+            seq.lora_slot = self.adapters.acquire(seq.adapter)
+
+    def unpin_adapter(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0 and self.adapters is not None:
+            self.adapters.release(seq.lora_slot)
+            seq.lora_slot = -1
 
     def _drop(self, seq: Sequence) -> bool:
         """Forget seq (queues only, blocks untouched); False if it was not tracked."""
@@ -412,6 +432,9 @@ class Scheduler:
             seq = self.policy.next_waiting(self.waiting)
             if seq is None:
                 break
+            if seq.adapter is not None and self.adapters is not None \
+                    and not self.adapters.can_take(seq.adapter):
+                break  # (its adapter waits for a slot other adapters' sequences free)
             hit = bm.lookup_prefix(seq)
             n = self.policy.num_new_tokens(seq, hit, budget, cfg.enable_chunked_prefill)
             if n <= 0:
