@@ -15,8 +15,8 @@ the embedding or the head, ``fan_in_fan_out`` weights, pickled ``adapter_model.b
 shapes that do not match the base model.
 
 An adapter is identified by :func:`adapter_digest`, the sha256 of its two files: the prefix
-cache keys blocks by it (``AdapterRef`` in ``worker_api.adapters``), so a block is only ever matched by a request
-for the very weights that computed it.
+cache keys blocks by it (``AdapterRef`` in ``worker_api.adapters``), so a block is only ever
+matched by a request for the very weights that computed it.
 """
 
 from __future__ import annotations
