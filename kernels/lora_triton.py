@@ -14,13 +14,13 @@ Two kernels, not one fused:
    ``out[t][tile]``.
 
 A fused kernel tiled over ``out`` would have to redo the shrink in every tile, reading
-``x[t]`` and all of ``a[s]`` once per tile (``out / BLOCK_N`` times: 12 for a 1536-wide
-layer) to save one launch and a (T, rank) float32 buffer of a few KB; untiled, one program
-per row would walk all of ``b[s]`` alone and leave the GPU idle at decode's few rows. Split
-in two, every byte of ``x``, ``a`` and ``b`` a row needs is read once, and the expand has
-``T x out / BLOCK_N`` programs to spread. Both contract with ``tl.sum`` over a broadcast
-product, not ``tl.dot``: one row is far below ``tl.dot``'s 16-row minimum, and the work is
-bound by reading the adapter weights, not by arithmetic.
+``x[t]`` and all of ``a[s]`` once per tile of ``out``, to save one launch and a (T, rank)
+float32 buffer of a few KB; untiled, one program per row would walk all of ``b[s]`` alone and
+leave the GPU idle at decode's few rows. Split in two, every byte of ``x``, ``a`` and ``b`` a
+row needs is read once, and the expand has ``T x out / BLOCK_N`` programs to spread. Both
+contract with ``tl.sum`` over a broadcast product, not ``tl.dot``: one row is far below
+``tl.dot``'s 16-row minimum, and the work is bound by reading the adapter weights, not by
+arithmetic.
 
 ``token_slots`` values must lie in [-1, slots): checking them would cost a device sync per
 layer, so they are trusted (:class:`pdserve.kernels.lora.LoraBatch` builds them once per step).
@@ -130,7 +130,7 @@ def lora_delta_triton(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: to
     """Add ``b[s] @ (a[s] @ x[t])`` into ``out[t]`` in place for each row ``t`` of slot
     ``s = token_slots[t] >= 0``.
 
-    out: (T, out) the layer's output; x: (T, in) its input (not aliasing ``out``);
+    out: (T, out) the layer's output; x: (T, in) its input;
     a: (slots, rank, in); b: (slots, out, rank), the scaling folded in; token_slots: (T,)
     int32/int64, -1 for a base-model row. Float tensors may mix fp32, fp16 and bf16.
     """
