@@ -2,11 +2,13 @@
 
 For each kernel at serving shapes (decode: batch 64 x 4k context, 32 query / 8 kv heads,
 head_dim 128, bf16; prefill: 4k tokens; norm / rotary / SiLU / KV write / block pack at the
-matching sizes) it checks the output against the torch reference, times the kernel (median of
-CUDA-event timings, L2 flushed before each run) and reports achieved GB/s or TFLOP/s against
-ceilings measured in the same run: a large device-to-device copy and a large bf16 matmul.
-Peers: torch's ``scaled_dot_product_attention`` on the same K/V laid out densely (attention)
-and the torch reference (everything else). A table with the ratios comes last.
+matching sizes; the LoRA delta through SmolLM2's up projection at rank 16, for 8 rows of 4
+adapters and 512 rows of one) it checks the output against the torch reference, times the
+kernel (median of CUDA-event timings, L2 flushed before each run) and reports achieved GB/s or
+TFLOP/s against ceilings measured in the same run: a large device-to-device copy and a large
+bf16 matmul. Peers: torch's ``scaled_dot_product_attention`` on the same K/V laid out densely
+(attention), the grouped torch path (LoRA) and the torch reference (everything else). A table
+with the ratios comes last.
 
 Without CUDA it says so and exits 0; ``--tiny`` instead runs every case at toy shapes under the
 Triton interpreter (correctness only, no timings), which is what the test suite does.
@@ -26,6 +28,7 @@ import torch
 from pdserve.bench.stats import format_table
 from pdserve.kernels import torch_ops as ref
 from pdserve.kernels.kv_layout import KVCacheLayer
+from pdserve.kernels.lora import LoraBatch, lora_delta_gather, lora_delta_grouped
 from pdserve.kernels.torch_attention import paged_attention_torch, paged_decode_attention_torch
 from pdserve.testing.paged_batches import (
     TOLERANCE,
@@ -251,13 +254,37 @@ def block_copy_cases(b: Bench) -> list[Row]:
     return rows
 
 
+def lora_case(b: Bench, tokens: int, adapters: int) -> Row:
+    """The LoRA delta of one linear layer (SmolLM2's up projection, rank 16) for ``tokens``
+    rows dealt in turn to ``adapters`` adapters of a pool of 8."""
+    # lazy: imports triton, which only the Triton rows need
+    from pdserve.kernels.lora_triton import lora_delta_triton
+
+    in_f, out_f, rank, num_slots = (40, 56, 4, 8) if b.tiny else (576, 1536, 16, 8)
+    bf16, dev = torch.bfloat16, b.device
+    a = (torch.randn(num_slots, rank, in_f, device=dev, generator=b.gen) / in_f ** 0.5).to(bf16)
+    lb = (torch.randn(num_slots, out_f, rank, device=dev, generator=b.gen) / rank ** 0.5).to(bf16)
+    x = torch.randn(tokens, in_f, device=dev, generator=b.gen).to(bf16)
+    slots = torch.arange(tokens, device=dev) % adapters + 1
+    out, want = torch.zeros(2, tokens, out_f, dtype=bf16, device=dev)
+    lora_delta_triton(out, x, a, lb, slots)
+    lora_delta_gather(want, x, a, lb, slots)
+    got = out.clone()  # (the timed calls keep adding into out and want)
+    batch = LoraBatch.of(slots)
+    amount = 2 * (x.numel() + 2 * out.numel() + adapters * rank * (in_f + out_f))
+    return _row(b, "lora delta", f"{tokens} rows x {adapters} adapters, {in_f}->{out_f} r{rank}",
+                got, want, bf16, lambda: lora_delta_triton(out, x, a, lb, slots), amount, "GB/s",
+                "torch grouped", lambda: lora_delta_grouped(want, x, a, lb, batch))
+
+
 def run(b: Bench) -> list[Row]:
     """Every case, in table order."""
     rows = [decode_case(b, False), decode_case(b, True),
             prefill_case(b, 1), prefill_case(b, 4), prefill_case(b, 1, quantized=True)]
     rows += pointwise_cases(b)
     rows += [kv_write_case(b, False), kv_write_case(b, True)]
-    return rows + block_copy_cases(b)
+    rows += block_copy_cases(b)
+    return rows + [lora_case(b, 8, 4), lora_case(b, 24 if b.tiny else 512, 1)]
 
 
 def _ms(value: float | None) -> str:

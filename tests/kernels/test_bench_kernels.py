@@ -20,6 +20,6 @@ def test_tiny_run_checks_every_case(capsys):
     assert bench.main(["--tiny"]) == 0
     out = capsys.readouterr().out
     for name in ("decode attention", "prefill attention int8", "rms_norm+residual", "rotary",
-                 "silu_and_mul", "write_kv int8", "pack_blocks", "unpack_blocks"):
+                 "silu_and_mul", "write_kv int8", "pack_blocks", "unpack_blocks", "lora delta"):
         assert name in out
     assert " NO " not in out
