@@ -123,10 +123,11 @@ class AdapterSlots:
         self.counters.slot_loads += 1
         self.counters.slot_load_s += time.perf_counter() - start
 
-    def resident(self) -> tuple[str, ...]:
-        """The names of the adapters in a slot, pinned or not."""
-        return tuple(ref.name for ref in self._slots if ref is not None)
+    def resident_digests(self) -> tuple[str, ...]:
+        """The digests of the adapters in a slot, pinned or not."""
+        return tuple(ref.digest for ref in self._slots if ref is not None)
 
-    def in_host_memory(self) -> tuple[str, ...]:
+    def host_digests(self) -> tuple[str, ...]:
+        """The digests of the adapters read in host memory."""
         with self._lock:
-            return tuple(adapter.name for adapter in self._host.values())
+            return tuple(self._host)

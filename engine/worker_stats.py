@@ -28,7 +28,20 @@ def engine_stats(worker_id: str, role: str, engine: LLMEngine, num_reserved: int
         busy_fraction=util.busy_fraction,
         kv_log_id="" if bm.events is None else bm.events.log_id,
         kv_events_number=0 if bm.events is None else bm.events.number,
-        taken_at=time.time(), **spec_stats(engine))
+        taken_at=time.time(), **spec_stats(engine), **lora_stats(engine))
+
+
+def lora_stats(engine: LLMEngine) -> dict:
+    """The LoRA slots' contents and counters as WorkerStats fields (none without LoRA)."""
+    slots = engine.parts.adapters
+    if slots is None:
+        return {}
+    c = slots.counters
+    return dict(lora_slots=slots.max_loras, lora_resident=slots.resident_digests(),
+                lora_in_host=slots.host_digests(), lora_disk_reads=c.disk_reads,
+                lora_slot_loads=c.slot_loads, lora_evictions=c.evictions,
+                lora_disk_read_s=c.disk_read_s, lora_slot_load_s=c.slot_load_s,
+                lora_requests=dict(slots.requests))
 
 
 def spec_stats(engine: LLMEngine) -> dict:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from pdserve.router.constraints import ConstraintCheck
+from pdserve.worker_api.adapters import AdapterRef
 from pdserve.worker_api.sampling_params import SamplingParams, StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class PreparedRequest:
     tenant: str | None = None  # who it counts under for fair turns (None: anonymous)
     constraint_check: ConstraintCheck | None = None  # how the router checked its structured
     # output (None: free output, or a backend that does not check)
+    adapter: AdapterRef | None = None  # the LoRA adapter the request's ``model`` named (None:
+    # the base model)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens != self.params.max_tokens:

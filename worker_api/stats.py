@@ -75,6 +75,18 @@ class WorkerStats:
     kv_log_id: str = ""  # the engine's KV event log (KVEvents.log_id; "": prefix caching off)
     kv_events_number: int = 0  # the last batch of it drained (a reader behind it missed some)
     taken_at: float = 0.0  # wall clock: every call the worker received before it is counted
+    # LoRA (all empty or zero when the worker serves no adapters): the digests
+    # (AdapterRef.digest) of the adapters in a slot, ready for a step, and of those read in
+    # host memory (a slot load away); the worker's slots; its counters since start
+    lora_slots: int = 0
+    lora_resident: tuple[str, ...] = ()
+    lora_in_host: tuple[str, ...] = ()
+    lora_disk_reads: int = 0  # adapters read from their files
+    lora_slot_loads: int = 0  # adapters put into a slot
+    lora_evictions: int = 0  # adapters taken out of a slot for another
+    lora_disk_read_s: float = 0.0  # seconds spent reading adapter files (sum)
+    lora_slot_load_s: float = 0.0  # seconds spent filling slots (sum)
+    lora_requests: dict[str, int] = field(default_factory=dict)  # sequences run, by adapter name
 
     @property
     def utilization(self) -> Utilization:
