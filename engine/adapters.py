@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,8 @@ class AdapterSlots:
         self._lock = threading.Lock()  # read() runs off the engine loop (a request's arrival)
         self.counters = AdapterCounters()
         self.requests = Counter[str]()  # sequences admitted, by adapter name
+        # tensor parallelism: rank 0's slots have the followers fill theirs alike
+        self.on_load: Callable[[int, AdapterRef], None] | None = None
 
     # -- host memory ------------------------------------------------------------------------
 
@@ -97,7 +100,7 @@ class AdapterSlots:
                 raise RuntimeError(f"all {self.max_loras} LoRA slots are in use by other "
                                    f"adapters (max_loras)")
             slot, _ = self._idle.popitem(last=False)
-            self._load(slot, ref)
+            self.load_slot(slot, ref)
         else:
             self._idle.pop(slot, None)
         self._pins[slot] += 1
@@ -110,7 +113,11 @@ class AdapterSlots:
         if self._pins[slot] == 0:
             self._idle[slot] = None
 
-    def _load(self, slot: int, ref: AdapterRef) -> None:
+    def load_slot(self, slot: int, ref: AdapterRef) -> None:
+        """Put ``ref``'s adapter in ``slot`` (what :meth:`acquire` does, and a tensor
+        parallel follower when rank 0 does)."""
+        if self.on_load is not None:
+            self.on_load(slot, ref)
         adapter = self.read(ref)
         start = time.perf_counter()
         old = self._slots[slot]

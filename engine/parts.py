@@ -5,6 +5,7 @@ the memory ledger (``EngineParts.build``, from a ``ResolvedModel``). ``LLMEngine
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -96,6 +97,9 @@ class EngineParts:
         else:
             model.join_tensor_group(followers.join(ledger, device).all_reduce)
             runner = TensorParallelRunner(*runner_args, followers=followers)
+            if adapters is not None:
+                adapters.on_load = functools.partial(runner.call_ranks,
+                                                     AdapterSlots.load_slot.__name__)
         runner.serves_lora = adapters is not None
         runner.meter = UtilizationMeter(
             StepCost.for_model(local, ledger.weight_bytes, ledger.kv_bytes_per_token), device,

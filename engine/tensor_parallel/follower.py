@@ -21,7 +21,9 @@ import pickle
 
 import torch
 
+from pdserve.engine.adapters import AdapterSlots
 from pdserve.engine.capacity.memory import allocate_kv_caches, kv_layer_dtypes
+from pdserve.engine.parts import lora_slots
 from pdserve.engine.resolved_model import ResolvedModel
 from pdserve.engine.tensor_parallel.group import (
     OP_CALL,
@@ -50,7 +52,9 @@ def serve(address: str, rank: int, size: int, signer: Signer) -> None:
         device = rank_device(resolved.device, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL's communicator uses the current device
-        model = resolved.load_model(spec.config, TensorShard(rank, size), device)
+        shard = TensorShard(rank, size)
+        model = resolved.load_model(spec.config, shard, device)
+        adapters = lora_slots(spec.config, model, resolved.model_config, shard)
         ledger = pickle.loads(store.get("ledger"))
         layer_dtypes = kv_layer_dtypes(model.config.num_hidden_layers, resolved.dtype,
                                        spec.config)
@@ -66,9 +70,11 @@ def serve(address: str, rank: int, size: int, signer: Signer) -> None:
     model.join_tensor_group(group.all_reduce)
     logger.info("tensor parallel rank %d/%d ready on %s", rank, size, device)
     try:
-        while (message := group.recv(resolved.backend)) is not None:
+        while (message := group.recv(resolved.backend, adapters is not None)) is not None:
             if message.op == OP_CALL:
-                group.count_failures(not _call(role, *message.payload))
+                method, args = message.payload
+                target = adapters if method == AdapterSlots.load_slot.__name__ else role
+                group.count_failures(not _call(target, method, args))
                 continue
             input_ids, positions, meta, rows = message.batch
             extras = message.payload

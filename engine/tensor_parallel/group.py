@@ -57,6 +57,7 @@ from pdserve.engine.capacity.memory import MemoryLedger
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineBrokenError
 from pdserve.engine.step.model_runner import ModelInput, ModelRunner
+from pdserve.kernels.lora import LoraBatch
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.config import ModelConfig
 
@@ -177,8 +178,10 @@ class TensorGroup:
         self._pg.broadcast([tensor], opts).wait()
 
     # -- rank 0 ----------------------------------------------------------------------------
-    def send_batch(self, batch: ModelInput, extras: object = None) -> None:
-        """A step's batch, with what the followers' role needs for it (``extras``)."""
+    def send_batch(self, batch: ModelInput, extras: object = None,
+                   lora_slots: torch.Tensor | None = None) -> None:
+        """A step's batch, with what the followers' role needs for it (``extras``) and, when
+        the engine serves LoRA, each row's adapter slot (``lora_slots``, -1: the base model)."""
         meta = batch.metadata
         num_seqs, width = meta.block_tables.shape
         blob = self._pickled(extras)
@@ -187,7 +190,8 @@ class TensorGroup:
                                len(batch.sample_indices), blob.numel()], dtype=torch.int64)
         body = torch.cat([t.reshape(-1).to(torch.int64) for t in (
             batch.input_ids, batch.positions, meta.slot_mapping, meta.cu_seqlens_q,
-            meta.context_lens, meta.block_tables, batch.sample_indices)])
+            meta.context_lens, meta.block_tables, batch.sample_indices,
+            *(() if lora_slots is None else (lora_slots,)))])
         self._broadcast(header.to(self.device))
         self._broadcast(body.to(self.device))
         if blob.numel():
@@ -212,9 +216,9 @@ class TensorGroup:
                                      dtype=torch.int64, device=self.device))
 
     # -- followers ---------------------------------------------------------------------------
-    def recv(self, backend: str) -> Message | None:
+    def recv(self, backend: str, serves_lora: bool = False) -> Message | None:
         """The next message from rank 0, or None when it stops the group; waits as long as
-        the engine idles."""
+        the engine idles. ``serves_lora``: every batch brings its rows' adapter slots."""
         header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
         self._broadcast(header, IDLE_TIMEOUT)
         op, num_tokens, num_seqs, width, max_query_len, max_context_len, sampled, nbytes = \
@@ -224,14 +228,18 @@ class TensorGroup:
         if op == OP_CALL:
             return Message(op, payload=self._recv_pickled(nbytes))
         sizes = [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs * width, sampled]
+        if serves_lora:
+            sizes.append(num_tokens)
         body = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
         self._broadcast(body)
-        input_ids, positions, slots, cu_seqlens, context_lens, tables, rows = body.split(sizes)
+        input_ids, positions, slots, cu_seqlens, context_lens, tables, rows, *lora_slots = \
+            body.split(sizes)
         meta = AttentionMetadata(
             slot_mapping=slots, cu_seqlens_q=cu_seqlens.to(torch.int32),
             context_lens=context_lens.to(torch.int32),
             block_tables=tables.to(torch.int32).view(num_seqs, width),
-            max_query_len=max_query_len, max_context_len=max_context_len, backend=backend)
+            max_query_len=max_query_len, max_context_len=max_context_len, backend=backend,
+            lora=LoraBatch.of(lora_slots[0]) if lora_slots else None)
         return Message(op, (input_ids, positions, meta, rows),
                        self._recv_pickled(nbytes) if nbytes else None)
 
@@ -436,7 +444,12 @@ class TensorParallelRunner(ModelRunner):
     def run(self, batch: ModelInput,
             after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         extras, self.step_extras = self.step_extras, None
-        self.group.send_batch(batch, extras)
+        lora_slots = None
+        if self.serves_lora:
+            lora = batch.metadata.lora
+            lora_slots = (torch.full_like(batch.input_ids, -1) if lora is None
+                          else lora.token_slots)
+        self.group.send_batch(batch, extras, lora_slots)
         return super().run(batch, after_layer)
 
     def call_ranks(self, method: str, *args) -> None:

@@ -268,3 +268,22 @@ def test_bad_adapters_are_refused_naming_them(lora_case, tmp_path):
     with pytest.raises(ValueError, match="enable_lora"):
         plain.generate([[5, 6, 7]], GREEDY, use_tqdm=False, adapters=ok)
     assert plain.engine.num_requests == 0
+
+
+def test_tensor_parallel_mixed_batch_equals_peft(lora_case, references):
+    """TP=2 over gloo: each rank holds its part of every slot (B split like the base rows of
+    q, k, v, gate and up; A like the input columns of o and down), filled when rank 0 fills
+    its own; two slots for four adapters, so slots are refilled on both ranks mid-run."""
+    base, adapters = lora_case("llama-gqa")
+    prompts = _prompts(2, seed=7)
+    refs = [LLM.adapter(a) for a in adapters]
+    choices = [None, 0, 1, 2, 3]
+    with LLM(str(base), **ENGINE, max_loras=2, tensor_parallel_size=2, device="cpu") as llm:
+        outs = llm.generate([p for _ in choices for p in prompts], GREEDY, use_tqdm=False,
+                            adapters=[None if c is None else refs[c] for c in choices
+                                      for _ in prompts])
+        got = [o.token_ids for o in outs]
+        for k, choice in enumerate(choices):
+            assert got[2 * k:2 * k + 2] == references("llama-gqa", choice, prompts), choice
+        assert llm.engine.parts.adapters.counters.evictions > 0
+        _assert_no_leak(llm)
