@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.config import EngineConfig
 from pdserve.models import ModelConfig
 from pdserve.models.lora import LoraAdapter, init_lora_slots, read_adapter, write_lora_slot
 from pdserve.models.tensor_parallel import TensorShard
@@ -61,6 +62,18 @@ class AdapterSlots:
         self.requests = Counter[str]()  # sequences admitted, by adapter name
         # tensor parallelism: rank 0's slots have the followers fill theirs alike
         self.on_load: Callable[[int, AdapterRef], None] | None = None
+
+    @classmethod
+    def for_config(cls, config: EngineConfig, model: torch.nn.Module,
+                   model_config: ModelConfig, shard: TensorShard | None) -> AdapterSlots | None:
+        """The model's LoRA slots when ``config`` serves adapters (None otherwise)."""
+        if not config.enable_lora:
+            return None
+        slots = cls(model, model_config, config.max_loras, config.max_lora_rank,
+                    config.max_cpu_loras or config.max_loras, shard)
+        logger.info("LoRA: %d slots of rank <= %d (%.1f MiB)", config.max_loras,
+                    config.max_lora_rank, slots.slot_bytes / (1 << 20))
+        return slots
 
     # -- host memory ------------------------------------------------------------------------
 

@@ -78,7 +78,8 @@ class EngineParts:
         backend, max_model_len = resolved.backend, resolved.max_model_len
         model = resolved.load_model(config, shard)
         local = model.config  # this rank's shapes (mc itself without tensor parallelism)
-        adapters = lora_slots(config, model, mc, shard)  # (before the pool is sized: weights)
+        # LoRA slots before the pool is sized: the ledger counts them as weights
+        adapters = AdapterSlots.for_config(config, model, mc, shard)
         ledger = plan_kv_pool(local, config, model, dtype, device, max_model_len, backend)
         layer_dtypes = kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
         try:
@@ -188,14 +189,3 @@ def _int8_pool(config: EngineConfig, resolved: ResolvedModel, model, ledger: Mem
     logger.info("int8 KV cache: %s", calibration.describe())
     return config, dataclasses.replace(ledger, kv_int8=calibration.describe()), caches
 
-
-def lora_slots(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
-               shard: TensorShard | None) -> AdapterSlots | None:
-    """The model's LoRA slots when ``config`` serves adapters (None otherwise)."""
-    if not config.enable_lora:
-        return None
-    slots = AdapterSlots(model, model_config, config.max_loras, config.max_lora_rank,
-                         config.max_cpu_loras or config.max_loras, shard)
-    logger.info("LoRA: %d slots of rank <= %d (%.1f MiB)", config.max_loras,
-                config.max_lora_rank, slots.slot_bytes / (1 << 20))
-    return slots

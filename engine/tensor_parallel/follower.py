@@ -23,7 +23,6 @@ import torch
 
 from pdserve.engine.adapters import AdapterSlots
 from pdserve.engine.capacity.memory import allocate_kv_caches, kv_layer_dtypes
-from pdserve.engine.parts import lora_slots
 from pdserve.engine.resolved_model import ResolvedModel
 from pdserve.engine.tensor_parallel.group import (
     OP_CALL,
@@ -54,7 +53,7 @@ def serve(address: str, rank: int, size: int, signer: Signer) -> None:
             torch.cuda.set_device(device)  # NCCL's communicator uses the current device
         shard = TensorShard(rank, size)
         model = resolved.load_model(spec.config, shard, device)
-        adapters = lora_slots(spec.config, model, resolved.model_config, shard)
+        adapters = AdapterSlots.for_config(spec.config, model, resolved.model_config, shard)
         ledger = pickle.loads(store.get("ledger"))
         layer_dtypes = kv_layer_dtypes(model.config.num_hidden_layers, resolved.dtype,
                                        spec.config)
