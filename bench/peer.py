@@ -137,9 +137,11 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 
 def bench_point(vllm: str, server: Server, port: int, tokenizer: str, args, out: Path,
-                concurrency: int | None, rate: float | None) -> dict:
-    """One ``vllm bench serve`` point against the running server; its JSON result."""
-    point = f"c{concurrency or 'inf'}-r{rate or 'inf'}"
+                concurrency: int | None, rate: float | None, client_args: tuple = (),
+                label: str = "") -> dict:
+    """One ``vllm bench serve`` point against the running server; its JSON result.
+    ``client_args``: more of the client's arguments; ``label`` tells the point's file apart."""
+    point = f"c{concurrency or 'inf'}-r{rate or 'inf'}{label}"
     out.mkdir(parents=True, exist_ok=True)
     name = f"{server.name}-{point}.json"
     # the same prompts for every server at this point, other prompts at every other point
@@ -157,6 +159,7 @@ def bench_point(vllm: str, server: Server, port: int, tokenizer: str, args, out:
                "--request-rate", "inf" if rate is None else str(rate)]
     if concurrency is not None:
         command += ["--max-concurrency", str(concurrency)]
+    command += list(client_args)
     result = subprocess.run(command, env={**os.environ, **server.env}, capture_output=True,
                             text=True, timeout=1800, cwd=out)
     if result.returncode != 0:
