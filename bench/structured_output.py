@@ -8,7 +8,7 @@ with the vocabulary):
 1. what a constraint costs before its first token: a fresh engine's first constrained
    request (the grammar engine's import and set-up, and the compile), a new schema on that
    engine, and a schema it compiled before (its cache: a new matcher only), each through
-   ``LLMEngine.then_with_constraint`` as a worker makes them.
+   ``LLMEngine.then_prepared`` as a worker makes them.
 2. decode step time with 0, 1 and all of 8 and 32 rows constrained by a JSON schema, as a
    ratio to the same batch unconstrained: the median step of each variant, the variants
    interleaved round by round, the ratio of medians over rounds. The schema (a string field
@@ -30,6 +30,7 @@ from pdserve.bench.stats import format_table
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.models.tiny import tiny_model_dir
+from pdserve.worker_api import WorkRequest
 from pdserve.worker_api.sampling_params import SamplingParams
 
 # every row keeps writing the string for as long as the measurement runs
@@ -98,7 +99,7 @@ def _time_constraint(engine: LLMEngine, schema: dict) -> float:
         done.set_result(None)
         return done
 
-    engine.then_with_constraint(params, ready).result(120)
+    engine.then_prepared(WorkRequest("compile", [1], params, 0, 0.0), ready).result(120)
     return time.perf_counter() - start
 
 

@@ -131,14 +131,15 @@ class DecodeWorker(StreamingWorker):
         """Future[Reservation]; fails with NeverFits or NoRoomNow when it declines, and with
         DuplicateRequestId when the id is held here already (reserved, submitted or running).
         ``router`` (its actor name) owns the request once reserved. A constrained request's
-        grammar compiles first, off the loop (``LLMEngine.then_with_constraint``); an abort
+        grammar compiles (and its LoRA adapter is read) first, off the loop
+        (``LLMEngine.then_prepared``); an abort
         that arrives meanwhile stops it before it holds any block."""
         request_id = request.request_id
         if request.params.structured_outputs is not None:
             with self._compiling_lock:
                 self._compiling[request_id] = False
-        reserved = self.engine.then_with_constraint(
-            request.params, lambda constraint: self.loop.call(self._reserve, request, router,
+        reserved = self.engine.then_prepared(
+            request, lambda constraint: self.loop.call(self._reserve, request, router,
                                                               constraint))
         if request.params.structured_outputs is not None:
             reserved.add_done_callback(lambda _: self._compiled(request_id))

@@ -98,6 +98,11 @@ class AdapterSlots:
                     ", ".join(adapter.target_modules), ref.path)
         return adapter
 
+    def holds(self, ref: AdapterRef) -> bool:
+        """Whether ``ref``'s adapter is read in host memory (:meth:`read` reads no file)."""
+        with self._lock:
+            return ref.digest in self._host
+
     # -- slots ------------------------------------------------------------------------------
 
     def can_take(self, ref: AdapterRef) -> bool:

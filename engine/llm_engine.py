@@ -151,7 +151,7 @@ class LLMEngine:
         """A validated, untracked Sequence. NeverFits (a ValueError) naming what this engine can
         never take: a prompt its model or tokenizer cannot read, a context longer than its
         limit, more blocks than its pool, parameters no step can pack. A constrained request's
-        matcher is ``constraint`` when given (:meth:`then_with_constraint`), else made here."""
+        matcher is ``constraint`` when given (:meth:`then_prepared`), else made here."""
         for index in range(params.num_sequences):
             if choice_request_id(request_id, index) in self.output.sequences:
                 raise DuplicateRequestId(f"request_id {choice_request_id(request_id, index)!r} "
@@ -267,14 +267,18 @@ class LLMEngine:
         self.hooks.forked(parent, children)
         return children
 
-    def then_with_constraint(self, params: SamplingParams,
-                             then: Callable[[Constraint | None], Future]) -> Future:
-        """``then(constraint)``'s future, ``constraint`` the matcher for ``params``' structured
-        outputs compiled on the engine's grammar threads (None when free): a worker's loop
-        never compiles, and its steps go on while a request waits for its grammar. A
-        constraint that cannot be served fails the returned future with NeverFits, and
-        ``then`` is not called."""
-        if params.structured_outputs is None:
+    def then_prepared(self, request: WorkRequest,
+                      then: Callable[[Constraint | None], Future]) -> Future:
+        """``then(constraint)``'s future once what a request needs from files and compilers
+        is ready, made on the engine's own threads: ``constraint`` the matcher for its
+        structured outputs (None when free), and its LoRA adapter read into host memory. A
+        worker's loop never compiles a grammar or reads an adapter's files, and its steps go
+        on meanwhile. A constraint or adapter that cannot be served fails the returned future
+        with NeverFits, and ``then`` is not called."""
+        params, adapter = request.params, request.adapter
+        adapters = self.parts.adapters
+        if params.structured_outputs is None and (
+                adapter is None or adapters is None or adapters.holds(adapter)):
             return then(None)
         result: Future = Future()
 
@@ -295,8 +299,12 @@ class LLMEngine:
                 return
             after.add_done_callback(functools.partial(_copy_outcome, result))
 
-        self._grammar_pool.submit(self._constraint, params).add_done_callback(compiled)
+        self._grammar_pool.submit(self._prepare, params, adapter).add_done_callback(compiled)
         return result
+
+    def _prepare(self, params: SamplingParams, adapter: AdapterRef | None) -> Constraint | None:
+        self._check_adapter(adapter)
+        return None if params.structured_outputs is None else self._constraint(params)
 
     def _constraint(self, params: SamplingParams) -> Constraint:
         """A new matcher for ``params``' structured outputs (ValueError naming the field when

@@ -136,10 +136,10 @@ class PrefillWorker(StepHooks):
     def prefill(self, request: WorkRequest, reservation: Reservation) -> Future:
         """Future[PrefillResult]: resolves once token 0 is sampled and the KV has been sent.
         A constrained request's grammar compiles first, off the loop
-        (``LLMEngine.then_with_constraint``)."""
+        (``LLMEngine.then_prepared``), and its LoRA adapter is read."""
         result: Future = Future()
-        admitted = self.engine.then_with_constraint(
-            request.params, lambda constraint: self.loop.call(self._admit, request, reservation,
+        admitted = self.engine.then_prepared(
+            request, lambda constraint: self.loop.call(self._admit, request, reservation,
                                                               result, constraint))
         admitted.add_done_callback(
             lambda f: f.exception() is not None and not result.done()

@@ -1,5 +1,5 @@
 """Prefill and decode workers compile a request's grammar off their engine loop
-(``LLMEngine.then_with_constraint``): a compile held up by a test hook leaves other requests'
+(``LLMEngine.then_prepared``): a compile held up by a test hook leaves other requests'
 reservations, prefills and tokens going, the held request goes on once its grammar is ready,
 and a constraint that cannot be served fails that request alone."""
 
