@@ -81,6 +81,10 @@ class EngineParts:
         # LoRA slots before the pool is sized: the ledger counts them as weights
         adapters = AdapterSlots.for_config(config, model, mc, shard)
         ledger = plan_kv_pool(local, config, model, dtype, device, max_model_len, backend)
+        if adapters is not None:
+            ledger = dataclasses.replace(
+                ledger, lora_bytes=adapters.slot_bytes,
+                lora_slots=f"{adapters.max_loras} slots of rank <= {adapters.max_lora_rank}")
         layer_dtypes = kv_layer_dtypes(mc.num_hidden_layers, dtype, config)
         try:
             tokenizer = resolved.checkpoint.tokenizer()

@@ -51,6 +51,8 @@ class MemoryLedger:
     # compared with the model dtype at start-up (int8_scales.Calibration.describe)
     tensor_parallel_size: int = 1  # ranks computing the engine; every figure here is one
     # rank's (each holds its share of the heads and the MLP, and as many KV blocks)
+    lora_bytes: int = 0  # LoRA: the adapter slots in the model (inside weight_bytes)
+    lora_slots: str = ""  # LoRA: "N slots of rank <= R"
 
     @property
     def kv_token_capacity(self) -> int:
@@ -76,7 +78,9 @@ class MemoryLedger:
                                 f"blocks ({self.num_kv_blocks_model_dtype} in model dtype)")]
              if self.kv_dtype.startswith("int8") and self.num_kv_blocks_model_dtype else []) \
             + ([("int8 KV", self.kv_int8)] if self.kv_int8 else []) \
-            + ([("draft model (weights + KV)", mib(self.draft_bytes))] if self.draft_bytes else [])
+            + ([("draft model (weights + KV)", mib(self.draft_bytes))] if self.draft_bytes else [])\
+            + ([("LoRA slots (in weights)", f"{mib(self.lora_bytes)}, {self.lora_slots}")]
+               if self.lora_bytes else [])
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "kv_token_capacity": self.kv_token_capacity}

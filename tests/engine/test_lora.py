@@ -87,6 +87,9 @@ def test_mixed_batch_equals_peft(family, lora_case, references):
         assert got[2 * k:2 * k + 2] == references(family, choice, prompts), choice
     assert len({json.dumps(got[2 * k:2 * k + 2]) for k in range(len(choices))}) == len(choices)
     _assert_no_leak(llm)
+    ledger = llm.memory_ledger  # the slots are counted (as weights) before the pool is sized
+    assert 0 < ledger.lora_bytes == llm.engine.parts.adapters.slot_bytes < ledger.weight_bytes
+    assert ("LoRA slots (in weights)" in dict(ledger.rows()))
 
 
 def test_evicted_adapter_reloads_to_the_same_tokens(lora_case, references):
