@@ -16,6 +16,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.router.admin_server import trace_pb
 from pdserve.router.backend import ModelSpec, PreparedRequest
+from pdserve.router.config import RouterConfig
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.trace import RequestTrace
@@ -108,3 +109,43 @@ def test_a_trace_without_routing_or_adapter_says_so():
             row["prefill_adapter_source"], row["decode_adapter_source"]) == (None,) * 5
     assert RequestTrace("r", 0.1, 0.2).adapter_loaded is None
     assert RequestTrace("r", 0.1, 0.2, adapter="sql").adapter_loaded is False
+
+
+def test_a_disaggregated_request_runs_its_adapter_on_both_workers(tiny_dir, adapters):
+    """Prefill and decode workers both run the adapter (the prompt's KV under it, the decode
+    steps under it): PEFT's tokens; the trace says where the adapter was on each."""
+    sql = LLM.adapter(adapters[0])
+    config = EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=64,
+                          prefix_cache_salt=SALT, enable_lora=True, max_loras=2)
+    handles = build_local_workers(config, num_prefill=1, num_decode=1)
+
+    async def main():
+        router = Router(ModelSpec("t", 256, 509, ()), StaticDirectory(handles), tokenize=list,
+                        config=RouterConfig(disaggregation="always"), prefix_cache_salt=SALT)
+        await router.start()
+        try:
+            first = await run(router, "first", PROMPT, sql)
+            await router.workers.refresh()
+            again = await run(router, "again", PROMPT[:9], sql)
+            base = await run(router, "base", PROMPT[:9])
+            return first, again, base
+        finally:
+            await router.stop()
+            for h in handles:
+                h.close()
+
+    (tokens, first), (_, again), (_, base) = asyncio.run(main())
+    assert tokens == peft_greedy(tiny_dir, adapters[0], [PROMPT], 4)[0]
+    assert (first.prefill_routing.adapter.source, first.decode_routing.adapter.source) == \
+        ("disk", "disk")
+    assert (again.prefill_routing.adapter.source, again.decode_routing.adapter.source) == \
+        ("resident", "resident")
+    assert (first.adapter_loaded, again.adapter_loaded) == (True, False)
+    # the router found the prompt's two full blocks under sql's root on both workers; the
+    # same tokens for the base model hash apart and match nothing
+    assert (again.prefill_routing.hit_blocks, again.decode_routing.hit_blocks) == (2, 2)
+    assert (base.prefill_routing.hit_blocks, base.decode_routing.hit_blocks) == (0, 0)
+    row = trace_dict(trace_pb(again))
+    assert (row["prefill_adapter_source"], row["decode_adapter_source"]) == \
+        ("resident", "resident")
+    assert row["decode_worker"] == again.decode_routing.worker_id
