@@ -254,8 +254,9 @@ def rank_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_siz
     ties broken by the most free blocks, then the fewest running requests, then worker id.
     ``salt``: the cluster's prefix-cache salt (None: unknown, so no hit is counted and the
     queues alone decide). ``adapter``: the digest of the request's LoRA adapter (None: the
-    base model), which also roots its block hashes (:func:`adapter_cost`); ``token_s``: the
-    measured prefill seconds per prompt token (None: not yet, ``DEFAULT_TOKEN_S``)."""
+    base model), which also roots its block hashes; its load time is :func:`adapter_cost`'s.
+    ``token_s``: the measured prefill seconds per prompt token (None: not yet,
+    ``DEFAULT_TOKEN_S``)."""
     hits = _hit_blocks(loads, prompt_token_ids, block_size, index, salt, adapter)
     costs = _adapter_costs(loads, adapter)
 

@@ -19,8 +19,10 @@ from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import Router
 from pdserve.router.directory import StaticDirectory
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.trace import RequestTrace
 from pdserve.testing.lora_adapters import peft_greedy, write_peft_adapter
+from pdserve.worker_api import WorkerStats
 from pdserve.worker_api.sampling_params import SamplingParams
 from pdserve.workers.build import build_local_workers
 
@@ -149,3 +151,26 @@ def test_a_disaggregated_request_runs_its_adapter_on_both_workers(tiny_dir, adap
     assert (row["prefill_adapter_source"], row["decode_adapter_source"]) == \
         ("resident", "resident")
     assert row["decode_worker"] == again.decode_routing.worker_id
+
+
+def test_lora_series_follow_the_workers_stats_and_leave_with_it():
+    metrics = RouterMetrics()
+    stats = WorkerStats("w0", "colocated", 64, 64, 0, 0, 0, 0, 0, 0, 0, 0, lora_slots=4,
+                        lora_resident=("a" * 64,), lora_disk_reads=3, lora_slot_loads=5,
+                        lora_evictions=1)
+    metrics.set_worker(stats)
+    metrics.set_worker(WorkerStats("plain", "colocated", 64, 64, 0, 0, 0, 0, 0, 0, 0, 0))
+    text = generate_latest(metrics.registry).decode()
+    labels = 'role="colocated",worker="w0"'
+    for line in (f"pdserve_lora_slots{{{labels}}} 4.0",
+                 f"pdserve_lora_resident_adapters{{{labels}}} 1.0",
+                 'pdserve_lora_loads_total{role="colocated",source="disk",worker="w0"} 3.0',
+                 'pdserve_lora_loads_total{role="colocated",source="host",worker="w0"} 2.0',
+                 f"pdserve_lora_evictions_total{{{labels}}} 1.0"):
+        assert line in text
+    assert 'worker="plain"' not in "".join(line for line in text.splitlines()
+                                           if line.startswith("pdserve_lora"))
+    metrics.remove_worker("colocated", "w0")
+    text = generate_latest(metrics.registry).decode()
+    assert not [line for line in text.splitlines()
+                if line.startswith("pdserve_lora") and 'worker="w0"' in line]
