@@ -15,8 +15,8 @@ request's LoRA adapter). Where the prompt is computed: :func:`prefill_location`.
 
 A request under a LoRA adapter also pays, on a worker that does not hold the adapter in a slot,
 the time to load it there (:func:`adapter_cost`: 0 when resident, a slot load when the worker
-holds it read in host memory, a file read and a slot load otherwise, each the worker's own
-measured mean), turned into each cost's units with the measured prefill time per prompt token:
+holds it read in host memory, a file read and a slot load otherwise, each the mean the pool's
+workers measured), turned into each cost's units with the measured prefill time per prompt token:
 requests for an adapter go where it is resident unless that worker is much busier.
 """
 
@@ -31,12 +31,12 @@ from pdserve.engine.kv_cache.prefix_hash import adapter_root_hash, chained_block
 from pdserve.router.kv_index import KVIndex
 from pdserve.worker_api import WorkerStats
 
-__all__ = ["AdapterCost", "DecodeRouting", "PrefillLocation", "PrefillRouting", "TransferCost",
-           "WorkerLoad", "adapter_cost", "chained_block_hashes", "prefill_location",
-           "rank_decode", "rank_prefill"]
+__all__ = ["AdapterCost", "DecodeRouting", "LoadTimes", "PrefillLocation", "PrefillRouting",
+           "TransferCost", "WorkerLoad", "adapter_cost", "chained_block_hashes",
+           "pool_load_times", "prefill_location", "rank_decode", "rank_prefill"]
 
-# What loading a LoRA adapter costs a worker that has not measured it yet (seconds), and the
-# prefill time per prompt token before the router measured any: they turn load times into
+# What loading a LoRA adapter costs before any worker of the pool measured it (seconds), and
+# the prefill time per prompt token before the router measured any: they turn load times into
 # prompt tokens of work (:func:`adapter_cost`).
 DEFAULT_SLOT_LOAD_S = 0.005  # host memory -> a slot of the model
 DEFAULT_DISK_READ_S = 0.05  # read and check the adapter's files
@@ -111,6 +111,25 @@ class WorkerLoad:
         return -(-num_tokens // self.block_size)
 
 
+class LoadTimes(NamedTuple):
+    """Mean seconds to load a LoRA adapter: to read its files, and to put it in a slot."""
+
+    disk_read_s: float = DEFAULT_DISK_READ_S
+    slot_load_s: float = DEFAULT_SLOT_LOAD_S
+
+
+def pool_load_times(loads: list[WorkerLoad]) -> LoadTimes:
+    """The workers' mean file read and slot load over all their measurements (the defaults
+    where none measured one). A load's time is the adapter's size against the storage and
+    the device, which the workers of a pool share: one mean for all of them keeps a worker's
+    few noisy samples (or none yet, against the defaults) from steering where adapters go."""
+    reads = sum(w.stats.lora_disk_reads for w in loads)
+    slots = sum(w.stats.lora_slot_loads for w in loads)
+    return LoadTimes(
+        sum(w.stats.lora_disk_read_s for w in loads) / reads if reads else DEFAULT_DISK_READ_S,
+        sum(w.stats.lora_slot_load_s for w in loads) / slots if slots else DEFAULT_SLOT_LOAD_S)
+
+
 @dataclass(frozen=True)
 class AdapterCost:
     """What a request's LoRA adapter costs a worker before the request can run there."""
@@ -132,14 +151,15 @@ class AdapterCost:
         return self.seconds / (token_s or DEFAULT_TOKEN_S) if self.seconds else 0.0
 
 
-def adapter_cost(load: WorkerLoad, digest: str) -> AdapterCost:
+def adapter_cost(load: WorkerLoad, digest: str, times: LoadTimes = LoadTimes()) -> AdapterCost:
     """What running a request under the adapter of ``digest`` costs ``load``'s worker first:
     nothing when the adapter is in a slot (or this router sent it a request for it since its
     stats); a slot load when the worker holds it read in host memory; a file read and a slot
-    load otherwise. Each is the worker's measured mean (``WorkerStats.lora_slot_load_s /
-    lora_slot_loads``, ``lora_disk_read_s / lora_disk_reads``; the defaults of this module
-    before it has measured one), plus ``FULL_SLOTS_WAIT_S`` when every slot holds another
-    adapter while the worker runs requests (they may pin every slot)."""
+    load otherwise, each taking ``times`` (the pool's measured means, :func:`pool_load_times`).
+    When every slot holds another adapter, one more slot load
+    (the adapter it evicts is loaded again by its next request, from host memory at best), and
+    ``FULL_SLOTS_WAIT_S`` more while the worker runs requests (they may pin every slot): a
+    worker with a free slot is preferred."""
     stats = load.stats
     if stats.lora_slots <= 0:
         return AdapterCost("unserved", math.inf)
@@ -147,21 +167,20 @@ def adapter_cost(load: WorkerLoad, digest: str) -> AdapterCost:
         return AdapterCost("resident", 0.0)
     if digest in load.pending_adapters:
         return AdapterCost("sent", 0.0)
-    seconds = (stats.lora_slot_load_s / stats.lora_slot_loads if stats.lora_slot_loads
-               else DEFAULT_SLOT_LOAD_S)
-    if len(stats.lora_resident) >= stats.lora_slots and stats.num_running:
-        seconds += FULL_SLOTS_WAIT_S
+    seconds = times.slot_load_s
+    if len(stats.lora_resident) >= stats.lora_slots:  # it evicts another adapter
+        seconds += times.slot_load_s + (FULL_SLOTS_WAIT_S if stats.num_running else 0.0)
     if digest in stats.lora_in_host:
         return AdapterCost("host", seconds)
-    seconds += (stats.lora_disk_read_s / stats.lora_disk_reads if stats.lora_disk_reads
-                else DEFAULT_DISK_READ_S)
-    return AdapterCost("disk", seconds)
+    return AdapterCost("disk", seconds + times.disk_read_s)
 
 
 def _adapter_costs(loads: list[WorkerLoad], adapter: str | None) -> dict[str, AdapterCost | None]:
     """Each worker's :func:`adapter_cost` of ``adapter`` (None for all: the base model)."""
-    return {w.stats.worker_id: None if adapter is None else adapter_cost(w, adapter)
-            for w in loads}
+    if adapter is None:
+        return {w.stats.worker_id: None for w in loads}
+    times = pool_load_times(loads)
+    return {w.stats.worker_id: adapter_cost(w, adapter, times) for w in loads}
 
 
 def _load_tokens(cost: AdapterCost | None, token_s: float | None) -> float:

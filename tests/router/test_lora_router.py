@@ -32,10 +32,10 @@ PROMPT = [(7 * i) % 300 + 3 for i in range(10)]
 
 @pytest.fixture(scope="module")
 def adapters(tiny_dir, tmp_path_factory):
-    """Two PEFT adapters of the tiny model (folders), written once for the module."""
+    """Four PEFT adapters of the tiny model (folders), written once for the module."""
     root = tmp_path_factory.mktemp("lora-router")
     return [write_peft_adapter(tiny_dir, root / name, rank=4, seed=seed)
-            for seed, name in enumerate(("sql", "chat"))]
+            for seed, name in enumerate(("sql", "chat", "code", "math"))]
 
 
 async def run(router: Router, label: str, prompt: list[int], adapter=None):
@@ -48,7 +48,7 @@ async def run(router: Router, label: str, prompt: list[int], adapter=None):
 
 
 def test_requests_for_an_adapter_go_to_the_worker_that_holds_it(tiny_dir, adapters):
-    sql, chat = (LLM.adapter(path) for path in adapters)
+    sql, chat = (LLM.adapter(path) for path in adapters[:2])
     config = EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=64,
                           prefix_cache_salt=SALT, enable_lora=True, max_loras=2)
     handles = build_local_workers(config, num_decode=2, colocated=True)
@@ -174,3 +174,37 @@ def test_lora_series_follow_the_workers_stats_and_leave_with_it():
     text = generate_latest(metrics.registry).decode()
     assert not [line for line in text.splitlines()
                 if line.startswith("pdserve_lora") and 'worker="w0"' in line]
+
+
+def test_adapters_settle_one_worker_each_instead_of_evicting_each_other(tiny_dir, adapters):
+    """Four adapters over two workers of two slots each, requested in turn: each worker ends
+    up holding two of them, and after each adapter's first load no request loads one again
+    (all in one worker's slots, the turns would evict an adapter per request)."""
+    refs = [LLM.adapter(path) for path in adapters]
+    config = EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=64,
+                          prefix_cache_salt=SALT, enable_lora=True, max_loras=2)
+    handles = build_local_workers(config, num_decode=2, colocated=True)
+
+    async def main():
+        router = Router(ModelSpec("t", 256, 509, ()), StaticDirectory(handles), tokenize=list,
+                        prefix_cache_salt=SALT)
+        await router.start()
+        try:
+            traces = []
+            for turn in range(3):
+                for i, ref in enumerate(refs):
+                    traces.append((await run(router, f"{turn}-{i}", [3 + i, 5, 7, 9, 11],
+                                             ref))[1])
+                    await router.workers.refresh()
+            return traces, [h.worker.engine.parts.adapters.counters for h in handles]
+        finally:
+            await router.stop()
+            for h in handles:
+                h.close()
+
+    traces, counters = asyncio.run(main())
+    assert [t.adapter_loaded for t in traces] == [True] * 4 + [False] * 8
+    holder = {t.adapter: t.prefill_routing.worker_id for t in traces[:4]}
+    assert sorted(holder.values()) == ["colocated-0"] * 2 + ["colocated-1"] * 2
+    assert all(t.prefill_routing.worker_id == holder[t.adapter] for t in traces)
+    assert [(c.disk_reads, c.slot_loads, c.evictions) for c in counters] == [(2, 2, 0)] * 2

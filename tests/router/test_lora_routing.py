@@ -16,9 +16,11 @@ from pdserve.router.pairing import (
     DEFAULT_SLOT_LOAD_S,
     DEFAULT_TOKEN_S,
     FULL_SLOTS_WAIT_S,
+    LoadTimes,
     WorkerLoad,
     adapter_cost,
     chained_block_hashes,
+    pool_load_times,
     prefill_location,
     rank_decode,
     rank_prefill,
@@ -74,33 +76,52 @@ def test_a_much_busier_holder_loses_and_a_little_busier_one_wins():
                              adapter=A, token_s=TOKEN_S))[0] == "roomy"
 
 
-def test_host_memory_beats_a_file_read_and_measured_times_replace_the_defaults():
+def test_host_memory_beats_a_file_read():
     disk, host = lora("w0"), lora("w1", host=[A])
     assert prefill_order([disk, host], A) == ["w1", "w0"]
     assert adapter_cost(host, A).source == "host"
     assert adapter_cost(host, A).seconds == DEFAULT_SLOT_LOAD_S
     assert adapter_cost(disk, A).seconds == DEFAULT_DISK_READ_S + DEFAULT_SLOT_LOAD_S
-    # each worker's own means once it measured some: a slow slot load loses to a fast read
-    slow = lora("slow", host=[A], lora_slot_loads=2, lora_slot_load_s=1.0)
-    fast = lora("fast", lora_disk_reads=4, lora_disk_read_s=0.04, lora_slot_loads=4,
-                lora_slot_load_s=0.02)
-    assert adapter_cost(slow, A).seconds == 0.5
-    assert adapter_cost(fast, A).seconds == pytest.approx(0.01 + 0.005)
-    assert prefill_order([slow, fast], A) == ["fast", "slow"]
     # before any prefill was measured, DEFAULT_TOKEN_S turns seconds into tokens
     [(_, routing), _] = rank_prefill([disk, host], [], 16, KVIndex(), SALT, adapter=A)
     assert routing.cost == pytest.approx(DEFAULT_SLOT_LOAD_S / DEFAULT_TOKEN_S)
 
 
-def test_a_free_slot_beats_slots_that_all_hold_other_adapters_on_a_busy_worker():
+def test_load_times_are_the_pools_measured_means():
+    """One mean for the pool: the first worker to load an adapter does not look cheaper to
+    load the next one (its measured times against the defaults), which would pile every
+    adapter onto it; nor does one noisy sample steer the choice."""
+    measured = lora("w0", resident=[B], lora_disk_reads=1, lora_disk_read_s=0.01,
+                    lora_slot_loads=1, lora_slot_load_s=0.002)
+    fresh = lora("w1")
+    assert pool_load_times([fresh]) == LoadTimes(DEFAULT_DISK_READ_S, DEFAULT_SLOT_LOAD_S)
+    assert pool_load_times([measured, fresh]) == LoadTimes(0.01, 0.002)
+    [(_, first), (_, second)] = rank_prefill([measured, fresh], [], 16, KVIndex(), SALT,
+                                             adapter=A, token_s=TOKEN_S)
+    assert first.cost == second.cost == pytest.approx(12)  # a tie, on ids: w0 first
+    # the means over every load: a slow slot load of one worker raises the pool's
+    slow = lora("slow", host=[A], lora_slot_loads=2, lora_slot_load_s=0.3)
+    fast = lora("fast", lora_disk_reads=4, lora_disk_read_s=0.04, lora_slot_loads=4,
+                lora_slot_load_s=0.02)
+    times = pool_load_times([slow, fast])
+    assert times == LoadTimes(0.01, pytest.approx(0.32 / 6))
+    assert adapter_cost(fast, A, times).seconds == pytest.approx(0.01 + 0.32 / 6)
+    assert prefill_order([slow, fast], A) == ["slow", "fast"]  # host still beats disk
+
+
+def test_a_free_slot_beats_slots_that_all_hold_other_adapters():
     full = lora("w0", slots=2, resident=[B, C], host=[A], running=3)
     free = lora("w1", slots=2, resident=[B], host=[A], running=3)
-    assert adapter_cost(full, A).seconds == DEFAULT_SLOT_LOAD_S + FULL_SLOTS_WAIT_S
+    # full: the evicted adapter's next load, and a wait for a slot its requests may pin
+    assert adapter_cost(full, A).seconds == pytest.approx(2 * DEFAULT_SLOT_LOAD_S
+                                                          + FULL_SLOTS_WAIT_S)
     assert adapter_cost(free, A).seconds == DEFAULT_SLOT_LOAD_S
     assert prefill_order([full, free], A) == ["w1", "w0"]
-    # full but idle: nothing pins its slots, the least recently used one is reused at once
+    # full but idle: nothing pins its slots, but the eviction still counts
     idle_full = lora("w0", slots=2, resident=[B, C], host=[A])
-    assert adapter_cost(idle_full, A).seconds == DEFAULT_SLOT_LOAD_S
+    assert adapter_cost(idle_full, A).seconds == 2 * DEFAULT_SLOT_LOAD_S
+    assert prefill_order([idle_full, lora("w1", slots=2, resident=[B], host=[A])], A) == \
+        ["w1", "w0"]
 
 
 def test_a_worker_without_adapter_slots_ranks_last():
