@@ -371,11 +371,16 @@ class Router:
         await self._place_ranked(flight, "colocated", self._rank_prefill, self._submit, keep)
         flight.move_to(Phase.DECODING)
         async for delta in self._drain(flight):
-            load = self.workers.loads.get(flight.decode_id or "")
-            if delta.prefill_time_s is not None and load is not None:  # its first token
-                self._transfer_cost.observe(self._uncached_tokens(flight, load),
-                                            delta.prefill_time_s, 0, 0)
+            if delta.prefill_time_s is not None:  # its first token: the prefill's speed
+                self._observe_prefill_speed(flight, delta.prefill_time_s)
             yield delta
+
+    def _observe_prefill_speed(self, flight: Flight, prefill_s: float) -> None:
+        """A colocated worker's prefill time per token, which turns LoRA adapter load times
+        into prompt tokens (``pairing.AdapterCost.tokens``) as remote prefills' do."""
+        load = self.workers.loads.get(flight.decode_id or "")
+        if load is not None:
+            self._transfer_cost.observe(self._uncached_tokens(flight, load), prefill_s, 0, 0)
 
     # -- placing ------------------------------------------------------------------------------
     async def _wait_for_workers(self, flight: Flight) -> None:
