@@ -49,6 +49,7 @@ def worker_dict(worker: admin_pb2.Worker) -> dict:
         "torch_threads": _ledger(worker).get("num_threads", 0),
         "tensor_parallel_size": _ledger(worker).get("tensor_parallel_size", 1),
         "kv_int8": _ledger(worker).get("kv_int8", ""),  # scheme, calibration, start-up check
+        "lora_slots": worker.lora_slots, "lora_resident": list(worker.lora_resident),
     }
 
 
@@ -69,7 +70,11 @@ def trace_dict(trace: admin_pb2.RequestTrace) -> dict:
             "num_output_tokens": trace.output_tokens,
             "finish_reason": trace.finish_reason or None, "num_retries": trace.retries,
             "num_migrations": trace.migrations,
-            "prefill_location": trace.prefill_location or None}
+            "prefill_location": trace.prefill_location or None,
+            "prefill_worker": trace.prefill_worker or None,
+            "decode_worker": trace.decode_worker or None, "adapter": trace.adapter or None,
+            "prefill_adapter_source": trace.prefill_adapter_source or None,
+            "decode_adapter_source": trace.decode_adapter_source or None}
 
 
 def pool_dict(pool: admin_pb2.Pool) -> dict:

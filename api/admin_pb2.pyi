@@ -21,7 +21,7 @@ WORKER_STATE_DRAINING: WorkerState
 WORKER_STATE_DEAD: WorkerState
 
 class Worker(_message.Message):
-    __slots__ = ("worker_id", "role", "node", "pid", "state", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts", "error", "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding", "ledger_json", "prefix_hit_tokens", "prefix_query_tokens")
+    __slots__ = ("worker_id", "role", "node", "pid", "state", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts", "error", "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding", "ledger_json", "prefix_hit_tokens", "prefix_query_tokens", "lora_slots", "lora_resident")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class Worker(_message.Message):
     LEDGER_JSON_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_RESIDENT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     node: str
@@ -60,10 +62,12 @@ class Worker(_message.Message):
     ledger_json: str
     prefix_hit_tokens: int
     prefix_query_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., error: _Optional[str] = ..., compute_utilization: _Optional[float] = ..., bandwidth_utilization: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., binding: _Optional[str] = ..., ledger_json: _Optional[str] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ...) -> None: ...
+    lora_slots: int
+    lora_resident: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., error: _Optional[str] = ..., compute_utilization: _Optional[float] = ..., bandwidth_utilization: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., binding: _Optional[str] = ..., ledger_json: _Optional[str] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., lora_slots: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestTrace(_message.Message):
-    __slots__ = ("request_id", "ttft_s", "e2e_s", "queue_s", "prefill_s", "transfer_s", "decode_s", "prompt_tokens", "output_tokens", "finish_reason", "retries", "migrations", "prefill_location")
+    __slots__ = ("request_id", "ttft_s", "e2e_s", "queue_s", "prefill_s", "transfer_s", "decode_s", "prompt_tokens", "output_tokens", "finish_reason", "retries", "migrations", "prefill_location", "prefill_worker", "decode_worker", "adapter", "prefill_adapter_source", "decode_adapter_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +81,11 @@ class RequestTrace(_message.Message):
     RETRIES_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOCATION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADAPTER_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADAPTER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ttft_s: float
     e2e_s: float
@@ -90,7 +99,12 @@ class RequestTrace(_message.Message):
     retries: int
     migrations: int
     prefill_location: str
-    def __init__(self, request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., retries: _Optional[int] = ..., migrations: _Optional[int] = ..., prefill_location: _Optional[str] = ...) -> None: ...
+    prefill_worker: str
+    decode_worker: str
+    adapter: str
+    prefill_adapter_source: str
+    decode_adapter_source: str
+    def __init__(self, request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., retries: _Optional[int] = ..., migrations: _Optional[int] = ..., prefill_location: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., adapter: _Optional[str] = ..., prefill_adapter_source: _Optional[str] = ..., decode_adapter_source: _Optional[str] = ...) -> None: ...
 
 class GetTracesRequest(_message.Message):
     __slots__ = ("request_ids", "limit")

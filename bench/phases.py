@@ -59,6 +59,33 @@ def _location(value) -> str | None:
     return value.get("location") if isinstance(value, dict) else value
 
 
+def adapter_loads(traces) -> dict[str, int] | None:
+    """How many of ``traces`` ran under a LoRA adapter a worker already held ("resident":
+    in a slot, or sent there just before) and how many had it loaded for them ("loaded":
+    from host memory or its files); None when no trace ran under an adapter. A trace is a
+    ``RequestTrace`` or Admin's dict (its ``*_adapter_source`` fields)."""
+    counts = {"resident": 0, "loaded": 0}
+    for trace in traces:
+        loaded = _adapter_loaded(trace)
+        if loaded is not None:
+            counts["loaded" if loaded else "resident"] += 1
+    return counts if any(counts.values()) else None
+
+
+def _adapter_loaded(trace) -> bool | None:
+    if not dataclasses.is_dataclass(trace):
+        if not trace.get("adapter"):
+            return None
+        sources = (trace.get("prefill_adapter_source"), trace.get("decode_adapter_source"))
+        return any(source in ("host", "disk") for source in sources)
+    return trace.adapter_loaded
+
+
+def format_adapter_loads(counts: dict[str, int]) -> str:
+    return (f"requests under a LoRA adapter: {counts['resident']} found it resident, "
+            f"{counts['loaded']} had it loaded for them")
+
+
 def format_prefill_locations(counts: dict[str, int]) -> str:
     return (f"prompts computed on a prefill worker (KV shipped): {counts['remote']}, on the "
             f"decode worker itself: {counts['local']} (--disaggregation)")

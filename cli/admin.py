@@ -86,16 +86,18 @@ def cmd_status(args) -> int:
         print(_control_plane_line(report["control_plane"]))
     print()
     rows = []
+    lora = any(w["lora_slots"] for w in report["workers"])  # the LoRA column, only then
     for w, raw in zip(report["workers"], workers, strict=True):
         age = w["heartbeat_age_s"]
         rows.append([w["worker_id"], w["role"], w["state"], w["node"] or "-", w["pid"] or "-",
                      _device(w), w["running"], w["waiting"],
                      f"{w['kv_used_blocks']}/{w['kv_total_blocks']}",
+                     *([_lora(w)] if lora else []),
                      f"{w['compute_utilization']:.1%}", f"{w['bandwidth_utilization']:.1%}",
                      w["binding"] or "-", "-" if age is None else f"{age:.1f}s", w["restarts"],
                      raw.error or ""])
     print(_table(["WORKER", "ROLE", "STATE", "NODE", "PID", "DEVICE", "RUNNING", "WAITING",
-                  "KV BLOCKS",
+                  "KV BLOCKS", *(["LORA"] if lora else []),
                   "COMPUTE", "BANDWIDTH", "BINDS", "HEARTBEAT", "RESTARTS", "ERROR"], rows))
     for w in report["workers"]:
         if w["kv_int8"]:
@@ -108,6 +110,13 @@ def cmd_status(args) -> int:
         print()
         print(format_checklist(traces, workers))
     return 0
+
+
+def _lora(worker: dict) -> str:
+    """A worker's LoRA column: adapters in a slot / slots ("-": it serves no adapters)."""
+    if not worker["lora_slots"]:
+        return "-"
+    return f"{len(worker['lora_resident'])}/{worker['lora_slots']}"
 
 
 def _control_plane(admin):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 from pdserve.api.admin_client import trace_dict
-from pdserve.bench.phases import PHASES, phase_split
+from pdserve.bench.phases import PHASES, adapter_loads, format_adapter_loads, phase_split
 from pdserve.bench.stats import format_table
 
 MiB = 1 << 20
@@ -27,10 +27,14 @@ def format_checklist(traces: list | None, workers: list) -> str:
     if traces is None:
         lines.append("this server keeps no request traces")
     elif traces:
-        split = phase_split([trace_dict(t) for t in traces])
+        rows = [trace_dict(t) for t in traces]
+        split = phase_split(rows)
         lines.append(format_table(["phase", "share", "mean ms", "P99 ms"],
                                   [[p, f"{split[p]['share']:.1%}", split[p]["mean_ms"],
                                     split[p]["p99_ms"]] for p in PHASES]))
+        loads = adapter_loads(rows)
+        if loads is not None:
+            lines.append(format_adapter_loads(loads))
     else:
         lines.append("no finished requests yet")
     lines += ["", "2. utilisation per phase (recent forward passes against measured peaks)",

@@ -14,7 +14,8 @@ Redis is not trusted (``pdserve.cluster.record_auth``): the heartbeat signs ever
 the drain mark with the cluster's key (``tag``), and ``draining`` carries a tag of its own
 (``draining_tag``). Readers skip, count and log once a record that is larger than
 ``MAX_RECORD_FIELDS`` or ``MAX_RECORD_BYTES`` (sized in Redis: it is never sent), does not
-parse or breaks a bound (every number finite and >= 0, the ledger's ``block_size`` > 0):
+parse or breaks a bound (every number finite and >= 0, the ledger's ``block_size`` > 0,
+LoRA adapter digests of 64 hex digits):
 ``on_malformed``, family ``"worker"``; or whose tag does not verify: ``on_untrusted``, kind
 ``"worker"``. A drain mark whose tag does not verify reads as
 not draining (``on_untrusted``, kind ``"draining"``) until the pool manager writes its own.
@@ -40,9 +41,11 @@ from pdserve.worker_api import WorkerStats
 
 logger = logging.getLogger(__name__)
 
-MAX_RECORD_FIELDS = 128  # a record's fields, at most (a WorkerRecord has fewer than 40)
+MAX_RECORD_FIELDS = 128  # a record's fields, at most (a WorkerRecord has fewer than 50)
 MAX_RECORD_BYTES = 64 * 1024  # a record's field names and values together, at most
 MAX_ERROR_CHARS = 2000  # of the error a record carries (a longer one is cut)
+MAX_LORA_DIGESTS = 256  # adapter digests a record keeps per list (the most recently used)
+MAX_LORA_NAMES = 64  # adapters whose request counts a record keeps (the most requested)
 _MAX_INT = 1 << 63  # a record's whole numbers stay below it
 _RECORD_TAG = "worker-record"  # the purposes of the two tags
 _DRAINING_TAG = "draining"
@@ -83,6 +86,15 @@ class WorkerRecord:
     kv_log_id: str = ""  # the worker's KV event log (a new one: its cache started afresh)
     kv_events_number: int = 0  # its last batch published
     taken_at: float = 0.0  # wall clock: every call the worker received before it is counted
+    lora_slots: int = 0  # LoRA adapter slots in its model (0: it serves no adapters)
+    lora_resident: str = ""  # digests of the adapters in a slot, space-separated
+    lora_in_host: str = ""  # digests of the adapters read in host memory, space-separated
+    lora_disk_reads: int = 0  # adapters read from their files (a counter)
+    lora_slot_loads: int = 0  # adapters put into a slot (a counter)
+    lora_evictions: int = 0  # adapters taken out of a slot for another (a counter)
+    lora_disk_read_s: float = 0.0  # seconds spent reading adapter files (sum)
+    lora_slot_load_s: float = 0.0  # seconds spent filling slots (sum)
+    lora_requests_json: str = "{}"  # sequences run by adapter name, as a JSON object
     tag: str = ""  # the worker's tag on every field but the drain mark's (Registry.heartbeat)
     draining_tag: str = ""  # the pool manager's tag on ``draining`` (Registry.set_draining);
     # "" as read: no mark that verifies (it reads as not draining)
@@ -125,6 +137,9 @@ class WorkerRecord:
                 kwargs[f.name] = kind(text)
             record = cls(**kwargs)
             ledger = json.loads(record.ledger_json or "{}")
+            _lora_digests(record.lora_resident)  # (each ValueError when it does not parse)
+            _lora_digests(record.lora_in_host)
+            _lora_requests(record.lora_requests_json)
         except (TypeError, ValueError, UnicodeDecodeError, RecursionError) as exc:
             # RecursionError: a ledger nested too deep for json.loads
             raise ValueError(f"malformed worker record: {exc}") from None
@@ -133,6 +148,38 @@ class WorkerRecord:
                              "is not a JSON object")
         _check_bounds(record, ledger)
         return record
+
+
+def _join_digests(digests: tuple[str, ...]) -> str:
+    """Adapter digests as a record keeps them: the last ``MAX_LORA_DIGESTS`` (the engine lists
+    them least recently used first), space-separated."""
+    return " ".join(digests[-MAX_LORA_DIGESTS:])
+
+
+def _lora_digests(text: str) -> tuple[str, ...]:
+    """The digests a record keeps; ValueError unless each is 64 lowercase hex digits."""
+    digests = tuple(text.split())
+    for digest in digests:
+        if len(digest) != 64 or digest.strip("0123456789abcdef"):
+            raise ValueError(f"a LoRA adapter digest must be 64 lowercase hex digits, got "
+                             f"{digest[:80]!r}")
+    return digests
+
+
+def _dump_requests(counts: dict[str, int]) -> str:
+    """Request counts by adapter name as a record keeps them: the ``MAX_LORA_NAMES`` largest."""
+    kept = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:MAX_LORA_NAMES]
+    return json.dumps(dict(kept), sort_keys=True)
+
+
+def _lora_requests(text: str) -> dict[str, int]:
+    """The request counts a record keeps; ValueError unless a JSON object of whole numbers."""
+    counts = json.loads(text or "{}")
+    if not isinstance(counts, dict) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < _MAX_INT
+            for n in counts.values()):
+        raise ValueError("lora_requests_json must be a JSON object of whole numbers >= 0")
+    return counts
 
 
 class Stored(NamedTuple):
@@ -154,6 +201,9 @@ STATS_STORED = {
                      lambda text: json.loads(text or "{}")),
     "error": Stored("error", lambda error: (error or "")[:MAX_ERROR_CHARS],
                     lambda text: text or None),
+    "lora_resident": Stored("lora_resident", _join_digests, _lora_digests),
+    "lora_in_host": Stored("lora_in_host", _join_digests, _lora_digests),
+    "lora_requests": Stored("lora_requests_json", _dump_requests, _lora_requests),
 }
 # The record's fields no WorkerStats field fills: the registry's and the signatures'.
 REGISTRY_ONLY = ("heartbeat_time", "pid", "tag", "draining_tag")

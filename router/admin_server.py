@@ -31,6 +31,7 @@ from typing import Protocol
 import grpc
 
 from pdserve.api import admin_pb2, admin_pb2_grpc
+from pdserve.router.pairing import DecodeRouting, PrefillRouting
 from pdserve.router.trace import RequestTrace
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class WorkerInfo:
     ledger: dict = dataclasses.field(default_factory=dict, hash=False)  # MemoryLedger.to_dict()
     prefix_hit_tokens: int = 0  # prompt tokens its prefix cache served (a counter)
     prefix_query_tokens: int = 0  # prompt tokens it looked up there (a counter)
+    lora_slots: int = 0  # LoRA adapter slots in its model (0: it serves no adapters)
+    lora_resident: tuple[str, ...] = ()  # digests of the adapters in a slot
 
     def __post_init__(self) -> None:
         if self.state not in WORKER_STATES:
@@ -145,13 +148,23 @@ def worker_pb(info: WorkerInfo) -> admin_pb2.Worker:
 
 
 def trace_pb(trace: RequestTrace) -> admin_pb2.RequestTrace:
+    prefill, decode = trace.prefill_routing, trace.decode_routing
     return admin_pb2.RequestTrace(
         request_id=trace.request_id, ttft_s=trace.ttft, e2e_s=trace.e2e, queue_s=trace.queue,
         prefill_s=trace.prefill, transfer_s=trace.transfer, decode_s=trace.decode,
         prompt_tokens=trace.num_prompt_tokens, output_tokens=trace.num_output_tokens,
         finish_reason=trace.finish_reason or "", retries=trace.num_retries,
         migrations=trace.num_migrations,
-        prefill_location=trace.prefill_location.location if trace.prefill_location else "")
+        prefill_location=trace.prefill_location.location if trace.prefill_location else "",
+        prefill_worker=prefill.worker_id if prefill else "",
+        decode_worker=decode.worker_id if decode else "", adapter=trace.adapter or "",
+        prefill_adapter_source=_adapter_source(prefill),
+        decode_adapter_source=_adapter_source(decode))
+
+
+def _adapter_source(routing: PrefillRouting | DecodeRouting | None) -> str:
+    """Where the request's adapter was on the routed worker ("": no adapter, no worker)."""
+    return routing.adapter.source if routing is not None and routing.adapter is not None else ""
 
 
 def pool_pb(info: PoolInfo) -> admin_pb2.Pool:

@@ -210,7 +210,8 @@ class Router:
         cfg, n, params = self.config, len(prepared.prompt_token_ids), prepared.params
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         flight = Flight(WorkRequest(work_id(new_uid(), 1), list(prepared.prompt_token_ids),
-                                    params, seed, time.time()), prepared.label,
+                                    params, seed, time.time(), adapter=prepared.adapter),
+                        prepared.label,
                         prepared.deadline, tenant=prepared.tenant,
                         max_tokens=prepared.max_tokens)
         self._check_kv_cap(flight)
@@ -227,6 +228,7 @@ class Router:
         self._flights[flight.request_id] = flight
         self._tokens_in_flight += n
         self.metrics.router_running.labels("router").set(len(self._flights))
+        self.metrics.observe_adapter(prepared.adapter)
         return flight
 
     def _check_kv_cap(self, flight: Flight) -> None:
@@ -369,7 +371,16 @@ class Router:
         await self._place_ranked(flight, "colocated", self._rank_prefill, self._submit, keep)
         flight.move_to(Phase.DECODING)
         async for delta in self._drain(flight):
+            if delta.prefill_time_s is not None:  # its first token: the prefill's speed
+                self._observe_prefill_speed(flight, delta.prefill_time_s)
             yield delta
+
+    def _observe_prefill_speed(self, flight: Flight, prefill_s: float) -> None:
+        """A colocated worker's prefill time per token, which turns LoRA adapter load times
+        into prompt tokens (``pairing.AdapterCost.tokens``) as remote prefills' do."""
+        load = self.workers.loads.get(flight.decode_id or "")
+        if load is not None:
+            self._transfer_cost.observe(self._uncached_tokens(flight, load), prefill_s, 0, 0)
 
     # -- placing ------------------------------------------------------------------------------
     async def _wait_for_workers(self, flight: Flight) -> None:
@@ -421,16 +432,20 @@ class Router:
         decode, routing = self._decode_costs(flight, decodes)[0]
         num_tokens = len(_attempt_tokens(flight))
         best = self._prefill_costs(flight, prefills)[0][1] if prefills else None
+        adapter_tokens = routing.adapter.tokens(self._transfer_cost.token_s) \
+            if routing.adapter is not None else 0.0
         return prefill_location(self.config.max_local_prefill_length, num_tokens, decode, best,
                                 decode.blocks_for(num_tokens),
                                 self._transfer_cost.tokens_per_block,
-                                self.config.local_prefill_stall_weight, routing.hit_blocks)
+                                self.config.local_prefill_stall_weight, routing.hit_blocks,
+                                adapter_tokens)
 
     def _decode_costs(self, flight: Flight,
                       loads: list[WorkerLoad]) -> list[tuple[WorkerLoad, DecodeRouting]]:
         """``pairing.rank_decode`` of ``loads`` for the request, best first."""
         return rank_decode(loads, _attempt_tokens(flight), self.workers.kv_index, self._salt,
-                           self.config.prefix_overlap_weight)
+                           self.config.prefix_overlap_weight, adapter=_adapter_digest(flight),
+                           token_s=self._transfer_cost.token_s)
 
     async def _place_on_decode(self, flight: Flight, place_on):
         """Place ``flight`` on a decode worker in ``rank_decode``'s order (``place_on``: reserve
@@ -464,7 +479,7 @@ class Router:
         at = time.time()  # stats taken after the call began may count it
         reservation = await flight.bounded(lambda: handle.reserve(flight.request),
                                           self.config.rpc_timeout_s, "reserve")
-        load.sent(blocks=reservation.num_blocks, at=at)
+        load.sent(blocks=reservation.num_blocks, at=at, adapter=_adapter_digest(flight))
         return reservation
 
     async def _submit(self, flight: Flight, load: WorkerLoad) -> None:
@@ -473,7 +488,8 @@ class Router:
         await flight.bounded(lambda: handle.submit(flight.request),
                             self.config.rpc_timeout_s, "submit")
         load.sent(blocks=load.blocks_for(len(_attempt_tokens(flight))),
-                  tokens=self._uncached_tokens(flight, load), at=at)
+                  tokens=self._uncached_tokens(flight, load), at=at,
+                  adapter=_adapter_digest(flight))
 
     async def _prefill(self, flight: Flight, reservation: Reservation) -> PrefillResult:
         load = await self._pick_prefill(flight)
@@ -504,7 +520,7 @@ class Router:
             await self._placer.wait_for_room(flight)
         load, flight.prefill_routing = self._rank_prefill(flight, loads)[0]
         flight.prefill_id = load.stats.worker_id
-        load.sent(tokens=self._uncached_tokens(flight, load))
+        load.sent(tokens=self._uncached_tokens(flight, load), adapter=_adapter_digest(flight))
         return load
 
     def _rank_prefill(self, flight: Flight,
@@ -526,7 +542,8 @@ class Router:
         return rank_prefill(loads, _attempt_tokens(flight), loads[0].block_size,
                             self.workers.kv_index, self._salt,
                             self.config.prefix_overlap_weight,
-                            self.config.prefill_kv_usage_weight)
+                            self.config.prefill_kv_usage_weight,
+                            adapter=_adapter_digest(flight), token_s=self._transfer_cost.token_s)
 
     @staticmethod
     def _uncached_tokens(flight: Flight, load: WorkerLoad) -> int:
@@ -605,3 +622,9 @@ class Router:
 def _attempt_tokens(flight: Flight) -> list[int]:
     """The tokens an attempt prefills: the prompt, then the outputs already streamed."""
     return flight.request.prompt_token_ids + flight.request.output_token_ids
+
+
+def _adapter_digest(flight: Flight) -> str | None:
+    """The digest of the request's LoRA adapter (None: the base model)."""
+    adapter = flight.request.adapter
+    return None if adapter is None else adapter.digest

@@ -11,6 +11,9 @@ more in its entry than the worker's ``total_blocks`` (its record's) is not the w
 truth: the entry goes stale, holding nothing, until it is reset.
 
 Every router builds the same index from the same events, whatever traffic it routed itself.
+A hash names a block under the LoRA adapter that computed it too (its chain starts at the
+adapter's root, ``prefix_hash.adapter_root_hash``), so the index needs no adapter key: a
+prompt hashed under another adapter, or the base model, matches none of those blocks.
 """
 
 from __future__ import annotations

@@ -20,6 +20,14 @@ Structured output (the router's check of each request's constraint, ``router.con
 ``pdserve_structured_output_invalid_requests_total{reason}`` (``does_not_compile``,
 ``too_complex``).
 
+LoRA adapters (docs/lora.md), per worker serving them, from its stats:
+``pdserve_lora_slots``, ``pdserve_lora_resident_adapters`` (adapters in a slot),
+``pdserve_lora_loads_total{source}`` (``disk``: adapters read from their files; ``host``: slot
+loads that read no file, the worker's slot loads less its file reads) and
+``pdserve_lora_evictions_total``; per adapter, counted by the router as it admits each request:
+``pdserve_lora_requests_total{adapter}`` (by the adapter's served name; base-model requests are
+not counted).
+
 Besides the histograms the router keeps :class:`SlidingWindow` samples of what the
 autoscaler reads (percentiles and rates over its window): the router's TTFT, the ITL, the
 prefill pool's part of TTFT (queue + compute + KV send at the worker) and prompt tokens.
@@ -38,8 +46,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pdserve.router.constraints import ConstraintCheck, ConstraintRefused
 from pdserve.router.metrics_http import start_metrics_server
 from pdserve.worker_api import PrefillResult, WorkerStats
+from pdserve.worker_api.adapters import AdapterRef
 
 PREEMPTION_KINDS = ("recompute", "bounce")
+LORA_LOAD_SOURCES = ("disk", "host")  # pdserve_lora_loads_total{source}
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)
 
@@ -95,6 +105,7 @@ class RouterMetrics:
         self._add_worker_gauges()
         self._add_cluster_metrics()
         self._add_structured_output_metrics()
+        self._add_lora_metrics()
         # What the autoscaler reads (seconds; ITL weighted by tokens).
         self.ttft_window = SlidingWindow()  # the router's TTFT
         self.itl_window = SlidingWindow()  # gaps between streamed tokens
@@ -104,7 +115,8 @@ class RouterMetrics:
                             self.running, self.waiting, self.used_blocks, self.total_blocks,
                             self.usage, self.prefix_hits, self.compute_util,
                             self.bandwidth_util, self.spec_drafts, self.spec_draft_tokens,
-                            self.spec_accepted_tokens)
+                            self.spec_accepted_tokens, self.lora_slots, self.lora_resident,
+                            self.lora_evictions)
 
     def _add_request_latencies(self) -> None:
         """Histograms the router observes as requests flow (per worker: at the worker)."""
@@ -216,6 +228,32 @@ class RouterMetrics:
                                        "(does_not_compile) or not in time (too_complex)",
                                        ("reason",), registry=r)
 
+    def _add_lora_metrics(self) -> None:
+        """LoRA adapters: per worker from its stats (counters kept by the worker), per adapter
+        counted by the router."""
+        r = self.registry
+
+        def gauge(name: str, doc: str, labels=("role", "worker")) -> Gauge:
+            return Gauge(f"pdserve_{name}", doc, labels, registry=r)
+
+        self.lora_slots = gauge("lora_slots", "Adapter slots in the worker's model (max_loras)")
+        self.lora_resident = gauge("lora_resident_adapters", "Adapters in a slot, ready for a "
+                                   "step")
+        self.lora_loads = gauge("lora_loads_total", "Adapters loaded, by source: disk (read "
+                                "from their files) or host (put into a slot from host memory, "
+                                "no file read); a counter kept by the worker",
+                                ("role", "worker", "source"))
+        self.lora_evictions = gauge("lora_evictions_total", "Adapters taken out of a slot for "
+                                    "another (a counter kept by the worker)")
+        self.lora_requests = Counter("pdserve_lora_requests", "Requests the router admitted "
+                                     "under each LoRA adapter, by its served name (base-model "
+                                     "requests are not counted)", ("adapter",), registry=r)
+
+    def observe_adapter(self, adapter: AdapterRef | None) -> None:
+        """One admitted request under ``adapter`` (None: the base model, not counted)."""
+        if adapter is not None:
+            self.lora_requests.labels(adapter.name).inc()
+
     def observe_constraint_check(self, check: ConstraintCheck, refused: ConstraintRefused | None
                                  ) -> None:
         """One check of a request's constraint, and its refusal if it was refused."""
@@ -274,6 +312,17 @@ class RouterMetrics:
         util = stats.utilization
         self.compute_util.labels(*labels).set(util.compute)
         self.bandwidth_util.labels(*labels).set(util.bandwidth)
+        if stats.lora_slots:
+            self._set_lora(labels, stats)
+
+    def _set_lora(self, labels: tuple[str, str], stats: WorkerStats) -> None:
+        """A LoRA worker's slots and counters (a slot load that read no file: from host)."""
+        self.lora_slots.labels(*labels).set(stats.lora_slots)
+        self.lora_resident.labels(*labels).set(len(stats.lora_resident))
+        self.lora_loads.labels(*labels, "disk").set(stats.lora_disk_reads)
+        self.lora_loads.labels(*labels, "host").set(max(0, stats.lora_slot_loads
+                                                        - stats.lora_disk_reads))
+        self.lora_evictions.labels(*labels).set(stats.lora_evictions)
 
     def remove_worker(self, role: str, worker_id: str) -> None:
         """Drop every per-worker series of a worker that left (dashboards forget it)."""
@@ -282,11 +331,13 @@ class RouterMetrics:
                 metric.remove(role, worker_id)
             except KeyError:  # that series was never observed
                 pass
-        for kind in PREEMPTION_KINDS:
-            try:
-                self.preemptions.remove(role, worker_id, kind)
-            except KeyError:
-                pass
+        for metric, kinds in ((self.preemptions, PREEMPTION_KINDS),
+                              (self.lora_loads, LORA_LOAD_SOURCES)):
+            for kind in kinds:
+                try:
+                    metric.remove(role, worker_id, kind)
+                except KeyError:
+                    pass
 
     def start_http(self, port: int, host: str = "127.0.0.1", admin_api_key: str | None = None):
         """Serve /metrics (with ``admin_api_key``: only to scrapes sending it); returns

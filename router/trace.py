@@ -42,10 +42,24 @@ class RequestTrace:
     prefill_grammar_cache_hit: bool | None = None  # (its grammar cache held it)
     decode_grammar_compile_s: float | None = None  # the decode worker's compile of it
     decode_grammar_cache_hit: bool | None = None  # (its grammar cache held it)
+    adapter: str | None = None  # the served name of its LoRA adapter (None: the base model);
+    # where the adapter was on each worker when placed: prefill_routing.adapter and
+    # decode_routing.adapter (``pairing.AdapterCost``, from the stats the router placed by)
 
     @property
     def tpot(self) -> float:
         return self.decode / max(1, self.num_output_tokens - 1)
+
+    @property
+    def adapter_loaded(self) -> bool | None:
+        """Whether a worker that ran the request had to put its LoRA adapter in a slot for it
+        (the adapter was neither resident there nor sent there before, by the stats the router
+        placed it by); None: the base model."""
+        if self.adapter is None:
+            return None
+        costs = [r.adapter for r in (self.prefill_routing, self.decode_routing)
+                 if r is not None and r.adapter is not None]
+        return any(cost.loads for cost in costs)
 
 
 def observe(flight: Flight, delta: RequestDelta, metrics: RouterMetrics,
@@ -72,6 +86,7 @@ def observe(flight: Flight, delta: RequestDelta, metrics: RouterMetrics,
     trace.e2e = now - flight.arrival
     trace.decode = trace.e2e - trace.ttft
     trace.num_prompt_tokens = len(flight.request.prompt_token_ids)
+    trace.adapter = None if flight.request.adapter is None else flight.request.adapter.name
     trace.finish_reason = delta.finish_reason
     trace.num_retries, trace.num_migrations = flight.num_retries, flight.num_migrations
     metrics.e2e.labels("router").observe(trace.e2e)

@@ -4,6 +4,7 @@ Admin backend (the e2e tests run them against a real cluster)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 
@@ -18,7 +19,8 @@ from pdserve.testing.fake_backend import FakeBackend
 WORKER_KEYS = {"worker_id", "role", "node", "pid", "state", "running", "waiting",
                "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts",
                "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding",
-               "device", "torch_threads", "tensor_parallel_size", "kv_int8"}
+               "device", "torch_threads", "tensor_parallel_size", "kv_int8", "lora_slots",
+               "lora_resident"}
 
 
 @pytest.fixture
@@ -75,7 +77,8 @@ def test_status_json_is_one_object_with_pools_and_workers(server, capsys):
                                  "compute_utilization": 0.05, "bandwidth_utilization": 0.4,
                                  "busy_fraction": 0.9, "binding": "bandwidth", "device": "cpu",
                                  "torch_threads": 2, "tensor_parallel_size": 1,
-                                 "kv_int8": "hybrid calibrated on text"}
+                                 "kv_int8": "hybrid calibrated on text", "lora_slots": 0,
+                                 "lora_resident": []}
     assert by_id["decode-2"]["state"] == "starting"
     assert by_id["decode-2"]["heartbeat_age_s"] is None
     assert by_id["decode-1"]["state"] == "dead"
@@ -95,6 +98,24 @@ def test_status_table_lists_pools_and_workers(server, capsys):
                            "10/128", "5.0%", "40.0%", "bandwidth", "0.5s", "0"]
     assert "actor died" in next(line for line in lines if line.startswith("decode-1"))
     assert "decode-0: int8 KV hybrid calibrated on text" in lines  # what the ledger says
+
+
+def test_status_shows_a_lora_column_when_a_worker_serves_adapters(server, capsys):
+    target, admin = server
+    admin.workers["decode-0"] = dataclasses.replace(admin.workers["decode-0"], lora_slots=4,
+                                                    lora_resident=("a" * 64, "b" * 64))
+    assert main(["status", "--target", target]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("WORKER")).split()
+    assert header[header.index("BLOCKS") + 1] == "LORA"  # (after "KV BLOCKS")
+    row = next(line for line in lines if line.startswith("decode-0")).split()
+    assert row[row.index("10/128") + 1] == "2/4"
+    prefill = next(line for line in lines if line.startswith("prefill-0")).split()
+    assert prefill[prefill.index("3/64") + 1] == "-"  # serves no adapters
+    assert main(["status", "--target", target, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    [decode] = [w for w in report["workers"] if w["worker_id"] == "decode-0"]
+    assert (decode["lora_slots"], decode["lora_resident"]) == (4, ["a" * 64, "b" * 64])
 
 
 def test_status_says_when_the_control_plane_is_degraded(server, capsys):

@@ -76,7 +76,8 @@ def test_every_stats_field_survives_the_registry(redis_url):
 
     values = {}
     for i, f in enumerate(dataclasses.fields(WorkerStats)):
-        kind = {"int": 100 + i, "float": 0.5 + i, "bool": True, "dict": {"kv_dtype": "int8"}}
+        kind = {"int": 100 + i, "float": 0.5 + i, "bool": True, "dict": {"kv_dtype": "int8"},
+                "tuple[str,": (f"{i:064x}",), "dict[str,": {"sql": i}}
         values[f.name] = kind.get(str(f.type).split(" ")[0], f"value-{i}")
     stats = WorkerStats(**values)
     reg = Registry(redis_url, cluster=uuid.uuid4().hex, auth=AUTH)

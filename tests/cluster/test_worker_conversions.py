@@ -89,6 +89,9 @@ _KINDS = {  # a strategy per WorkerStats field type, within the record's bounds
     "str | None": st.none() | st.text(min_size=1, max_size=40),
     "dict": st.dictionaries(_TEXT.filter(lambda key: key != "block_size"),
                             st.none() | st.booleans() | st.integers() | _TEXT, max_size=4),
+    "tuple[str, ...]": st.lists(st.text("0123456789abcdef", min_size=64, max_size=64),
+                                max_size=3).map(tuple),  # LoRA adapter digests
+    "dict[str, int]": st.dictionaries(_TEXT, st.integers(0, (1 << 63) - 1), max_size=4),
 }
 
 
@@ -138,10 +141,12 @@ def test_every_value_survives_from_the_stats_to_the_proto(registry, stats, pid, 
         "ledger_json": stats.ledger,
         "prefix_hit_tokens": stats.prefix_hit_tokens,
         "prefix_query_tokens": stats.prefix_query_tokens,
+        "lora_slots": stats.lora_slots, "lora_resident": list(stats.lora_resident),
     }
     assert sorted(expected) == sorted(f.name for f in WORKER_PB.fields)
     got = {f.name: getattr(worker, f.name) for f in WORKER_PB.fields}
     got["ledger_json"] = json.loads(got["ledger_json"])
+    got["lora_resident"] = list(got["lora_resident"])
     assert got == expected
 
 

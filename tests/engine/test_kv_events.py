@@ -1,6 +1,7 @@
 """KV events: an index fed by the workers' event batches holds exactly what each worker's
-prefix cache holds, through random admissions, evictions, lost batches (resynced from a
-snapshot) and a worker replaced under the same id."""
+prefix cache holds, through random admissions (under the base model and two LoRA adapters),
+evictions, lost batches (resynced from a snapshot) and a worker replaced under the same id;
+and the router, hashing a prompt under its adapter's root, matches what the worker would."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import random
 
 from pdserve.engine.kv_cache.block_manager import BlockManager
 from pdserve.engine.kv_cache.events import KVEventLog
-from pdserve.engine.kv_cache.prefix_hash import chained_block_hashes
+from pdserve.engine.kv_cache.prefix_hash import adapter_root_hash, chained_block_hashes
 from pdserve.engine.sequence import Sequence
 from pdserve.router.kv_index import KVIndex
+from pdserve.worker_api.adapters import AdapterRef
 from pdserve.worker_api.sampling_params import SamplingParams
 
 SALT = b"0123456789abcdef"
+ADAPTERS = (None, AdapterRef("sql", "/adapters/sql", "5" * 64),
+            AdapterRef("chat", "/adapters/chat", "c" * 64))  # None: the base model
 
 
 def worker() -> BlockManager:
@@ -41,7 +45,8 @@ class Traffic:
         self.count += 1
         prompt = rng.choice(self.prefixes) + [rng.randrange(1, 50)
                                               for _ in range(rng.randrange(1, 7))]
-        seq = Sequence(f"r{self.count}", prompt, SamplingParams(max_tokens=4))
+        seq = Sequence(f"r{self.count}", prompt, SamplingParams(max_tokens=4),
+                       adapter=rng.choice(ADAPTERS))
         bm.match_prefix(seq)
         remaining = seq.num_tokens - seq.num_computed_tokens
         if not bm.can_allocate(seq, remaining):
@@ -65,7 +70,7 @@ def sync(index: KVIndex, worker_id: str, bm: BlockManager, lose: bool = False) -
 
 
 def test_the_index_equals_every_workers_cache(seed_count=30):
-    cached = lost = replaced = 0
+    cached = lost = replaced = adapter_hits = 0
     for seed in range(seed_count):
         rng = random.Random(seed)
         workers = {"p0": worker(), "p1": worker()}
@@ -85,7 +90,27 @@ def test_the_index_equals_every_workers_cache(seed_count=30):
             sync(index, name, bm)
             assert index.held(name) == bm.held_hashes(), (seed, name)
             cached += bool(bm.held_hashes())
+            adapter_hits += check_router_matches(index, name, bm, traffic[name].prefixes)
     assert lost and replaced and cached > seed_count  # (the traffic covered each case)
+    assert adapter_hits  # (prompts under adapters were matched)
+
+
+def check_router_matches(index: KVIndex, worker_id: str, bm: BlockManager,
+                         prefixes: list[list[int]]) -> int:
+    """The router's match of each prefix under each adapter (its hashes rooted at the
+    adapter's digest) is the worker's own; returns how many matched under an adapter."""
+    hits_under_adapters = 0
+    for prefix in prefixes:
+        prompt = prefix + [1]
+        for adapter in ADAPTERS:
+            digest = None if adapter is None else adapter.digest
+            hashes = chained_block_hashes(prompt, 4, SALT, root=adapter_root_hash(digest))
+            seq = Sequence("probe", prompt, SamplingParams(max_tokens=1), adapter=adapter)
+            worker_hits = bm.match_prefix(seq) // 4
+            bm.free(seq)
+            assert index.matched_blocks(worker_id, hashes) == worker_hits, (prefix, digest)
+            hits_under_adapters += bool(worker_hits and adapter is not None)
+    return hits_under_adapters
 
 
 def test_a_gap_leaves_the_entry_matching_nothing_until_a_snapshot():
