@@ -145,16 +145,21 @@ def test_prefix_cache_keeps_adapters_apart(lora_case, references):
 
 
 def test_n_forks_and_speculation_keep_the_adapter(lora_case, references):
-    """n > 1 forks on the worker that samples (each fork under the adapter), and prompt-lookup
-    speculation verifies drafts under it: greedy output unchanged."""
+    """n > 1 forks on the worker that samples (each fork under the adapter), and speculation
+    (prompt lookup, a draft model without the adapter) verifies drafts under it: greedy output
+    unchanged."""
     base, adapters = lora_case("llama-gqa")
     prompts = [p * 2 for p in _prompts(2, seed=5)]  # repeats give n-gram drafts
     ref = LLM.adapter(adapters[0])
     want = references("llama-gqa", 0, prompts)
-    spec = LLM(str(base), **ENGINE, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
-    assert [o.token_ids for o in spec.generate(prompts, GREEDY, use_tqdm=False,
-                                               adapters=ref)] == want
+    for speculation in ({"method": "ngram", "num_speculative_tokens": 3,
+                         "prompt_lookup_max": 3},
+                        {"method": "draft_model", "model": str(base),
+                         "num_speculative_tokens": 2}):  # (the base model as the draft)
+        spec = LLM(str(base), **ENGINE, speculative_config=speculation)
+        assert [o.token_ids for o in spec.generate(prompts, GREEDY, use_tqdm=False,
+                                                   adapters=ref)] == want, speculation
+        assert spec.spec_decode_stats()["num_draft_tokens"] > 0
     plain = LLM(str(base), **ENGINE)
     forked = plain.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0,
                                                     ignore_eos=True, n=2),
