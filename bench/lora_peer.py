@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -86,14 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adapters-dir", type=Path,
                         default=Path(tempfile.gettempdir()) / "pdserve-bench-lora")
     args = parser.parse_args(argv)
-    vllm = shutil.which(args.vllm) or (args.vllm if os.access(args.vllm, os.X_OK) else None)
-    if vllm is None or not Path(args.model, "config.json").is_file():
-        print(f"the peer is not installed here (no vllm at {args.vllm!r} or no model folder "
-              f"{args.model!r}): set it up as ../shared/peer says, then pass --vllm and --model")
-        return
-    args.vllm, args.servers = vllm, args.servers.split(",")
-    args.model = str(Path(args.model).resolve())
-    print(run(args))
+    if peer.find_peer(args):
+        print(run(args))
 
 
 if __name__ == "__main__":

@@ -222,15 +222,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--out", default="bench/results/peer")
     args = parser.parse_args(argv)
+    if find_peer(args):
+        print(run(args))
+
+
+def find_peer(args) -> bool:
+    """Resolve ``args.vllm`` and ``args.model`` and split ``args.servers``; False (having said
+    what to set up) when the peer is not installed here."""
     vllm = shutil.which(args.vllm) or (args.vllm if os.access(args.vllm, os.X_OK) else None)
     if vllm is None or not Path(args.model, "config.json").is_file():
         print(f"the peer is not installed here (no vllm at {args.vllm!r} or no model folder "
               f"{args.model!r}): set up vLLM's CPU build in a venv of its own and convert the "
               "model to a Hugging Face folder, then pass --vllm and --model")
-        return
+        return False
     args.vllm, args.servers = vllm, args.servers.split(",")
     args.model = str(Path(args.model).resolve())
-    print(run(args))
+    return True
 
 
 if __name__ == "__main__":

@@ -54,7 +54,14 @@ def peft_greedy(base_dir: str | Path, adapter_dir: str | Path | None,
                                                  attn_implementation="eager")
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir)
-    model.eval()
+    return cached_greedy(model.eval(), prompts, max_tokens)
+
+
+def cached_greedy(model: torch.nn.Module, prompts: list[list[int]],
+                  max_tokens: int) -> list[list[int]]:
+    """A transformers model's greedy tokens for each prompt alone, one token at a time over
+    its own KV cache, with no eos handling (``generate``'s min_new_tokens would mask the eos
+    logits and change the argmax)."""
     outs = []
     with torch.no_grad():
         for prompt in prompts:

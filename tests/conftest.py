@@ -41,6 +41,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.testing.lora_adapters import cached_greedy
+
 HF_SEED = 0
 
 # Small, fast shapes; every family keeps vocab >= 480 (the tiny tokenizer's vocab).
@@ -213,16 +215,6 @@ def hf_greedy():
 
             model = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32)
             model.eval()
-        outs = []
-        with torch.no_grad():
-            for prompt in prompts:
-                ids, past, generated = torch.tensor([prompt]), None, []
-                for _ in range(max_tokens):
-                    out = model(input_ids=ids, past_key_values=past, use_cache=True)
-                    past = out.past_key_values
-                    generated.append(int(out.logits[0, -1].argmax()))
-                    ids = torch.tensor([[generated[-1]]])
-                outs.append(generated)
-        return outs
+        return cached_greedy(model, prompts, max_tokens)
 
     return run
