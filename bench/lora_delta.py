@@ -1,13 +1,14 @@
 """Batched LoRA deltas on the CPU: ``python -m pdserve.bench.lora_delta [--quick]``. Prints;
 never asserts.
 
-The two torch ways of :mod:`pdserve.kernels.lora`, at SmolLM2-135M's sizes (hidden 576,
+The torch ways of :mod:`pdserve.kernels.lora`, at SmolLM2-135M's sizes (hidden 576,
 intermediate 1536) and rank 16, float32, one thread: the grouped path (one shrink and one
-expand GEMM per adapter in use, what the CPU runs) against the gather reference (every row's A
-and B gathered, two batched products). A decode-like step (8 rows, 2 for each of 4 adapters,
-interleaved) and a prefill-like one (512 rows, one adapter), through an up projection
+expand GEMM per adapter in use) and the span path (every row against the run of slots in use,
+masked), between which the CPU picks (``lora_delta_cpu``), against the gather reference (every
+row's A and B gathered, two batched products). Decode-like steps (8 rows over 1, 4 and 8
+adapters, interleaved) and a prefill-like one (512 rows, one adapter), through an up projection
 (576 -> 1536) and a down projection (1536 -> 576). The median of the passes after 3
-warm-ups, in ms, and gather / grouped.
+warm-ups, in ms, and gather / grouped, grouped / span.
 """
 
 from __future__ import annotations
@@ -19,12 +20,17 @@ import time
 import torch
 
 from pdserve.bench.stats import format_table
-from pdserve.kernels.lora import LoraBatch, lora_delta_gather, lora_delta_grouped
+from pdserve.kernels.lora import (
+    LoraBatch,
+    lora_delta_gather,
+    lora_delta_grouped,
+    lora_delta_span,
+)
 
-HIDDEN, INTERMEDIATE, RANK, NUM_SLOTS = 576, 1536, 16, 8
+HIDDEN, INTERMEDIATE, RANK, NUM_SLOTS = 576, 1536, 16, 16
 LAYERS = {"up 576->1536": (HIDDEN, INTERMEDIATE), "down 1536->576": (INTERMEDIATE, HIDDEN)}
 # (step, rows, adapters): rows are dealt to the adapters in turn
-STEPS = [("decode", 8, 4), ("prefill", 512, 1)]
+STEPS = [("decode", 8, 1), ("decode", 8, 4), ("decode", 8, 8), ("prefill", 512, 1)]
 
 
 def _median_ms(fn, passes: int) -> float:
@@ -39,18 +45,21 @@ def _median_ms(fn, passes: int) -> float:
 
 
 def case(rows: int, adapters: int, in_features: int, out_features: int,
-         passes: int) -> tuple[float, float, float]:
-    """(grouped ms, gather ms, max |grouped - gather|) for one step through one layer."""
+         passes: int) -> tuple[float, float, float, float]:
+    """(grouped ms, span ms, gather ms, max difference to gather) for one step through one
+    layer."""
     x = torch.randn(rows, in_features)
     a = torch.randn(NUM_SLOTS, RANK, in_features) / in_features ** 0.5
     b = torch.randn(NUM_SLOTS, out_features, RANK) / RANK ** 0.5
     slots = torch.arange(rows) % adapters + 1  # slots 1..adapters, interleaved
     batch = LoraBatch.of(slots)
-    grouped, gathered = torch.zeros(rows, out_features), torch.zeros(rows, out_features)
+    grouped, spanned, gathered = (torch.zeros(rows, out_features) for _ in range(3))
     lora_delta_grouped(grouped, x, a, b, batch)
+    lora_delta_span(spanned, x, a, b, batch)
     lora_delta_gather(gathered, x, a, b, slots)
-    err = float((grouped - gathered).abs().max())
+    err = max(float((grouped - gathered).abs().max()), float((spanned - gathered).abs().max()))
     return (_median_ms(lambda: lora_delta_grouped(grouped, x, a, b, batch), passes),
+            _median_ms(lambda: lora_delta_span(spanned, x, a, b, batch), passes),
             _median_ms(lambda: lora_delta_gather(gathered, x, a, b, slots), passes), err)
 
 
@@ -69,14 +78,14 @@ def main(argv: list[str] | None = None) -> None:
         with torch.inference_mode():
             for step, rows, adapters in STEPS:
                 for layer, (in_features, out_features) in LAYERS.items():
-                    grouped, gather, err = case(rows, adapters, in_features, out_features,
-                                                passes)
-                    table.append([step, rows, adapters, layer, grouped, gather,
-                                  gather / grouped, f"{err:.1e}"])
+                    grouped, span, gather, err = case(rows, adapters, in_features,
+                                                      out_features, passes)
+                    table.append([step, rows, adapters, layer, grouped, span, gather,
+                                  gather / grouped, grouped / span, f"{err:.1e}"])
     finally:
         torch.set_num_threads(threads)
-    print(format_table(["step", "rows", "adapters", "layer", "grouped ms", "gather ms",
-                        "gather/grouped", "max diff"], table))
+    print(format_table(["step", "rows", "adapters", "layer", "grouped ms", "span ms",
+                        "gather ms", "gather/grouped", "grouped/span", "max diff"], table))
 
 
 if __name__ == "__main__":

@@ -198,4 +198,4 @@ def lora_delta(out, x, a, b, batch, backend: str = "auto") -> None:
     """Add each row's LoRA update into ``out`` in place (:mod:`pdserve.kernels.lora`)."""
     if resolve_backend(backend, x.device) == "triton":
         return _triton("lora_triton").lora_delta_triton(out, x, a, b, batch.token_slots)
-    return lora.lora_delta_grouped(out, x, a, b, batch)
+    return lora.lora_delta_cpu(out, x, a, b, batch)

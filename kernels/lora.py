@@ -8,15 +8,18 @@ qkv holds each part's A stacked and its B block-diagonal, unused rank rows and c
 :class:`LoraBatch` says which slot each row uses, computed once per step and shared by every
 layer.
 
-Two torch implementations: :func:`lora_delta_gather` gathers each row's A and B and runs one
-batched product (the reference, and what the Triton kernel computes the same way); and
-:func:`lora_delta_grouped`, the CPU path: one pair of GEMMs per adapter in use over that
-adapter's rows (a step rarely mixes more than a few adapters, and a prompt's rows share one).
+Three torch implementations: :func:`lora_delta_gather` gathers each row's A and B and runs one
+batched product (the reference, and what the Triton kernel computes the same way); and the CPU
+paths, which :func:`lora_delta_cpu` picks between: :func:`lora_delta_grouped`, one pair of GEMMs
+per adapter in use over that adapter's rows (a prompt's rows share one adapter), and
+:func:`lora_delta_span`, every row against the run of slots in use, masked (a decode step of a
+few rows over several adapters, where the grouped path's operations per adapter cost more than
+their arithmetic).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +30,23 @@ class LoraBatch:
 
     token_slots: torch.Tensor  # (T,) int64: the slot of each row, -1 for the base model
     groups: tuple[tuple[int, torch.Tensor], ...]  # (slot, its rows (R,) int64) per slot used
+    # lora_delta_span's masks, by rank width (made once per step, shared by the layers)
+    _masks: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The first and one past the last slot in use."""
+        return self.groups[0][0], self.groups[-1][0] + 1
+
+    def span_mask(self, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """(T, span x rank): 1 where a row's slot owns the column, else 0."""
+        key = (rank, dtype)
+        if key not in self._masks:
+            first, end = self.span
+            local = self.token_slots - first  # (T,): the row's slot within the span
+            owner = torch.arange(end - first, device=local.device).repeat_interleave(rank)
+            self._masks[key] = (local[:, None] == owner[None, :]).to(dtype)
+        return self._masks[key]
 
     @classmethod
     def of(cls, token_slots: torch.Tensor) -> LoraBatch | None:
@@ -65,6 +85,38 @@ def lora_delta_gather(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: to
     shrunk = torch.bmm(a.index_select(0, slots).float(), xs)  # (R, rank, 1)
     delta = torch.bmm(b.index_select(0, slots).float(), shrunk).squeeze(2)  # (R, out)
     out.index_add_(0, rows, delta.to(out.dtype))
+
+
+# lora_delta_cpu takes the span path for at most this many rows (docs/lora.md: at 8 rows over
+# 4-8 adapters it beats the grouped path, at 32-64 rows it loses)
+SPAN_MAX_ROWS = 16
+
+
+def lora_delta_cpu(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   batch: LoraBatch) -> None:
+    """The CPU's update: :func:`lora_delta_span` for a few rows over two or more adapters
+    whose slots are not spread over many others, else :func:`lora_delta_grouped`."""
+    first, end = batch.span
+    if len(x) <= SPAN_MAX_ROWS and 2 <= len(batch.groups) and end - first <= 2 * len(batch.groups):
+        lora_delta_span(out, x, a, b, batch)
+    else:
+        lora_delta_grouped(out, x, a, b, batch)
+
+
+def lora_delta_span(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    batch: LoraBatch) -> None:
+    """The same update computed for every row against every slot from the first to the last
+    in use (contiguous views of the pools, no gather), the shrink masked to each row's own
+    slot: five operations whatever the number of adapters, at span / adapters times the
+    arithmetic of :func:`lora_delta_grouped`. For a few rows over several adapters (a decode
+    step), where the grouped path's operations per adapter cost more than their arithmetic."""
+    first, end = batch.span
+    span, rank = end - first, a.shape[1]
+    shrunk = x @ a[first:end].reshape(span * rank, -1).T  # (T, span x rank)
+    shrunk.mul_(batch.span_mask(rank, shrunk.dtype))
+    per_slot = torch.bmm(shrunk.view(len(x), span, rank).transpose(0, 1),
+                         b[first:end].transpose(1, 2))  # (span, T, out)
+    out.add_(per_slot.sum(0) if span > 1 else per_slot[0])
 
 
 def lora_delta_grouped(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -1,6 +1,6 @@
-"""Batched LoRA deltas: the grouped CPU path and the Triton kernel against the gather
-reference (mixed adapters, base-model rows, one adapter for all rows), and the kernel's
-refusal of bad inputs."""
+"""Batched LoRA deltas: the CPU paths (grouped, span, the choice between them) and the Triton
+kernel against the gather reference (mixed adapters, base-model rows, one adapter for all
+rows), and the kernel's refusal of bad inputs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from pdserve.kernels.dispatch import lora_delta
-from pdserve.kernels.lora import LoraBatch, lora_delta_gather, lora_delta_grouped
+from pdserve.kernels.lora import (
+    LoraBatch,
+    lora_delta_cpu,
+    lora_delta_gather,
+    lora_delta_grouped,
+    lora_delta_span,
+)
 
 NUM_SLOTS = 3
 
@@ -28,9 +34,10 @@ def _slots(kind: str, num_tokens: int, gen) -> torch.Tensor:
     return torch.full((num_tokens,), NUM_SLOTS - 1)  # "one": every row one adapter
 
 
+@pytest.mark.parametrize("path", [lora_delta_grouped, lora_delta_span, lora_delta_cpu])
 @pytest.mark.parametrize("kind,num_tokens", [("mixed", 13), ("mixed", 64), ("one", 9),
-                                             ("one", 1), ("mixed", 1)])
-def test_grouped_equals_gather(gen, kind, num_tokens):
+                                             ("one", 1), ("mixed", 1), ("mixed", 8)])
+def test_cpu_paths_equal_gather(gen, kind, num_tokens, path):
     in_features, out_features, rank = 40, 24, 8
     x = torch.randn(num_tokens, in_features, generator=gen)
     a, b = _weights(in_features, out_features, rank, gen)
@@ -42,7 +49,7 @@ def test_grouped_equals_gather(gen, kind, num_tokens):
     if batch is None:  # a single base-model row
         assert (slots == -1).all()
         return
-    lora_delta_grouped(got, x, a, b, batch)
+    path(got, x, a, b, batch)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
