@@ -210,7 +210,8 @@ class Router:
         cfg, n, params = self.config, len(prepared.prompt_token_ids), prepared.params
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         flight = Flight(WorkRequest(work_id(new_uid(), 1), list(prepared.prompt_token_ids),
-                                    params, seed, time.time()), prepared.label,
+                                    params, seed, time.time(), adapter=prepared.adapter),
+                        prepared.label,
                         prepared.deadline, tenant=prepared.tenant,
                         max_tokens=prepared.max_tokens)
         self._check_kv_cap(flight)
