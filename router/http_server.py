@@ -296,9 +296,11 @@ class HttpServer:
                                  code="model_not_found") from None
         except AdminUnavailableError as exc:
             raise oa.OpenAIError(503, str(exc), "service_unavailable") from None
-        except (ValueError, LoraDisabledError) as exc:
+        except LoraDisabledError as exc:
+            raise oa.OpenAIError(400, str(exc), param="lora_name", code="lora_disabled") from None
+        except ValueError as exc:
             raise oa.OpenAIError(400, str(exc), param="lora_name",
-                                 code=type(exc).__name__) from None
+                                 code="invalid_lora_adapter") from None
 
     def _check_model(self, name: str) -> AdapterRef | None:
         """The adapter the body's ``model`` names (None: the base model); 404 for others."""
