@@ -194,7 +194,8 @@ class EmbeddedCluster:
                           name=router_name(index), resources=resources,
                           enable_lora=self._engine_config().enable_lora,
                           max_lora_rank=self._engine_config().max_lora_rank,
-                          lora_modules=tuple(parse_lora_modules(opts.lora_modules)))
+                          lora_modules=tuple((name, os.path.abspath(path)) for name, path
+                                             in parse_lora_modules(opts.lora_modules)))
 
     def worker_specs(self) -> list[WorkerSpec]:
         """One template per pool role: the pool manager gives each worker a fresh id."""

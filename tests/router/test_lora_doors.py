@@ -1,7 +1,8 @@
 """LoRA adapters at the front doors, over real loopback HTTP and gRPC against the FakeBackend
 and a fake admin backend: a request's ``model`` resolved to the adapter it names (and that
 adapter on the PreparedRequest), 404 / NOT_FOUND for another name, ``/v1/models`` in vLLM's
-shape, the load / unload endpoints and RPCs with their refusals, and the admin key on them."""
+shape, the load / unload endpoints and RPCs with their refusals, and the admin key on them;
+chat names its adapter as completions do."""
 
 from __future__ import annotations
 
@@ -14,56 +15,15 @@ import pytest
 from pdserve.api import admin_pb2, admin_pb2_grpc, generation_pb2_grpc
 from pdserve.api import generation_pb2 as pb
 from pdserve.router.adapters import ServedAdapters
-from pdserve.router.admin_server import LoraDisabledError, UnknownAdapterError
 from pdserve.router.grpc_server import GenerationServer
 from pdserve.router.http_server import HttpServer
-from pdserve.testing.fake_backend import FakeBackend
+from pdserve.testing.fake_admin import FakeAdmin
+from pdserve.testing.fake_backend import FakeBackend, FakePromptTools
 from pdserve.worker_api.adapters import AdapterRef
 
 API_KEY = "lora-api-key"
 ADMIN_KEY = "lora-admin-key"
 SQL = AdapterRef("sql", "/adapters/sql", "a" * 64)
-
-
-class FakeAdapterAdmin:
-    """The adapter calls of an AdminBackend over a ServedAdapters, as the cluster's registry
-    answers them (refusals included)."""
-
-    def __init__(self, served: ServedAdapters, enabled: bool = True) -> None:
-        self.served, self.enabled = served, enabled
-
-    async def list_workers(self):
-        return []
-
-    async def drain_worker(self, worker_id):
-        raise NotImplementedError
-
-    async def get_pools(self):
-        return []
-
-    async def set_pool_target(self, role, size):
-        raise NotImplementedError
-
-    async def load_lora_adapter(self, name: str, path: str) -> AdapterRef:
-        if not self.enabled:
-            raise LoraDisabledError("start it with --enable-lora")
-        if self.served.get(name) is not None:
-            raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        if not path.startswith("/adapters/"):
-            raise ValueError(f"LoRA adapter {name!r}: {path} is not a folder")
-        ref = AdapterRef(name, path, "b" * 64)
-        self.served.put(ref)
-        return ref
-
-    async def unload_lora_adapter(self, name: str) -> AdapterRef:
-        ref = self.served.get(name)
-        if ref is None:
-            raise UnknownAdapterError(f"LoRA adapter {name!r} is not loaded")
-        self.served.remove(name)
-        return ref
-
-    async def list_lora_adapters(self) -> list[AdapterRef]:
-        return self.served.all()
 
 
 @pytest.fixture
@@ -72,12 +32,12 @@ def served():
 
 
 async def _doors(backend, served, admin_key=ADMIN_KEY, api_key=API_KEY, enabled=True):
-    admin = FakeAdapterAdmin(served, enabled)
+    admin = FakeAdmin([], {}, served, enabled)
     grpc_server = GenerationServer(backend, health_poll_interval_s=0.02, admin=admin,
                                    api_key=api_key, admin_api_key=admin_key, adapters=served)
     grpc_port = await grpc_server.start("127.0.0.1", 0)
     http = HttpServer(backend, model_root="/models/fake", api_key=api_key, adapters=served,
-                      admin=admin, admin_api_key=admin_key)
+                      admin=admin, admin_api_key=admin_key, tools=FakePromptTools(backend))
     await http.start("127.0.0.1", 0)
     return grpc_server, grpc_port, http
 
@@ -103,6 +63,11 @@ def test_http_model_names_the_adapter(served):
                 reply = await client.post("/v1/completions", json={
                     "model": "sql", "prompt": [5, 6], "max_tokens": 2, "stream": True})
                 assert '"model":"sql"' in reply.text
+                reply = await client.post("/v1/chat/completions", json={
+                    "model": "sql", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2})
+                assert reply.status_code == 200 and reply.json()["model"] == "sql", reply.text
+                assert backend.started[-1].adapter == SQL
                 reply = await client.post("/v1/completions", json={
                     "model": "nope", "prompt": [5], "max_tokens": 2})
                 error = reply.json()["error"]
