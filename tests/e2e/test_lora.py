@@ -2,8 +2,9 @@
 every prompt on the prefill worker) and colocated: four adapters of ranks 1, 4, 8 and 16 on
 different projections, seeded by ``--lora-modules``, and the base model, sent as one concurrent
 burst, each answer PEFT's greedy tokens; an adapter loaded at run time through the admin API
-serves, then unloaded is 404; bad adapters are refused naming them and change nothing; the
-admin key guards the admin paths; ``/v1/models`` and gRPC ``model``."""
+serves, then unloaded is 404, through either of two routers; bad adapters are refused naming
+them and change nothing; the admin key guards the admin paths; ``/v1/models`` and gRPC
+``model``."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def _modules(loras) -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def cluster(start_cluster, model_dir, loras):
     cluster = start_cluster(model_dir, http_port=0, api_key=API_KEY, admin_api_key=ADMIN_KEY,
-                            engine=LORA, lora_modules=_modules(loras),
+                            engine=LORA, lora_modules=_modules(loras), num_routers=2,
                             router=RouterConfig(disaggregation="always"))
     yield cluster
     cluster.stop()
@@ -138,6 +139,30 @@ def test_load_serve_unload_through_the_admin_api(cluster, loras, expected):
         assert gone.json()["error"]["code"] == "model_not_found"
         with pytest.raises(PdserveError) as info:
             client.generate(PROMPTS[0], model="late", max_tokens=2)
+        assert info.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_second_router_forwards_loads_and_follows_the_registry(cluster, loras, expected,
+                                                                  e2e):
+    """router-1 forwards a load to the router that keeps the registry and serves it at once;
+    an unload made there reaches router-1 through Redis."""
+    first, second = cluster.targets
+    with AdminClient(second, api_key=ADMIN_KEY) as admin:
+        assert admin.load_lora_adapter("late2", str(loras["late"])).name == "late2"
+    sampling = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for target in (second, first):
+        with PdserveClient(target, api_key=API_KEY, timeout=120) as client:
+            e2e.wait_for(lambda c=client: "late2" in c.model_info().lora_adapters,
+                         what="the adapter on every router")
+            assert client.generate(PROMPTS[1], model="late2", **sampling).token_ids \
+                == expected["late"][1]
+    with AdminClient(first, api_key=ADMIN_KEY) as admin:
+        admin.unload_lora_adapter("late2")
+    with PdserveClient(second, api_key=API_KEY, timeout=120) as client:
+        e2e.wait_for(lambda: "late2" not in client.model_info().lora_adapters,
+                     what="the unload on router-1")
+        with pytest.raises(PdserveError) as info:
+            client.generate(PROMPTS[0], model="late2", max_tokens=2)
         assert info.value.code == grpc.StatusCode.NOT_FOUND
 
 
