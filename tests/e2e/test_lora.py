@@ -25,6 +25,7 @@ pytestmark = pytest.mark.e2e
 API_KEY = "lora-e2e-key"
 ADMIN_KEY = "lora-e2e-admin-key"
 MAX_TOKENS = 8
+LONG = 96  # tokens of the stream that is in flight while its adapter is unloaded
 # name -> (rank, target modules): every projection covered, each adapter its own set
 ADAPTERS = {"r1": (1, ("q_proj", "v_proj")),
             "r4": (4, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -117,7 +118,8 @@ def test_models_lists_the_adapters(cluster, loras):
         assert model["object"] == "model"
 
 
-def test_load_serve_unload_through_the_admin_api(cluster, loras, expected):
+def test_load_serve_unload_through_the_admin_api(cluster, loras, expected, model_dir):
+    long_late = peft_greedy(model_dir, loras["late"], [PROMPTS[1]], LONG)[0]
     url, admin = cluster.http_url, {"Authorization": f"Bearer {ADMIN_KEY}"}
     user = {"Authorization": f"Bearer {API_KEY}"}
     body = {"lora_name": "late", "lora_path": str(loras["late"])}
@@ -131,9 +133,14 @@ def test_load_serve_unload_through_the_admin_api(cluster, loras, expected):
         result = client.generate(PROMPTS[0], model="late", max_tokens=MAX_TOKENS,
                                  temperature=0.0, ignore_eos=True)
         assert result.token_ids == expected["late"][0]  # a worker read it on first use
+        stream = client.generate_stream(PROMPTS[1], model="late", max_tokens=LONG,
+                                        temperature=0.0, ignore_eos=True)
+        token_ids = list(next(stream).token_ids)
         unloaded = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"},
                               headers=admin, timeout=60)
         assert unloaded.status_code == 200, unloaded.text
+        token_ids += [t for chunk in stream for t in chunk.token_ids]
+        assert token_ids == long_late  # a request in flight finishes under its adapter
         gone = httpx.post(url + "/v1/completions", json=completion, headers=user, timeout=60)
         assert gone.status_code == 404
         assert gone.json()["error"]["code"] == "model_not_found"
