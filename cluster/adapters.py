@@ -149,7 +149,30 @@ class AdapterStore:
             self.health.count_malformed(FAMILY)
 
 
-class AdapterRegistry:
+class _Synced:
+    """What the registry and its mirrors share: ``sync()`` every ``SYNC_S`` once started."""
+
+    _task: asyncio.Task | None = None
+
+    async def sync(self) -> None:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(SYNC_S)
+            try:
+                await self.sync()
+            except redis.RedisError:
+                logger.exception("syncing the LoRA adapters with Redis failed")
+
+
+class AdapterRegistry(_Synced):
     """The truth (see the module docstring): the adapters of the cluster, in the memory of the
     router that runs the pools, mirrored into ``served`` (what its own doors resolve) and
     into Redis. Use it on one event loop."""
@@ -162,7 +185,6 @@ class AdapterRegistry:
         self.health = health
         self._adapters: dict[str, AdapterRef] = {}
         self._lock = asyncio.Lock()  # one load or unload at a time: checks see the last one
-        self._task: asyncio.Task | None = None
 
     async def start(self, seeds: Iterable[tuple[str, str]] = ()) -> None:
         """Adopt the copy in Redis, or (none yet) register ``seeds`` (name, path), checked;
@@ -179,12 +201,6 @@ class AdapterRegistry:
             await self._publish()
         self.served.replace(self._adapters.values())
         self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
 
     def list(self) -> list[AdapterRef]:
         return [self._adapters[name] for name in sorted(self._adapters)]
@@ -235,16 +251,9 @@ class AdapterRegistry:
             if self.health is not None:
                 self.health.failed(exc)
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(SYNC_S)
-            try:
-                await self.sync()
-            except redis.RedisError:
-                logger.exception("syncing the LoRA adapters with Redis failed")
 
 
-class AdapterMirror:
+class AdapterMirror(_Synced):
     """A router that does not run the pools: ``served`` follows the copy in Redis (a missing
     or bad one changes nothing). Use it on one event loop."""
 
@@ -253,17 +262,10 @@ class AdapterMirror:
         self.store = store
         self.served = served
         self.health = health
-        self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.sync()
         self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
 
     async def sync(self) -> None:
         if self.health is not None and not self.health.can_try():
@@ -276,11 +278,3 @@ class AdapterMirror:
             return
         if adapters is not None:
             self.served.replace(adapters)
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(SYNC_S)
-            try:
-                await self.sync()
-            except redis.RedisError:
-                logger.exception("reading the LoRA adapters from Redis failed")
