@@ -145,3 +145,15 @@ class AdminClient:
     def get_config(self) -> dict:
         """Each pool's engine settings and the router's (``GetConfig``)."""
         return json.loads(self._call("GetConfig", admin_pb2.GetConfigRequest()).config_json)
+
+    def load_lora_adapter(self, name: str, path: str) -> admin_pb2.LoraAdapter:
+        """Register the PEFT folder ``path`` (as the workers see it) under ``name``."""
+        request = admin_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        return self._call("LoadLoraAdapter", request)
+
+    def unload_lora_adapter(self, name: str) -> admin_pb2.LoraAdapter:
+        """Unregister an adapter: new requests for it are refused, those in flight finish."""
+        return self._call("UnloadLoraAdapter", admin_pb2.UnloadLoraAdapterRequest(lora_name=name))
+
+    def list_lora_adapters(self) -> list[admin_pb2.LoraAdapter]:
+        return list(self._call("ListLoraAdapters", admin_pb2.ListLoraAdaptersRequest()).adapters)

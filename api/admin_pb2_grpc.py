@@ -69,6 +69,21 @@ class AdminStub:
                 request_serializer=pdserve_dot_api_dot_admin__pb2.GetControlPlaneRequest.SerializeToString,
                 response_deserializer=pdserve_dot_api_dot_admin__pb2.ControlPlane.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.Admin/LoadLoraAdapter',
+                request_serializer=pdserve_dot_api_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_admin__pb2.LoraAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.Admin/UnloadLoraAdapter',
+                request_serializer=pdserve_dot_api_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_admin__pb2.LoraAdapter.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/pdserve.v1.Admin/ListLoraAdapters',
+                request_serializer=pdserve_dot_api_dot_admin__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_admin__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -128,6 +143,32 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Register a LoRA adapter (a PEFT folder the workers can read) under a name requests put in
+        GenerateRequest.model. Checked against the base model before anything changes:
+        INVALID_ARGUMENT naming the adapter for a missing file, a rank above --max-lora-rank,
+        modules the model lacks, shapes that do not match, a name in use (or the model's);
+        FAILED_PRECONDITION when the server runs without --enable-lora. Workers need no push:
+        each request carries the adapter, read on first use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unregister one: new requests naming it are NOT_FOUND, requests in flight finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """The registered adapters, by name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +206,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetControlPlane,
                     request_deserializer=pdserve_dot_api_dot_admin__pb2.GetControlPlaneRequest.FromString,
                     response_serializer=pdserve_dot_api_dot_admin__pb2.ControlPlane.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pdserve_dot_api_dot_admin__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_admin__pb2.LoraAdapter.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pdserve_dot_api_dot_admin__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_admin__pb2.LoraAdapter.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=pdserve_dot_api_dot_admin__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_admin__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +412,87 @@ class Admin:
             '/pdserve.v1.Admin/GetControlPlane',
             pdserve_dot_api_dot_admin__pb2.GetControlPlaneRequest.SerializeToString,
             pdserve_dot_api_dot_admin__pb2.ControlPlane.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/LoadLoraAdapter',
+            pdserve_dot_api_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pdserve_dot_api_dot_admin__pb2.LoraAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/UnloadLoraAdapter',
+            pdserve_dot_api_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pdserve_dot_api_dot_admin__pb2.LoraAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/ListLoraAdapters',
+            pdserve_dot_api_dot_admin__pb2.ListLoraAdaptersRequest.SerializeToString,
+            pdserve_dot_api_dot_admin__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,7 +40,7 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -158,6 +158,8 @@ class ModelInfo:
     max_context_tokens: int  # prompt + generated tokens at most
     vocab_size: int  # valid token ids are [0, vocab_size)
     eos_token_ids: list[int]  # ids that end generation unless ignore_eos
+    lora_adapters: list[str] = field(default_factory=list)  # LoRA adapters served beside it:
+    # the names generate(model=...) takes
 
 
 def build_generate_request(
@@ -170,9 +172,12 @@ def build_generate_request(
         logprobs: int | None = None, priority: int | None = None,
         prompt_logprobs: int | None = None, structured_outputs: dict | None = None,
         logit_bias: dict[int, float] | None = None, n: int | None = None,
-        best_of: int | None = None, tenant: str = "") -> generation_pb2.GenerateRequest:
-    """The request proto for a prompt and OpenAI-like sampling keywords (``None`` = unset)."""
-    request = generation_pb2.GenerateRequest(request_id=request_id or "", tenant=tenant or "")
+        best_of: int | None = None, tenant: str = "",
+        model: str = "") -> generation_pb2.GenerateRequest:
+    """The request proto for a prompt and OpenAI-like sampling keywords (``None`` = unset);
+    ``model``: a LoRA adapter's name (``ModelInfo.lora_adapters``), "" for the base model."""
+    request = generation_pb2.GenerateRequest(request_id=request_id or "", tenant=tenant or "",
+                                             model=model or "")
     if isinstance(prompt, str):
         request.text = prompt
     else:
@@ -276,7 +281,8 @@ class _Choice:
 
 def _model_info(reply: generation_pb2.ModelInfo) -> ModelInfo:
     return ModelInfo(model_name=reply.model_name, max_context_tokens=reply.max_context_tokens,
-                     vocab_size=reply.vocab_size, eos_token_ids=list(reply.eos_token_ids))
+                     vocab_size=reply.vocab_size, eos_token_ids=list(reply.eos_token_ids),
+                     lora_adapters=list(reply.lora_adapters))
 
 
 def _status_name(reply: health_pb2.HealthCheckResponse) -> str:

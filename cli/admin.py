@@ -1,5 +1,6 @@
-"""The operator commands of ``pdserve``: ``status`` and ``drain``, clients of a running
-router's ``pdserve.v1.Admin`` service."""
+"""The operator commands of ``pdserve``: ``status``, ``drain`` and ``lora`` (``load NAME
+PATH``, ``unload NAME``, ``list``: the cluster's LoRA adapters), clients of a running router's
+``pdserve.v1.Admin`` service."""
 
 from __future__ import annotations
 
@@ -39,6 +40,51 @@ def add_drain(sub) -> None:
                                                "most SECONDS, default 600)")
     drain.add_argument("--timeout", type=float, default=10.0, help="call deadline in seconds")
     add_client_security(drain, inference=False, admin=True)
+
+
+def add_lora(sub) -> None:
+    lora = sub.add_parser("lora", help="the LoRA adapters a running server serves: load, "
+                                       "unload, list")
+    actions = lora.add_subparsers(dest="lora_action", required=True, metavar="ACTION")
+    load = actions.add_parser("load", help="register a PEFT LoRA folder under a name that "
+                                           "requests put in their model")
+    load.add_argument("name", help="the name requests use (model)")
+    load.add_argument("path", help="the adapter's folder, as the workers see it")
+    unload = actions.add_parser("unload", help="unregister an adapter (requests in flight "
+                                               "finish)")
+    unload.add_argument("name")
+    listing = actions.add_parser("list", help="the registered adapters")
+    listing.add_argument("--json", action="store_true", help="one JSON list")
+    for parser in (load, unload, listing):
+        parser.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+        parser.add_argument("--timeout", type=float, default=60.0,
+                            help="call deadline in seconds")
+        add_client_security(parser, inference=False, admin=True)
+
+
+def cmd_lora(args) -> int:
+    prog = f"pdserve lora {args.lora_action}"
+    security = admin_security(prog, args)
+    if args.lora_action == "load":
+        adapter = _admin_call(prog, args.target, args.timeout,
+                              lambda admin: admin.load_lora_adapter(args.name, args.path),
+                              security)
+        print(f"pdserve: LoRA adapter {adapter.name!r} loaded from {adapter.path} "
+              f"(sha256 {adapter.digest[:12]}...)", file=sys.stderr)
+    elif args.lora_action == "unload":
+        adapter = _admin_call(prog, args.target, args.timeout,
+                              lambda admin: admin.unload_lora_adapter(args.name), security)
+        print(f"pdserve: LoRA adapter {adapter.name!r} unloaded", file=sys.stderr)
+    else:
+        adapters = _admin_call(prog, args.target, args.timeout,
+                               lambda admin: admin.list_lora_adapters(), security)
+        rows = [{"name": a.name, "path": a.path, "digest": a.digest} for a in adapters]
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            print(_table(["name", "path", "sha256"],
+                         [[r["name"], r["path"], r["digest"][:12]] for r in rows]))
+    return 0
 
 
 def _admin_call(prog: str, target: str, timeout: float, fn, security: dict | None = None):

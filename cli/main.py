@@ -22,7 +22,7 @@ import sys
 import threading
 
 from pdserve.api.client import PdserveClient, PdserveError
-from pdserve.cli.admin import add_drain, add_status, cmd_drain, cmd_status
+from pdserve.cli.admin import add_drain, add_lora, add_status, cmd_drain, cmd_lora, cmd_status
 from pdserve.cli.bench import add_bench, add_plan, cmd_bench, cmd_plan
 from pdserve.cli.common import (
     add_client_security,
@@ -142,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     add_status(sub)
     add_drain(sub)
+    add_lora(sub)
     add_bench(sub)
     add_plan(sub)
     return parser
@@ -180,6 +181,7 @@ def _checked_options(args, base, prog: str, environ=os.environ):
         check_tls_files(options)
         check_listen_addresses(options)
         check_cluster(options, options.model or str(tiny_model_dir()))
+        _check_lora_modules(options, options.model or str(tiny_model_dir()))
     except (SettingsError, SecretError, MemoryBudgetError) as exc:
         fail(prog, str(exc))
     except FileNotFoundError as exc:
@@ -188,6 +190,18 @@ def _checked_options(args, base, prog: str, environ=os.environ):
         named = name_flags("engine", str(exc))
         fail(prog, named if named != str(exc) else f"argument --model: {exc}")
     return options
+
+
+def _check_lora_modules(options, model_dir: str) -> None:
+    """SettingsError naming ``--lora-modules`` for an adapter the cluster cannot serve."""
+    # lazy: torch (see the module docstring)
+    from pdserve.cli.settings import SettingsError
+    from pdserve.cluster.adapters import check_lora_modules
+
+    try:
+        check_lora_modules(options, model_dir)
+    except ValueError as exc:
+        raise SettingsError(f"argument --lora-modules: {exc}") from None
 
 
 def _cmd_serve(args) -> int:
@@ -316,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = {"serve": _cmd_serve, "generate": _cmd_generate, "demo": _cmd_demo,
-               "status": cmd_status, "drain": cmd_drain, "bench": cmd_bench,
+               "status": cmd_status, "drain": cmd_drain, "lora": cmd_lora, "bench": cmd_bench,
                "plan": cmd_plan}
     return command[args.command](args)
 

@@ -8,7 +8,8 @@ serve`` and ``pdserve demo``:
    which is also vLLM's name for every engine setting both have), except :data:`RENAMES`.
 2. Type from the annotation: ``int``, ``float``, ``str`` (with :data:`CHOICES` where the config
    validates a fixed set), ``bool`` as ``--x`` / ``--no-x``, ``dict`` as a JSON object
-   (``--speculative-config '{"method": "ngram", ...}'``); ``X | None`` also takes ``none``.
+   (``--speculative-config '{"method": "ngram", ...}'``), ``tuple[str, ...]`` as one or more
+   values (``--lora-modules a=/p/a b=/p/b``); ``X | None`` also takes ``none``.
 3. Help: the field's comment in the dataclass source (trailing, with its continuation lines,
    or the comment lines above it) and the default the command starts from.
 4. Default ``argparse.SUPPRESS``: only the flags a user passes reach the configs, so each
@@ -85,6 +86,10 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("router", "disaggregation"): DISAGGREGATION_MODES,
     ("cluster", "tool_call_parser"): TOOL_CALL_PARSERS,
 }
+# Metavars of the tuple flags (one or more values).
+METAVARS: dict[tuple[str, str], str] = {
+    ("cluster", "lora_modules"): "NAME=PATH",
+}
 # Help for fields whose source has no comment.
 FALLBACK_HELP: dict[tuple[str, str], str] = {
     ("engine", "enable_prefix_caching"): "reuse the KV blocks of prompt prefixes already "
@@ -148,7 +153,7 @@ class Setting:
     name: str  # the dataclass field
     flag: str  # "--block-size"
     comment: str  # the field's comment in the source ("" when it has none)
-    kind: type  # int | float | str | bool: the annotation without None
+    kind: type  # int | float | str | bool | dict | tuple (of str): the annotation without None
     optional: bool  # the annotation allows None (the flag takes "none")
     default: object  # the dataclass's own default
     choices: tuple[str, ...] | None = None
@@ -162,7 +167,7 @@ class Setting:
         """Flag text -> field value (argparse calls it; ValueError = invalid value)."""
         if self.optional and text.lower() == "none":
             return None
-        parse = _json_object if self.kind is dict else self.kind
+        parse = {dict: _json_object, tuple: str}.get(self.kind, self.kind)
         value = (self.rename.parse if self.rename and self.rename.parse else parse)(text)
         if self.rename and self.rename.to_field:
             value = self.rename.to_field(value)
@@ -180,6 +185,8 @@ class Setting:
             shown = "on" if shown else "off"
         elif shown == "":
             shown = '""'
+        elif shown == ():
+            shown = "none"
         unit = f"in {rename.unit}; " if rename.unit else ""
         text = f"{text} ({unit}default: {shown})".strip()
         return text.replace("%", "%%")  # argparse formats help with %
@@ -221,6 +228,8 @@ def _kind(annotation) -> tuple[type, bool]:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         optional = len(args) < len(typing.get_args(annotation))
         annotation = args[0] if len(args) == 1 else annotation
+    if typing.get_origin(annotation) is tuple and typing.get_args(annotation) == (str, ...):
+        return tuple, optional
     if annotation not in (int, float, str, bool, dict):
         raise TypeError(f"no flag type for {annotation!r}")
     return annotation, optional
@@ -287,6 +296,9 @@ def _add_flag(group, s: Setting, default, flags: dict[str, str]) -> None:
     common = dict(dest=s.dest, default=argparse.SUPPRESS, help=s.help(default, flags))
     if s.kind is bool:
         group.add_argument(s.flag, action=argparse.BooleanOptionalAction, **common)
+    elif s.kind is tuple:
+        group.add_argument(s.flag, type=_named(s.parse, s), nargs="+", metavar=_metavar(s),
+                           **common)
     else:
         group.add_argument(s.flag, type=_named(s.parse, s), choices=s.choices,
                            metavar=None if s.choices else _metavar(s), **common)
@@ -299,7 +311,8 @@ def _named(parse: Callable[[str], object], s: Setting) -> Callable[[str], object
         return parse(text)
 
     name = (s.rename.parse.__name__ if s.rename and s.rename.parse
-            else "JSON object" if s.kind is dict else s.kind.__name__)
+            else "JSON object" if s.kind is dict else "str" if s.kind is tuple
+            else s.kind.__name__)
     typed.__name__ = f"{name} (or none)" if s.optional else name
     return typed
 
@@ -309,7 +322,8 @@ def _metavar(s: Setting) -> str:
         return s.rename.unit.upper()
     if s.kind is float and s.name.endswith("_s"):
         return "SECONDS"
-    return {int: "N", float: "X", str: s.name.upper(), dict: "JSON"}[s.kind]
+    return {int: "N", float: "X", str: s.name.upper(), dict: "JSON",
+            tuple: METAVARS.get((s.section, s.name), "VALUE")}[s.kind]
 
 
 def _json_object(text: str) -> dict:

@@ -5,13 +5,14 @@ are the pool manager's members (and the dead ones it removed recently), with loa
 heartbeat age from the registry (the latest records the manager read while Redis is
 unreachable); pools are the manager's targets (Redis holds their copy) with the members
 counted; traces are the router's, the config is each pool's engine settings (secrets hidden)
-and the router's, and the control plane is whether Redis answers
-(``pdserve.cluster.control_plane``).
+and the router's, the control plane is whether Redis answers
+(``pdserve.cluster.control_plane``), and LoRA adapters are the cluster's registry
+(``pdserve.cluster.adapters``).
 
 Only the first router ("router") runs the pool manager. Every other router serves Admin too,
-through :class:`ForwardingAdmin`: pools, workers, drains, targets, config and control plane
-are asked of the first router's actor, so a Service that spreads operators over the routers
-answers alike everywhere; traces stay each router's own (the requests it served).
+through :class:`ForwardingAdmin`: pools, workers, drains, targets, config, control plane and
+adapter loads are asked of the first router's actor, so a Service that spreads operators over
+the routers answers alike everywhere; traces stay each router's own (the requests it served).
 """
 
 from __future__ import annotations
@@ -21,20 +22,25 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable
 
+from pdserve.cluster.adapters import AdapterRegistry
 from pdserve.cluster.control_plane import REDIS_DOWN
 from pdserve.cluster.pools.manager import Member, PoolManager
 from pdserve.cluster.pools.plan import DEAD, DRAINING, READY, STARTING
 from pdserve.cluster.registry import WorkerRecord
+from pdserve.router.adapters import ServedAdapters
 from pdserve.router.admin_server import (
     AdminUnavailableError,
     ControlPlaneInfo,
+    LoraDisabledError,
     PoolInfo,
+    UnknownAdapterError,
     UnknownWorkerError,
     WorkerDeadError,
     WorkerInfo,
 )
 from pdserve.router.trace import RequestTrace
 from pdserve.worker_api import WorkerStats
+from pdserve.worker_api.adapters import AdapterRef
 
 SECRET_FIELDS = ("prefix_cache_salt",)  # engine settings GetConfig never shows
 
@@ -93,14 +99,32 @@ def _load(stats: WorkerStats) -> dict:
 class ClusterAdmin:
     """``AdminBackend`` over a :class:`PoolManager`; see the module docstring. ``traces``
     returns the router's finished-request traces (oldest first); ``router_config`` is what
-    ``GetConfig`` reports beside the pools' engine settings."""
+    ``GetConfig`` reports beside the pools' engine settings; ``adapters`` the cluster's LoRA
+    registry."""
 
     def __init__(self, manager: PoolManager,
                  traces: Callable[[], Iterable[RequestTrace]] | None = None,
-                 router_config: object | None = None):
+                 router_config: object | None = None,
+                 adapters: AdapterRegistry | None = None):
         self.manager = manager
         self._traces = traces
         self._router_config = router_config
+        self.adapters = adapters
+
+    async def load_lora_adapter(self, name: str, path: str) -> AdapterRef:
+        return await self._registry().load(name, path)
+
+    async def unload_lora_adapter(self, name: str) -> AdapterRef:
+        return await self._registry().unload(name)
+
+    async def list_lora_adapters(self) -> list[AdapterRef]:
+        return self.adapters.list() if self.adapters is not None else []
+
+    def _registry(self) -> AdapterRegistry:
+        if self.adapters is None:
+            raise LoraDisabledError("this server keeps no LoRA adapters; start it with "
+                                    "--enable-lora")
+        return self.adapters
 
     async def traces(self, request_ids: list[str], limit: int) -> list[RequestTrace]:
         return select_traces(self._traces() if self._traces is not None else [],
@@ -159,7 +183,7 @@ class ClusterAdmin:
 
 # What a router without the pool manager asks of the one that runs it (RouterActor.admin_call).
 FORWARDED = ("list_workers", "drain_worker", "get_pools", "set_pool_target", "config",
-             "control_plane")
+             "control_plane", "load_lora_adapter", "unload_lora_adapter", "list_lora_adapters")
 FORWARD_TIMEOUT_S = 10.0
 
 
@@ -167,15 +191,18 @@ class ForwardingAdmin:
     """``AdminBackend`` of a router that does not run the pools: every call but ``traces``
     goes to the first router's actor (``lookup()`` finds its handle; looked up again after a
     failure, as Ray may have restarted it). Its errors come back as raised there (unknown
-    worker, bad size); an unreachable first router is :class:`AdminUnavailableError`."""
+    worker, bad size, a refused adapter); an unreachable first router is
+    :class:`AdminUnavailableError`. An adapter loaded or unloaded through it is in (or out of)
+    ``served`` at once, before the router's mirror reads Redis again."""
 
     def __init__(self, lookup: Callable[[], object],
                  traces: Callable[[], Iterable[RequestTrace]] | None = None,
-                 timeout_s: float = FORWARD_TIMEOUT_S):
+                 timeout_s: float = FORWARD_TIMEOUT_S, served: ServedAdapters | None = None):
         self._lookup = lookup
         self._handle = None
         self._traces = traces
         self._timeout_s = timeout_s
+        self._served = served
 
     async def _call(self, method: str, *args):
         try:
@@ -183,7 +210,8 @@ class ForwardingAdmin:
                 self._handle = await asyncio.to_thread(self._lookup)
             ref = self._handle.admin_call.remote(method, *args)
             return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._timeout_s)
-        except (UnknownWorkerError, WorkerDeadError, ValueError) as exc:
+        except (UnknownWorkerError, WorkerDeadError, ValueError, UnknownAdapterError,
+                LoraDisabledError) as exc:
             if not _unreachable(exc):  # the first router's answer: raise it as it was raised
                 raise getattr(exc, "cause", None) or exc from None
             error = exc
@@ -215,6 +243,21 @@ class ForwardingAdmin:
     async def traces(self, request_ids: list[str], limit: int) -> list[RequestTrace]:
         return select_traces(self._traces() if self._traces is not None else [],
                              request_ids, limit)
+
+    async def load_lora_adapter(self, name: str, path: str) -> AdapterRef:
+        ref = await self._call("load_lora_adapter", name, path)
+        if self._served is not None:
+            self._served.put(ref)
+        return ref
+
+    async def unload_lora_adapter(self, name: str) -> AdapterRef:
+        ref = await self._call("unload_lora_adapter", name)
+        if self._served is not None:
+            self._served.remove(name)
+        return ref
+
+    async def list_lora_adapters(self) -> list[AdapterRef]:
+        return await self._call("list_lora_adapters")
 
 
 def _unreachable(exc: Exception) -> bool:

@@ -39,6 +39,7 @@ import ray
 
 from pdserve.api.client import PdserveClient, PdserveError
 from pdserve.cluster.actors import WorkerSpec, cluster_namespace
+from pdserve.cluster.adapters import check_lora_modules
 from pdserve.cluster.credentials import resolve_secrets
 from pdserve.cluster.named_actors import adoptable_router, named_workers
 from pdserve.cluster.node_placement import (
@@ -48,7 +49,7 @@ from pdserve.cluster.node_placement import (
     resolve_device,
     worker_resources,
 )
-from pdserve.cluster.options import ClusterOptions
+from pdserve.cluster.options import ClusterOptions, parse_lora_modules
 from pdserve.cluster.pools.manager import WorkerStartError
 from pdserve.cluster.pools.settings import PoolSettings
 from pdserve.cluster.pools.store import PoolStore
@@ -141,6 +142,7 @@ class EmbeddedCluster:
                         self.model)
         else:
             self.model = str(opts.model)
+        check_lora_modules(self.options, self.model)  # before any router registers them
 
     def derived_secret(self, purpose: str) -> str:
         """A secret of this cluster for one purpose ("prefix-cache", "kv-join",
@@ -189,7 +191,11 @@ class EmbeddedCluster:
                           reflection=opts.reflection, tool_call_parser=opts.tool_call_parser,
                           max_concurrent_rpcs=opts.max_concurrent_rpcs,
                           autoscale=opts.autoscale if opts.autoscale.enabled and first else None,
-                          name=router_name(index), resources=resources)
+                          name=router_name(index), resources=resources,
+                          enable_lora=self._engine_config().enable_lora,
+                          max_lora_rank=self._engine_config().max_lora_rank,
+                          lora_modules=tuple((name, os.path.abspath(path)) for name, path
+                                             in parse_lora_modules(opts.lora_modules)))
 
     def worker_specs(self) -> list[WorkerSpec]:
         """One template per pool role: the pool manager gives each worker a fresh id."""

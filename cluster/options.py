@@ -5,6 +5,7 @@ configs, the pools' shape and placement, Ray and Redis, security, and their cros
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterable
@@ -96,11 +97,18 @@ class ClusterOptions:
     pool_placement: str = "auto"  # auto: each pool on the nodes advertising its Ray resource
     # pdserve_<role> when any does, else anywhere; require: only there; any: anywhere
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # pool autoscaler
+    lora_modules: tuple[str, ...] = ()  # LoRA adapters served from the start, each NAME=PATH
+    # (a PEFT folder) or {"name": NAME, "path": PATH}; needs enable_lora. More are loaded at
+    # run time: POST /v1/load_lora_adapter, or pdserve admin lora load
     detached: bool | None = None  # the router actor outlives this process, so a later launcher
     # with the same cluster name and Redis adopts it and its pools (None: with --ray-address)
     detach_on_stop: bool = False  # stopping leaves a detached router and its pools running
 
     def __post_init__(self) -> None:
+        self.lora_modules = tuple(self.lora_modules)
+        if self.lora_modules and not self.engine.get("enable_lora"):
+            raise ValueError("lora_modules needs enable_lora (the workers' adapter slots)")
+        parse_lora_modules(self.lora_modules)
         if self.num_decode < 1:
             raise ValueError(f"num_decode must be >= 1, got {self.num_decode}")
         if not self.colocated and self.num_prefill < 1:
@@ -272,3 +280,39 @@ class ClusterOptions:
                 f"(worker_gpus) need {needed:g} GPUs and this machine has {gpus}: lower "
                 f"worker_gpus to {share:.2g} (workers share a GPU; give each a "
                 f"memory_budget_bytes), or run fewer workers")
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """(name, path) of one ``--lora-modules`` entry: ``NAME=PATH`` or vLLM's JSON form
+    ``{"name": NAME, "path": PATH}``; ValueError saying what is wrong."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"lora_modules entry {text[:80]!r} is not JSON: {exc}") from None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) \
+                or not isinstance(value.get("path"), str):
+            raise ValueError(f"lora_modules entry {text[:80]!r} must be an object with "
+                             f"string fields name and path")
+        name, path = value["name"], value["path"]
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ValueError(f"lora_modules entry {text[:80]!r} must be NAME=PATH or "
+                             f'{{"name": NAME, "path": PATH}}')
+    if not name or not path:
+        raise ValueError(f"lora_modules entry {text[:80]!r} needs a non-empty name and path")
+    if len(name) > 256:
+        raise ValueError(f"lora_modules entry {name[:40]!r}...: a name has at most 256 "
+                         f"characters")
+    return name, path
+
+
+def parse_lora_modules(entries: Iterable[str]) -> list[tuple[str, str]]:
+    """Every entry of ``--lora-modules`` parsed; ValueError for a bad one or a name twice."""
+    pairs = [parse_lora_module(entry) for entry in entries]
+    names = [name for name, _ in pairs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"lora_modules names {', '.join(map(repr, twice))} more than once")
+    return pairs

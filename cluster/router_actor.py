@@ -20,6 +20,8 @@ Lifecycle:
    (``pdserve.cluster.autoscale.runner``), the gRPC server
    (``grpc.aio`` on the actor's event loop; health NOT_SERVING until a prefill and a decode
    worker, or a colocated one, are registered; ``pdserve.v1.Admin`` beside Generation), the
+   LoRA adapter registry (``pdserve.cluster.adapters``: the first router keeps it, the others
+   mirror it from Redis; the doors resolve a request's ``model`` against it), the
    OpenAI-compatible HTTP server when ``http_port`` is set (uvicorn on the same loop, over the
    same ``Router``; chat through the checkpoint's template) and the metrics HTTP server; the
    API and priority keys, TLS, reflection and concurrency settings apply to gRPC and HTTP
@@ -51,6 +53,7 @@ from pathlib import Path
 import ray
 
 from pdserve.cluster.actors import cluster_namespace, limit_process_threads
+from pdserve.cluster.adapters import AdapterMirror, AdapterRegistry, AdapterStore, LoraSettings
 from pdserve.cluster.admin import FORWARDED, ClusterAdmin, ForwardingAdmin
 from pdserve.cluster.autoscale.config import AutoscaleConfig
 from pdserve.cluster.autoscale.runner import AutoscaleRunner
@@ -62,6 +65,7 @@ from pdserve.cluster.record_auth import RecordAuth
 from pdserve.cluster.registry import Registry
 from pdserve.models.chat_template import load_chat_template
 from pdserve.models.checkpoint import open_checkpoint
+from pdserve.router.adapters import ServedAdapters
 from pdserve.router.admin_server import AdminUnavailableError, PoolInfo, WorkerInfo
 from pdserve.router.auth import TLSConfig
 from pdserve.router.backend import ModelSpec
@@ -121,6 +125,10 @@ class RouterSpec:
     # beside it
     resources: dict = field(default_factory=dict)  # Ray custom resources it asks for
     # ({"pdserve_router": 1} where nodes advertise it)
+    enable_lora: bool = False  # the workers serve LoRA adapters (the registry takes loads)
+    max_lora_rank: int = 16  # the workers' max_lora_rank: loads above it are refused
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) registered at a cluster's
+    # first start (--lora-modules); a restarted router adopts the registry in Redis instead
 
 
 class ModelPromptTools:
@@ -175,6 +183,8 @@ class RouterActor:
         self.pools: PoolManager | None = None
         self.autoscaler: AutoscaleRunner | None = None
         self.admin: ClusterAdmin | ForwardingAdmin | None = None
+        self.adapters: AdapterRegistry | AdapterMirror | None = None  # the LoRA registry
+        # (the first router) or its mirror (the others)
         self._metrics_server = None
         self._info: dict | None = None  # start()'s answer once serving
         self._start_lock: asyncio.Lock | None = None
@@ -229,6 +239,8 @@ class RouterActor:
         self.router = Router(model, self.directory, tokenize, spec.config, metrics,
                              prefix_cache_salt=spec.prefix_cache_salt, constraints=constraints)
         await self.router.start()
+        served = ServedAdapters()
+        await self._start_adapters(model, served, health)
         if spec.pools is not None:
             self.pools = PoolManager(store, registry, spec.pools, cluster_namespace(spec.cluster),
                                      lambda role: metrics.worker_restarts.labels(role).inc(),
@@ -239,18 +251,36 @@ class RouterActor:
                 self.autoscaler = AutoscaleRunner(spec.autoscale, self.pools, metrics)
                 await self.autoscaler.start()
             self.admin = ClusterAdmin(self.pools, traces=lambda: self.router.traces,
-                                      router_config=spec.config)
+                                      router_config=spec.config, adapters=self.adapters)
         else:  # Admin answers here too, from the router that runs the pools
             namespace = cluster_namespace(spec.cluster)
             self.admin = ForwardingAdmin(lambda: ray.get_actor(ROUTER_NAME, namespace=namespace),
-                                         traces=lambda: self.router.traces)
-        port, metrics_port = await self._serve(store, metrics)
+                                         traces=lambda: self.router.traces, served=served)
+        port, metrics_port = await self._serve(store, metrics, served)
         self.directory.keep(functools.partial(store.ensure_router, port, metrics_port, spec.name))
         logger.info("router serving %s on %s:%d", model.model_name, spec.host, port)
         return {"port": port, "metrics_port": metrics_port, "pid": os.getpid(),
                 "http_port": None if self.http is None else self.http.port}
 
-    async def _serve(self, store: PoolStore, metrics: RouterMetrics) -> tuple[int, int | None]:
+    async def _start_adapters(self, model: ModelSpec, served: ServedAdapters,
+                              health: ControlPlaneHealth) -> None:
+        """The LoRA registry (the router that runs the pools) or its mirror (the others)."""
+        spec = self.spec
+        store = AdapterStore(spec.redis_url, spec.cluster, RecordAuth(spec.record_key), health)
+        if spec.pools is None:
+            self.adapters = AdapterMirror(store, served, health)
+            await self.adapters.start()
+            return
+        config = None
+        if spec.enable_lora:
+            config = (await asyncio.to_thread(open_checkpoint, spec.model)).model_config
+        settings = LoraSettings(spec.enable_lora, spec.max_lora_rank, config,
+                                (model.model_name, spec.model))
+        self.adapters = AdapterRegistry(store, settings, served, health)
+        await self.adapters.start(spec.lora_modules)
+
+    async def _serve(self, store: PoolStore, metrics: RouterMetrics,
+                     served: ServedAdapters) -> tuple[int, int | None]:
         """Bind gRPC and metrics (the ports a previous incarnation saved, when asked for any)."""
         spec = self.spec
         saved_port, saved_metrics = await asyncio.to_thread(store.router_ports, spec.name)
@@ -266,7 +296,8 @@ class RouterActor:
                     health_poll_interval_s=spec.health_poll_s, api_key=spec.api_key,
                     tls=spec.tls, reflection=spec.reflection,
                     max_concurrent_rpcs=spec.max_concurrent_rpcs,
-                    admin_api_key=spec.admin_api_key, priority_api_keys=spec.priority_api_keys)
+                    admin_api_key=spec.admin_api_key, priority_api_keys=spec.priority_api_keys,
+                    adapters=served)
                 port = await self.server.start(spec.host, port)
                 if spec.http_port is not None:
                     self.http = HttpServer(self.router, model_root=spec.model,
@@ -274,7 +305,9 @@ class RouterActor:
                                            accepting=self.server.check_accepting,
                                            api_key=spec.api_key, tls=spec.tls,
                                            max_concurrency=spec.max_concurrent_rpcs,
-                                           priority_api_keys=spec.priority_api_keys)
+                                           priority_api_keys=spec.priority_api_keys,
+                                           adapters=served, admin=self.admin,
+                                           admin_api_key=spec.admin_api_key)
                     await self.http.start(spec.host, spec.http_port)
                 if metrics_port is not None:
                     self._metrics_server, _thread = metrics.start_http(
@@ -338,6 +371,9 @@ class RouterActor:
         return [s for s in results if not isinstance(s, BaseException)]
 
     async def stop(self) -> None:
+        if self.adapters is not None:
+            await self.adapters.stop()
+            self.adapters = None
         if self.autoscaler is not None:
             await self.autoscaler.stop()
             self.autoscaler = None

@@ -11,7 +11,13 @@ Redis registry, so this module knows neither Ray nor Redis. Every RPC is one bac
   (``size`` < 0 here; above the cluster's ``--max-workers-per-pool`` in the backend);
 * ``GetTraces`` -> ``traces(request_ids, limit)``, ``GetConfig`` -> ``config()`` and
   ``GetControlPlane`` -> ``control_plane()``, optional (UNIMPLEMENTED for a backend without
-  them).
+  them);
+* ``LoadLoraAdapter`` -> ``load_lora_adapter(name, path)``, ``UnloadLoraAdapter`` ->
+  ``unload_lora_adapter(name)``, ``ListLoraAdapters`` -> ``list_lora_adapters()``, optional
+  likewise: INVALID_ARGUMENT for an adapter the backend refuses (``ValueError`` naming it),
+  NOT_FOUND for an unknown name (:class:`UnknownAdapterError`), FAILED_PRECONDITION without
+  LoRA (:class:`LoraDisabledError`). The HTTP door's ``/v1/load_lora_adapter`` and
+  ``/v1/unload_lora_adapter`` call the same backend methods.
 
 Every input is bounded before the backend sees it (INVALID_ARGUMENT naming the field): ids and
 roles of at most :data:`MAX_NAME_CHARS` characters, at most :data:`MAX_TRACE_IDS` request ids
@@ -33,6 +39,7 @@ import grpc
 from pdserve.api import admin_pb2, admin_pb2_grpc
 from pdserve.router.pairing import DecodeRouting, PrefillRouting
 from pdserve.router.trace import RequestTrace
+from pdserve.worker_api.adapters import AdapterRef
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,8 @@ _STATE_PB = {state: admin_pb2.WorkerState.Value(f"WORKER_STATE_{state.upper()}")
 MAX_NAME_CHARS = 128  # a worker_id or role longer than this names nothing
 MAX_TRACE_IDS = 10_000  # request ids one GetTraces may ask for
 MAX_TRACE_LIMIT = 100_000  # GetTraces' limit, at most
+MAX_ADAPTER_NAME_CHARS = 256  # an adapter's name (AdapterRef's bound)
+MAX_PATH_CHARS = 4096  # an adapter's folder
 
 
 class UnknownWorkerError(LookupError):
@@ -55,6 +64,14 @@ class AdminUnavailableError(Exception):
 
 class WorkerDeadError(Exception):
     """The worker is dead: it cannot be drained (the pool manager replaces it)."""
+
+
+class UnknownAdapterError(LookupError):
+    """No LoRA adapter is registered under this name."""
+
+
+class LoraDisabledError(Exception):
+    """The server runs without LoRA (``--enable-lora``): it registers no adapter."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +143,9 @@ class AdminBackend(Protocol):
     # async def traces(self, request_ids: list[str], limit: int) -> list[RequestTrace]
     # async def config(self) -> dict  (JSON-serializable)
     # async def control_plane(self) -> ControlPlaneInfo
+    # async def load_lora_adapter(self, name: str, path: str) -> AdapterRef
+    # async def unload_lora_adapter(self, name: str) -> AdapterRef
+    # async def list_lora_adapters(self) -> list[AdapterRef]
 
 
 # WorkerInfo fields the proto's Worker carries under another name or in another form: (its
@@ -175,7 +195,9 @@ def pool_pb(info: PoolInfo) -> admin_pb2.Pool:
 
 _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (UnknownWorkerError, grpc.StatusCode.NOT_FOUND),
+    (UnknownAdapterError, grpc.StatusCode.NOT_FOUND),
     (WorkerDeadError, grpc.StatusCode.FAILED_PRECONDITION),
+    (LoraDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
     (AdminUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
@@ -272,6 +294,54 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                                       degraded_for_s=info.degraded_for_s, error=info.error,
                                       malformed_records=info.malformed_records,
                                       repairs=info.repairs)
+
+
+    async def LoadLoraAdapter(self, request, context):
+        await self._check_lora(context)
+        try:
+            _check_lora_name(request.lora_name)
+            if not request.lora_path or len(request.lora_path) > MAX_PATH_CHARS:
+                raise ValueError(f"lora_path must be set, at most {MAX_PATH_CHARS} characters")
+            adapter = await self._backend.load_lora_adapter(request.lora_name,
+                                                            request.lora_path)
+        except Exception as exc:
+            await _abort(context, exc, f"LoadLoraAdapter {request.lora_name[:MAX_NAME_CHARS]!r}")
+        return adapter_pb(adapter)
+
+    async def UnloadLoraAdapter(self, request, context):
+        await self._check_lora(context)
+        try:
+            _check_lora_name(request.lora_name)
+            adapter = await self._backend.unload_lora_adapter(request.lora_name)
+        except Exception as exc:
+            await _abort(context, exc,
+                         f"UnloadLoraAdapter {request.lora_name[:MAX_NAME_CHARS]!r}")
+        return adapter_pb(adapter)
+
+    async def ListLoraAdapters(self, request, context):
+        await self._check_lora(context)
+        try:
+            adapters = await self._backend.list_lora_adapters()
+        except Exception as exc:
+            await _abort(context, exc, "ListLoraAdapters")
+        return admin_pb2.ListLoraAdaptersResponse(adapters=[adapter_pb(a) for a in adapters])
+
+    async def _check_lora(self, context: grpc.aio.ServicerContext) -> None:
+        if not hasattr(self._backend, "load_lora_adapter"):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "this server keeps no LoRA adapter registry")
+
+
+def _check_lora_name(name: str) -> None:
+    if not name:
+        raise ValueError("lora_name must be set")
+    if len(name) > MAX_ADAPTER_NAME_CHARS:
+        raise ValueError(f"lora_name must be at most {MAX_ADAPTER_NAME_CHARS} characters, "
+                         f"got {len(name)}")
+
+
+def adapter_pb(adapter: AdapterRef) -> admin_pb2.LoraAdapter:
+    return admin_pb2.LoraAdapter(name=adapter.name, path=adapter.path, digest=adapter.digest)
 
 
 def add_admin_service(server: grpc.aio.Server, backend: AdminBackend) -> str:

@@ -12,6 +12,7 @@ The mapping (applied by ``pdserve.router.grpc_server``) is part of the public AP
 | DeadlineExceededError     | DEADLINE_EXCEEDED  | the request's deadline passed                  |
 | RequestFailedError        | INTERNAL           | the request made a worker's step fail (alone)  |
 | PermissionDeniedError     | PERMISSION_DENIED  | the caller's key may not ask for this field    |
+| UnknownModelError         | NOT_FOUND          | ``model`` names no model or LoRA adapter       |
 
 This module imports no gRPC, so backends can raise these without depending on it.
 """
@@ -75,3 +76,13 @@ class PermissionDeniedError(RouterError):
         super().__init__(f"{field}: {message}")
         self.field = field  # the request field at fault, e.g. "priority"
         self.message = message  # why it is refused and what would allow it
+
+
+class UnknownModelError(RouterError, LookupError):
+    """The request's ``model`` names neither the served model nor a LoRA adapter registered
+    now (never registered, or unloaded); the HTTP front door answers 404 ``model_not_found``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field  # the request field at fault: "model"
+        self.message = message

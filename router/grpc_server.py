@@ -51,6 +51,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.api import generation_pb2, generation_pb2_grpc
+from pdserve.router.adapters import ServedAdapters
 from pdserve.router.admin_server import AdminBackend, add_admin_service
 from pdserve.router.auth import CALLER, Access, AccessInterceptor, TLSConfig
 from pdserve.router.backend import (
@@ -68,6 +69,7 @@ from pdserve.router.errors import (
     RequestFailedError,
     RequestTooLargeError,
     RequestValidationError,
+    UnknownModelError,
 )
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.prepare import prepare
@@ -87,6 +89,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (RequestFailedError, grpc.StatusCode.INTERNAL),  # with its own message, no traceback
+    (UnknownModelError, grpc.StatusCode.NOT_FOUND),
 )
 
 
@@ -150,8 +153,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Implements the three RPCs against a ``GenerationBackend``."""
 
     def __init__(self, backend: GenerationBackend, server: GenerationServer,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None,
+                 adapters: ServedAdapters | None = None) -> None:
         self._backend = backend
+        self._adapters = adapters  # the LoRA adapters a request's model may name (None: none)
         self._server = server  # asked whether new requests are accepted
         self._metrics = metrics  # failed requests are counted here
         self._num_active = 0  # Generate calls streaming now
@@ -175,7 +180,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._server.check_accepting()
         metadata_tenant = dict(context.invocation_metadata() or ()).get(TENANT_METADATA, "")
         incoming = client_request_from_proto(request, self._backend.model_info(),
-                                             _deadline(context), metadata_tenant)
+                                             _deadline(context), metadata_tenant,
+                                             self._adapters)
         prepared = await prepare(self._backend, incoming, CALLER.get())
         self._num_active += 1
         try:
@@ -264,7 +270,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await _abort_with_status(context, exc, "GetModelInfo")
         return generation_pb2.ModelInfo(
             model_name=model.model_name, max_context_tokens=model.max_context_tokens,
-            vocab_size=model.vocab_size, eos_token_ids=model.eos_token_ids)
+            vocab_size=model.vocab_size, eos_token_ids=model.eos_token_ids,
+            lora_adapters=[a.name for a in self._adapters.all()] if self._adapters else [])
 
     def _check_ready(self) -> None:
         if not self._server.backend_ready():
@@ -283,7 +290,8 @@ class GenerationServer:
                  metrics: RouterMetrics | None = None, api_key: str | None = None,
                  tls: TLSConfig | None = None, reflection: bool = True,
                  max_concurrent_rpcs: int | None = None, admin_api_key: str | None = None,
-                 priority_api_keys: tuple[str, ...] = ()) -> None:
+                 priority_api_keys: tuple[str, ...] = (),
+                 adapters: ServedAdapters | None = None) -> None:
         if health_poll_interval_s <= 0:
             raise ValueError(f"health_poll_interval_s must be > 0, got {health_poll_interval_s}")
         if max_concurrent_rpcs is not None and max_concurrent_rpcs < 1:
@@ -297,7 +305,7 @@ class GenerationServer:
         self._poll_s = health_poll_interval_s
         self._max_message_bytes = max_message_bytes
         self._admin = admin  # served as pdserve.v1.Admin when set
-        self._servicer = GenerationServicer(backend, self, metrics)
+        self._servicer = GenerationServicer(backend, self, metrics, adapters)
         self._health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -13,6 +13,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
+import grpc
 import h11
 import uvicorn
 from starlette.responses import Response
@@ -25,6 +26,8 @@ from pdserve.router.auth import CALLER, Access
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/version"})  # served without the API key
+# operator calls: the admin key (or, without one, loopback callers only), never an API key
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
@@ -48,8 +51,8 @@ async def until_disconnect(receive) -> None:
 
 class Guard:
     """ASGI middleware, before parsing: the inference key (except OPEN_PATHS), whose
-    :class:`~pdserve.router.auth.Caller` it sets in ``auth.CALLER`` for the app, and the body
-    size bound."""
+    :class:`~pdserve.router.auth.Caller` it sets in ``auth.CALLER`` for the app, the admin
+    key on ADMIN_PATHS (as gRPC Admin: ``Access.admin_refusal``), and the body size bound."""
 
     class _TooLarge(Exception):
         pass
@@ -61,8 +64,15 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        caller = self.access.inference_caller(headers.get(b"authorization"))
-        if caller is None and scope["path"] not in OPEN_PATHS:
+        if scope["path"] in ADMIN_PATHS:
+            refusal = self._admin_refusal(scope, headers.get(b"authorization"))
+            if refusal is not None:
+                return await send_json(send, refusal.status, refusal.body(),
+                                       [(b"www-authenticate", b"Bearer")])
+            caller = None
+        else:
+            caller = self.access.inference_caller(headers.get(b"authorization"))
+        if caller is None and scope["path"] not in OPEN_PATHS | ADMIN_PATHS:
             error = oa.OpenAIError(401, "missing or wrong API key: send 'Authorization: "
                                         "Bearer <key>'", "authentication_error",
                                    code="invalid_api_key")
@@ -93,6 +103,20 @@ class Guard:
         except self._TooLarge:
             if not started:
                 await self._too_large(send)
+
+    def _admin_refusal(self, scope, authorization: bytes | None) -> oa.OpenAIError | None:
+        """401/403 for an admin path the caller may not use; None: allowed."""
+        host, _port = scope.get("client") or ("", 0)
+        peer = f"ipv6:[{host}]:0" if ":" in host else f"ipv4:{host}:0"
+        refusal = self.access.admin_refusal(authorization, peer)
+        if refusal is None:
+            return None
+        code, message = refusal
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return oa.OpenAIError(401, message.replace("metadata 'authorization:",
+                                                       "'Authorization:"),
+                                  "authentication_error", code="invalid_api_key")
+        return oa.OpenAIError(403, message, "permission_error", code="admin_key_required")
 
     async def _too_large(self, send) -> None:
         error = oa.OpenAIError(413, f"request body larger than {self.max_body_bytes} bytes",

@@ -1,18 +1,20 @@
 """The OpenAI-compatible HTTP front door: FastAPI on uvicorn, on the router's event loop.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (200 while serving, else 503: draining, or no worker ready yet; ``/v1/models``
-answers the same 503 until ready), ``GET /version``. With ``api_key`` (or
-``priority_api_keys``) every path but ``/health`` and ``/version`` needs ``Authorization: Bearer
-KEY`` (401 otherwise), and ``priority`` < 0 a priority key (403, ``param: "priority"``), checked
-by the same :class:`pdserve.router.auth.Access` and preparation stage as gRPC; with ``tls`` the
-port speaks HTTPS
-(mutual TLS when the config has a client CA). Bodies above ``max_body_bytes`` (by default
-sized from the model's context: ``openai_protocol.max_body_bytes``) are 413 before they are
-read whole; a request whose head and body have not arrived within ``read_timeout_s`` is 408 and
-its connection closed, before the key is checked (``http_asgi.ReadBoundProtocol``), so slow
-clients cannot hold the ``max_concurrency`` connections; with keys, a request counts under its
-key's tenant for fair turns (``auth.request_tenant``); a body larger than
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET
+/health`` (200 while serving, else 503: draining, or no worker ready yet; ``/v1/models`` answers
+the same 503 until ready; it lists the LoRA adapters beside the model), ``GET /version``, and
+the operator's ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter`` (vLLM's bodies;
+the admin key, as gRPC Admin, never an API key: ``http_asgi.Guard``; they go to the admin
+backend, which keeps the cluster's registry). With ``api_key`` (or ``priority_api_keys``) every
+other path but ``/health`` and ``/version`` needs ``Authorization: Bearer KEY`` (401 otherwise),
+and ``priority`` < 0 a priority key (403, ``param: "priority"``), checked by the same
+:class:`pdserve.router.auth.Access` and preparation stage as gRPC; with ``tls`` the port speaks
+HTTPS (mutual TLS when the config has a client CA). Bodies above ``max_body_bytes`` (by default
+sized from the model's context: ``openai_protocol.max_body_bytes``) are 413 before they are read
+whole; a request whose head and body have not arrived within ``read_timeout_s`` is 408 and its
+connection closed, before the key is checked (``http_asgi.ReadBoundProtocol``), so slow clients
+cannot hold the ``max_concurrency`` connections; with keys, a request counts under its key's
+tenant for fair turns (``auth.request_tenant``); a body larger than
 ``openai_protocol.INLINE_PARSE_BYTES`` is parsed in a thread, so parsing never holds the event
 loop that every stream shares. A 429 carries ``Retry-After``.
 The wire format (fields, chunks, error envelope) is ``pdserve.router.openai_protocol``.
@@ -20,7 +22,8 @@ The wire format (fields, chunks, error envelope) is ``pdserve.router.openai_prot
 Life of a generation (``_completion_job`` / ``_chat_job``, then
 ``pdserve.router.http_generation``), the same steps as the gRPC servicer's:
 
-1. Translate in the handler: model name (404 when it is not the served one), unsupported
+1. Translate in the handler: model name (the served one, or a LoRA adapter's, whose
+   ``AdapterRef`` the request then carries; 404 ``model_not_found`` otherwise), unsupported
    parameters (400), ``accepting()`` (503 while draining; a backend not ready yet is no
    refusal: the router waits for a ready worker up to the deadline), sampling fields, the
    prompt's shape; a chat is rendered to token ids here (through ``tools``, in a thread, its
@@ -56,12 +59,19 @@ from typing import Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 import pdserve
 from pdserve.router import openai_protocol as oa
+from pdserve.router.adapters import ServedAdapters, resolve_model
+from pdserve.router.admin_server import (
+    AdminBackend,
+    AdminUnavailableError,
+    LoraDisabledError,
+    UnknownAdapterError,
+)
 from pdserve.router.auth import CALLER, Access, TLSConfig
 from pdserve.router.backend import GenerationBackend
 from pdserve.router.errors import (
@@ -81,6 +91,7 @@ from pdserve.router.http_generation import HttpGeneration, HttpJob
 from pdserve.router.prepare import prepare
 from pdserve.router.tool_calling import ToolCalling, ToolCallParser, tool_calling_of
 from pdserve.router.validation import ClientRequest, check_prompt_text
+from pdserve.worker_api.adapters import AdapterRef
 from pdserve.worker_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -115,11 +126,15 @@ class HttpServer:
                  tls: TLSConfig | None = None, max_body_bytes: int | None = None,
                  max_concurrency: int | None = None,
                  priority_api_keys: tuple[str, ...] = (),
-                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
+                 read_timeout_s: float = READ_TIMEOUT_S,
+                 adapters: ServedAdapters | None = None, admin: AdminBackend | None = None,
+                 admin_api_key: str | None = None) -> None:
         if not read_timeout_s > 0:
             raise ValueError(f"read_timeout_s must be > 0, got {read_timeout_s}")
         self._backend = backend
         self._model_root = model_root  # also accepted as the model's name (never shown)
+        self._adapters = adapters  # LoRA adapters a request's model may name (None: none)
+        self._admin = admin  # loads and unloads adapters (None: the admin paths are 404)
         if max_body_bytes is None:
             max_body_bytes = oa.max_body_bytes(backend.model_info().max_context_tokens)
         self._tools = tools  # chat template and token text; None: no chat, no logprob text
@@ -133,7 +148,8 @@ class HttpServer:
         # default pool (which the worker directory's refresh runs on)
         self._work = ThreadPoolExecutor(WORK_THREADS, thread_name_prefix="pdserve-http")
         self.app = self._build_app()
-        access = Access(() if api_key is None else (api_key,), priority_keys=priority_api_keys)
+        access = Access(() if api_key is None else (api_key,), admin_api_key,
+                        priority_keys=priority_api_keys)
         self.asgi = Guard(self.app, access, max_body_bytes)
         self._server: QuietServer | None = None
         self._task: asyncio.Task | None = None
@@ -217,7 +233,22 @@ class HttpServer:
         async def models():
             self._check_serving()
             model = self._backend.model_info()
-            return oa.model_list(model.model_name, model.max_context_tokens, self._started_at)
+            return oa.model_list(model.model_name, model.max_context_tokens, self._started_at,
+                                 self._adapters.all() if self._adapters is not None else ())
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            body = await self._parse(oa.LoadLoraAdapterRequest, request)
+            await self._lora_admin("load_lora_adapter", body.lora_name, body.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
+                                     "successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            body = await self._parse(oa.UnloadLoraAdapterRequest, request)
+            await self._lora_admin("unload_lora_adapter", body.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
+                                     "successfully.")
 
         @app.get("/health")
         async def health():
@@ -251,17 +282,36 @@ class HttpServer:
                 logger.error("preparing a request failed", exc_info=exc)
             raise error from None
 
-    def _check_model(self, name: str) -> None:
+    async def _lora_admin(self, method: str, *args) -> None:
+        """An adapter admin call (the guard checked the admin key), its refusal as the
+        OpenAI envelope: 400 naming ``lora_name``, 404 for an unknown one, 503 when the
+        router that keeps the registry does not answer."""
+        if self._admin is None:
+            raise oa.OpenAIError(404, "this server has no admin backend to load adapters",
+                                 code="not_found")
+        try:
+            await getattr(self._admin, method)(*args)
+        except UnknownAdapterError as exc:
+            raise oa.OpenAIError(404, str(exc), param="lora_name",
+                                 code="model_not_found") from None
+        except AdminUnavailableError as exc:
+            raise oa.OpenAIError(503, str(exc), "service_unavailable") from None
+        except LoraDisabledError as exc:
+            raise oa.OpenAIError(400, str(exc), param="lora_name", code="lora_disabled") from None
+        except ValueError as exc:
+            raise oa.OpenAIError(400, str(exc), param="lora_name",
+                                 code="invalid_lora_adapter") from None
+
+    def _check_model(self, name: str) -> AdapterRef | None:
+        """The adapter the body's ``model`` names (None: the base model); 404 for others."""
         served = self._backend.model_info().model_name
-        if name not in (served, self._model_root):
-            raise oa.OpenAIError(404, f"the model {name!r} does not exist; this server serves "
-                                      f"{served!r}", param="model", code="model_not_found")
+        return resolve_model("model", name, (served, self._model_root), self._adapters)
 
     def _sampling(self, body, default_max_tokens: int | None = None
-                  ) -> tuple[SamplingParams, ToolCalling | None]:
-        """What completions and chat check first, the body's sampling fields and a chat's
-        tool calling."""
-        self._check_model(body.model)
+                  ) -> tuple[SamplingParams, ToolCalling | None, AdapterRef | None]:
+        """What completions and chat check first: the adapter the body's model names, the
+        body's sampling fields and a chat's tool calling."""
+        adapter = self._check_model(body.model)
         oa.check_supported(body)
         self._accepting()
         tools = None
@@ -270,17 +320,17 @@ class HttpServer:
             tools = tool_calling_of(body.tools, body.tool_choice, body.parallel_tool_calls,
                                     parser)
         return oa.sampling_params(body, self._backend.model_info().vocab_size,
-                                  default_max_tokens, tools), tools
+                                  default_max_tokens, tools), tools, adapter
 
     async def _completion_job(self, body: oa.CompletionRequest) -> HttpJob:
-        params, _ = self._sampling(body)
+        params, _, adapter = self._sampling(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise RequestValidationError("prompt", f"one prompt per request, got "
                                                        f"{len(prompt)}")
             prompt = prompt[0]
-        job = await self._job(False, "cmpl", body, prompt, "prompt", params)
+        job = await self._job(False, "cmpl", body, prompt, "prompt", params, adapter)
         if body.echo:
             job.echo = prompt if isinstance(prompt, str) else "".join(
                 map(self._generation.token_text, job.request.prompt_token_ids))
@@ -290,7 +340,8 @@ class HttpServer:
     async def _chat_job(self, body: oa.ChatCompletionRequest) -> HttpJob:
         model = self._backend.model_info()
         # chat generates up to the end of the context unless told otherwise
-        params, tools = self._sampling(body, default_max_tokens=model.max_context_tokens)
+        params, tools, adapter = self._sampling(body,
+                                                default_max_tokens=model.max_context_tokens)
         if self._tools is None or not self._tools.has_chat_template:
             raise oa.OpenAIError(400, f"the model {model.model_name!r} has no chat template "
                                       "(tokenizer_config.json chat_template or "
@@ -309,10 +360,11 @@ class HttpServer:
         except ValueError as exc:
             raise RequestValidationError("messages", f"the chat template refused the "
                                                      f"conversation: {exc}") from None
-        return await self._job(True, "chatcmpl", body, ids, "messages", params, tools)
+        return await self._job(True, "chatcmpl", body, ids, "messages", params, adapter,
+                               tools)
 
     async def _job(self, chat: bool, prefix: str, body, prompt: str | list[int],
-                   prompt_param: str, params: SamplingParams,
+                   prompt_param: str, params: SamplingParams, adapter: AdapterRef | None,
                    tools: ToolCalling | None = None) -> HttpJob:
         """The body as a ClientRequest, through the preparation stage, as a job to run."""
         max_tokens_param, max_tokens = oa.max_tokens_of(body)
@@ -322,10 +374,11 @@ class HttpServer:
                                  deadline, prompt_field=prompt_param,
                                  max_tokens_field=max_tokens_param,
                                  constraint_field=None if outputs is None
-                                 else oa.constraint_field(body, outputs.kind, tools))
+                                 else oa.constraint_field(body, outputs.kind, tools),
+                                 adapter=adapter)
         request = await prepare(self._backend, incoming, CALLER.get())
-        return HttpJob(chat, self._backend.model_info().model_name, oa.now(), request,
-                       body.stream, body.include_usage, tools)
+        model = adapter.name if adapter is not None else self._backend.model_info().model_name
+        return HttpJob(chat, model, oa.now(), request, body.stream, body.include_usage, tools)
 
 
 def _always() -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -44,9 +45,11 @@ from pdserve.router.errors import (
     RequestFailedError,
     RequestTooLargeError,
     RequestValidationError,
+    UnknownModelError,
 )
 from pdserve.router.tool_calling import ToolCalling, template_tool_calls
 from pdserve.router.validation import check_logit_bias
+from pdserve.worker_api.adapters import AdapterRef
 from pdserve.worker_api.sampling_params import (
     CONSTRAINT_KINDS,
     MAX_LOGIT_BIAS,
@@ -101,6 +104,7 @@ _HTTP_BY_ERROR: tuple[tuple[type[Exception], int, str, str | None], ...] = (
     (NoWorkersError, 503, "service_unavailable", "no_workers"),
     (DeadlineExceededError, 504, "timeout", "deadline_exceeded"),
     (RequestFailedError, 500, "server_error", "request_failed"),
+    (UnknownModelError, 404, "invalid_request_error", "model_not_found"),
 )
 
 
@@ -150,6 +154,24 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False  # one more chunk before [DONE]: empty choices and the usage
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body; an admin call)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1, max_length=256)  # what requests put in ``model``
+    lora_path: str = Field(min_length=1, max_length=4096)  # the PEFT folder, as the workers
+    # see it
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; an admin call)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 class _SamplingBody(BaseModel):
@@ -517,11 +539,16 @@ def usage_chunk(request_id: str, model: str, created: int, chat: bool, usage_: d
             "created": created, "model": model, "choices": [], "usage": usage_}
 
 
-def model_list(model_name: str, max_context_tokens: int, created: int) -> dict:
-    """``GET /v1/models``: the served model by name (never where its files lie)."""
-    return {"object": "list", "data": [{
-        "id": model_name, "object": "model", "created": created, "owned_by": "pdserve",
-        "root": model_name, "parent": None, "max_model_len": max_context_tokens}]}
+def model_list(model_name: str, max_context_tokens: int, created: int,
+               adapters: Iterable[AdapterRef] = ()) -> dict:
+    """``GET /v1/models``: the served model by name (never where its files lie), then each
+    LoRA adapter as vLLM lists one: ``parent`` the model's name, ``root`` its folder."""
+    base = {"id": model_name, "object": "model", "created": created, "owned_by": "pdserve",
+            "root": model_name, "parent": None, "max_model_len": max_context_tokens}
+    return {"object": "list", "data": [base] + [
+        {"id": a.name, "object": "model", "created": created, "owned_by": "pdserve",
+         "root": a.path, "parent": model_name, "max_model_len": max_context_tokens}
+        for a in adapters]}
 
 
 def now() -> int:

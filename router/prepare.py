@@ -3,7 +3,8 @@
 A door translates its wire format into a :class:`~pdserve.router.validation.ClientRequest`
 (the gRPC door with ``validation.client_request_from_proto``, the HTTP door from the OpenAI
 body, rendering a chat to token ids itself) and checks only what that format alone can tell:
-its field shapes, the model's name, draining. Everything else is decided here, once, in this
+its field shapes, the model's name (resolved to the LoRA adapter it names, if any:
+``router.adapters.resolve_model``), draining. Everything else is decided here, once, in this
 order, by :func:`prepare`:
 
 1. Priority: ``priority`` < 0 needs a caller that may ask it (``auth.check_priority``;
@@ -61,7 +62,7 @@ async def prepare(backend: GenerationBackend, request: ClientRequest,
     if params.structured_outputs is not None:
         check = await _check_constraint(backend, request, params.structured_outputs)
     return PreparedRequest(request.label, prompt_token_ids, params, request.max_tokens,
-                           request.deadline, tenant, check)
+                           request.deadline, tenant, check, request.adapter)
 
 
 async def _check_constraint(backend: GenerationBackend, request: ClientRequest,

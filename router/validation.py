@@ -32,8 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.api import generation_pb2
+from pdserve.router.adapters import ServedAdapters, resolve_model
 from pdserve.router.backend import ModelSpec
 from pdserve.router.errors import RequestValidationError
+from pdserve.worker_api.adapters import AdapterRef
 from pdserve.worker_api.sampling_params import SamplingParams
 
 __all__ = ["RequestValidationError", "ClientRequest", "client_request_from_proto",
@@ -68,6 +70,8 @@ class ClientRequest:
     max_tokens_field: str = "max_tokens"  # the wire field errors about max_tokens name
     constraint_field: str | None = None  # the wire field errors about the structured output
     # name (None: structured_outputs.<kind>)
+    adapter: AdapterRef | None = None  # the LoRA adapter the request's model names (the door
+    # resolved it: ``router.adapters.resolve_model``); None: the base model
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens != self.params.max_tokens:
@@ -171,11 +175,16 @@ def sampling_params_from_proto(sampling: generation_pb2.SamplingParams,
 
 def client_request_from_proto(request: generation_pb2.GenerateRequest, model: ModelSpec,
                               deadline: float | None = None,
-                              metadata_tenant: str = "") -> ClientRequest:
+                              metadata_tenant: str = "",
+                              adapters: ServedAdapters | None = None) -> ClientRequest:
     """The gRPC door's translation: what the proto alone can tell is wrong, and the rest as a
     :class:`ClientRequest` (labelled with the request id, or a new one when it is empty; the
-    tenant claimed by the ``tenant`` field, else by ``metadata_tenant``)."""
+    tenant claimed by the ``tenant`` field, else by ``metadata_tenant``; ``model`` empty or
+    the model's name for the base model, else one of ``adapters``)."""
     check_request_id(request.request_id)
+    adapter = None
+    if request.model:
+        adapter = resolve_model("model", request.model, (model.model_name,), adapters)
     kind = request.WhichOneof("input")
     if kind is None:
         raise RequestValidationError("input", "set either text or token_ids")
@@ -188,4 +197,5 @@ def client_request_from_proto(request: generation_pb2.GenerateRequest, model: Mo
         claimed_tenant=request.tenant or metadata_tenant, prompt_field=kind,
         max_tokens_field="sampling.max_tokens",
         constraint_field=None if params.structured_outputs is None
-        else f"sampling.structured_outputs.{params.structured_outputs.kind}")
+        else f"sampling.structured_outputs.{params.structured_outputs.kind}",
+        adapter=adapter)

@@ -2,29 +2,60 @@
 
 Pools and workers are plain dataclasses; ``drain_worker`` marks the worker draining and lowers
 its pool's target, as the cluster's pool manager does; ``set_pool_target`` only records it;
-``control_plane`` reports ``plane`` (set it to show a degraded one).
+``control_plane`` reports ``plane`` (set it to show a degraded one). LoRA adapters live in
+``adapters`` (a ``ServedAdapters``, what the doors resolve): a load refuses a name in use, a
+path outside ``/adapters/`` ("not a folder") and everything without ``lora_enabled``, as the
+cluster's registry refuses them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from pdserve.router.adapters import ServedAdapters
 from pdserve.router.admin_server import (
     ControlPlaneInfo,
+    LoraDisabledError,
     PoolInfo,
+    UnknownAdapterError,
     UnknownWorkerError,
     WorkerDeadError,
     WorkerInfo,
 )
 from pdserve.worker_api import ROLES
+from pdserve.worker_api.adapters import AdapterRef
 
 
 class FakeAdmin:
-    def __init__(self, workers: list[WorkerInfo], targets: dict[str, int]):
+    def __init__(self, workers: list[WorkerInfo], targets: dict[str, int],
+                 adapters: ServedAdapters | None = None, lora_enabled: bool = True):
         self.workers = {w.worker_id: w for w in workers}
         self.targets = dict(targets)
         self.drained: list[str] = []  # worker ids, in the order drain_worker was called
         self.plane = ControlPlaneInfo(degraded=False)  # what control_plane() reports
+        self.adapters = ServedAdapters() if adapters is None else adapters
+        self.lora_enabled = lora_enabled
+
+    async def load_lora_adapter(self, name: str, path: str) -> AdapterRef:
+        if not self.lora_enabled:
+            raise LoraDisabledError(f"LoRA adapter {name!r}: start it with --enable-lora")
+        if self.adapters.get(name) is not None:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        if not path.startswith("/adapters/"):
+            raise ValueError(f"LoRA adapter {name!r}: {path} is not a folder")
+        ref = AdapterRef(name, path, f"{len(self.adapters):064x}")
+        self.adapters.put(ref)
+        return ref
+
+    async def unload_lora_adapter(self, name: str) -> AdapterRef:
+        ref = self.adapters.get(name)
+        if ref is None:
+            raise UnknownAdapterError(f"LoRA adapter {name!r} is not loaded")
+        self.adapters.remove(name)
+        return ref
+
+    async def list_lora_adapters(self) -> list[AdapterRef]:
+        return self.adapters.all()
 
     async def list_workers(self) -> list[WorkerInfo]:
         return sorted(self.workers.values(), key=lambda w: (w.role, w.worker_id))

@@ -60,7 +60,7 @@ def test_every_proto_is_generated():
     assert set(admin_pb2.DESCRIPTOR.services_by_name) == {"Admin"}
     assert {m.name for m in admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods} == {
         "ListWorkers", "DrainWorker", "GetPools", "SetPoolTarget", "GetTraces", "GetConfig",
-        "GetControlPlane"}
+        "GetControlPlane", "LoadLoraAdapter", "UnloadLoraAdapter", "ListLoraAdapters"}
 
 
 def test_generated_code_needs_no_newer_grpcio_than_installed():

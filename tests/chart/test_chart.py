@@ -213,6 +213,15 @@ def test_engine_args_merge_and_pdserve_accepts_the_controller_flags(values_files
         "0.0.0.0", 50051, 8000, 9400)
 
 
+def test_lora_values_reach_pdserve(render):
+    values = {"prefill": {"engineArgs": {"enable-lora": True, "max-lora-rank": 32}},
+              "decode": {"engineArgs": {"enable-lora": True, "max-lora-rank": 32}},
+              "router": {"args": {"lora-modules": ["sql=/models/sql", "chat=/models/chat"]}}}
+    options = controller_options(controller_args(render(values)))
+    assert options.engine == {"enable_lora": True, "max_lora_rank": 32}
+    assert options.lora_modules == ("sql=/models/sql", "chat=/models/chat")
+
+
 def test_autoscaling_values_are_a_file_pdserve_reads(values_files, render, tmp_path):
     from pdserve.cluster.autoscale.config import config_file_values
 

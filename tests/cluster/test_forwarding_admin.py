@@ -10,7 +10,14 @@ from concurrent.futures import Future
 import pytest
 
 from pdserve.cluster.admin import ForwardingAdmin
-from pdserve.router.admin_server import AdminUnavailableError, UnknownWorkerError
+from pdserve.router.adapters import ServedAdapters
+from pdserve.router.admin_server import (
+    AdminUnavailableError,
+    LoraDisabledError,
+    UnknownAdapterError,
+    UnknownWorkerError,
+)
+from pdserve.worker_api.adapters import AdapterRef
 
 
 class _Ref:
@@ -106,3 +113,23 @@ def test_over_grpc_an_unreachable_first_router_is_unavailable_naming_it():
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert "the router that runs the pools (the first, 'router') did not answer" \
         in error.details()
+
+
+def test_adapter_loads_are_forwarded_and_served_here_at_once():
+    sql = AdapterRef("sql", "/adapters/sql", "d" * 64)
+    served = ServedAdapters()
+    handle = _Handle(sql)
+    admin = ForwardingAdmin(lambda: handle, served=served)
+    assert asyncio.run(admin.load_lora_adapter("sql", "/adapters/sql")) == sql
+    assert served.get("sql") == sql  # before this router's mirror reads Redis again
+    assert asyncio.run(admin.unload_lora_adapter("sql")) == sql
+    assert served.get("sql") is None
+    assert handle.calls == [("load_lora_adapter", "sql", "/adapters/sql"),
+                            ("unload_lora_adapter", "sql")]
+    for refusal in (UnknownAdapterError("LoRA adapter 'x' is not loaded"),
+                    LoraDisabledError("start it with --enable-lora"),
+                    ValueError("LoRA adapter 'x': rank 32 above max_lora_rank")):
+        refusing = ForwardingAdmin(lambda r=refusal: _Handle(r), served=served)
+        with pytest.raises(type(refusal), match=str(refusal)[:20]):
+            asyncio.run(refusing.load_lora_adapter("x", "/p"))
+    assert len(served) == 0

@@ -32,7 +32,9 @@ from pdserve.bench.chaos_redis import (
     serves_a_request,
 )
 from pdserve.bench.failover import chaos_requests, stream_all
+from pdserve.cluster.adapters import AdapterStore
 from pdserve.cluster.processes import is_running
+from pdserve.cluster.record_auth import RecordAuth
 from pdserve.testing.draw_check import draw_problems
 
 pytestmark = pytest.mark.e2e
@@ -186,7 +188,8 @@ def test_garbage_in_every_key_family_is_survived_and_healed(cluster, model_dir, 
         families = {k.removeprefix(prefix).split(":")[0] for k in keys}
         # all covered here ("kv": the workers' KV event streams, there once a worker has
         # published since the Redis restart above)
-        assert families - {"kv"} == {"worker", "pool", "members", "pids", "router"}
+        assert families - {"kv"} == {"worker", "pool", "members", "pids", "router",
+                                     "lora_adapters"}
         client.delete(prefix + "kv:decode-0")
         client.set(prefix + "kv:decode-0", "garbage")  # a key of another type
         client.xadd(prefix + "kv:prefill-0", {"junk": "1"})  # an entry that does not parse
@@ -202,6 +205,7 @@ def test_garbage_in_every_key_family_is_survived_and_healed(cluster, model_dir, 
         client.hset(prefix + "members", mapping={"decode-0": "{not json", "decode-99": "[]"})
         client.sadd(prefix + "pids", "junk")
         client.hset(prefix + "router", "port", "abc")
+        client.set(prefix + "lora_adapters", "garbage")  # the LoRA registry's copy
     prompts = e2e.prompts(seed=22, n=4)
     outs = e2e.generate_all(cluster.target, prompts, 8)  # serving goes on
     assert [o.token_ids for o in outs] == e2e.reference(model_dir, prompts, 8)
@@ -209,6 +213,9 @@ def test_garbage_in_every_key_family_is_survived_and_healed(cluster, model_dir, 
     with redis_client(cluster) as client:
         assert not client.exists(prefix + "worker:junk") or client.pttl(prefix + "worker:junk") > 0
         assert int(client.get(prefix + "pool:decode:seq")) >= 2
+    adapters = AdapterStore(cluster.redis_url, cluster.cluster_name,
+                            RecordAuth(cluster.derived_secret("redis-records")))
+    e2e.wait_for(lambda: adapters.read() == [], BACK_S, "the LoRA registry's copy back")
     e2e.wait_for(lambda: not redis_client(cluster).exists(prefix + "worker:junk"), BACK_S,
                  "the junk record to expire")
     assert metric(cluster, "pdserve_malformed_records_total") > 0

@@ -159,6 +159,11 @@ GRPC_VALUES = {  # what each proto field's type can carry
     "stop_token_ids": [[], [-1], [2**63 - 1], [1] * 5000]}
 GRPC_ANSWERS = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
                 grpc.StatusCode.RESOURCE_EXHAUSTED)
+GRPC_MODELS = ["", "qwen2-chat", "nope", "x" * 5000, "\x00", "../../etc/passwd"]  # model
+LORA_ADMIN_BODIES = [  # the adapter admin paths (this server runs without LoRA: 400 each)
+    *({"lora_name": value, "lora_path": "/tmp"} for value in HOSTILE_VALUES),
+    *({"lora_name": "a", "lora_path": value} for value in HOSTILE_VALUES),
+    {"lora_name": "a", "lora_path": "/etc/passwd"}, {}]
 grpc_sampling = st.dictionaries(st.sampled_from(sorted(GRPC_VALUES)), st.none(), min_size=1,
                                 max_size=3).flatmap(
     lambda names: st.fixed_dictionaries({n: st.sampled_from(GRPC_VALUES[n]) for n in names}))
@@ -209,8 +214,20 @@ def test_every_field_at_every_hostile_value(cluster, chat_model, e2e):
             name, value, request = item
             assert grpc_answer(stub, request) in GRPC_ANSWERS, (name, value)
 
+        def model(value: str) -> None:
+            request = pb.GenerateRequest(model=value)
+            request.token_ids.ids.extend([5, 6, 7])
+            request.sampling.max_tokens = 2
+            assert grpc_answer(stub, request) in (*GRPC_ANSWERS, grpc.StatusCode.NOT_FOUND)
+
+        def lora_admin(body: dict) -> None:
+            for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                check_http_answer(post(cluster.http_url, path, body), body)
+
         list(pool.map(http, bodies))  # (re-raises the first failed check)
         list(pool.map(generate, requests))
+        list(pool.map(model, GRPC_MODELS))
+        list(pool.map(lora_admin, LORA_ADMIN_BODIES))
 
 
 def test_hostile_requests_harm_no_one(cluster, chat_model, e2e):

@@ -133,7 +133,7 @@ timeoutSeconds: 5
 failureThreshold: {{ .failureThreshold | default 6 }}
 {{- end -}}
 
-{{/* engine flags: both pools' engineArgs merged (one EngineConfig for every worker) */}}
+{{/* flags from a map: true/false as --x/--no-x, a list as --x A B ..., else --x VALUE */}}
 {{- define "pdserve.flags" -}}
 {{- range $key, $value := . }}
 {{- if has $key (list "api-key" "admin-api-key" "priority-api-key" "redis-password" "redis-url") }}
@@ -141,6 +141,11 @@ failureThreshold: {{ .failureThreshold | default 6 }}
 {{- end }}
 {{- if kindIs "bool" $value }}
 - {{ printf "--%s%s" (ternary "" "no-" $value) $key | quote }}
+{{- else if kindIs "slice" $value }}
+- {{ printf "--%s" $key | quote }}
+{{- range $value }}
+- {{ . | toString | quote }}
+{{- end }}
 {{- else }}
 - {{ printf "--%s" $key | quote }}
 - {{ $value | toString | quote }}
