@@ -4,21 +4,27 @@ different projections, seeded by ``--lora-modules``, and the base model, sent as
 burst, each answer PEFT's greedy tokens; an adapter loaded at run time through the admin API
 serves, then unloaded is 404, through either of two routers; bad adapters are refused naming
 them and change nothing; the admin key guards the admin paths; ``/v1/models`` and gRPC
-``model``."""
+``model``. Colocated over two workers of two slots each: a request for an adapter goes to a
+worker holding it (where one does); ``pdserve status`` and the router's metrics show each worker's slots."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
 import pytest
 
-from pdserve.api.admin_client import AdminClient
+from pdserve.api.admin_client import AdminClient, trace_dict
 from pdserve.api.client import PdserveClient, PdserveError
 from pdserve.models.checkpoint import open_checkpoint
 from pdserve.router.config import RouterConfig
 from pdserve.testing.lora_adapters import peft_greedy, write_peft_adapter
+from pdserve.testing.waits import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -197,11 +203,63 @@ def test_bad_adapters_are_refused_and_change_nothing(cluster, loras, model_dir):
     assert [m["id"] for m in after["data"]] == [m["id"] for m in before["data"]]
 
 
-def test_a_burst_of_adapters_colocated(start_cluster, model_dir, loras, expected, cluster):
-    cluster.stop()  # (one cluster at a time on this machine)
-    colocated = start_cluster(model_dir, colocated=True, http_port=0, engine=LORA,
-                              lora_modules=_modules(loras))
-    try:
-        _burst(colocated, model_dir, expected, {})
-    finally:
-        colocated.stop()
+@pytest.fixture(scope="module")
+def colocated(start_cluster, model_dir, loras, cluster):
+    """Two colocated workers of two slots each (one cluster at a time on this machine: the
+    disaggregated one stops first)."""
+    cluster.stop()
+    colocated = start_cluster(model_dir, colocated=True, num_decode=2, http_port=0,
+                              engine={**LORA, "max_loras": 2}, lora_modules=_modules(loras))
+    yield colocated
+    colocated.stop()
+
+
+def test_a_burst_of_adapters_colocated(colocated, model_dir, expected):
+    """Four adapters over two workers of two slots: some wait for a slot, all equal PEFT."""
+    _burst(colocated, model_dir, expected, {})
+
+
+def test_requests_for_an_adapter_go_where_it_is_resident(colocated, model_dir, expected):
+    """Two requests in turn for each adapter: the second goes to a worker holding it (the
+    router's trace says so: a colocated worker is placed as a prefill is), both PEFT's."""
+    with AdminClient(colocated.target) as admin, \
+            PdserveClient(colocated.target, timeout=120) as client:
+        for name in ADAPTERS:
+            sources = []
+            for _ in range(2):
+                out = client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0,
+                                      ignore_eos=True, model=name)
+                assert out.token_ids == expected[name][0]
+                trace = trace_dict(admin.get_traces([out.request_id])[0])
+                assert trace["adapter"] == name
+                sources.append(trace["prefill_adapter_source"])
+            assert sources[1] in ("resident", "sent"), (name, sources)
+
+
+def test_status_and_metrics_show_each_workers_adapter_slots(colocated):
+    report = json.loads(_pdserve_status(colocated, "--json"))
+    workers = {w["worker_id"]: w for w in report["workers"]}
+    assert set(workers) == {"colocated-0", "colocated-1"}
+    assert all(w["lora_slots"] == 2 and 1 <= len(w["lora_resident"]) <= 2
+               for w in workers.values())
+    lines = _pdserve_status(colocated).splitlines()
+    header = next(line for line in lines if line.startswith("WORKER")).split()
+    assert "LORA" in header
+    for worker_id, worker in workers.items():
+        row = next(line for line in lines if line.startswith(worker_id)).split()
+        assert f"{len(worker['lora_resident'])}/2" in row
+
+    def slots() -> bool:  # (the router's metrics follow its next stats refresh)
+        text = urllib.request.urlopen(colocated.metrics_url, timeout=10).read().decode()
+        return all(f'pdserve_lora_slots{{role="colocated",worker="{w}"}} 2.0' in text
+                   for w in workers)
+
+    wait_for(slots, 30, "the router's per-worker LoRA gauges")
+
+
+def _pdserve_status(cluster, *args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "status", "--target",
+                             cluster.target, *args], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
