@@ -5,7 +5,8 @@ burst, each answer PEFT's greedy tokens; an adapter loaded at run time through t
 serves, then unloaded is 404, through either of two routers; bad adapters are refused naming
 them and change nothing; the admin key guards the admin paths; ``/v1/models`` and gRPC
 ``model``. Colocated over two workers of two slots each: a request for an adapter goes to a
-worker holding it (where one does); ``pdserve status`` and the router's metrics show each worker's slots."""
+worker holding it (where one does); ``pdserve status`` and the router's metrics show each
+worker's slots."""
 
 from __future__ import annotations
 
