@@ -54,6 +54,9 @@ class WorkerHost:
     def _decode(self, call: str) -> DecodeWorker:
         return cast("DecodeWorker", self._of_role(("decode",), call))
 
+    def _prefill(self, call: str) -> PrefillWorker:
+        return cast("PrefillWorker", self._of_role(("prefill",), call))
+
     def _streaming(self, call: str) -> StreamingWorker:
         return cast("StreamingWorker", self._of_role(STREAMING_ROLES, call))
 
@@ -72,7 +75,7 @@ class WorkerHost:
         return await asyncio.wrap_future(worker.renew(request_id))
 
     async def prefill(self, request: WorkRequest, reservation: Reservation) -> PrefillResult:
-        worker = cast("PrefillWorker", self._of_role(("prefill",), "prefill"))
+        worker = self._prefill("prefill")
         return await asyncio.wrap_future(worker.prefill(request, reservation))
 
     async def submit(self, request: WorkRequest, router: str) -> None:
