@@ -40,8 +40,15 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'pdserve.kernels' has no attribute {name!r}")
+    """A name above from its module, or a submodule (``kernels.<module>``) as attribute access
+    found it when this package imported them all."""
     # lazy: the kernels import torch; a config naming a backend (the router's) does not need it
-    return getattr(importlib.import_module(f"pdserve.kernels.{home}"), name)
+    home = _HOMES.get(name)
+    if home is not None:
+        return getattr(importlib.import_module(f"pdserve.kernels.{home}"), name)
+    try:
+        return importlib.import_module(f"pdserve.kernels.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"pdserve.kernels.{name}":
+            raise
+    raise AttributeError(f"module 'pdserve.kernels' has no attribute {name!r}")

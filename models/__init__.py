@@ -43,8 +43,15 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'pdserve.models' has no attribute {name!r}")
+    """A name above from its module, or a submodule (``models.<module>``) as attribute access
+    found it when this package imported them all."""
     # lazy: most of these import torch; the router's checkpoint reading does not
-    return getattr(importlib.import_module(f"pdserve.models.{home}"), name)
+    home = _HOMES.get(name)
+    if home is not None:
+        return getattr(importlib.import_module(f"pdserve.models.{home}"), name)
+    try:
+        return importlib.import_module(f"pdserve.models.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"pdserve.models.{name}":
+            raise
+    raise AttributeError(f"module 'pdserve.models' has no attribute {name!r}")
