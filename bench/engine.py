@@ -375,15 +375,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        big = write_random_llama(Path(tmp) / "llama100m",
-                                 **(LLAMA_TINY if args.quick else LLAMA_100M))
         tiny = write_random_llama(Path(tmp) / "tiny", **LLAMA_TINY)
+        if args.model:
+            big, big_name = Path(args.model), args.model
+        elif args.quick:  # the smoke run's section 1 reads the tiny model too
+            big, big_name = tiny, "random tiny Llama"
+        else:
+            big = write_random_llama(Path(tmp) / "llama100m", **LLAMA_100M)
+            big_name = "random ~100M Llama"
         windowed = write_random_mistral(Path(tmp) / "windowed", WINDOW, **LLAMA_TINY)
         bandwidth = measure_read_bandwidth(1 << 26 if args.quick else 1 << 29)
         print(f"threads {torch.get_num_threads()}, measured read bandwidth "
               f"{bandwidth / 1e9:.1f} GB/s\n")
-        print(f"1. decode step vs memory roofline ({args.model or 'random ~100M Llama'})")
-        print(roofline_table(Path(args.model) if args.model else big, bandwidth,
+        print(f"1. decode step vs memory roofline ({big_name})")
+        print(roofline_table(big, bandwidth,
                              [1, 8] if args.quick else [1, 8, 32], 4 if args.quick else 16))
         print("\n2. engine overhead per decode step (tiny model)")
         print(overhead_table(tiny, windowed, [8, 64] if args.quick else [64, 256],

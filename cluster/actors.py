@@ -38,17 +38,16 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import ray
 import redis
-import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.cluster.kv_streams import KVStreams
 from pdserve.cluster.node_placement import WorkerResources, actor_resources
 from pdserve.cluster.record_auth import RecordAuth
 from pdserve.cluster.registry import Registry, WorkerRecord
-from pdserve.engine.config import EngineConfig
 from pdserve.worker_api import (
     ROLES,
     KVEvents,
@@ -62,8 +61,10 @@ from pdserve.worker_api import (
     WorkerStats,
     WorkRequest,
 )
-from pdserve.workers.build import TorchTransfer, build_worker
 from pdserve.workers.host import Worker, WorkerHost
+
+if TYPE_CHECKING:
+    from pdserve.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -112,12 +113,18 @@ class WorkerSpec:
 
 
 def limit_process_threads(log_level: str = "WARNING", num_threads: int = 1) -> None:
-    """``num_threads`` torch (and OpenMP/MKL) threads in this process and one inter-op
-    thread: a worker computes on the CPUs it asked Ray for, the router on one."""
+    """``num_threads`` OpenMP/MKL threads for this process and its children, and its logging:
+    a worker computes on the CPUs it asked Ray for, the router (which never imports torch) on
+    one."""
     os.environ.update(WORKER_ENV)
     os.environ.update({"OMP_NUM_THREADS": str(num_threads), "MKL_NUM_THREADS": str(num_threads)})
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def limit_torch_threads(num_threads: int) -> None:
+    """``num_threads`` torch threads in this (a worker actor's) process, one inter-op thread."""
+    import torch  # lazy: the router imports this module to start worker actors, without torch
 
     torch.set_num_threads(num_threads)
     try:
@@ -128,6 +135,10 @@ def limit_process_threads(log_level: str = "WARNING", num_threads: int = 1) -> N
 
 def build_spec_worker(spec: WorkerSpec) -> Worker:
     """The plain worker a spec describes, in this (the actor's) process."""
+    # lazy: the engine and torch load in the worker actor's process; the router process
+    # imports this module to start worker actors and never builds a worker
+    from pdserve.workers.build import TorchTransfer, build_worker
+
     host = spec.transfer_host or ray.util.get_node_ip_address()
     transfer = TorchTransfer(host, str(spec.config.resolve_device()), spec.join_token)
     return build_worker(spec.role, spec.worker_id, spec.config, transfer, lease_s=spec.lease_s,
@@ -142,6 +153,7 @@ class WorkerActor(WorkerHost):
 
     def __init__(self, spec: WorkerSpec):
         limit_process_threads(spec.log_level, spec.resources.torch_threads)
+        limit_torch_threads(spec.resources.torch_threads)
         super().__init__(build_spec_worker(spec))
         self.spec = spec
         self.registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.engine.engine_loop import check_step_timeout
 from pdserve.engine.speculative_config import SpeculativeConfig
-from pdserve.kernels import BACKENDS
+from pdserve.kernels.backends import BACKENDS
+
+if TYPE_CHECKING:
+    import torch
 
 
 def check_admission_hold(value) -> None:
@@ -18,7 +20,7 @@ def check_admission_hold(value) -> None:
                          f"got {value!r}")
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 KV_CACHE_DTYPES = ("auto", "int8")
 # engine/kv_cache/int8_scales.py describes each
 KV_INT8_SCALES = ("static", "token", "kivi", "hybrid")
@@ -132,6 +134,8 @@ class EngineConfig:
                              f"max_model_len ({self.max_model_len})")
 
     def resolve_device(self) -> torch.device:
+        import torch  # lazy: a config crosses the router, which does not import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -139,8 +143,11 @@ class EngineConfig:
         return torch.device(self.device)
 
     def resolve_dtype(self, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+        import torch  # lazy: a config crosses the router, which does not import torch
+
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return getattr(torch, self.dtype)
         if device.type == "cpu":
             return torch.float32
-        return DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.bfloat16)
+        saved = str(checkpoint_dtype).replace("torch.", "")
+        return getattr(torch, saved if saved in DTYPES else "bfloat16")

@@ -24,9 +24,8 @@ from pdserve.kernels import (
     torch_attention,
 )
 from pdserve.kernels import torch_ops as ref
+from pdserve.kernels.backends import BACKENDS
 from pdserve.kernels.kv_layout import KVCacheLayer
-
-BACKENDS = ("auto", "torch", "native", "triton")
 
 
 @functools.cache

@@ -30,9 +30,10 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -281,9 +282,9 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def kv_bytes_per_token(self, dtype: torch.dtype = torch.float16) -> int:
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """KV cache bytes one token costs: 2 x layers x kv_heads x head_dim x element bytes."""
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -305,5 +306,5 @@ class ModelConfig:
         return embed + self.num_hidden_layers * per_layer + h + lm_head
 
     def weight_bytes(self, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         return self.num_parameters() * element

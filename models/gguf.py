@@ -1,8 +1,8 @@
 """Load GGUF files (llama.cpp's single-file format) into the Llama-family decoder.
 
 ``LLM("model.gguf")``, ``pdserve serve --model model.gguf`` and a folder holding exactly one
-``.gguf`` (and no ``config.json``) all come here through :func:`find_gguf_file`, which
-``models.checkpoint.open_checkpoint`` calls first.
+``.gguf`` (and no ``config.json``) all come here through
+``models.checkpoint.open_checkpoint``, which tells them apart (``find_gguf_file``).
 
 Steps, each with an error naming the file, key or tensor at fault:
 
@@ -73,24 +73,6 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS = "rope_freqs.weight"
 _REQUIRED_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length",
                   "attention.head_count", "attention.layer_norm_rms_epsilon")
-
-
-def find_gguf_file(path: str | Path) -> Path | None:
-    """The GGUF file ``path`` names: the path itself when it ends in ``.gguf``, or the one
-    ``.gguf`` in a folder without ``config.json``; None for an ordinary checkpoint folder."""
-    path = Path(path)
-    if path.suffix.lower() == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return path
-    if not path.is_dir() or (path / "config.json").is_file():
-        return None
-    found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
-    if len(found) > 1:
-        names = ", ".join(p.name for p in found)
-        raise ValueError(f"{path} holds {len(found)} .gguf files ({names}); pass the one to "
-                         "serve as --model path/to/file.gguf")
-    return found[0] if found else None
 
 
 def _hf_name(gguf_name: str) -> str | None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pdserve.models.checkpoint import open_checkpoint
 from pdserve.models.config import ModelConfig
 from pdserve.models.llama import build_model
 from pdserve.models.tensor_parallel import TensorShard
@@ -208,3 +209,13 @@ def hf_tensor_names(model_dir: Path) -> set[str]:
         with safe_open(path, framework="pt") as f:
             names.update(f.keys())
     return names
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The model of the checkpoint at ``path`` (Hugging Face or GGUF), in ``dtype`` on
+    ``device``."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, "
+                         f"got {dtype}")
+    return open_checkpoint(path).load(dtype, device)

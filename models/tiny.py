@@ -27,12 +27,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from pdserve.models.config import ModelConfig
-from pdserve.models.loader import hf_tensor_shapes
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,11 @@ def _train_tokenizer():
 
 def _random_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
     """Seeded weights: matrices ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.1)."""
+    # lazy: torch and the loader only to write the weights; finding the generated folder
+    # (the launcher and the router do) needs neither
+    import torch
+
+    from pdserve.models.loader import hf_tensor_shapes  # lazy: as torch
 
     gen = torch.Generator().manual_seed(TINY_SEED)
     tensors = {}
@@ -131,6 +136,8 @@ def _write_json(path: Path, data: dict) -> None:
 
 def write_tiny_checkpoint(out_dir: str | Path) -> Path:
     """Write the tiny checkpoint's files into the existing folder ``out_dir``."""
+    from safetensors.torch import save_file  # lazy: only when generating (imports torch)
+
     out_dir = Path(out_dir)
     config = ModelConfig.from_dict(TINY_CONFIG)
     _write_json(out_dir / "config.json", TINY_CONFIG)

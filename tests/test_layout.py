@@ -189,6 +189,10 @@ def test_workers_run_the_engine_step_without_touching_its_internals(package):
     ("pdserve.cli.main", ("torch", "ray")),  # --help, status, drain, generate, bench serve
     ("pdserve.cluster", ("torch", "ray")),
     ("pdserve.worker_api", ("torch",)),  # what the router reads of a worker
+    # the router actor's process: it starts worker actors and reads the checkpoint's config
+    # and tokenizer, but never runs a model
+    ("pdserve.cluster.router_actor", ("torch", "safetensors", "transformers")),
+    ("pdserve.cluster.launcher", ("torch",)),  # the process that starts a cluster
     ("pdserve", ("torch",)),
     *[(f"pdserve.testing.{m}", ("transformers", "cryptography", "pytest", "hypothesis"))
       for m in ("waits", "certificates", "paged_batches", "fake_backend", "fake_admin",

@@ -8,13 +8,8 @@ from __future__ import annotations
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeAlias, TypeVar
+from typing import TYPE_CHECKING, TypeAlias, cast
 
-from pdserve.colocated_worker.worker import ColocatedWorker
-from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.prefill_worker.worker import PrefillWorker
-from pdserve.streaming_worker.mailboxes import MailboxSizes
-from pdserve.streaming_worker.worker import StreamingWorker
 from pdserve.worker_api import (
     KVEvents,
     KVSnapshot,
@@ -26,8 +21,15 @@ from pdserve.worker_api import (
     WorkRequest,
 )
 
-Worker: TypeAlias = PrefillWorker | DecodeWorker | ColocatedWorker  # what build_worker makes
-W = TypeVar("W")
+if TYPE_CHECKING:  # the router process imports the host (cluster.actors), never a worker
+    from pdserve.colocated_worker.worker import ColocatedWorker
+    from pdserve.decode_worker.worker import DecodeWorker
+    from pdserve.prefill_worker.worker import PrefillWorker
+    from pdserve.streaming_worker.mailboxes import MailboxSizes
+    from pdserve.streaming_worker.worker import StreamingWorker
+
+Worker: TypeAlias = "PrefillWorker | DecodeWorker | ColocatedWorker"  # what build_worker makes
+STREAMING_ROLES = ("decode", "colocated")  # the roles whose worker is a StreamingWorker
 
 
 class WorkerHost:
@@ -43,10 +45,20 @@ class WorkerHost:
         self.role = worker.role
         self._poller = ThreadPoolExecutor(1, thread_name_prefix=f"poll-{self.worker_id}")
 
-    def _of_role(self, kind: type[W], call: str) -> W:
-        if not isinstance(self.worker, kind):
+    def _of_role(self, roles: tuple[str, ...], call: str) -> Worker:
+        """The worker, when its role answers ``call`` (TypeError naming both otherwise)."""
+        if self.role not in roles:
             raise TypeError(f"{call}: worker {self.worker_id} is a {self.role} worker")
         return self.worker
+
+    def _decode(self, call: str) -> DecodeWorker:
+        return cast("DecodeWorker", self._of_role(("decode",), call))
+
+    def _prefill(self, call: str) -> PrefillWorker:
+        return cast("PrefillWorker", self._of_role(("prefill",), call))
+
+    def _streaming(self, call: str) -> StreamingWorker:
+        return cast("StreamingWorker", self._of_role(STREAMING_ROLES, call))
 
     async def stats(self) -> WorkerStats:
         return await asyncio.wrap_future(self.worker.stats())
@@ -55,24 +67,24 @@ class WorkerHost:
         await asyncio.wrap_future(self.worker.abort(request_id))
 
     async def reserve(self, request: WorkRequest, router: str) -> Reservation:
-        worker = self._of_role(DecodeWorker, "reserve")
+        worker = self._decode("reserve")
         return await asyncio.wrap_future(worker.reserve(request, router))
 
     async def renew(self, request_id: str) -> float | None:
-        worker = self._of_role(DecodeWorker, "renew")
+        worker = self._decode("renew")
         return await asyncio.wrap_future(worker.renew(request_id))
 
     async def prefill(self, request: WorkRequest, reservation: Reservation) -> PrefillResult:
-        worker = self._of_role(PrefillWorker, "prefill")
+        worker = self._prefill("prefill")
         return await asyncio.wrap_future(worker.prefill(request, reservation))
 
     async def submit(self, request: WorkRequest, router: str) -> None:
-        worker = self._of_role(StreamingWorker, "submit")
+        worker = self._streaming("submit")
         await asyncio.wrap_future(worker.submit(request, router))
 
     async def poll(self, timeout: float, router: str) -> StepDeltas:
         """``router``'s deltas."""
-        worker = self._of_role(StreamingWorker, "poll")
+        worker = self._streaming("poll")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._poller, functools.partial(
             worker.poll, timeout, router=router))
@@ -87,9 +99,9 @@ class WorkerHost:
 
     async def mailbox_sizes(self) -> MailboxSizes | None:
         """What the worker's per-router mailboxes hold (None: a prefill worker has none)."""
-        if not isinstance(self.worker, StreamingWorker):
+        if self.role not in STREAMING_ROLES:
             return None
-        return self.worker.mailbox_sizes()
+        return self._streaming("mailbox_sizes").mailbox_sizes()
 
     async def inject_fault(self, kind: str, seconds: float = 0.0) -> None:
         """Test hook: the worker's next engine step raises or stalls (``EngineLoop``)."""

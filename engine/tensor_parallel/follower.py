@@ -1,5 +1,5 @@
-"""A follower rank of a tensor parallel engine: ``python -m pdserve.engine.tensor_parallel.follower
---store HOST:PORT --rank R --size N``, started by rank 0 (:class:`Followers.start`).
+"""A follower rank of a tensor parallel engine, in the process rank 0 started
+(:class:`Followers.start`; its entry point, ``follower_main.py``, checks the group's key first).
 
 1. Read the engine config from rank 0's store; load this rank's shard of the model.
 2. Wait for rank 0's memory ledger; allocate this rank's KV pool (its K/V heads, as many blocks
@@ -13,10 +13,8 @@ extras and runs the calls rank 0 makes on it.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
-import os
 import pickle
 
 import torch
@@ -26,7 +24,6 @@ from pdserve.engine.capacity.memory import allocate_kv_caches, kv_layer_dtypes
 from pdserve.engine.resolved_model import ResolvedModel
 from pdserve.engine.tensor_parallel.group import (
     OP_CALL,
-    SECRET_ENV,
     START_TIMEOUT_S,
     FollowerSpec,
     RankContext,
@@ -102,20 +99,8 @@ def _call(role, method: str, args: tuple) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--store", required=True, help="rank 0's store, HOST:PORT")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--size", type=int, required=True)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(message)s")
-    secret = os.environ.pop(SECRET_ENV, "")
-    if not secret:
-        parser.error(f"{SECRET_ENV} is not set: followers are started by their rank 0")
+def run_follower(address: str, rank: int, size: int, key: bytes) -> None:
+    """Serve as rank ``rank`` of ``size`` in the group whose store is at ``address``, signing
+    with the group's ``key``, until rank 0 stops the group or dies."""
     watch_parent()
-    serve(args.store, args.rank, args.size, Signer(bytes.fromhex(secret)))
-
-
-if __name__ == "__main__":
-    main()
+    serve(address, rank, size, Signer(key))

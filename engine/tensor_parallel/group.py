@@ -3,9 +3,9 @@ every layer's heads and MLP (the splits: :mod:`pdserve.models.tensor_parallel`).
 
 Rank 0 is the engine as at N=1: scheduler, block manager, sampling, the KV handoff. Ranks
 1..N-1 are follower processes it starts on its own machine (``python -m
-pdserve.engine.tensor_parallel.follower``), so a worker's ranks are placed together and restarted as
-one. Each rank's KV pool holds its own K/V heads of the same blocks: block ids mean the same
-on every rank, and only rank 0 keeps the block tables.
+pdserve.engine.tensor_parallel.follower_main``), so a worker's ranks are placed together and
+restarted as one. Each rank's KV pool holds its own K/V heads of the same blocks: block ids
+mean the same on every rank, and only rank 0 keeps the block tables.
 
 Formation, in order, over a ``TCPStore`` on loopback that rank 0 hosts:
 
@@ -57,13 +57,14 @@ from pdserve.engine.capacity.memory import MemoryLedger
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import EngineBrokenError
 from pdserve.engine.step.model_runner import ModelInput, ModelRunner
+from pdserve.engine.tensor_parallel.follower_main import SECRET_ENV
 from pdserve.kernels.lora import LoraBatch
 from pdserve.models.attention import AttentionMetadata
 from pdserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-FOLLOWER_MODULE = "pdserve.engine.tensor_parallel.follower"
+FOLLOWER_MODULE = "pdserve.engine.tensor_parallel.follower_main"
 OP_STOP, OP_FORWARD, OP_CALL = 0, 1, 2
 # op, num_tokens, num_seqs, block table width, max_query_len, max_context_len, the rows
 # sampled, and the bytes of the pickled extras (FORWARD) or call (CALL) that follow the body
@@ -71,7 +72,6 @@ HEADER_WORDS = 8
 STEP_TIMEOUT_S = 300.0  # a collective inside a step waits this long for the other ranks
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower waits this long for the next step
 START_TIMEOUT_S = 900.0  # followers load their shards and allocate within this
-SECRET_ENV = "PDSERVE_TENSOR_GROUP_SECRET"  # how rank 0 hands its followers the group's key
 PARENT_ENV = "PDSERVE_TENSOR_PARENT_PID"  # rank 0's pid: a follower dies with that process
 PR_SET_PDEATHSIG = 1  # prctl(2)
 MAC_BYTES = 32  # HMAC-SHA256

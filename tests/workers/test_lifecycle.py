@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from pdserve import SamplingParams
 from pdserve.testing.waits import wait_for
 from pdserve.worker_api import WorkRequest
+from pdserve.workers.host import WorkerHost
 
 PARAMS = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 
@@ -77,3 +79,28 @@ def test_reserve_without_room_is_no_room_now(hf_checkpoint, make_pair):
     pair.decode.abort("b").result(5)
     pair.decode.abort("a").result(5)
     assert pair.used_blocks() == (0, 0)
+
+
+def test_a_host_refuses_the_calls_its_workers_role_does_not_answer(hf_checkpoint, make_pair):
+    """WorkerHost tells roles by name (the router's process imports it without the workers):
+    a prefill worker takes no submit, poll or reserve; a decode worker takes no prefill."""
+    pair = make_pair(hf_checkpoint("llama"))
+    work = request("wrong-role")
+    prefill, decode = WorkerHost(pair.prefill), WorkerHost(pair.decode)
+
+    async def refused(call) -> str:
+        try:
+            await call
+        except TypeError as exc:
+            return str(exc)
+        raise AssertionError("not refused")
+
+    async def main():
+        assert "submit: worker" in await refused(prefill.submit(work, ""))
+        assert "is a prefill worker" in await refused(prefill.poll(0.0, ""))
+        assert "reserve:" in await refused(prefill.reserve(work, ""))
+        assert "is a decode worker" in await refused(decode.prefill(work, None))
+        assert await prefill.mailbox_sizes() is None
+        assert await decode.mailbox_sizes() is not None
+
+    asyncio.run(main())
