@@ -47,7 +47,7 @@ from pdserve.bench.workload import RequestOutcome, SyntheticShape
 from pdserve.cluster.launcher import EmbeddedCluster
 from pdserve.cluster.options import ClusterOptions
 from pdserve.models import ModelConfig, tiny_model_dir
-from pdserve.models.loader import hf_tensor_shapes
+from pdserve.models.config import hf_tensor_shapes
 from pdserve.models.tiny import TINY_CONFIG
 from pdserve.router.core import RouterConfig
 

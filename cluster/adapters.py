@@ -17,11 +17,12 @@ docs/failure-handling.md):
   adapters": the mirror keeps what it had until the registry writes the copy back.
 
 Registering checks the adapter before anything changes (:func:`check_adapter`): the name
-(not in use, not the base model's), then the files read and checked against the base model and
-``max_lora_rank`` by ``models.lora.read_adapter`` (missing files, ranks, target modules,
-shapes), each refusal a ValueError naming the adapter. Without ``--enable-lora`` every load is
-refused (``LoraDisabledError``). Workers need nothing pushed: each request carries its
-``AdapterRef`` and a worker reads the files on first use, checking the digest.
+(not in use, not the base model's), then the files checked against the base model and
+``max_lora_rank`` by ``models.lora_files.inspect_adapter`` (missing files, ranks, target
+modules, shapes, from the files' headers: the router never reads the weights), each refusal a
+ValueError naming the adapter. Without ``--enable-lora`` every load is refused
+(``LoraDisabledError``). Workers need nothing pushed: each request carries its ``AdapterRef``
+and a worker reads the files on first use, checking the digest.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pdserve.cluster.registry import redis_client
 from pdserve.engine.config import EngineConfig
 from pdserve.models.checkpoint import open_checkpoint
 from pdserve.models.config import ModelConfig
-from pdserve.models.lora import read_adapter
+from pdserve.models.lora_files import inspect_adapter
 from pdserve.router.adapters import ServedAdapters
 from pdserve.router.admin_server import LoraDisabledError, UnknownAdapterError
 from pdserve.worker_api.adapters import AdapterRef
@@ -69,7 +70,8 @@ def check_adapter(name: str, path: str, settings: LoraSettings,
                   taken: Iterable[str] = ()) -> AdapterRef:
     """The adapter ``name`` at ``path`` as the cluster would register it; LoraDisabledError
     without LoRA, ValueError naming it for a name in use (``taken``) or the base model's, or
-    anything ``models.lora.read_adapter`` refuses. Reads the files: call it off the loop."""
+    anything ``models.lora_files.inspect_adapter`` refuses. Reads the files: call it off the
+    loop."""
     if not settings.enabled or settings.model_config is None:
         raise LoraDisabledError(f"LoRA adapter {name!r}: this server runs without LoRA; start "
                                 f"it with --enable-lora")
@@ -79,8 +81,8 @@ def check_adapter(name: str, path: str, settings: LoraSettings,
         raise ValueError(f"LoRA adapter {name!r} is already loaded; unload it first or choose "
                          f"another name")
     folder = os.path.abspath(path)
-    adapter = read_adapter(name, folder, settings.model_config, settings.max_rank)
-    return AdapterRef(name, folder, adapter.digest)
+    files = inspect_adapter(name, folder, settings.model_config, settings.max_rank)
+    return AdapterRef(name, folder, files.digest)
 
 
 def check_lora_modules(options: ClusterOptions, model_dir: str) -> list[AdapterRef]:

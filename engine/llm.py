@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.models.lora import adapter_digest
+from pdserve.models.lora_files import adapter_digest
 from pdserve.worker_api import RequestDelta, StepDeltas, choice_request_id
 from pdserve.worker_api.adapters import AdapterRef
 from pdserve.worker_api.sampling_params import SamplingParams

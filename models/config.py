@@ -308,3 +308,32 @@ class ModelConfig:
     def weight_bytes(self, dtype: torch.dtype) -> int:
         element = dtype.itemsize
         return self.num_parameters() * element
+
+
+def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a Hugging Face checkpoint of ``config`` holds, with its shape
+    (``lm_head.weight`` included even when tied; the loader treats it as optional)."""
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv, d = config.q_size, config.kv_size, config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h),
+    }
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            shapes[f"{p}self_attn.{name}.weight"] = (rows, h)
+            if config.attention_bias:
+                shapes[f"{p}self_attn.{name}.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if config.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            shapes[f"{p}mlp.{name}.weight"] = shape
+            if config.mlp_bias:
+                shapes[f"{p}mlp.{name}.bias"] = shape[:1]
+    return shapes

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.models.config import ModelConfig
+from pdserve.models.config import ModelConfig, hf_tensor_shapes
 
 if TYPE_CHECKING:
     import torch
@@ -113,11 +113,9 @@ def _train_tokenizer():
 
 def _random_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
     """Seeded weights: matrices ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.1)."""
-    # lazy: torch and the loader only to write the weights; finding the generated folder
-    # (the launcher and the router do) needs neither
+    # lazy: torch only to write the weights; finding the generated folder (the launcher and
+    # the router do) needs none
     import torch
-
-    from pdserve.models.loader import hf_tensor_shapes  # lazy: as torch
 
     gen = torch.Generator().manual_seed(TINY_SEED)
     tensors = {}

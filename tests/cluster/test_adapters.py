@@ -24,7 +24,7 @@ from pdserve.cluster.control_plane import ControlPlaneHealth
 from pdserve.cluster.options import ClusterOptions, parse_lora_module, parse_lora_modules
 from pdserve.cluster.record_auth import RecordAuth
 from pdserve.models.checkpoint import open_checkpoint
-from pdserve.models.lora import adapter_digest
+from pdserve.models.lora_files import adapter_digest
 from pdserve.router.adapters import ServedAdapters, resolve_model
 from pdserve.router.admin_server import LoraDisabledError, UnknownAdapterError
 from pdserve.router.errors import UnknownModelError

@@ -127,7 +127,7 @@ def test_sampled_rows_alone_through_the_last_layer(loaded, paged_batch):
     seen = []
     down = model.model.layers[-1].mlp.down_proj
     original = down.forward
-    down.forward = lambda x: seen.append(len(x)) or original(x)
+    down.forward = lambda x, *rest: seen.append(len(x)) or original(x, *rest)
     try:
         picked = model(ids, pos, rows_run.caches, meta, rows=rows)
         empty = model(ids, pos, empty_run.caches, meta, rows=rows[:0])

@@ -9,8 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from pdserve.models.config import ModelConfig
-from pdserve.models.loader import hf_tensor_shapes
+from pdserve.models.config import ModelConfig, hf_tensor_shapes
 from pdserve.models.tensor_parallel import TensorShard
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
