@@ -18,6 +18,7 @@ NON_DEFAULTS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_dtype=
                     enable_chunked_prefill=False, attention_backend="torch", seed=7,
                     scheduling_policy="priority", prefix_cache_salt="salt", enforce_eager=True,
                     cpu_packed_gemm=False, admission_hold_s=0.5, step_timeout_s=120.0,
+                    enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
                     speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                         "prompt_lookup_max": 3, "prompt_lookup_min": 1})
 # Fields that do not combine with NON_DEFAULTS (tensor parallel refuses int8 KV): set alone.
