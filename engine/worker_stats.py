@@ -37,7 +37,12 @@ def lora_stats(engine: LLMEngine) -> dict:
     if slots is None:
         return {}
     c = slots.counters
-    return dict(lora_slots=slots.max_loras, lora_resident=slots.resident_digests(),
+    resident = slots.resident_digests()
+    # an adapter a queued request wants is as good as resident for routing: it is loaded
+    # before that request runs (a router's call counted by these stats must not look unloaded)
+    queued = {seq.adapter.digest for seq in engine.scheduler.waiting if seq.adapter is not None}
+    return dict(lora_slots=slots.max_loras,
+                lora_resident=resident + tuple(sorted(queued - set(resident))),
                 lora_in_host=slots.host_digests(), lora_disk_reads=c.disk_reads,
                 lora_slot_loads=c.slot_loads, lora_evictions=c.evictions,
                 lora_disk_read_s=c.disk_read_s, lora_slot_load_s=c.slot_load_s,

@@ -76,8 +76,9 @@ class WorkerStats:
     kv_events_number: int = 0  # the last batch of it drained (a reader behind it missed some)
     taken_at: float = 0.0  # wall clock: every call the worker received before it is counted
     # LoRA (all empty or zero when the worker serves no adapters): the digests
-    # (AdapterRef.digest) of the adapters in a slot, ready for a step, and of those read in
-    # host memory (a slot load away); the worker's slots; its counters since start
+    # (AdapterRef.digest) of the adapters in a slot, ready for a step, or wanted by a request
+    # queued there (loaded before it runs), and of those read in host memory (a slot load
+    # away); the worker's slots; its counters since start
     lora_slots: int = 0
     lora_resident: tuple[str, ...] = ()
     lora_in_host: tuple[str, ...] = ()
