@@ -85,6 +85,11 @@ class EngineConfig:
     max_lora_rank: int = 16  # with LoRA: the largest adapter rank served (sizes the slots)
     max_cpu_loras: int | None = None  # with LoRA: adapters kept read in host memory (None:
     # max_loras), so that a slot is refilled without reading files
+    kv_offload_cpu_gib: float = 0.0  # host memory for prefix-cache blocks evicted from the
+    # pool (docs/kv-tiers.md); 0: no host tier
+    kv_offload_disk_gib: float = 0.0  # disk for blocks evicted from the host tier (needs
+    # kv_offload_dir); 0: no disk tier
+    kv_offload_dir: str | None = None  # the disk tier's folder (made private to the worker)
     prefix_cache_salt: str | None = field(default=None, repr=False)  # secret mixed into every
     # prefix-cache block hash, one per cluster (the launcher generates it); None: each engine
     # draws its own; never in the repr
@@ -128,6 +133,18 @@ class EngineConfig:
         if not 0.0 <= self.memory_safety_margin < 0.5:
             raise ValueError("memory_safety_margin must be in [0, 0.5), "
                              f"got {self.memory_safety_margin!r}")
+        for name in ("kv_offload_cpu_gib", "kv_offload_disk_gib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 <= value <= 1 << 20:
+                raise ValueError(f"{name} must be a number of GiB in [0, 1048576], "
+                                 f"got {value!r}")
+        if self.kv_offload_disk_gib and not self.kv_offload_dir:
+            raise ValueError("kv_offload_disk_gib needs kv_offload_dir (the disk tier's folder)")
+        if (self.kv_offload_cpu_gib or self.kv_offload_disk_gib) \
+                and not self.enable_prefix_caching:
+            raise ValueError("KV tiers (kv_offload_cpu_gib, kv_offload_disk_gib) keep prefix-"
+                             "cache blocks: they need enable_prefix_caching")
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_model_len > self.max_num_batched_tokens:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= "

@@ -435,10 +435,10 @@ class LLMEngine:
         return None if events is None else events.drain()
 
     def kv_snapshot(self) -> KVSnapshot | None:
-        """Every block hash the prefix cache holds, as of the last batch drained (loop
-        thread; None with prefix caching off)."""
-        bm = self.parts.block_manager
-        return None if bm.events is None else bm.events.snapshot(bm.held_hashes())
+        """Every block hash the prefix cache holds (pool and tiers), as of the last batch
+        drained (any thread; None with prefix caching off)."""
+        events = self.parts.block_manager.events
+        return None if events is None else events.snapshot()
 
     def close(self) -> None:
         """Stop what the engine runs beside this process (its tensor parallel ranks, its

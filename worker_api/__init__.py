@@ -19,6 +19,10 @@ cluster call the handle.
 from pdserve.worker_api.deltas import RequestDelta, StepDeltas, choice_request_id, split_choice
 from pdserve.worker_api.handle import WorkerHandle
 from pdserve.worker_api.messages import (
+    KV_TIER_DISK,
+    KV_TIER_HOST,
+    KV_TIER_NAMES,
+    KV_TIER_POOL,
     KVEvents,
     KVSnapshot,
     PrefillResult,
@@ -36,6 +40,10 @@ from pdserve.worker_api.sampling_params import SamplingParams
 from pdserve.worker_api.stats import ROLES, Utilization, WorkerStats
 
 __all__ = [
+    "KV_TIER_DISK",
+    "KV_TIER_HOST",
+    "KV_TIER_NAMES",
+    "KV_TIER_POOL",
     "ROLES",
     "DuplicateRequestId",
     "KVEvents",

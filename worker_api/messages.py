@@ -17,6 +17,12 @@ from pdserve.worker_api.deltas import RequestDelta
 from pdserve.worker_api.sampling_params import SamplingParams
 
 
+# KV tiers, best first: a block in the pool is read in place; one in host memory or on the
+# worker's disk is loaded back into the pool before it is used (docs/kv-tiers.md)
+KV_TIER_POOL, KV_TIER_HOST, KV_TIER_DISK = 0, 1, 2
+KV_TIER_NAMES = ("pool", "host", "disk")
+
+
 @dataclass
 class WorkRequest:
     """A validated request as the router hands it to a worker."""
@@ -43,8 +49,14 @@ class KVEvents:
 
     log_id: str
     number: int
-    stored: tuple[bytes, ...]  # blocks now cached (and matchable) on the worker
-    removed: tuple[bytes, ...]  # blocks evicted since
+    stored: tuple[bytes, ...]  # blocks now held (and matchable) on the worker
+    removed: tuple[bytes, ...]  # blocks it holds in no tier any more
+    stored_tiers: tuple[int, ...] = ()  # the best tier holding each of ``stored`` (KV_TIER_*;
+    # empty: all in the pool, a worker without KV tiers)
+
+    def tier_of(self, i: int) -> int:
+        """The tier of ``stored[i]``: the pool unless ``stored_tiers`` says otherwise."""
+        return self.stored_tiers[i] if self.stored_tiers else KV_TIER_POOL
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,8 @@ class KVSnapshot:
     log_id: str
     number: int
     hashes: frozenset[bytes]
+    tiers: dict[bytes, int] = field(default_factory=dict)  # the hashes of ``hashes`` held only
+    # below the pool: their best tier (KV_TIER_HOST or KV_TIER_DISK); the rest are in the pool
 
 
 @dataclass

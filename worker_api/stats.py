@@ -88,6 +88,27 @@ class WorkerStats:
     lora_disk_read_s: float = 0.0  # seconds spent reading adapter files (sum)
     lora_slot_load_s: float = 0.0  # seconds spent filling slots (sum)
     lora_requests: dict[str, int] = field(default_factory=dict)  # sequences run, by adapter name
+    # KV tiers below the pool (docs/kv-tiers.md); zeros without them. Counters are totals
+    # since the engine started; the router derives each tier's load time per token from
+    # read_s / read_bytes and kv_bytes_per_block
+    kv_bytes_per_block: int = 0  # one block's KV (every layer, this worker's ranks together)
+    kv_host_blocks: int = 0  # blocks held in host memory
+    kv_disk_blocks: int = 0  # blocks held on the worker's disk
+    kv_host_bytes: int = 0
+    kv_disk_bytes: int = 0
+    kv_host_capacity_bytes: int = 0  # --kv-offload-cpu-gib
+    kv_disk_capacity_bytes: int = 0  # --kv-offload-disk-gib
+    kv_host_hit_tokens: int = 0  # prompt tokens loaded back from host memory
+    kv_disk_hit_tokens: int = 0  # prompt tokens loaded back from disk
+    kv_host_read_bytes: int = 0
+    kv_disk_read_bytes: int = 0
+    kv_host_read_s: float = 0.0  # seconds spent reading (and checking) blocks, per tier
+    kv_disk_read_s: float = 0.0
+    kv_host_written_bytes: int = 0  # blocks saved from the pool into host memory
+    kv_disk_written_bytes: int = 0  # blocks written to disk
+    kv_tier_evictions: int = 0  # blocks dropped from the lowest tier holding them
+    kv_tier_read_failures: int = 0  # blocks that failed their check or read (recomputed)
+    kv_tier_write_failures: int = 0  # writes that failed or were dropped (full disk, backlog)
 
     @property
     def utilization(self) -> Utilization:

@@ -37,7 +37,7 @@ def catch_up(index: KVIndex, streams: KVStreams, bm: BlockManager) -> None:
     for worker_id, events in streams.read(["w"]):
         index.apply(worker_id, events)
     if index.needs_snapshot("w"):
-        index.reset("w", bm.events.snapshot(bm.held_hashes()))
+        index.reset("w", bm.events.snapshot())
 
 
 def test_readers_follow_the_stream_and_resync_what_they_missed(redis_url):

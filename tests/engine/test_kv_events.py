@@ -66,7 +66,7 @@ def sync(index: KVIndex, worker_id: str, bm: BlockManager, lose: bool = False) -
         index.apply(worker_id, events)
     index.note_latest(worker_id, bm.events.log_id, bm.events.number)  # (as its stats say)
     if index.needs_snapshot(worker_id):
-        index.reset(worker_id, bm.events.snapshot(bm.held_hashes()))
+        index.reset(worker_id, bm.events.snapshot())
 
 
 def test_the_index_equals_every_workers_cache(seed_count=30):
@@ -124,7 +124,7 @@ def test_a_gap_leaves_the_entry_matching_nothing_until_a_snapshot():
     events = next_batch(bm, traffic)
     assert not index.apply("w", events) and index.needs_snapshot("w")
     assert index.held("w") == frozenset() and index.matched_blocks("w", hashes) == 0
-    index.reset("w", bm.events.snapshot(bm.held_hashes()))
+    index.reset("w", bm.events.snapshot())
     assert index.held("w") == bm.held_hashes() and not index.needs_snapshot("w")
     assert index.apply("w", events)  # a batch the snapshot holds already: skipped
 
@@ -158,7 +158,7 @@ def test_a_late_index_matches_the_leading_blocks_a_worker_holds():
     seq.num_computed_tokens = seq.num_tokens
     bm.cache_computed_blocks(seq)  # three full blocks of 4
     bm.events.drain()  # before this router started: it never saw the batch
-    index.reset("w", bm.events.snapshot(bm.held_hashes()))
+    index.reset("w", bm.events.snapshot())
     hashes = chained_block_hashes(list(range(1, 14)), 4, SALT)
     assert index.matched_blocks("w", hashes) == 3
     assert index.matched_blocks("w", chained_block_hashes([1, 2, 3, 5] + list(range(5, 14)),
