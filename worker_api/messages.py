@@ -16,7 +16,6 @@ from pdserve.worker_api.adapters import AdapterRef
 from pdserve.worker_api.deltas import RequestDelta
 from pdserve.worker_api.sampling_params import SamplingParams
 
-
 # KV tiers, best first: a block in the pool is read in place; one in host memory or on the
 # worker's disk is loaded back into the pool before it is used (docs/kv-tiers.md)
 KV_TIER_POOL, KV_TIER_HOST, KV_TIER_DISK = 0, 1, 2

@@ -5,9 +5,9 @@ The block manager reports every change to the set of block hashes its pool can m
 reuse), and the KV tiers below the pool (``engine.kv_cache.tiers``) every block they gain and
 drop (``tier_stored``, ``tier_removed``). The log keeps which tiers hold each hash and, per
 hash changed since the last batch, the best tier holding it after its latest change (or none),
-so a batch says where each hash ended up, never the order it went there by. Applying a batch is then idempotent (add the stored,
-discard the removed), which is what lets a reader start from a snapshot and apply, on top,
-batches the snapshot already contains.
+so a batch says where each hash ended up, never the order it went there by. Applying a batch
+is then idempotent (set the stored at their tier, discard the removed), which is what lets a
+reader start from a snapshot and apply, on top, batches the snapshot already contains.
 
 The log is bounded: past ``max_pending`` hashes changed since the last batch (nobody drains
 it, or too slowly), it forgets them and skips a batch number, so every reader sees a gap and
