@@ -396,6 +396,8 @@ class LLMEngine:
                             f"{seq.request_id} needs {needed}")
         num_cached = seq.num_computed_tokens // bm.block_size
         bm.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+        if bm.offload is not None:  # before the KV that comes writes into evicted blocks
+            bm.flush_saves()
         self.scheduler.pin_adapter(seq)
         return num_cached
 
@@ -507,9 +509,14 @@ class LLMEngine:
         runner = self.parts.runner
         batch = runner.prepare(output)
         after_layer = self.hooks.before_forward(sampling)
+        offload = self.parts.block_manager.offload
+        if offload is not None:  # before this forward writes into blocks evicted for it
+            self.parts.block_manager.flush_saves()
         forward_start = time.perf_counter()
         logits = runner.run(batch, after_layer)
         forward_s = time.perf_counter() - forward_start
+        if offload is not None and output.chunks:
+            offload.note_compute(output.num_batched_tokens, forward_s)
         self.hooks.after_forward()
         if batch.num_scored:  # the last rows: prompt positions, before update moves the chunks
             score_prompts(output.chunks, logits[len(logits) - batch.num_scored:])

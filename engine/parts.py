@@ -24,6 +24,7 @@ from pdserve.engine.int8_calibration import calibrate_kv_scales, check_int8_qual
 from pdserve.engine.kv_cache.block_manager import BlockManager
 from pdserve.engine.kv_cache.events import KVEventLog
 from pdserve.engine.kv_cache.int8_scales import INT8_SCHEMES, Calibration
+from pdserve.engine.kv_cache.offload import PoolTiers
 from pdserve.engine.resolved_model import ResolvedModel
 from pdserve.engine.step.cuda_graphs import DecodeGraphs, cuda_capture
 from pdserve.engine.step.model_runner import ModelRunner
@@ -115,6 +116,16 @@ class EngineParts:
                                      hash_salt=_salt_bytes(config.prefix_cache_salt))
         if config.enable_prefix_caching:  # what the routers' prefix index is fed from
             block_manager.events = KVEventLog()
+        block_manager.offload = PoolTiers.for_config(config, caches, 0,
+                                                     config.tensor_parallel_size,
+                                                     block_manager.events)
+        if block_manager.offload is not None:
+            tiers = block_manager.offload.tiers
+            ledger = dataclasses.replace(ledger, kv_host_tier_bytes=tiers.host_capacity,
+                                         kv_disk_tier_bytes=tiers.disk_capacity
+                                         if tiers.folder is not None else 0)
+            if followers is not None:
+                block_manager.offload.ranks = runner
         logger.info("engine ready: %s", ", ".join(f"{k} {v}" for k, v in ledger.rows()))
         parts = cls(config, mc, tokenizer, runner, block_manager, ledger, max_model_len,
                     tuple(mc.eos_token_ids), adapters)
@@ -124,8 +135,11 @@ class EngineParts:
         return parts
 
     def close(self) -> None:
-        """Release what outlives the Python objects: a tensor parallel engine's followers."""
+        """Release what outlives the Python objects: a tensor parallel engine's followers, the
+        KV tiers' writer and disk folder."""
         self.runner.close()
+        if self.block_manager.offload is not None:
+            self.block_manager.offload.close()
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Validate a prompt and return its token ids (ValueError naming ``prompt``)."""

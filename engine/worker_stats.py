@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.worker_api import Utilization, WorkerStats
+from pdserve.worker_api import KV_TIER_DISK, KV_TIER_HOST, Utilization, WorkerStats
 
 
 def engine_stats(worker_id: str, role: str, engine: LLMEngine, num_reserved: int = 0,
@@ -28,7 +28,31 @@ def engine_stats(worker_id: str, role: str, engine: LLMEngine, num_reserved: int
         busy_fraction=util.busy_fraction,
         kv_log_id="" if bm.events is None else bm.events.log_id,
         kv_events_number=0 if bm.events is None else bm.events.number,
-        taken_at=time.time(), **spec_stats(engine), **lora_stats(engine))
+        taken_at=time.time(), **spec_stats(engine), **lora_stats(engine),
+        **tier_stats(engine))
+
+
+def tier_stats(engine: LLMEngine) -> dict:
+    """The KV tiers' contents and counters as WorkerStats fields (none without tiers). With
+    tensor parallelism, rank 0's (each rank holds its heads of the same blocks)."""
+    bm = engine.parts.block_manager
+    offload = bm.offload
+    if offload is None:
+        return {}
+    tiers = offload.tiers
+    usage, c = tiers.usage(), tiers.counters
+    return dict(kv_bytes_per_block=tiers.block_nbytes,
+                kv_host_blocks=usage["host_blocks"], kv_disk_blocks=usage["disk_blocks"],
+                kv_host_bytes=usage["host_bytes"], kv_disk_bytes=usage["disk_bytes"],
+                kv_host_capacity_bytes=tiers.host_capacity,
+                kv_disk_capacity_bytes=tiers.disk_capacity if tiers.folder else 0,
+                kv_host_hit_tokens=bm.num_tier_hit_tokens[KV_TIER_HOST],
+                kv_disk_hit_tokens=bm.num_tier_hit_tokens[KV_TIER_DISK],
+                kv_host_read_bytes=c.host_read_bytes, kv_disk_read_bytes=c.disk_read_bytes,
+                kv_host_read_s=c.host_read_s, kv_disk_read_s=c.disk_read_s,
+                kv_host_written_bytes=c.host_written_bytes,
+                kv_disk_written_bytes=c.disk_written_bytes, kv_tier_evictions=c.evictions,
+                kv_tier_read_failures=c.read_failures, kv_tier_write_failures=c.write_failures)
 
 
 def lora_stats(engine: LLMEngine) -> dict:

@@ -53,6 +53,9 @@ class MemoryLedger:
     # rank's (each holds its share of the heads and the MLP, and as many KV blocks)
     lora_bytes: int = 0  # LoRA: the adapter slots in the model (inside weight_bytes)
     lora_slots: str = ""  # LoRA: "N slots of rank <= R"
+    kv_host_tier_bytes: int = 0  # KV tiers: host memory for blocks evicted from the pool
+    # (outside the budget: the tier's own, --kv-offload-cpu-gib)
+    kv_disk_tier_bytes: int = 0  # KV tiers: disk for blocks evicted from the host tier
 
     @property
     def kv_token_capacity(self) -> int:
@@ -80,7 +83,11 @@ class MemoryLedger:
             + ([("int8 KV", self.kv_int8)] if self.kv_int8 else []) \
             + ([("draft model (weights + KV)", mib(self.draft_bytes))] if self.draft_bytes else [])\
             + ([("LoRA slots (in weights)", f"{mib(self.lora_bytes)}, {self.lora_slots}")]
-               if self.lora_bytes else [])
+               if self.lora_bytes else []) \
+            + ([("KV host tier (outside the budget)", mib(self.kv_host_tier_bytes))]
+               if self.kv_host_tier_bytes else []) \
+            + ([("KV disk tier", mib(self.kv_disk_tier_bytes))]
+               if self.kv_disk_tier_bytes else [])
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "kv_token_capacity": self.kv_token_capacity}

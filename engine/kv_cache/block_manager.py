@@ -50,6 +50,7 @@ from operator import attrgetter
 
 from pdserve.engine.kv_cache.prefix_hash import SALT_BYTES, adapter_root_hash, chain_hash
 from pdserve.engine.sequence import Sequence
+from pdserve.worker_api import KV_TIER_DISK, KV_TIER_HOST
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,12 @@ class BlockManager:
         # a KVEventLog (engine/kv_cache/events.py) told of every hash the cache gains and loses,
         # when the worker publishes its cache to the routers (None: nobody listens)
         self.events = None
+        # the KV tiers below the pool (engine/kv_cache/offload.py PoolTiers; None: none): the
+        # blocks evicted from the pool are saved there, prefix hits continue there
+        self.offload = None
+        self._to_save: list[tuple[int, bytes]] = []  # evicted, not saved yet: (block, hash)
+        self.num_tier_hit_tokens = {KV_TIER_HOST: 0, KV_TIER_DISK: 0}  # prompt tokens loaded
+        # from the tiers below the pool
 
     # ---- counts -------------------------------------------------------------------------
 
@@ -143,21 +150,34 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------
 
-    def _lookup(self, seq: Sequence) -> tuple[list[int], bytes]:
-        """Hit blocks of seq's full-block hash chain, and the hash of the last hit (pure)."""
+    def _lookup(self, seq: Sequence) -> tuple[list[int | None], list[bytes]]:
+        """The leading blocks of seq's full-block hash chain that the cache holds (pure): per
+        block its pool block, or None for one a tier below the pool holds and
+        ``offload.worth_loading`` says to load; and the hash of each."""
         bs = self._block_size
-        hits: list[int] = []
-        parent = _root(seq)
+        hits: list[int | None] = []
+        hashes: list[bytes] = []
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
-            return hits, parent  # (a prompt whose logprobs are wanted computes every position)
+            return hits, hashes  # (a prompt whose logprobs are wanted computes every position)
+        parent, offload = _root(seq), self.offload
+        below: list[int] = []  # the tiers of the hits below the pool
         for i in range((seq.num_tokens - 1) // bs):  # leave at least one token to compute
             h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], self._salt)
             block_id = self._hash_to_block.get(h)
             if block_id is None:
-                break
+                tier = None if offload is None else offload.tier_of(h)
+                if tier is None:
+                    break
+                below.append(tier)
             hits.append(block_id)
+            hashes.append(h)
             parent = h
-        return hits, parent
+        if below:  # up to the first block below the pool not worth loading
+            worth = offload.worth_loading(below)
+            if worth < len(below):
+                cut = [i for i, b in enumerate(hits) if b is None][worth]
+                del hits[cut:], hashes[cut:]
+        return hits, hashes
 
     def _num_dead_blocks(self, num_computed_tokens: int) -> int:
         """Leading blocks out of the window of every query at position >= num_computed_tokens.
@@ -170,18 +190,21 @@ class BlockManager:
         return max(0, (num_computed_tokens - self.sliding_window + 1) // self._block_size)
 
     def lookup_prefix(self, seq: Sequence) -> int:
-        """Tokens ``match_prefix`` would serve from the cache right now; changes nothing."""
+        """Tokens ``match_prefix`` would serve from the cache right now (if every block it
+        loads from a tier passes its check); changes nothing."""
         return len(self._lookup(seq)[0]) * self._block_size
 
     def admission_room(self, seq: Sequence) -> int:
         """Tokens past the prefix hit that a fresh seq could get blocks for now; changes nothing.
 
-        Counts the cached (ref 0) hit blocks that ``match_prefix`` would revive as taken.
+        Counts the cached (ref 0) hit blocks that ``match_prefix`` would revive, and the
+        blocks it would load from a tier, as taken.
         """
         hits, _ = self._lookup(seq)
-        num_dead = min(len(hits), self._num_dead_blocks(len(hits) * self._block_size))
-        revived = sum(1 for b in hits[num_dead:] if self._ref_counts[b] == 0)
-        return (self.num_allocatable_blocks - revived) * self._block_size
+        num_dead = 0 if None in hits else min(
+            len(hits), self._num_dead_blocks(len(hits) * self._block_size))
+        taken = sum(1 for b in hits[num_dead:] if b is None or self._ref_counts[b] == 0)
+        return (self.num_allocatable_blocks - taken) * self._block_size
 
     def match_prefix(self, seq: Sequence) -> int:
         """Admit seq onto its cached prefix: share the hit blocks, skip their tokens.
@@ -194,24 +217,74 @@ class BlockManager:
             raise RuntimeError(f"match_prefix needs a fresh sequence; {seq.request_id} has "
                                f"{len(seq.block_table)} blocks, "
                                f"{seq.num_computed_tokens} computed tokens")
-        hits, last_hash = self._lookup(seq)
-        num_hit_tokens = len(hits) * self._block_size
-        num_dead = min(len(hits), self._num_dead_blocks(num_hit_tokens))
-        table: list[int | None] = [None] * num_dead
-        for block_id in hits[num_dead:]:
-            if self._ref_counts[block_id] == 0:
-                del self._cached[block_id]  # revive an evictable block
-            self._ref_counts[block_id] += 1
-            table.append(block_id)
-        seq.block_table = table
+        hits, hashes = self._lookup(seq)
+        if None in hits:
+            table = self._load_hits(seq, hits, hashes)
+            num_dead = min(len(table), self._num_dead_blocks(len(table) * self._block_size))
+            seq.block_table = table
+            self._release_entries(seq, 0, num_dead)  # (loaded first: a load may fail)
+        else:
+            num_dead = min(len(hits), self._num_dead_blocks(len(hits) * self._block_size))
+            table = [None] * num_dead
+            for block_id in hits[num_dead:]:
+                self._revive(block_id)
+                table.append(block_id)
+            seq.block_table = table
+        num_hits = len(seq.block_table)
+        num_hit_tokens = num_hits * self._block_size
         seq.num_computed_tokens = num_hit_tokens
         seq.num_cached_tokens = num_hit_tokens
         if self.enable_prefix_caching:
-            self._chains[seq.request_id] = (len(hits), last_hash)
+            self._chains[seq.request_id] = (num_hits, hashes[num_hits - 1] if num_hits
+                                            else _root(seq))
         self.num_prefix_queries += 1
         self.num_prefix_query_tokens += seq.num_tokens
         self.num_prefix_hit_tokens += num_hit_tokens
         return num_hit_tokens
+
+    def _revive(self, block_id: int) -> None:
+        """One more table holds ``block_id`` (a cached one leaves the evictable list)."""
+        if self._ref_counts[block_id] == 0:
+            del self._cached[block_id]
+        self._ref_counts[block_id] += 1
+
+    def _load_hits(self, seq: Sequence, hits: list[int | None],
+                   hashes: list[bytes]) -> list[int | None]:
+        """The table of ``hits`` with each None (a block below the pool) loaded into a fresh
+        pool block and hashed there; cut before the first block whose load failed (its
+        check, or a read), the blocks past the cut released. Pool hits are held first, so
+        taking blocks for the loads never evicts them."""
+        revived = sum(1 for b in hits if b is not None and self._ref_counts[b] == 0)
+        room = self.num_allocatable_blocks - revived  # (a reservation checks room after)
+        loads = [i for i, b in enumerate(hits) if b is None]
+        if len(loads) > room:
+            del hits[loads[room]:], hashes[loads[room]:]
+            del loads[room:]
+        table: list[int | None] = []
+        for block_id in hits:
+            if block_id is not None:
+                self._revive(block_id)
+                table.append(block_id)
+            else:
+                table.append(self._take_block())
+        self.flush_saves()  # (what taking those blocks evicted, before the loads overwrite it)
+        num_loaded, tiers = self.offload.load([table[i] for i in loads],
+                                              [hashes[i] for i in loads])
+        cut = len(table) if num_loaded == len(loads) else loads[num_loaded]
+        for i, tier in zip(loads[:num_loaded], tiers, strict=True):
+            self._register(table[i], hashes[i])
+            self.num_tier_hit_tokens[tier] += self._block_size
+        seq.block_table = table
+        self._release_entries(seq, cut, len(table))
+        return table[:cut]
+
+    def flush_saves(self) -> None:
+        """Save the blocks evicted from the pool since the last call into the tiers below
+        it. Called before anything may write into a block taken since: the next forward, a
+        decode reservation's KV, a load from a tier."""
+        if self._to_save:
+            to_save, self._to_save = self._to_save, []
+            self.offload.save([b for b, _ in to_save], [h for _, h in to_save])
 
     def fork(self, parent: Sequence, child: Sequence) -> int:
         """Give fresh ``child`` (same prompt) ``parent``'s leading full prompt blocks, shared
@@ -354,6 +427,8 @@ class BlockManager:
             self._block_hashes[block_id] = None
             if self.events is not None:
                 self.events.removed(evicted)
+            if self.offload is not None:
+                self._to_save.append((block_id, evicted))
         self._ref_counts[block_id] = 1
         return block_id
 

@@ -21,6 +21,7 @@ import torch
 
 from pdserve.engine.adapters import AdapterSlots
 from pdserve.engine.capacity.memory import allocate_kv_caches, kv_layer_dtypes
+from pdserve.engine.kv_cache.offload import TIER_CALLS, PoolTiers
 from pdserve.engine.resolved_model import ResolvedModel
 from pdserve.engine.tensor_parallel.group import (
     OP_CALL,
@@ -55,6 +56,7 @@ def serve(address: str, rank: int, size: int, signer: Signer) -> None:
         layer_dtypes = kv_layer_dtypes(model.config.num_hidden_layers, resolved.dtype,
                                        spec.config)
         caches = allocate_kv_caches(model.config, ledger, layer_dtypes, device)
+        tiers = PoolTiers.for_config(spec.config, caches, rank, size)
         role = None if spec.role is None else _load(spec.role.path)(
             RankContext(model, caches, rank, size, device, spec.config, resolved.model_config,
                         store), *spec.role.args)
@@ -69,7 +71,8 @@ def serve(address: str, rank: int, size: int, signer: Signer) -> None:
         while (message := group.recv(resolved.backend, adapters is not None)) is not None:
             if message.op == OP_CALL:
                 method, args = message.payload
-                target = adapters if method == AdapterSlots.load_slot.__name__ else role
+                target = (adapters if method == AdapterSlots.load_slot.__name__
+                          else tiers if method in TIER_CALLS else role)
                 group.count_failures(not _call(target, method, args))
                 continue
             input_ids, positions, meta, rows = message.batch
@@ -81,6 +84,8 @@ def serve(address: str, rank: int, size: int, signer: Signer) -> None:
     finally:
         if role is not None:
             role.close()
+        if tiers is not None:
+            tiers.close()
     logger.info("tensor parallel rank %d stopped", rank)
 
 

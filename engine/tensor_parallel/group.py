@@ -465,6 +465,16 @@ class TensorParallelRunner(ModelRunner):
             raise EngineBrokenError(f"{failed} tensor parallel rank(s) failed {method}; "
                                     f"their logs say why")
 
+    def call_ranks_counting(self, method: str, *args) -> int:
+        """Run ``method(*args)`` on every follower's role and wait for all; returns how many
+        failed it (a failure the caller undoes on every rank, as a KV tier load that some
+        rank could not make). A group that broke: EngineBrokenError."""
+        try:
+            return self.group.send_call(method, args)
+        except Exception as exc:
+            raise EngineBrokenError(f"tensor parallel group broken during {method}: "
+                                    f"{exc}") from exc
+
     def published(self, name: str) -> list[str]:
         return self.followers.published(name)
 

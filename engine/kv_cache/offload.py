@@ -1,0 +1,183 @@
+"""Blocks between one engine's KV pool and the tiers below it (``engine.kv_cache.tiers``).
+
+:class:`PoolTiers` is what the block manager's ``offload`` is: it copies evicted blocks out of
+the pool into the tiers (``save``), reads blocks back into pool blocks (``load``), says which
+tier holds a hash and whether loading beats computing (``worth_loading``). Each rank keeps its
+own tiers, holding its K/V heads; rank 0's ``PoolTiers`` has every follower do the same save or
+load (``TensorParallelRunner.call_ranks``), and a load that fails on any rank is a miss on all.
+
+A block's payload is its K and V of every layer (in the pool's dtype), then, for an int8 pool
+with dynamic scales, its token scales: flat bytes, what the tiers store and check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import numpy as np
+import torch
+
+from pdserve.engine.kv_cache.tiers import KVTiers
+from pdserve.kernels import KVCacheLayer
+from pdserve.worker_api import KV_TIER_DISK, KV_TIER_HOST
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+# What a tier is assumed to read per second before this engine has read anything from it: the
+# load rule's first guess (replaced by the measured rate after the first reads)
+DEFAULT_READ_BYTES_PER_S = {KV_TIER_HOST: 4e9, KV_TIER_DISK: 1e9}
+COMPUTE_EMA = 0.2  # weight of the latest step in the running mean of compute time per token
+TIER_CALLS = frozenset({"save_tier_blocks", "load_tier_blocks"})  # what rank 0 has followers run
+
+
+class PoolTiers:
+    """One rank's pool and its KV tiers (and, on rank 0 of a tensor parallel group, the
+    followers' through ``ranks``)."""
+
+    def __init__(self, caches: list[KVCacheLayer], tiers: KVTiers, block_size: int,
+                 ranks=None):
+        self.caches = caches
+        self.tiers = tiers
+        self.block_size = block_size
+        self.ranks = ranks  # TensorParallelRunner (rank 0 of a group) or None
+        self.compute_s_per_token: float | None = None  # measured prefill time per token
+
+    @classmethod
+    def for_config(cls, config, caches: list[KVCacheLayer], rank: int = 0, size: int = 1,
+                   events=None) -> PoolTiers | None:
+        """The tiers ``config`` asks for (``kv_offload_*``), or None without them."""
+        if not (config.kv_offload_cpu_gib or config.kv_offload_disk_gib):
+            return None
+        tiers = KVTiers(layout_fingerprint(config.model, caches, rank, size),
+                        block_nbytes(caches), int(config.kv_offload_cpu_gib * GIB),
+                        int(config.kv_offload_disk_gib * GIB), config.kv_offload_dir, events)
+        return cls(caches, tiers, config.block_size)
+
+    # ---- what the block manager asks --------------------------------------------------
+
+    def tier_of(self, block_hash: bytes) -> int | None:
+        return self.tiers.tier_of(block_hash)
+
+    def worth_loading(self, tiers: list[int]) -> int:
+        """How many of the leading blocks below the pool, of ``tiers``, are cheaper to load
+        than to compute (measured read rates against the measured compute time per token)."""
+        per_token = self.compute_s_per_token
+        if per_token is None:
+            return len(tiers)
+        compute_s = per_token * self.block_size
+        for i, tier in enumerate(tiers):
+            if self.tiers.block_nbytes / self.read_bytes_per_s(tier) >= compute_s:
+                return i
+        return len(tiers)
+
+    def read_bytes_per_s(self, tier: int) -> float:
+        c = self.tiers.counters
+        read_bytes, read_s = ((c.host_read_bytes, c.host_read_s) if tier == KV_TIER_HOST
+                              else (c.disk_read_bytes, c.disk_read_s))
+        if read_s <= 0:
+            return DEFAULT_READ_BYTES_PER_S[tier]
+        return read_bytes / read_s
+
+    def note_compute(self, num_tokens: int, seconds: float) -> None:
+        """A forward computed ``num_tokens`` tokens in ``seconds`` (a step with prompt
+        chunks): the running mean the load rule compares against."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        latest = seconds / num_tokens
+        mean = self.compute_s_per_token
+        self.compute_s_per_token = latest if mean is None else (
+            mean + COMPUTE_EMA * (latest - mean))
+
+    # ---- moving blocks ------------------------------------------------------------------
+
+    def save(self, block_ids: list[int], hashes: list[bytes]) -> None:
+        """Copy the pool's ``block_ids`` (each holding the block of its hash) into the tiers,
+        on every rank."""
+        self.save_tier_blocks(block_ids, hashes)
+        if self.ranks is not None:
+            self.ranks.call_ranks(PoolTiers.save_tier_blocks.__name__, block_ids, hashes)
+
+    def load(self, block_ids: list[int], hashes: list[bytes]) -> tuple[int, list[int]]:
+        """Read the blocks of ``hashes`` from the tiers into the pool's ``block_ids``, in order,
+        up to the first one that fails its check or read (on any rank: then none counts).
+        Returns how many loaded and the tier each came from."""
+        num_loaded, tiers = self._load(block_ids, hashes)
+        if self.ranks is not None and num_loaded:
+            failed = self.ranks.call_ranks_counting(PoolTiers.load_tier_blocks.__name__,
+                                                    block_ids[:num_loaded],
+                                                    hashes[:num_loaded])
+            if failed:
+                logger.warning("%d tensor parallel rank(s) could not load %d KV blocks from "
+                               "their tiers; the blocks are recomputed", failed, num_loaded)
+                for block_hash in hashes[:num_loaded]:
+                    self.tiers.forget(block_hash)
+                return 0, []
+        return num_loaded, tiers
+
+    def save_tier_blocks(self, block_ids: list[int], hashes: list[bytes]) -> None:
+        """This rank's part of :meth:`save` (what rank 0 has each follower run)."""
+        for block_id, block_hash in zip(block_ids, hashes, strict=True):
+            self.tiers.save(block_hash, self._pack(block_id))
+
+    def load_tier_blocks(self, block_ids: list[int], hashes: list[bytes]) -> None:
+        """A follower's part of :meth:`load`: all of them, or RuntimeError (counted by rank
+        0 as this rank's failure)."""
+        num_loaded, _ = self._load(block_ids, hashes)
+        if num_loaded < len(block_ids):
+            raise RuntimeError(f"loaded {num_loaded} of {len(block_ids)} KV blocks from this "
+                               f"rank's tiers")
+
+    def _load(self, block_ids: list[int], hashes: list[bytes]) -> tuple[int, list[int]]:
+        tiers: list[int] = []
+        for block_id, block_hash in zip(block_ids, hashes, strict=True):
+            tier = self.tiers.tier_of(block_hash)
+            payload = None if tier is None else self.tiers.read(block_hash)
+            if payload is None:
+                break
+            self._unpack(block_id, payload)
+            tiers.append(tier)
+        return len(tiers), tiers
+
+    def _pack(self, block_id: int) -> np.ndarray:
+        """Block ``block_id``'s payload (one copy, on the host)."""
+        parts = _block_parts(self.caches, block_id)
+        return torch.cat([p.reshape(-1).view(torch.uint8) for p in parts]).cpu().numpy()
+
+    def _unpack(self, block_id: int, payload: np.ndarray) -> None:
+        data = torch.from_numpy(payload)
+        offset = 0
+        for part in _block_parts(self.caches, block_id):
+            nbytes = part.numel() * part.element_size()
+            part.view(-1).view(torch.uint8).copy_(data[offset:offset + nbytes],
+                                                  non_blocking=False)
+            offset += nbytes
+
+    def close(self) -> None:
+        self.tiers.close()
+
+
+def _block_parts(caches: list[KVCacheLayer], block_id: int) -> list[torch.Tensor]:
+    """The pool's tensors of one block, in payload order: K and V of every layer, then the
+    token scales of every layer that has them (each a contiguous view)."""
+    parts = [half for c in caches for half in (c.kv[0, block_id], c.kv[1, block_id])]
+    parts += [t[block_id] for c in caches for t in c.token_scales]
+    return parts
+
+
+def block_nbytes(caches: list[KVCacheLayer]) -> int:
+    """One block's payload bytes."""
+    return sum(p.numel() * p.element_size() for p in _block_parts(caches, 0))
+
+
+def layout_fingerprint(model: str, caches: list[KVCacheLayer], rank: int, size: int) -> bytes:
+    """What a stored block must have been made by to be loaded here: the model, this rank of
+    the group, every layer's block shape and dtype, and an int8 pool's calibrated scales."""
+    h = hashlib.sha256(f"pdserve-kv-tier|{model}|{rank}/{size}".encode())
+    for c in caches:
+        h.update(f"|{tuple(c.kv.shape[2:])}|{c.kv.dtype}|{len(c.token_scales)}".encode())
+        for scale in (c.k_scale, c.v_scale):
+            if scale is not None:
+                h.update(scale.detach().cpu().contiguous().numpy().tobytes())
+    return h.digest()
