@@ -267,9 +267,9 @@ class BlockManager:
                 table.append(block_id)
             else:
                 table.append(self._take_block())
-        self.flush_saves()  # (what taking those blocks evicted, before the loads overwrite it)
+        # (what taking those blocks evicted is saved before the loads overwrite it)
         num_loaded, tiers = self.offload.load([table[i] for i in loads],
-                                              [hashes[i] for i in loads])
+                                              [hashes[i] for i in loads], self.flush_saves)
         cut = len(table) if num_loaded == len(loads) else loads[num_loaded]
         for i, tier in zip(loads[:num_loaded], tiers, strict=True):
             self._register(table[i], hashes[i])

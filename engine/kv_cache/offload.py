@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -99,11 +100,18 @@ class PoolTiers:
         if self.ranks is not None:
             self.ranks.call_ranks(PoolTiers.save_tier_blocks.__name__, block_ids, hashes)
 
-    def load(self, block_ids: list[int], hashes: list[bytes]) -> tuple[int, list[int]]:
+    def load(self, block_ids: list[int], hashes: list[bytes],
+             before_write: Callable[[], None]) -> tuple[int, list[int]]:
         """Read the blocks of ``hashes`` from the tiers into the pool's ``block_ids``, in order,
         up to the first one that fails its check or read (on any rank: then none counts).
-        Returns how many loaded and the tier each came from."""
-        num_loaded, tiers = self._load(block_ids, hashes)
+        ``before_write`` runs between reading and writing into the pool (the saves of what
+        those blocks held: they would push the blocks being read down a tier). Returns how
+        many loaded and the tier each came from."""
+        payloads, tiers = self._read(hashes)
+        before_write()
+        for block_id, payload in zip(block_ids, payloads, strict=False):
+            self._unpack(block_id, payload)
+        num_loaded = len(payloads)
         if self.ranks is not None and num_loaded:
             failed = self.ranks.call_ranks_counting(PoolTiers.load_tier_blocks.__name__,
                                                     block_ids[:num_loaded],
@@ -124,21 +132,25 @@ class PoolTiers:
     def load_tier_blocks(self, block_ids: list[int], hashes: list[bytes]) -> None:
         """A follower's part of :meth:`load`: all of them, or RuntimeError (counted by rank
         0 as this rank's failure)."""
-        num_loaded, _ = self._load(block_ids, hashes)
-        if num_loaded < len(block_ids):
-            raise RuntimeError(f"loaded {num_loaded} of {len(block_ids)} KV blocks from this "
+        payloads, _ = self._read(hashes)
+        if len(payloads) < len(block_ids):
+            raise RuntimeError(f"read {len(payloads)} of {len(block_ids)} KV blocks from this "
                                f"rank's tiers")
+        for block_id, payload in zip(block_ids, payloads, strict=True):
+            self._unpack(block_id, payload)
 
-    def _load(self, block_ids: list[int], hashes: list[bytes]) -> tuple[int, list[int]]:
+    def _read(self, hashes: list[bytes]) -> tuple[list[np.ndarray], list[int]]:
+        """The checked payloads of the leading ``hashes`` the tiers give, and their tiers."""
+        payloads: list[np.ndarray] = []
         tiers: list[int] = []
-        for block_id, block_hash in zip(block_ids, hashes, strict=True):
+        for block_hash in hashes:
             tier = self.tiers.tier_of(block_hash)
             payload = None if tier is None else self.tiers.read(block_hash)
             if payload is None:
                 break
-            self._unpack(block_id, payload)
+            payloads.append(payload)
             tiers.append(tier)
-        return len(tiers), tiers
+        return payloads, tiers
 
     def _pack(self, block_id: int) -> np.ndarray:
         """Block ``block_id``'s payload (one copy, on the host)."""

@@ -88,6 +88,8 @@ class KVTiers:
         self.folder: Path | None = None
         self._queue: queue.Queue | None = None
         self._backlog = 0  # bytes queued for the writer
+        self._writing: dict[bytes, tuple[np.ndarray, int]] = {}  # queued blocks: readable
+        # (from memory) until their file is written
         self.max_backlog_bytes = (max_backlog_bytes if max_backlog_bytes is not None
                                   else max(64 << 20, 8 * block_nbytes))
         if disk_bytes and disk_dir:
@@ -105,7 +107,7 @@ class KVTiers:
         with self._lock:
             if block_hash in self._host:
                 return KV_TIER_HOST
-            if block_hash in self._disk:
+            if block_hash in self._disk or block_hash in self._writing:
                 return KV_TIER_DISK
         return None
 
@@ -152,17 +154,23 @@ class KVTiers:
                 self.counters.evictions += 1
                 return
             self._backlog += payload.nbytes
+            self._writing[block_hash] = (payload, crc)
         self._queue.put((block_hash, payload, crc))
 
     def _write_loop(self) -> None:
         assert self._queue is not None and self.folder is not None
         while (item := self._queue.get()) is not None:
             block_hash, payload, crc = item
+            with self._lock:  # (forgotten or queued again since: not this write)
+                current = self._writing.get(block_hash, (None,))[0] is payload
             try:
-                self._write(block_hash, payload, crc)
+                if current:
+                    self._write(block_hash, payload, crc)
             finally:
                 with self._lock:
                     self._backlog -= payload.nbytes
+                    if current:
+                        del self._writing[block_hash]
 
     def _write(self, block_hash: bytes, payload: np.ndarray, crc: int) -> None:
         assert self.folder is not None
@@ -217,18 +225,20 @@ class KVTiers:
         start = time.perf_counter()
         with self._lock:
             held = self._host.get(block_hash)
+            tier = KV_TIER_HOST
             if held is not None:
                 self._host.move_to_end(block_hash)
+            else:
+                held, tier = self._writing.get(block_hash), KV_TIER_DISK
             on_disk = held is None and block_hash in self._disk
             if on_disk:
                 self._disk.move_to_end(block_hash)
-        if held is not None:
+        if held is not None:  # in memory: the host tier, or on its way to disk
             payload, crc = held
             if payload.nbytes == self.block_nbytes and zlib.crc32(payload) == crc:
-                self.counters.host_read_bytes += payload.nbytes
-                self.counters.host_read_s += time.perf_counter() - start
+                self._count_read(tier, payload.nbytes, time.perf_counter() - start)
                 return payload
-            self._fail(block_hash, KV_TIER_HOST, "its checksum does not match")
+            self._fail(block_hash, tier, "its checksum does not match")
             return None
         if not on_disk:
             return None
@@ -236,9 +246,17 @@ class KVTiers:
         if payload is None:
             self._fail(block_hash, KV_TIER_DISK, why)
             return None
-        self.counters.disk_read_bytes += payload.nbytes
-        self.counters.disk_read_s += time.perf_counter() - start
+        self._count_read(KV_TIER_DISK, payload.nbytes, time.perf_counter() - start)
         return payload
+
+    def _count_read(self, tier: int, nbytes: int, seconds: float) -> None:
+        c = self.counters
+        if tier == KV_TIER_HOST:
+            c.host_read_bytes += nbytes
+            c.host_read_s += seconds
+        else:
+            c.disk_read_bytes += nbytes
+            c.disk_read_s += seconds
 
     def _read_file(self, block_hash: bytes) -> tuple[np.ndarray | None, str]:
         """(the checked payload, "") or (None, why not)."""
@@ -277,6 +295,7 @@ class KVTiers:
             size = self._disk.pop(block_hash, None)
             if size is not None:
                 self._disk_used -= size
+            self._writing.pop(block_hash, None)
         if held is not None:
             self._tell(block_hash, KV_TIER_HOST, False)
         if size is not None:

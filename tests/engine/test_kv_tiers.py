@@ -1,0 +1,325 @@
+"""KV tiers below the pool: a prefix served from host memory or disk gives the same tokens as
+computing it (greedy; fp32, int8 KV, a sliding window, tensor parallel), every way a stored
+block can go bad is a miss that recomputes, a disk that fills, vanishes or is not ours keeps
+serving, aborts leak no block, and a restarted engine never trusts files it did not write."""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from pdserve.engine.kv_cache.tiers import FOLDER_PREFIX, HEADER, KVTiers
+from pdserve.engine.llm import LLM
+from pdserve.worker_api import KV_TIER_DISK, KV_TIER_HOST, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+BLOCK = 16
+POOL = 8  # blocks: the four prompts below hold 12 full blocks, so a second round misses
+HIT = 48  # prompt tokens a second round serves from a tier (3 full blocks of 49 tokens)
+
+
+def prompts(seed: int = 0, count: int = 4, length: int = 49) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 200) for _ in range(length)] for _ in range(count)]
+
+
+def two_rounds(llm: LLM, batch: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Each prompt alone, twice over: (tokens, cached prompt tokens) per request."""
+    return [(out.token_ids, out.num_cached_tokens) for _ in range(2) for p in batch
+            for out in llm.generate([p], GREEDY, use_tqdm=False)]
+
+
+def one_round(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
+    return [out.token_ids for p in batch for out in llm.generate([p], GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def computed(tiny_dir) -> list[tuple[list[int], int]]:
+    """The two rounds without tiers: every prompt computed (the pool holds too few)."""
+    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK) as llm:
+        return two_rounds(llm, prompts())
+
+
+def tiers_of(llm: LLM) -> KVTiers:
+    return llm.engine.parts.block_manager.offload.tiers
+
+
+def check_idle(llm: LLM) -> None:
+    bm = llm.engine.parts.block_manager
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0
+
+
+def test_host_tier_round_trip_equals_computing(tiny_dir, computed):
+    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK,
+             kv_offload_cpu_gib=0.01) as llm:
+        got = two_rounds(llm, prompts())
+        bm = llm.engine.parts.block_manager
+        assert [t for t, _ in got] == [t for t, _ in computed]
+        assert [c for _, c in got[4:]] == [HIT] * 4
+        assert bm.num_tier_hit_tokens == {KV_TIER_HOST: 4 * HIT, KV_TIER_DISK: 0}
+        assert tiers_of(llm).counters.read_failures == 0
+        check_idle(llm)
+
+
+def test_disk_tier_round_trip_equals_computing(tiny_dir, computed, tmp_path):
+    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.0001,
+             kv_offload_disk_gib=0.01, kv_offload_dir=str(tmp_path / "kv")) as llm:
+        tiers = tiers_of(llm)
+        first = one_round(llm, prompts())
+        tiers.flush()  # (the evicted blocks are on disk now)
+        second = one_round(llm, prompts())
+        assert first + second == [t for t, _ in computed]
+        bm = llm.engine.parts.block_manager
+        assert bm.num_tier_hit_tokens[KV_TIER_DISK] > 0
+        assert (tmp_path / "kv").stat().st_mode & 0o777 == 0o700
+        assert tiers.folder.stat().st_mode & 0o777 == 0o700
+        folder = tiers.folder
+    assert not folder.exists()  # (closing the engine deletes its folder)
+
+
+def test_int8_kv_round_trip_equals_int8_computing(tiny_dir):
+    """The second round, loaded from the host tier (int8 blocks and their token scales),
+    equals the first, computed on the same int8 pool."""
+    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_cache_dtype="int8",
+             kv_int8_keep_edge_layers=False, kv_int8_scales="hybrid",
+             kv_offload_cpu_gib=0.01) as llm:
+        got = two_rounds(llm, prompts(1))
+        assert llm.engine.parts.block_manager.num_tier_hit_tokens[KV_TIER_HOST] == 4 * HIT
+        assert llm.engine.parts.runner.kv_caches[0].k_token_scale is not None
+    assert [t for t, _ in got[4:]] == [t for t, _ in got[:4]]
+
+
+def test_sliding_window_round_trip_equals_computing(hf_checkpoint):
+    path = str(hf_checkpoint("mistral-window"))
+    batch = prompts(2, length=33)
+    with LLM(path, num_kv_blocks=16, block_size=4) as llm:
+        expected = two_rounds(llm, batch)
+    with LLM(path, num_kv_blocks=16, block_size=4, kv_offload_cpu_gib=0.01) as llm:
+        got = two_rounds(llm, batch)
+        assert llm.engine.parts.block_manager.num_tier_hit_tokens[KV_TIER_HOST] > 0
+        check_idle(llm)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+
+
+def test_tensor_parallel_round_trip_and_a_follower_miss(tiny_dir, computed):
+    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, tensor_parallel_size=2,
+             kv_offload_cpu_gib=0.01) as llm:
+        got = two_rounds(llm, prompts())
+        assert [t for t, _ in got] == [t for t, _ in computed]
+        bm = llm.engine.parts.block_manager
+        assert bm.num_tier_hit_tokens[KV_TIER_HOST] == 4 * HIT
+        # rank 0 holds a block its follower lost: the load is a miss on every rank
+        ranks = llm.engine.ranks
+        assert ranks.call_ranks_counting("load_tier_blocks", [0], [b"\x07" * 32]) == 1
+        check_idle(llm)
+
+
+def corrupt_host(tiers: KVTiers) -> int:
+    """Flip one byte in every block the host tier holds; how many."""
+    with tiers._lock:
+        for payload, _ in tiers._host.values():
+            payload[len(payload) // 2] ^= 0x40
+        return len(tiers._host)
+
+
+def disk_files(tiers: KVTiers) -> list:
+    return sorted(p for p in tiers.folder.iterdir() if p.suffix != ".part")
+
+
+def _truncate(path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def _garble_header(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[:8] = b"NOTATIER"
+    path.write_bytes(bytes(data))
+
+
+def _other_layout(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[8:40] = bytes(32)  # another pool's fingerprint
+    path.write_bytes(bytes(data))
+
+
+def _flip_payload(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[HEADER.size + 7] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _swap_names(paths) -> None:  # a file holding another block's KV under this hash
+    a, b = paths[0], paths[1]
+    tmp = a.with_suffix(".swap")
+    a.rename(tmp)
+    b.rename(a)
+    tmp.rename(b)
+
+
+DISK_FAULTS = {
+    "truncated": lambda paths: [_truncate(p) for p in paths],
+    "garbled header": lambda paths: [_garble_header(p) for p in paths],
+    "another layout": lambda paths: [_other_layout(p) for p in paths],
+    "flipped payload byte": lambda paths: [_flip_payload(p) for p in paths],
+    "missing": lambda paths: [p.unlink() for p in paths],
+    "swapped": lambda paths: [_swap_names(paths[i:i + 2]) for i in range(0, len(paths) - 1, 2)],
+}
+
+
+def test_corrupt_host_blocks_are_recomputed(tiny_dir, computed):
+    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK,
+             kv_offload_cpu_gib=0.01) as llm:
+        batch = prompts()
+        first = one_round(llm, batch)
+        assert corrupt_host(tiers_of(llm)) > 0
+        second = one_round(llm, batch)
+        assert first + second == [t for t, _ in computed]
+        assert tiers_of(llm).counters.read_failures > 0
+        check_idle(llm)
+
+
+@pytest.mark.parametrize("fault", sorted(DISK_FAULTS))
+def test_bad_disk_blocks_are_recomputed(tiny_dir, computed, tmp_path, fault, caplog):
+    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.0001,
+             kv_offload_disk_gib=0.01, kv_offload_dir=str(tmp_path / "kv")) as llm:
+        tiers = tiers_of(llm)
+        batch = prompts()
+        first = one_round(llm, batch)
+        tiers.flush()
+        paths = disk_files(tiers)
+        assert len(paths) >= 2
+        DISK_FAULTS[fault](paths)
+        second = one_round(llm, batch)
+        assert first + second == [t for t, _ in computed]
+        assert tiers.counters.read_failures > 0
+        assert "recomputed" in caplog.text
+        check_idle(llm)
+
+
+def test_a_disk_that_fills_or_vanishes_keeps_serving(tiny_dir, computed, tmp_path):
+    """A write past the file size limit fails (EFBIG, as a full disk's ENOSPC): dropped and
+    counted; then the folder is deleted under the engine: reads and writes fail, it serves."""
+    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.0001,
+             kv_offload_disk_gib=0.01, kv_offload_dir=str(tmp_path / "kv")) as llm:
+        tiers = tiers_of(llm)
+        batch = prompts()
+        limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+        old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        # (a block's file is one byte over: the test's own small files still fit)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (HEADER.size + tiers.block_nbytes - 1,
+                                                   limits[1]))
+        try:
+            first = one_round(llm, batch)
+            tiers.flush()
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+            signal.signal(signal.SIGXFSZ, old_handler)
+        assert tiers.counters.write_failures > 0 and not disk_files(tiers)
+        one_round(llm, batch)  # now written
+        tiers.flush()
+        assert disk_files(tiers)
+        for path in tiers.folder.iterdir():
+            path.unlink()
+        tiers.folder.rmdir()
+        second = one_round(llm, batch)
+        tiers.flush()
+        assert first + second == [t for t, _ in computed]
+        assert tiers.counters.read_failures > 0
+        check_idle(llm)
+
+
+def test_a_folder_of_another_user_turns_the_disk_tier_off(tiny_dir, computed, tmp_path,
+                                                          caplog):
+    root = tmp_path / "kv"
+    root.mkdir()
+    os.chown(root, os.getuid() + 4242, -1)
+    try:
+        with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK,
+                 kv_offload_cpu_gib=0.0001, kv_offload_disk_gib=0.01,
+                 kv_offload_dir=str(root)) as llm:
+            assert tiers_of(llm).folder is None and "KV disk tier off" in caplog.text
+            assert [t for t, _ in two_rounds(llm, prompts())] == [t for t, _ in computed]
+            assert not any(root.iterdir())
+    finally:
+        os.chown(root, os.getuid(), -1)
+
+
+def test_a_restarted_engine_trusts_no_earlier_file(tmp_path):
+    """Folders of engines no longer alive are deleted at start; a live one's are kept."""
+    root = tmp_path / "kv"
+    dead = root / f"{FOLDER_PREFIX}999999999-dead"
+    live = root / f"{FOLDER_PREFIX}{os.getppid()}-live"
+    for folder in (dead, live):
+        folder.mkdir(parents=True)
+        (folder / ("ab" * 32)).write_bytes(b"x" * 64)
+    tiers = KVTiers(bytes(32), 64, 0, 1 << 20, str(root))
+    try:
+        assert not dead.exists() and live.exists()
+        assert tiers.tier_of(bytes.fromhex("ab" * 32)) is None
+    finally:
+        tiers.close()
+
+
+def test_tiers_keep_lru_within_budgets_and_bound_the_backlog(tmp_path):
+    block = 1000
+    tiers = KVTiers(b"f" * 32, block, host_bytes=3 * block, disk_bytes=4 * (HEADER.size + block),
+                    disk_dir=str(tmp_path))
+    hashes = [bytes([i]) * 32 for i in range(10)]
+    try:
+        for i, h in enumerate(hashes):
+            tiers.save(h, np.full(block, i, dtype=np.uint8))
+        tiers.flush()
+        # host: the last three; disk: the four before them; the first three dropped
+        assert [tiers.tier_of(h) for h in hashes] == [None] * 3 + [KV_TIER_DISK] * 4 \
+            + [KV_TIER_HOST] * 3
+        assert tiers.read(hashes[5])[0] == 5 and tiers.read(hashes[9])[0] == 9
+        assert tiers.counters.evictions == 3
+        assert tiers.usage() == dict(host_blocks=3, host_bytes=3 * block, disk_blocks=4,
+                                     disk_bytes=4 * (HEADER.size + block))
+    finally:
+        tiers.close()
+    # a writer that cannot keep up: blocks past the backlog bound are dropped, never waited for
+    slow = KVTiers(b"f" * 32, block, host_bytes=0, disk_bytes=1 << 20,
+                   disk_dir=str(tmp_path / "slow"), max_backlog_bytes=2 * block)
+    gate = threading.Event()
+    write = slow._write
+    slow._write = lambda *args: (gate.wait(10), write(*args))
+    try:
+        for h in hashes:
+            slow.save(h, np.zeros(block, dtype=np.uint8))
+        assert slow.counters.write_failures >= len(hashes) - 3
+    finally:
+        gate.set()
+        slow.flush()
+        slow.close()
+
+
+def test_aborts_with_writes_in_flight_leak_no_block(tiny_dir, tmp_path):
+    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.0001,
+             kv_offload_disk_gib=0.01, kv_offload_dir=str(tmp_path / "kv")) as llm:
+        engine = llm.engine
+        gate = threading.Event()
+        tiers = tiers_of(llm)
+        write = tiers._write
+        tiers._write = lambda *args: (gate.wait(10), write(*args))
+        try:
+            for round_ in range(3):
+                for i, p in enumerate(prompts()):
+                    engine.add_request(f"r{round_}-{i}", p, GREEDY)
+                for _ in range(3):
+                    engine.step()
+                for i in range(4):
+                    engine.abort_request(f"r{round_}-{i}")
+                check_idle(llm)
+        finally:
+            gate.set()
+        tiers.flush()
+        check_idle(llm)
