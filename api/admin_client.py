@@ -74,7 +74,18 @@ def trace_dict(trace: admin_pb2.RequestTrace) -> dict:
             "prefill_worker": trace.prefill_worker or None,
             "decode_worker": trace.decode_worker or None, "adapter": trace.adapter or None,
             "prefill_adapter_source": trace.prefill_adapter_source or None,
-            "decode_adapter_source": trace.decode_adapter_source or None}
+            "decode_adapter_source": trace.decode_adapter_source or None,
+            "prefix_source": _prefix_source(trace, "prefix_source"),
+            "decode_prefix_source": _prefix_source(trace, "decode_prefix_source")}
+
+
+def _prefix_source(trace: admin_pb2.RequestTrace, name: str) -> dict | None:
+    """{pool_tokens, host_tokens, disk_tokens, load_s} of a trace's prefix source, or None."""
+    if not trace.HasField(name):
+        return None
+    source = getattr(trace, name)
+    return {"pool_tokens": source.pool_tokens, "host_tokens": source.host_tokens,
+            "disk_tokens": source.disk_tokens, "load_s": source.load_s}
 
 
 def pool_dict(pool: admin_pb2.Pool) -> dict:

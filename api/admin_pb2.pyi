@@ -67,7 +67,7 @@ class Worker(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., error: _Optional[str] = ..., compute_utilization: _Optional[float] = ..., bandwidth_utilization: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., binding: _Optional[str] = ..., ledger_json: _Optional[str] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., lora_slots: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestTrace(_message.Message):
-    __slots__ = ("request_id", "ttft_s", "e2e_s", "queue_s", "prefill_s", "transfer_s", "decode_s", "prompt_tokens", "output_tokens", "finish_reason", "retries", "migrations", "prefill_location", "prefill_worker", "decode_worker", "adapter", "prefill_adapter_source", "decode_adapter_source")
+    __slots__ = ("request_id", "ttft_s", "e2e_s", "queue_s", "prefill_s", "transfer_s", "decode_s", "prompt_tokens", "output_tokens", "finish_reason", "retries", "migrations", "prefill_location", "prefill_worker", "decode_worker", "adapter", "prefill_adapter_source", "decode_adapter_source", "prefix_source", "decode_prefix_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class RequestTrace(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADAPTER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADAPTER_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ttft_s: float
     e2e_s: float
@@ -104,7 +106,21 @@ class RequestTrace(_message.Message):
     adapter: str
     prefill_adapter_source: str
     decode_adapter_source: str
-    def __init__(self, request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., retries: _Optional[int] = ..., migrations: _Optional[int] = ..., prefill_location: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., adapter: _Optional[str] = ..., prefill_adapter_source: _Optional[str] = ..., decode_adapter_source: _Optional[str] = ...) -> None: ...
+    prefix_source: PrefixSource
+    decode_prefix_source: PrefixSource
+    def __init__(self, request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., retries: _Optional[int] = ..., migrations: _Optional[int] = ..., prefill_location: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., adapter: _Optional[str] = ..., prefill_adapter_source: _Optional[str] = ..., decode_adapter_source: _Optional[str] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ..., decode_prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
+
+class PrefixSource(_message.Message):
+    __slots__ = ("pool_tokens", "host_tokens", "disk_tokens", "load_s")
+    POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    pool_tokens: int
+    host_tokens: int
+    disk_tokens: int
+    load_s: float
+    def __init__(self, pool_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ..., disk_tokens: _Optional[int] = ..., load_s: _Optional[float] = ...) -> None: ...
 
 class GetTracesRequest(_message.Message):
     __slots__ = ("request_ids", "limit")

@@ -95,6 +95,24 @@ class WorkerRecord:
     lora_disk_read_s: float = 0.0  # seconds spent reading adapter files (sum)
     lora_slot_load_s: float = 0.0  # seconds spent filling slots (sum)
     lora_requests_json: str = "{}"  # sequences run by adapter name, as a JSON object
+    kv_bytes_per_block: int = 0  # KV tiers (docs/kv-tiers.md; zeros without): one block
+    kv_host_blocks: int = 0  # blocks in host memory
+    kv_disk_blocks: int = 0  # blocks on disk
+    kv_host_bytes: int = 0
+    kv_disk_bytes: int = 0
+    kv_host_capacity_bytes: int = 0
+    kv_disk_capacity_bytes: int = 0
+    kv_host_hit_tokens: int = 0  # prompt tokens loaded back from host memory (a counter)
+    kv_disk_hit_tokens: int = 0  # prompt tokens loaded back from disk (a counter)
+    kv_host_read_bytes: int = 0  # (counters, as the rest below)
+    kv_disk_read_bytes: int = 0
+    kv_host_read_s: float = 0.0
+    kv_disk_read_s: float = 0.0
+    kv_host_written_bytes: int = 0
+    kv_disk_written_bytes: int = 0
+    kv_tier_evictions: int = 0
+    kv_tier_read_failures: int = 0
+    kv_tier_write_failures: int = 0
     tag: str = ""  # the worker's tag on every field but the drain mark's (Registry.heartbeat)
     draining_tag: str = ""  # the pool manager's tag on ``draining`` (Registry.set_draining);
     # "" as read: no mark that verifies (it reads as not draining)

@@ -192,6 +192,7 @@ class DecodeWorker(StreamingWorker):
         return Reservation(seq.request_id, self.worker_id, self.endpoint.address,
                            key.transfer_id, key.epoch, len(seq.block_table), deadline,
                            self.rank_addresses, num_cached_blocks=num_cached,
+                           prefix_source=seq.prefix_source,
                            **grammar_timing(seq.constraint))
 
     def _release(self, request_id: str) -> _Reserved | None:

@@ -8,6 +8,7 @@ from enum import IntEnum
 from typing import Protocol
 
 from pdserve.worker_api.adapters import AdapterRef
+from pdserve.worker_api.deltas import PrefixSource
 from pdserve.worker_api.sampling_params import SamplingParams
 
 
@@ -55,6 +56,7 @@ class Sequence:
     num_prompt_tokens: int = -1  # set from token_ids in __post_init__
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (last admission)
+    prefix_source: PrefixSource | None = None  # where those came from (the pool, a KV tier)
     block_table: list[int | None] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     seed: int = 0  # random stream key (sampling_params.seed or chosen by the engine)

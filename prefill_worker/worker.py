@@ -273,7 +273,7 @@ class PrefillWorker(StepHooks):
         target.result.set_result(PrefillResult(
             seq.request_id, delta, queue_time_s=timings[0], prefill_time_s=timings[1],
             transfer_time_s=time.monotonic() - sampled_at, transfer_bytes=target.bytes_sent,
-            num_cached_tokens=seq.num_cached_tokens,
+            num_cached_tokens=seq.num_cached_tokens, prefix_source=seq.prefix_source,
             **grammar_timing(seq.constraint)))
 
     def _stats(self) -> WorkerStats:

@@ -39,6 +39,7 @@ import grpc
 from pdserve.api import admin_pb2, admin_pb2_grpc
 from pdserve.router.pairing import DecodeRouting, PrefillRouting
 from pdserve.router.trace import RequestTrace
+from pdserve.worker_api import PrefixSource
 from pdserve.worker_api.adapters import AdapterRef
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,16 @@ def trace_pb(trace: RequestTrace) -> admin_pb2.RequestTrace:
         prefill_worker=prefill.worker_id if prefill else "",
         decode_worker=decode.worker_id if decode else "", adapter=trace.adapter or "",
         prefill_adapter_source=_adapter_source(prefill),
-        decode_adapter_source=_adapter_source(decode))
+        decode_adapter_source=_adapter_source(decode),
+        prefix_source=_prefix_source_pb(trace.prefix_source),
+        decode_prefix_source=_prefix_source_pb(trace.decode_prefix_source))
+
+
+def _prefix_source_pb(source: PrefixSource | None) -> admin_pb2.PrefixSource | None:
+    if source is None:
+        return None
+    return admin_pb2.PrefixSource(pool_tokens=source.pool_tokens, host_tokens=source.host_tokens,
+                                  disk_tokens=source.disk_tokens, load_s=source.load_s)
 
 
 def _adapter_source(routing: PrefillRouting | DecodeRouting | None) -> str:

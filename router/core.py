@@ -351,6 +351,8 @@ class Router:
                                         prefill_location=flight.prefill_location,
                                         decode_routing=flight.decode_routing,
                                         decode_cached_blocks=reservation.num_cached_blocks,
+                                        prefix_source=result.prefix_source,
+                                        decode_prefix_source=reservation.prefix_source,
                                         prefill_grammar_compile_s=result.grammar_compile_s,
                                         prefill_grammar_cache_hit=result.grammar_cache_hit,
                                         decode_grammar_compile_s=reservation.grammar_compile_s,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pdserve.router.flight import Flight
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import DecodeRouting, PrefillLocation, PrefillRouting
-from pdserve.worker_api import RequestDelta
+from pdserve.worker_api import PrefixSource, RequestDelta
 
 
 @dataclass
@@ -35,6 +35,9 @@ class RequestTrace:
     # chosen (the first attempt's)
     decode_cached_blocks: int = 0  # the prompt's leading blocks the decode worker's prefix
     # cache held (its KV was not sent)
+    prefix_source: PrefixSource | None = None  # where the worker that computed its prompt
+    # found the leading tokens (its pool, its host or disk tier) and the loads' time
+    decode_prefix_source: PrefixSource | None = None  # disaggregated: the decode worker's
     grammar_compile_s: float | None = None  # the router's compile of its structured output
     # (0 when cached; None: free output, or not checked)
     grammar_cache_hit: bool | None = None  # the router's check answered from its cache
@@ -103,6 +106,7 @@ def _colocated_trace(flight: Flight, delta: RequestDelta, metrics: RouterMetrics
                          decode_routing=flight.decode_routing)
     if delta.queue_time_s is not None and delta.prefill_time_s is not None:
         trace.queue, trace.prefill = delta.queue_time_s, delta.prefill_time_s
+        trace.prefix_source = delta.prefix_source
         role = "colocated" if flight.prefill_location is None else "decode"
         labels = (role, flight.decode_id or "")
         metrics.queue.labels(*labels).observe(trace.queue)

@@ -16,7 +16,13 @@ cluster call the handle.
   :class:`WorkRequest`; the offline API takes it too).
 """
 
-from pdserve.worker_api.deltas import RequestDelta, StepDeltas, choice_request_id, split_choice
+from pdserve.worker_api.deltas import (
+    PrefixSource,
+    RequestDelta,
+    StepDeltas,
+    choice_request_id,
+    split_choice,
+)
 from pdserve.worker_api.handle import WorkerHandle
 from pdserve.worker_api.messages import (
     KV_TIER_DISK,
@@ -51,6 +57,7 @@ __all__ = [
     "NeverFits",
     "NoRoomNow",
     "PrefillResult",
+    "PrefixSource",
     "Refusal",
     "RequestDelta",
     "RequestFaultError",

@@ -29,6 +29,22 @@ def split_choice(request_id: str) -> tuple[str, int]:
     return request_id, 0
 
 
+@dataclass(frozen=True)
+class PrefixSource:
+    """Where a worker found a prompt's leading tokens when it admitted it: read in place from
+    its KV pool, or loaded back from its host memory or disk tier (and how long the loads
+    took); it computed the rest."""
+
+    pool_tokens: int = 0
+    host_tokens: int = 0
+    disk_tokens: int = 0
+    load_s: float = 0.0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.pool_tokens + self.host_tokens + self.disk_tokens
+
+
 @dataclass
 class RequestDelta:
     """What one step produced for one request (the unit streamed to clients)."""
@@ -50,6 +66,8 @@ class RequestDelta:
     # at the worker -> first chunk scheduled (colocated traces; the prefill worker's are in
     # PrefillResult)
     prefill_time_s: float | None = None  # with queue_time_s: first chunk -> this token sampled
+    prefix_source: PrefixSource | None = None  # with queue_time_s: where the worker found the
+    # prompt's leading tokens (its pool, its KV tiers)
     # on the first output's delta, when SamplingParams.prompt_logprobs asks: one entry per
     # prompt token ({token_id: logprob}: the top ones and the prompt token's), the first None
     prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.worker_api.adapters import AdapterRef
-from pdserve.worker_api.deltas import RequestDelta
+from pdserve.worker_api.deltas import PrefixSource, RequestDelta
 from pdserve.worker_api.sampling_params import SamplingParams
 
 # KV tiers, best first: a block in the pool is read in place; one in host memory or on the
@@ -88,6 +88,8 @@ class Reservation:
     grammar_compile_s: float | None = None  # the decode worker's compile of the request's
     # grammar (None: free output)
     grammar_cache_hit: bool | None = None  # its grammar cache held it
+    prefix_source: PrefixSource | None = None  # where the decode worker found the leading
+    # blocks it holds (its pool, or loaded from its tiers)
 
 
 @dataclass
@@ -101,6 +103,7 @@ class PrefillResult:
     transfer_time_s: float  # token 0 sampled -> last frame (commit) sent
     transfer_bytes: int  # KV payload bytes sent
     num_cached_tokens: int  # prompt tokens served by the prefill worker's prefix cache
+    prefix_source: PrefixSource | None = None  # where it found them (pool, host, disk)
     grammar_compile_s: float | None = None  # the prefill worker's compile of the request's
     # grammar (None: free output)
     grammar_cache_hit: bool | None = None  # its grammar cache held it

@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections import OrderedDict, deque
 from operator import attrgetter
 
 from pdserve.engine.kv_cache.prefix_hash import SALT_BYTES, adapter_root_hash, chain_hash
 from pdserve.engine.sequence import Sequence
-from pdserve.worker_api import KV_TIER_DISK, KV_TIER_HOST
+from pdserve.worker_api import KV_TIER_DISK, KV_TIER_HOST, PrefixSource
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +219,12 @@ class BlockManager:
                                f"{len(seq.block_table)} blocks, "
                                f"{seq.num_computed_tokens} computed tokens")
         hits, hashes = self._lookup(seq)
+        loaded = {KV_TIER_HOST: 0, KV_TIER_DISK: 0}
+        load_s = 0.0
         if None in hits:
-            table = self._load_hits(seq, hits, hashes)
+            start = time.perf_counter()
+            table = self._load_hits(seq, hits, hashes, loaded)
+            load_s = time.perf_counter() - start
             num_dead = min(len(table), self._num_dead_blocks(len(table) * self._block_size))
             seq.block_table = table
             self._release_entries(seq, 0, num_dead)  # (loaded first: a load may fail)
@@ -234,6 +239,9 @@ class BlockManager:
         num_hit_tokens = num_hits * self._block_size
         seq.num_computed_tokens = num_hit_tokens
         seq.num_cached_tokens = num_hit_tokens
+        seq.prefix_source = PrefixSource(
+            num_hit_tokens - loaded[KV_TIER_HOST] - loaded[KV_TIER_DISK], loaded[KV_TIER_HOST],
+            loaded[KV_TIER_DISK], load_s)
         if self.enable_prefix_caching:
             self._chains[seq.request_id] = (num_hits, hashes[num_hits - 1] if num_hits
                                             else _root(seq))
@@ -248,12 +256,13 @@ class BlockManager:
             del self._cached[block_id]
         self._ref_counts[block_id] += 1
 
-    def _load_hits(self, seq: Sequence, hits: list[int | None],
-                   hashes: list[bytes]) -> list[int | None]:
+    def _load_hits(self, seq: Sequence, hits: list[int | None], hashes: list[bytes],
+                   loaded: dict[int, int]) -> list[int | None]:
         """The table of ``hits`` with each None (a block below the pool) loaded into a fresh
         pool block and hashed there; cut before the first block whose load failed (its
         check, or a read), the blocks past the cut released. Pool hits are held first, so
-        taking blocks for the loads never evicts them."""
+        taking blocks for the loads never evicts them. Adds the tokens loaded to ``loaded``, by
+        tier."""
         revived = sum(1 for b in hits if b is not None and self._ref_counts[b] == 0)
         room = self.num_allocatable_blocks - revived  # (a reservation checks room after)
         loads = [i for i, b in enumerate(hits) if b is None]
@@ -274,6 +283,7 @@ class BlockManager:
         for i, tier in zip(loads[:num_loaded], tiers, strict=True):
             self._register(table[i], hashes[i])
             self.num_tier_hit_tokens[tier] += self._block_size
+            loaded[tier] += self._block_size
         seq.block_table = table
         self._release_entries(seq, cut, len(table))
         return table[:cut]

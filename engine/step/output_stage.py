@@ -183,6 +183,7 @@ class OutputStage:
                              seq.num_prompt_tokens, num_output, attempt=seq.attempt)
         if timings is not None:
             delta.queue_time_s, delta.prefill_time_s = timings
+            delta.prefix_source = seq.prefix_source
         if seq.prompt_logprobs is not None:  # the first output carries the prompt's
             delta.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         return delta
