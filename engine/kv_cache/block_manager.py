@@ -269,13 +269,10 @@ class BlockManager:
         if len(loads) > room:
             del hits[loads[room]:], hashes[loads[room]:]
             del loads[room:]
-        table: list[int | None] = []
-        for block_id in hits:
+        for block_id in hits:  # every pool hit held before a block is taken for a load
             if block_id is not None:
                 self._revive(block_id)
-                table.append(block_id)
-            else:
-                table.append(self._take_block())
+        table = [self._take_block() if b is None else b for b in hits]
         # (what taking those blocks evicted is saved before the loads overwrite it)
         num_loaded, tiers = self.offload.load([table[i] for i in loads],
                                               [hashes[i] for i in loads], self.flush_saves)
