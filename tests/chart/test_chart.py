@@ -377,9 +377,30 @@ def test_router_service_and_grpc_health(render, values_files):
     ({"redis": {"persistence": {"size": "lots"}}}, "size"),
     ({"router": {"args": {"api-key": "k"}}}, "secrets never go in pdserve's arguments"),
     ({"prefill": {"engineArgs": {"redis-url": "redis://:pw@h:1"}}}, "secrets never go"),
+    ({"kvTiers": {"cpuGib": -1, "diskGib": 0, "dir": "/x"}}, "cpuGib"),
+    ({"kvTiers": {"cpuGib": 0, "diskGib": 10, "dir": "relative"}}, "dir"),
 ])
 def test_bad_values_fail_with_a_message(values, message):
     import helm_python
 
     with pytest.raises(helm_python.HelmError, match=message):
         helm_python.Chart.load(str(CHART)).render(values, name="pd", namespace="serving")
+
+
+def test_kv_tier_values_reach_pdserve_and_give_workers_a_disk(render):
+    rendered = render({"kvTiers": {"cpuGib": 8, "diskGib": 100, "dir": "/var/cache/kv"}})
+    options = controller_options(controller_args(rendered))
+    assert options.engine == {"kv_offload_cpu_gib": 8.0, "kv_offload_disk_gib": 100.0,
+                              "kv_offload_dir": "/var/cache/kv"}
+    (cluster,) = rendered.of("RayCluster")
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    for role in ("prefill", "decode"):
+        spec = groups[role]["template"]["spec"]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "kv-tiers"]
+        assert volume["emptyDir"]["sizeLimit"] == "112640Mi"  # 100 GiB + 10 %
+        mounts = spec["containers"][0]["volumeMounts"]
+        assert {"name": "kv-tiers", "mountPath": "/var/cache/kv"} in mounts
+    router_spec = groups["router"]["template"]["spec"]
+    assert all(v["name"] != "kv-tiers" for v in router_spec["volumes"])
+    plain = render({})  # (off by default: no flags, no volume)
+    assert not any(a.startswith("--kv-offload") for a in controller_args(plain))
