@@ -109,9 +109,9 @@ class PoolTiers:
         many loaded and the tier each came from."""
         payloads, tiers = self._read(hashes)
         before_write()
-        for block_id, payload in zip(block_ids, payloads, strict=False):
-            self._unpack(block_id, payload)
         num_loaded = len(payloads)
+        if num_loaded:
+            self._unpack(block_ids[:num_loaded], payloads)
         if self.ranks is not None and num_loaded:
             failed = self.ranks.call_ranks_counting(PoolTiers.load_tier_blocks.__name__,
                                                     block_ids[:num_loaded],
@@ -126,8 +126,8 @@ class PoolTiers:
 
     def save_tier_blocks(self, block_ids: list[int], hashes: list[bytes]) -> None:
         """This rank's part of :meth:`save` (what rank 0 has each follower run)."""
-        for block_id, block_hash in zip(block_ids, hashes, strict=True):
-            self.tiers.save(block_hash, self._pack(block_id))
+        for block_hash, payload in zip(hashes, self._pack(block_ids), strict=True):
+            self.tiers.save(block_hash, payload)
 
     def load_tier_blocks(self, block_ids: list[int], hashes: list[bytes]) -> None:
         """A follower's part of :meth:`load`: all of them, or RuntimeError (counted by rank
@@ -136,8 +136,7 @@ class PoolTiers:
         if len(payloads) < len(block_ids):
             raise RuntimeError(f"read {len(payloads)} of {len(block_ids)} KV blocks from this "
                                f"rank's tiers")
-        for block_id, payload in zip(block_ids, payloads, strict=True):
-            self._unpack(block_id, payload)
+        self._unpack(block_ids, payloads)
 
     def _read(self, hashes: list[bytes]) -> tuple[list[np.ndarray], list[int]]:
         """The checked payloads of the leading ``hashes`` the tiers give, and their tiers."""
@@ -152,35 +151,41 @@ class PoolTiers:
             tiers.append(tier)
         return payloads, tiers
 
-    def _pack(self, block_id: int) -> np.ndarray:
-        """Block ``block_id``'s payload (one copy, on the host)."""
-        parts = _block_parts(self.caches, block_id)
-        return torch.cat([p.reshape(-1).view(torch.uint8) for p in parts]).cpu().numpy()
+    def _pack(self, block_ids: list[int]) -> list[np.ndarray]:
+        """The payloads of ``block_ids``, each its own host array: one gather per pool tensor
+        for all the blocks, then one copy per block."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.caches[0].kv.device)
+        packed = torch.cat([rows.index_select(0, index).view(torch.uint8)
+                            for rows in _pool_rows(self.caches)],
+                           dim=1).cpu().numpy()  # (blocks, payload bytes)
+        return [row.copy() for row in packed]
 
-    def _unpack(self, block_id: int, payload: np.ndarray) -> None:
-        data = torch.from_numpy(payload)
+    def _unpack(self, block_ids: list[int], payloads: list[np.ndarray]) -> None:
+        """Write ``payloads`` into the pool's ``block_ids``: one scatter per pool tensor."""
+        device = self.caches[0].kv.device
+        index = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        data = torch.from_numpy(np.stack(payloads)).to(device)  # (blocks, payload bytes)
         offset = 0
-        for part in _block_parts(self.caches, block_id):
-            nbytes = part.numel() * part.element_size()
-            part.view(-1).view(torch.uint8).copy_(data[offset:offset + nbytes],
-                                                  non_blocking=False)
-            offset += nbytes
+        for rows in _pool_rows(self.caches):  # (in the pool's dtypes: a byte-wise copy is slow)
+            width = rows.shape[1] * rows.element_size()
+            rows.index_copy_(0, index, data[:, offset:offset + width].view(rows.dtype))
+            offset += width
 
     def close(self) -> None:
         self.tiers.close()
 
 
-def _block_parts(caches: list[KVCacheLayer], block_id: int) -> list[torch.Tensor]:
-    """The pool's tensors of one block, in payload order: K and V of every layer, then the
-    token scales of every layer that has them (each a contiguous view)."""
-    parts = [half for c in caches for half in (c.kv[0, block_id], c.kv[1, block_id])]
-    parts += [t[block_id] for c in caches for t in c.token_scales]
-    return parts
+def _pool_rows(caches: list[KVCacheLayer]) -> list[torch.Tensor]:
+    """The pool's tensors in payload order, each viewed as (blocks, its elements per block):
+    K and V of every layer, then the token scales of every layer that has them."""
+    tensors = [half for c in caches for half in (c.kv[0], c.kv[1])]
+    tensors += [t for c in caches for t in c.token_scales]
+    return [t.view(t.shape[0], -1) for t in tensors]
 
 
 def block_nbytes(caches: list[KVCacheLayer]) -> int:
     """One block's payload bytes."""
-    return sum(p.numel() * p.element_size() for p in _block_parts(caches, 0))
+    return sum(rows.shape[1] * rows.element_size() for rows in _pool_rows(caches))
 
 
 def layout_fingerprint(model: str, caches: list[KVCacheLayer], rank: int, size: int) -> bytes:
