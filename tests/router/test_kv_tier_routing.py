@@ -1,15 +1,18 @@
 """KV tiers in the routers' cost: a prompt's leading blocks a worker holds below its pool
 count as cached blocks weighed by their load cost against computing them, so a pool hit beats
 a host hit beats a disk hit beats nothing, for prefill and decode ranking and for conditional
-disaggregation, and a tier slower than computing counts as nothing."""
+disaggregation, and a tier slower than computing counts as nothing; the tiers' series in
+/metrics follow each worker's stats."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+from prometheus_client import generate_latest
 
 from pdserve.router.kv_index import KVIndex
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import (
     PrefillRouting,
     PrefixHit,
@@ -104,3 +107,40 @@ def test_a_decode_worker_s_tier_hit_needs_free_blocks_to_load_into():
     roomy = dataclasses.replace(decode, stats=dataclasses.replace(decode.stats, free_blocks=5))
     assert prefill_location(100, 80, roomy, remote, 5, 2.0, decode_hit_blocks=hit.cached,
                             decode_pool_blocks=hit.pool_blocks).location == "local"
+
+
+def test_kv_tier_series_follow_the_workers_stats_and_leave_with_it():
+    metrics = RouterMetrics()
+    tiered = WorkerStats("w0", "prefill", 64, 64, 0, 0, 0, 0, 0, 0, 300, 900,
+                         kv_bytes_per_block=1024, kv_host_blocks=120, kv_disk_blocks=900,
+                         kv_host_bytes=120 * 1024, kv_disk_bytes=900 * 1024,
+                         kv_host_capacity_bytes=1 << 20, kv_disk_capacity_bytes=1 << 30,
+                         kv_host_hit_tokens=160, kv_disk_hit_tokens=48,
+                         kv_host_read_bytes=10 * 1024, kv_disk_read_bytes=3 * 1024,
+                         kv_host_written_bytes=200 * 1024, kv_disk_written_bytes=80 * 1024,
+                         kv_tier_evictions=7, kv_tier_read_failures=2, kv_tier_write_failures=1)
+    metrics.set_worker(tiered)
+    metrics.set_worker(WorkerStats("plain", "prefill", 64, 64, 0, 0, 0, 0, 0, 0, 0, 0))
+    text = generate_latest(metrics.registry).decode()
+    host, disk = ('role="prefill",tier="host",worker="w0"',
+                  'role="prefill",tier="disk",worker="w0"')
+    labels = 'role="prefill",worker="w0"'
+    for line in (f"pdserve_kv_tier_blocks{{{host}}} 120.0",
+                 f"pdserve_kv_tier_blocks{{{disk}}} 900.0",
+                 f"pdserve_kv_tier_bytes{{{disk}}} 921600.0",
+                 f"pdserve_kv_tier_capacity_bytes{{{host}}} 1.048576e+06",
+                 f"pdserve_kv_tier_hit_tokens_total{{{host}}} 160.0",
+                 f"pdserve_kv_tier_hit_tokens_total{{{disk}}} 48.0",
+                 f"pdserve_kv_tier_read_bytes_total{{{disk}}} 3072.0",
+                 f"pdserve_kv_tier_written_bytes_total{{{host}}} 204800.0",
+                 f"pdserve_kv_tier_evictions_total{{{labels}}} 7.0",
+                 f"pdserve_kv_tier_read_failures_total{{{labels}}} 2.0",
+                 f"pdserve_kv_tier_write_failures_total{{{labels}}} 1.0",
+                 f"pdserve_prefix_cache_queries_total{{{labels}}} 900.0"):
+        assert line in text, line
+    tier_lines = [line for line in text.splitlines() if line.startswith("pdserve_kv_tier")]
+    assert not [line for line in tier_lines if 'worker="plain"' in line]  # it has no tiers
+    metrics.remove_worker("prefill", "w0")
+    text = generate_latest(metrics.registry).decode()
+    assert not [line for line in text.splitlines()
+                if line.startswith(("pdserve_kv_tier", "pdserve_prefix")) and 'worker="w0"' in line]
