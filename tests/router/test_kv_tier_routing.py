@@ -6,11 +6,14 @@ disaggregation, and a tier slower than computing counts as nothing; the tiers' s
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
 from prometheus_client import generate_latest
 
+from pdserve.router.config import RouterConfig
+from pdserve.router.directory import StaticDirectory
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import (
@@ -23,7 +26,15 @@ from pdserve.router.pairing import (
     rank_prefill,
     tier_weights,
 )
-from pdserve.worker_api import KV_TIER_DISK, KV_TIER_HOST, KV_TIER_POOL, KVSnapshot, WorkerStats
+from pdserve.router.workers import Workers
+from pdserve.worker_api import (
+    KV_TIER_DISK,
+    KV_TIER_HOST,
+    KV_TIER_POOL,
+    KVEvents,
+    KVSnapshot,
+    WorkerStats,
+)
 
 SALT = b"cluster-salt"
 BLOCK_BYTES = 16 * 4096  # 16 tokens of 4 KiB of KV each
@@ -144,3 +155,51 @@ def test_kv_tier_series_follow_the_workers_stats_and_leave_with_it():
     text = generate_latest(metrics.registry).decode()
     assert not [line for line in text.splitlines()
                 if line.startswith(("pdserve_kv_tier", "pdserve_prefix")) and 'worker="w0"' in line]
+
+
+class TieredHandle:
+    """A prefill worker with a pool of 4 blocks and host memory for 10 that published one
+    batch of ``events``."""
+
+    role = "prefill"
+
+    def __init__(self, worker_id: str, events: KVEvents) -> None:
+        self.worker_id = worker_id
+        self.events: KVEvents | None = events
+        self.snapshots = 0
+
+    async def stats(self) -> WorkerStats:
+        return WorkerStats(self.worker_id, "prefill", 4, 4, 0, 0, 0, 0, 0, 0, 0, 0,
+                           kv_log_id="log", kv_events_number=1, kv_bytes_per_block=100,
+                           kv_host_capacity_bytes=1000)
+
+    async def drain_kv_events(self) -> KVEvents | None:
+        events, self.events = self.events, None
+        return events
+
+    async def kv_snapshot(self) -> KVSnapshot | None:
+        self.snapshots += 1
+        return None  # (an entry the router finds stale stays so)
+
+
+def test_the_router_checks_each_tier_of_a_worker_against_its_own_capacity():
+    """A worker whose host memory holds twice its pool's blocks is not stale to the router,
+    and its blocks keep their tiers; one whose batch leaves more blocks in host memory than
+    its budget holds is stale (its record's capacities reach the index)."""
+    hashes = tuple(bytes([i]) * 32 for i in range(13))
+    tiers = (KV_TIER_POOL,) * 2 + (KV_TIER_HOST,) * 8
+    fits = TieredHandle("p0", KVEvents("log", 1, hashes[:10], (), tiers))
+    over = TieredHandle("p1", KVEvents("log", 1, hashes, (),
+                                       (KV_TIER_POOL,) * 2 + (KV_TIER_HOST,) * 11))
+
+    async def scenario():
+        workers = Workers(StaticDirectory([fits, over]), RouterConfig(stats_interval_s=3600),
+                          RouterMetrics(), lambda handle, delta: None, lambda w, why: None)
+        await workers.refresh()
+        return workers.kv_index
+
+    index = asyncio.run(scenario())
+    assert not index.needs_snapshot("p0") and fits.snapshots == 0
+    assert index.held_tiers("p0") == dict(zip(hashes[:10], tiers, strict=True))
+    assert index.needs_snapshot("p1") and over.snapshots == 1
+    assert index.held_tiers("p1") == {}
