@@ -126,6 +126,13 @@ def _tiers(blob: bytes | None, num_stored: int) -> tuple[int, ...]:
     return tuple(blob)
 
 
+def _signed_parts(worker_id: str, fields: dict[bytes, bytes]) -> tuple[str | bytes, ...]:
+    """What an entry's tag covers: the worker's id and the entry's fields in ``_SIGNED``
+    order (``k`` only when the entry has one: an entry without it is tagged as before tiers,
+    and removing or adding it breaks the tag)."""
+    return (worker_id, *(fields[name] for name in _SIGNED if name in fields))
+
+
 class KVStreams:
     """Publish a worker's batches signed; read every worker's from where this reader stopped,
     skipping what is too large, malformed or not signed with the cluster's key (``auth``)."""
@@ -144,10 +151,6 @@ class KVStreams:
         self._warned: set[str] = set()  # workers whose skipped entries were logged
         self._read = client.register_script(_READ)
 
-    def _tag(self, worker_id: str, fields: dict[bytes, bytes]) -> str:
-        """The tag on an entry's fields (``k`` only when it has one: an entry without it is
-        tagged as before tiers, and removing or adding it breaks the tag)."""
-        return self.auth.tag(_TAG, worker_id, *(fields[name] for name in _SIGNED if name in fields))
 
     def publish(self, worker_id: str, events: KVEvents) -> None:
         """Add the batch to the worker's stream; a key of another type there (garbage) is
@@ -165,7 +168,7 @@ class KVStreams:
                   b"s": b"".join(events.stored), b"r": b"".join(events.removed)}
         if events.stored_tiers:
             fields[b"k"] = bytes(events.stored_tiers)
-        fields[b"t"] = self._tag(worker_id, fields).encode()
+        fields[b"t"] = self.auth.tag(_TAG, *_signed_parts(worker_id, fields)).encode()
         with self.client.pipeline(transaction=False) as pipe:
             pipe.xadd(key, fields, maxlen=self.maxlen, approximate=False)
             pipe.pexpire(key, self.ttl_ms)
@@ -203,8 +206,8 @@ class KVStreams:
         """The entry's batch; ValueError when it is malformed, UntrustedError when its tag
         does not verify for this worker."""
         events = decode_entry(fields)
-        if not self.auth.verifies(fields.get(b"t", b""), _TAG, worker_id,
-                                  *(fields[name] for name in _SIGNED if name in fields)):
+        if not self.auth.verifies(fields.get(b"t", b""), _TAG,
+                                  *_signed_parts(worker_id, fields)):
             raise UntrustedError("its tag does not verify under this cluster's key for "
                                  "this worker")
         return events

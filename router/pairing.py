@@ -299,7 +299,8 @@ def _hits(loads: list[WorkerLoad], prompt_token_ids: list[int], block_size: int,
                                         root=adapter_root_hash(adapter)))
     hits = {}
     for w in loads:
-        tiers = index.matched_tiers(w.stats.worker_id, hashes) if index and hashes else ()
+        tiers = () if not hashes or index is None else index.matched_tiers(w.stats.worker_id,
+                                                                             hashes)
         weights = tier_weights(w, token_s)
         hits[w.stats.worker_id] = PrefixHit(tiers, float(sum(weights[t] for t in tiers)))
     return hits
