@@ -23,6 +23,7 @@ prompt hashed under another adapter, or the base model, matches none of those bl
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -51,27 +52,49 @@ class KVCapacity(NamedTuple):
 
 @dataclass
 class _Worker:
+    """One worker's entry: every hash it holds, and the tier of those held only below its
+    pool (kept apart, so a worker without tiers costs what a set of its hashes does)."""
+
     log_id: str  # the worker's event log (a restarted worker has a new one)
     number: int = 0  # the last batch applied (or the snapshot's)
-    held: dict[bytes, int] = field(default_factory=dict)  # hash -> the best tier holding it
+    held: set[bytes] = field(default_factory=set)  # in any tier
     stale: bool = False  # a batch was missed: match nothing until reset
-    counts: list[int] = field(default_factory=lambda: [0] * len(KV_TIER_NAMES))  # hashes per
-    # best tier
+    below: dict[bytes, int] = field(default_factory=dict)  # hash -> its best tier, for the
+    # hashes of ``held`` no pool block holds
+    num_below: list[int] = field(default_factory=lambda: [0] * len(KV_TIER_NAMES))  # the
+    # hashes of ``below`` per tier
 
-    def hold(self, block_hash: bytes, tier: int) -> None:
-        self.drop(block_hash)
-        self.held[block_hash] = tier
-        self.counts[tier] += 1
+    def update(self, events: KVEvents) -> None:
+        """Drop the batch's removed hashes and hold its stored ones at their tiers."""
+        self.held.difference_update(events.removed)
+        self.held.update(events.stored)
+        lower = ({h: tier for h, tier in zip(events.stored, events.stored_tiers, strict=True)
+                  if tier != KV_TIER_POOL} if events.stored_tiers else {})
+        if self.below:  # what is gone, back in the pool or moved from one tier to another
+            self._unmark(self.below.keys() & {*events.removed, *events.stored})
+        self.mark_below(lower)
 
-    def drop(self, block_hash: bytes) -> None:
-        tier = self.held.pop(block_hash, None)
-        if tier is not None:
-            self.counts[tier] -= 1
+    def mark_below(self, lower: dict[bytes, int]) -> None:
+        """Hashes of ``held`` not in ``below`` yet are held best in these tiers below the
+        pool."""
+        self.below.update(lower)
+        for tier, count in Counter(lower.values()).items():
+            self.num_below[tier] += count
+
+    def _unmark(self, block_hashes: set[bytes]) -> None:
+        for block_hash in block_hashes:
+            self.num_below[self.below.pop(block_hash)] -= 1
+
+    def tier_of(self, block_hash: bytes) -> int:
+        """The best tier holding a hash of ``held``."""
+        return self.below.get(block_hash, KV_TIER_POOL)
 
     def exceeds(self, capacity: KVCapacity) -> bool:
-        """Whether some tier holds more hashes than ``capacity`` says it can."""
+        """Whether some tier holds more hashes than ``capacity`` says it can (a hash counts
+        against its best tier only)."""
+        counts = [len(self.held) - len(self.below), *self.num_below[KV_TIER_POOL + 1:]]
         return any(limit is not None and count > limit
-                   for count, limit in zip(self.counts, capacity, strict=True))
+                   for count, limit in zip(counts, capacity, strict=True))
 
 
 class KVIndex:
@@ -100,10 +123,7 @@ class KVIndex:
         if events.number != worker.number + 1:
             worker.stale = True
             return False
-        for block_hash in events.removed:
-            worker.drop(block_hash)
-        for i, block_hash in enumerate(events.stored):
-            worker.hold(block_hash, events.tier_of(i))
+        worker.update(events)
         if capacity is not None and worker.exceeds(capacity):
             self._workers[worker_id] = _Worker(worker.log_id, stale=True)
             return False
@@ -123,9 +143,10 @@ class KVIndex:
     def reset(self, worker_id: str, snapshot: KVSnapshot) -> None:
         """The worker's entry from a snapshot (its hashes, at their tiers); its later batches
         apply on top."""
-        worker = self._workers[worker_id] = _Worker(snapshot.log_id, snapshot.number)
-        for block_hash in snapshot.hashes:
-            worker.hold(block_hash, snapshot.tiers.get(block_hash, KV_TIER_POOL))
+        worker = self._workers[worker_id] = _Worker(snapshot.log_id, snapshot.number,
+                                                    set(snapshot.hashes))
+        worker.mark_below({h: tier for h, tier in snapshot.tiers.items()
+                           if tier != KV_TIER_POOL and h in worker.held})
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
@@ -136,13 +157,16 @@ class KVIndex:
 
     def held(self, worker_id: str) -> frozenset[bytes]:
         """What the index says the worker holds, in any tier (empty while stale)."""
-        return frozenset(self.held_tiers(worker_id))
+        worker = self._workers.get(worker_id)
+        return frozenset() if worker is None or worker.stale else frozenset(worker.held)
 
     def held_tiers(self, worker_id: str) -> dict[bytes, int]:
         """Each hash the index says the worker holds and the best tier holding it (empty
         while stale)."""
         worker = self._workers.get(worker_id)
-        return {} if worker is None or worker.stale else dict(worker.held)
+        if worker is None or worker.stale:
+            return {}
+        return {block_hash: worker.tier_of(block_hash) for block_hash in worker.held}
 
     def matched_tiers(self, worker_id: str, hashes: list[bytes]) -> tuple[int, ...]:
         """The best tier holding each of the leading blocks of a prompt's chained ``hashes``
@@ -151,12 +175,11 @@ class KVIndex:
         worker = self._workers.get(worker_id)
         if worker is None or worker.stale:
             return ()
-        tiers = []
+        held, below, tiers = worker.held, worker.below, []
         for h in hashes:
-            tier = worker.held.get(h)
-            if tier is None:
+            if h not in held:
                 break
-            tiers.append(tier)
+            tiers.append(below.get(h, KV_TIER_POOL))
         return tuple(tiers)
 
     def matched_blocks(self, worker_id: str, hashes: list[bytes]) -> int:
