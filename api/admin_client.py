@@ -50,6 +50,7 @@ def worker_dict(worker: admin_pb2.Worker) -> dict:
         "tensor_parallel_size": _ledger(worker).get("tensor_parallel_size", 1),
         "kv_int8": _ledger(worker).get("kv_int8", ""),  # scheme, calibration, start-up check
         "lora_slots": worker.lora_slots, "lora_resident": list(worker.lora_resident),
+        "kv_host_blocks": worker.kv_host_blocks, "kv_disk_blocks": worker.kv_disk_blocks,
     }
 
 

@@ -24,57 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/api/admin.proto\x12\npdserve.v1\"\xee\x03\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12&\n\x05state\x18\x05 \x01(\x0e\x32\x17.pdserve.v1.WorkerState\x12\x0f\n\x07running\x18\x06 \x01(\x03\x12\x0f\n\x07waiting\x18\x07 \x01(\x03\x12\x16\n\x0ekv_used_blocks\x18\x08 \x01(\x03\x12\x17\n\x0fkv_total_blocks\x18\t \x01(\x03\x12\x1c\n\x0fheartbeat_age_s\x18\n \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08restarts\x18\x0b \x01(\x03\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x1b\n\x13\x63ompute_utilization\x18\r \x01(\x01\x12\x1d\n\x15\x62\x61ndwidth_utilization\x18\x0e \x01(\x01\x12\x15\n\rbusy_fraction\x18\x0f \x01(\x01\x12\x0f\n\x07\x62inding\x18\x10 \x01(\t\x12\x13\n\x0bledger_json\x18\x11 \x01(\t\x12\x19\n\x11prefix_hit_tokens\x18\x12 \x01(\x03\x12\x1b\n\x13prefix_query_tokens\x18\x13 \x01(\x03\x12\x12\n\nlora_slots\x18\x14 \x01(\x03\x12\x15\n\rlora_resident\x18\x15 \x03(\tB\x12\n\x10_heartbeat_age_s\"\xf7\x03\n\x0cRequestTrace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x07 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x03\x12\x15\n\routput_tokens\x18\t \x01(\x03\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x0f\n\x07retries\x18\x0b \x01(\x03\x12\x12\n\nmigrations\x18\x0c \x01(\x03\x12\x18\n\x10prefill_location\x18\r \x01(\t\x12\x16\n\x0eprefill_worker\x18\x0e \x01(\t\x12\x15\n\rdecode_worker\x18\x0f \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x10 \x01(\t\x12\x1e\n\x16prefill_adapter_source\x18\x11 \x01(\t\x12\x1d\n\x15\x64\x65\x63ode_adapter_source\x18\x12 \x01(\t\x12/\n\rprefix_source\x18\x13 \x01(\x0b\x32\x18.pdserve.v1.PrefixSource\x12\x36\n\x14\x64\x65\x63ode_prefix_source\x18\x14 \x01(\x0b\x32\x18.pdserve.v1.PrefixSource\"]\n\x0cPrefixSource\x12\x13\n\x0bpool_tokens\x18\x01 \x01(\x03\x12\x13\n\x0bhost_tokens\x18\x02 \x01(\x03\x12\x13\n\x0b\x64isk_tokens\x18\x03 \x01(\x03\x12\x0e\n\x06load_s\x18\x04 \x01(\x01\"6\n\x10GetTracesRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\r\n\x05limit\x18\x02 \x01(\x03\"=\n\x11GetTracesResponse\x12(\n\x06traces\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.RequestTrace\"\x12\n\x10GetConfigRequest\"\x18\n\x16GetControlPlaneRequest\"s\n\x0c\x43ontrolPlane\x12\x10\n\x08\x64\x65graded\x18\x01 \x01(\x08\x12\x16\n\x0e\x64\x65graded_for_s\x18\x02 \x01(\x01\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x19\n\x11malformed_records\x18\x04 \x01(\x03\x12\x0f\n\x07repairs\x18\x05 \x01(\x03\"(\n\x11GetConfigResponse\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t\"\x8d\x01\n\x04Pool\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\x03\x12\x0e\n\x06\x61\x63tual\x18\x03 \x01(\x03\x12\r\n\x05ready\x18\x04 \x01(\x03\x12\x10\n\x08starting\x18\x05 \x01(\x03\x12\x10\n\x08\x64raining\x18\x06 \x01(\x03\x12\x10\n\x08restarts\x18\x07 \x01(\x03\x12\x12\n\nlast_error\x18\x08 \x01(\t\"\x14\n\x12ListWorkersRequest\":\n\x13ListWorkersResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Worker\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x11\n\x0fGetPoolsRequest\"3\n\x10GetPoolsResponse\x12\x1f\n\x05pools\x18\x01 \x03(\x0b\x32\x10.pdserve.v1.Pool\"2\n\x14SetPoolTargetRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\"9\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x19\n\x17ListLoraAdaptersRequest\"E\n\x18ListLoraAdaptersResponse\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.LoraAdapter*\x90\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x15\n\x11WORKER_STATE_DEAD\x10\x04\x32\x8e\x06\n\x05\x41\x64min\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12\x41\n\x0b\x44rainWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x12.pdserve.v1.Worker\x12\x45\n\x08GetPools\x12\x1b.pdserve.v1.GetPoolsRequest\x1a\x1c.pdserve.v1.GetPoolsResponse\x12\x43\n\rSetPoolTarget\x12 .pdserve.v1.SetPoolTargetRequest\x1a\x10.pdserve.v1.Pool\x12H\n\tGetTraces\x12\x1c.pdserve.v1.GetTracesRequest\x1a\x1d.pdserve.v1.GetTracesResponse\x12H\n\tGetConfig\x12\x1c.pdserve.v1.GetConfigRequest\x1a\x1d.pdserve.v1.GetConfigResponse\x12O\n\x0fGetControlPlane\x12\".pdserve.v1.GetControlPlaneRequest\x1a\x18.pdserve.v1.ControlPlane\x12N\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a\x17.pdserve.v1.LoraAdapter\x12R\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a\x17.pdserve.v1.LoraAdapter\x12]\n\x10ListLoraAdapters\x12#.pdserve.v1.ListLoraAdaptersRequest\x1a$.pdserve.v1.ListLoraAdaptersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/api/admin.proto\x12\npdserve.v1\"\x9e\x04\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12&\n\x05state\x18\x05 \x01(\x0e\x32\x17.pdserve.v1.WorkerState\x12\x0f\n\x07running\x18\x06 \x01(\x03\x12\x0f\n\x07waiting\x18\x07 \x01(\x03\x12\x16\n\x0ekv_used_blocks\x18\x08 \x01(\x03\x12\x17\n\x0fkv_total_blocks\x18\t \x01(\x03\x12\x1c\n\x0fheartbeat_age_s\x18\n \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08restarts\x18\x0b \x01(\x03\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x1b\n\x13\x63ompute_utilization\x18\r \x01(\x01\x12\x1d\n\x15\x62\x61ndwidth_utilization\x18\x0e \x01(\x01\x12\x15\n\rbusy_fraction\x18\x0f \x01(\x01\x12\x0f\n\x07\x62inding\x18\x10 \x01(\t\x12\x13\n\x0bledger_json\x18\x11 \x01(\t\x12\x19\n\x11prefix_hit_tokens\x18\x12 \x01(\x03\x12\x1b\n\x13prefix_query_tokens\x18\x13 \x01(\x03\x12\x12\n\nlora_slots\x18\x14 \x01(\x03\x12\x15\n\rlora_resident\x18\x15 \x03(\t\x12\x16\n\x0ekv_host_blocks\x18\x16 \x01(\x03\x12\x16\n\x0ekv_disk_blocks\x18\x17 \x01(\x03\x42\x12\n\x10_heartbeat_age_s\"\xf7\x03\n\x0cRequestTrace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x07 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x03\x12\x15\n\routput_tokens\x18\t \x01(\x03\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x0f\n\x07retries\x18\x0b \x01(\x03\x12\x12\n\nmigrations\x18\x0c \x01(\x03\x12\x18\n\x10prefill_location\x18\r \x01(\t\x12\x16\n\x0eprefill_worker\x18\x0e \x01(\t\x12\x15\n\rdecode_worker\x18\x0f \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x10 \x01(\t\x12\x1e\n\x16prefill_adapter_source\x18\x11 \x01(\t\x12\x1d\n\x15\x64\x65\x63ode_adapter_source\x18\x12 \x01(\t\x12/\n\rprefix_source\x18\x13 \x01(\x0b\x32\x18.pdserve.v1.PrefixSource\x12\x36\n\x14\x64\x65\x63ode_prefix_source\x18\x14 \x01(\x0b\x32\x18.pdserve.v1.PrefixSource\"]\n\x0cPrefixSource\x12\x13\n\x0bpool_tokens\x18\x01 \x01(\x03\x12\x13\n\x0bhost_tokens\x18\x02 \x01(\x03\x12\x13\n\x0b\x64isk_tokens\x18\x03 \x01(\x03\x12\x0e\n\x06load_s\x18\x04 \x01(\x01\"6\n\x10GetTracesRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\r\n\x05limit\x18\x02 \x01(\x03\"=\n\x11GetTracesResponse\x12(\n\x06traces\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.RequestTrace\"\x12\n\x10GetConfigRequest\"\x18\n\x16GetControlPlaneRequest\"s\n\x0c\x43ontrolPlane\x12\x10\n\x08\x64\x65graded\x18\x01 \x01(\x08\x12\x16\n\x0e\x64\x65graded_for_s\x18\x02 \x01(\x01\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x19\n\x11malformed_records\x18\x04 \x01(\x03\x12\x0f\n\x07repairs\x18\x05 \x01(\x03\"(\n\x11GetConfigResponse\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t\"\x8d\x01\n\x04Pool\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\x03\x12\x0e\n\x06\x61\x63tual\x18\x03 \x01(\x03\x12\r\n\x05ready\x18\x04 \x01(\x03\x12\x10\n\x08starting\x18\x05 \x01(\x03\x12\x10\n\x08\x64raining\x18\x06 \x01(\x03\x12\x10\n\x08restarts\x18\x07 \x01(\x03\x12\x12\n\nlast_error\x18\x08 \x01(\t\"\x14\n\x12ListWorkersRequest\":\n\x13ListWorkersResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Worker\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x11\n\x0fGetPoolsRequest\"3\n\x10GetPoolsResponse\x12\x1f\n\x05pools\x18\x01 \x03(\x0b\x32\x10.pdserve.v1.Pool\"2\n\x14SetPoolTargetRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\"9\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x19\n\x17ListLoraAdaptersRequest\"E\n\x18ListLoraAdaptersResponse\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.LoraAdapter*\x90\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x15\n\x11WORKER_STATE_DEAD\x10\x04\x32\x8e\x06\n\x05\x41\x64min\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12\x41\n\x0b\x44rainWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x12.pdserve.v1.Worker\x12\x45\n\x08GetPools\x12\x1b.pdserve.v1.GetPoolsRequest\x1a\x1c.pdserve.v1.GetPoolsResponse\x12\x43\n\rSetPoolTarget\x12 .pdserve.v1.SetPoolTargetRequest\x1a\x10.pdserve.v1.Pool\x12H\n\tGetTraces\x12\x1c.pdserve.v1.GetTracesRequest\x1a\x1d.pdserve.v1.GetTracesResponse\x12H\n\tGetConfig\x12\x1c.pdserve.v1.GetConfigRequest\x1a\x1d.pdserve.v1.GetConfigResponse\x12O\n\x0fGetControlPlane\x12\".pdserve.v1.GetControlPlaneRequest\x1a\x18.pdserve.v1.ControlPlane\x12N\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a\x17.pdserve.v1.LoraAdapter\x12R\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a\x17.pdserve.v1.LoraAdapter\x12]\n\x10ListLoraAdapters\x12#.pdserve.v1.ListLoraAdaptersRequest\x1a$.pdserve.v1.ListLoraAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.api.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATE']._serialized_start=2121
-  _globals['_WORKERSTATE']._serialized_end=2265
+  _globals['_WORKERSTATE']._serialized_start=2169
+  _globals['_WORKERSTATE']._serialized_end=2313
   _globals['_WORKER']._serialized_start=40
-  _globals['_WORKER']._serialized_end=534
-  _globals['_REQUESTTRACE']._serialized_start=537
-  _globals['_REQUESTTRACE']._serialized_end=1040
-  _globals['_PREFIXSOURCE']._serialized_start=1042
-  _globals['_PREFIXSOURCE']._serialized_end=1135
-  _globals['_GETTRACESREQUEST']._serialized_start=1137
-  _globals['_GETTRACESREQUEST']._serialized_end=1191
-  _globals['_GETTRACESRESPONSE']._serialized_start=1193
-  _globals['_GETTRACESRESPONSE']._serialized_end=1254
-  _globals['_GETCONFIGREQUEST']._serialized_start=1256
-  _globals['_GETCONFIGREQUEST']._serialized_end=1274
-  _globals['_GETCONTROLPLANEREQUEST']._serialized_start=1276
-  _globals['_GETCONTROLPLANEREQUEST']._serialized_end=1300
-  _globals['_CONTROLPLANE']._serialized_start=1302
-  _globals['_CONTROLPLANE']._serialized_end=1417
-  _globals['_GETCONFIGRESPONSE']._serialized_start=1419
-  _globals['_GETCONFIGRESPONSE']._serialized_end=1459
-  _globals['_POOL']._serialized_start=1462
-  _globals['_POOL']._serialized_end=1603
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1605
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1625
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1627
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1685
-  _globals['_DRAINWORKERREQUEST']._serialized_start=1687
-  _globals['_DRAINWORKERREQUEST']._serialized_end=1726
-  _globals['_GETPOOLSREQUEST']._serialized_start=1728
-  _globals['_GETPOOLSREQUEST']._serialized_end=1745
-  _globals['_GETPOOLSRESPONSE']._serialized_start=1747
-  _globals['_GETPOOLSRESPONSE']._serialized_end=1798
-  _globals['_SETPOOLTARGETREQUEST']._serialized_start=1800
-  _globals['_SETPOOLTARGETREQUEST']._serialized_end=1850
-  _globals['_LORAADAPTER']._serialized_start=1852
-  _globals['_LORAADAPTER']._serialized_end=1909
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1911
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1973
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1975
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2020
-  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=2022
-  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=2047
-  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_start=2049
-  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_end=2118
-  _globals['_ADMIN']._serialized_start=2268
-  _globals['_ADMIN']._serialized_end=3050
+  _globals['_WORKER']._serialized_end=582
+  _globals['_REQUESTTRACE']._serialized_start=585
+  _globals['_REQUESTTRACE']._serialized_end=1088
+  _globals['_PREFIXSOURCE']._serialized_start=1090
+  _globals['_PREFIXSOURCE']._serialized_end=1183
+  _globals['_GETTRACESREQUEST']._serialized_start=1185
+  _globals['_GETTRACESREQUEST']._serialized_end=1239
+  _globals['_GETTRACESRESPONSE']._serialized_start=1241
+  _globals['_GETTRACESRESPONSE']._serialized_end=1302
+  _globals['_GETCONFIGREQUEST']._serialized_start=1304
+  _globals['_GETCONFIGREQUEST']._serialized_end=1322
+  _globals['_GETCONTROLPLANEREQUEST']._serialized_start=1324
+  _globals['_GETCONTROLPLANEREQUEST']._serialized_end=1348
+  _globals['_CONTROLPLANE']._serialized_start=1350
+  _globals['_CONTROLPLANE']._serialized_end=1465
+  _globals['_GETCONFIGRESPONSE']._serialized_start=1467
+  _globals['_GETCONFIGRESPONSE']._serialized_end=1507
+  _globals['_POOL']._serialized_start=1510
+  _globals['_POOL']._serialized_end=1651
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1653
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1673
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1675
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1733
+  _globals['_DRAINWORKERREQUEST']._serialized_start=1735
+  _globals['_DRAINWORKERREQUEST']._serialized_end=1774
+  _globals['_GETPOOLSREQUEST']._serialized_start=1776
+  _globals['_GETPOOLSREQUEST']._serialized_end=1793
+  _globals['_GETPOOLSRESPONSE']._serialized_start=1795
+  _globals['_GETPOOLSRESPONSE']._serialized_end=1846
+  _globals['_SETPOOLTARGETREQUEST']._serialized_start=1848
+  _globals['_SETPOOLTARGETREQUEST']._serialized_end=1898
+  _globals['_LORAADAPTER']._serialized_start=1900
+  _globals['_LORAADAPTER']._serialized_end=1957
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1959
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2021
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2023
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2068
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=2070
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=2095
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_start=2097
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_end=2166
+  _globals['_ADMIN']._serialized_start=2316
+  _globals['_ADMIN']._serialized_end=3098
 # @@protoc_insertion_point(module_scope)

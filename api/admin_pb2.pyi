@@ -21,7 +21,7 @@ WORKER_STATE_DRAINING: WorkerState
 WORKER_STATE_DEAD: WorkerState
 
 class Worker(_message.Message):
-    __slots__ = ("worker_id", "role", "node", "pid", "state", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts", "error", "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding", "ledger_json", "prefix_hit_tokens", "prefix_query_tokens", "lora_slots", "lora_resident")
+    __slots__ = ("worker_id", "role", "node", "pid", "state", "running", "waiting", "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts", "error", "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding", "ledger_json", "prefix_hit_tokens", "prefix_query_tokens", "lora_slots", "lora_resident", "kv_host_blocks", "kv_disk_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,8 @@ class Worker(_message.Message):
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LORA_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     node: str
@@ -64,7 +66,9 @@ class Worker(_message.Message):
     prefix_query_tokens: int
     lora_slots: int
     lora_resident: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., error: _Optional[str] = ..., compute_utilization: _Optional[float] = ..., bandwidth_utilization: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., binding: _Optional[str] = ..., ledger_json: _Optional[str] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., lora_slots: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_host_blocks: int
+    kv_disk_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., restarts: _Optional[int] = ..., error: _Optional[str] = ..., compute_utilization: _Optional[float] = ..., bandwidth_utilization: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., binding: _Optional[str] = ..., ledger_json: _Optional[str] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., lora_slots: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ..., kv_host_blocks: _Optional[int] = ..., kv_disk_blocks: _Optional[int] = ...) -> None: ...
 
 class RequestTrace(_message.Message):
     __slots__ = ("request_id", "ttft_s", "e2e_s", "queue_s", "prefill_s", "transfer_s", "decode_s", "prompt_tokens", "output_tokens", "finish_reason", "retries", "migrations", "prefill_location", "prefill_worker", "decode_worker", "adapter", "prefill_adapter_source", "decode_adapter_source", "prefix_source", "decode_prefix_source")

@@ -133,17 +133,19 @@ def cmd_status(args) -> int:
     print()
     rows = []
     lora = any(w["lora_slots"] for w in report["workers"])  # the LoRA column, only then
+    tiers = any(w["kv_host_blocks"] or w["kv_disk_blocks"] for w in report["workers"])  # and
+    # the KV tiers column
     for w, raw in zip(report["workers"], workers, strict=True):
         age = w["heartbeat_age_s"]
         rows.append([w["worker_id"], w["role"], w["state"], w["node"] or "-", w["pid"] or "-",
                      _device(w), w["running"], w["waiting"],
                      f"{w['kv_used_blocks']}/{w['kv_total_blocks']}",
-                     *([_lora(w)] if lora else []),
+                     *([_lora(w)] if lora else []), *([_kv_tiers(w)] if tiers else []),
                      f"{w['compute_utilization']:.1%}", f"{w['bandwidth_utilization']:.1%}",
                      w["binding"] or "-", "-" if age is None else f"{age:.1f}s", w["restarts"],
                      raw.error or ""])
     print(_table(["WORKER", "ROLE", "STATE", "NODE", "PID", "DEVICE", "RUNNING", "WAITING",
-                  "KV BLOCKS", *(["LORA"] if lora else []),
+                  "KV BLOCKS", *(["LORA"] if lora else []), *(["KV TIERS"] if tiers else []),
                   "COMPUTE", "BANDWIDTH", "BINDS", "HEARTBEAT", "RESTARTS", "ERROR"], rows))
     for w in report["workers"]:
         if w["kv_int8"]:
@@ -163,6 +165,12 @@ def _lora(worker: dict) -> str:
     if not worker["lora_slots"]:
         return "-"
     return f"{len(worker['lora_resident'])}/{worker['lora_slots']}"
+
+
+def _kv_tiers(worker: dict) -> str:
+    """A worker's KV tiers column: blocks in host memory / on disk ("-": none held)."""
+    host, disk = worker["kv_host_blocks"], worker["kv_disk_blocks"]
+    return f"h {host} / d {disk}" if host or disk else "-"
 
 
 def _control_plane(admin):

@@ -1,9 +1,11 @@
 """Workers' KV events in Redis: one stream per worker, read by every router.
 
 Key ``pdserve:<cluster>:kv:<worker_id>``, a Redis stream whose entries are the worker's
-:class:`~pdserve.worker_api.KVEvents` batches (fields ``log``, ``n``, ``s``, ``r``, ``t``:
-the log id, the batch number, the stored and removed 32-byte hashes, concatenated, and the
-worker's tag on all of them and its id under the cluster's key,
+:class:`~pdserve.worker_api.KVEvents` batches (fields ``log``, ``n``, ``s``, ``r``, ``k``,
+``t``: the log id, the batch number, the stored and removed 32-byte hashes, concatenated, the
+tier of each stored hash, one byte each (``KV_TIER_*``; only when some stored hash is held
+below the pool: an entry without ``k``, as workers without KV tiers write, holds pool blocks
+only), and the worker's tag on all of them and its id under the cluster's key,
 ``pdserve.cluster.record_auth``). The worker actor adds an entry every ``KV_EVENTS_S``
 (0.1 s) that its cache changed, trims the stream to ``maxlen`` entries and gives it the
 registry's TTL, so a dead worker's stream leaves with its record.
@@ -16,11 +18,12 @@ for (``kv_snapshot``).
 Redis is not trusted. A read never takes an entry over ``MAX_ENTRY_BYTES`` out of Redis (a
 Lua script sizes each entry and returns only its id), nor more than ``MAX_READ_BYTES`` of one
 stream at a time. An entry that is too large, does not parse, holds more than
-``MAX_BATCH_HASHES`` hashes or a number out of bounds is skipped (``on_malformed``, family
-``"kv_event"``); one whose tag does not verify (a forged batch, or one copied from another
-worker's stream) is skipped too (``on_untrusted``, kind ``"kv_event"``). Either is logged once
-per worker. A skipped entry never reaches the index, so its batch numbers follow only the
-worker's own batches: a skipped real batch shows as a gap, a forged one as nothing at all.
+``MAX_BATCH_HASHES`` hashes, a number out of bounds or a tier that is not one is skipped
+(``on_malformed``, family ``"kv_event"``); one whose tag does not verify (a forged batch, or
+one copied from another worker's stream) is skipped too (``on_untrusted``, kind
+``"kv_event"``). Either is logged once per worker. A skipped entry never reaches the index, so
+its batch numbers follow only the worker's own batches: a skipped real batch shows as a gap,
+a forged one as nothing at all.
 """
 
 from __future__ import annotations
@@ -32,18 +35,20 @@ import redis
 
 from pdserve.cluster.record_auth import RecordAuth, UntrustedError
 from pdserve.engine.kv_cache.prefix_hash import ROOT_HASH
-from pdserve.worker_api import KVEvents
+from pdserve.worker_api import KV_TIER_NAMES, KVEvents
 
 logger = logging.getLogger(__name__)
 
 HASH_BYTES = len(ROOT_HASH)
 MAX_BATCH_HASHES = 1 << 16  # KVEventLog's max_pending: a batch holds no more hashes
-MAX_ENTRY_BYTES = MAX_BATCH_HASHES * HASH_BYTES + 1024  # its hashes, log id, number and tag
+MAX_ENTRY_BYTES = MAX_BATCH_HASHES * (HASH_BYTES + 1) + 1024  # its hashes, their tiers, log
+# id, number and tag
 MAX_READ_BYTES = 2 * MAX_ENTRY_BYTES  # of one stream's entries taken by one read (at least
 # one entry: the rest comes with the next read)
 _MAX_LOG_ID_CHARS = 64
 _MAX_NUMBER_DIGITS = 18  # a batch number stays below 10**18
 _TAG = "kv-event"
+_SIGNED = (b"log", b"n", b"s", b"r", b"k")  # the fields the tag covers, in this order
 
 # KEYS: streams; ARGV[1]: entries per stream at most; ARGV[2]: an entry's bytes at most;
 # ARGV[3]: a stream's bytes per read at most; ARGV[3 + i]: the id last read of KEYS[i].
@@ -105,7 +110,27 @@ def decode_entry(fields: dict[bytes, bytes]) -> KVEvents:
     if len(stored) + len(removed) > MAX_BATCH_HASHES:
         raise ValueError(f"{len(stored) + len(removed)} hashes in one batch (at most "
                          f"{MAX_BATCH_HASHES})")
-    return KVEvents(log_id, int(number_text), stored, removed)
+    return KVEvents(log_id, int(number_text), stored, removed,
+                    _tiers(fields.get(b"k"), len(stored)))
+
+
+def _tiers(blob: bytes | None, num_stored: int) -> tuple[int, ...]:
+    """The ``k`` field as ``KVEvents.stored_tiers`` (none: all in the pool); ValueError when
+    it does not give one known tier per stored hash."""
+    if blob is None:
+        return ()
+    if len(blob) != num_stored:
+        raise ValueError(f"{len(blob)} tiers for {num_stored} stored hashes")
+    if any(tier >= len(KV_TIER_NAMES) for tier in blob):
+        raise ValueError(f"a tier out of 0..{len(KV_TIER_NAMES) - 1}: {max(blob)}")
+    return tuple(blob)
+
+
+def _signed_parts(worker_id: str, fields: dict[bytes, bytes]) -> tuple[str | bytes, ...]:
+    """What an entry's tag covers: the worker's id and the entry's fields in ``_SIGNED``
+    order (``k`` only when the entry has one: an entry without it is tagged as before tiers,
+    and removing or adding it breaks the tag)."""
+    return (worker_id, *(fields[name] for name in _SIGNED if name in fields))
 
 
 class KVStreams:
@@ -126,9 +151,6 @@ class KVStreams:
         self._warned: set[str] = set()  # workers whose skipped entries were logged
         self._read = client.register_script(_READ)
 
-    def _tag(self, worker_id: str, log: bytes, number: bytes, stored: bytes,
-             removed: bytes) -> str:
-        return self.auth.tag(_TAG, worker_id, log, number, stored, removed)
 
     def publish(self, worker_id: str, events: KVEvents) -> None:
         """Add the batch to the worker's stream; a key of another type there (garbage) is
@@ -142,12 +164,13 @@ class KVStreams:
 
     def _add(self, worker_id: str, events: KVEvents) -> None:
         key = self.prefix + worker_id
-        log, number = events.log_id.encode(), str(events.number).encode()
-        stored, removed = b"".join(events.stored), b"".join(events.removed)
+        fields = {b"log": events.log_id.encode(), b"n": str(events.number).encode(),
+                  b"s": b"".join(events.stored), b"r": b"".join(events.removed)}
+        if events.stored_tiers:
+            fields[b"k"] = bytes(events.stored_tiers)
+        fields[b"t"] = self.auth.tag(_TAG, *_signed_parts(worker_id, fields)).encode()
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.xadd(key, {"log": log, "n": number, "s": stored, "r": removed,
-                            "t": self._tag(worker_id, log, number, stored, removed)},
-                      maxlen=self.maxlen, approximate=False)
+            pipe.xadd(key, fields, maxlen=self.maxlen, approximate=False)
             pipe.pexpire(key, self.ttl_ms)
             pipe.execute()
 
@@ -183,8 +206,8 @@ class KVStreams:
         """The entry's batch; ValueError when it is malformed, UntrustedError when its tag
         does not verify for this worker."""
         events = decode_entry(fields)
-        if not self.auth.verifies(fields.get(b"t", b""), _TAG, worker_id, fields[b"log"],
-                                  fields[b"n"], fields[b"s"], fields[b"r"]):
+        if not self.auth.verifies(fields.get(b"t", b""), _TAG,
+                                  *_signed_parts(worker_id, fields)):
             raise UntrustedError("its tag does not verify under this cluster's key for "
                                  "this worker")
         return events

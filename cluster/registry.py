@@ -41,7 +41,7 @@ from pdserve.worker_api import WorkerStats
 
 logger = logging.getLogger(__name__)
 
-MAX_RECORD_FIELDS = 128  # a record's fields, at most (a WorkerRecord has fewer than 50)
+MAX_RECORD_FIELDS = 128  # a record's fields, at most (a WorkerRecord has fewer than 70)
 MAX_RECORD_BYTES = 64 * 1024  # a record's field names and values together, at most
 MAX_ERROR_CHARS = 2000  # of the error a record carries (a longer one is cut)
 MAX_LORA_DIGESTS = 256  # adapter digests a record keeps per list (the most recently used)
@@ -95,16 +95,16 @@ class WorkerRecord:
     lora_disk_read_s: float = 0.0  # seconds spent reading adapter files (sum)
     lora_slot_load_s: float = 0.0  # seconds spent filling slots (sum)
     lora_requests_json: str = "{}"  # sequences run by adapter name, as a JSON object
-    kv_bytes_per_block: int = 0  # KV tiers (docs/kv-tiers.md; zeros without): one block
-    kv_host_blocks: int = 0  # blocks in host memory
-    kv_disk_blocks: int = 0  # blocks on disk
+    kv_bytes_per_block: int = 0  # KV tiers below the pool (docs/kv-tiers.md): one block's KV
+    kv_host_blocks: int = 0  # blocks held in host memory
+    kv_disk_blocks: int = 0  # blocks held on the worker's disk
     kv_host_bytes: int = 0
     kv_disk_bytes: int = 0
     kv_host_capacity_bytes: int = 0
     kv_disk_capacity_bytes: int = 0
     kv_host_hit_tokens: int = 0  # prompt tokens loaded back from host memory (a counter)
     kv_disk_hit_tokens: int = 0  # prompt tokens loaded back from disk (a counter)
-    kv_host_read_bytes: int = 0  # (counters, as the rest below)
+    kv_host_read_bytes: int = 0  # (a counter, as are the rest)
     kv_disk_read_bytes: int = 0
     kv_host_read_s: float = 0.0
     kv_disk_read_s: float = 0.0

@@ -100,6 +100,8 @@ class WorkerInfo:
     prefix_query_tokens: int = 0  # prompt tokens it looked up there (a counter)
     lora_slots: int = 0  # LoRA adapter slots in its model (0: it serves no adapters)
     lora_resident: tuple[str, ...] = ()  # digests of the adapters in a slot
+    kv_host_blocks: int = 0  # KV blocks it holds in host memory (docs/kv-tiers.md)
+    kv_disk_blocks: int = 0  # KV blocks it holds on its disk
 
     def __post_init__(self) -> None:
         if self.state not in WORKER_STATES:

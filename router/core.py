@@ -439,8 +439,8 @@ class Router:
         return prefill_location(self.config.max_local_prefill_length, num_tokens, decode, best,
                                 decode.blocks_for(num_tokens),
                                 self._transfer_cost.tokens_per_block,
-                                self.config.local_prefill_stall_weight, routing.hit_blocks,
-                                adapter_tokens)
+                                self.config.local_prefill_stall_weight, routing.hit.cached,
+                                adapter_tokens, routing.hit.pool_blocks)
 
     def _decode_costs(self, flight: Flight,
                       loads: list[WorkerLoad]) -> list[tuple[WorkerLoad, DecodeRouting]]:

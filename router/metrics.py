@@ -28,6 +28,17 @@ loads that read no file, the worker's slot loads less its file reads) and
 ``pdserve_lora_requests_total{adapter}`` (by the adapter's served name; base-model requests are
 not counted).
 
+KV tiers below the pool (docs/kv-tiers.md), per worker that has them, from its stats, by
+``tier`` (``host``, ``disk``): ``pdserve_kv_tier_blocks``, ``pdserve_kv_tier_bytes`` and
+``pdserve_kv_tier_capacity_bytes`` (what each holds now and may hold),
+``pdserve_kv_tier_hit_tokens_total`` (prompt tokens loaded back instead of computed: over
+``pdserve_prefix_cache_queries_total`` it is the tier's hit rate),
+``pdserve_kv_tier_read_bytes_total`` and ``pdserve_kv_tier_written_bytes_total`` (their
+``rate()`` is bytes per second); and ``pdserve_kv_tier_evictions_total`` (blocks dropped from
+the lowest tier holding them), ``pdserve_kv_tier_read_failures_total`` (blocks that failed
+their check or read: recomputed), ``pdserve_kv_tier_write_failures_total`` (writes that
+failed or were dropped). Counters kept by the worker.
+
 Besides the histograms the router keeps :class:`SlidingWindow` samples of what the
 autoscaler reads (percentiles and rates over its window): the router's TTFT, the ITL, the
 prefill pool's part of TTFT (queue + compute + KV send at the worker) and prompt tokens.
@@ -45,11 +56,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.router.constraints import ConstraintCheck, ConstraintRefused
 from pdserve.router.metrics_http import start_metrics_server
-from pdserve.worker_api import PrefillResult, WorkerStats
+from pdserve.worker_api import KV_TIER_HOST, KV_TIER_NAMES, PrefillResult, WorkerStats
 from pdserve.worker_api.adapters import AdapterRef
 
 PREEMPTION_KINDS = ("recompute", "bounce")
 LORA_LOAD_SOURCES = ("disk", "host")  # pdserve_lora_loads_total{source}
+KV_TIERS_BELOW_POOL = KV_TIER_NAMES[KV_TIER_HOST:]  # pdserve_kv_tier_*{tier}
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)
 
@@ -106,6 +118,7 @@ class RouterMetrics:
         self._add_cluster_metrics()
         self._add_structured_output_metrics()
         self._add_lora_metrics()
+        self._add_kv_tier_metrics()
         # What the autoscaler reads (seconds; ITL weighted by tokens).
         self.ttft_window = SlidingWindow()  # the router's TTFT
         self.itl_window = SlidingWindow()  # gaps between streamed tokens
@@ -116,7 +129,11 @@ class RouterMetrics:
                             self.usage, self.prefix_hits, self.compute_util,
                             self.bandwidth_util, self.spec_drafts, self.spec_draft_tokens,
                             self.spec_accepted_tokens, self.lora_slots, self.lora_resident,
-                            self.lora_evictions)
+                            self.lora_evictions, self.prefix_queries, self.kv_tier_evictions,
+                            self.kv_tier_read_failures, self.kv_tier_write_failures)
+        self._per_worker_tier = (self.kv_tier_blocks, self.kv_tier_bytes,
+                                 self.kv_tier_capacity, self.kv_tier_hit_tokens,
+                                 self.kv_tier_read_bytes, self.kv_tier_written_bytes)
 
     def _add_request_latencies(self) -> None:
         """Histograms the router observes as requests flow (per worker: at the worker)."""
@@ -150,6 +167,8 @@ class RouterMetrics:
         self.usage = gauge("kv_cache_usage_ratio", "Used / total KV blocks")
         self.prefix_hits = gauge("prefix_cache_hits_total", "Prompt tokens served by the "
                                  "prefix cache (a counter kept by the worker)")
+        self.prefix_queries = gauge("prefix_cache_queries_total", "Prompt tokens looked up "
+                                    "in the prefix cache (a counter kept by the worker)")
         self.preemptions = Gauge("pdserve_preemptions_total", "Preemptions by kind: recompute "
                                  "(redone on the worker) or bounce (a decode worker handed the "
                                  "request back to be re-prefilled); a counter kept by the "
@@ -249,6 +268,34 @@ class RouterMetrics:
                                      "under each LoRA adapter, by its served name (base-model "
                                      "requests are not counted)", ("adapter",), registry=r)
 
+    def _add_kv_tier_metrics(self) -> None:
+        """KV tiers below the pool, per worker and tier from its stats (see the module
+        docstring)."""
+        r = self.registry
+
+        def gauge(name: str, doc: str, by_tier: bool = True) -> Gauge:
+            labels = ("role", "worker", "tier") if by_tier else ("role", "worker")
+            return Gauge(f"pdserve_kv_tier_{name}", doc, labels, registry=r)
+
+        self.kv_tier_blocks = gauge("blocks", "KV blocks the tier holds")
+        self.kv_tier_bytes = gauge("bytes", "Bytes of KV blocks the tier holds")
+        self.kv_tier_capacity = gauge("capacity_bytes", "The tier's budget in bytes")
+        self.kv_tier_hit_tokens = gauge("hit_tokens_total", "Prompt tokens loaded back from the "
+                                        "tier instead of computed (a counter kept by the "
+                                        "worker)")
+        self.kv_tier_read_bytes = gauge("read_bytes_total", "Bytes read back from the tier (a "
+                                        "counter kept by the worker)")
+        self.kv_tier_written_bytes = gauge("written_bytes_total", "Bytes written into the tier "
+                                           "(a counter kept by the worker)")
+        self.kv_tier_evictions = gauge("evictions_total", "Blocks dropped from the lowest tier "
+                                       "holding them (a counter kept by the worker)", False)
+        self.kv_tier_read_failures = gauge("read_failures_total", "Blocks that failed their "
+                                           "check or could not be read, recomputed instead (a "
+                                           "counter kept by the worker)", False)
+        self.kv_tier_write_failures = gauge("write_failures_total", "Block writes that failed "
+                                            "or were dropped (a counter kept by the worker)",
+                                            False)
+
     def observe_adapter(self, adapter: AdapterRef | None) -> None:
         """One admitted request under ``adapter`` (None: the base model, not counted)."""
         if adapter is not None:
@@ -302,6 +349,7 @@ class RouterMetrics:
         self.total_blocks.labels(*labels).set(stats.total_blocks)
         self.usage.labels(*labels).set(stats.used_blocks / max(1, stats.total_blocks))
         self.prefix_hits.labels(*labels).set(stats.prefix_hit_tokens)
+        self.prefix_queries.labels(*labels).set(stats.prefix_query_tokens)
         self.preemptions.labels(*labels, "recompute").set(stats.num_preemptions
                                                           - stats.num_bounces)
         self.preemptions.labels(*labels, "bounce").set(stats.num_bounces)
@@ -314,6 +362,19 @@ class RouterMetrics:
         self.bandwidth_util.labels(*labels).set(util.bandwidth)
         if stats.lora_slots:
             self._set_lora(labels, stats)
+        if stats.kv_host_capacity_bytes or stats.kv_disk_capacity_bytes:
+            self._set_kv_tiers(labels, stats)
+
+    def _set_kv_tiers(self, labels: tuple[str, str], stats: WorkerStats) -> None:
+        """A worker's KV tiers: each tier's series from its stats fields ``kv_<tier>_*``."""
+        names = ("blocks", "bytes", "capacity_bytes", "hit_tokens", "read_bytes",
+                 "written_bytes")  # in the order of self._per_worker_tier
+        for tier in KV_TIERS_BELOW_POOL:
+            for metric, name in zip(self._per_worker_tier, names, strict=True):
+                metric.labels(*labels, tier).set(getattr(stats, f"kv_{tier}_{name}"))
+        self.kv_tier_evictions.labels(*labels).set(stats.kv_tier_evictions)
+        self.kv_tier_read_failures.labels(*labels).set(stats.kv_tier_read_failures)
+        self.kv_tier_write_failures.labels(*labels).set(stats.kv_tier_write_failures)
 
     def _set_lora(self, labels: tuple[str, str], stats: WorkerStats) -> None:
         """A LoRA worker's slots and counters (a slot load that read no file: from host)."""
@@ -332,7 +393,8 @@ class RouterMetrics:
             except KeyError:  # that series was never observed
                 pass
         for metric, kinds in ((self.preemptions, PREEMPTION_KINDS),
-                              (self.lora_loads, LORA_LOAD_SOURCES)):
+                              (self.lora_loads, LORA_LOAD_SOURCES),
+                              *((m, KV_TIERS_BELOW_POOL) for m in self._per_worker_tier)):
             for kind in kinds:
                 try:
                     metric.remove(role, worker_id, kind)

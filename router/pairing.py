@@ -18,6 +18,12 @@ the time to load it there (:func:`adapter_cost`: 0 when resident, a slot load wh
 holds it read in host memory, a file read and a slot load otherwise, each the mean the pool's
 workers measured), turned into each cost's units with the measured prefill time per prompt token:
 requests for an adapter go where it is resident unless that worker is much busier.
+
+A worker with KV tiers (``docs/kv-tiers.md``) holds some of a prompt's leading blocks in host
+memory or on its disk: it loads them back instead of computing them, so each counts as a
+cached block weighed by what its load costs against computing it (:func:`tier_weights`: 1 in
+the pool, between 1 and 0 below it, 0 where loading is as slow as computing), for prefill,
+colocated and decode workers alike (:class:`PrefixHit`).
 """
 
 from __future__ import annotations
@@ -29,11 +35,11 @@ from typing import NamedTuple
 
 from pdserve.engine.kv_cache.prefix_hash import adapter_root_hash, chained_block_hashes
 from pdserve.router.kv_index import KVIndex
-from pdserve.worker_api import WorkerStats
+from pdserve.worker_api import KV_TIER_POOL, WorkerStats
 
 __all__ = ["AdapterCost", "DecodeRouting", "LoadTimes", "PrefillLocation", "PrefillRouting",
-           "TransferCost", "WorkerLoad", "adapter_cost", "chained_block_hashes",
-           "pool_load_times", "prefill_location", "rank_decode", "rank_prefill"]
+           "PrefixHit", "TransferCost", "WorkerLoad", "adapter_cost", "chained_block_hashes",
+           "pool_load_times", "prefill_location", "rank_decode", "rank_prefill", "tier_weights"]
 
 # What loading a LoRA adapter costs before any worker of the pool measured it (seconds), and
 # the prefill time per prompt token before the router measured any: they turn load times into
@@ -43,6 +49,11 @@ DEFAULT_DISK_READ_S = 0.05  # read and check the adapter's files
 FULL_SLOTS_WAIT_S = 0.1  # every slot holds another adapter and the worker runs requests
 # (which may pin them all): a guess at the wait for one to come free
 DEFAULT_TOKEN_S = 1e-4  # seconds of prefill per prompt token
+# What reading a KV block back from a tier below the pool moves per second before the worker
+# measured a read of that tier: host memory to the device at about what a PCIe 4 x16 link
+# sustains, a local NVMe disk at what one sustains for large sequential reads.
+DEFAULT_HOST_READ_BYTES_S = 4e9
+DEFAULT_DISK_READ_BYTES_S = 1e9
 
 
 class _Sent(NamedTuple):
@@ -187,17 +198,62 @@ def _load_tokens(cost: AdapterCost | None, token_s: float | None) -> float:
     return 0.0 if cost is None else cost.tokens(token_s)
 
 
+def tier_weights(load: WorkerLoad, token_s: float | None) -> tuple[float, ...]:
+    """How much a block held in each tier (indexed by ``KV_TIER_*``) of ``load``'s worker counts
+    as a cached block: 1 in the pool (read in place), and below it
+
+        clamp(1 - load_s_per_token / prefill_s_per_token, 0, 1)
+
+    with load_s_per_token the tier's measured read time per byte (its stats' ``kv_*_read_s``
+    over ``kv_*_read_bytes``; ``DEFAULT_*_READ_BYTES_S`` before it read any) times the bytes
+    of a block per token, and prefill_s_per_token ``token_s`` (:class:`TransferCost`; None:
+    ``DEFAULT_TOKEN_S``). A worker that does not say its block's bytes loads for free (1)."""
+    stats, prefill_s = load.stats, token_s or DEFAULT_TOKEN_S
+
+    def weight(read_s: float, read_bytes: int, default_bytes_s: float) -> float:
+        bytes_s = read_bytes / read_s if read_s > 0 and read_bytes > 0 else default_bytes_s
+        load_s = stats.kv_bytes_per_block / bytes_s / load.block_size
+        return min(1.0, max(0.0, 1.0 - load_s / prefill_s))
+
+    return (1.0,
+            weight(stats.kv_host_read_s, stats.kv_host_read_bytes, DEFAULT_HOST_READ_BYTES_S),
+            weight(stats.kv_disk_read_s, stats.kv_disk_read_bytes, DEFAULT_DISK_READ_BYTES_S))
+
+
+class PrefixHit(NamedTuple):
+    """What a worker holds of a prompt's leading blocks (the KV index's)."""
+
+    tiers: tuple[int, ...] = ()  # the best tier holding each leading block (KV_TIER_*)
+    cached: float = 0.0  # those blocks as cached ones, each weighed by its tier (tier_weights)
+
+    @property
+    def blocks(self) -> int:
+        """The leading blocks held, in any tier."""
+        return len(self.tiers)
+
+    @property
+    def pool_blocks(self) -> int:
+        """The leading blocks held in the pool: shared in place, allocated again by nobody."""
+        return next((i for i, tier in enumerate(self.tiers) if tier != KV_TIER_POOL),
+                    len(self.tiers))
+
+    def blocks_in(self, tier: int) -> int:
+        return sum(1 for t in self.tiers if t == tier)
+
+
 @dataclass(frozen=True)
 class DecodeRouting:
     """Which decode worker a request's blocks were asked of, and why (the trace keeps it)."""
 
     worker_id: str
-    hit_blocks: int  # the prompt's leading blocks its prefix cache holds (the KV index's)
+    hit_blocks: int  # the prompt's leading blocks its prefix cache holds, in any tier (the
+    # KV index's)
     room: float  # rank_decode's score (highest first)
     runner_up: str | None = None  # the next worker in rank (None: the last or only one)
     runner_up_room: float | None = None
     adapter: AdapterCost | None = None  # where the request's LoRA adapter was on the worker
     # when ranked (None: the base model)
+    hit: PrefixHit = PrefixHit()  # the tier of each hit block, and what they count as
 
 
 def rank_decode(loads: list[WorkerLoad], prompt_token_ids: list[int] = (),
@@ -209,6 +265,7 @@ def rank_decode(loads: list[WorkerLoad], prompt_token_ids: list[int] = (),
 
         free blocks (its stats, less those this router reserved that they do not count)
         + overlap_weight * the prompt's leading blocks the KV index says its cache holds
+          (a block below the pool weighed by its load cost, :func:`tier_weights`)
         - its load time of the request's LoRA adapter, in blocks of prompt prefill
 
     (a held block is neither allocated again nor sent, so the first term plus the second is
@@ -219,29 +276,34 @@ def rank_decode(loads: list[WorkerLoad], prompt_token_ids: list[int] = (),
     the digest of the request's LoRA adapter (None: the base model), which also roots its
     block hashes; ``token_s``: the measured prefill seconds per prompt token (None: not yet)."""
     block_size = loads[0].block_size if loads else 16
-    hits = _hit_blocks(loads, prompt_token_ids, block_size, index, salt, adapter)
+    hits = _hits(loads, prompt_token_ids, block_size, index, salt, adapter, token_s)
     costs = _adapter_costs(loads, adapter)
 
     def room(w: WorkerLoad) -> float:
         load = _load_tokens(costs[w.stats.worker_id], token_s) / block_size
-        return w.free_blocks + overlap_weight * hits[w.stats.worker_id] - load
+        return w.free_blocks + overlap_weight * hits[w.stats.worker_id].cached - load
 
     ranked = sorted(((room(w), w) for w in loads),
                     key=lambda rw: (-rw[0], rw[1].stats.num_running, rw[1].stats.worker_id))
     return _with_runners_up(ranked, hits, costs, DecodeRouting)
 
 
-def _hit_blocks(loads: list[WorkerLoad], prompt_token_ids: list[int], block_size: int,
-                index: KVIndex | None, salt: bytes | None,
-                adapter: str | None = None) -> dict[str, int]:
-    """Each worker's count of the prompt's leading blocks the index says it holds under the
-    LoRA adapter of digest ``adapter`` (None: the base model); 0 for all when the index or
-    the salt is unknown."""
+def _hits(loads: list[WorkerLoad], prompt_token_ids: list[int], block_size: int,
+          index: KVIndex | None, salt: bytes | None, adapter: str | None = None,
+          token_s: float | None = None) -> dict[str, PrefixHit]:
+    """What each worker holds, by the index, of the prompt's leading blocks under the LoRA
+    adapter of digest ``adapter`` (None: the base model), each block weighed by its tier
+    (:func:`tier_weights`); nothing for all when the index or the salt is unknown."""
     hashes = ([] if index is None or salt is None
               else chained_block_hashes(prompt_token_ids, block_size, salt,
                                         root=adapter_root_hash(adapter)))
-    return {w.stats.worker_id: index.matched_blocks(w.stats.worker_id, hashes) if hashes else 0
-            for w in loads}
+    hits = {}
+    for w in loads:
+        tiers = () if not hashes or index is None else index.matched_tiers(w.stats.worker_id,
+                                                                             hashes)
+        weights = tier_weights(w, token_s)
+        hits[w.stats.worker_id] = PrefixHit(tiers, float(sum(weights[t] for t in tiers)))
+    return hits
 
 
 @dataclass(frozen=True)
@@ -250,12 +312,14 @@ class PrefillRouting:
     keeps it)."""
 
     worker_id: str
-    hit_blocks: int  # the prompt's leading blocks its prefix cache holds (the KV index's)
+    hit_blocks: int  # the prompt's leading blocks its prefix cache holds, in any tier (the
+    # KV index's)
     cost: float  # rank_prefill's cost of this worker (lowest first)
     runner_up: str | None = None  # the next worker in rank (None: the last or only one)
     runner_up_cost: float | None = None
     adapter: AdapterCost | None = None  # where the request's LoRA adapter was on the worker
     # when ranked (None: the base model)
+    hit: PrefixHit = PrefixHit()  # the tier of each hit block, and what they count as
 
 
 def rank_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_size: int,
@@ -267,6 +331,7 @@ def rank_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_siz
 
         queued prompt tokens (its stats, plus those this router sent that they do not count)
         - overlap_weight * the tokens of the prompt's leading blocks the KV index says it holds
+          (a block below the pool weighed by its load cost, :func:`tier_weights`)
         + kv_usage_weight * the share of its KV blocks in use
         + its load time of the request's LoRA adapter / token_s
 
@@ -276,13 +341,13 @@ def rank_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_siz
     base model), which also roots its block hashes; its load time is :func:`adapter_cost`'s.
     ``token_s``: the measured prefill seconds per prompt token (None: not yet,
     ``DEFAULT_TOKEN_S``)."""
-    hits = _hit_blocks(loads, prompt_token_ids, block_size, index, salt, adapter)
+    hits = _hits(loads, prompt_token_ids, block_size, index, salt, adapter, token_s)
     costs = _adapter_costs(loads, adapter)
 
     def cost(w: WorkerLoad) -> float:
         usage = w.stats.used_blocks / w.stats.total_blocks if w.stats.total_blocks else 0.0
         return (w.stats.queued_tokens + w.pending_tokens + kv_usage_weight * usage
-                - overlap_weight * hits[w.stats.worker_id] * block_size
+                - overlap_weight * hits[w.stats.worker_id].cached * block_size
                 + _load_tokens(costs[w.stats.worker_id], token_s))
 
     ranked = sorted(((cost(w), w) for w in loads), key=lambda cw: (
@@ -290,7 +355,7 @@ def rank_prefill(loads: list[WorkerLoad], prompt_token_ids: list[int], block_siz
     return _with_runners_up(ranked, hits, costs, PrefillRouting)
 
 
-def _with_runners_up(ranked: list[tuple[float, WorkerLoad]], hits: dict[str, int],
+def _with_runners_up(ranked: list[tuple[float, WorkerLoad]], hits: dict[str, PrefixHit],
                      costs: dict[str, AdapterCost | None],
                      routing: type) -> list[tuple[WorkerLoad, object]]:
     """``ranked`` (score, worker) pairs in rank order, each worker with its ``routing``: its
@@ -299,9 +364,9 @@ def _with_runners_up(ranked: list[tuple[float, WorkerLoad]], hits: dict[str, int
     for i, (score, w) in enumerate(ranked):
         next_score, next_load = ranked[i + 1] if i + 1 < len(ranked) else (None, None)
         worker_id = w.stats.worker_id
-        out.append((w, routing(worker_id, hits[worker_id], score,
+        out.append((w, routing(worker_id, hits[worker_id].blocks, score,
                                next_load and next_load.stats.worker_id, next_score,
-                               adapter=costs[worker_id])))
+                               adapter=costs[worker_id], hit=hits[worker_id])))
     return out
 
 
@@ -350,12 +415,15 @@ class PrefillLocation:
 
 def prefill_location(max_local_tokens: int, num_tokens: int, decode: WorkerLoad,
                      prefill: PrefillRouting | None, num_blocks: int, tokens_per_block: float,
-                     stall_weight: float = 1.0, decode_hit_blocks: int = 0,
-                     decode_adapter_tokens: float = 0.0) -> PrefillLocation:
+                     stall_weight: float = 1.0, decode_hit_blocks: float = 0,
+                     decode_adapter_tokens: float = 0.0,
+                     decode_pool_blocks: int | None = None) -> PrefillLocation:
     """Conditional disaggregation's rule (``RouterConfig.disaggregation`` "auto"): where to
     compute a prompt of ``num_tokens`` (prompt and any output it carries) that holds
     ``num_blocks`` KV blocks, ``decode`` being the decode worker it would go to, whose prefix
-    cache holds the first ``decode_hit_blocks`` of them (the KV index's), and ``prefill`` the
+    cache holds the first ``decode_hit_blocks`` of them (the KV index's, as cached blocks: one
+    below the pool counts its tier's weight, ``PrefixHit.cached``), the first
+    ``decode_pool_blocks`` in its pool (None: all of them), and ``prefill`` the
     routing of the best prefill worker (None: there is none). The cheaper place, in prompt
     tokens of work (time) added to the requests' latencies:
 
@@ -376,13 +444,15 @@ def prefill_location(max_local_tokens: int, num_tokens: int, decode: WorkerLoad,
     :class:`TransferCost`. Local only when ``uncached <= max_local_tokens``, which bounds the
     stall a local prefill adds to the decode worker's running requests, when the decode worker
     has the blocks free now (a reservation would wait for them in the router's queue, in the
-    queue's order; a local prefill would wait at the worker), and only when strictly cheaper:
-    ties go remote."""
+    queue's order; a local prefill would wait at the worker; a block loaded from a tier below
+    its pool needs a free block as one sent does), and only when strictly cheaper: ties go
+    remote."""
     uncached = max(0, num_tokens - decode_hit_blocks * decode.block_size)
     local = (decode.stats.queued_tokens + decode.pending_tokens + uncached
              + decode_adapter_tokens + stall_weight * decode.stats.num_running * uncached)
     to_send = num_blocks - decode_hit_blocks
     remote = (float("inf") if prefill is None
               else prefill.cost + num_tokens + to_send * tokens_per_block)
-    allowed = uncached <= max_local_tokens and to_send <= decode.free_blocks
+    in_pool = decode_hit_blocks if decode_pool_blocks is None else decode_pool_blocks
+    allowed = uncached <= max_local_tokens and num_blocks - in_pool <= decode.free_blocks
     return PrefillLocation("local" if allowed and local < remote else "remote", local, remote)

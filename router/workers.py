@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.directory import WorkerDirectory
-from pdserve.router.kv_index import KVIndex
+from pdserve.router.kv_index import KVCapacity, KVIndex
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import WorkerLoad
 from pdserve.worker_api import KVSnapshot, RequestDelta, WorkerHandle, WorkerStats
@@ -115,7 +115,7 @@ class Workers:
         ids = [stats.worker_id for _, stats in workers]
         for worker_id in set(index.worker_ids) - set(ids):
             index.forget(worker_id)
-        capacity = {stats.worker_id: stats.total_blocks for _, stats in workers}
+        capacity = {stats.worker_id: KVCapacity.of(stats) for _, stats in workers}
         for worker_id, events in await self.directory.kv_events(ids):
             index.apply(worker_id, events, capacity.get(worker_id))
         for _, stats in workers:

@@ -20,7 +20,7 @@ WORKER_KEYS = {"worker_id", "role", "node", "pid", "state", "running", "waiting"
                "kv_used_blocks", "kv_total_blocks", "heartbeat_age_s", "restarts",
                "compute_utilization", "bandwidth_utilization", "busy_fraction", "binding",
                "device", "torch_threads", "tensor_parallel_size", "kv_int8", "lora_slots",
-               "lora_resident"}
+               "lora_resident", "kv_host_blocks", "kv_disk_blocks"}
 
 
 @pytest.fixture
@@ -78,7 +78,8 @@ def test_status_json_is_one_object_with_pools_and_workers(server, capsys):
                                  "busy_fraction": 0.9, "binding": "bandwidth", "device": "cpu",
                                  "torch_threads": 2, "tensor_parallel_size": 1,
                                  "kv_int8": "hybrid calibrated on text", "lora_slots": 0,
-                                 "lora_resident": []}
+                                 "lora_resident": [], "kv_host_blocks": 0,
+                                 "kv_disk_blocks": 0}
     assert by_id["decode-2"]["state"] == "starting"
     assert by_id["decode-2"]["heartbeat_age_s"] is None
     assert by_id["decode-1"]["state"] == "dead"
@@ -116,6 +117,27 @@ def test_status_shows_a_lora_column_when_a_worker_serves_adapters(server, capsys
     report = json.loads(capsys.readouterr().out)
     [decode] = [w for w in report["workers"] if w["worker_id"] == "decode-0"]
     assert (decode["lora_slots"], decode["lora_resident"]) == (4, ["a" * 64, "b" * 64])
+
+
+def test_status_shows_a_kv_tiers_column_when_a_worker_holds_blocks_below_its_pool(server,
+                                                                                  capsys):
+    target, admin = server
+    assert main(["status", "--target", target]) == 0
+    assert "KV TIERS" not in capsys.readouterr().out  # no worker holds any: no column
+    admin.workers["decode-0"] = dataclasses.replace(admin.workers["decode-0"],
+                                                    kv_host_blocks=120, kv_disk_blocks=900)
+    assert main(["status", "--target", target]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("WORKER"))
+    row = next(line for line in lines if line.startswith("decode-0"))
+    start = header.index("KV TIERS")
+    assert row[start:].startswith("h 120 / d 900")
+    prefill = next(line for line in lines if line.startswith("prefill-0"))
+    assert prefill[start:].split()[0] == "-"
+    assert main(["status", "--target", target, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    [decode] = [w for w in report["workers"] if w["worker_id"] == "decode-0"]
+    assert (decode["kv_host_blocks"], decode["kv_disk_blocks"]) == (120, 900)
 
 
 def test_status_says_when_the_control_plane_is_degraded(server, capsys):

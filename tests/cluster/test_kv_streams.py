@@ -14,8 +14,8 @@ from pdserve.cluster.record_auth import RecordAuth
 from pdserve.engine.kv_cache.block_manager import BlockManager
 from pdserve.engine.kv_cache.events import KVEventLog
 from pdserve.engine.sequence import Sequence
-from pdserve.router.kv_index import KVIndex
-from pdserve.worker_api import KVEvents
+from pdserve.router.kv_index import KVCapacity, KVIndex
+from pdserve.worker_api import KV_TIER_DISK, KV_TIER_HOST, KV_TIER_POOL, KVEvents
 from pdserve.worker_api.sampling_params import SamplingParams
 
 from .conftest import AUTH
@@ -136,6 +136,41 @@ def test_an_index_holding_more_than_the_worker_s_blocks_goes_stale(redis_url):
     streams.publish("w", KVEvents("log", 2, hashes[12:], ()))
     index = KVIndex()
     first, second = (events for _, events in streams.read(["w"]))
-    assert index.apply("w", first, capacity=12) and index.held("w") == frozenset(hashes[:12])
-    assert not index.apply("w", second, capacity=12)
+    assert index.apply("w", first, KVCapacity(12)) and index.held("w") == frozenset(hashes[:12])
+    assert not index.apply("w", second, KVCapacity(12))
     assert index.needs_snapshot("w") and index.matched_blocks("w", list(hashes)) == 0
+
+
+def test_stored_tiers_travel_signed_and_entries_without_them_read_as_pool(redis_url):
+    """A batch's tiers come back as the worker sent them; an entry without the tiers field
+    (a worker without KV tiers, or one written before them) reads as all pool; an entry whose
+    tiers field was removed, added or changed does not verify; one with a tier out of range
+    or a tier count that is not one per stored hash is malformed. Each skipped one is
+    counted, and the index follows the worker's real batches at their tiers."""
+    client = redis.Redis.from_url(redis_url)
+    cluster = uuid.uuid4().hex
+    key = f"pdserve:{cluster}:kv:w"
+    counted = []
+    worker = KVStreams(client, cluster, ttl_ms=60_000, auth=AUTH)
+    reader = KVStreams(client, cluster, ttl_ms=60_000, auth=AUTH,
+                       on_malformed=lambda family, n: counted.append(("malformed", n)),
+                       on_untrusted=lambda kind, n: counted.append(("untrusted", n)))
+    a, b, c = (bytes([i]) * HASH_BYTES for i in (1, 2, 3))
+    tiered = KVEvents("log", 1, (a, b, c), (), (KV_TIER_POOL, KV_TIER_HOST, KV_TIER_DISK))
+    worker.publish("w", tiered)
+    worker.publish("w", KVEvents("log", 2, (b,), (c,)))  # no tiers: b is back in the pool
+    signed = dict(client.xrange(key)[0][1])
+    stripped = {k: v for k, v in signed.items() if k != b"k"}
+    client.xadd(key, {**stripped, b"n": b"3"})  # its tiers removed (and a new number)
+    for bad in (b"\x00\x01\x03", b"\x00\x01"):  # a tier out of range; too few tiers
+        client.xadd(key, {**signed, b"k": bad})
+    client.xadd(key, {**signed, b"k": b"\x00\x00\x00"})  # changed: the tag breaks
+    worker.publish("w", KVEvents("log", 3, (), (a,)))
+    got = reader.read(["w"])
+    assert [events for _, events in got] == [tiered, KVEvents("log", 2, (b,), (c,)),
+                                            KVEvents("log", 3, (), (a,))]
+    assert got[1][1].tier_of(0) == KV_TIER_POOL and got[0][1].tier_of(2) == KV_TIER_DISK
+    assert sorted(counted) == [("malformed", 2), ("untrusted", 2)]
+    index = KVIndex()
+    assert all(index.apply(w, events) for w, events in got)
+    assert index.held_tiers("w") == {b: KV_TIER_POOL}

@@ -142,6 +142,7 @@ def test_every_value_survives_from_the_stats_to_the_proto(registry, stats, pid, 
         "prefix_hit_tokens": stats.prefix_hit_tokens,
         "prefix_query_tokens": stats.prefix_query_tokens,
         "lora_slots": stats.lora_slots, "lora_resident": list(stats.lora_resident),
+        "kv_host_blocks": stats.kv_host_blocks, "kv_disk_blocks": stats.kv_disk_blocks,
     }
     assert sorted(expected) == sorted(f.name for f in WORKER_PB.fields)
     got = {f.name: getattr(worker, f.name) for f in WORKER_PB.fields}
