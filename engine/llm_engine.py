@@ -222,6 +222,7 @@ class LLMEngine:
             raise DuplicateRequestId(f"request_id {seq.request_id!r} is already running")
         self.scheduler.add(seq)
         self.track(seq)
+        self.parts.block_manager.prefetch(seq)
         if seq.sampling_params.num_sequences > 1 and self.scheduler.policy.accepts_running:
             self._to_fork[seq.request_id] = seq  # (a prefill worker hands one sequence off)
         return seq

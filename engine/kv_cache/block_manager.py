@@ -195,6 +195,28 @@ class BlockManager:
         loads from a tier passes its check); changes nothing."""
         return len(self._lookup(seq)[0]) * self._block_size
 
+    def prefetch(self, seq: Sequence) -> None:
+        """Have the tiers bring the blocks of seq's prefix that are on disk up to host memory
+        in the background (a request that just arrived: by its admission they load from
+        memory). Changes nothing here."""
+        offload = self.offload
+        if offload is None or not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+            return
+        bs, parent = self._block_size, _root(seq)
+        below: list[bytes] = []  # the prefix's blocks held below the pool, in order
+        on_disk = False
+        for i in range((seq.num_tokens - 1) // bs):
+            h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], self._salt)
+            if h not in self._hash_to_block:
+                tier = offload.tier_of(h)
+                if tier is None:
+                    break
+                below.append(h)
+                on_disk |= tier == KV_TIER_DISK
+            parent = h
+        if on_disk:
+            offload.prefetch(below)
+
     def admission_room(self, seq: Sequence) -> int:
         """Tokens past the prefix hit that a fresh seq could get blocks for now; changes nothing.
 

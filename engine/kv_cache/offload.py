@@ -61,6 +61,11 @@ class PoolTiers:
     def tier_of(self, block_hash: bytes) -> int | None:
         return self.tiers.tier_of(block_hash)
 
+    def prefetch(self, hashes: list[bytes]) -> None:
+        """Bring these blocks from disk to host memory in the background (rank 0's tiers;
+        the followers read theirs when the blocks load)."""
+        self.tiers.prefetch(hashes)
+
     def worth_loading(self, tiers: list[int]) -> int:
         """How many of the leading blocks below the pool, of ``tiers``, are cheaper to load
         than to compute (measured read rates against the measured compute time per token)."""

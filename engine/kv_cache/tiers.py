@@ -8,7 +8,9 @@ layer) as one flat payload, keyed by the block's prefix hash (docs/kv-tiers.md):
 - **disk**: one file per block in a folder private to this engine, LRU within
   ``disk_bytes``; written by one writer thread, never by the engine's loop. The bytes waiting
   for the writer are bounded (``max_backlog_bytes``): past the bound a block is dropped and
-  the drop counted, so a slow disk never holds a step.
+  the drop counted, so a slow disk never holds a step. ``prefetch`` has a reader thread copy
+  blocks a queued request will want from disk into the host tier (checked as any read), so
+  its admission loads them from memory.
 
 Each block carries a header (:data:`HEADER`: a magic, the pool's layout fingerprint, the
 block's hash, the payload's length and its CRC-32), written with it and checked on every read:
@@ -17,9 +19,10 @@ never a payload of the wrong content. A disk folder left by an earlier engine is
 trusted: each engine writes into a folder of its own, made at start, and deletes those of
 engines that are no longer alive.
 
-Threads: the engine's loop calls :meth:`KVTiers.save`, :meth:`KVTiers.read` and
-:meth:`KVTiers.tier_of`; the writer thread moves blocks to disk; one lock guards the indexes
-and the counters both change.
+Threads: the engine's loop calls :meth:`KVTiers.save`, :meth:`KVTiers.read`,
+:meth:`KVTiers.tier_of` and :meth:`KVTiers.prefetch`; the writer thread moves blocks to disk,
+the reader thread prefetched ones up; one lock guards the indexes and the counters they
+share.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class TierCounters:
     evictions: int = 0  # blocks dropped from the lowest tier holding them
     read_failures: int = 0  # blocks that failed a check or a read
     write_failures: int = 0  # disk writes that failed, or blocks dropped for the backlog
+    prefetched_blocks: int = 0  # blocks copied from disk to host for a queued request
 
 
 class KVTiers:
@@ -92,6 +96,7 @@ class KVTiers:
         # (from memory) until their file is written
         self.max_backlog_bytes = (max_backlog_bytes if max_backlog_bytes is not None
                                   else max(64 << 20, 8 * block_nbytes))
+        self._prefetches: queue.Queue | None = None
         if disk_bytes and disk_dir:
             self.folder = _own_folder(Path(disk_dir))
             if self.folder is not None:
@@ -99,6 +104,11 @@ class KVTiers:
                 self._writer = threading.Thread(target=self._write_loop, daemon=True,
                                                 name="kv-tier-writer")
                 self._writer.start()
+                if host_bytes:
+                    self._prefetches = queue.Queue()
+                    self._reader = threading.Thread(target=self._prefetch_loop, daemon=True,
+                                                    name="kv-tier-reader")
+                    self._reader.start()
 
     # ---- what is held -------------------------------------------------------------------
 
@@ -219,6 +229,31 @@ class KVTiers:
 
     # ---- up -----------------------------------------------------------------------------
 
+    def prefetch(self, hashes: list[bytes]) -> None:
+        """Copy the blocks of ``hashes`` (a prefix's, in order) that are on disk into the host
+        tier, on the reader thread (nothing without a disk and a host tier); returns at once.
+        Those already in host memory are used first, so the copies do not push them down."""
+        if self._prefetches is not None and hashes:
+            self._prefetches.put(hashes)
+
+    def _prefetch_loop(self) -> None:
+        assert self._prefetches is not None
+        while (hashes := self._prefetches.get()) is not None:
+            with self._lock:
+                for block_hash in hashes:
+                    if block_hash in self._host:
+                        self._host.move_to_end(block_hash)
+            for block_hash in hashes:
+                with self._lock:
+                    on_disk = block_hash not in self._host and block_hash in self._disk
+                if on_disk:
+                    payload = self.read(block_hash)
+                    if payload is None:
+                        break  # (the chain ends at a block that failed)
+                    self.save(block_hash, payload)
+                    with self._lock:
+                        self.counters.prefetched_blocks += 1
+
     def read(self, block_hash: bytes) -> np.ndarray | None:
         """The payload of ``block_hash`` from the best tier holding it, checked; None when no
         tier holds it or its check or read failed (then it is forgotten)."""
@@ -251,12 +286,13 @@ class KVTiers:
 
     def _count_read(self, tier: int, nbytes: int, seconds: float) -> None:
         c = self.counters
-        if tier == KV_TIER_HOST:
-            c.host_read_bytes += nbytes
-            c.host_read_s += seconds
-        else:
-            c.disk_read_bytes += nbytes
-            c.disk_read_s += seconds
+        with self._lock:  # (the loop and the reader thread both read)
+            if tier == KV_TIER_HOST:
+                c.host_read_bytes += nbytes
+                c.host_read_s += seconds
+            else:
+                c.disk_read_bytes += nbytes
+                c.disk_read_s += seconds
 
     def _read_file(self, block_hash: bytes) -> tuple[np.ndarray | None, str]:
         """(the checked payload, "") or (None, why not)."""
@@ -314,7 +350,11 @@ class KVTiers:
             (self.events.tier_stored if held else self.events.tier_removed)(block_hash, tier)
 
     def close(self) -> None:
-        """Stop the writer and delete this engine's disk folder."""
+        """Stop the reader and the writer and delete this engine's disk folder."""
+        if self._prefetches is not None:
+            self._prefetches.put(None)
+            self._reader.join(timeout=10)
+            self._prefetches = None
         if self._queue is not None:
             self._queue.put(None)
             self._writer.join(timeout=10)

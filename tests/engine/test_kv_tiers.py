@@ -10,13 +10,15 @@ import random
 import resource
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
 
+from pdserve.engine.kv_cache.prefix_hash import chained_block_hashes
 from pdserve.engine.kv_cache.tiers import FOLDER_PREFIX, HEADER, KVTiers
 from pdserve.engine.llm import LLM
-from pdserve.worker_api import KV_TIER_DISK, KV_TIER_HOST, SamplingParams
+from pdserve.worker_api import KV_TIER_DISK, KV_TIER_HOST, PrefixSource, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
 BLOCK = 16
@@ -82,6 +84,33 @@ def test_disk_tier_round_trip_equals_computing(tiny_dir, computed, tmp_path):
         assert tiers.folder.stat().st_mode & 0o777 == 0o700
         folder = tiers.folder
     assert not folder.exists()  # (closing the engine deletes its folder)
+
+
+def test_a_queued_request_has_its_disk_blocks_prefetched_to_host(tiny_dir, computed, tmp_path):
+    """A request's blocks on disk are read up into host memory while it is queued; its
+    admission loads them from there, with the computed tokens."""
+    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.0001,
+             kv_offload_disk_gib=0.01, kv_offload_dir=str(tmp_path / "kv")) as llm:
+        tiers = tiers_of(llm)
+        batch = prompts()
+        first = one_round(llm, batch)
+        tiers.flush()
+        bm = llm.engine.parts.block_manager
+        seq = llm.engine.add_request("queued", batch[0], GREEDY)
+        hashes = chained_block_hashes(batch[0], BLOCK, bm._salt)[:3]
+        assert any(tiers.tier_of(h) == KV_TIER_DISK for h in hashes) or \
+            tiers.counters.prefetched_blocks  # (on disk when queued, unless already read up)
+        deadline = time.monotonic() + 30
+        while any(tiers.tier_of(h) != KV_TIER_HOST for h in hashes):
+            assert time.monotonic() < deadline, [tiers.tier_of(h) for h in hashes]
+            time.sleep(0.01)
+        assert tiers.counters.prefetched_blocks > 0
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        assert seq.prefix_source == PrefixSource(0, HIT, 0, seq.prefix_source.load_s)
+        assert seq.token_ids[len(batch[0]):] == computed[0][0]
+        assert first == [t for t, _ in computed[:4]]
+        check_idle(llm)
 
 
 def test_int8_kv_round_trip_equals_int8_computing(tiny_dir):
