@@ -366,20 +366,28 @@ def _content(token_ids: list[int], upto: int) -> float:
 def test_random_traffic_loads_exactly_what_was_computed(tmp_path, window):
     """Sequences over shared prefixes through a 12-block pool with host and disk tiers: every
     block a sequence is admitted on (read in place or loaded from a tier) holds the content
-    computed for its tokens, through evictions, saves, loads and frees; the invariants hold."""
+    computed for its tokens, through evictions, saves, loads and frees; the invariants hold;
+    and a router's index fed the worker's KV events holds each hash at the best tier that
+    really holds it."""
     import torch
 
     from pdserve.engine.kv_cache.block_manager import BlockManager
+    from pdserve.engine.kv_cache.events import KVEventLog
     from pdserve.engine.kv_cache.offload import PoolTiers, block_nbytes
     from pdserve.engine.sequence import Sequence
     from pdserve.kernels import KVCacheLayer
+    from pdserve.router.kv_index import KVIndex
 
     bs, num_blocks = 4, 12
     caches = [KVCacheLayer(torch.zeros(2, num_blocks, bs, 1, 2)) for _ in range(2)]
+    events = KVEventLog()
     tiers = KVTiers(b"t" * 32, block_nbytes(caches), host_bytes=6 * block_nbytes(caches),
-                    disk_bytes=1 << 20, disk_dir=str(tmp_path))
+                    disk_bytes=40 * (HEADER.size + block_nbytes(caches)),
+                    disk_dir=str(tmp_path), events=events)
     bm = BlockManager(num_blocks, bs, sliding_window=window, hash_salt=b"s" * 16)
+    bm.events = events
     bm.offload = PoolTiers(caches, tiers, bs)
+    index = KVIndex()
     rng = random.Random(window or 0)
     prefixes = [[rng.randrange(1, 30) for _ in range(12)] for _ in range(5)]
     live: list[Sequence] = []
@@ -413,8 +421,18 @@ def test_random_traffic_loads_exactly_what_was_computed(tmp_path, window):
         bm.free_out_of_window(seq)
         live.append(seq)
         bm.check_invariants()
+        if step % 7 == 0 and (batch := events.drain()) is not None:
+            assert index.apply("w", batch)
     for seq in live:
         bm.free(seq)
     bm.check_invariants()
     assert bm.num_used_blocks == 0 and loaded > 0
+    tiers.flush()
+    if (batch := events.drain()) is not None:
+        assert index.apply("w", batch)
+    truth = {h: KV_TIER_DISK for h in tiers._disk}
+    truth.update({h: KV_TIER_HOST for h in tiers._host})
+    truth.update({h: 0 for h in bm._hash_to_block})
+    assert index.held_tiers("w") == truth
+    assert {KV_TIER_HOST, KV_TIER_DISK} <= set(truth.values())
     tiers.close()
