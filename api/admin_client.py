@@ -111,7 +111,7 @@ class AdminClient:
                  tls: ClientTLS | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self._metadata = auth_metadata(api_key)  # a server with --api-key needs it
+        self._metadata = auth_metadata(api_key)  # (a server with an admin key needs it)
         self._channel = open_channel(target, tls)
         self._stub = admin_pb2_grpc.AdminStub(self._channel)
 

@@ -26,8 +26,9 @@ completion's in ``choices`` (``best_of`` above ``n`` is HTTP's only). ``timeout`
 (seconds) becomes the gRPC deadline. Every failure is a ``PdserveError`` with the gRPC code.
 Leaving a ``generate_stream`` loop early cancels the call, which frees the request's KV.
 
-A server started with ``--api-key`` needs ``api_key=`` (sent as ``authorization: Bearer``
-metadata on every call); one with TLS needs ``tls=ClientTLS.from_files(ca=..., cert=...,
+A server started with an inference key (``--api-key-file`` or ``PDSERVE_API_KEY``: keys are
+never command-line flags) needs ``api_key=`` (sent as ``authorization: Bearer`` metadata on
+every call); one with TLS needs ``tls=ClientTLS.from_files(ca=..., cert=...,
 key=...)``: ``ca`` verifies the server (None: the system roots), ``cert``/``key`` are this
 client's own certificate for mutual TLS.
 """

@@ -61,8 +61,8 @@ class Hardware:
 
     name: str
     memory_bytes: int  # the budget weights + activations + KV share
-    bandwidth_bytes_per_s: float  # memory bandwidth
-    peak_flops_per_s: float  # dense matmul peak in the serving dtype
+    bandwidth_bytes_per_s: float | None  # memory bandwidth (None: unknown, no time estimates)
+    peak_flops_per_s: float | None  # dense matmul peak in the serving dtype (None: unknown)
     source: str  # where the figures come from
     device: str = "cuda"  # "cpu" | "cuda": decides the engine's dtype and attention path
 
@@ -199,8 +199,12 @@ def make_plan(req: PlanRequest, hw: Hardware, mc: ModelConfig | None = None) -> 
     theoretical = pool // (context * kv_per_token)
     batch = math.floor(BATCH_MARGIN * theoretical)
     cost = StepCost.for_model(mc, weights, kv_per_token)
-    decode = roofline_ms(*cost.decode(max(batch, 1), context), hw, req.mfu)
-    prefill = roofline_ms(*cost.prefill(PREFILL_TOKENS), hw, req.mfu)
+    timed = hw.bandwidth_bytes_per_s is not None and hw.peak_flops_per_s is not None
+    if req.rate is not None and not timed:
+        raise ValueError("argument --rate: the worker counts need the device's speed: name it "
+                         "with --device NAME, or give --hbm-gbps and --tflops")
+    decode = roofline_ms(*cost.decode(max(batch, 1), context), hw, req.mfu) if timed else None
+    prefill = roofline_ms(*cost.prefill(PREFILL_TOKENS), hw, req.mfu) if timed else None
     plan = {
         "model": req.model, "model_type": mc.model_type, "hardware": asdict(hw),
         "dtype": str(dtype).removeprefix("torch."), "kv_cache_dtype": req.kv_cache_dtype,
@@ -214,12 +218,18 @@ def make_plan(req: PlanRequest, hw: Hardware, mc: ModelConfig | None = None) -> 
         "margin_bytes": margin, "kv_pool_bytes": pool, "bytes_per_block": per_block,
         "num_kv_blocks": num_blocks, "kv_token_capacity": num_blocks * config.block_size,
         "max_batch_theoretical": theoretical, "max_batch": batch,
+    }
+    if decode is None or prefill is None:  # memory only: the times need the device's speed
+        plan.update(decode_step_ms=None, decode=None, decode_tokens_per_s=None,
+                    prefill_ms_per_1k_tokens=None, prefill=None, binding=None)
+        return plan
+    plan.update({
         "decode_step_ms": decode["ms"], "decode": {**decode, "batch": max(batch, 1)},
         "decode_tokens_per_s": max(batch, 1) / decode["ms"] * 1e3,
         "prefill_ms_per_1k_tokens": prefill["ms"],
         "prefill": {**prefill, "tokens": PREFILL_TOKENS},
         "binding": {"prefill": prefill["binding"], "decode": decode["binding"]},
-    }
+    })
     if req.rate is not None:
         plan.update(worker_counts(req, cost, hw, batch, context))
     return plan

@@ -81,8 +81,9 @@ def choose_hardware(device: str | None, hbm_gib: float | None, hbm_gbps: float |
 
 
 def accelerator_with_memory(hbm_gib: float, tolerance: float = 0.03) -> Hardware:
-    """The one catalogue card whose memory is ``hbm_gib`` (within ``tolerance``); ValueError
-    listing the candidates when none or several are."""
+    """The one catalogue card whose memory is ``hbm_gib`` (within ``tolerance``); when none or
+    several are, a device of that memory whose speed is unknown: the plan's memory answer
+    needs nothing more, its time estimates are left out."""
     matches = [hw for hw in accelerators().values()
                if abs(hw.memory_bytes / GiB - hbm_gib) <= tolerance * hbm_gib]
     if len(matches) == 1:
@@ -90,8 +91,9 @@ def accelerator_with_memory(hbm_gib: float, tolerance: float = 0.03) -> Hardware
         return Hardware(hw.name, hw.memory_bytes, hw.bandwidth_bytes_per_s,
                         hw.peak_flops_per_s, f"the catalogue's {hbm_gib:g} GiB card; {hw.source}")
     names = ", ".join(hw.name for hw in matches) or "no card in the catalogue"
-    raise ValueError(f"argument --hbm-gib: {hbm_gib:g} GiB matches {names}: name one with "
-                     f"--device NAME, or give --hbm-gbps and --tflops too")
+    return Hardware(f"{hbm_gib:g} GiB device", int(hbm_gib * GiB), None, None,
+                    f"--hbm-gib {hbm_gib:g} (matches {names}); for time estimates name the "
+                    f"card with --device NAME, or give --hbm-gbps and --tflops too")
 
 
 def _engine(req: PlanRequest, hw: Hardware, margin: float):

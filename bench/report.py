@@ -149,10 +149,13 @@ def format_plan(plan: dict) -> str:
     gib = lambda b: f"{b / (1 << 30):,.2f} GiB"  # noqa: E731
     d, p = plan["decode"], plan["prefill"]
     ranks = plan["tensor_parallel_size"]
+    speed = ("speed unknown" if hw["bandwidth_bytes_per_s"] is None
+             else f"{hw['bandwidth_bytes_per_s'] / 1e9:,.0f} GB/s, "
+                  f"{hw['peak_flops_per_s'] / 1e12:,.1f} TFLOPS")
+    untimed = "needs the device's speed: name it with --device NAME, or give --hbm-gbps " \
+              "and --tflops"
     rows = [
-        ["hardware", f"{hw['name']}: {gib(hw['memory_bytes'])}, "
-                     f"{hw['bandwidth_bytes_per_s'] / 1e9:,.0f} GB/s, "
-                     f"{hw['peak_flops_per_s'] / 1e12:,.1f} TFLOPS ({hw['source']})"],
+        ["hardware", f"{hw['name']}: {gib(hw['memory_bytes'])}, {speed} ({hw['source']})"],
         ["model", f"{plan['model']} ({plan['model_type']}, {plan['num_parameters']:,} "
                   f"parameters, {plan['dtype']}, KV {plan['kv_cache_dtype']})"],
         *([["tensor parallel", f"{ranks} devices per worker; weights, KV, batch and step "
@@ -167,13 +170,15 @@ def format_plan(plan: dict) -> str:
         ["KV bytes per token", f"{plan['kv_bytes_per_token']:,} B"],
         ["max batch", f"{plan['max_batch_theoretical']:,} at {plan['avg_context']:,} tokens "
                       f"each; {plan['max_batch']:,} with the 20 % margin"],
-        ["decode step", f"{d['ms']:.3g} ms at batch {d['batch']:,} (memory {d['memory_ms']:.3g}"
-                        f" ms, compute {d['compute_ms']:.3g} ms): {d['binding']}-bound, "
-                        f"{plan['decode_tokens_per_s']:,.0f} tokens/s per worker"
+        ["decode step", untimed if d is None else
+         f"{d['ms']:.3g} ms at batch {d['batch']:,} (memory {d['memory_ms']:.3g}"
+         f" ms, compute {d['compute_ms']:.3g} ms): {d['binding']}-bound, "
+         f"{plan['decode_tokens_per_s']:,.0f} tokens/s per worker"
          if d["ms"] <= USEFUL_STEP_MS else _useless(d["ms"], plan)],
-        ["prefill per 1k tokens", f"{plan['prefill_ms_per_1k_tokens']:.3g} ms (compute "
-                                  f"{p['compute_ms']:.3g} ms at MFU {plan['mfu']:g}, memory "
-                                  f"{p['memory_ms']:.3g} ms): {p['binding']}-bound"
+        ["prefill per 1k tokens", untimed if p is None else
+         f"{plan['prefill_ms_per_1k_tokens']:.3g} ms (compute "
+         f"{p['compute_ms']:.3g} ms at MFU {plan['mfu']:g}, memory "
+         f"{p['memory_ms']:.3g} ms): {p['binding']}-bound"
          if plan["prefill_ms_per_1k_tokens"] <= USEFUL_STEP_MS
          else _useless(plan["prefill_ms_per_1k_tokens"], plan)],
     ]

@@ -156,8 +156,8 @@ def test_plan_json_keys_from_the_command_line(tmp_path, capsys):
     (["--device", "H100", "--measure"], "--measure profiles this machine"),
     # no hardware named: asked for, never measured unasked (that took minutes, in float16)
     ([], "argument --device: name the hardware to plan for (H200, H100"),
-    (["--hbm-gib", "80"], "80 GiB matches H100, A100-80GB: name one with --device NAME"),
-    (["--hbm-gib", "33"], "33 GiB matches no card in the catalogue"),
+    (["--hbm-gib", "80", "--rate", "2", "--isl", "512", "--osl", "128"],
+     "argument --rate: the worker counts need the device's speed"),
 ])
 def test_plan_user_errors_exit_2(tmp_path, capsys, argv, message):
     model = _config_dir(tmp_path, "m", LLAMA2_7B)
@@ -166,6 +166,33 @@ def test_plan_user_errors_exit_2(tmp_path, capsys, argv, message):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("hbm_gib, matches", [(80, "H100, A100-80GB"),
+                                               (33, "no card in the catalogue")])
+def test_plan_of_a_memory_alone_gives_the_memory_answer(tmp_path, capsys, hbm_gib, matches):
+    """--hbm-gib without --device: what fits (weights, KV pool, batch) needs only the memory;
+    the time estimates, which need the device's speed, say how to get them."""
+    model = _config_dir(tmp_path, "llama2-7b", LLAMA2_7B)
+    assert main(["plan", "--model", model, "--hbm-gib", str(hbm_gib), "--dtype", "float16",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["hardware"]["memory_bytes"] == hbm_gib * GiB and matches in \
+        plan["hardware"]["source"]
+    assert plan["num_kv_blocks"] > 0 and plan["max_batch"] > 0
+    assert plan["decode_step_ms"] is None and plan["prefill_ms_per_1k_tokens"] is None
+    if hbm_gib == 80:  # the same memory answer as naming the card of that memory
+        assert main(["plan", "--model", model, "--device", "A100-80GB", "--dtype", "float16",
+                     "--json"]) == 0
+        with_card = json.loads(capsys.readouterr().out)
+        assert (with_card["num_kv_blocks"], with_card["max_batch"]) == (
+            plan["num_kv_blocks"], plan["max_batch"])
+    assert main(["plan", "--model", model, "--hbm-gib", str(hbm_gib), "--dtype",
+                 "float16"]) == 0
+    text = capsys.readouterr().out
+    decode = next(line for line in text.splitlines() if line.startswith("decode step"))
+    assert "needs the device's speed" in decode and "--device NAME" in decode
+    assert "KV pool" in text
 
 
 def test_plan_takes_the_one_card_of_the_given_memory(tmp_path, capsys):

@@ -148,3 +148,17 @@ def test_status_sends_the_admin_key_from_its_file_or_the_environment(keyed_serve
     assert '"decode"' in capsys.readouterr().out
     monkeypatch.setenv("PDSERVE_ADMIN_API_KEY", "admin-key")
     assert main(["status", "--target", keyed_server, "--json"]) == 0
+
+
+def test_the_clients_docs_name_only_key_flags_serve_accepts():
+    """The Python clients' docs tell a user how a server gets its key: a flag serve takes
+    (``--api-key-file``), never the ``--api-key KEY`` it refuses."""
+    import re
+    from pathlib import Path
+
+    import pdserve.api
+
+    refused = re.compile(r"--(admin-|priority-)?api-key\b(?!-file)")
+    for path in sorted(Path(pdserve.api.__file__).parent.glob("*client*.py")):
+        hits = [line for line in path.read_text().splitlines() if refused.search(line)]
+        assert not hits, (path.name, hits)
