@@ -48,6 +48,12 @@ def computed(tiny_dir) -> list[tuple[list[int], int]]:
         return two_rounds(llm, prompts())
 
 
+def disk_llm(tiny_dir, tmp_path) -> LLM:
+    """The tiny model over a small pool, a host tier of 3 blocks and a disk tier."""
+    return LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.0001,
+               kv_offload_disk_gib=0.01, kv_offload_dir=str(tmp_path / "kv"))
+
+
 def tiers_of(llm: LLM) -> KVTiers:
     return llm.engine.parts.block_manager.offload.tiers
 
@@ -71,8 +77,7 @@ def test_host_tier_round_trip_equals_computing(tiny_dir, computed):
 
 
 def test_disk_tier_round_trip_equals_computing(tiny_dir, computed, tmp_path):
-    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.0001,
-             kv_offload_disk_gib=0.01, kv_offload_dir=str(tmp_path / "kv")) as llm:
+    with disk_llm(tiny_dir, tmp_path) as llm:
         tiers = tiers_of(llm)
         first = one_round(llm, prompts())
         tiers.flush()  # (the evicted blocks are on disk now)
@@ -89,8 +94,7 @@ def test_disk_tier_round_trip_equals_computing(tiny_dir, computed, tmp_path):
 def test_a_queued_request_has_its_disk_blocks_prefetched_to_host(tiny_dir, computed, tmp_path):
     """A request's blocks on disk are read up into host memory while it is queued; its
     admission loads them from there, with the computed tokens."""
-    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.0001,
-             kv_offload_disk_gib=0.01, kv_offload_dir=str(tmp_path / "kv")) as llm:
+    with disk_llm(tiny_dir, tmp_path) as llm:
         tiers = tiers_of(llm)
         batch = prompts()
         first = one_round(llm, batch)
@@ -217,8 +221,7 @@ def test_corrupt_host_blocks_are_recomputed(tiny_dir, computed):
 
 @pytest.mark.parametrize("fault", sorted(DISK_FAULTS))
 def test_bad_disk_blocks_are_recomputed(tiny_dir, computed, tmp_path, fault, caplog):
-    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.0001,
-             kv_offload_disk_gib=0.01, kv_offload_dir=str(tmp_path / "kv")) as llm:
+    with disk_llm(tiny_dir, tmp_path) as llm:
         tiers = tiers_of(llm)
         batch = prompts()
         first = one_round(llm, batch)
@@ -236,8 +239,7 @@ def test_bad_disk_blocks_are_recomputed(tiny_dir, computed, tmp_path, fault, cap
 def test_a_disk_that_fills_or_vanishes_keeps_serving(tiny_dir, computed, tmp_path):
     """A write past the file size limit fails (EFBIG, as a full disk's ENOSPC): dropped and
     counted; then the folder is deleted under the engine: reads and writes fail, it serves."""
-    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.0001,
-             kv_offload_disk_gib=0.01, kv_offload_dir=str(tmp_path / "kv")) as llm:
+    with disk_llm(tiny_dir, tmp_path) as llm:
         tiers = tiers_of(llm)
         batch = prompts()
         limits = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -332,8 +334,7 @@ def test_tiers_keep_lru_within_budgets_and_bound_the_backlog(tmp_path):
 
 
 def test_aborts_with_writes_in_flight_leak_no_block(tiny_dir, tmp_path):
-    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.0001,
-             kv_offload_disk_gib=0.01, kv_offload_dir=str(tmp_path / "kv")) as llm:
+    with disk_llm(tiny_dir, tmp_path) as llm:
         engine = llm.engine
         gate = threading.Event()
         tiers = tiers_of(llm)
