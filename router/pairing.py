@@ -35,7 +35,13 @@ from typing import NamedTuple
 
 from pdserve.engine.kv_cache.prefix_hash import adapter_root_hash, chained_block_hashes
 from pdserve.router.kv_index import KVIndex
-from pdserve.worker_api import KV_TIER_POOL, WorkerStats
+from pdserve.worker_api import (
+    KV_TIER_ASSUMED_READ_BYTES_PER_S,
+    KV_TIER_DISK,
+    KV_TIER_HOST,
+    KV_TIER_POOL,
+    WorkerStats,
+)
 
 __all__ = ["AdapterCost", "DecodeRouting", "LoadTimes", "PrefillLocation", "PrefillRouting",
            "PrefixHit", "TransferCost", "WorkerLoad", "adapter_cost", "chained_block_hashes",
@@ -49,11 +55,6 @@ DEFAULT_DISK_READ_S = 0.05  # read and check the adapter's files
 FULL_SLOTS_WAIT_S = 0.1  # every slot holds another adapter and the worker runs requests
 # (which may pin them all): a guess at the wait for one to come free
 DEFAULT_TOKEN_S = 1e-4  # seconds of prefill per prompt token
-# What reading a KV block back from a tier below the pool moves per second before the worker
-# measured a read of that tier: host memory to the device at about what a PCIe 4 x16 link
-# sustains, a local NVMe disk at what one sustains for large sequential reads.
-DEFAULT_HOST_READ_BYTES_S = 4e9
-DEFAULT_DISK_READ_BYTES_S = 1e9
 
 
 class _Sent(NamedTuple):
@@ -205,9 +206,10 @@ def tier_weights(load: WorkerLoad, token_s: float | None) -> tuple[float, ...]:
         clamp(1 - load_s_per_token / prefill_s_per_token, 0, 1)
 
     with load_s_per_token the tier's measured read time per byte (its stats' ``kv_*_read_s``
-    over ``kv_*_read_bytes``; ``DEFAULT_*_READ_BYTES_S`` before it read any) times the bytes
-    of a block per token, and prefill_s_per_token ``token_s`` (:class:`TransferCost`; None:
-    ``DEFAULT_TOKEN_S``). A worker that does not say its block's bytes loads for free (1)."""
+    over ``kv_*_read_bytes``; ``KV_TIER_ASSUMED_READ_BYTES_PER_S`` before it read any) times
+    the bytes of a block per token, and prefill_s_per_token ``token_s``
+    (:class:`TransferCost`; None: ``DEFAULT_TOKEN_S``). A worker that does not say its
+    block's bytes loads for free (1)."""
     stats, prefill_s = load.stats, token_s or DEFAULT_TOKEN_S
 
     def weight(read_s: float, read_bytes: int, default_bytes_s: float) -> float:
@@ -215,9 +217,10 @@ def tier_weights(load: WorkerLoad, token_s: float | None) -> tuple[float, ...]:
         load_s = stats.kv_bytes_per_block / bytes_s / load.block_size
         return min(1.0, max(0.0, 1.0 - load_s / prefill_s))
 
+    assumed = KV_TIER_ASSUMED_READ_BYTES_PER_S
     return (1.0,
-            weight(stats.kv_host_read_s, stats.kv_host_read_bytes, DEFAULT_HOST_READ_BYTES_S),
-            weight(stats.kv_disk_read_s, stats.kv_disk_read_bytes, DEFAULT_DISK_READ_BYTES_S))
+            weight(stats.kv_host_read_s, stats.kv_host_read_bytes, assumed[KV_TIER_HOST]),
+            weight(stats.kv_disk_read_s, stats.kv_disk_read_bytes, assumed[KV_TIER_DISK]))
 
 
 class PrefixHit(NamedTuple):

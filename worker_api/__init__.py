@@ -25,6 +25,7 @@ from pdserve.worker_api.deltas import (
 )
 from pdserve.worker_api.handle import WorkerHandle
 from pdserve.worker_api.messages import (
+    KV_TIER_ASSUMED_READ_BYTES_PER_S,
     KV_TIER_DISK,
     KV_TIER_HOST,
     KV_TIER_NAMES,
@@ -46,6 +47,7 @@ from pdserve.worker_api.sampling_params import SamplingParams
 from pdserve.worker_api.stats import ROLES, Utilization, WorkerStats
 
 __all__ = [
+    "KV_TIER_ASSUMED_READ_BYTES_PER_S",
     "KV_TIER_DISK",
     "KV_TIER_HOST",
     "KV_TIER_NAMES",

@@ -20,6 +20,11 @@ from pdserve.worker_api.sampling_params import SamplingParams
 # worker's disk is loaded back into the pool before it is used (docs/kv-tiers.md)
 KV_TIER_POOL, KV_TIER_HOST, KV_TIER_DISK = 0, 1, 2
 KV_TIER_NAMES = ("pool", "host", "disk")
+# What reading a block back from a tier moves per second before the worker has measured a read
+# of that tier (the worker's load rule and the routers' cost both assume it): host memory to
+# the device at about what a PCIe 4 x16 link sustains, a local NVMe disk at what one sustains
+# for large sequential reads
+KV_TIER_ASSUMED_READ_BYTES_PER_S = {KV_TIER_HOST: 4e9, KV_TIER_DISK: 1e9}
 
 
 @dataclass

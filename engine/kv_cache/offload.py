@@ -21,14 +21,11 @@ import torch
 
 from pdserve.engine.kv_cache.tiers import KVTiers
 from pdserve.kernels import KVCacheLayer
-from pdserve.worker_api import KV_TIER_DISK, KV_TIER_HOST
+from pdserve.worker_api import KV_TIER_ASSUMED_READ_BYTES_PER_S, KV_TIER_HOST
 
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-# What a tier is assumed to read per second before this engine has read anything from it: the
-# load rule's first guess (replaced by the measured rate after the first reads)
-DEFAULT_READ_BYTES_PER_S = {KV_TIER_HOST: 4e9, KV_TIER_DISK: 1e9}
 COMPUTE_EMA = 0.2  # weight of the latest step in the running mean of compute time per token
 TIER_CALLS = frozenset({"save_tier_blocks", "load_tier_blocks"})  # what rank 0 has followers run
 
@@ -83,7 +80,7 @@ class PoolTiers:
         read_bytes, read_s = ((c.host_read_bytes, c.host_read_s) if tier == KV_TIER_HOST
                               else (c.disk_read_bytes, c.disk_read_s))
         if read_s <= 0:
-            return DEFAULT_READ_BYTES_PER_S[tier]
+            return KV_TIER_ASSUMED_READ_BYTES_PER_S[tier]
         return read_bytes / read_s
 
     def note_compute(self, num_tokens: int, seconds: float) -> None:
