@@ -174,3 +174,15 @@ failureThreshold: {{ .failureThreshold | default 6 }}
 - -c
 - "import sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; c = grpc.insecure_channel('{{ include "pdserve.fullname" . }}-router:{{ .Values.router.service.grpcPort }}'); sys.exit(0 if g.HealthStub(c).Check(h.HealthCheckRequest(), timeout=3).status == 1 else 1)"
 {{- end -}}
+
+{{/* A ServiceMonitor's or PodMonitor's endpoint credentials: /metrics wants the admin key
+when there is one */}}
+{{- define "pdserve.metricsAuthorization" -}}
+{{- if .Values.adminApiKey.existingSecret -}}
+authorization:
+  type: Bearer
+  credentials:
+    name: {{ .Values.adminApiKey.existingSecret }}
+    key: {{ .Values.adminApiKey.secretKey }}
+{{- end -}}
+{{- end -}}
