@@ -143,10 +143,11 @@ def _rows_through_onednn(on: bool):
         cpu_panel_gemm.MAX_ROWS = before
 
 
-def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps: int) -> str:
+def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps: int,
+                   repeats: int = 5) -> str:
     """Decode step vs the roofline max(bytes read / bandwidth, FLOPs / peak matmul rate), with
-    the bandwidth of a plain read and, as the achievable ceiling, of torch's own GEMV; each of
-    ROOFLINE_VARIANTS in the same run."""
+    the bandwidth of a plain read and, as the achievable ceiling, of torch's own GEMV (each
+    ceiling the best of ``repeats`` timings); each of ROOFLINE_VARIANTS in the same run."""
     rows = []
     ceilings: dict[torch.dtype, tuple[float, float]] = {}  # torch's own, one per dtype
     for dtype, gemm, attention in ROOFLINE_VARIANTS:
@@ -157,8 +158,8 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
         engine = LLMEngine(parts)
         model_dtype = parts.runner.model.dtype
         if model_dtype not in ceilings:  # the same torch linear for every variant of a dtype
-            ceilings[model_dtype] = (measure_linear(model_dtype, 1)[0],
-                                     measure_linear(model_dtype, 512)[1])
+            ceilings[model_dtype] = (measure_linear(model_dtype, 1, repeats)[0],
+                                     measure_linear(model_dtype, 512, repeats)[1])
         gemv_bw, peak_flops = ceilings[model_dtype]
         params = parts.model_config.num_parameters()
         for batch in batches:
@@ -388,8 +389,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"threads {torch.get_num_threads()}, measured read bandwidth "
               f"{bandwidth / 1e9:.1f} GB/s\n")
         print(f"1. decode step vs memory roofline ({big_name})")
-        print(roofline_table(big, bandwidth,
-                             [1, 8] if args.quick else [1, 8, 32], 4 if args.quick else 16))
+        print(roofline_table(big, bandwidth, [1, 8] if args.quick else [1, 8, 32],
+                             4 if args.quick else 16, 1 if args.quick else 5))
         print("\n2. engine overhead per decode step (tiny model)")
         print(overhead_table(tiny, windowed, [8, 64] if args.quick else [64, 256],
                              4 if args.quick else 64,

@@ -43,6 +43,14 @@ import torch
 
 from pdserve.testing.lora_adapters import cached_greedy
 
+# One intra-op thread in the test process. The suite's models are tiny (hidden sizes of 48 to
+# 96), so a second thread only adds OpenMP's fork and join to every op; and the test process
+# shares this machine's cores with its own Ray workers, subprocesses and tensor parallel
+# followers (which take this count), where OpenMP's waiting threads spin on cores another
+# process needs. Tests of the kernels' threaded paths set their own count. Processes the
+# tests start (Ray workers, `pdserve serve`) keep their own settings.
+torch.set_num_threads(1)
+
 HF_SEED = 0
 
 # Small, fast shapes; every family keeps vocab >= 480 (the tiny tokenizer's vocab).

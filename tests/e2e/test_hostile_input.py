@@ -49,6 +49,14 @@ def cluster(start_cluster, chat_model):
     cluster.stop()
 
 
+@pytest.fixture(scope="module")
+def http():
+    """One HTTP client for the module (thread-safe; a client per request would cost more
+    than most requests: each builds its TLS context)."""
+    with httpx.Client(timeout=60) as client:
+        yield client
+
+
 class Bystanders:
     """Rounds of ordinary greedy streams on a thread while the fuzz runs; every round's tokens
     are checked against the offline engine."""
@@ -78,16 +86,15 @@ class Bystanders:
         self._thread.join(120)
 
 
-def restarts(cluster) -> float:
-    text = httpx.get(cluster.metrics_url, timeout=10).text
+def restarts(http: httpx.Client, cluster) -> float:
+    text = http.get(cluster.metrics_url, timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("pdserve_worker_restarts_total"))
 
 
-def post(url: str, path: str, body: dict) -> httpx.Response:
+def post(http: httpx.Client, url: str, path: str, body: dict) -> httpx.Response:
     raw = json.dumps(body)  # (NaN and Infinity as Python writes them)
-    return httpx.post(url + path, content=raw, timeout=60,
-                      headers={"content-type": "application/json"})
+    return http.post(url + path, content=raw, headers={"content-type": "application/json"})
 
 
 def check_http_answer(response: httpx.Response, body: dict) -> None:
@@ -174,10 +181,10 @@ FUZZ = settings(max_examples=25, deadline=None, derandomize=True,
 
 
 @contextlib.contextmanager
-def harmless(cluster, chat_model, e2e):
+def harmless(cluster, chat_model, e2e, http):
     """A gRPC stub to send with, ordinary streams running beside it; afterwards every
     ordinary stream had the offline tokens, no worker restarted or died, no block is held."""
-    before = restarts(cluster)
+    before = restarts(http, cluster)
     channel = grpc.insecure_channel(cluster.target)
     try:
         with Bystanders(e2e, cluster, chat_model) as bystanders:
@@ -185,12 +192,12 @@ def harmless(cluster, chat_model, e2e):
     finally:
         channel.close()
     assert bystanders.rounds >= 1 and bystanders.wrong == []
-    assert restarts(cluster) == before
+    assert restarts(http, cluster) == before
     assert all(s.error is None for s in cluster.worker_stats().values())
     e2e.wait_idle(cluster)
 
 
-def test_every_field_at_every_hostile_value(cluster, chat_model, e2e):
+def test_every_field_at_every_hostile_value(cluster, chat_model, e2e, http):
     """The sweep behind the fuzz: each sampling field alone at each hostile value, on both
     front doors, beside the ordinary streams; SWEEP_CLIENTS at a time, so they also arrive
     as a burst."""
@@ -202,13 +209,10 @@ def test_every_field_at_every_hostile_value(cluster, chat_model, e2e):
             request = pb.GenerateRequest(sampling=sampling_proto({name: value}))
             request.token_ids.ids.extend([5, 6, 7])
             requests.append((name, value, request))
-    with harmless(cluster, chat_model, e2e) as stub, httpx.Client(timeout=60) as client, \
+    with harmless(cluster, chat_model, e2e, http) as stub, \
             ThreadPoolExecutor(SWEEP_CLIENTS) as pool:
-        def http(body: dict) -> None:
-            response = client.post(cluster.http_url + "/v1/completions",
-                                   content=json.dumps(body),
-                                   headers={"content-type": "application/json"})
-            check_http_answer(response, body)
+        def completion(body: dict) -> None:
+            check_http_answer(post(http, cluster.http_url, "/v1/completions", body), body)
 
         def generate(item) -> None:
             name, value, request = item
@@ -222,25 +226,26 @@ def test_every_field_at_every_hostile_value(cluster, chat_model, e2e):
 
         def lora_admin(body: dict) -> None:
             for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
-                check_http_answer(post(cluster.http_url, path, body), body)
+                check_http_answer(post(http, cluster.http_url, path, body), body)
 
-        list(pool.map(http, bodies))  # (re-raises the first failed check)
+        list(pool.map(completion, bodies))  # (re-raises the first failed check)
         list(pool.map(generate, requests))
         list(pool.map(model, GRPC_MODELS))
         list(pool.map(lora_admin, LORA_ADMIN_BODIES))
 
 
-def test_hostile_requests_harm_no_one(cluster, chat_model, e2e):
-    with harmless(cluster, chat_model, e2e) as stub:
+def test_hostile_requests_harm_no_one(cluster, chat_model, e2e, http):
+    with harmless(cluster, chat_model, e2e, http) as stub:
         @FUZZ
         @given(body=completion_bodies)
         def completions(body):
-            check_http_answer(post(cluster.http_url, "/v1/completions", body), body)
+            check_http_answer(post(http, cluster.http_url, "/v1/completions", body), body)
 
         @FUZZ
         @given(body=chat_bodies)
         def chats(body):
-            check_http_answer(post(cluster.http_url, "/v1/chat/completions", body), body)
+            check_http_answer(post(http, cluster.http_url, "/v1/chat/completions", body),
+                              body)
 
         @FUZZ
         @given(values=grpc_sampling, text=st.booleans())
@@ -258,13 +263,13 @@ def test_hostile_requests_harm_no_one(cluster, chat_model, e2e):
         generations()
 
 
-def router_gauge(cluster, name: str) -> float:
-    text = httpx.get(cluster.metrics_url, timeout=10).text
+def router_gauge(http: httpx.Client, cluster, name: str) -> float:
+    text = http.get(cluster.metrics_url, timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and 'role="router"' in line)
 
 
-def test_one_request_id_through_both_doors_is_two_requests(cluster, chat_model, e2e):
+def test_one_request_id_through_both_doors_is_two_requests(cluster, chat_model, e2e, http):
     """The reported lock-out: the HTTP door hands a client its id in the first SSE chunk; the
     same id sent at once through the gRPC door used to overwrite the first request's entry in
     the router's flight table, so one stream hung to its deadline and its prompt tokens never
@@ -292,5 +297,6 @@ def test_one_request_id_through_both_doors_is_two_requests(cluster, chat_model, 
     assert chunks[-1].finish_reason == "length"
     assert {c["id"] for c in http_chunks} == {label}
     assert http_chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert e2e.wait_for(lambda: router_gauge(cluster, "pdserve_router_requests_in_flight") == 0,
-                        30, "the router to hold no request")
+    in_flight = "pdserve_router_requests_in_flight"
+    assert e2e.wait_for(lambda: router_gauge(http, cluster, in_flight) == 0, 30,
+                        "the router to hold no request")

@@ -36,28 +36,29 @@ BAD_MAPS = [  # (logit_bias, what the error says)
 
 @pytest.fixture(scope="module")
 def http(fake_http):
-    """(backend, url) of the HTTP door over a FakeBackend."""
+    """(backend, a client of the HTTP door over a FakeBackend): one client for the module, as
+    a client per request costs more than the request (each builds its TLS context)."""
     backend, url = fake_http
-    return backend, url
+    with httpx.Client(base_url=url, timeout=10) as client:
+        yield backend, client
 
 
-def post(url: str, path: str, body: dict | str) -> httpx.Response:
+def post(client: httpx.Client, path: str, body: dict | str) -> httpx.Response:
     if isinstance(body, str):
-        return httpx.post(url + path, content=body, timeout=10,
-                          headers={"content-type": "application/json"})
-    return httpx.post(url + path, json=body, timeout=10)
+        return client.post(path, content=body, headers={"content-type": "application/json"})
+    return client.post(path, json=body)
 
 
 @pytest.mark.parametrize("path,extra", [("/v1/completions", {"prompt": [1, 2]}),
                                         ("/v1/chat/completions",
                                          {"messages": [{"role": "user", "content": "hi"}]})])
 def test_http_logit_bias_reaches_the_router_as_token_ids(http, path, extra):
-    backend, url = http
-    response = post(url, path, {"model": MODEL, "max_tokens": 2, **extra,
-                                "logit_bias": {"5": 100, "7": -100, "0": 0.5}})
+    backend, client = http
+    response = post(client, path, {"model": MODEL, "max_tokens": 2, **extra,
+                                   "logit_bias": {"5": 100, "7": -100, "0": 0.5}})
     assert response.status_code == 200, response.text
     assert backend.started[-1].params.logit_bias == {5: 100.0, 7: -100.0, 0: 0.5}
-    post(url, path, {"model": MODEL, "max_tokens": 2, **extra, "logit_bias": {}})
+    post(client, path, {"model": MODEL, "max_tokens": 2, **extra, "logit_bias": {}})
     assert backend.started[-1].params.logit_bias is None
 
 
