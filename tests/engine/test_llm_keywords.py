@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 
 import pytest
 
@@ -21,15 +23,19 @@ NON_DEFAULTS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_dtype=
                     enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
                     speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                         "prompt_lookup_max": 3, "prompt_lookup_min": 1})
-# Fields that do not combine with NON_DEFAULTS (tensor parallel refuses int8 KV): set alone.
-ALONE = dict(tensor_parallel_size=2)
+# Fields that do not combine with NON_DEFAULTS (tensor parallel refuses int8 KV, KV tiers need
+# the prefix cache): each group set on its own.
+ALONE = [dict(tensor_parallel_size=2),
+         dict(kv_offload_cpu_gib=0.001, kv_offload_disk_gib=0.001,
+              kv_offload_dir=os.path.join(tempfile.gettempdir(), "pdserve-keywords-kv"))]
 
 
 def test_every_engine_config_field_is_an_llm_keyword(tiny_dir):
     names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
-    assert set(NON_DEFAULTS) | set(ALONE) == names, "give the new EngineConfig field a value here"
+    alone = {name: value for group in ALONE for name, value in group.items()}
+    assert set(NON_DEFAULTS) | set(alone) == names, "give the new EngineConfig field a value here"
     defaults = EngineConfig(model=str(tiny_dir))
-    for name, value in {**NON_DEFAULTS, **ALONE}.items():
+    for name, value in {**NON_DEFAULTS, **alone}.items():
         assert getattr(defaults, name) != value, name
     llm = LLM(tiny_dir, **NON_DEFAULTS)
     assert llm.engine.parts.config == EngineConfig(model=str(tiny_dir), **NON_DEFAULTS)
@@ -37,9 +43,10 @@ def test_every_engine_config_field_is_an_llm_keyword(tiny_dir):
     out = llm.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out.token_ids) == 3
-    for name, value in ALONE.items():
-        with LLM(tiny_dir, **{name: value}) as alone:
-            assert getattr(alone.engine.parts.config, name) == value
+    for group in ALONE:
+        with LLM(tiny_dir, **group) as llm_alone:
+            for name, value in group.items():
+                assert getattr(llm_alone.engine.parts.config, name) == value
 
 
 def test_wrong_keyword_is_a_value_error_naming_it_and_the_valid_ones(tiny_dir):
