@@ -11,8 +11,9 @@ model answers ``--output-len`` greedy tokens (ignore_eos), and the answer joins 
 Every turn sends each conversation once, in a seeded shuffle, ``--max-num-seqs`` prompts at a
 time (one ``generate`` call each), so a conversation comes back only after every other one
 has been served. The pool (``num_kv_blocks``) holds ``--max-num-seqs`` of the longest
-histories and a few blocks more; the conversations are chosen so that their histories at the
-last turn (the working set) are at least ``--working-set-ratio`` times the pool.
+histories the lengths allow, and one block more; there are as many conversations as it takes
+(at least ``--conversations``) for their histories after the last turn (the working set,
+each system prompt counted once) to be ``--working-set-ratio`` times the pool.
 
 Cases, all on the same prompts:
 
@@ -33,7 +34,9 @@ from the host and disk tiers) over all prompt tokens, and each tier's read rate 
 ``read_bytes / read_s``: a read, its checks and, from disk, the file) next to what a plain
 copy of a block gives on this machine: a numpy copy in memory, a file of the same size read
 back from the disk tier's folder after writing it, and zlib's CRC-32 of a block (what every
-read also computes).
+read also computes). ``--cases`` runs some of the cases (a case's ratios need its
+workload's case without tiers in the same run); ``--threads`` sets torch's threads (on a
+machine other processes share, one thread each keeps them from waiting on each other).
 """
 
 from __future__ import annotations
