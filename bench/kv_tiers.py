@@ -34,9 +34,10 @@ from the host and disk tiers) over all prompt tokens, and each tier's read rate 
 ``read_bytes / read_s``: a read, its checks and, from disk, the file) next to what a plain
 copy of a block gives on this machine: a numpy copy in memory, a file of the same size read
 back from the disk tier's folder after writing it, and zlib's CRC-32 of a block (what every
-read also computes). ``--cases`` runs some of the cases (a case's ratios need its
-workload's case without tiers in the same run); ``--threads`` sets torch's threads (on a
-machine other processes share, one thread each keeps them from waiting on each other).
+read also computes). ``--cases`` runs some of the cases, in the order given (a case's
+ratios need its workload's case without tiers in the same run); ``--threads`` sets torch's
+threads (on a machine other processes share, one thread each keeps them from waiting on each
+other).
 """
 
 from __future__ import annotations
@@ -373,7 +374,7 @@ def run(args: argparse.Namespace) -> None:
           f"{working_set / GIB:.3f} GiB")
     results: dict[str, CaseResult] = {}
     with tempfile.TemporaryDirectory(dir=args.disk_dir, prefix="kv-tiers-bench-") as folder:
-        for name in sorted(set(args.cases), key=CASES.index):
+        for name in dict.fromkeys(args.cases):  # in the order given
             tiers = {} if name.endswith(NO_TIERS) else tier_settings(
                 name.removeprefix(NO_REUSE), working_set, Path(folder))
             results[name] = run_case(model, conv, name, not name.startswith(NO_REUSE), tiers,
