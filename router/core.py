@@ -489,9 +489,9 @@ class Router:
         at = time.time()
         await flight.bounded(lambda: handle.submit(flight.request),
                             self.config.rpc_timeout_s, "submit")
-        load.sent(blocks=load.blocks_for(len(_attempt_tokens(flight))),
-                  tokens=self._uncached_tokens(flight, load), at=at,
-                  adapter=_adapter_digest(flight))
+        flight.prompt_sent = (load, load.sent(
+            blocks=load.blocks_for(len(_attempt_tokens(flight))),
+            tokens=self._uncached_tokens(flight, load), at=at, adapter=_adapter_digest(flight)))
 
     async def _prefill(self, flight: Flight, reservation: Reservation) -> PrefillResult:
         load = await self._pick_prefill(flight)
@@ -511,6 +511,7 @@ class Router:
                                 f"{exc}") from exc
         finally:
             renewing.cancel()
+        _prompt_computed(flight)
         self.metrics.observe_prefill(worker_id, result)
         return result
 
@@ -522,7 +523,8 @@ class Router:
             await self._placer.wait_for_room(flight)
         load, flight.prefill_routing = self._rank_prefill(flight, loads)[0]
         flight.prefill_id = load.stats.worker_id
-        load.sent(tokens=self._uncached_tokens(flight, load), adapter=_adapter_digest(flight))
+        flight.prompt_sent = (load, load.sent(tokens=self._uncached_tokens(flight, load),
+                                              adapter=_adapter_digest(flight)))
         return load
 
     def _rank_prefill(self, flight: Flight,
@@ -588,6 +590,8 @@ class Router:
                                          f"{item.error}")
             if item.error is not None:
                 raise AttemptFailed("worker_failed", f"{flight.decode_id}: {item.error}")
+            if item.new_token_ids:
+                _prompt_computed(flight)
             yield item
             num_finished += item.finish_reason is not None
             if num_finished == num_seqs:
@@ -630,3 +634,12 @@ def _adapter_digest(flight: Flight) -> str | None:
     """The digest of the request's LoRA adapter (None: the base model)."""
     adapter = flight.request.adapter
     return None if adapter is None else adapter.digest
+
+
+def _prompt_computed(flight: Flight) -> None:
+    """The current attempt's prompt is computed: its worker's load no longer counts it queued
+    (until the next stats, which count it right, the router would think it still is)."""
+    if flight.prompt_sent is not None:
+        load, entry = flight.prompt_sent
+        load.computed(entry)
+        flight.prompt_sent = None

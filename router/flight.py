@@ -96,6 +96,8 @@ class Flight:
     decode_routing: DecodeRouting | None = None  # why the decode worker was chosen
     prefill_location: PrefillLocation | None = None  # prefill or decode worker, and why
     decode_id: str | None = None  # the worker streaming deltas (decode or colocated)
+    prompt_sent: tuple | None = None  # (WorkerLoad, its entry) of the worker computing the
+    # current attempt's prompt, until its first token comes (WorkerLoad.computed)
     trace: object | None = None  # RequestTrace, set once the first prefill returns
     tenant: str | None = None  # who sent it (fair turns inside a priority level)
     queued_at: float | None = None  # time.monotonic() it last entered the admission queue

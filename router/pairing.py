@@ -83,11 +83,19 @@ class WorkerLoad:
         self._sent = [s for s in self._sent if s.at > stats.taken_at] if stats.taken_at else []
 
     def sent(self, blocks: int = 0, tokens: int = 0, at: float | None = None,
-             adapter: str | None = None) -> None:
+             adapter: str | None = None) -> _Sent:
         """This router reserved ``blocks`` on the worker, or sent it ``tokens`` to prefill,
         with a call it began at ``at`` (wall clock; None: now), for a request under the LoRA
-        adapter of digest ``adapter`` (None: the base model)."""
-        self._sent.append(_Sent(time.time() if at is None else at, blocks, tokens, adapter))
+        adapter of digest ``adapter`` (None: the base model). Returns the call's entry, for
+        :meth:`computed`."""
+        entry = _Sent(time.time() if at is None else at, blocks, tokens, adapter)
+        self._sent.append(entry)
+        return entry
+
+    def computed(self, entry: _Sent) -> None:
+        """The prompt of the call ``entry`` is computed (its first token came): its tokens
+        are no longer queued there, whether or not newer stats say so yet."""
+        self._sent = [s._replace(tokens=0) if s is entry else s for s in self._sent]
 
     @property
     def pending_blocks(self) -> int:

@@ -140,3 +140,15 @@ def test_a_block_size_that_is_not_a_whole_number_above_zero_is_named(block_size)
     load.stats.ledger = {"block_size": block_size}
     with pytest.raises(ValueError, match="d0: ledger block_size"):
         load.blocks_for(100)
+
+
+def test_a_computed_prompt_leaves_the_pending_tokens_at_once():
+    """Tokens the router sent a worker count as queued there until its stats count them,
+    unless the prompt's first token came back first (the request may be long finished when
+    the next request is placed): then they are no longer queued, its blocks still are."""
+    load = WorkerLoad(stats("a", free=50))
+    first = load.sent(blocks=2, tokens=7)
+    load.sent(blocks=1, tokens=5)
+    assert (load.pending_tokens, load.pending_blocks) == (12, 3)
+    load.computed(first)
+    assert (load.pending_tokens, load.pending_blocks) == (5, 3)
