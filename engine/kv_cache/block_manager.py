@@ -27,6 +27,11 @@ Invariants (``check_invariants`` raises ``RuntimeError`` on a violation):
 - ``match_prefix`` never serves every token of a sequence from the cache: at least one token
   is left to compute so the step can sample from its logits.
 
+KV tiers (``offload``, docs/kv-tiers.md): a hashed block evicted from the pool is noted and
+saved below it (``flush_saves``) before anything writes into it; a prefix lookup continues past
+the pool into the tiers, and ``match_prefix`` loads those blocks into fresh pool blocks (checked)
+and hashes them there, cutting the hit at the first block whose load failed.
+
 Which blocks hold real KV (the one rule every hash obeys): entry ``i`` of a block table holds
 the KV of exactly tokens ``[i * block_size, (i + 1) * block_size)`` when it is not ``None``,
 those tokens are all before ``num_computed_tokens``, and it is not a stand-in. Only such a
@@ -200,8 +205,8 @@ class BlockManager:
         in the background (a request that just arrived: by its admission they load from
         memory). Changes nothing here."""
         offload = self.offload
-        if offload is None or not self.enable_prefix_caching or seq.prompt_logprobs is not None:
-            return
+        if offload is None or not offload.prefetches or seq.prompt_logprobs is not None:
+            return  # (no disk tier: nothing to bring up, no chain to hash on arrival)
         bs, parent = self._block_size, _root(seq)
         below: list[bytes] = []  # the prefix's blocks held below the pool, in order
         on_disk = False

@@ -58,6 +58,11 @@ class PoolTiers:
     def tier_of(self, block_hash: bytes) -> int | None:
         return self.tiers.tier_of(block_hash)
 
+    @property
+    def prefetches(self) -> bool:
+        """Whether these tiers bring blocks up from disk ahead of admission."""
+        return self.tiers.prefetches
+
     def prefetch(self, hashes: list[bytes]) -> None:
         """Bring these blocks from disk to host memory in the background (rank 0's tiers;
         the followers read theirs when the blocks load)."""

@@ -229,6 +229,11 @@ class KVTiers:
 
     # ---- up -----------------------------------------------------------------------------
 
+    @property
+    def prefetches(self) -> bool:
+        """Whether :meth:`prefetch` does anything (a disk tier and a host tier)."""
+        return self._prefetches is not None
+
     def prefetch(self, hashes: list[bytes]) -> None:
         """Copy the blocks of ``hashes`` (a prefix's, in order) that are on disk into the host
         tier, on the reader thread (nothing without a disk and a host tier); returns at once.
