@@ -222,6 +222,16 @@ class BlockManager:
         if on_disk:
             offload.prefetch(below)
 
+    def coming_up(self, seq: Sequence) -> bool:
+        """Whether blocks of seq's prefix that ``match_prefix`` would load are still on their
+        way from disk to host memory (``prefetch``): admitted now, it would read them from disk
+        itself, in the step."""
+        offload = self.offload
+        if offload is None or not offload.prefetches:
+            return False
+        hits, hashes = self._lookup(seq)
+        return offload.coming_up([h for b, h in zip(hits, hashes, strict=True) if b is None])
+
     def admission_room(self, seq: Sequence) -> int:
         """Tokens past the prefix hit that a fresh seq could get blocks for now; changes nothing.
 

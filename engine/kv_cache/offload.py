@@ -68,6 +68,10 @@ class PoolTiers:
         the followers read theirs when the blocks load)."""
         self.tiers.prefetch(hashes)
 
+    def coming_up(self, hashes: list[bytes]) -> bool:
+        """Whether any of ``hashes`` is still being brought up from disk."""
+        return bool(hashes) and self.tiers.coming_up(hashes)
+
     def worth_loading(self, tiers: list[int]) -> int:
         """How many of the leading blocks below the pool, of ``tiers``, are cheaper to load
         than to compute (measured read rates against the measured compute time per token)."""

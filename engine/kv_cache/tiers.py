@@ -97,6 +97,7 @@ class KVTiers:
         self.max_backlog_bytes = (max_backlog_bytes if max_backlog_bytes is not None
                                   else max(64 << 20, 8 * block_nbytes))
         self._prefetches: queue.Queue | None = None
+        self._coming_up: set[bytes] = set()  # on disk, queued for the reader thread
         if disk_bytes and disk_dir:
             self.folder = _own_folder(Path(disk_dir))
             if self.folder is not None:
@@ -239,7 +240,16 @@ class KVTiers:
         tier, on the reader thread (nothing without a disk and a host tier); returns at once.
         Those already in host memory are used first, so the copies do not push them down."""
         if self._prefetches is not None and hashes:
+            with self._lock:
+                self._coming_up.update(h for h in hashes
+                                       if h not in self._host and h in self._disk)
             self._prefetches.put(hashes)
+
+    def coming_up(self, hashes: list[bytes]) -> bool:
+        """Whether any of ``hashes`` is on its way from disk to host memory (queued by
+        :meth:`prefetch`, not read yet)."""
+        with self._lock:
+            return not self._coming_up.isdisjoint(hashes)
 
     def _prefetch_loop(self) -> None:
         assert self._prefetches is not None
@@ -248,16 +258,22 @@ class KVTiers:
                 for block_hash in hashes:
                     if block_hash in self._host:
                         self._host.move_to_end(block_hash)
-            for block_hash in hashes:
-                with self._lock:
-                    on_disk = block_hash not in self._host and block_hash in self._disk
-                if on_disk:
-                    payload = self.read(block_hash)
-                    if payload is None:
-                        break  # (the chain ends at a block that failed)
-                    self.save(block_hash, payload)
+            try:
+                for block_hash in hashes:
                     with self._lock:
-                        self.counters.prefetched_blocks += 1
+                        on_disk = block_hash not in self._host and block_hash in self._disk
+                    if on_disk:
+                        payload = self.read(block_hash)
+                        if payload is None:
+                            break  # (the chain ends at a block that failed)
+                        self.save(block_hash, payload)
+                        with self._lock:
+                            self.counters.prefetched_blocks += 1
+                    with self._lock:
+                        self._coming_up.discard(block_hash)
+            finally:
+                with self._lock:
+                    self._coming_up.difference_update(hashes)
 
     def read(self, block_hash: bytes) -> np.ndarray | None:
         """The payload of ``block_hash`` from the best tier holding it, checked; None when no

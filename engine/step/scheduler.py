@@ -8,12 +8,14 @@ Lifecycle of one step (the engine drives it):
    its blocks are freed, ``num_computed_tokens`` drops to 0 and it goes to the FRONT of
    waiting. If no running sequence went short, waiting sequences are admitted FCFS: prefix
    cache first (``match_prefix``), then a chunk of what remains, while ``max_num_seqs`` and
-   the budget allow. Returns one :class:`SchedulerOutput`: the decodes (under a policy that
-   puts them on the runner's rows, ``decodes_on_rows``, and without speculation), then the
-   chunks. When nothing but positions changed since the last step (every running sequence
-   decodes, nothing to admit), the schedule is the last one's decodes, moved on by a diff:
-   those that joined, those entering a new block and the block each got
-   (``_schedule_steady``), without a pass over the running set.
+   the budget allow; admission stops at a request whose prefix is still coming up from the
+   disk tier while others have work (``BlockManager.coming_up``). Returns one
+   :class:`SchedulerOutput`: the decodes (under a policy that puts them on the runner's rows,
+   ``decodes_on_rows``, and without speculation), then the chunks. When nothing but positions
+   changed since the last step (every running sequence decodes, nothing to admit), the
+   schedule is the last one's decodes, moved on by a diff: those that joined, those entering a
+   new block and the block each got (``_schedule_steady``), without a pass over the running
+   set.
 2. The model runner computes each decode's last token and each chunk's
    ``seq.token_ids[start : start + num_new_tokens]`` in one forward; the engine samples one
    token for every decode and for the chunks whose ``samples`` is True.
@@ -435,6 +437,8 @@ class Scheduler:
             if seq.adapter is not None and self.adapters is not None \
                     and not self.adapters.can_take(seq.adapter):
                 break  # (its adapter waits for a slot other adapters' sequences free)
+            if (self.running or out.num_seqs) and bm.coming_up(seq):
+                break  # (its prefix is on its way up from disk: the others step meanwhile)
             hit = bm.lookup_prefix(seq)
             n = self.policy.num_new_tokens(seq, hit, budget, cfg.enable_chunked_prefill)
             if n <= 0:

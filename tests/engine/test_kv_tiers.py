@@ -117,6 +117,56 @@ def test_a_queued_request_has_its_disk_blocks_prefetched_to_host(tiny_dir, compu
         check_idle(llm)
 
 
+def test_a_request_waits_for_its_prefetch_while_others_step(tiny_dir, computed, tmp_path,
+                                                           monkeypatch):
+    """While a queued request's blocks are still coming up from disk, the running requests
+    step without it; once they are up, it loads them from host memory. With nothing else to
+    run, a request is admitted at once and reads from disk itself."""
+    with disk_llm(tiny_dir, tmp_path) as llm:
+        tiers = tiers_of(llm)
+        batch = prompts()
+        one_round(llm, batch)
+        tiers.flush()
+        gate = threading.Event()
+        read_file = tiers._read_file
+
+        def held_reader(block_hash):  # the reader thread's reads wait for the gate
+            if threading.current_thread().name == "kv-tier-reader":
+                assert gate.wait(30)
+            return read_file(block_hash)
+
+        monkeypatch.setattr(tiers, "_read_file", held_reader)
+        offload = llm.engine.parts.block_manager.offload  # (loads always beat computing)
+        monkeypatch.setattr(offload, "worth_loading", len)
+        engine = llm.engine
+        busy = engine.add_request("busy", prompts(seed=1, count=1, length=20)[0],
+                                  SamplingParams(max_tokens=8, temperature=0))
+        engine.step()
+        queued = engine.add_request("queued", batch[0], GREEDY)
+        for _ in range(3):
+            engine.step()
+        assert queued.block_table == [] and queued.num_computed_tokens == 0
+        assert busy.num_tokens == 20 + 4  # (one token per step: the prompt's, then 3 more)
+        gate.set()
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert queued.prefix_source.cached_tokens == HIT
+        assert queued.prefix_source.disk_tokens == 0, (queued.prefix_source, tiers.counters)
+        assert queued.token_ids[len(batch[0]):] == computed[0][0]
+        # alone: admitted in its first step, its blocks read from disk there
+        one_round(llm, batch[1:])
+        tiers.flush()
+        gate.clear()
+        alone = engine.add_request("alone", batch[0], GREEDY)
+        engine.step()
+        assert alone.num_computed_tokens > 0 and alone.prefix_source.disk_tokens > 0
+        gate.set()
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert alone.token_ids[len(batch[0]):] == computed[0][0]
+        check_idle(llm)
+
+
 def test_int8_kv_round_trip_equals_int8_computing(tiny_dir):
     """The second round, loaded from the host tier (int8 blocks and their token scales),
     equals the first, computed on the same int8 pool."""
