@@ -11,7 +11,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 # -P: the working directory (the source root) never goes on sys.path, where the project's
 # folders would shadow third-party packages of the same name (import_path.py).
-PYTEST := -P -m pytest -q
+# -n 2 --dist loadgroup: two pytest workers, every e2e test in one of them (tests/conftest.py).
+PYTEST := -P -m pytest -q -n 2 --dist loadgroup
 
 .PHONY: venv demo test test-latest lock lint bench clean
 .DELETE_ON_ERROR:
