@@ -231,7 +231,8 @@ class Router:
     def _timeline(self, request: PreparedRequest) -> RequestTimeline:
         """What the request's trace will be made of (tracing is on)."""
         model = request.adapter.name if request.adapter is not None else self.spec.model_name
-        return RequestTimeline(request.origin, model)
+        return RequestTimeline(request.origin, model, len(request.prompt_token_ids),
+                               request.params.max_tokens, request.params.temperature)
 
     # -- admission ----------------------------------------------------------------------------
     def _admit(self, prepared: PreparedRequest, timeline: RequestTimeline | None) -> Flight:

@@ -150,6 +150,9 @@ class RequestTimeline:
 
     origin: RequestOrigin | None  # None: a caller that is no front door (a benchmark)
     model: str  # the served model's name, or the request's LoRA adapter's
+    num_prompt_tokens: int = 0
+    max_tokens: int = 0  # the request's, as the router runs it
+    temperature: float = 0.0
     anchor: tuple[float, int] = field(  # (time.monotonic(), time.time_ns()) taken together
         default_factory=lambda: (time.monotonic(), time.time_ns()))
     admitted_at: float | None = None  # the router admitted it

@@ -28,6 +28,7 @@ The spans of one request (parents by indentation), each with explicit start and 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -207,9 +208,13 @@ class _RequestSpans:
 
     def _root_attributes(self, num_output_tokens: int, finish_reason: str | None) -> dict:
         tl, origin = self.timeline, self.timeline.origin
-        attributes = {"gen_ai.request.model": tl.model, "pdserve.request.id": tl.uid,
-                      "pdserve.attempts": len(tl.attempts),
-                      "gen_ai.usage.output_tokens": num_output_tokens}
+        attributes = {"gen_ai.operation.name": "text_completion",
+                      "gen_ai.request.model": tl.model,
+                      "gen_ai.request.max_tokens": tl.max_tokens,
+                      "gen_ai.request.temperature": tl.temperature,
+                      "gen_ai.usage.input_tokens": tl.num_prompt_tokens,
+                      "gen_ai.usage.output_tokens": num_output_tokens,
+                      "pdserve.request.id": tl.uid, "pdserve.attempts": len(tl.attempts)}
         if origin is not None and origin.door == "http":
             attributes.update({"http.request.method": "POST", "http.route": origin.route})
         elif origin is not None:
@@ -400,7 +405,10 @@ def _caller_context(timeline: RequestTimeline) -> Context | None:
 
 
 def _set_error(span: Span, error: BaseException | str) -> None:
-    if isinstance(error, BaseException):
+    if isinstance(error, (GeneratorExit, asyncio.CancelledError)):
+        span.set_attribute("error.type", "cancelled")
+        message = "cancelled: the client went away, or its door closed the stream early"
+    elif isinstance(error, BaseException):
         message = str(error) or type(error).__name__
         span.set_attribute("error.type", type(error).__name__)
     else:

@@ -11,15 +11,14 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pdserve.api import generation_pb2, generation_pb2_grpc
+from pdserve.bench.otel import OtlpReceiver
 from pdserve.engine.config import EngineConfig
 from pdserve.router.backend import ModelSpec, PreparedRequest
 from pdserve.router.config import RouterConfig
@@ -81,26 +80,6 @@ def test_off_the_sdk_is_never_imported():
 
 # -- a real OTLP receiver -------------------------------------------------------------------
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace collector on loopback that keeps every span it is sent."""
-
-    def __init__(self) -> None:
-        self.spans = []  # opentelemetry.proto.trace.v1.Span
-        self.server = grpc.server(futures.ThreadPoolExecutor(2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-
-    def Export(self, request, context):  # noqa: N802 - the gRPC method's name
-        for resource_spans in request.resource_spans:
-            for scope_spans in resource_spans.scope_spans:
-                self.spans.extend(scope_spans.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def trace(self, trace_id: bytes) -> list:
-        return [s for s in self.spans if s.trace_id == trace_id]
-
-
 def attrs(span) -> dict:
     out = {}
     for kv in span.attributes:
@@ -125,7 +104,7 @@ def traced(hf_checkpoint):
 
 
 def _traced(hf_checkpoint):
-    receiver = Receiver()
+    receiver = OtlpReceiver()
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -134,7 +113,7 @@ def _traced(hf_checkpoint):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
 
     handles = build_local_workers(engine(hf_checkpoint("llama")), num_prefill=1, num_decode=1)
-    settings = tracing_settings(f"http://127.0.0.1:{receiver.port}", {})
+    settings = tracing_settings(receiver.endpoint, {})
     metrics = RouterMetrics()
     router = Router(ModelSpec("tiny", 256, 509), StaticDirectory(handles),
                     tokenize=lambda text: [5, 6, 7, 8], metrics=metrics,
@@ -158,7 +137,7 @@ def _traced(hf_checkpoint):
     loop.close()
     for h in handles:
         h.close()
-    receiver.server.stop(0)
+    receiver.stop()
 
 
 def by_name(spans) -> dict:
@@ -213,6 +192,34 @@ def test_a_disaggregated_request_through_grpc_continues_the_callers_trace(traced
         assert root.start_time_unix_nano <= s.start_time_unix_nano <= s.end_time_unix_nano
         assert s.end_time_unix_nano <= root.end_time_unix_nano
         assert s.status.code != s.status.STATUS_CODE_ERROR
+
+
+def test_a_cancelled_request_ends_its_spans_with_an_error(traced):
+    receiver, _, grpc_port, _, run = traced
+    trace_id = "c" * 32
+
+    async def call():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = generation_pb2.GenerateRequest(
+                token_ids=generation_pb2.TokenIds(ids=[3, 9, 27]),
+                sampling=generation_pb2.SamplingParams(max_tokens=200, ignore_eos=True))
+            stream = stub.Generate(request, metadata=(("traceparent",
+                                                       f"00-{trace_id}-{'d' * 16}-01"),))
+            await stream.read()  # the first token streamed: cancel mid-decode
+            stream.cancel()
+
+    run(call())
+
+    def root():
+        return next((s for s in receiver.trace(bytes.fromhex(trace_id))
+                     if s.name == "pdserve.v1.Generation/Generate"), None)
+
+    wait_for(root, 30, "the cancelled request's root span")
+    assert root().status.code == root().status.STATUS_CODE_ERROR
+    assert attrs(root())["error.type"] == "cancelled"
+    decode = next(s for s in receiver.trace(bytes.fromhex(trace_id)) if s.name == "decode")
+    assert decode.status.code == decode.status.STATUS_CODE_ERROR
 
 
 def test_http_headers_carry_the_callers_trace_and_a_bad_one_starts_a_new_trace(traced):
