@@ -6,6 +6,7 @@ SDK never imported when tracing is off."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import time
 import grpc
 import httpx
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pdserve.api import generation_pb2, generation_pb2_grpc
@@ -354,3 +356,40 @@ def test_a_dead_collector_never_fails_or_holds_requests(hf_checkpoint, monkeypat
     asyncio.run(main())
     for h in handles:
         h.close()
+
+
+class _HttpCollector(http.server.BaseHTTPRequestHandler):
+    """OTLP over HTTP (``POST /v1/traces``, a protobuf ExportTraceServiceRequest)."""
+
+    received: list = []
+
+    def do_POST(self):  # noqa: N802 - the handler's name
+        body = self.rfile.read(int(self.headers["content-length"]))
+        request = ExportTraceServiceRequest.FromString(body)
+        type(self).received += [(self.path, s) for rs in request.resource_spans
+                                for ss in rs.scope_spans for s in ss.spans]
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_spans_go_over_otlp_http_when_the_protocol_says_so():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HttpCollector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        settings = tracing_settings(None, {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
+        tracing = OtlpTracing(settings, RouterMetrics())
+        tl = RequestTimeline(None, "tiny")
+        tl.admitted_at = time.monotonic()
+        tracing.finish(tl, None, 0, None)
+        tracing.force_flush()
+        assert {(path, s.name) for path, s in _HttpCollector.received} == {
+            ("/v1/traces", "pdserve.generate"), ("/v1/traces", "admission")}
+        tracing.shutdown()
+    finally:
+        server.shutdown()
