@@ -32,7 +32,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -58,7 +58,7 @@ class CountingExporter(SpanExporter):
     the queue."""
 
     def __init__(self, inner: SpanExporter, metrics: RouterMetrics,
-                 on_exported: callable) -> None:
+                 on_exported: Callable[[int], None]) -> None:
         self.inner, self.metrics, self.on_exported = inner, metrics, on_exported
         self._logged_at = -FAILURE_LOG_INTERVAL_S
 
