@@ -75,6 +75,7 @@ from pdserve.router.errors import RequestValidationError
 from pdserve.router.grpc_server import GenerationServer
 from pdserve.router.http_server import HttpServer
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.otel import build_tracing
 from pdserve.router.tool_calling import parser_for
 
 logger = logging.getLogger(__name__)
@@ -236,8 +237,11 @@ class RouterActor:
                                             health)
         constraints = None if tokenizer is None else ConstraintChecker(
             tokenizer, model.vocab_size, spec.config.grammar_check_timeout_s)
+        # (the OTEL_* environment is this process's: the router pod's on Kubernetes)
+        tracing = build_tracing(spec.config.otlp_traces_endpoint, os.environ, metrics)
         self.router = Router(model, self.directory, tokenize, spec.config, metrics,
-                             prefix_cache_salt=spec.prefix_cache_salt, constraints=constraints)
+                             prefix_cache_salt=spec.prefix_cache_salt, constraints=constraints,
+                             tracing=tracing)
         await self.router.start()
         served = ServedAdapters()
         await self._start_adapters(model, served, health)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from pdserve.router.constraints import ConstraintCheck
+from pdserve.router.otel import RequestOrigin
 from pdserve.worker_api.adapters import AdapterRef
 from pdserve.worker_api.sampling_params import SamplingParams, StructuredOutputs
 
@@ -110,6 +111,8 @@ class PreparedRequest:
     # output (None: free output, or a backend that does not check)
     adapter: AdapterRef | None = None  # the LoRA adapter the request's ``model`` named (None:
     # the base model)
+    origin: RequestOrigin | None = None  # its door, when it came in and the caller's trace
+    # context (None: not from a front door)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens != self.params.max_tokens:

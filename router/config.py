@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.router.otel import check_endpoint
+
 PREFILL_ROUTINGS = ("prefix", "round-robin")  # RouterConfig.prefill_routing
 DISAGGREGATION_MODES = ("always", "auto", "never")  # RouterConfig.disaggregation
 
@@ -46,6 +48,10 @@ class RouterConfig:
     max_request_kv_fraction: float = 1.0  # most of a decode worker's KV one request may hold
     grammar_check_timeout_s: float = 2.0  # a structured output's compile in the router, at
     # most; a constraint that takes longer is refused as too complex
+    otlp_traces_endpoint: str | None = None  # an OTLP collector to send each request's
+    # OpenTelemetry trace to (grpc: http://host:4317; http/protobuf: http://host:4318/v1/traces,
+    # with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL); None: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
+    # OTEL_EXPORTER_OTLP_ENDPOINT, else no traces (docs/observability.md)
 
     def __post_init__(self) -> None:
         if self.prefill_routing not in PREFILL_ROUTINGS:
@@ -79,5 +85,7 @@ class RouterConfig:
         if not 0 < self.max_request_kv_fraction <= 1:
             raise ValueError(f"max_request_kv_fraction must be in (0, 1], "
                              f"got {self.max_request_kv_fraction}")
+        if self.otlp_traces_endpoint is not None:
+            check_endpoint("otlp_traces_endpoint", self.otlp_traces_endpoint)
         if self.reserve_wait_s is not None and not self.reserve_wait_s > 0:
             raise ValueError(f"reserve_wait_s must be > 0 or None, got {self.reserve_wait_s}")

@@ -74,6 +74,7 @@ from pdserve.router.errors import (
 )
 from pdserve.router.flight import AttemptFailed, Flight, Phase, new_uid, work_id
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.otel import RequestTimeline, RequestTracing
 from pdserve.router.pairing import (
     DecodeRouting,
     PrefillLocation,
@@ -113,14 +114,18 @@ class Router:
     def __init__(self, spec: ModelSpec, directory: WorkerDirectory,
                  tokenize: Callable[[str], list[int]], config: RouterConfig | None = None,
                  metrics: RouterMetrics | None = None, prefix_cache_salt: str | None = None,
-                 constraints: ConstraintChecker | None = None):
+                 constraints: ConstraintChecker | None = None,
+                 tracing: RequestTracing | None = None):
         """``prefix_cache_salt``: the workers' (``EngineConfig.prefix_cache_salt``), so the
         router hashes a prompt's blocks as their prefix caches do and finds the prefill worker
         that holds most of it (None: the queues alone choose). ``constraints`` compiles
         requests' structured outputs before any worker sees them (None: the workers alone
-        check them; the router owns and closes it)."""
+        check them; the router owns and closes it). ``tracing`` makes each request's
+        OpenTelemetry spans (``router.otel.build_tracing``; None: off, the router owns and
+        shuts it down)."""
         self.spec = spec
         self._constraints = constraints
+        self._tracing = tracing
         self._salt = None if prefix_cache_salt is None else prefix_cache_salt.encode()
         self._prefill_turns = itertools.count()  # prefill_routing round-robin
         self._transfer_cost = TransferCost()  # KV block transfer vs prompt token prefill
@@ -151,6 +156,8 @@ class Router:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         if self._constraints is not None:
             self._constraints.close()
+        if self._tracing is not None:
+            await asyncio.to_thread(self._tracing.shutdown)
 
     @property
     def mode(self) -> str:
@@ -180,13 +187,23 @@ class Router:
         return check
 
     async def generate(self, request: PreparedRequest) -> AsyncIterator[GenerationDelta]:
-        flight = self._admit(request)
-        finished = False
+        tracing = self._tracing
+        timeline = None if tracing is None else self._timeline(request)
+        finished, failure, finish_reason = False, None, None
         num_left = num_seqs = request.params.num_sequences  # sequences still to finish
+        try:
+            flight = self._admit(request, timeline)
+        except Exception as exc:
+            if tracing is not None and timeline is not None:
+                tracing.finish(timeline, exc, 0, None)
+            raise
         try:
             async for delta in self._run(flight):
                 num_left -= delta.finish_reason is not None
                 finished = num_left == 0  # (closed after it: no abort)
+                finish_reason = delta.finish_reason or finish_reason
+                if timeline is not None:
+                    timeline.delta(delta, flight.prefill_routing)
                 trace = observe(flight, delta, self.metrics, finished)
                 if trace is not None:
                     if request.constraint_check is not None:
@@ -198,22 +215,36 @@ class Router:
                                       delta.finish_reason, delta.prompt_logprobs, index)
                 if finished:
                     return
+        except BaseException as exc:  # (GeneratorExit: the door closed the stream)
+            failure = exc
+            raise
         finally:
             try:
                 if not finished:  # closed early: cancelled, failed, or the client went away
                     await asyncio.shield(self._abort_attempt(flight))
             finally:
                 self._release(flight)
+                if tracing is not None and timeline is not None:
+                    tracing.finish(timeline, None if finished else failure,
+                                   len(flight.output_ids), finish_reason)
+
+    def _timeline(self, request: PreparedRequest) -> RequestTimeline:
+        """What the request's trace will be made of (tracing is on)."""
+        model = request.adapter.name if request.adapter is not None else self.spec.model_name
+        return RequestTimeline(request.origin, model, len(request.prompt_token_ids),
+                               request.params.max_tokens, request.params.temperature)
 
     # -- admission ----------------------------------------------------------------------------
-    def _admit(self, prepared: PreparedRequest) -> Flight:
+    def _admit(self, prepared: PreparedRequest, timeline: RequestTimeline | None) -> Flight:
         cfg, n, params = self.config, len(prepared.prompt_token_ids), prepared.params
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         flight = Flight(WorkRequest(work_id(new_uid(), 1), list(prepared.prompt_token_ids),
                                     params, seed, time.time(), adapter=prepared.adapter),
                         prepared.label,
                         prepared.deadline, tenant=prepared.tenant,
-                        max_tokens=prepared.max_tokens)
+                        max_tokens=prepared.max_tokens, timeline=timeline)
+        if timeline is not None:
+            timeline.admitted_at, timeline.uid = flight.arrival, flight.uid
         self._check_kv_cap(flight)
         if len(self._flights) >= cfg.max_requests_in_flight \
                 and not self._queue.shed_worst(self._queue.key(flight)):
@@ -274,6 +305,8 @@ class Router:
         """Attempts until one finishes the request; each failure moves it to new workers."""
         while True:
             flight.move_to(Phase.PLACING)
+            if flight.timeline is not None:
+                flight.timeline.attempt(flight.attempt)
             await self._wait_for_workers(flight)
             if not flight.output_ids:
                 self._check_kv_cap(flight)  # the pools may have been unknown at admission
@@ -284,6 +317,9 @@ class Router:
                     yield delta
                 return
             except AttemptFailed as failure:
+                if flight.timeline is not None:
+                    flight.timeline.failed(_failure_kind(flight, failure), failure.reason,
+                                           str(failure))
                 await self._abort_attempt(flight)
                 self._count_failure(flight, failure)
                 level = logging.INFO if failure.reason == "preempted" else logging.WARNING
@@ -469,7 +505,11 @@ class Router:
 
         async def on(flight: Flight, load: WorkerLoad):
             keep(routings[load.stats.worker_id])
-            return await place_on(flight, load)
+            taken = await place_on(flight, load)
+            if flight.timeline is not None:
+                flight.timeline.placed(flight.decode_id, flight.decode_routing,
+                                       flight.prefill_location, taken)
+            return taken
 
         return await self._placer.place(flight, role, on, rank)
 
@@ -497,6 +537,8 @@ class Router:
         load = await self._pick_prefill(flight)
         worker_id = load.stats.worker_id
         handle = self.workers.handles[worker_id]
+        if flight.timeline is not None:
+            flight.timeline.prefill_sent(worker_id, flight.prefill_routing)
         renewing = asyncio.create_task(self._renew_lease(flight, reservation))
         try:
             result = await flight.bounded(lambda: handle.prefill(flight.request, reservation),
@@ -512,6 +554,8 @@ class Router:
         finally:
             renewing.cancel()
         _prompt_computed(flight)
+        if flight.timeline is not None:
+            flight.timeline.prefilled(result)
         self.metrics.observe_prefill(worker_id, result)
         return result
 
@@ -628,6 +672,14 @@ class Router:
 def _attempt_tokens(flight: Flight) -> list[int]:
     """The tokens an attempt prefills: the prompt, then the outputs already streamed."""
     return flight.request.prompt_token_ids + flight.request.output_token_ids
+
+
+def _failure_kind(flight: Flight, failure: AttemptFailed) -> str:
+    """What a failed attempt leads to, as traces name it: a bounce (a full decode worker
+    handed it back), a retry (no token streamed yet) or a migration."""
+    if failure.reason == "preempted":
+        return "bounce"
+    return "migration" if flight.output_ids else "retry"
 
 
 def _adapter_digest(flight: Flight) -> str | None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from pdserve.router.errors import DeadlineExceededError
+from pdserve.router.otel import RequestTimeline
 from pdserve.router.pairing import DecodeRouting, PrefillLocation, PrefillRouting
 from pdserve.worker_api import WorkRequest
 
@@ -105,6 +106,8 @@ class Flight:
     max_tokens: int | None = None  # as the client gave it (PreparedRequest.max_tokens); None:
     # it gave none, so the KV cap lowers request.params.max_tokens instead of refusing
     last_token_at: float | None = None
+    timeline: RequestTimeline | None = None  # what its OpenTelemetry trace is made of (None:
+    # tracing is off)
 
     @property
     def request_id(self) -> str:

@@ -72,12 +72,14 @@ from pdserve.router.errors import (
     UnknownModelError,
 )
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.otel import RequestOrigin
 from pdserve.router.prepare import prepare
 from pdserve.router.validation import check_prompt_text, client_request_from_proto
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+GENERATE_ROUTE = "/pdserve.v1.Generation/Generate"  # what traces name the door by
 TENANT_METADATA = "x-pdserve-tenant"  # metadata key naming the tenant when the field is empty
 _NO_DEADLINE_S = 1e8  # time_remaining() above this means the client set no deadline
 
@@ -177,12 +179,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _generate(self, request: generation_pb2.GenerateRequest,
                         context: grpc.aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        origin = RequestOrigin.of("grpc", GENERATE_ROUTE, metadata.get)
         self._server.check_accepting()
-        metadata_tenant = dict(context.invocation_metadata() or ()).get(TENANT_METADATA, "")
+        metadata_tenant = metadata.get(TENANT_METADATA, "")
         incoming = client_request_from_proto(request, self._backend.model_info(),
                                              _deadline(context), metadata_tenant,
                                              self._adapters)
-        prepared = await prepare(self._backend, incoming, CALLER.get())
+        prepared = await prepare(self._backend, incoming, CALLER.get(), origin)
         self._num_active += 1
         try:
             await self._stream(prepared, context)

@@ -88,6 +88,7 @@ from pdserve.router.http_asgi import (
     listening_socket,
 )
 from pdserve.router.http_generation import HttpGeneration, HttpJob
+from pdserve.router.otel import RequestOrigin
 from pdserve.router.prepare import prepare
 from pdserve.router.tool_calling import ToolCalling, ToolCallParser, tool_calling_of
 from pdserve.router.validation import ClientRequest, check_prompt_text
@@ -221,13 +222,15 @@ class HttpServer:
 
         @app.post("/v1/completions")
         async def completions(request: Request):
+            origin = RequestOrigin.of("http", "/v1/completions", request.headers.get)
             body = await self._parse(oa.CompletionRequest, request)
-            return await self._guarded(self._completion_job(body))
+            return await self._guarded(self._completion_job(body, origin))
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
+            origin = RequestOrigin.of("http", "/v1/chat/completions", request.headers.get)
             body = await self._parse(oa.ChatCompletionRequest, request)
-            return await self._guarded(self._chat_job(body))
+            return await self._guarded(self._chat_job(body, origin))
 
         @app.get("/v1/models")
         async def models():
@@ -322,7 +325,8 @@ class HttpServer:
         return oa.sampling_params(body, self._backend.model_info().vocab_size,
                                   default_max_tokens, tools), tools, adapter
 
-    async def _completion_job(self, body: oa.CompletionRequest) -> HttpJob:
+    async def _completion_job(self, body: oa.CompletionRequest,
+                              origin: RequestOrigin | None = None) -> HttpJob:
         params, _, adapter = self._sampling(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -330,14 +334,16 @@ class HttpServer:
                 raise RequestValidationError("prompt", f"one prompt per request, got "
                                                        f"{len(prompt)}")
             prompt = prompt[0]
-        job = await self._job(False, "cmpl", body, prompt, "prompt", params, adapter)
+        job = await self._job(False, "cmpl", body, prompt, "prompt", params, adapter,
+                              origin=origin)
         if body.echo:
             job.echo = prompt if isinstance(prompt, str) else "".join(
                 map(self._generation.token_text, job.request.prompt_token_ids))
             job.prompt_only = oa.echoes_prompt_only(body)
         return job
 
-    async def _chat_job(self, body: oa.ChatCompletionRequest) -> HttpJob:
+    async def _chat_job(self, body: oa.ChatCompletionRequest,
+                        origin: RequestOrigin | None = None) -> HttpJob:
         model = self._backend.model_info()
         # chat generates up to the end of the context unless told otherwise
         params, tools, adapter = self._sampling(body,
@@ -361,12 +367,14 @@ class HttpServer:
             raise RequestValidationError("messages", f"the chat template refused the "
                                                      f"conversation: {exc}") from None
         return await self._job(True, "chatcmpl", body, ids, "messages", params, adapter,
-                               tools)
+                               tools, origin)
 
     async def _job(self, chat: bool, prefix: str, body, prompt: str | list[int],
                    prompt_param: str, params: SamplingParams, adapter: AdapterRef | None,
-                   tools: ToolCalling | None = None) -> HttpJob:
-        """The body as a ClientRequest, through the preparation stage, as a job to run."""
+                   tools: ToolCalling | None = None,
+                   origin: RequestOrigin | None = None) -> HttpJob:
+        """The body as a ClientRequest, through the preparation stage (``origin``: the
+        door's, for traces), as a job to run."""
         max_tokens_param, max_tokens = oa.max_tokens_of(body)
         deadline = None if body.timeout is None else time.monotonic() + body.timeout
         outputs = params.structured_outputs
@@ -376,7 +384,7 @@ class HttpServer:
                                  constraint_field=None if outputs is None
                                  else oa.constraint_field(body, outputs.kind, tools),
                                  adapter=adapter)
-        request = await prepare(self._backend, incoming, CALLER.get())
+        request = await prepare(self._backend, incoming, CALLER.get(), origin)
         model = adapter.name if adapter is not None else self._backend.model_info().model_name
         return HttpJob(chat, model, oa.now(), request, body.stream, body.include_usage, tools)
 

@@ -6,6 +6,8 @@ counters are set from the worker stats the router refreshes, and removed
 Fault counters: ``pdserve_request_migrations_total{reason}`` (the router core),
 ``pdserve_worker_restarts_total{role}`` (the pool manager, in the router's process) and
 ``pdserve_requests_failed_total{code}`` (the gRPC front door, by status code name).
+Traces (``router.otel_export``): ``pdserve_otel_spans_dropped_total{reason}`` (spans never
+delivered to the OTLP collector: ``queue_full``, ``export_failed``).
 Pools (set by the pool manager's reconcile in the router's process):
 ``pdserve_pool_target_workers{role}``, ``pdserve_pool_workers{role,state}`` and
 ``pdserve_autoscaler_decisions_total{role,direction,reason}``.
@@ -204,6 +206,11 @@ class RouterMetrics:
                                         ("location",), registry=r)
         self.worker_restarts = Counter("pdserve_worker_restarts", "Dead workers replaced by "
                                        "the pool manager", ("role",), registry=r)
+        self.otel_spans_dropped = Counter("pdserve_otel_spans_dropped", "OpenTelemetry spans "
+                                          "never delivered, by reason: queue_full (the export "
+                                          "queue was full) or export_failed (the collector "
+                                          "refused them or did not answer)", ("reason",),
+                                          registry=r)
         self.requests_failed = Counter("pdserve_requests_failed", "Generate calls that ended "
                                        "with an error, by gRPC status code name",
                                        ("code",), registry=r)

@@ -76,6 +76,8 @@ class Placer:
             flight.budget(math.inf)  # DeadlineExceededError if the deadline went
             raise QueueFullError(f"no turn to place within {limit:g} s; retry later",
                                  retry_after_s=self.queue.retry_after_s()) from None
+        if flight.timeline is not None:
+            flight.timeline.turn()
 
     async def _place_now(self, flight: Flight, role: str,
                          place_on: Callable[[Flight, WorkerLoad], Awaitable],

@@ -36,6 +36,7 @@ from pdserve.router.auth import Caller, check_priority, request_tenant
 from pdserve.router.backend import GenerationBackend, ModelSpec, PreparedRequest
 from pdserve.router.constraints import ConstraintCheck, ConstraintRefused
 from pdserve.router.errors import RequestValidationError
+from pdserve.router.otel import RequestOrigin
 from pdserve.router.validation import (
     ClientRequest,
     check_max_tokens,
@@ -48,9 +49,10 @@ __all__ = ["ClientRequest", "PreparedRequest", "prepare"]
 
 
 async def prepare(backend: GenerationBackend, request: ClientRequest,
-                  caller: Caller | None) -> PreparedRequest:
+                  caller: Caller | None, origin: RequestOrigin | None = None) -> PreparedRequest:
     """``request`` made ready for ``backend.generate``, for ``caller`` (what the door's auth
-    layer found: ``auth.CALLER``); see the module docstring for the steps."""
+    layer found: ``auth.CALLER``), from ``origin`` (the door's, which traces carry); see the
+    module docstring for the steps."""
     model = backend.model_info()
     check_priority(request.params.priority, caller)
     tenant = request_tenant(request.claimed_tenant, caller)
@@ -62,7 +64,7 @@ async def prepare(backend: GenerationBackend, request: ClientRequest,
     if params.structured_outputs is not None:
         check = await _check_constraint(backend, request, params.structured_outputs)
     return PreparedRequest(request.label, prompt_token_ids, params, request.max_tokens,
-                           request.deadline, tenant, check, request.adapter)
+                           request.deadline, tenant, check, request.adapter, origin)
 
 
 async def _check_constraint(backend: GenerationBackend, request: ClientRequest,

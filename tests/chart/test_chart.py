@@ -404,3 +404,18 @@ def test_kv_tier_values_reach_pdserve_and_give_workers_a_disk(render):
     assert all(v["name"] != "kv-tiers" for v in router_spec["volumes"])
     plain = render({})  # (off by default: no flags, no volume)
     assert not any(a.startswith("--kv-offload") for a in controller_args(plain))
+
+
+def test_tracing_values_reach_pdserve(render):
+    rendered = render({"tracing": {"otlpEndpoint": "http://otel-collector.obs:4317"}})
+    options = controller_options(controller_args(rendered))
+    assert options.router.otlp_traces_endpoint == "http://otel-collector.obs:4317"
+    assert "--otlp-traces-endpoint" not in controller_args(render({}))  # off by default
+
+
+def test_a_tracing_endpoint_that_is_no_url_fails_with_a_message():
+    import helm_python
+
+    with pytest.raises(helm_python.HelmError, match="otlpEndpoint"):
+        helm_python.Chart.load(str(CHART)).render({"tracing": {"otlpEndpoint": "collector:4317"}},
+                                                  name="pd", namespace="serving")

@@ -291,6 +291,7 @@ def _run_cli(capsys, *argv: str) -> tuple[int, str]:
     (["--colocated", "--tensor-parallel-size", "3"], ["--tensor-parallel-size"]),
     (["--colocated", "--tensor-parallel-size", str(2**63)], ["--tensor-parallel-size"]),
     (["--prefill-tensor-parallel-size", "3"], ["--prefill-tensor-parallel-size"]),
+    (["--otlp-traces-endpoint", "localhost:4317"], ["--otlp-traces-endpoint"]),
 ])
 @pytest.mark.parametrize("command", ["serve", "demo"])
 def test_bad_values_exit_2_with_one_message_naming_the_flag(capsys, no_cluster, tiny_dir,

@@ -18,11 +18,14 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve import SamplingParams
+from pdserve.api import generation_pb2, generation_pb2_grpc
 from pdserve.api.client import AsyncPdserveClient, PdserveClient, PdserveError
+from pdserve.bench.otel import OtlpReceiver
 from pdserve.cluster.processes import is_running
 from pdserve.router.config import RouterConfig
 from pdserve.router.grpc_server import SERVICE_NAME
 from pdserve.testing.draw_check import draw_problems
+from pdserve.testing.waits import wait_for
 from pdserve.worker_api.sampling_params import child_seed
 
 pytestmark = pytest.mark.e2e
@@ -31,7 +34,15 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def cluster(start_cluster, model_dir):
+def receiver():
+    """An OTLP/gRPC collector the router actor sends its traces to."""
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(start_cluster, model_dir, receiver):
     seen = {}
 
     def before_workers(c):
@@ -40,7 +51,8 @@ def cluster(start_cluster, model_dir):
 
     c = start_cluster(model_dir, own_redis=True, stage=before_workers, num_prefill=1,
                       num_decode=1, engine=dict(num_kv_blocks=512),
-                      router=RouterConfig(disaggregation="always"))  # every KV shipped
+                      router=RouterConfig(disaggregation="always",  # every KV shipped
+                                          otlp_traces_endpoint=receiver.endpoint))
     c.health_before_workers = seen["health"]
     yield c
     c.stop()
@@ -63,6 +75,41 @@ def test_concurrent_greedy_equals_offline(cluster, model_dir, e2e):
     traces = cluster.traces()
     assert len(traces) >= len(prompts)
     assert all(t.prefill > 0 and t.ttft > 0 for t in traces)
+
+
+def test_a_request_traced_across_three_processes_continues_the_callers_trace(cluster,
+                                                                             receiver):
+    """The router actor exports a trace per request to a real OTLP receiver: the caller's
+    traceparent is the root's parent, the prefill and decode workers' spans carry their ids."""
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+    async def call():
+        async with grpc.aio.insecure_channel(cluster.target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = generation_pb2.GenerateRequest(
+                token_ids=generation_pb2.TokenIds(ids=[5, 17, 99, 3, 250, 8]),
+                sampling=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                       ignore_eos=True))
+            return [r async for r in stub.Generate(
+                request, metadata=(("traceparent", f"00-{trace_id}-{parent}-01"),))]
+
+    assert asyncio.run(call())[-1].finish_reason == "length"
+    names = {"pdserve.v1.Generation/Generate", "prepare", "admission", "placement",
+             "decode reservation", "prefill", "prefill queue", "prefill compute",
+             "kv transfer", "decode"}
+    wait_for(lambda: names <= {s.name for s in receiver.trace(bytes.fromhex(trace_id))}, 30,
+             "the request's spans at the receiver")
+    spans = {s.name: s for s in receiver.trace(bytes.fromhex(trace_id))}
+    root = spans["pdserve.v1.Generation/Generate"]
+    assert root.parent_span_id == bytes.fromhex(parent)
+    assert spans["prefill compute"].parent_span_id == spans["prefill"].span_id
+    assert spans["decode"].parent_span_id == root.span_id
+
+    def worker(name: str) -> str:
+        return next(kv.value.string_value for kv in spans[name].attributes
+                    if kv.key == "pdserve.worker.id")
+
+    assert (worker("prefill"), worker("decode")) == ("prefill-0", "decode-0")
 
 
 def test_reflection_lists_the_service(cluster):

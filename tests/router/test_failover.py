@@ -12,6 +12,7 @@ import dataclasses
 import time
 
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pdserve import SamplingParams
 from pdserve.engine.config import EngineConfig
@@ -20,6 +21,9 @@ from pdserve.router.core import Router, RouterConfig
 from pdserve.router.directory import StaticDirectory
 from pdserve.router.errors import DeadlineExceededError, NoWorkersError
 from pdserve.router.flight import TRANSITIONS, Flight, Phase
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.otel import tracing_settings
+from pdserve.router.otel_export import OtlpTracing
 from pdserve.testing.draw_check import draw_problems
 from pdserve.testing.waits import async_wait_for
 from pdserve.workers.build import build_local_workers
@@ -102,12 +106,12 @@ class Cluster:
     """Workers + router in this process."""
 
     def __init__(self, model_dir, router_config: RouterConfig | None = None,
-                 engine: dict | None = None, **build):
+                 engine: dict | None = None, tracing=None, **build):
         config = EngineConfig(model=str(model_dir), **{**ENGINE, **(engine or {})})
         self.handles = [KillableHandle(h) for h in build_local_workers(config, **build)]
         self.router = Router(ModelSpec("t", 256, 509), StaticDirectory(self.handles, 2.0),
                              tokenize=list, config=router_config or RouterConfig(
-                                 stats_interval_s=0.05, worker_wait_s=5.0))
+                                 stats_interval_s=0.05, worker_wait_s=5.0), tracing=tracing)
 
     def by_id(self, worker_id: str) -> KillableHandle:
         return next(h for h in self.handles if h.worker_id == worker_id)
@@ -137,7 +141,7 @@ class Cluster:
             h.close()
 
 
-def run_with_fault(model_dir, fault, router_config=None, **build):
+def run_with_fault(model_dir, fault, router_config=None, tracing=None, **build):
     """Send requests(8) at once; once two streams run on the first streaming worker, apply
     ``fault(cluster, worker_id)``; return (results, victims, survivors' blocks, cluster). The
     victims are the requests the router sees streaming from that worker and, where ``fault``
@@ -146,7 +150,7 @@ def run_with_fault(model_dir, fault, router_config=None, **build):
     reqs = requests(8)
 
     async def main():
-        async with Cluster(model_dir, router_config, **build) as c:
+        async with Cluster(model_dir, router_config, tracing=tracing, **build) as c:
             tasks = [asyncio.create_task(c.one(i, p, params)) for i, (p, params)
                      in enumerate(reqs)]
             role = "colocated" if build.get("colocated") else "decode"
@@ -184,12 +188,24 @@ def crash_loop(c: Cluster, worker_id: str) -> set[str]:
 
 @pytest.mark.parametrize("fault", [kill, crash_loop], ids=["killed", "loop-raised"])
 def test_decode_failure_mid_stream_migrates_without_a_lost_token(hf_checkpoint, fault):
+    """(Traced: each migrated request's OpenTelemetry trace shows the move.)"""
     model_dir = hf_checkpoint("llama")
+    spans = InMemorySpanExporter()
+    tracing = OtlpTracing(tracing_settings("http://127.0.0.1:9", {}), RouterMetrics(), spans)
     reqs, results, victims, used, c = run_with_fault(
-        model_dir, fault, num_prefill=1, num_decode=2)
+        model_dir, fault, tracing=tracing, num_prefill=1, num_decode=2)
     assert_draws(model_dir, reqs, results)
     assert victims and used == [0, 0]  # the surviving prefill and decode workers
     assert victims <= {t.request_id for t in c.router.traces if t.num_migrations}
+    moved = [s for s in spans.get_finished_spans()  # (the span the attempt failed in)
+             if any(e.name == "pdserve.migration" for e in s.events)]
+    assert len(moved) == sum(t.num_migrations for t in c.router.traces)
+    for span in moved:  # failed, and followed in its trace by the next attempt's decode
+        assert span.status.status_code.name == "ERROR"
+        attempt = span.attributes["pdserve.attempt"]
+        assert any(s.name == "decode" and s.context.trace_id == span.context.trace_id
+                   and s.attributes["pdserve.attempt"] > attempt
+                   for s in spans.get_finished_spans())
 
 
 @pytest.mark.parametrize("fault", [kill, crash_loop], ids=["killed", "loop-raised"])
