@@ -11,8 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 # -P: the working directory (the source root) never goes on sys.path, where the project's
 # folders would shadow third-party packages of the same name (import_path.py).
-# -n 2 --dist loadgroup: two pytest workers, every e2e test in one of them (tests/conftest.py).
-PYTEST := -P -m pytest -q -n 2 --dist loadgroup
+PYTEST := -P -m pytest -q
 
 .PHONY: venv demo test test-latest lock lint bench clean
 .DELETE_ON_ERROR:
@@ -42,8 +41,11 @@ lint: venv
 	mkdir -p $(VENV)/typecheck && ln -sfn $(CURDIR) $(VENV)/typecheck/pdserve
 	MYPYPATH=$(VENV)/typecheck $(VENV)/bin/mypy
 
+# The tests that need no cluster in two workers (pytest-xdist: they keep both cores busy), then
+# the e2e tests, whose clusters take the machine, one at a time; fails if either part failed.
 test: venv lint
-	$(PY) $(PYTEST)
+	$(PY) $(PYTEST) -n 2 -m "not e2e"; unit=$$?; $(PY) $(PYTEST) -m e2e; e2e=$$?; \
+		exit $$(( unit || e2e ))
 
 # The suite on the newest releases pyproject.toml allows (torch stays TORCH_SPEC), in a venv of
 # its own, to see upstream drift before it reaches the lock. Not part of CI.

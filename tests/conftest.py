@@ -54,15 +54,6 @@ torch.set_num_threads(1)
 HF_SEED = 0
 
 
-def pytest_collection_modifyitems(items):
-    """Under ``make test`` (pytest-xdist, ``-n 2 --dist loadgroup``) every e2e test goes to one
-    worker, in file order, with one Ray and one redis-server for them all; the other tests run
-    in the second worker beside them (the e2e tests spend most of their time waiting on
-    clusters)."""
-    for item in items:
-        if item.get_closest_marker("e2e") is not None:
-            item.add_marker(pytest.mark.xdist_group("e2e"))
-
 # Small, fast shapes; every family keeps vocab >= 480 (the tiny tokenizer's vocab).
 _BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -28,17 +28,6 @@ def rank8(tiny_dir, tmp_path_factory):
                               ("q_proj", "down_proj"), seed=4)
 
 
-@pytest.fixture
-def no_cluster(monkeypatch):
-    """A user error must fail before anything starts: starting one fails the test at once."""
-    from pdserve.cluster.launcher import EmbeddedCluster
-
-    def refuse(self):
-        raise AssertionError("the CLI started a cluster for a user error")
-
-    monkeypatch.setattr(EmbeddedCluster, "start_infra", refuse)
-
-
 def _options(*argv: str) -> ClusterOptions:
     return settings.options_from_args(build_parser().parse_args(["serve", *argv]),
                                       ClusterOptions())

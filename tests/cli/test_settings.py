@@ -256,17 +256,6 @@ def test_pool_settings_name_the_bad_field():
     assert opts.local_ray_cpus(cores=2) == 16  # 4 workers at up to 4 CPUs each
 
 
-@pytest.fixture
-def no_cluster(monkeypatch):
-    """A user error must fail before anything starts: starting one fails the test at once."""
-    from pdserve.cluster.launcher import EmbeddedCluster
-
-    def refuse(self):
-        raise AssertionError("the CLI started a cluster for a user error")
-
-    monkeypatch.setattr(EmbeddedCluster, "start_infra", refuse)
-
-
 def _run_cli(capsys, *argv: str) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exc:
         main(list(argv))
