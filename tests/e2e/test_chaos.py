@@ -96,10 +96,11 @@ def test_constrained_streams_resume_their_grammar_after_a_killed_decode_worker(
 def test_prefill_worker_sigkilled_with_prompts_queued(cluster, model_dir, e2e):
     cluster.refresh_workers()
     for wid in [w for w in cluster.workers if w.startswith("prefill")]:
-        cluster.workers[wid].inject_fault.remote("stall", 3.0)  # prompts queue behind it
+        cluster.workers[wid].inject_fault.remote("stall", 6.0)  # prompts queue behind it
 
     def kill_after_queueing():
-        time.sleep(0.5)  # inside the 3 s stall: the prompts sit at the prefill workers
+        time.sleep(2.0)  # inside the 6 s stall: the prompts sit at the prefill workers (with
+        # time to get there on a machine other work keeps busy)
         sigkill_busiest(cluster, "prefill")()
 
     records, traces = run_chaos(cluster, model_dir, "kill-p", kill_after_queueing,
