@@ -206,3 +206,17 @@ def test_continuous_usage_needs_include_usage(served):
     response = httpx.post(url + "/v1/completions", json=body, timeout=10)
     chunks = [json.loads(p) for p in sse_data(response.content)[:-1]]
     assert len(chunks) == 4 and all("usage" not in c for c in chunks)
+
+
+def test_the_model_a_tool_infers_from_the_model_list_is_served(served):
+    """Without a model name, inference-perf and guidellm take ``data[0].id`` of
+    ``GET /v1/models`` (aiperf's readiness probe looks its name up there); that name, and the
+    folder the server was started with, are served."""
+    _, url = served
+    listed = httpx.get(url + "/v1/models", timeout=10).json()
+    inferred = listed["data"][0]["id"]
+    assert inferred == MODEL
+    for model in (inferred, "/tmp/peer-model/smollm2-hf"):
+        body = {"model": model, "prompt": FAKER, "max_tokens": 2, "ignore_eos": True}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        assert answer.status_code == 200 and answer.json()["model"] == MODEL, answer.text
