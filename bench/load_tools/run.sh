@@ -8,7 +8,9 @@
 # with it; nothing is fetched from a hub). The tool's own report lands in OUT_DIR;
 # bench/load_tools/summary.py reads the four kinds into one table. METRICS_URL (pdserve's
 # Prometheus endpoint, e.g. http://127.0.0.1:9400/metrics): scraped before and after the run,
-# so the summary shows the router's own TTFT and ITL for the run beside the tool's.
+# so the summary shows the router's own TTFT and ITL for the run beside the tool's. The CPU
+# time the client used (user and system, its processes together) goes to OUT_DIR/client-cpu.txt:
+# on a machine the client shares with the server, it is time the server did not get.
 set -euo pipefail
 
 if (($# != 6)); then
@@ -95,3 +97,4 @@ pdserve)
     ;;
 esac
 scrape after
+times > "$OUT_DIR/client-cpu.txt"  # (bash's: this shell's user and system, then its children's)

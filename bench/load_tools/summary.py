@@ -7,7 +7,9 @@ and concurrency, each figure's value in every repetition (their spread is the ru
 spread) and its ratio to ``pdserve bench serve``'s mean at the same concurrency. Where
 ``run.sh`` scraped the server's metrics before and after (METRICS_URL), the router's own mean
 TTFT and ITL over the run stand beside them: the server's view of the same requests, which
-tells a client that measures differently from a server that ran slower under that client.
+tells a client that measures differently from a server that ran slower under that client;
+and the CPU seconds the client's processes used (``client-cpu.txt``), which on a machine the
+client shares with the server is time the server did not get.
 
 What each tool calls ITL differs (docs/benchmarking.md): aiperf's ``inter_token_latency`` and
 guidellm's ``inter_token_latency_ms`` are per request ``(e2e - TTFT) / (tokens - 1)``, which
@@ -30,12 +32,13 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 FIGURES = ("ttft_p50_ms", "itl_p50_ms", "tpot_p50_ms", "output_tok_s", "server_ttft_mean_ms",
-           "server_itl_mean_ms", "completed", "failed")
-SHOWN = FIGURES[:6]  # (the table's columns; completed and failed are summed)
+           "server_itl_mean_ms", "client_cpu_s", "completed", "failed")
+SHOWN = FIGURES[:7]  # (the table's columns; completed and failed are summed)
 # the router's histograms (pdserve.router.metrics): their _sum and _count over a run
 SERVER_HISTOGRAMS = {"server_ttft_mean_ms": "pdserve_time_to_first_token_seconds",
                      "server_itl_mean_ms": "pdserve_inter_token_latency_seconds"}
 _RUN = re.compile(r"(?P<tool>[a-z-]+)-c(?P<concurrency>\d+)-r(?P<rep>\d+)")
+_BASH_TIME = re.compile(r"(\d+)m([\d.]+)s")  # bash's ``times``: 1m2.345s
 
 
 def _aiperf(folder: Path) -> dict:
@@ -110,6 +113,15 @@ def server_side(folder: Path) -> dict[str, float | None]:
     return out
 
 
+def client_cpu_s(folder: Path) -> float | None:
+    """User + system seconds of the client's processes (bash ``times``' second line)."""
+    try:
+        children = (folder / "client-cpu.txt").read_text().splitlines()[1]
+    except (OSError, IndexError):
+        return None
+    return sum(int(m) * 60 + float(s) for m, s in _BASH_TIME.findall(children))
+
+
 def collect(root: Path) -> dict[tuple[str, int], list[dict]]:
     """(tool, concurrency) -> the figures of each repetition, in repetition order."""
     runs: dict[tuple[str, int], list[tuple[int, dict]]] = {}
@@ -119,6 +131,7 @@ def collect(root: Path) -> dict[tuple[str, int], list[dict]]:
             continue
         try:
             figures = READERS[match["tool"]](folder) | server_side(folder)
+            figures["client_cpu_s"] = client_cpu_s(folder)
         except (OSError, KeyError, IndexError, TypeError, ValueError) as exc:
             logger.warning("%s: no report (%s: %s)", folder.name, type(exc).__name__, exc)
             continue
@@ -135,8 +148,8 @@ def _mean(reps: list[dict], name: str) -> float | None:
 def table(runs: dict[tuple[str, int], list[dict]]) -> str:
     """Markdown: each repetition's value, then the ratio of their mean to pdserve bench's."""
     lines = ["| tool | conc | TTFT P50 ms | ITL P50 ms (chunk gaps) | TPOT P50 ms | "
-             "output tok/s | router TTFT mean ms | router ITL mean ms | ok/failed |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "output tok/s | router TTFT mean ms | router ITL mean ms | client CPU s | "
+             "ok/failed |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for tool, concurrency in sorted(runs, key=lambda k: (k[1], k[0] != "pdserve", k[0])):
         reps = runs[(tool, concurrency)]
         base = runs.get(("pdserve", concurrency))

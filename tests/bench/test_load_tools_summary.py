@@ -1,6 +1,6 @@
 """bench/load_tools/summary.py reads each tool's report (the keys of the real reports of
 aiperf 0.13.0, guidellm 0.8.1, inference-perf 0.7.0 and pdserve bench serve, cut down to
-them) and the router's metrics scraped around a run, into one table."""
+them), the router's metrics scraped around a run and the client's CPU time, into one table."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def _reports(root: Path) -> None:
         "successes": {"count": 8, "latency": latency,
                       "throughput": {"output_tokens_per_sec": 50.0}},
         "failures": {"count": 0}})
+    (root / "aiperf-c4-r1" / "client-cpu.txt").write_text("0m0.010s 0m0.002s\n1m2.500s 0m3.250s\n")
     _scrape(root / "aiperf-c4-r1", "before", 1.0, 10, 2.0, 100)
     _scrape(root / "aiperf-c4-r1", "after", 3.0, 18, 3.5, 150)
 
@@ -61,6 +62,8 @@ def test_every_report_is_read_with_the_router_s_view(tmp_path):
     assert (aiperf["itl_p50_ms"], aiperf["tpot_p50_ms"]) == (30.0, 31.0)
     assert aiperf["server_ttft_mean_ms"] == 250.0  # 2 s over 8 first tokens
     assert aiperf["server_itl_mean_ms"] == 30.0  # 1.5 s over 50 gaps
+    assert aiperf["client_cpu_s"] == 65.75  # the children's user and system time
+    assert runs[("pdserve", 4)][0]["client_cpu_s"] is None
     assert runs[("guidellm", 4)][0]["itl_p50_ms"] is None
     assert (runs[("guidellm", 4)][0]["completed"], runs[("guidellm", 4)][0]["failed"]) == (7, 1)
     assert runs[("inference-perf", 4)][0]["itl_p50_ms"] == 20.0
