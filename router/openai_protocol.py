@@ -155,7 +155,7 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False  # one more chunk before [DONE]: empty choices and the usage
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries
-    # the usage so far (guidellm asks for it; aiperf's --per-chunk-usage reads it)
+    # the usage so far (guidellm asks for it, aiperf with --per-chunk-usage)
 
 
 class LoadLoraAdapterRequest(BaseModel):
