@@ -64,6 +64,7 @@ class HttpJob:
     tools: ToolCalling | None = None  # a chat's tool calling (None: no tools)
     echo: str | None = None  # completions' echo: the prompt's text, sent before the output
     prompt_only: bool = False  # echo with max_tokens 0: the one token generated is dropped
+    continuous_usage: bool = False  # every chunk's usage is the usage so far, not null
 
     @property
     def request_id(self) -> str:
@@ -123,16 +124,16 @@ class HttpGeneration:
         delta = first
         for index, choice in enumerate(choices):  # what every choice starts with
             if job.stream and job.chat:
-                yield sse(oa.chat_chunk(job.request_id, job.model, job.created,
-                                         {"role": "assistant", "content": ""}, None, None,
-                                         job.include_usage, index))
+                yield _event(job, oa.chat_chunk(job.request_id, job.model, job.created,
+                                                 {"role": "assistant", "content": ""}, None,
+                                                 None, job.include_usage, index), 0)
             if job.echo is not None:  # the prompt first, as one more piece of the output
                 lp = self._prompt_logprobs(job, first)
                 choice.offset = len(job.echo)
                 if job.stream:
-                    yield sse(oa.completion_chunk(job.request_id, job.model, job.created,
-                                                   job.echo, None, lp, job.include_usage,
-                                                   index))
+                    yield _event(job, oa.completion_chunk(job.request_id, job.model,
+                                                           job.created, job.echo, None, lp,
+                                                           job.include_usage, index), 0)
                 else:
                     choice.texts.append(job.echo)
                     if lp is not None:
@@ -153,11 +154,13 @@ class HttpGeneration:
             if job.stream and (delta.text or delta.token_ids or ended):
                 if job.chat:
                     for chunk in self._chat_chunks(job, delta, lp, choice.calls, ended):
-                        yield sse(chunk)
+                        yield _event(job, chunk, num_generated)
                 else:
-                    yield sse(oa.completion_chunk(job.request_id, job.model, job.created,
-                                                   delta.text, delta.finish_reason, lp,
-                                                   job.include_usage, delta.index))
+                    yield _event(job, oa.completion_chunk(job.request_id, job.model,
+                                                           job.created, delta.text,
+                                                           delta.finish_reason, lp,
+                                                           job.include_usage, delta.index),
+                                 num_generated)
             choice.add(delta, lp, keep=not job.stream)
             if state["done"]:
                 break
@@ -260,3 +263,11 @@ class HttpGeneration:
                                 [(k.encode(), v.encode()) for k, v in error.headers().items()])
         except Exception as send_exc:  # noqa: BLE001 - the client is gone
             logger.info("could not send the error: %s", send_exc)
+
+
+def _event(job: HttpJob, chunk: dict, num_generated: int) -> bytes:
+    """``chunk`` as an SSE event; with ``continuous_usage`` its usage is the usage so far
+    (``num_generated`` tokens of every choice)."""
+    if job.continuous_usage:
+        chunk["usage"] = oa.usage(len(job.request.prompt_token_ids), num_generated)
+    return sse(chunk)

@@ -36,8 +36,10 @@ Life of a generation (``_completion_job`` / ``_chat_job``, then
    admission failure (429 queue full, 503 no workers, 504 deadline) is an HTTP status.
 3. ``stream: true``: SSE ``data: {json}`` chunks, then ``data: [DONE]``; with
    ``stream_options.include_usage`` one more chunk before it with empty ``choices`` and the
-   usage (every other chunk says ``usage: null``). A failure after the first byte is a
-   ``data: {"error": ...}`` event and no ``[DONE]``. Otherwise one JSON object at the end.
+   usage (every other chunk says ``usage: null``, or with vLLM's
+   ``stream_options.continuous_usage_stats`` the usage so far). A failure after the first
+   byte is a ``data: {"error": ...}`` event and no ``[DONE]``. Otherwise one JSON object at
+   the end.
 4. A disconnect cancels the generation task; whatever ends the stream, its ``finally``
    closes the backend's stream (shielded), which, ended early, aborts the request and frees
    the KV on both workers.
@@ -386,7 +388,8 @@ class HttpServer:
                                  adapter=adapter)
         request = await prepare(self._backend, incoming, CALLER.get(), origin)
         model = adapter.name if adapter is not None else self._backend.model_info().model_name
-        return HttpJob(chat, model, oa.now(), request, body.stream, body.include_usage, tools)
+        return HttpJob(chat, model, oa.now(), request, body.stream, body.include_usage, tools,
+                       continuous_usage=body.continuous_usage)
 
 
 def _always() -> None:

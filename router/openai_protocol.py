@@ -154,6 +154,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False  # one more chunk before [DONE]: empty choices and the usage
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries
+    # the usage so far (guidellm asks for it, aiperf with --per-chunk-usage)
 
 
 class LoadLoraAdapterRequest(BaseModel):
@@ -207,6 +209,12 @@ class _SamplingBody(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk's ``usage`` is the usage so far (never null)."""
+        return bool(self.include_usage and self.stream_options is not None
+                    and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingBody):
