@@ -23,28 +23,12 @@ from pdserve.router import openai_protocol as oa
 from pdserve.router.errors import QueueFullError
 from pdserve.router.http_server import HttpServer
 from pdserve.testing.fake_backend import FakeBackend, FakePromptTools
+from pdserve.testing.loop_thread import LoopThread
 from pdserve.testing.waits import wait_for
 from pdserve.worker_api.sampling_params import SamplingParams
 
 KEY = "http-test-key"
 MODEL = "fake-counter"
-
-
-class Loop:
-    """One event loop in a thread hosting the servers of this module."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 class MidStreamFailure(FakeBackend):
@@ -61,12 +45,12 @@ class MidStreamFailure(FakeBackend):
 
 @pytest.fixture(scope="module")
 def loop():
-    loop = Loop()
+    loop = LoopThread()
     yield loop
     loop.close()
 
 
-def _start(loop: Loop, backend, **kwargs) -> tuple[HttpServer, str]:
+def _start(loop: LoopThread, backend, **kwargs) -> tuple[HttpServer, str]:
     server = loop.run(_make(backend, kwargs))
     return server, f"http://127.0.0.1:{server.port}"
 

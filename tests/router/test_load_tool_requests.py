@@ -8,9 +8,7 @@ themselves."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from dataclasses import dataclass, field
 
 import httpx
@@ -19,6 +17,7 @@ import pytest
 from pdserve.router.backend import ModelSpec
 from pdserve.router.http_server import HttpServer
 from pdserve.testing.fake_backend import FakeBackend, FakePromptTools
+from pdserve.testing.loop_thread import LoopThread
 from pdserve.testing.waits import wait_for
 from pdserve.worker_api.sampling_params import SamplingParams
 
@@ -90,23 +89,6 @@ REQUESTS = [
 ]
 
 
-class Loop:
-    """One event loop in a thread hosting this module's server."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
 async def _start(backend: FakeBackend) -> HttpServer:
     server = HttpServer(backend, model_root="/tmp/peer-model/smollm2-hf",
                         tools=FakePromptTools(backend))
@@ -116,7 +98,7 @@ async def _start(backend: FakeBackend) -> HttpServer:
 
 @pytest.fixture(scope="module")
 def served():
-    loop = Loop()
+    loop = LoopThread()
     backend = FakeBackend(ModelSpec(MODEL, max_context_tokens=4096, vocab_size=64,
                                     eos_token_ids=(63,)))
     server = loop.run(_start(backend))
