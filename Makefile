@@ -41,11 +41,12 @@ lint: venv
 	mkdir -p $(VENV)/typecheck && ln -sfn $(CURDIR) $(VENV)/typecheck/pdserve
 	MYPYPATH=$(VENV)/typecheck $(VENV)/bin/mypy
 
-# The tests that need no cluster in two workers (pytest-xdist: they keep both cores busy), then
-# the e2e tests, whose clusters take the machine, one at a time; fails if either part failed.
+# In two workers (pytest-xdist: both cores busy), the tests that need no cluster and, one at a
+# time, the e2e tests whose clusters are their own processes (own_cluster); then the e2e tests
+# on the session's Ray cluster, one at a time; fails if either part failed.
 test: venv lint
-	$(PY) $(PYTEST) -n 2 -m "not e2e"; unit=$$?; $(PY) $(PYTEST) -m e2e; e2e=$$?; \
-		exit $$(( unit || e2e ))
+	$(PY) $(PYTEST) -n 2 --dist loadgroup -m "not e2e or own_cluster"; first=$$?; \
+		$(PY) $(PYTEST) -m "e2e and not own_cluster" tests/e2e; second=$$?; exit $$(( first || second ))
 
 # The suite on the newest releases pyproject.toml allows (torch stays TORCH_SPEC), in a venv of
 # its own, to see upstream drift before it reaches the lock. Not part of CI.

@@ -54,6 +54,14 @@ torch.set_num_threads(1)
 HF_SEED = 0
 
 
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist's ``--dist loadgroup`` (``make test``), the e2e tests that start their
+    own clusters run one after another in one worker (``own_cluster``)."""
+    for item in items:
+        if item.get_closest_marker("own_cluster") is not None:
+            item.add_marker(pytest.mark.xdist_group("own_cluster"))
+
+
 # Small, fast shapes; every family keeps vocab >= 480 (the tiny tokenizer's vocab).
 _BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

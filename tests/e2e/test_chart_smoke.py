@@ -44,7 +44,7 @@ import yaml
 
 from pdserve.cluster.redis_server import find_redis_server, free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "pdserve"
 RELEASE, NAMESPACE = "pd", "serving"

@@ -24,7 +24,7 @@ from pdserve.bench.chaos_routers import error_lines, sigterm_and_wait
 from pdserve.bench.failover import StreamRecord, chaos_requests, stream_one
 from pdserve.testing.waits import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster, pytest.mark.slow]
 
 CLI = [sys.executable, "-m", "pdserve.cli.main"]
 STOP_S = 10.0  # SIGTERM -> every process gone, at most (Kubernetes kills a few seconds later)

@@ -22,7 +22,7 @@ import pytest
 from pdserve.cluster.processes import is_running
 from pdserve.cluster.redis_server import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 
 START_S = 120.0  # bound on the served cluster coming up
 MAX_TOKENS = 16

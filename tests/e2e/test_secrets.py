@@ -34,7 +34,7 @@ from pdserve.api.client import PdserveError
 from pdserve.cluster.redis_server import find_redis_server, free_port
 from pdserve.testing.waits import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster, pytest.mark.slow]
 
 CLI = [sys.executable, "-m", "pdserve.cli.main"]
 START_S = 240.0  # bound on the cluster coming up on a loaded two-core machine
