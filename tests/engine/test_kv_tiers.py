@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from pdserve.engine.kv_cache.offload import PoolTiers
 from pdserve.engine.kv_cache.prefix_hash import chained_block_hashes
 from pdserve.engine.kv_cache.tiers import FOLDER_PREFIX, HEADER, KVTiers
 from pdserve.engine.llm import LLM
@@ -24,6 +25,14 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0)
 BLOCK = 16
 POOL = 8  # blocks: the four prompts below hold 12 full blocks, so a second round misses
 HIT = 48  # prompt tokens a second round serves from a tier (3 full blocks of 49 tokens)
+
+
+@pytest.fixture(autouse=True)
+def loads_always_win(monkeypatch):
+    """These tests check what loads give, not when they are worth it: the load rule weighs
+    this machine's measured compute and read rates, which other work on it moves
+    (tests/engine/test_kv_load_rule.py sets them), so here every block below the pool loads."""
+    monkeypatch.setattr(PoolTiers, "worth_loading", lambda self, tiers: len(tiers))
 
 
 def prompts(seed: int = 0, count: int = 4, length: int = 49) -> list[list[int]]:
@@ -83,8 +92,10 @@ def test_disk_tier_round_trip_equals_computing(tiny_dir, computed, tmp_path):
         tiers.flush()  # (the evicted blocks are on disk now)
         second = one_round(llm, prompts())
         assert first + second == [t for t, _ in computed]
-        bm = llm.engine.parts.block_manager
-        assert bm.num_tier_hit_tokens[KV_TIER_DISK] > 0
+        bm = llm.engine.parts.block_manager  # (read from disk by the engine, or by the
+        # reader thread ahead of it: then served from host memory)
+        assert bm.num_tier_hit_tokens[KV_TIER_HOST] + bm.num_tier_hit_tokens[KV_TIER_DISK] > 0
+        assert tiers.counters.disk_read_bytes > 0
         assert (tmp_path / "kv").stat().st_mode & 0o777 == 0o700
         assert tiers.folder.stat().st_mode & 0o777 == 0o700
         folder = tiers.folder
@@ -136,8 +147,6 @@ def test_a_request_waits_for_its_prefetch_while_others_step(tiny_dir, computed, 
             return read_file(block_hash)
 
         monkeypatch.setattr(tiers, "_read_file", held_reader)
-        offload = llm.engine.parts.block_manager.offload  # (loads always beat computing)
-        monkeypatch.setattr(offload, "worth_loading", len)
         engine = llm.engine
         busy = engine.add_request("busy", prompts(seed=1, count=1, length=20)[0],
                                   SamplingParams(max_tokens=8, temperature=0))
