@@ -52,6 +52,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from operator import attrgetter
 
 from pdserve.engine.kv_cache.prefix_hash import SALT_BYTES, adapter_root_hash, chain_hash
@@ -62,6 +63,26 @@ logger = logging.getLogger(__name__)
 
 _BLOCK_TABLE = attrgetter("block_table")
 
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """What the prefix cache holds of one sequence's prompt now (``BlockManager.find_prefix``):
+    one lookup of its hash chain, handed to every question admission asks of it in the same
+    step (nothing changes the cache between them)."""
+
+    blocks: tuple[int | None, ...]  # per leading full block: its pool block, None = to load
+    hashes: tuple[bytes, ...]  # the chain hash of each of those blocks
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens served from the cache if every load passes its check."""
+        return len(self.blocks) * self.block_size
+
+    def hashes_to_load(self) -> list[bytes]:
+        """The hashes of the blocks a tier below the pool holds."""
+        return [h for b, h in zip(self.blocks, self.hashes, strict=True) if b is None]
 
 
 def _root(seq: Sequence) -> bytes:
@@ -156,7 +177,7 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------
 
-    def _lookup(self, seq: Sequence) -> tuple[list[int | None], list[bytes]]:
+    def find_prefix(self, seq: Sequence) -> PrefixHit:
         """The leading blocks of seq's full-block hash chain that the cache holds (pure): per
         block its pool block, or None for one a tier below the pool holds and
         ``offload.worth_loading`` says to load; and the hash of each."""
@@ -164,7 +185,7 @@ class BlockManager:
         hits: list[int | None] = []
         hashes: list[bytes] = []
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
-            return hits, hashes  # (a prompt whose logprobs are wanted computes every position)
+            return PrefixHit((), (), bs)  # (a prompt whose logprobs are wanted: computes all)
         parent, offload = _root(seq), self.offload
         below: list[int] = []  # the tiers of the hits below the pool
         for i in range((seq.num_tokens - 1) // bs):  # leave at least one token to compute
@@ -183,7 +204,7 @@ class BlockManager:
             if worth < len(below):
                 cut = [i for i, b in enumerate(hits) if b is None][worth]
                 del hits[cut:], hashes[cut:]
-        return hits, hashes
+        return PrefixHit(tuple(hits), tuple(hashes), bs)
 
     def _num_dead_blocks(self, num_computed_tokens: int) -> int:
         """Leading blocks out of the window of every query at position >= num_computed_tokens.
@@ -198,7 +219,7 @@ class BlockManager:
     def lookup_prefix(self, seq: Sequence) -> int:
         """Tokens ``match_prefix`` would serve from the cache right now (if every block it
         loads from a tier passes its check); changes nothing."""
-        return len(self._lookup(seq)[0]) * self._block_size
+        return self.find_prefix(seq).num_tokens
 
     def prefetch(self, seq: Sequence) -> None:
         """Have the tiers bring the blocks of seq's prefix that are on disk up to host memory
@@ -222,30 +243,30 @@ class BlockManager:
         if on_disk:
             offload.prefetch(below)
 
-    def coming_up(self, seq: Sequence) -> bool:
-        """Whether blocks of seq's prefix that ``match_prefix`` would load are still on their
-        way from disk to host memory (``prefetch``): admitted now, it would read them from disk
-        itself, in the step."""
+    def coming_up(self, hit: PrefixHit) -> bool:
+        """Whether blocks of a prefix (``find_prefix``) that ``match_prefix`` would load are
+        still on their way from disk to host memory (``prefetch``): admitted now, it would read
+        them from disk itself, in the step."""
         offload = self.offload
-        if offload is None or not offload.prefetches:
-            return False
-        hits, hashes = self._lookup(seq)
-        return offload.coming_up([h for b, h in zip(hits, hashes, strict=True) if b is None])
+        return (offload is not None and offload.prefetches
+                and offload.coming_up(hit.hashes_to_load()))
 
-    def admission_room(self, seq: Sequence) -> int:
-        """Tokens past the prefix hit that a fresh seq could get blocks for now; changes nothing.
+    def admission_room(self, seq: Sequence, hit: PrefixHit | None = None) -> int:
+        """Tokens past the prefix hit (``find_prefix``, looked up when not given) that a fresh
+        seq could get blocks for now; changes nothing.
 
         Counts the cached (ref 0) hit blocks that ``match_prefix`` would revive, and the
         blocks it would load from a tier, as taken.
         """
-        hits, _ = self._lookup(seq)
+        hits = (self.find_prefix(seq) if hit is None else hit).blocks
         num_dead = 0 if None in hits else min(
             len(hits), self._num_dead_blocks(len(hits) * self._block_size))
         taken = sum(1 for b in hits[num_dead:] if b is None or self._ref_counts[b] == 0)
         return (self.num_allocatable_blocks - taken) * self._block_size
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Admit seq onto its cached prefix: share the hit blocks, skip their tokens.
+    def match_prefix(self, seq: Sequence, hit: PrefixHit | None = None) -> int:
+        """Admit seq onto its cached prefix (``find_prefix`` of this step, looked up when not
+        given): share the hit blocks, skip their tokens.
 
         Requires an empty block table and ``num_computed_tokens == 0``. Sets ``block_table``,
         ``num_computed_tokens`` and ``num_cached_tokens``; returns the number of hit tokens.
@@ -255,7 +276,8 @@ class BlockManager:
             raise RuntimeError(f"match_prefix needs a fresh sequence; {seq.request_id} has "
                                f"{len(seq.block_table)} blocks, "
                                f"{seq.num_computed_tokens} computed tokens")
-        hits, hashes = self._lookup(seq)
+        hit = self.find_prefix(seq) if hit is None else hit
+        hits, hashes = list(hit.blocks), list(hit.hashes)
         loaded = {KV_TIER_HOST: 0, KV_TIER_DISK: 0}
         load_s = 0.0
         if None in hits:

@@ -437,20 +437,21 @@ class Scheduler:
             if seq.adapter is not None and self.adapters is not None \
                     and not self.adapters.can_take(seq.adapter):
                 break  # (its adapter waits for a slot other adapters' sequences free)
-            if (self.running or out.num_seqs) and bm.coming_up(seq):
+            hit = bm.find_prefix(seq)  # (one lookup of its chain for every question below)
+            if (self.running or out.num_seqs) and bm.coming_up(hit):
                 break  # (its prefix is on its way up from disk: the others step meanwhile)
-            hit = bm.lookup_prefix(seq)
-            n = self.policy.num_new_tokens(seq, hit, budget, cfg.enable_chunked_prefill)
+            n = self.policy.num_new_tokens(seq, hit.num_tokens, budget,
+                                           cfg.enable_chunked_prefill)
             if n <= 0:
                 break
-            room = bm.admission_room(seq)
+            room = bm.admission_room(seq, hit)
             if room < n:
                 # Alone, a chunk shrinks to what fits so a sliding-window request progresses.
                 if self.running or not cfg.enable_chunked_prefill or room < 1:
                     break
                 n = room
             _remove(self.waiting, seq)
-            bm.match_prefix(seq)
+            bm.match_prefix(seq, hit)
             bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             self._join_running(seq)
