@@ -21,6 +21,8 @@ Cases, all on the same prompts:
 * ``host``: a host tier holding the whole working set;
 * ``host small + disk``: a host tier of a quarter of the working set over a disk tier (a
   private folder under ``--disk-dir``, on the local disk) holding all of it;
+* ``host small, int8``: a host tier of a third of the working set's float32 bytes, storing
+  blocks as int8 (``kv_offload_int8``: about a quarter of their bytes, so it holds them all);
 * ``no reuse, ...``: prompts of the same lengths, sent in the same order, of distinct random
   tokens (nothing to reuse), without tiers and with ``host small + disk``: what saving every
   evicted block costs when nothing comes back.
@@ -66,8 +68,9 @@ from pdserve.worker_api.sampling_params import SamplingParams
 PEER_MODEL = Path("/tmp/peer-model/smollm2-hf")
 GIB = 1 << 30
 NO_TIERS, HOST, HOST_DISK = "no tiers", "host", "host small + disk"
+HOST_INT8 = "host small, int8"
 NO_REUSE = "no reuse, "
-CASES = (NO_TIERS, HOST, HOST_DISK, NO_REUSE + NO_TIERS, NO_REUSE + HOST_DISK)
+CASES = (NO_TIERS, HOST, HOST_DISK, HOST_INT8, NO_REUSE + NO_TIERS, NO_REUSE + HOST_DISK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,12 +348,14 @@ def kv_block_bytes(model: Path, block_size: int) -> int:
 
 
 def tier_settings(case: str, working_set_bytes: int, folder: Path) -> dict:
-    """The kv_offload_* settings of ``case`` (HOST or HOST_DISK) for a working set of
-    ``working_set_bytes``: a host tier of 1.25 times it, or a quarter of it over a disk tier
-    of twice it in ``folder``."""
+    """The kv_offload_* settings of ``case`` (HOST, HOST_INT8 or HOST_DISK) for a working set
+    of ``working_set_bytes``: a host tier of 1.25 times it, a third of it storing int8, or a
+    quarter of it over a disk tier of twice it in ``folder``."""
     working_set = working_set_bytes / GIB
     if case == HOST:
         return dict(kv_offload_cpu_gib=1.25 * working_set)
+    if case == HOST_INT8:
+        return dict(kv_offload_cpu_gib=working_set / 3, kv_offload_int8=True)
     return dict(kv_offload_cpu_gib=working_set / 4, kv_offload_disk_gib=2 * working_set,
                 kv_offload_dir=str(folder / "tier"))
 

@@ -35,6 +35,19 @@ def _positive_int(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _check_int8_tiers(config: EngineConfig) -> None:
+    """``kv_offload_int8`` needs tiers, a float pool and one rank."""
+    if not (config.kv_offload_cpu_gib or config.kv_offload_disk_gib):
+        raise ValueError("kv_offload_int8 needs KV tiers (kv_offload_cpu_gib or "
+                         "kv_offload_disk_gib)")
+    if config.kv_cache_dtype == "int8":
+        raise ValueError("kv_offload_int8 stores a float pool's blocks as int8; with "
+                         "kv_cache_dtype='int8' the tiers store int8 already: drop it")
+    if config.tensor_parallel_size > 1:
+        raise ValueError("kv_offload_int8 with tensor_parallel_size > 1 is not supported (its "
+                         "int8 calibration runs the model on one rank, as kv_cache_dtype='int8')")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine (offline, colocated, prefill or decode worker) is built from."""
@@ -90,6 +103,9 @@ class EngineConfig:
     kv_offload_disk_gib: float = 0.0  # disk for blocks evicted from the host tier (needs
     # kv_offload_dir); 0: no disk tier
     kv_offload_dir: str | None = None  # the disk tier's folder (made private to the worker)
+    kv_offload_int8: bool = False  # the tiers store a float pool's blocks as int8 with the
+    # kv_int8_scales scheme (calibrated and checked at start-up; ~3.9x the blocks of float32
+    # per GiB, a loaded prefix no longer bit-exact with recomputing it; docs/kv-tiers.md)
     prefix_cache_salt: str | None = field(default=None, repr=False)  # secret mixed into every
     # prefix-cache block hash, one per cluster (the launcher generates it); None: each engine
     # draws its own; never in the repr
@@ -141,6 +157,8 @@ class EngineConfig:
                                  f"got {value!r}")
         if self.kv_offload_disk_gib and not self.kv_offload_dir:
             raise ValueError("kv_offload_disk_gib needs kv_offload_dir (the disk tier's folder)")
+        if self.kv_offload_int8:
+            _check_int8_tiers(self)
         if (self.kv_offload_cpu_gib or self.kv_offload_disk_gib) \
                 and not self.enable_prefix_caching:
             raise ValueError("KV tiers (kv_offload_cpu_gib, kv_offload_disk_gib) keep prefix-"

@@ -16,6 +16,7 @@ from pdserve.engine.capacity.memory import (
     MemoryLedger,
     allocate_kv_caches,
     kv_layer_dtypes,
+    kv_layers,
     plan_kv_pool,
 )
 from pdserve.engine.capacity.roofline import StepCost, UtilizationMeter
@@ -23,8 +24,9 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.int8_calibration import calibrate_kv_scales, check_int8_quality
 from pdserve.engine.kv_cache.block_manager import BlockManager
 from pdserve.engine.kv_cache.events import KVEventLog
-from pdserve.engine.kv_cache.int8_scales import INT8_SCHEMES, Calibration
+from pdserve.engine.kv_cache.int8_scales import INT8_SCHEMES, Calibration, Int8Scheme
 from pdserve.engine.kv_cache.offload import PoolTiers
+from pdserve.engine.kv_cache.tier_int8 import Int8TierStorage
 from pdserve.engine.resolved_model import ResolvedModel
 from pdserve.engine.step.cuda_graphs import DecodeGraphs, cuda_capture
 from pdserve.engine.step.model_runner import ModelRunner
@@ -116,14 +118,17 @@ class EngineParts:
                                      hash_salt=_salt_bytes(config.prefix_cache_salt))
         if config.enable_prefix_caching:  # what the routers' prefix index is fed from
             block_manager.events = KVEventLog()
+        int8 = (_int8_tiers(config, resolved, model, tokenizer) if config.kv_offload_int8
+                else None)
         block_manager.offload = PoolTiers.for_config(config, caches, 0,
                                                      config.tensor_parallel_size,
-                                                     block_manager.events)
+                                                     block_manager.events, int8)
         if block_manager.offload is not None:
             tiers = block_manager.offload.tiers
             ledger = dataclasses.replace(ledger, kv_host_tier_bytes=tiers.host_capacity,
                                          kv_disk_tier_bytes=tiers.disk_capacity
-                                         if tiers.folder is not None else 0)
+                                         if tiers.folder is not None else 0,
+                                         kv_tier_int8="" if int8 is None else int8.description)
             if followers is not None:
                 block_manager.offload.ranks = runner
         logger.info("engine ready: %s", ", ".join(f"{k} {v}" for k, v in ledger.rows()))
@@ -176,34 +181,68 @@ def _salt_bytes(salt: str | None) -> bytes | None:
 
 def _int8_pool(config: EngineConfig, resolved: ResolvedModel, model, ledger: MemoryLedger,
                layer_dtypes, tokenizer) -> tuple[EngineConfig, MemoryLedger, list]:
-    """(config, ledger, caches) of an int8 pool that passed its start-up check against the
-    model dtype (``int8_calibration.check_int8_quality``). A scheme that fails falls back to
-    ``token`` (no calibration, so no calibration to go wrong) with a warning; when ``token``
-    fails too, the engine refuses to start with both measurements. Never serves garbage."""
-    mc, device, backend = resolved.model_config, resolved.device, resolved.backend
-    scheme = INT8_SCHEMES[config.kv_int8_scales]
-    scales, calibration = calibrate_kv_scales(model, mc, layer_dtypes, device, backend,
-                                              tokenizer, scheme=scheme)
-    caches = allocate_kv_caches(mc, ledger, layer_dtypes, device, scales, scheme)
-    check = check_int8_quality(model, mc, caches, config.block_size, device, backend)
-    calibration = dataclasses.replace(calibration, check=check)
-    if not check.passed and scheme.name != "token":
-        logger.warning("int8 KV cache: kv_int8_scales=%r failed its start-up check against "
-                       "the model dtype (%s); falling back to 'token'", scheme.name,
-                       check.describe())
-        del caches
-        config = dataclasses.replace(config, kv_int8_scales="token")
-        ledger = plan_kv_pool(mc, config, model, resolved.dtype, device,
-                              resolved.max_model_len, backend)
-        scales, _ = calibrate_kv_scales(model, mc, layer_dtypes, device, backend, tokenizer,
-                                        scheme=INT8_SCHEMES["token"])
-        caches = allocate_kv_caches(mc, ledger, layer_dtypes, device, scales,
-                                    INT8_SCHEMES["token"])
-        check = check_int8_quality(model, mc, caches, config.block_size, device, backend)
-        calibration = Calibration("token", "none", check=check, fallback_from=scheme.name)
-    if not check.passed:
+    """(config, ledger, caches) of an int8 pool whose scheme passed its start-up check
+    (:func:`_checked_int8`); when none passes, the engine refuses to start with both
+    measurements. Never serves garbage."""
+    scheme, scales, calibration = _checked_int8(config, resolved, model, layer_dtypes,
+                                                tokenizer, "int8 KV cache")
+    if not calibration.check.passed:
         raise ValueError(f"kv_cache_dtype='int8' is not usable with this model: "
                          f"{calibration.describe()}. Serve it with kv_cache_dtype='auto'")
+    if scheme.name != config.kv_int8_scales:  # (the fallback's pool has other token scales)
+        config = dataclasses.replace(config, kv_int8_scales=scheme.name)
+        ledger = plan_kv_pool(resolved.model_config, config, model, resolved.dtype,
+                              resolved.device, resolved.max_model_len, resolved.backend)
+    caches = allocate_kv_caches(resolved.model_config, ledger, layer_dtypes, resolved.device,
+                                scales, scheme)
     logger.info("int8 KV cache: %s", calibration.describe())
     return config, dataclasses.replace(ledger, kv_int8=calibration.describe()), caches
 
+
+def _int8_tiers(config: EngineConfig, resolved: ResolvedModel, model,
+                tokenizer) -> Int8TierStorage | None:
+    """How the KV tiers store a float pool's blocks as int8 (``kv_offload_int8``): the
+    scheme that passed its start-up check (:func:`_checked_int8`), or None (the tiers store
+    blocks as the pool holds them, with a warning) when none passes."""
+    mc = resolved.model_config
+    layer_dtypes = [torch.int8] * mc.num_hidden_layers
+    scheme, scales, calibration = _checked_int8(config, resolved, model, layer_dtypes,
+                                                tokenizer, "int8 KV tiers")
+    if not calibration.check.passed:
+        logger.warning("int8 KV tiers: no int8 scheme passed its start-up check against the "
+                       "model dtype (%s); the tiers store blocks in the model dtype",
+                       calibration.describe())
+        return None
+    logger.info("int8 KV tiers: %s", calibration.describe())
+    staging = functools.partial(kv_layers, mc, block_size=config.block_size,
+                                layer_dtypes=layer_dtypes, device=resolved.device,
+                                scales=scales, scheme=scheme)
+    return Int8TierStorage(staging, calibration.describe())
+
+
+def _checked_int8(config: EngineConfig, resolved: ResolvedModel, model, layer_dtypes,
+                  tokenizer, what: str) -> tuple[Int8Scheme, list, Calibration]:
+    """(scheme, scales, calibration) of ``config.kv_int8_scales`` for int8 layers of
+    ``layer_dtypes``, compared with the model dtype (``int8_calibration.check_int8_quality``;
+    ``calibration.check`` says whether it passed). A scheme that fails falls back to ``token``
+    (no calibration, so no calibration to go wrong) with a warning."""
+    mc, device, backend = resolved.model_config, resolved.device, resolved.backend
+
+    def calibrated(scheme: Int8Scheme) -> tuple[list, Calibration]:
+        scales, calibration = calibrate_kv_scales(model, mc, layer_dtypes, device, backend,
+                                                  tokenizer, scheme=scheme)
+        layout = kv_layers(mc, 1, config.block_size, layer_dtypes, device, scales, scheme)
+        check = check_int8_quality(model, mc, layout, config.block_size, device, backend)
+        return scales, dataclasses.replace(calibration, check=check)
+
+    scheme = INT8_SCHEMES[config.kv_int8_scales]
+    scales, calibration = calibrated(scheme)
+    if not calibration.check.passed and scheme.name != "token":
+        logger.warning("%s: kv_int8_scales=%r failed its start-up check against the model "
+                       "dtype (%s); falling back to 'token'", what, scheme.name,
+                       calibration.check.describe())
+        scheme = INT8_SCHEMES["token"]
+        scales, token = calibrated(scheme)
+        calibration = Calibration("token", "none", check=token.check,
+                                  fallback_from=config.kv_int8_scales)
+    return scheme, scales, calibration

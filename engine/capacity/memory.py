@@ -56,6 +56,8 @@ class MemoryLedger:
     kv_host_tier_bytes: int = 0  # KV tiers: host memory for blocks evicted from the pool
     # (outside the budget: the tier's own, --kv-offload-cpu-gib)
     kv_disk_tier_bytes: int = 0  # KV tiers: disk for blocks evicted from the host tier
+    kv_tier_int8: str = ""  # KV tiers storing a float pool's blocks as int8: the scheme and
+    # its start-up check (int8_scales.Calibration.describe)
 
     @property
     def kv_token_capacity(self) -> int:
@@ -87,7 +89,8 @@ class MemoryLedger:
             + ([("KV host tier (outside the budget)", mib(self.kv_host_tier_bytes))]
                if self.kv_host_tier_bytes else []) \
             + ([("KV disk tier", mib(self.kv_disk_tier_bytes))]
-               if self.kv_disk_tier_bytes else [])
+               if self.kv_disk_tier_bytes else []) \
+            + ([("KV tiers store int8", self.kv_tier_int8)] if self.kv_tier_int8 else [])
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "kv_token_capacity": self.kv_token_capacity}
@@ -241,10 +244,18 @@ def device_label(device: torch.device) -> str:
 def allocate_kv_caches(mc, ledger: MemoryLedger, layer_dtypes, device: torch.device,
                        scales: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
                        scheme=None) -> list[KVCacheLayer]:
-    """Zero-filled pools, one :class:`KVCacheLayer` per layer (int8 layers need ``scales``;
-    ``scheme``, an :class:`~pdserve.engine.kv_cache.int8_scales.Int8Scheme`, adds their token
-    scales)."""
-    shape = (2, ledger.num_kv_blocks, ledger.block_size, mc.num_key_value_heads, mc.head_dim)
+    """The ledger's pool: :func:`kv_layers` of ``ledger.num_kv_blocks`` blocks."""
+    return kv_layers(mc, ledger.num_kv_blocks, ledger.block_size, layer_dtypes, device, scales,
+                     scheme)
+
+
+def kv_layers(mc, num_blocks: int, block_size: int, layer_dtypes, device: torch.device,
+              scales: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+              scheme=None) -> list[KVCacheLayer]:
+    """Zero-filled pools of ``num_blocks``, one :class:`KVCacheLayer` per layer (int8 layers
+    need ``scales``; ``scheme``, an :class:`~pdserve.engine.kv_cache.int8_scales.Int8Scheme`,
+    adds their token scales)."""
+    shape = (2, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim)
     caches = []
     for layer, dtype in enumerate(layer_dtypes):
         kv = torch.zeros(shape, dtype=dtype, device=device)

@@ -7,7 +7,9 @@ own tiers, holding its K/V heads; rank 0's ``PoolTiers`` has every follower do t
 load (``TensorParallelRunner.call_ranks``), and a load that fails on any rank is a miss on all.
 
 A block's payload is its K and V of every layer (in the pool's dtype), then, for an int8 pool
-with dynamic scales, its token scales: flat bytes, what the tiers store and check.
+with dynamic scales, its token scales: flat bytes, what the tiers store and check. With
+``kv_offload_int8`` a float pool's blocks are stored as an int8 pool's would be
+(``engine.kv_cache.tier_int8``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pdserve.engine.kv_cache.tier_int8 import Int8TierStorage
 from pdserve.engine.kv_cache.tiers import KVTiers
 from pdserve.kernels import KVCacheLayer
 from pdserve.worker_api import KV_TIER_ASSUMED_READ_BYTES_PER_S, KV_TIER_HOST
@@ -35,23 +38,26 @@ class PoolTiers:
     followers' through ``ranks``)."""
 
     def __init__(self, caches: list[KVCacheLayer], tiers: KVTiers, block_size: int,
-                 ranks=None):
+                 ranks=None, int8: Int8TierStorage | None = None):
         self.caches = caches
         self.tiers = tiers
         self.block_size = block_size
         self.ranks = ranks  # TensorParallelRunner (rank 0 of a group) or None
+        self.int8 = int8  # stores a float pool's blocks as int8, or None: as they are
         self.compute_s_per_token: float | None = None  # measured prefill time per token
 
     @classmethod
     def for_config(cls, config, caches: list[KVCacheLayer], rank: int = 0, size: int = 1,
-                   events=None) -> PoolTiers | None:
-        """The tiers ``config`` asks for (``kv_offload_*``), or None without them."""
+                   events=None, int8: Int8TierStorage | None = None) -> PoolTiers | None:
+        """The tiers ``config`` asks for (``kv_offload_*``), or None without them; ``int8``:
+        how blocks are stored as int8 (``kv_offload_int8``, checked at start-up)."""
         if not (config.kv_offload_cpu_gib or config.kv_offload_disk_gib):
             return None
-        tiers = KVTiers(layout_fingerprint(config.model, caches, rank, size),
-                        block_nbytes(caches), int(config.kv_offload_cpu_gib * GIB),
+        stored = caches if int8 is None else int8.staging(1)  # the layout the payloads have
+        tiers = KVTiers(layout_fingerprint(config.model, stored, rank, size),
+                        block_nbytes(stored), int(config.kv_offload_cpu_gib * GIB),
                         int(config.kv_offload_disk_gib * GIB), config.kv_offload_dir, events)
-        return cls(caches, tiers, config.block_size)
+        return cls(caches, tiers, config.block_size, int8=int8)
 
     # ---- what the block manager asks --------------------------------------------------
 
@@ -165,25 +171,39 @@ class PoolTiers:
     def _pack(self, block_ids: list[int]) -> list[np.ndarray]:
         """The payloads of ``block_ids``, each its own host array: one gather per pool tensor
         for all the blocks, then one copy per block."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.caches[0].kv.device)
+        caches = self.caches
+        if self.int8 is not None:  # (block i of the int8 layout holds block_ids[i])
+            caches, block_ids = self.int8.quantize(caches, block_ids), range(len(block_ids))
+        index = torch.tensor(block_ids, dtype=torch.int64, device=caches[0].kv.device)
         packed = torch.cat([rows.index_select(0, index).view(torch.uint8)
-                            for rows in _pool_rows(self.caches)],
+                            for rows in _pool_rows(caches)],
                            dim=1).cpu().numpy()  # (blocks, payload bytes)
         return [row.copy() for row in packed]
 
     def _unpack(self, block_ids: list[int], payloads: list[np.ndarray]) -> None:
         """Write ``payloads`` into the pool's ``block_ids``: one scatter per pool tensor."""
-        device = self.caches[0].kv.device
-        index = torch.tensor(block_ids, dtype=torch.int64, device=device)
-        data = torch.from_numpy(np.stack(payloads)).to(device)  # (blocks, payload bytes)
-        offset = 0
-        for rows in _pool_rows(self.caches):  # (in the pool's dtypes: a byte-wise copy is slow)
-            width = rows.shape[1] * rows.element_size()
-            rows.index_copy_(0, index, data[:, offset:offset + width].view(rows.dtype))
-            offset += width
+        if self.int8 is None:
+            _write_payloads(self.caches, block_ids, payloads)
+            return
+        staged = self.int8.staging(len(block_ids))
+        _write_payloads(staged, list(range(len(block_ids))), payloads)
+        self.int8.dequantize_into(staged, self.caches, block_ids)
 
     def close(self) -> None:
         self.tiers.close()
+
+
+def _write_payloads(caches: list[KVCacheLayer], block_ids: list[int],
+                    payloads: list[np.ndarray]) -> None:
+    """Write ``payloads`` into ``caches``' ``block_ids``: one scatter per pool tensor."""
+    device = caches[0].kv.device
+    index = torch.tensor(block_ids, dtype=torch.int64, device=device)
+    data = torch.from_numpy(np.stack(payloads)).to(device)  # (blocks, payload bytes)
+    offset = 0
+    for rows in _pool_rows(caches):  # (in the pool's dtypes: a byte-wise copy is slow)
+        width = rows.shape[1] * rows.element_size()
+        rows.index_copy_(0, index, data[:, offset:offset + width].view(rows.dtype))
+        offset += width
 
 
 def _pool_rows(caches: list[KVCacheLayer]) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ import re
 
 from pdserve.bench import kv_tiers
 
-CASES = ("no tiers", "host", "host small + disk", "no reuse, no tiers",
+CASES = ("no tiers", "host", "host small + disk", "host small, int8", "no reuse, no tiers",
          "no reuse, host small + disk")
 
 
@@ -34,7 +34,9 @@ def test_quick_runs_every_case_and_the_tiers_serve_what_the_pool_lost(tmp_path, 
     assert with_host[0] == pool and with_host[1] > 0 and with_host[3] < computed
     with_disk = _hits(out, "host small + disk")
     assert with_disk[2] > 0 and with_disk[3] == with_host[3]  # the same tokens, lower down
-    for case in CASES[3:]:  # nothing to reuse: every prompt token computed
+    with_int8 = _hits(out, "host small, int8")  # (a third of the bytes holds every block)
+    assert with_int8[0] == pool and with_int8[1] == with_host[1] and with_int8[2] == 0
+    for case in CASES[4:]:  # nothing to reuse: every prompt token computed
         assert _hits(out, case) == [0.0, 0.0, 0.0, 100.0]
     assert re.search(r"a plain copy of one block here: memory copy [\d.]+ GB/s, file read "
                      r"[\d.]+ GB/s, CRC-32 [\d.]+ GB/s", out), out

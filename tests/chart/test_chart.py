@@ -388,10 +388,11 @@ def test_bad_values_fail_with_a_message(values, message):
 
 
 def test_kv_tier_values_reach_pdserve_and_give_workers_a_disk(render):
-    rendered = render({"kvTiers": {"cpuGib": 8, "diskGib": 100, "dir": "/var/cache/kv"}})
+    rendered = render({"kvTiers": {"cpuGib": 8, "diskGib": 100, "dir": "/var/cache/kv",
+                                   "int8": True}})
     options = controller_options(controller_args(rendered))
     assert options.engine == {"kv_offload_cpu_gib": 8.0, "kv_offload_disk_gib": 100.0,
-                              "kv_offload_dir": "/var/cache/kv"}
+                              "kv_offload_dir": "/var/cache/kv", "kv_offload_int8": True}
     (cluster,) = rendered.of("RayCluster")
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
     for role in ("prefill", "decode"):

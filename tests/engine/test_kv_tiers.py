@@ -1,6 +1,7 @@
 """KV tiers below the pool: a prefix served from host memory or disk gives the same tokens as
 computing it (greedy; fp32, int8 KV, a sliding window, tensor parallel), every way a stored
-block can go bad is a miss that recomputes, a disk that fills, vanishes or is not ours keeps
+block can go bad is a miss that recomputes, a float pool's blocks stored as int8 are the int8
+rule's rounding of them, a disk that fills, vanishes or is not ours keeps
 serving, aborts leak no block, and a restarted engine never trusts files it did not write."""
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import int8_scales
 from pdserve.engine.kv_cache.offload import PoolTiers
 from pdserve.engine.kv_cache.prefix_hash import chained_block_hashes
 from pdserve.engine.kv_cache.tiers import FOLDER_PREFIX, HEADER, KVTiers
@@ -186,6 +190,81 @@ def test_int8_kv_round_trip_equals_int8_computing(tiny_dir):
         assert llm.engine.parts.block_manager.num_tier_hit_tokens[KV_TIER_HOST] == 4 * HIT
         assert llm.engine.parts.runner.kv_caches[0].k_token_scale is not None
     assert [t for t, _ in got[4:]] == [t for t, _ in got[:4]]
+
+
+def int8_rule(x: torch.Tensor, channel: torch.Tensor) -> torch.Tensor:
+    """The hybrid int8 write rule of kernels/kv_layout.py, written out on its own: x (T,
+    heads, dim) as an int8 pool holds it, read back in float32."""
+    y = x / channel
+    token = (y.abs().amax(-1, keepdim=True) / 127).clamp(2.0 ** -14, 65504.0).half().float()
+    return (y / token).round().clamp(-127, 127) * channel * token
+
+
+def test_int8_storage_keeps_what_an_int8_pool_would_hold(tiny_dir):
+    """A float32 pool's blocks, saved as int8 (kv_offload_int8) and loaded back into other
+    pool blocks, are the hybrid rule's rounding of what was saved, in under a third of the
+    bytes."""
+    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.01,
+             kv_offload_int8=True) as llm:
+        offload = llm.engine.parts.block_manager.offload
+        caches = llm.engine.parts.runner.kv_caches
+        torch.manual_seed(0)
+        for cache in caches:
+            cache.kv.normal_()
+            cache.kv[:, 1] *= 1e3  # (a block of large values keeps its own token scales)
+        saved = [cache.kv[:, [1, 2]].clone() for cache in caches]
+        offload.save([1, 2], [b"\x01" * 32, b"\x02" * 32])
+        assert offload.load([5, 6], [b"\x01" * 32, b"\x02" * 32], lambda: None) == (
+            2, [KV_TIER_HOST, KV_TIER_HOST])
+        staged = offload.int8.staging(1)
+        for cache, before, int8 in zip(caches, saved, staged, strict=True):
+            for half, channel in ((0, int8.k_scale), (1, int8.v_scale)):
+                expected = int8_rule(before[half].flatten(0, 1), channel)
+                loaded = cache.kv[half, [5, 6]].flatten(0, 1)
+                torch.testing.assert_close(loaded, expected, rtol=1e-6, atol=0)
+                assert not torch.equal(loaded, before[half].flatten(0, 1))  # (rounded)
+        float_bytes = sum(c.bytes_per_block for c in caches)
+        assert offload.tiers.block_nbytes == sum(c.bytes_per_block for c in staged)
+        assert offload.tiers.block_nbytes < float_bytes / 3
+        assert "hybrid" in llm.memory_ledger.kv_tier_int8
+        assert "passed" in llm.memory_ledger.kv_tier_int8
+
+
+def test_int8_storage_serves_prefixes_from_the_tiers(tiny_dir, computed, tmp_path):
+    """With int8 storage the second round loads its prefixes from host and disk; on the tiny
+    model its greedy tokens are those of computing them."""
+    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.00005,
+             kv_offload_disk_gib=0.01, kv_offload_dir=str(tmp_path / "kv"),
+             kv_offload_int8=True) as llm:
+        tiers = tiers_of(llm)
+        first = one_round(llm, prompts())
+        tiers.flush()
+        second = one_round(llm, prompts())
+        bm = llm.engine.parts.block_manager
+        assert sum(bm.num_tier_hit_tokens.values()) == 4 * HIT
+        assert tiers.usage()["disk_blocks"] > 0 and tiers.counters.read_failures == 0
+        check_idle(llm)
+    assert first + second == [t for t, _ in computed]
+
+
+@pytest.mark.parametrize("settings, field", [
+    (dict(), "kv_offload_cpu_gib"),
+    (dict(kv_offload_cpu_gib=1, kv_cache_dtype="int8"), "kv_cache_dtype"),
+    (dict(kv_offload_cpu_gib=1, tensor_parallel_size=2), "tensor_parallel_size")])
+def test_int8_storage_refuses_what_it_cannot_serve(tiny_dir, settings, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model=str(tiny_dir), kv_offload_int8=True, **settings)
+
+
+def test_int8_storage_that_fails_its_check_stores_floats(tiny_dir, monkeypatch, caplog):
+    monkeypatch.setattr(int8_scales, "MAX_CHECK_KL", -1.0)  # no scheme can pass
+    with LLM(str(tiny_dir), num_kv_blocks=POOL, block_size=BLOCK, kv_offload_cpu_gib=0.01,
+             kv_offload_int8=True) as llm:
+        offload = llm.engine.parts.block_manager.offload
+        assert offload.int8 is None and llm.memory_ledger.kv_tier_int8 == ""
+        caches = llm.engine.parts.runner.kv_caches
+        assert offload.tiers.block_nbytes == sum(c.bytes_per_block for c in caches)
+    assert "the tiers store blocks in the model dtype" in caplog.text
 
 
 def test_sliding_window_round_trip_equals_computing(hf_checkpoint):

@@ -26,7 +26,7 @@ NON_DEFAULTS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_dtype=
 # Fields that do not combine with NON_DEFAULTS (tensor parallel refuses int8 KV, KV tiers need
 # the prefix cache): each group set on its own.
 ALONE = [dict(tensor_parallel_size=2),
-         dict(kv_offload_cpu_gib=0.001, kv_offload_disk_gib=0.001,
+         dict(kv_offload_cpu_gib=0.001, kv_offload_disk_gib=0.001, kv_offload_int8=True,
               kv_offload_dir=os.path.join(tempfile.gettempdir(), "pdserve-keywords-kv"))]
 
 
