@@ -16,9 +16,10 @@ Lifecycle of one request on a prefill worker P:
    the window had freed here (``_blocks_to_send``). If token 0 already ends the request,
    ABORT is sent instead.
 5. When the last frame has left, the ``PrefillResult`` future resolves with token 0 and the
-   timings (queue, prefill, transfer). A failed send fails that future with TransferError; a
-   request that made the step fail (the engine aborts it alone) fails it with
-   ``RequestFaultError`` and its reservation gets ABORT.
+   timings (queue, prefill, transfer, and when each group of layers was queued and left:
+   ``kv_sends``, the trace's ``kv send`` spans). A failed send fails that future with
+   TransferError; a request that made the step fail (the engine aborts it alone) fails it
+   with ``RequestFaultError`` and its reservation gets ABORT.
 ``abort(request_id)`` is idempotent: a queued or running prompt is dropped and its blocks freed.
 A queued or running prompt whose deadline passes is dropped the same way (its future fails with
 ``RequestAborted``); if the engine loop dies, every pending future fails with the error and the
@@ -57,7 +58,9 @@ from pdserve.kv_transfer import KVConnector, KVSender, TransferError, TransferKe
 from pdserve.models.tensor_parallel import TensorShard
 from pdserve.prefill_worker.ranks import Routes, Shipment, StepShipments
 from pdserve.worker_api import (
+    MAX_KV_SENDS,
     DuplicateRequestId,
+    KVSend,
     PrefillResult,
     RequestDelta,
     RequestFaultError,
@@ -74,6 +77,17 @@ class RequestAborted(RuntimeError):
 
 
 @dataclass
+class _LayerSend:
+    """One frame of layers of a request's KV, as this rank shipped it on its routes."""
+
+    first_layer: int
+    end_layer: int
+    queued_at: float  # packing began
+    num_bytes: int
+    left_at: list[float] = field(default_factory=list)  # each route's copy left (sender thread)
+
+
+@dataclass
 class _Target:
     """Where one request's KV goes, and what its transfer has cost so far."""
 
@@ -84,6 +98,7 @@ class _Target:
     frames: list[Future] = field(default_factory=list)
     bytes_sent: int = 0
     num_stand_ins: int = 0  # leading shipped blocks that hold no KV (freed here), for COMMIT
+    sends: list[_LayerSend] = field(default_factory=list)  # its frames of layers, in order
 
     @property
     def sender(self) -> KVSender:
@@ -235,7 +250,12 @@ class PrefillWorker(StepHooks):
     def _send_layers(self, start: int, end: int) -> None:
         caches = self.engine.kv_caches
         for target, block_ids in self._shipments:
+            queued_at = time.monotonic()
             frames, nbytes = target.routes.ship(target.key, caches, block_ids, start, end)
+            send = _LayerSend(start, end, queued_at, nbytes)
+            for frame in frames:
+                frame.add_done_callback(lambda _, s=send: s.left_at.append(time.monotonic()))
+            target.sends.append(send)
             target.frames += frames
             target.bytes_sent += nbytes
 
@@ -274,6 +294,7 @@ class PrefillWorker(StepHooks):
             seq.request_id, delta, queue_time_s=timings[0], prefill_time_s=timings[1],
             transfer_time_s=time.monotonic() - sampled_at, transfer_bytes=target.bytes_sent,
             num_cached_tokens=seq.num_cached_tokens, prefix_source=seq.prefix_source,
+            kv_sends=kv_send_groups(target.sends, seq.first_scheduled_time),
             **grammar_timing(seq.constraint)))
 
     def _stats(self) -> WorkerStats:
@@ -283,6 +304,18 @@ class PrefillWorker(StepHooks):
 def _addresses(reservation: Reservation) -> tuple[str, ...]:
     """The decode worker's rank endpoints (its one endpoint when it is not split)."""
     return reservation.rank_addresses or (reservation.transfer_address,)
+
+
+def kv_send_groups(sends: list[_LayerSend], origin: float,
+                   max_groups: int = MAX_KV_SENDS) -> tuple[KVSend, ...]:
+    """A request's frames of layers as at most ``max_groups`` sends of consecutive layers, in
+    seconds after ``origin`` (its first chunk scheduled)."""
+    per_group = -(-len(sends) // max_groups) if sends else 1
+    groups = [sends[i:i + per_group] for i in range(0, len(sends), per_group)]
+    return tuple(KVSend(
+        group[0].first_layer, group[-1].end_layer, group[0].queued_at - origin,
+        max((t for s in group for t in s.left_at), default=group[-1].queued_at) - origin,
+        sum(s.num_bytes for s in group)) for group in groups)
 
 
 def frame_ranges(caches, layers_per_frame: int) -> list[tuple[int, int]]:

@@ -22,6 +22,8 @@ The spans of one request (parents by indentation), each with explicit start and 
         prefill queue       the worker's queue time
         prefill compute     first chunk -> token 0
         kv transfer         token 0 -> the last frame sent (remote prefill)
+        kv send             per group of layers: packed and queued -> sent (remote prefill;
+                            overlaps the compute of later layers and the kv transfer)
       decode                first token -> the attempt's end; events: first_token, tokens
                             (batches), and retry / migration / bounce with the attempt
 """
@@ -343,6 +345,12 @@ class _AttemptSpans:
         self.spans._span(inner, "kv transfer", transfer_start, end,
                          {**worker, "pdserve.kv.transfer_bytes": result.transfer_bytes,
                           "pdserve.decode.worker.id": t.decode_id or ""})
+        for send in result.kv_sends:
+            self.spans._span(inner, "kv send", min(end, compute_start + send.queued_s),
+                             min(end, compute_start + send.sent_s),
+                             {**worker, "pdserve.kv.layers": f"{send.first_layer}-"
+                                                             f"{send.end_layer - 1}",
+                              "pdserve.kv.send_bytes": send.num_bytes})
 
     def _local_prefill(self) -> None:
         """The prompt the streaming (colocated, or decode) worker computed itself, laid back

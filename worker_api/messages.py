@@ -20,6 +20,7 @@ from pdserve.worker_api.sampling_params import SamplingParams
 # worker's disk is loaded back into the pool before it is used (docs/kv-tiers.md)
 KV_TIER_POOL, KV_TIER_HOST, KV_TIER_DISK = 0, 1, 2
 KV_TIER_NAMES = ("pool", "host", "disk")
+MAX_KV_SENDS = 8  # groups of layers a PrefillResult reports the KV's sends in (a trace's spans)
 # What reading a block back from a tier moves per second before the worker has measured a read
 # of that tier (the worker's load rule and the routers' cost both assume it): host memory to
 # the device at about what a PCIe 4 x16 link sustains, a local NVMe disk at what one sustains
@@ -97,6 +98,18 @@ class Reservation:
     # blocks it holds (its pool, or loaded from its tiers)
 
 
+@dataclass(frozen=True)
+class KVSend:
+    """Layers ``[first_layer, end_layer)`` of a prompt's KV leaving a prefill worker (rank 0's
+    frames of them), in seconds after the prompt's first chunk was scheduled."""
+
+    first_layer: int
+    end_layer: int  # exclusive
+    queued_s: float  # the first of its frames packed and queued on the sender
+    sent_s: float  # the last of its frames left (every route's copy)
+    num_bytes: int  # payload bytes of its frames
+
+
 @dataclass
 class PrefillResult:
     """What a prefill worker returns once token 0 is sampled and the KV has been sent."""
@@ -112,5 +125,7 @@ class PrefillResult:
     grammar_compile_s: float | None = None  # the prefill worker's compile of the request's
     # grammar (None: free output)
     grammar_cache_hit: bool | None = None  # its grammar cache held it
+    kv_sends: tuple[KVSend, ...] = ()  # the KV's frames in at most MAX_KV_SENDS groups of
+    # consecutive layers, each sent while later layers computed (prefill_worker/worker.py)
 
 

@@ -96,7 +96,7 @@ def test_a_request_traced_across_three_processes_continues_the_callers_trace(clu
     assert asyncio.run(call())[-1].finish_reason == "length"
     names = {"pdserve.v1.Generation/Generate", "prepare", "admission", "placement",
              "decode reservation", "prefill", "prefill queue", "prefill compute",
-             "kv transfer", "decode"}
+             "kv transfer", "kv send", "decode"}
     wait_for(lambda: names <= {s.name for s in receiver.trace(bytes.fromhex(trace_id))}, 30,
              "the request's spans at the receiver")
     spans = {s.name: s for s in receiver.trace(bytes.fromhex(trace_id))}

@@ -165,7 +165,7 @@ def test_a_disaggregated_request_through_grpc_continues_the_callers_trace(traced
     responses = run(call())
     assert responses[-1].finish_reason == "length"
     trace_id = bytes.fromhex(CALLER_TRACE)
-    wait_for(lambda: len(receiver.trace(trace_id)) >= 9, 30, "the request's spans exported")
+    wait_for(lambda: len(receiver.trace(trace_id)) >= 11, 30, "the request's spans exported")
     spans = by_name(receiver.trace(trace_id))
     root = spans["pdserve.v1.Generation/Generate"][0]
     assert root.parent_span_id == bytes.fromhex(CALLER_PARENT)  # the caller's span
@@ -186,6 +186,14 @@ def test_a_disaggregated_request_through_grpc_continues_the_callers_trace(traced
     assert attrs(prefill)["pdserve.worker.id"] != attrs(spans["decode"][0])["pdserve.worker.id"]
     assert attrs(spans["placement"][0])["pdserve.prefill.location"] == "remote"
     assert attrs(spans["kv transfer"][0])["pdserve.kv.transfer_bytes"] > 0
+    sends = sorted(spans["kv send"], key=lambda s: attrs(s)["pdserve.kv.layers"])
+    assert [attrs(s)["pdserve.kv.layers"] for s in sends] == ["0-0", "1-1"]  # (2 layers)
+    assert sum(attrs(s)["pdserve.kv.send_bytes"] for s in sends) == attrs(
+        spans["kv transfer"][0])["pdserve.kv.transfer_bytes"]
+    for send in sends:
+        assert send.parent_span_id == prefill.span_id
+        assert prefill.start_time_unix_nano <= send.start_time_unix_nano
+        assert send.end_time_unix_nano <= prefill.end_time_unix_nano
     decode = spans["decode"][0]
     events = [e.name for e in decode.events]
     assert events[0] == "first_token" and "tokens" in events

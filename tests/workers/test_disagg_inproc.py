@@ -100,6 +100,40 @@ def test_the_decode_prefix_cache_receives_only_the_blocks_it_lacks(hf_checkpoint
     assert pair.used_blocks() == (0, 0)
 
 
+@pytest.mark.parametrize("prefill_kwargs, frames", [({}, 2), ({"overlap": False}, 2),
+                                                     ({"layers_per_frame": 2}, 1)])
+def test_the_result_says_when_each_group_of_layers_left(hf_checkpoint, make_pair, greedy,
+                                                        prefill_kwargs, frames):
+    """``kv_sends`` covers every layer once, in order, in frames that were queued before
+    they left and left before the result came back; their bytes are the transfer's."""
+    pair = make_pair(hf_checkpoint("llama"), prefill_kwargs=prefill_kwargs)
+    pair.generate("s0", prompts_for(4, [21])[0], greedy)
+    _, result = pair.last
+    sends = result.kv_sends
+    assert len(sends) == frames  # (the test model has 2 layers)
+    assert [(s.first_layer, s.end_layer) for s in sends] == (
+        [(0, 1), (1, 2)] if frames == 2 else [(0, 2)])
+    assert sum(s.num_bytes for s in sends) == result.transfer_bytes > 0
+    done = result.prefill_time_s + result.transfer_time_s
+    for send in sends:
+        assert 0 <= send.queued_s <= send.sent_s <= done
+    assert pair.used_blocks() == (0, 0)
+
+
+def test_kv_sends_are_grouped_into_at_most_eight_spans():
+    from pdserve.prefill_worker.worker import _LayerSend, kv_send_groups
+
+    sends = [_LayerSend(i, i + 1, 10.0 + i, 100, [10.5 + i, 10.6 + i]) for i in range(30)]
+    groups = kv_send_groups(sends, 10.0)
+    assert [(g.first_layer, g.end_layer) for g in groups] == [
+        (i, min(i + 4, 30)) for i in range(0, 30, 4)]
+    assert groups[0].queued_s == 0.0 and groups[0].sent_s == pytest.approx(3.6)
+    assert sum(g.num_bytes for g in groups) == 3000
+    unsent = kv_send_groups([_LayerSend(0, 1, 12.0, 8)], 10.0)  # (no frame reported back)
+    assert unsent[0].sent_s == unsent[0].queued_s == 2.0
+    assert kv_send_groups([], 10.0) == ()
+
+
 def test_frame_ranges_split_by_size_and_dtype():
     import torch
 
