@@ -1,0 +1,107 @@
+"""Paged decode attention on the CPU against a plain read of the same bytes:
+``python -m pdserve.bench.cpu_attention [--quick] [--threads 1 2]``. Prints; never asserts.
+
+One decode step's attention of one layer at SmolLM2-135M's shape (9 query heads over 3 KV
+heads of 64), blocks of 16 scattered over a pool as they are after churn (each sequence's
+block table a random draw of the pool's blocks), at a few batches and context lengths, in
+float32 and bfloat16, through what the engine runs (``kernels.paged_decode_attention`` on the
+``native`` backend: the C kernel where it takes the pool, else torch's gather). Each call
+reads every K and V row of every sequence's context once; its rate is those bytes over its
+time, set beside the rate of a plain copy of the same bytes (one contiguous tensor into
+another: bytes copied over its time, what the memory gives one pass over them) on the same
+threads, in the same run. The median of
+``--repeats`` calls after warm-ups, interleaved by round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from pdserve.bench.stats import format_table
+from pdserve.kernels import KVCacheLayer, cpu_decode_attention, paged_decode_attention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def make_case(batch: int, context: int, dtype: torch.dtype, seed: int = 0):
+    """(query, cache, block_tables, context_lens): ``batch`` sequences of ``context`` tokens
+    over a pool of exactly their blocks, shuffled."""
+    per_seq = -(-context // BLOCK)
+    num_blocks = batch * per_seq
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    order = list(range(num_blocks))
+    random.Random(seed).shuffle(order)
+    tables = torch.tensor(order, dtype=torch.int32).view(batch, per_seq)
+    query = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    return query, KVCacheLayer(kv), tables, lens
+
+
+def context_bytes(batch: int, context: int, dtype: torch.dtype) -> int:
+    """K and V bytes one call reads."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * batch * context * KV_HEADS * HEAD_DIM * element
+
+
+def median_s(fn, repeats: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(batch: int, context: int, dtype: torch.dtype,
+            repeats: int) -> tuple[float, float, str]:
+    """(attention GB/s, plain copy GB/s, path) of one point on the current threads."""
+    query, cache, tables, lens = make_case(batch, context, dtype)
+    scale = HEAD_DIM ** -0.5
+    path = "C" if cpu_decode_attention.takes(query, cache) else "torch"
+    nbytes = context_bytes(batch, context, dtype)
+    source = torch.ones(nbytes // 4, dtype=torch.float32)  # (the same bytes, contiguous)
+    target = torch.empty_like(source)
+    attention_s = median_s(lambda: paged_decode_attention(
+        query, cache, tables, lens, scale, backend="native"), repeats)
+    copy_s = median_s(lambda: target.copy_(source), repeats)
+    return nbytes / attention_s / 1e9, nbytes / copy_s / 1e9, path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    batches, contexts = ([1, 4], [64]) if args.quick else ([1, 8, 32], [512, 2048])
+    repeats = 3 if args.quick else args.repeats
+    if not cpu_decode_attention.available():
+        print("the C decode attention does not build here: every point runs torch's gather")
+    threads_before = torch.get_num_threads()
+    rows = []
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for batch in batches:
+                for context in contexts:
+                    for threads in args.threads:
+                        torch.set_num_threads(threads)
+                        attention, plain, path = measure(batch, context, dtype, repeats)
+                        rows.append([str(dtype).removeprefix("torch."), batch, context, threads,
+                                     path, f"{attention:.1f}", f"{plain:.1f}",
+                                     f"{attention / plain:.2f}"])
+    finally:
+        torch.set_num_threads(threads_before)
+    print(format_table(["dtype", "batch", "context", "threads", "kernel", "attention GB/s",
+                        "plain copy GB/s", "attention / copy"], rows))
+
+
+if __name__ == "__main__":
+    main()
