@@ -118,6 +118,19 @@ def ratio_series(results: dict[tuple[str, Point], dict], points: list[Point], pe
     return series
 
 
+def _cells(points: list[Point]) -> list[tuple[int, int]]:
+    """[first, end) index ranges of the runs of ``points`` that share dtype, shape and kind of
+    load (closed loop or Poisson)."""
+    cells: list[tuple[int, int]] = []
+    for i, point in enumerate(points):
+        key = (point.dtype, point.shape, point.load.closed)
+        if i and key == (points[i - 1].dtype, points[i - 1].shape, points[i - 1].load.closed):
+            cells[-1] = (cells[-1][0], i + 1)
+        else:
+            cells.append((i, i + 1))
+    return cells
+
+
 def write_plot(results: dict[tuple[str, Point], dict], points: list[Point], peer: str,
                path: Path) -> Path:
     """The sitting's PNG: throughput ratio (goal lines 1.3x closed loop, 1.0x Poisson) over
@@ -125,19 +138,27 @@ def write_plot(results: dict[tuple[str, Point], dict], points: list[Point], peer
     plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7.0, 0.35 * len(points) + 3), 7),
                                       sharex=True)
-    xs = list(range(len(points)))
+    xs, cells = list(range(len(points))), _cells(points)
+    colors = plt.get_cmap("tab10").colors
     for axis, figure, lines, label in (
             (top, "output_throughput", (1.3, 1.0), "output throughput / vLLM's"),
             (bottom, "median_tpot_ms", (0.8,), "TPOT P50 / vLLM's")):
-        for server, ys in ratio_series(results, points, peer, figure).items():
-            axis.plot(xs, [float("nan") if y is None else y for y in ys], marker="o",
-                      label=server)
+        series = ratio_series(results, points, peer, figure)
+        for n, (server, ys) in enumerate(series.items()):
+            for first, end in cells:  # (a line joins the points of one cell only)
+                axis.plot(xs[first:end], [float("nan") if y is None else y
+                                          for y in ys[first:end]],
+                          marker="o", color=colors[n % len(colors)],
+                          label=server if first == 0 else None)
         for line in lines:
             axis.axhline(line, color="gray", linestyle="--", linewidth=0.8)
+        for first, _ in cells[1:]:
+            axis.axvline(first - 0.5, color="lightgray", linewidth=0.8)
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
         axis.legend(fontsize="small")
-    top.set_title(f"pdserve against {peer}: ratios per point (dashed: the goals)")
+    top.set_title(f"pdserve against {peer}: ratios per point (dashed: the goals, 1.3x closed "
+                  "loop, 1.0x Poisson; 0.8x)")
     bottom.set_xticks(xs, [p.label for p in points], rotation=90, fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

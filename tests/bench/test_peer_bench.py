@@ -126,6 +126,8 @@ def test_goals_are_marked_per_load():
     assert "TTFT P50 <= 1.0x" not in [g.name for g in peer_report.goals(C16, fast)]
     slow_ttft = {**fast, "median_ttft_ms": 1.1}
     assert [g.met for g in peer_report.goals(C1, slow_ttft)] == [True, True, False]
+    c8 = Point("float32", Shape(256, 64), Load(concurrency=8))
+    assert [g.met for g in peer_report.goals(c8, slow_ttft)] == [True, True, False]
     assert all(g.met for g in peer_report.goals(C16, slow_ttft))
     assert [g.met for g in peer_report.goals(C1, {**fast, "median_tpot_ms": 0.81})] == \
         [True, False, True]
