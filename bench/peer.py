@@ -345,9 +345,8 @@ def run_pass(args, sitting: Sitting, points: list[Point], lengths: dict[str, Len
             stop(proc)
 
 
-def run_sitting(args, number: int, out: Path) -> Sitting:
-    sitting = Sitting(number, args.seed * 1000 + number)
-    points = grid(args.dtypes, args.shapes, args.concurrency, args.rate_fractions)
+def run_sitting(args, sitting: Sitting, points: list[Point], out: Path) -> None:
+    """The sitting's requested lengths, then every dtype's passes, into ``sitting``."""
     out.mkdir(parents=True, exist_ok=True)
     lengths = requested_lengths(args.vllm, {p.label: sitting.workload(args, p) for p in points},
                                 out)
@@ -358,22 +357,36 @@ def run_sitting(args, number: int, out: Path) -> Sitting:
     for dtype in args.dtypes:
         for one_pass in passes(dtype, args.shapes, args.concurrency, args.rate_fractions):
             run_pass(args, sitting, one_pass, lengths, out)
-    return sitting
+
+
+def write_report(sittings: list[Sitting], points: list[Point], peer: str | None,
+                 out: Path) -> dict[int, list[list]]:
+    """``report.md`` and each sitting's plot under ``out`` (what the sittings hold so far);
+    the rows of every sitting."""
+    sections, rows = [], {}
+    for sitting in sittings:
+        rows[sitting.number] = rows_of(sitting.results, points, peer)
+        sections.append(sitting_section(sitting.number, sitting.notes, rows[sitting.number]))
+        if peer is not None and sitting.results:
+            write_plot(sitting.results, points, peer,
+                       out / f"ratios-sitting-{sitting.number}.png")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text("# pdserve against vLLM\n\n" + "\n".join(sections))
+    return rows
 
 
 def run(args) -> str:
-    """Every sitting; writes ``report.md`` and the plots under ``--out``; the text table."""
+    """Every sitting; writes the report under ``--out``, also when a point stops the run
+    (with what was measured before it); returns the text table."""
     out = Path(args.out).resolve()  # (absolute: the servers and the client run elsewhere)
     points = grid(args.dtypes, args.shapes, args.concurrency, args.rate_fractions)
-    peer = peer_of(args.servers)
-    sections, rows = [], {}
-    for number in range(1, args.sittings + 1):
-        sitting = run_sitting(args, number, out / str(number))
-        rows[number] = rows_of(sitting.results, points, peer)
-        sections.append(sitting_section(number, sitting.notes, rows[number]))
-        if peer is not None:
-            write_plot(sitting.results, points, peer, out / f"ratios-sitting-{number}.png")
-    (out / "report.md").write_text("# pdserve against vLLM\n\n" + "\n".join(sections))
+    sittings: list[Sitting] = []
+    try:
+        for number in range(1, args.sittings + 1):
+            sittings.append(Sitting(number, args.seed * 1000 + number))
+            run_sitting(args, sittings[-1], points, out / str(number))
+    finally:
+        rows = write_report(sittings, points, peer_of(args.servers), out)
     return text_table(rows)
 
 

@@ -63,7 +63,8 @@ def _point_label(point: Point, result: dict) -> str:
 
 
 def _row(point: Point, server: str, result: dict, base: dict | None) -> list:
-    ratios = ratios_of(result, base) if base is not None and result is not base else None
+    """A table row; ``base``: vLLM's result at the point (None in vLLM's own row)."""
+    ratios = ratios_of(result, base) if base is not None else None
     row = [point.dtype, point.shape.label, _point_label(point, result), server]
     for figure in FIGURES:
         row.append(f"{result[figure]:,.1f}" + (f" ({ratios[figure]:.2f}x)" if ratios else ""))
@@ -81,7 +82,8 @@ def rows_of(results: dict[tuple[str, Point], dict], points: list[Point], peer: s
     for point in points:
         base = results.get((peer, point))
         servers = sorted({s for s, p in results if p == point}, key=lambda s: (s != peer, s))
-        rows += [_row(point, s, results[(s, point)], base) for s in servers]
+        rows += [_row(point, s, results[(s, point)], None if s == peer else base)
+                 for s in servers]
     return rows
 
 

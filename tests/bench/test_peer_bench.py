@@ -217,3 +217,54 @@ def test_cores_choose_the_set_ups(tmp_path):
         assert expected <= names
     two = next(s for s in peer.servers(str(vllm), str(tmp_path), 8100) if s.name == "vllm-2t")
     assert two.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+
+
+def fake_sitting(tmp_path, monkeypatch, fail_at: str | None = None) -> tuple:
+    """``peer.run`` with the servers and the client replaced: records every start and every
+    point's (server, name, concurrency, rate); vLLM completes c/2 requests/s at c."""
+    starts, points = [], []
+    monkeypatch.setattr(peer, "start", lambda server, port, log: starts.append(server) or server)
+    monkeypatch.setattr(peer, "stop", lambda proc: None)
+    monkeypatch.setattr(peer, "requested_lengths", lambda vllm, workloads, out: {
+        key: peer.Lengths.fixed(4, 8) for key in workloads})
+
+    def bench_point(vllm, server, port, requests, out, name, concurrency, rate, expected):
+        if fail_at and fail_at in name:
+            raise RuntimeError(f"{name}: 3 of 4 requests completed")
+        points.append((server.name, name, concurrency, rate))
+        speed = 1.0 if server.name == "vllm" else 1.5
+        return figures(speed, request_throughput=(concurrency or 0) / 2 * speed,
+                       request_rate=rate if rate is not None else "inf")
+    monkeypatch.setattr(peer, "bench_point", bench_point)
+    args = argparse.Namespace(vllm="vllm", model=str(tmp_path), port=8100, seed=7,
+                              servers=["pdserve-colocated", "vllm"], dtypes=["float32"],
+                              shapes=[Shape(256, 64), Shape(128, 512)], concurrency=[1, 4],
+                              rate_fractions=[0.5, 1.2], num_prompts=4, sittings=1,
+                              out=str(tmp_path / "out"))
+    return starts, points, args
+
+
+def test_a_sitting_runs_poisson_points_at_fractions_of_vllms_capacity(tmp_path, monkeypatch):
+    starts, points, args = fake_sitting(tmp_path, monkeypatch)
+    table = peer.run(args)
+    assert [s.name for s in starts].count("vllm") == 2  # once per pass
+    assert len(starts) == 4 and len(points) == 2 * 2 * (2 + 2)
+    closed, poisson = points[:8], points[8:]
+    assert all(rate is None for *_, rate in closed)
+    # vLLM's capacity at each shape: 2 requests/s at c=4 (its highest), for both servers
+    assert sorted({(name.split("-float32-")[1], rate) for _, name, _, rate in poisson}) == [
+        ("128_512-0.5-cap", 1.0), ("128_512-1.2-cap", 2.4), ("256_64-0.5-cap", 1.0),
+        ("256_64-1.2-cap", 2.4)]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "float32 poisson pass: order" in report and "256/64 0.5 cap = 1.00 req/s" in report
+    assert "| float32 | 128/512 | 1.2 cap (2.40/s) | pdserve-colocated | 24.0 (1.50x)" in report
+    assert (tmp_path / "out" / "ratios-sitting-1.png").is_file()
+    assert "pdserve-colocated" in table
+
+
+def test_a_stopped_sitting_still_reports_what_it_measured(tmp_path, monkeypatch):
+    _, points, args = fake_sitting(tmp_path, monkeypatch, fail_at="128_512-c=4")
+    with pytest.raises(RuntimeError, match="3 of 4 requests completed"):
+        peer.run(args)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| float32 | 256/64 | c=4 |" in report and "128/512 | c=4" not in report
