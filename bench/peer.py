@@ -8,11 +8,12 @@ servers load the model in it), every ``--shapes`` (prompt/output lengths, fixed 
 ``--rate-fractions`` of vLLM's capacity (the requests/s it completed at its highest
 concurrency of that dtype and shape, in the same sitting: each dtype runs its closed-loop pass,
 every server in turn, then its Poisson pass). A point sends ``--num-prompts`` requests (a
-closed loop at least two per slot). ``--sittings`` repeats the whole round, so every ratio
-compares figures taken minutes apart. Writes ``report.md`` under ``--out`` (one table per
-sitting, each figure beside its ratio to vLLM's and the issue's goals marked met or not per
-row, :mod:`pdserve.bench.peer_report`), a PNG of the ratios per sitting, and every point's
-saved result with each request's output; prints the table. Not part of ``make test``.
+closed loop at least two per slot). Every ratio compares two servers' figures from the same
+pass of one sitting; ``--sittings`` repeats the whole round, to see the spread. Writes
+``report.md`` under ``--out`` (one table per sitting, each figure beside its ratio to vLLM's
+and the issue's goals marked met or not per row, :mod:`pdserve.bench.peer_report`), a PNG of
+the ratios per sitting, and every point's saved result with each request's output; prints
+the table. Not part of ``make test``.
 
 A short sitting: ``--servers vllm,pdserve-colocated --shapes 256/64 --dtypes float32
 --concurrency 1 8 --rate-fractions 1.0``.
