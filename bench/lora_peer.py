@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import tempfile
+import zlib
 from pathlib import Path
 
 from pdserve.bench import peer
 from pdserve.bench.lora import make_adapters
+from pdserve.bench.peer_grid import Shape
 from pdserve.bench.stats import format_table
 
 POINTS = (("base", 0), ("1 adapter", 1), ("4 adapters", 4), ("16 adapters", 16))
@@ -40,7 +42,7 @@ def run(args) -> str:
                           args.rank)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    shape, rows = Shape(args.input_len, args.output_len), []
     for sitting in range(1, args.sittings + 1):
         results = {}
         for server in lora_servers(args, paths):
@@ -49,9 +51,12 @@ def run(args) -> str:
                 for label, count in POINTS:
                     client = ("--lora-modules", *(f"a{i}" for i in range(count))) if count \
                         else ()
+                    requests = peer.workload(args.model, shape, args.num_prompts,
+                                             zlib.crc32(f"lora{count}".encode()))
                     results[(server.name, label)] = peer.bench_point(
-                        args.vllm, server, args.port, args.model, args, out / str(sitting),
-                        args.concurrency, None, client, f"-lora{count}")
+                        args.vllm, server, args.port, requests, out / str(sitting),
+                        f"{server.name}-lora{count}", args.concurrency, None,
+                        peer.Lengths.fixed(args.num_prompts, args.output_len), client)
             finally:
                 peer.stop(proc)
         for (name, label), res in results.items():

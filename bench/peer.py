@@ -1,20 +1,31 @@
 """pdserve against vLLM on this machine: ``python -m pdserve.bench.peer [--sittings N]``.
 
 The same model, the same client and the same cores, one server at a time: vLLM's own load
-client, ``vllm bench serve`` (random prompts of ``--input-len`` tokens, ``--output-len``
-tokens each with ignore_eos, greedy), drives each server's OpenAI front door at every
-``--concurrency`` and at one Poisson ``--rate`` point. For every server in turn: start it,
-wait for ``/health``, run the points, stop it. ``--sittings`` repeats the whole round, the
-servers interleaved, so every ratio compares figures taken minutes apart. Prints a table with
-each figure's ratio against vLLM's in the same sitting, and saves vLLM's JSON results (one per
-server and point, with every request's output) under ``--out``. Not part of ``make test``.
+client, ``vllm bench serve`` (random prompts, ``--ignore-eos``, greedy), drives each server's
+OpenAI front door over a grid (:mod:`pdserve.bench.peer_grid`): every ``--dtypes`` (both
+servers load the model in it), every ``--shapes`` (prompt/output lengths, fixed or spread:
+``1024~0.5/256~0.5``), closed loops at every ``--concurrency`` and Poisson arrivals at every
+``--rate-fractions`` of vLLM's capacity (the requests/s it completed at its highest
+concurrency of that dtype and shape, in the same sitting: each dtype runs its closed-loop pass,
+every server in turn, then its Poisson pass). A point sends ``--num-prompts`` requests (a
+closed loop at least two per slot). Every ratio compares two servers' figures from the same
+pass of one sitting; ``--sittings`` repeats the whole round, to see the spread. Writes
+``report.md`` under ``--out`` (one table per sitting, each figure beside its ratio to vLLM's
+and the issue's goals marked met or not per row, :mod:`pdserve.bench.peer_report`), a PNG of
+the ratios per sitting, and every point's saved result with each request's output; prints
+the table. Not part of ``make test``.
 
-Fairness: every point must have completed all ``--num-prompts`` requests with all their
-output tokens (else the run stops, naming the server and point: a server that drops requests
-must not look fast); the client runs in one environment for every server (vLLM's
-``LD_PRELOAD`` included); each sitting shuffles the servers' order and draws new prompts
-(``--seed`` and the sitting number choose both, printed with the table, with vLLM's thread
-binding); the table says for each pdserve point how many of its greedy texts equal vLLM's.
+A short sitting: ``--servers vllm,pdserve-colocated --shapes 256/64 --dtypes float32
+--concurrency 1 8 --rate-fractions 1.0``.
+
+Fairness: every request of every point must have completed with exactly the output tokens it
+asked for (with spread lengths, each request's own: the client's sampler, run in the peer's
+venv, draws them again from the point's seed; else the run stops, naming the server and point:
+a server that drops or cuts requests must not look fast); the client runs in one environment
+for every server (vLLM's ``LD_PRELOAD`` included); each pass shuffles the servers' order and
+each sitting draws new prompts (``--seed`` and the sitting number choose both, noted in the
+report with vLLM's thread binding); the table says for each pdserve point how many of its
+greedy texts equal vLLM's.
 
 ``--cores`` picks the set-ups compared at equal cores:
 
@@ -28,7 +39,7 @@ binding); the table says for each pdserve point how many of its greedy texts equ
 The servers:
 
 * ``vllm``, ``vllm-2t``: ``vllm serve`` (the peer, set up apart from pdserve: a venv holding
-  vLLM's CPU build and its CLI, ``--vllm``), float32;
+  vLLM's CPU build and its CLI, ``--vllm``);
 * ``pdserve-colocated``: one colocated worker with one CPU (the counterpart of vLLM's one model
   thread); ``pdserve-2x1`` and ``pdserve-1x2`` as above;
 * ``pdserve-colocated-hold``: the same worker holding new prompts while others decode
@@ -55,18 +66,26 @@ import subprocess
 import sys
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from pdserve.bench.stats import format_table
+from pdserve.bench.peer_grid import (
+    DEFAULT_SHAPES,
+    DTYPES,
+    Point,
+    Shape,
+    grid,
+    parse_shape,
+    passes,
+    rate_of,
+)
+from pdserve.bench.peer_report import rows_of, sitting_section, text_table, write_plot
 
 DEFAULT_VLLM = "/tmp/peer-vllm/bin/vllm"
 DEFAULT_MODEL = "/tmp/peer-model/smollm2-hf"
 START_TIMEOUT_S = 900.0  # vLLM compiles the model at every start (minutes on 2 cores)
-FIGURES = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
-HIGHER_IS_BETTER = {"output_throughput"}
 QUIET = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
          "DO_NOT_TRACK": "1"}
 SET_UPS = {1: "vllm,pdserve-colocated,pdserve-1p1d",  # --cores: the servers compared
@@ -81,15 +100,16 @@ class Server:
     model_name: str  # what the client sends as "model"
 
 
-def servers(vllm: str, model: str, port: int) -> list[Server]:
+def servers(vllm: str, model: str, port: int, dtype: str = "float32") -> list[Server]:
+    """Every set-up of the module docstring, each loading the model in ``dtype``."""
     pdserve = [sys.executable, "-m", "pdserve.cli.main", "serve", "--model", model,
-               "--dtype", "float32", "--http-port", str(port), "--port", "0",
+               "--dtype", dtype, "--http-port", str(port), "--port", "0",
                "--metrics-port", "none"]
     quiet = QUIET
     vllm_env = {**quiet, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "auto",
                 **vllm_preload(vllm)}
     vllm_serve = [vllm, "serve", model, "--host", "127.0.0.1", "--port", str(port),
-                  "--served-model-name", "peer", "--dtype", "float32",
+                  "--served-model-name", "peer", "--dtype", dtype,
                   "--disable-uvicorn-access-log"]
     return [
         Server("vllm", vllm_serve, vllm_env, "peer"),
@@ -166,110 +186,209 @@ def client_env(vllm: str) -> dict[str, str]:
     return {**os.environ, **QUIET, **vllm_preload(vllm)}
 
 
-def bench_point(vllm: str, server: Server, port: int, tokenizer: str, args, out: Path,
-                concurrency: int | None, rate: float | None, client_args: tuple = (),
-                label: str = "", sitting_seed: int = 0) -> dict:
-    """One ``vllm bench serve`` point against the running server; its JSON result, checked
-    complete (:func:`check_complete`). ``client_args``: more of the client's arguments;
-    ``label`` tells the point's file apart; ``sitting_seed`` draws the sitting's prompts."""
-    point = f"c{concurrency or 'inf'}-r{rate or 'inf'}{label}"
+def workload(tokenizer: str, shape: Shape, num_prompts: int, seed: int) -> list[str]:
+    """The client's arguments that choose the requests: the prompts and every request's
+    output length (what :func:`requested_lengths` replays)."""
+    return ["--tokenizer", tokenizer, "--dataset-name", "random", *shape.client_args(),
+            "--num-prompts", str(num_prompts), "--seed", str(seed)]
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """What the client asked for, request by request, in the order of its saved result."""
+    inputs: list[int] | None  # prompt tokens (None: not checked)
+    outputs: list[int]  # output tokens asked for (ignore_eos: every one must come)
+
+    @classmethod
+    def fixed(cls, num_prompts: int, output_len: int) -> Lengths:
+        return cls(None, [output_len] * num_prompts)
+
+
+# Run by the peer's Python: the client's own parser and sampler draw each workload's requests
+# (argv[1]: {key: workload arguments}), their lengths go to argv[2] as {key: [ins, outs]}.
+_SAMPLER = """
+import json, sys
+from vllm.benchmarks.datasets import get_samples
+from vllm.benchmarks.serve import add_cli_args
+from vllm.tokenizers import get_tokenizer
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+lengths, tokenizers = {}, {}
+for key, argv in json.loads(open(sys.argv[1]).read()).items():
+    args = parser.parse_args(["--model", "unused", *argv])
+    if args.tokenizer not in tokenizers:
+        tokenizers[args.tokenizer] = get_tokenizer(
+            args.tokenizer, tokenizer_mode=args.tokenizer_mode,
+            trust_remote_code=args.trust_remote_code)
+    requests = get_samples(args, tokenizers[args.tokenizer])
+    lengths[key] = [[r.prompt_len for r in requests], [r.expected_output_len for r in requests]]
+open(sys.argv[2], "w").write(json.dumps(lengths))
+"""
+
+
+def requested_lengths(vllm: str, workloads: dict[str, list[str]], scratch: Path
+                      ) -> dict[str, Lengths]:
+    """Every workload's requested lengths, drawn by the client's own sampler in the peer's
+    venv (the saved result holds the lengths each request got, not the ones it asked for)."""
+    jobs, answer = scratch / "workloads.json", scratch / "lengths.json"
+    jobs.write_text(json.dumps(workloads))
+    python = Path(vllm).parent / "python"
+    done = subprocess.run([str(python), "-c", _SAMPLER, str(jobs), str(answer)],
+                          env=client_env(vllm), capture_output=True, text=True, cwd=scratch,
+                          timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the client's sampler failed: {done.stderr[-1500:]}")
+    drawn = json.loads(answer.read_text())
+    return {key: Lengths(ins, outs) for key, (ins, outs) in drawn.items()}
+
+
+def bench_point(vllm: str, server: Server, port: int, requests: list[str], out: Path,
+                name: str, concurrency: int | None, rate: float | None,
+                expected: Lengths, client_args: tuple = ()) -> dict:
+    """One ``vllm bench serve`` point against the running server: ``requests`` (see
+    :func:`workload`) at ``concurrency`` or Poisson ``rate``; its JSON result, saved as
+    ``out/name.json`` and checked complete against ``expected`` (:func:`check_complete`).
+    ``client_args``: more of the client's arguments."""
     out.mkdir(parents=True, exist_ok=True)
-    name = f"{server.name}-{point}.json"
-    # the same prompts for every server at this point of this sitting, other prompts at every
-    # other point and sitting (a point repeating the last one's prompts would be served from
-    # the prefix cache)
-    seed = zlib.crc32(f"{point}/{sitting_seed}".encode())
     command = [vllm, "bench", "serve", "--backend", "openai",
                "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
-               "--model", server.model_name, "--tokenizer", tokenizer,
-               "--dataset-name", "random", "--random-input-len", str(args.input_len),
-               "--random-output-len", str(args.output_len),
-               "--num-prompts", str(args.num_prompts), "--num-warmups", "2", "--ignore-eos",
-               "--temperature", "0", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,e2el",
+               "--model", server.model_name, *requests, "--num-warmups", "2", "--ignore-eos",
+               "--temperature", "0", "--percentile-metrics", "ttft,tpot,e2el",
                "--metric-percentiles", "50,99", "--save-result", "--save-detailed",
-               "--result-dir", str(out),
-               "--result-filename", name, "--disable-tqdm",
-               "--request-rate", "inf" if rate is None else str(rate)]
+               "--result-dir", str(out), "--result-filename", f"{name}.json",
+               "--disable-tqdm", "--request-rate", "inf" if rate is None else str(rate)]
     if concurrency is not None:
         command += ["--max-concurrency", str(concurrency)]
     command += list(client_args)
     result = subprocess.run(command, env=client_env(vllm), capture_output=True, text=True,
-                            timeout=1800, cwd=out)
+                            timeout=3600, cwd=out)
     if result.returncode != 0:
         raise RuntimeError(f"vllm bench serve against {server.name} failed: "
                            f"{result.stdout[-1500:]}{result.stderr[-1500:]}")
-    saved = json.loads((out / name).read_text())
-    check_complete(saved, args.num_prompts, args.output_len, f"{server.name} at {point}")
+    saved = json.loads((out / f"{name}.json").read_text())
+    check_complete(saved, expected, f"{server.name} at {name}")
     return saved
 
 
-def check_complete(result: dict, num_prompts: int, output_len: int, what: str) -> None:
-    """RuntimeError naming ``what`` unless every request completed with every output token
-    (figures of a run that dropped or cut requests compare nothing)."""
-    completed, tokens = result.get("completed"), result.get("total_output_tokens")
-    if completed != num_prompts or tokens != num_prompts * output_len:
-        raise RuntimeError(f"{what}: {completed} of {num_prompts} requests completed with "
-                           f"{tokens} of {num_prompts * output_len} output tokens; its "
-                           f"figures are not comparable (see the saved result)")
+def check_complete(result: dict, expected: Lengths, what: str) -> None:
+    """RuntimeError naming ``what`` unless every request completed with exactly the output
+    tokens it asked for (figures of a run that dropped or cut requests compare nothing), or
+    when the saved prompts' lengths are not the ones ``expected`` was drawn for."""
+    asked, got = expected.outputs, result.get("output_lens")
+    completed = result.get("completed")
+    if completed != len(asked) or got is None or len(got) != len(asked):
+        raise RuntimeError(f"{what}: {completed} of {len(asked)} requests completed; its "
+                           "figures are not comparable (see the saved result)")
+    if expected.inputs is not None and result.get("input_lens") != expected.inputs:
+        raise RuntimeError(f"{what}: the saved prompt lengths are not the ones the requested "
+                           "output lengths were drawn with; the check would compare nothing")
+    short = [(i, g, a) for i, (g, a) in enumerate(zip(got, asked, strict=True)) if g != a]
+    if short:
+        shown = ", ".join(f"request {i} got {g} of {a}" for i, g, a in short[:3])
+        raise RuntimeError(f"{what}: {len(short)} of {len(asked)} requests did not get the "
+                           f"output tokens they asked for ({shown}); its figures are not "
+                           "comparable (see the saved result)")
 
 
-def same_texts(result: dict, reference: dict) -> str:
-    """How many of ``result``'s generated texts equal ``reference``'s, request by request
-    ("k/n"; "" when either saved none)."""
-    texts, ref = result.get("generated_texts"), reference.get("generated_texts")
-    if not texts or not ref or len(texts) != len(ref):
-        return ""
-    return f"{sum(a == b for a, b in zip(texts, ref, strict=True))}/{len(ref)}"
+def peer_of(names: list[str]) -> str | None:
+    """The sitting's vLLM set-up (the first by name of ``vllm``, ``vllm-2t``), or None."""
+    return next(iter(sorted(n for n in names if n.startswith("vllm"))), None)
 
 
-def rows_of(results: dict, sitting: int) -> list[list]:
-    """Table rows of one sitting: every server's figures and their ratio against vLLM's (the
-    sitting's vLLM set-up: ``vllm`` or ``vllm-2t``), and how many greedy texts equal its."""
-    rows = []
-    peers = {server for server, _ in results if server.startswith("vllm")}
-    for (server, point), res in results.items():
-        base = next((results[(p, point)] for p in sorted(peers) if (p, point) in results),
-                    None)
-        row = [sitting, server, point]
-        for figure in FIGURES:
-            value = res[figure]
-            ratio = "" if base is None or server in peers or not base[figure] else \
-                f" ({value / base[figure]:.2f}x)"
-            row.append(f"{value:,.1f}{ratio}")
-        row.append("" if base is None or server in peers else same_texts(res, base))
-        rows.append(row)
+@dataclass
+class Sitting:
+    """One sitting's state: its number, seed, results and notes."""
+    number: int
+    seed: int  # with the point's label: each point's prompts; and the servers' orders
+    results: dict[tuple[str, Point], dict] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def point_seed(self, point: Point) -> int:
+        # the same prompts for every server at this point of this sitting, other prompts at
+        # every other point and sitting (a point repeating another's prompts would be served
+        # from the prefix cache)
+        return zlib.crc32(f"{point.label}/{self.seed}".encode())
+
+    def peer_results(self, peer: str | None) -> dict[Point, dict]:
+        return {p: r for (s, p), r in self.results.items() if s == peer}
+
+    def workload(self, args, point: Point) -> list[str]:
+        """The client's requests at ``point`` (:func:`workload`)."""
+        return workload(args.model, point.shape, point.num_prompts(args.num_prompts),
+                        self.point_seed(point))
+
+
+def run_pass(args, sitting: Sitting, points: list[Point], lengths: dict[str, Lengths],
+             out: Path) -> None:
+    """Every chosen server in a new shuffled order, each started once in the pass's dtype,
+    through ``points`` (one dtype's closed-loop points, or its Poisson points)."""
+    peer = peer_of(args.servers)
+    rates = {p: rate_of(p, sitting.peer_results(peer)) for p in points}
+    dtype = points[0].dtype
+    chosen = [s for s in servers(args.vllm, args.model, args.port, dtype)
+              if s.name in args.servers]
+    random.Random(f"{sitting.seed}/{points[0].label}").shuffle(chosen)
+    kind = "closed-loop" if points[0].load.closed else "poisson"
+    sitting.notes.append(f"{dtype} {kind} pass: order {', '.join(s.name for s in chosen)}"
+                         + "".join(f"; {p.shape.label} {p.load.label} = {r:.2f} req/s"
+                                   for p, r in rates.items() if r is not None))
+    for server in chosen:
+        proc = start(server, args.port, out / f"{server.name}-{dtype}-{kind}.log")
+        try:
+            for point in points:
+                name = f"{server.name}-{point.label}".replace(" ", "-").replace("/", "_")
+                sitting.results[(server.name, point)] = bench_point(
+                    args.vllm, server, args.port, sitting.workload(args, point), out, name,
+                    point.load.concurrency, rates[point], lengths[point.label])
+        finally:
+            stop(proc)
+
+
+def run_sitting(args, sitting: Sitting, points: list[Point], out: Path) -> None:
+    """The sitting's requested lengths, then every dtype's passes, into ``sitting``."""
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = requested_lengths(args.vllm, {p.label: sitting.workload(args, p) for p in points},
+                                out)
+    sitting.notes.append(f"seed {sitting.seed}; vLLM thread binding " + ", ".join(
+        f"{s.name} {s.env.get('VLLM_CPU_OMP_THREADS_BIND')}"
+        for s in servers(args.vllm, args.model, args.port) if s.name in args.servers
+        and s.name.startswith("vllm")))
+    for dtype in args.dtypes:
+        for one_pass in passes(dtype, args.shapes, args.concurrency, args.rate_fractions):
+            run_pass(args, sitting, one_pass, lengths, out)
+
+
+def write_report(sittings: list[Sitting], points: list[Point], peer: str | None,
+                 out: Path) -> dict[int, list[list]]:
+    """``report.md`` and each sitting's plot under ``out`` (what the sittings hold so far);
+    the rows of every sitting."""
+    sections, rows = [], {}
+    for sitting in sittings:
+        rows[sitting.number] = rows_of(sitting.results, points, peer)
+        sections.append(sitting_section(sitting.number, sitting.notes, rows[sitting.number]))
+        if peer is not None and sitting.results:
+            write_plot(sitting.results, points, peer,
+                       out / f"ratios-sitting-{sitting.number}.png")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text("# pdserve against vLLM\n\n" + "\n".join(sections))
     return rows
 
 
 def run(args) -> str:
-    points = [(c, None) for c in args.concurrency] + [(None, args.rate)]
+    """Every sitting; writes the report under ``--out``, also when a point stops the run
+    (with what was measured before it); returns the text table."""
     out = Path(args.out).resolve()  # (absolute: the servers and the client run elsewhere)
-    out.mkdir(parents=True, exist_ok=True)
-    table, notes = [], []
-    for sitting in range(1, args.sittings + 1):
-        results = {}
-        chosen = [s for s in servers(args.vllm, args.model, args.port)
-                  if s.name in args.servers]
-        sitting_seed = args.seed * 1000 + sitting
-        random.Random(sitting_seed).shuffle(chosen)  # (vLLM neither always first nor last)
-        notes.append(f"sitting {sitting}: order {', '.join(s.name for s in chosen)}; prompt "
-                     f"seed {sitting_seed}; vLLM thread binding "
-                     + ", ".join(f"{s.name} {s.env.get('VLLM_CPU_OMP_THREADS_BIND')}"
-                                 for s in chosen if s.name.startswith("vllm")))
-        for server in chosen:
-            proc = start(server, args.port, out / f"{server.name}-{sitting}.log")
-            try:
-                for concurrency, rate in points:
-                    label = f"c={concurrency}" if rate is None else f"rate={rate:g}/s"
-                    results[(server.name, label)] = bench_point(
-                        args.vllm, server, args.port, args.model, args, out / str(sitting),
-                        concurrency, rate, sitting_seed=sitting_seed)
-            finally:
-                stop(proc)
-        table += rows_of(results, sitting)
-    return "\n".join(notes) + "\n" + format_table(
-        ["sitting", "server", "point", "output tok/s", "TTFT P50 ms", "TPOT P50 ms",
-         "TPOT P99 ms", "texts = vLLM's"], table)
+    points = grid(args.dtypes, args.shapes, args.concurrency, args.rate_fractions)
+    sittings: list[Sitting] = []
+    try:
+        for number in range(1, args.sittings + 1):
+            sittings.append(Sitting(number, args.seed * 1000 + number))
+            run_sitting(args, sittings[-1], points, out / str(number))
+    finally:
+        rows = write_report(sittings, points, peer_of(args.servers), out)
+    return text_table(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -283,15 +402,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated server names (default: --cores' set-ups)")
     parser.add_argument("--seed", type=int, default=0,
                         help="with the sitting number: each sitting's order and prompts")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--rate", type=float, default=2.0, help="the Poisson point (req/s)")
-    parser.add_argument("--num-prompts", type=int, default=24)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES),
+                        help="IN[~R]/OUT[~R] prompt/output lengths, ~R a range ratio")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32],
+                        help="the closed-loop points")
+    parser.add_argument("--rate-fractions", type=float, nargs="*", default=[0.5, 0.8, 1.0, 1.2],
+                        help="the Poisson points, fractions of vLLM's capacity (none: skip)")
+    parser.add_argument("--num-prompts", type=int, default=24,
+                        help="requests per point (a closed loop: at least 2 per slot)")
     parser.add_argument("--sittings", type=int, default=1)
     parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--out", default="bench/results/peer")
+    parser.add_argument("--out", default="bench/results/peer",
+                        help="saved results, logs, report.md and the plots")
     args = parser.parse_args(argv)
+    args.shapes = [parse_shape(text) for text in args.shapes]
     if find_peer(args):
         print(run(args))
 
@@ -307,6 +432,9 @@ def find_peer(args) -> bool:
         return False
     args.vllm, args.servers = vllm, (args.servers or SET_UPS[args.cores]).split(",")
     args.model = str(Path(args.model).resolve())
+    if args.rate_fractions and peer_of(args.servers) is None:
+        raise ValueError("--rate-fractions: the Poisson rates are fractions of vLLM's capacity; "
+                         "put vllm or vllm-2t in --servers, or pass --rate-fractions alone")
     return True
 
 

@@ -20,7 +20,8 @@ _STYLE = {"disaggregated": dict(color="tab:blue", marker="o"),
           "auto": dict(color="tab:green", marker="^")}
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (for the bench modules that plot)."""
     # lazy: plots only when asked; matplotlib takes a second to import
     import matplotlib
 
@@ -38,7 +39,7 @@ def _series(doc: dict, mode: str, key: str) -> tuple[list[float], list[float]]:
 
 
 def _line_plot(doc: dict, key: str, ylabel: str, title: str, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in doc["table"]:
         ax.plot(*_series(doc, mode, key), label=mode, **_STYLE.get(mode, {}))
@@ -54,7 +55,7 @@ def _line_plot(doc: dict, key: str, ylabel: str, title: str, path: Path) -> Path
 
 
 def _goodput_plot(doc: dict, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
     for mode in doc["table"]:
         style = _STYLE.get(mode, {})
@@ -79,7 +80,7 @@ def _goodput_plot(doc: dict, path: Path) -> Path:
 
 
 def _phase_plot(doc: dict, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     modes = list(doc["table"])
     rates = sorted({r for m in modes for r in doc["table"][m]}, key=float)
     fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(rates) + 1.5), 4))
