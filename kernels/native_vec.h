@@ -17,6 +17,22 @@ static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); retur
 static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
 static inline v16 splat16(float x) { return (v16){0} + x; }
 
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+/* 16 bfloat16 values widened to float (a bf16 is a float's upper 16 bits: exact). */
+static inline v16 load16_bf16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    return (v16)(__builtin_convertvector(h, v16i) << 16);
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
 /* x, loaded once and kept in a register: without this the compiler folds a vector's load into
  * every multiply-add that uses it, reading it from cache again each time, and a loop that
  * uses one loaded vector for several accumulators is then bound by its loads, not its
