@@ -2,11 +2,12 @@
  *
  * One query token per sequence (its last position) against that sequence's context in the
  * paged pool. Queries, scores, sums and outputs are float32; the pool is float32 or bfloat16
- * (each K and V value widened to float32 as it is read, exactly). The pool layout is pdserve's (kernels/kv_layout.py): K and
- * V each (num_blocks, block_size, num_kv_heads, head_dim), contiguous; a sequence's position
- * p lives in row p % block_size of block block_table[p / block_size]. Nothing is gathered:
- * each (sequence, kv head) task walks its block table, scores every visible key against the
- * query heads that share the kv head, takes the softmax, and sums the values.
+ * (each K and V value widened to float32 as it is read, exactly). The pool layout is
+ * pdserve's (kernels/kv_layout.py): K and V each (num_blocks, block_size, num_kv_heads,
+ * head_dim), contiguous; a sequence's position p lives in row p % block_size of block
+ * block_table[p / block_size]. Nothing is gathered: each (sequence, kv head) task walks its
+ * block table, scores every visible key against the query heads that share the kv head, takes
+ * the softmax, and sums the values.
  *
  * Built and loaded by kernels/native_build.py (cc -O3 -march=native); the torch path in
  * kernels/torch_attention.py is its reference (which widens a bf16 pool to float32 too). Sums
@@ -22,18 +23,6 @@
 
 #define MAX_VECTORS 32 /* head_dim up to 512 */
 #define MAX_GROUP 8 /* query heads a pass takes together */
-
-/* Element i of a pool of float32 (bf16 = 0) or bfloat16 (bf16 = 1) values, as floats: 16 of
-   them, or one. bf16 is a constant wherever these are inlined, so the test folds away. */
-static inline __attribute__((always_inline)) v16 pool16(const void *pool, int64_t i, int bf16) {
-    return bf16 ? load16_bf16((const uint16_t *)pool + i) : load16((const float *)pool + i);
-}
-static inline __attribute__((always_inline)) float pool1(const void *pool, int64_t i, int bf16) {
-    return bf16 ? bf16_to_float(((const uint16_t *)pool)[i]) : ((const float *)pool)[i];
-}
-static inline const char *pool_at(const void *pool, int64_t i, int bf16) {
-    return (const char *)pool + i * (bf16 ? 2 : 4);
-}
 
 /* Rows [lo, hi) of block b of a context of n positions starting at first. */
 static inline int block_lo(int b, int bs, int first) { return b * bs < first ? first - b * bs : 0; }
@@ -71,15 +60,15 @@ static inline __attribute__((always_inline)) void attend_group(
         const int64_t next = (b + 1) * bs < n ? head + table[b + 1] * block : kb;
         for (int o = block_lo(b, bs, first), hi = block_hi(b, bs, n); o < hi; o++) {
             const int64_t kr = kb + o * row;
-            __builtin_prefetch(pool_at(k, next + o * row, bf16));
+            __builtin_prefetch(addressx(k, next + o * row, bf16));
             v16 kv[MAX_VECTORS];
-            for (int j = 0; j < nv; j++) kv[j] = pool16(k, kr + j * 16, bf16);
+            for (int j = 0; j < nv; j++) kv[j] = loadx16(k, kr + j * 16, bf16);
             for (int h = 0; h < group; h++) {
                 const float *qh = q + h * head_dim;
                 v16 acc = {0};
                 for (int j = 0; j < nv; j++) acc += load16(qh + j * 16) * kv[j];
                 float x = sum16(acc);
-                for (int d = tail; d < head_dim; d++) x += qh[d] * pool1(k, kr + d, bf16);
+                for (int d = tail; d < head_dim; d++) x += qh[d] * loadx1(k, kr + d, bf16);
                 x *= scale;
                 scores[h * n + b * bs + o] = x;
                 max[h] = x > max[h] ? x : max[h];
@@ -97,14 +86,15 @@ static inline __attribute__((always_inline)) void attend_group(
         const int64_t next = (b + 1) * bs < n ? head + table[b + 1] * block : vb;
         for (int o = block_lo(b, bs, first), hi = block_hi(b, bs, n); o < hi; o++) {
             const int64_t vr = vb + o * row;
-            __builtin_prefetch(pool_at(v, next + o * row, bf16));
+            __builtin_prefetch(addressx(v, next + o * row, bf16));
             for (int j = 0; j < nv; j++) {
-                v16 x = pool16(v, vr + j * 16, bf16);
+                v16 x = loadx16(v, vr + j * 16, bf16);
                 for (int h = 0; h < group; h++) acc[h][j] += scores[h * n + b * bs + o] * x;
             }
             for (int h = 0; h < group; h++)
                 for (int d = tail; d < head_dim; d++)
-                    acc_tail[h][d - tail] += scores[h * n + b * bs + o] * pool1(v, vr + d, bf16);
+                    acc_tail[h][d - tail] +=
+                        scores[h * n + b * bs + o] * loadx1(v, vr + d, bf16);
         }
     }
     for (int h = 0; h < group; h++) {
