@@ -1,7 +1,7 @@
 """Dense layers, ``y = x W^T (+ b)``, with the weight packed once for the CPU's GEMM.
 
-On the CPU in float32, and in bfloat16 where oneDNN has bf16 kernels for this CPU
-(AVX512-BF16 or AMX; :func:`bf16_native`), a linear layer runs through oneDNN with its weight
+On the CPU in float32, and in bfloat16 where oneDNN has bf16 kernels for this CPU (AVX-512,
+AVX512-BF16 or AMX; :func:`bf16_native`), a linear layer runs through oneDNN with its weight
 reordered once, at load, into oneDNN's blocked layout (what PyTorch's inductor does for CPU
 linears when it freezes a model): the GEMM then reads the weight in the order its kernel
 consumes it instead of re-packing it on every call, which is what a decode step (a few rows

@@ -10,9 +10,9 @@ the first step where ours differs, the reference's top-2 logit gap must be withi
 steps of bf16 at its top logit; on every earlier step where the two agree on the best two
 tokens, our gap (from our logprobs) must be within the same margin of the reference's. The
 margin: on checkpoints like these, transformers' own bf16 gap differs from its float32 gap by
-up to 6.2 steps and ours from its bf16 gap by up to 6 (docs/cpu-speed.md); 8 steps is the
-largest difference that rounding alone explains here, and a real error (a K/V value rounded
-wrongly, a missing bias) moves logits by far more.
+up to 6.2 steps and ours from its bf16 gap by up to 4 (``python -m pdserve.bench.bf16_ties``,
+docs/cpu-speed.md), what rounding alone does; 8 steps leaves room above both, and a real error
+(a context position missed, a value off by a few percent) moves the gaps by more.
 """
 
 from __future__ import annotations
