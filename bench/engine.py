@@ -6,7 +6,9 @@ In one run:
    now) on a random ~100M-parameter Llama (or the ``--model`` checkpoint) at batch 1, 8, 32 in
    fp32 (linear layers packed for oneDNN with a decode step's rows through the C panel GEMM,
    the default, through oneDNN, and plain; decode attention in C, the default where it
-   builds, and in torch) and bf16;
+   builds, and in torch) and bf16 (packed for oneDNN, the default where the CPU has its bf16
+   kernels, and plain; ``python -m pdserve.bench.cpu_dtypes`` sets the two dtypes side by
+   side, with prefill);
 2. engine overhead per step (everything outside the model forward) at batch 64 and 256 on a
    tiny model, with prompts of one length and of spread lengths, greedy and sampled, and on
    a tiny Mistral with a sliding window on the persistent rows and on the general path (the
@@ -126,10 +128,11 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int,
 
 # (dtype, GEMM, attention): "panel" is the default on CPU in float32 (oneDNN's packed weights,
 # a decode step's few rows through pdserve's C panel GEMM where it builds), "onednn" the same
-# packed weights with every row through oneDNN, "plain" unpacked weights through F.linear
+# packed weights with every row through oneDNN (bf16's default where the CPU has oneDNN's bf16
+# kernels), "plain" unpacked weights through F.linear
 ROOFLINE_VARIANTS = (("float32", "panel", "auto"), ("float32", "onednn", "auto"),
                      ("float32", "panel", "torch"), ("float32", "plain", "auto"),
-                     ("bfloat16", "plain", "auto"))
+                     ("bfloat16", "onednn", "auto"), ("bfloat16", "plain", "auto"))
 
 
 @contextlib.contextmanager

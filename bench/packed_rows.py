@@ -1,11 +1,12 @@
 """A decode step's GEMMs on the CPU at a few rows: ``python -m pdserve.bench.packed_rows
-[--quick]``. Prints; never asserts.
+[--quick] [--dtype bfloat16]``. Prints; never asserts.
 
 Every linear layer of SmolLM2-135M's shape (30 layers of fused QKV, O, gate-up and down, and
-the vocabulary head; random float32 weights, so from memory as a real step reads them), one
-thread, at 1-8 rows, three ways: oneDNN's packed weights with the rows padded to
-``kernels.linear.MIN_PACKED_ROWS`` (what ``linear`` does), the same without padding, and
-``F.linear`` over unpacked weights. The median of 9 passes after 3 warm-ups, in ms.
+the vocabulary head; random weights in ``--dtype``, float32 by default, so from memory as a
+real step reads them), one thread, at 1-32 rows, three ways: oneDNN's packed weights with the
+rows padded to ``--pad-to`` rows (default: what ``kernels.linear.linear`` pads the dtype to),
+the same without padding, and ``F.linear`` over unpacked weights. The median of 9 passes after
+3 warm-ups, in ms.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.bench.stats import format_table
-from pdserve.kernels.linear import MIN_PACKED_ROWS, can_pack
+from pdserve.kernels.linear import can_pack, min_packed_rows
 
 HIDDEN, INTERMEDIATE, KV_WIDTH, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
 SHAPES = [(HIDDEN + 2 * KV_WIDTH, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
@@ -26,12 +27,13 @@ SHAPES = [(HIDDEN + 2 * KV_WIDTH, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, 
 WAYS = ("padded", "unpadded", "F.linear")
 
 
-def step_ms(rows: int, way: str, layers: int, vocab: int, passes: int) -> float:
-    weights = [torch.randn(o, i) for _ in range(layers) for o, i in SHAPES]
-    weights.append(torch.randn(vocab, HIDDEN))
+def step_ms(rows: int, way: str, layers: int, vocab: int, passes: int,
+            dtype: torch.dtype = torch.float32, pad_to: int = 4) -> float:
+    weights = [torch.randn(o, i).to(dtype) for _ in range(layers) for o, i in SHAPES]
+    weights.append(torch.randn(vocab, HIDDEN).to(dtype))
     packed = ([torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
               if way != "F.linear" else None)
-    inputs = {i: torch.randn(rows, i) for i in (HIDDEN, INTERMEDIATE)}
+    inputs = {i: torch.randn(rows, i).to(dtype) for i in (HIDDEN, INTERMEDIATE)}
 
     def one_pass() -> None:
         for k, w in enumerate(weights):
@@ -39,8 +41,8 @@ def step_ms(rows: int, way: str, layers: int, vocab: int, passes: int) -> float:
             if packed is None:
                 F.linear(x, w)
                 continue
-            if way == "padded" and rows < MIN_PACKED_ROWS:
-                x = torch.cat([x, x.new_zeros(MIN_PACKED_ROWS - rows, x.shape[1])])
+            if way == "padded" and rows < pad_to:
+                x = torch.cat([x, x.new_zeros(pad_to - rows, x.shape[1])])
             torch.ops.mkldnn._linear_pointwise(x, packed[k], None, "none", [], "")
 
     for _ in range(3):
@@ -56,20 +58,24 @@ def step_ms(rows: int, way: str, layers: int, vocab: int, passes: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, a small head (smoke)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--pad-to", type=int, help="the padded way's rows (default: linear's)")
     args = parser.parse_args(argv)
-    if not can_pack(torch.empty(1, 1)):
-        print("oneDNN is not available in this torch build: nothing to measure")
+    dtype = getattr(torch, args.dtype)
+    pad_to = args.pad_to or min_packed_rows(dtype)
+    if not can_pack(torch.empty(1, 1, dtype=dtype)):
+        print(f"oneDNN does not pack {args.dtype} weights on this CPU: nothing to measure")
         return
     threads = torch.get_num_threads()  # (restored after: a caller's process keeps its own)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     layers, vocab, passes = (2, 1024, 3) if args.quick else (LAYERS, VOCAB, 9)
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, one thread, "
-          f"{layers} layers")
+          f"{layers} layers, {args.dtype}, padded to {pad_to} rows")
     try:
         with torch.inference_mode():
-            table = [[rows, *(step_ms(rows, way, layers, vocab, passes) for way in WAYS)]
-                     for rows in (1, 2, 3, 4, 8)]
+            table = [[rows, *(step_ms(rows, way, layers, vocab, passes, dtype, pad_to)
+                              for way in WAYS)] for rows in (1, 2, 3, 4, 8, 16, 32)]
     finally:
         torch.set_num_threads(threads)
     print(format_table(["rows", *(f"{way} ms" for way in WAYS)], table))

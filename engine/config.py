@@ -76,8 +76,9 @@ class EngineConfig:
     # decode, or when they fill a step. 0: admitted at once
     attention_backend: str = "auto"  # auto | torch | native | triton
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, never as captured CUDA graphs
-    cpu_packed_gemm: bool = True  # CPU, float32: linear layers through oneDNN with weights
-    # packed once at load (pdserve.kernels.linear); off: plain F.linear
+    cpu_packed_gemm: bool = True  # CPU, float32 (and bf16 where the CPU has oneDNN's bf16
+    # kernels): linear layers through oneDNN with weights packed once at load
+    # (pdserve.kernels.linear); off: plain F.linear
     seed: int = 0  # seeds the random streams of requests that bring no seed
     scheduling_policy: str = "fcfs"  # fcfs | priority: lower SamplingParams.priority first in
     # admission, prefill chunks and preemption (the router's waiting queue follows it too)

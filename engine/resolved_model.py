@@ -5,15 +5,20 @@ followers start from it."""
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.host_memory import keep_freed_host_memory
+from pdserve.kernels import linear as klinear
 from pdserve.kernels import resolve_backend
 from pdserve.models import Checkpoint, ModelConfig, open_checkpoint
 from pdserve.models.tensor_parallel import TensorShard
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,17 @@ class ResolvedModel:
         device = self.device if device is None else device
         if device.type == "cpu":
             keep_freed_host_memory()
+            if self.dtype == torch.bfloat16 and not klinear.bf16_native():
+                warn_bf16_emulated()
         model = self.checkpoint.load(self.dtype, device, shard)
         if config.cpu_packed_gemm:
-            model.pack_linears()  # (a no-op but on a CPU in float32)
+            model.pack_linears()  # (a no-op but on a CPU in float32 or bf16)
         return model
+
+
+@functools.cache
+def warn_bf16_emulated() -> None:
+    """Say once per process that bf16 on this CPU is emulated, so slower than float32."""
+    logger.warning("dtype bfloat16 is emulated on this CPU (oneDNN has no bf16 kernels for it; "
+                   "they need AVX-512, AVX512-BF16 or AMX), so it runs slower than float32 "
+                   "and its linear layers are not packed; use --dtype float32 (or auto) here")

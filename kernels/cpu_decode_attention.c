@@ -1,15 +1,18 @@
 /* Paged decode attention on the CPU, reading the KV blocks where they lie.
  *
  * One query token per sequence (its last position) against that sequence's context in the
- * paged pool, float32 throughout. The pool layout is pdserve's (kernels/kv_layout.py): K and
- * V each (num_blocks, block_size, num_kv_heads, head_dim), contiguous; a sequence's position
- * p lives in row p % block_size of block block_table[p / block_size]. Nothing is gathered:
- * each (sequence, kv head) task walks its block table, scores every visible key against the
- * query heads that share the kv head, takes the softmax, and sums the values.
+ * paged pool. Queries, scores, sums and outputs are float32; the pool is float32 or bfloat16
+ * (each K and V value widened to float32 as it is read, exactly). The pool layout is
+ * pdserve's (kernels/kv_layout.py): K and V each (num_blocks, block_size, num_kv_heads,
+ * head_dim), contiguous; a sequence's position p lives in row p % block_size of block
+ * block_table[p / block_size]. Nothing is gathered: each (sequence, kv head) task walks its
+ * block table, scores every visible key against the query heads that share the kv head, takes
+ * the softmax, and sums the values.
  *
  * Built and loaded by kernels/native_build.py (cc -O3 -march=native); the torch path in
- * kernels/torch_attention.py is its reference. Sums run in another order than the reference,
- * so results agree to float32 rounding, not bit for bit.
+ * kernels/torch_attention.py is its reference (which widens a bf16 pool to float32 too). Sums
+ * run in another order than the reference, so results agree to float32 rounding, not bit for
+ * bit.
  */
 #include <math.h>
 #include <stdint.h>
@@ -41,30 +44,31 @@ static inline void softmax_rows(float *scores, int n, int first, int group, cons
 }
 
 /* The query heads h0 .. h0 + group - 1 sharing one kv head: q and out (group, head_dim)
-   rows, k/v the pool offset to that kv head, row the stride between consecutive positions of a
-   block, scores room for group * n floats. Each K and V row is read once for the group. */
+   rows, k/v the pools and head the element offset of that kv head in a position's row, row
+   the stride between consecutive positions of a block, scores room for group * n floats.
+   Each K and V row is read once for the group. */
 static inline __attribute__((always_inline)) void attend_group(
-        const float *q, const float *k, const float *v, const int32_t *table, int n, int first,
-        int64_t row, const int group, const int head_dim, int bs, float scale, float *scores,
-        float *out) {
+        const float *q, const void *k, const void *v, int64_t head, const int bf16,
+        const int32_t *table, int n, int first, int64_t row, const int group, const int head_dim,
+        int bs, float scale, float *scores, float *out) {
     const int nv = head_dim / 16, tail = nv * 16;
     const int64_t block = bs * row;
     float max[MAX_GROUP];
     for (int h = 0; h < group; h++) max[h] = -INFINITY;
     for (int b = first / bs; b * bs < n; b++) {
-        const float *kb = k + table[b] * block;
-        const float *next = (b + 1) * bs < n ? k + table[b + 1] * block : kb;
+        const int64_t kb = head + table[b] * block;
+        const int64_t next = (b + 1) * bs < n ? head + table[b + 1] * block : kb;
         for (int o = block_lo(b, bs, first), hi = block_hi(b, bs, n); o < hi; o++) {
-            const float *kr = kb + o * row;
-            __builtin_prefetch(next + o * row);
+            const int64_t kr = kb + o * row;
+            __builtin_prefetch(addressx(k, next + o * row, bf16));
             v16 kv[MAX_VECTORS];
-            for (int j = 0; j < nv; j++) kv[j] = load16(kr + j * 16);
+            for (int j = 0; j < nv; j++) kv[j] = loadx16(k, kr + j * 16, bf16);
             for (int h = 0; h < group; h++) {
                 const float *qh = q + h * head_dim;
                 v16 acc = {0};
                 for (int j = 0; j < nv; j++) acc += load16(qh + j * 16) * kv[j];
                 float x = sum16(acc);
-                for (int d = tail; d < head_dim; d++) x += qh[d] * kr[d];
+                for (int d = tail; d < head_dim; d++) x += qh[d] * loadx1(k, kr + d, bf16);
                 x *= scale;
                 scores[h * n + b * bs + o] = x;
                 max[h] = x > max[h] ? x : max[h];
@@ -78,18 +82,19 @@ static inline __attribute__((always_inline)) void attend_group(
     for (int h = 0; h < group; h++)
         for (int j = 0; j < nv; j++) acc[h][j] = (v16){0};
     for (int b = first / bs; b * bs < n; b++) {
-        const float *vb = v + table[b] * block;
-        const float *next = (b + 1) * bs < n ? v + table[b + 1] * block : vb;
+        const int64_t vb = head + table[b] * block;
+        const int64_t next = (b + 1) * bs < n ? head + table[b + 1] * block : vb;
         for (int o = block_lo(b, bs, first), hi = block_hi(b, bs, n); o < hi; o++) {
-            const float *vr = vb + o * row;
-            __builtin_prefetch(next + o * row);
+            const int64_t vr = vb + o * row;
+            __builtin_prefetch(addressx(v, next + o * row, bf16));
             for (int j = 0; j < nv; j++) {
-                v16 x = load16(vr + j * 16);
+                v16 x = loadx16(v, vr + j * 16, bf16);
                 for (int h = 0; h < group; h++) acc[h][j] += scores[h * n + b * bs + o] * x;
             }
             for (int h = 0; h < group; h++)
                 for (int d = tail; d < head_dim; d++)
-                    acc_tail[h][d - tail] += scores[h * n + b * bs + o] * vr[d];
+                    acc_tail[h][d - tail] +=
+                        scores[h * n + b * bs + o] * loadx1(v, vr + d, bf16);
         }
     }
     for (int h = 0; h < group; h++) {
@@ -100,33 +105,42 @@ static inline __attribute__((always_inline)) void attend_group(
 }
 
 /* The common shapes compiled with their group and head_dim as constants (registers, unrolled
-   loops); any other shape through the general code. */
-static void attend(const float *q, const float *k, const float *v, const int32_t *table, int n,
-                   int first, int64_t row, int group, int head_dim, int bs, float scale,
-                   float *scores, float *out) {
-#define CASE(G, D) \
-    if (group == G && head_dim == D) \
-        return attend_group(q, k, v, table, n, first, row, G, D, bs, scale, scores, out)
-    CASE(1, 64); CASE(2, 64); CASE(3, 64); CASE(4, 64); CASE(8, 64);
-    CASE(1, 128); CASE(2, 128); CASE(4, 128); CASE(8, 128);
-#undef CASE
-    for (int h0 = 0; h0 < group; h0 += MAX_GROUP) {
-        int g = group - h0 < MAX_GROUP ? group - h0 : MAX_GROUP;
-        attend_group(q + h0 * head_dim, k, v, table, n, first, row, g, head_dim, bs, scale,
-                     scores, out + h0 * head_dim);
-    }
+   loops); any other shape through the general code. BF16: the pool's type, a constant. */
+#define DEFINE_ATTEND(NAME, BF16) \
+static void NAME(const float *q, const void *k, const void *v, int64_t head, \
+                 const int32_t *table, int n, int first, int64_t row, int group, int head_dim, \
+                 int bs, float scale, float *scores, float *out) { \
+    CASES(BF16) \
+    for (int h0 = 0; h0 < group; h0 += MAX_GROUP) { \
+        int g = group - h0 < MAX_GROUP ? group - h0 : MAX_GROUP; \
+        attend_group(q + h0 * head_dim, k, v, head, BF16, table, n, first, row, g, head_dim, \
+                     bs, scale, scores, out + h0 * head_dim); \
+    } \
 }
+#define CASE(BF16, G, D) \
+    if (group == G && head_dim == D) \
+        return attend_group(q, k, v, head, BF16, table, n, first, row, G, D, bs, scale, scores, \
+                            out);
+#define CASES(BF16) \
+    CASE(BF16, 1, 64) CASE(BF16, 2, 64) CASE(BF16, 3, 64) CASE(BF16, 4, 64) CASE(BF16, 8, 64) \
+    CASE(BF16, 1, 128) CASE(BF16, 2, 128) CASE(BF16, 4, 128) CASE(BF16, 8, 128)
+DEFINE_ATTEND(attend_f32, 0)
+DEFINE_ATTEND(attend_bf16, 1)
+#undef DEFINE_ATTEND
+#undef CASES
+#undef CASE
 
-/* q, out: (num_seqs, num_heads, head_dim); k, v: (num_blocks, block_size, num_kv_heads,
-   head_dim); tables: (num_seqs, table_stride) int32; lens: (num_seqs,) int32 context lengths
-   (the query is position lens[s] - 1); window > 0: keys p > lens[s] - 1 - window only.
-   Returns 0; -1 for a shape it does not take; -2 when out of memory; -3 for a block id
-   outside the pool or a context longer than the table. */
-int paged_decode_attention_f32(const float *q, const float *k, const float *v,
-                               const int32_t *tables, int64_t table_stride, const int32_t *lens,
-                               float *out, int num_seqs, int num_heads, int num_kv_heads,
-                               int head_dim, int block_size, int num_blocks, float scale,
-                               int window, int threads) {
+/* q, out: (num_seqs, num_heads, head_dim) float32; k, v: (num_blocks, block_size,
+   num_kv_heads, head_dim) float32 (bf16 = 0) or bfloat16 (bf16 = 1); tables: (num_seqs,
+   table_stride) int32; lens: (num_seqs,) int32 context lengths (the query is position
+   lens[s] - 1); window > 0: keys p > lens[s] - 1 - window only. Returns 0; -1 for a shape it
+   does not take; -2 when out of memory; -3 for a block id outside the pool or a context
+   longer than the table. */
+int paged_decode_attention(const float *q, const void *k, const void *v, int bf16,
+                           const int32_t *tables, int64_t table_stride, const int32_t *lens,
+                           float *out, int num_seqs, int num_heads, int num_kv_heads,
+                           int head_dim, int block_size, int num_blocks, float scale, int window,
+                           int threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 || block_size <= 0
             || head_dim > 16 * MAX_VECTORS)
         return -1;
@@ -145,7 +159,6 @@ int paged_decode_attention_f32(const float *q, const float *k, const float *v,
         int s = task / num_kv_heads, g = task % num_kv_heads, n = lens[s];
         int first = window > 0 && n > window ? n - window : 0;
         const int32_t *table = tables + s * table_stride;
-        const float *kg = k + (int64_t)g * head_dim, *vg = v + (int64_t)g * head_dim;
         float *scores = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1) * group);
         if (scores == NULL) {
             failed = 1;
@@ -156,8 +169,8 @@ int paged_decode_attention_f32(const float *q, const float *k, const float *v,
         if (n <= first)
             memset(og, 0, sizeof(float) * group * head_dim);
         else
-            attend(qg, kg, vg, table, n, first, row, group, head_dim, block_size, scale, scores,
-                   og);
+            (bf16 ? attend_bf16 : attend_f32)(qg, k, v, (int64_t)g * head_dim, table, n, first,
+                                              row, group, head_dim, block_size, scale, scores, og);
         free(scores);
     }
     return failed ? -2 : 0;

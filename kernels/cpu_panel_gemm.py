@@ -27,7 +27,8 @@ MAX_ROWS = 16
 PARALLEL_MIN_WORK = 1 << 22
 PANEL, K_BLOCK = 64, 16  # the layout's panel width and the padding of its k rows
 
-_confirmed: dict[tuple[int, int], bool] = {}  # (out, in) -> the packed layout is the panels
+# (out, in) -> a float32 weight of that shape packs into the panels
+_confirmed: dict[tuple[int, int], bool] = {}
 
 
 @functools.cache
@@ -55,8 +56,11 @@ def beats_onednn() -> bool:
 
 
 def record_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether ``packed`` (oneDNN's reorder of ``weight``, (out, in) float32) is in the panel
-    layout; checked once per shape (oneDNN picks the layout by shape and CPU) and remembered."""
+    """Whether ``packed`` (oneDNN's reorder of ``weight``, (out, in)) is in the panel layout:
+    never for a weight other than float32; checked once per shape (oneDNN picks the layout by
+    shape and CPU) and remembered."""
+    if weight.dtype != torch.float32:
+        return False
     shape = tuple(weight.shape)
     if shape not in _confirmed:
         lib = _library()
@@ -70,7 +74,7 @@ def record_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
 def takes(x: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether :func:`panel_linear` serves ``x`` (rows, in) against ``packed``."""
     return (0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.dim() == 2
-            and _confirmed.get(tuple(packed.shape), False))
+            and packed.dtype == torch.float32 and _confirmed.get(tuple(packed.shape), False))
 
 
 def panel_linear(x: torch.Tensor, packed: torch.Tensor,

@@ -1,7 +1,8 @@
 """RMSNorm (with the residual add before it), SiLU-and-mul and RoPE on the CPU through the C
 kernels (``cpu_pointwise.c``), each one pass over the activations where torch takes several.
-float32 only; :func:`takes` says which calls they serve, and the dispatcher (the ``native`` backend)
-sends the rest down the torch path, which is their reference.
+float32 or bfloat16 (computed in float32, rounded to bf16 where the torch path rounds);
+:func:`takes` says which calls they serve, and the dispatcher (the ``native`` backend) sends
+the rest down the torch path, which is their reference.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from pdserve.kernels import native_build
 # below this many elements a call runs on one thread
 # (native_build.threads says why)
 PARALLEL_MIN_WORK = 1 << 20
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write
 
 
 @functools.cache
 def _library():
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return native_build.bind("cpu_pointwise", {
-        "silu_and_mul_f32": (None, [ptr, i64, i64, i64, ptr, i32]),
-        "add_rms_norm_f32": (None, [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, i32]),
-        "rotary_f32": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i32])})
+        "silu_and_mul": (None, [ptr, i64, i64, i64, ptr, i32, i32]),
+        "add_rms_norm": (None, [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, i32, i32]),
+        "rotary": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i32, i32])})
 
 
 def available() -> bool:
@@ -32,11 +34,16 @@ def available() -> bool:
     return _library() is not None
 
 
-def takes(*tensors: torch.Tensor | None) -> bool:
+def takes(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Whether these (the activations, and the weight or residual where given) are what the C
-    kernels serve: float32 CPU tensors, the kernels built."""
-    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32)
-               for t in tensors) and available()
+    kernels serve: CPU tensors, all float32 or all bfloat16, the kernels built."""
+    return x.dtype in DTYPES and all(
+        t is None or (t.device.type == "cpu" and t.dtype == x.dtype) for t in (x, *others)
+    ) and available()
+
+
+def _is_bf16(x: torch.Tensor) -> int:
+    return int(x.dtype == torch.bfloat16)
 
 
 def _threads(elements: int) -> int:
@@ -46,26 +53,27 @@ def _threads(elements: int) -> int:
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     """x (..., 2 * I) = [gate | up] -> silu(gate) * up, (..., I); see ``silu_and_mul_torch``."""
     if not takes(x) or x.shape[-1] % 2:
-        raise ValueError("silu_and_mul_cpu takes a float32 CPU tensor of even width, got "
-                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+        raise ValueError("silu_and_mul_cpu takes a float32 or bfloat16 CPU tensor of even "
+                         f"width, got {tuple(x.shape)} {x.dtype} on {x.device}")
     inter = x.shape[-1] // 2
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(*x.shape[:-1], inter, dtype=torch.float32)
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
     if out.numel():
-        _library().silu_and_mul_f32(rows.data_ptr(), rows.stride(0), rows.shape[0], inter,
-                                    out.data_ptr(), _threads(out.numel()))
+        _library().silu_and_mul(rows.data_ptr(), rows.stride(0), rows.shape[0], inter,
+                                out.data_ptr(), _is_bf16(x), _threads(out.numel()))
     return out
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
     """RMSNorm over the last dimension; with ``residual``: returns (norm(x + r), x + r). The
-    contract of ``rms_norm_torch`` for float32 tensors."""
+    contract of ``rms_norm_torch`` for float32 or bfloat16 tensors."""
     if not takes(x, weight, residual) or weight.shape != x.shape[-1:] or (
             residual is not None and residual.shape != x.shape):
-        raise ValueError("rms_norm_cpu takes float32 CPU tensors, a weight as wide as x's last "
+        raise ValueError("rms_norm_cpu takes float32 or bfloat16 CPU tensors (one dtype), a "
+                         "weight as wide as x's last "
                          f"dimension and a residual shaped as x; got x {tuple(x.shape)}, weight "
                          f"{tuple(weight.shape)}")
     hidden = x.shape[-1]
@@ -75,28 +83,29 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
     total = None if residual is None else torch.empty_like(xs)
     out = torch.empty_like(xs)
     if out.numel():
-        _library().add_rms_norm_f32(
+        _library().add_rms_norm(
             xs.data_ptr(), None if rs is None else rs.data_ptr(),
             None if total is None else total.data_ptr(), w.data_ptr(), eps,
-            xs.numel() // hidden, hidden, out.data_ptr(), _threads(xs.numel()))
+            xs.numel() // hidden, hidden, out.data_ptr(), _is_bf16(xs), _threads(xs.numel()))
     return out if residual is None else (out, total)
 
 
 def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x (T, heads, D) with ``rope_table_torch``'s (cos, sin), each (T, 1, D):
-    ``x * cos + (x2, x1) * sin`` into a new contiguous (T, heads, D), the bits of
-    ``rotary_torch``'s."""
+    """Rotate-half RoPE of x (T, heads, D), float32 or bfloat16, with ``rope_table_torch``'s
+    float32 (cos, sin), each (T, 1, D): ``x * cos + (x2, x1) * sin`` into a new contiguous
+    (T, heads, D) of x's dtype, the bits of ``rotary_torch``'s."""
     tokens, heads, dim = x.shape
-    if not takes(x, cos, sin) or dim % 2 or cos.numel() != tokens * dim or (
-            sin.numel() != tokens * dim):
-        raise ValueError("rotary_cpu takes float32 CPU tensors, x (T, heads, D) with D even and "
-                         f"(T, 1, D) cos and sin; got x {tuple(x.shape)}, cos {tuple(cos.shape)}")
+    if not takes(x) or not takes(cos, sin) or cos.dtype != torch.float32 or dim % 2 or (
+            cos.numel() != tokens * dim or sin.numel() != tokens * dim):
+        raise ValueError("rotary_cpu takes CPU tensors, x (T, heads, D) float32 or bfloat16 with "
+                         "D even and (T, 1, D) float32 cos and sin; got x "
+                         f"{tuple(x.shape)} {x.dtype}, cos {tuple(cos.shape)} {cos.dtype}")
     if x.stride(2) != 1:
         x = x.contiguous()
     cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
-    out = torch.empty(tokens, heads, dim, dtype=torch.float32)
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype)
     if out.numel():
-        _library().rotary_f32(x.data_ptr(), x.stride(0), x.stride(1), tokens, heads, dim,
-                              cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                              _threads(out.numel()))
+        _library().rotary(x.data_ptr(), x.stride(0), x.stride(1), tokens, heads, dim,
+                          cos.data_ptr(), sin.data_ptr(), out.data_ptr(), _is_bf16(x),
+                          _threads(out.numel()))
     return out

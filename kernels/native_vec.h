@@ -17,6 +17,74 @@ static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); retur
 static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
 static inline v16 splat16(float x) { return (v16){0} + x; }
 
+/* bfloat16: a float's upper 16 bits. Widening is exact; narrowing rounds to nearest, ties to
+ * even, as torch does (a NaN stays a NaN). */
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+static inline v16 load16_bf16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    return (v16)(__builtin_convertvector(h, v16u) << 16);
+}
+
+/* x's bits rounded to the nearest bf16 (in the upper 16 bits; the lower ones are zero) */
+static inline v16u round_bits_bf16(v16 x) {
+    v16u bits = (v16u)x;
+    v16u rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    v16u nan = (v16u)(x != x);
+    return ((nan & (bits | 0x00400000u)) & 0xFFFF0000u) | (~nan & rounded);
+}
+
+/* x rounded to bf16 precision, kept as floats */
+static inline v16 round16_bf16(v16 x) { return (v16)round_bits_bf16(x); }
+
+static inline void store16_bf16(uint16_t *p, v16 x) {
+    v16h h = __builtin_convertvector(round_bits_bf16(x) >> 16, v16h);
+    memcpy(p, &h, sizeof h);
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+static inline uint16_t float_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (x != x) return (uint16_t)((bits | 0x00400000u) >> 16);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+/* Element i of an array of float32 (bf16 = 0) or bfloat16 (bf16 = 1) values, read as floats
+ * (16 of them, or one) or written from floats. Kernels pass bf16 as a constant wherever these
+ * are inlined, so the test folds away and one source serves both types. */
+static inline __attribute__((always_inline)) v16 loadx16(const void *p, int64_t i, int bf16) {
+    return bf16 ? load16_bf16((const uint16_t *)p + i) : load16((const float *)p + i);
+}
+static inline __attribute__((always_inline)) float loadx1(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+static inline __attribute__((always_inline)) void storex16(void *p, int64_t i, v16 x, int bf16) {
+    if (bf16)
+        store16_bf16((uint16_t *)p + i, x);
+    else
+        store16((float *)p + i, x);
+}
+static inline __attribute__((always_inline)) void storex1(void *p, int64_t i, float x, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = float_to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+static inline const char *addressx(const void *p, int64_t i, int bf16) {
+    return (const char *)p + i * (bf16 ? 2 : 4);
+}
+
 /* x, loaded once and kept in a register: without this the compiler folds a vector's load into
  * every multiply-add that uses it, reading it from cache again each time, and a loop that
  * uses one loaded vector for several accumulators is then bound by its loads, not its

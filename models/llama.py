@@ -62,7 +62,8 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with an optional bias, weights loaded, never initialised. Once
-    :meth:`pack` has run (CPU, float32) the weight lives only in its packed form.
+    :meth:`pack` has run (CPU, float32 or bf16: ``kernels.linear.can_pack``) the weight lives
+    only in its packed form.
 
     ``parts``: the widths of the projections fused into the output (q, k, v; gate, up), in
     order. With LoRA on (:meth:`init_lora`) each row also adds its adapter's update from the
@@ -99,7 +100,7 @@ class Linear(nn.Module):
 
     def lora_dtype_device(self) -> tuple[torch.dtype, torch.device]:
         source = self.bias if self.bias is not None else self.weight
-        dtype = torch.float32 if self.packed is not None else source.dtype
+        dtype = self.packed.dtype if self.packed is not None else source.dtype
         return dtype, source.device
 
     def set_lora(self, slot: int,

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not cpu_decode_attention.available(),
                                 reason="no working C compiler on this machine")
 
 
-def _check(batch, scale, window, threads=1):
+def _check(batch, scale, window, threads=1, dtype=torch.float32):
     args = (batch.query, batch.cache, batch.block_tables, batch.context_lens, scale, window)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -28,9 +28,12 @@ def _check(batch, scale, window, threads=1):
     finally:
         torch.set_num_threads(before)
     ref = paged_decode_attention_torch(*args)
-    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert out.shape == ref.shape and out.dtype == dtype
     assert torch.isfinite(out).all(), "a poisoned slot was read"
-    assert relative_error(out, ref) < TOLERANCE[torch.float32]
+    if dtype == torch.bfloat16:  # both sum in float32, then round once: a bf16 step at most
+        assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-6).all()
+    else:
+        assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("group,kv_heads,head_dim,block_size,window", [
@@ -43,11 +46,13 @@ def _check(batch, scale, window, threads=1):
     (4, 1, 512, 16, None),  # the widest head it takes
     (12, 1, 32, 4, 20),  # more query heads per kv head than one pass takes
 ])
-def test_matches_the_torch_reference(gen, group, kv_heads, head_dim, block_size, window):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_torch_reference(gen, group, kv_heads, head_dim, block_size, window, dtype):
+    """A float32 pool, and a bfloat16 one read in place (the reference widens it to float32)."""
     lens = [1, block_size + 1, 70] + torch.randint(2, 90, (3,), generator=gen).tolist()
     batch = random_paged_batch(lens, [1] * len(lens), group * kv_heads, kv_heads, head_dim,
-                               block_size, torch.float32, gen)
-    _check(batch, head_dim ** -0.5, window)
+                               block_size, dtype, gen)
+    _check(batch, head_dim ** -0.5, window, dtype=dtype)
 
 
 @pytest.mark.parametrize("trial", range(3))
@@ -57,11 +62,12 @@ def test_random_configuration_on_several_threads(gen, trial, monkeypatch):
     group, kv_heads, head_dim = pick([1, 2, 3, 4, 8]), pick([1, 2, 3]), pick([16, 48, 64, 96])
     block_size, window = pick([1, 4, 16, 32]), pick([None, None, 1, 5, 40])
     lens = torch.randint(1, 300, (pick([1, 5, 17]),), generator=gen).tolist()
+    dtype = pick([torch.float32, torch.bfloat16])
     print(dict(group=group, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-               window=window, lens=lens))
+               window=window, lens=lens, dtype=dtype))
     batch = random_paged_batch(lens, [1] * len(lens), group * kv_heads, kv_heads, head_dim,
-                               block_size, torch.float32, gen)
-    _check(batch, 0.1, window, threads=2)
+                               block_size, dtype, gen)
+    _check(batch, 0.1, window, threads=2, dtype=dtype)
 
 
 def test_a_window_longer_than_the_context_and_a_window_of_one(gen):
@@ -86,14 +92,14 @@ def test_the_mixed_batch_path_sends_its_decodes_through_the_kernel(gen, monkeypa
     assert relative_error(out, ref) < TOLERANCE[torch.float32]
 
 
-def test_int8_and_bfloat16_pools_take_the_torch_path(gen):
-    for dtype, quantized in ((torch.float32, True), (torch.bfloat16, False)):
+def test_int8_and_float16_pools_take_the_torch_path(gen):
+    for dtype, quantized in ((torch.float32, True), (torch.float16, False)):
         batch = random_paged_batch([20, 3], [1, 1], 4, 2, 64, 4, dtype, gen, quantized=quantized)
         assert not cpu_decode_attention.takes(batch.query, batch.cache)
         args = (batch.query, batch.cache, batch.block_tables, batch.context_lens, 0.125)
         out = kernels.paged_decode_attention(*args, backend="native")
         assert torch.equal(out, paged_decode_attention_torch(*args))
-        with pytest.raises(ValueError, match="float32"):
+        with pytest.raises(ValueError, match="float32 or bfloat16"):
             paged_decode_attention_cpu(*args)
 
 

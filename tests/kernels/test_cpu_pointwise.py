@@ -1,5 +1,6 @@
-"""The C RMSNorm and SiLU-and-mul against their torch references (and float64) on random
-inputs, and the dispatch that sends them float32 CPU calls under the native backend only."""
+"""The C RMSNorm, SiLU-and-mul and RoPE against their torch references (and float64) on random
+inputs, in float32 and bfloat16, and the dispatch that sends them float32 and bfloat16 CPU
+calls under the native backend only."""
 
 from __future__ import annotations
 
@@ -69,7 +70,41 @@ def test_rms_norm_of_zeros_is_zero_and_eps_counts(gen):
                                ref.rms_norm_torch(x, weight, 1.0))
 
 
-def test_the_native_backend_routes_float32_cpu_calls_here(gen, monkeypatch):
+def bf16_steps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How many bf16 values lie between each pair (both bf16, finite, of one sign or zero)."""
+    as_int = lambda t: t.view(torch.int16).to(torch.int32)
+    return (as_int(got) - as_int(want)).abs()
+
+
+def test_bf16_silu_and_mul_rounds_where_the_reference_does(gen):
+    """SiLU in float32, rounded to bf16, times up, rounded: the reference's roundings; the exp
+    differs from torch's in the last float32 bits, so a SiLU right at a rounding boundary
+    may land one bf16 step away (and its product with it)."""
+    x = (torch.randn(33, 2 * 200, generator=gen) * 4).bfloat16()
+    got, want = cpu_pointwise.silu_and_mul_cpu(x), ref.silu_and_mul_torch(x)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    steps = bf16_steps_apart(got, want)
+    assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_bf16_rms_norm_rounds_where_the_reference_does(gen, with_residual):
+    """The residual sum is the reference's bits (one add, rounded once); the norm agrees but
+    where the two float32 inverse roots differ in their last bit at a bf16 boundary."""
+    x = (torch.randn(17, 576, generator=gen) * 3).bfloat16()
+    weight = torch.randn(576, generator=gen).bfloat16()
+    residual = torch.randn(17, 576, generator=gen).bfloat16() if with_residual else None
+    got = cpu_pointwise.rms_norm_cpu(x, weight, 1e-6, residual)
+    want = ref.rms_norm_torch(x, weight, 1e-6, residual)
+    if with_residual:
+        (got, got_sum), (want, want_sum) = got, want
+        assert got_sum.dtype == torch.bfloat16 and torch.equal(got_sum, want_sum)
+    assert got.dtype == torch.bfloat16
+    steps = bf16_steps_apart(got, want)
+    assert steps.max() <= 2 and (steps > 0).float().mean() < 0.01
+
+
+def test_the_native_backend_routes_float32_and_bf16_cpu_calls_here(gen, monkeypatch):
     calls = []
     for name in ("rms_norm_cpu", "silu_and_mul_cpu"):
         real = getattr(cpu_pointwise, name)
@@ -82,10 +117,14 @@ def test_the_native_backend_routes_float32_cpu_calls_here(gen, monkeypatch):
     assert calls == ["rms_norm_cpu", "silu_and_mul_cpu"]
     kernels.rms_norm(x, weight, 1e-6, backend="torch")
     kernels.silu_and_mul(x, backend="torch")
+    assert calls == ["rms_norm_cpu", "silu_and_mul_cpu"]
     half = x.to(torch.bfloat16)
     kernels.rms_norm(half, weight.to(torch.bfloat16), 1e-6, backend="native")
     kernels.silu_and_mul(half, backend="native")
-    assert calls == ["rms_norm_cpu", "silu_and_mul_cpu"]
+    assert calls == ["rms_norm_cpu", "silu_and_mul_cpu"] * 2
+    kernels.rms_norm(half, weight, 1e-6, backend="native")  # a float32 weight: torch's path
+    kernels.silu_and_mul(half.half(), backend="native")  # float16: torch's path
+    assert calls == ["rms_norm_cpu", "silu_and_mul_cpu"] * 2
 
 
 def test_refuses_what_it_does_not_take(gen):
@@ -100,11 +139,13 @@ def test_refuses_what_it_does_not_take(gen):
 
 
 @pytest.mark.parametrize("head_dim", [8, 64, 6])
-def test_rotary_is_the_reference_to_the_bit(gen, head_dim):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_the_reference_to_the_bit(gen, head_dim, dtype):
     """q and k packed in a wider qkv row (strided, as the model has them) and apart: the C RoPE
-    gives rotary_torch's bits (the same products and sums, none fused), so Hugging Face's."""
+    gives rotary_torch's bits (the same products and sums, none fused, a bf16 result rounded
+    once from float32), so Hugging Face's."""
     heads, kv_heads, tokens = 4, 2, 7
-    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=gen) * 5
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=gen) * 5).to(dtype)
     qk = qkv[:, :heads + kv_heads]
     theta = torch.rand(40, head_dim // 2, generator=gen) * 30
     cache = torch.cat([theta.cos(), theta.sin()], -1)
@@ -112,7 +153,7 @@ def test_rotary_is_the_reference_to_the_bit(gen, head_dim):
     table = ref.rope_table_torch(pos, cache)
     q_want, k_want = ref.rotary_torch(qk[:, :heads], qk[:, heads:], pos, cache)
     q_got, k_got = dispatch.rotary_packed(qk, heads, pos, cache, backend="native", table=table)
-    assert torch.equal(q_got, q_want) and torch.equal(k_got, k_want)
+    assert q_got.dtype == dtype and torch.equal(q_got, q_want) and torch.equal(k_got, k_want)
     q_got, k_got = kernels.rotary(qk[:, :heads], qk[:, heads:], pos, cache, backend="native")
     assert torch.equal(q_got, q_want) and torch.equal(k_got, k_want)
 
