@@ -3,10 +3,12 @@
 
 Every linear layer of SmolLM2-135M's shape (30 layers of fused QKV, O, gate-up and down, and
 the vocabulary head; random weights in ``--dtype``, float32 by default, so from memory as a
-real step reads them), one thread, at 1-32 rows, three ways: oneDNN's packed weights with the
+real step reads them), one thread, at 1-32 rows, four ways: oneDNN's packed weights with the
 rows padded to ``--pad-to`` rows (default: what ``kernels.linear.linear`` pads the dtype to),
-the same without padding, and ``F.linear`` over unpacked weights. The median of 9 passes after
-3 warm-ups, in ms.
+the same without padding, ``F.linear`` over unpacked weights, and pdserve's C panel GEMM over
+the packed weights (float32 where it builds and the layout checks out; past its
+``MAX_ROWS`` in calls of that many rows: what taking it further would cost). The median of 9
+passes after 3 warm-ups, in ms; "-" where a way does not run here.
 """
 
 from __future__ import annotations
@@ -19,20 +21,28 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.bench.stats import format_table
+from pdserve.kernels import cpu_panel_gemm
 from pdserve.kernels.linear import can_pack, min_packed_rows
 
 HIDDEN, INTERMEDIATE, KV_WIDTH, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
 SHAPES = [(HIDDEN + 2 * KV_WIDTH, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
           (HIDDEN, INTERMEDIATE)]
-WAYS = ("padded", "unpadded", "F.linear")
+WAYS = ("padded", "unpadded", "F.linear", "panel")
 
 
 def step_ms(rows: int, way: str, layers: int, vocab: int, passes: int,
-            dtype: torch.dtype = torch.float32, pad_to: int = 4) -> float:
+            dtype: torch.dtype = torch.float32, pad_to: int = 4) -> float | None:
+    """One pass over every layer's weight at ``rows`` rows, ``way``; None where it does not
+    run here (the panel GEMM: not float32, not built, or another layout)."""
+    if way == "panel" and (dtype != torch.float32 or not cpu_panel_gemm.available()):
+        return None
     weights = [torch.randn(o, i).to(dtype) for _ in range(layers) for o, i in SHAPES]
     weights.append(torch.randn(vocab, HIDDEN).to(dtype))
     packed = ([torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
               if way != "F.linear" else None)
+    if way == "panel" and not all(cpu_panel_gemm.record_layout(w, p)
+                                  for w, p in zip(weights, packed, strict=True)):
+        return None
     inputs = {i: torch.randn(rows, i).to(dtype) for i in (HIDDEN, INTERMEDIATE)}
 
     def one_pass() -> None:
@@ -40,6 +50,11 @@ def step_ms(rows: int, way: str, layers: int, vocab: int, passes: int,
             x = inputs[w.shape[1]]
             if packed is None:
                 F.linear(x, w)
+                continue
+            if way == "panel":
+                for first in range(0, rows, cpu_panel_gemm.MAX_ROWS):
+                    cpu_panel_gemm.panel_linear(x[first:first + cpu_panel_gemm.MAX_ROWS],
+                                                packed[k])
                 continue
             if way == "padded" and rows < pad_to:
                 x = torch.cat([x, x.new_zeros(pad_to - rows, x.shape[1])])
@@ -71,10 +86,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     layers, vocab, passes = (2, 1024, 3) if args.quick else (LAYERS, VOCAB, 9)
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, one thread, "
-          f"{layers} layers, {args.dtype}, padded to {pad_to} rows")
+          f"{layers} layers, {args.dtype}, padded to {pad_to} rows; the panel GEMM serves "
+          f"{'1-' + str(cpu_panel_gemm.MAX_ROWS) if cpu_panel_gemm.beats_onednn() else 'no'} "
+          "rows in linear here")
     try:
         with torch.inference_mode():
-            table = [[rows, *(step_ms(rows, way, layers, vocab, passes, dtype, pad_to)
+            table = [[rows, *("-" if (ms := step_ms(rows, way, layers, vocab, passes, dtype,
+                                                    pad_to)) is None else f"{ms:.1f}"
                               for way in WAYS)] for rows in (1, 2, 3, 4, 8, 16, 32)]
     finally:
         torch.set_num_threads(threads)
