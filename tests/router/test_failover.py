@@ -76,12 +76,12 @@ class KillableHandle:
         return call
 
 
-def requests(n: int) -> list[tuple[list[int], SamplingParams]]:
+def requests(n: int, max_tokens: int = 16) -> list[tuple[list[int], SamplingParams]]:
     out = []
     for i in range(n):
         prompt = [(7 * i + 3 * j) % 400 + 3 for j in range(5 + 3 * i)]
         params = SEEDED if i % 2 else GREEDY
-        out.append((prompt, dataclasses.replace(params, max_tokens=16 + 2 * i)))
+        out.append((prompt, dataclasses.replace(params, max_tokens=max_tokens + 2 * i)))
     return out
 
 
@@ -146,8 +146,10 @@ def run_with_fault(model_dir, fault, router_config=None, tracing=None, **build):
     ``fault(cluster, worker_id)``; return (results, victims, survivors' blocks, cluster). The
     victims are the requests the router sees streaming from that worker and, where ``fault``
     returns the set the worker runs, still running there (the router's view lags the worker by
-    the deltas it has not polled yet: a request may have finished there already)."""
-    reqs = requests(8)
+    the deltas it has not polled yet: a request may have finished there already; outputs of
+    64 tokens and more keep those it sees streaming running there for many steps after, even
+    on a loaded machine)."""
+    reqs = requests(8, max_tokens=64)
 
     async def main():
         async with Cluster(model_dir, router_config, tracing=tracing, **build) as c:
