@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 
 import torch
 
-from pdserve.bench.stats import format_table
+from pdserve.bench.stats import format_table, median_s
 from pdserve.kernels import KVCacheLayer, cpu_decode_attention, paged_decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -47,17 +45,6 @@ def context_bytes(batch: int, context: int, dtype: torch.dtype) -> int:
     """K and V bytes one call reads."""
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * batch * context * KV_HEADS * HEAD_DIM * element
-
-
-def median_s(fn, repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure(batch: int, context: int, dtype: torch.dtype,

@@ -14,12 +14,10 @@ warm-ups, in ms, and gather / grouped, grouped / span.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from pdserve.bench.stats import format_table
+from pdserve.bench.stats import format_table, median_s
 from pdserve.kernels.lora import (
     LoraBatch,
     lora_delta_gather,
@@ -34,14 +32,7 @@ STEPS = [("decode", 8, 1), ("decode", 8, 4), ("decode", 8, 8), ("prefill", 512, 
 
 
 def _median_ms(fn, passes: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_s(fn, passes, warmups=3) * 1e3
 
 
 def case(rows: int, adapters: int, in_features: int, out_features: int,

@@ -14,13 +14,11 @@ passes after 3 warm-ups, in ms; "-" where a way does not run here.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.bench.stats import format_table
+from pdserve.bench.stats import format_table, median_s
 from pdserve.kernels import cpu_panel_gemm
 from pdserve.kernels.linear import can_pack, min_packed_rows
 
@@ -60,14 +58,7 @@ def step_ms(rows: int, way: str, layers: int, vocab: int, passes: int,
                 x = torch.cat([x, x.new_zeros(pad_to - rows, x.shape[1])])
             torch.ops.mkldnn._linear_pointwise(x, packed[k], None, "none", [], "")
 
-    for _ in range(3):
-        one_pass()
-    times = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        one_pass()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_s(one_pass, passes, warmups=3) * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,11 @@
-"""Small helpers for latency summaries and printed tables."""
+"""Small helpers for latency summaries, timing a call and printed tables."""
 
 from __future__ import annotations
 
 import math
 import random
+import statistics
+import time
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -21,6 +23,18 @@ def summarize(values: list[float]) -> dict[str, float]:
     mean = sum(values) / len(values) if values else math.nan
     return {"mean": mean, "p50": percentile(values, 50), "p90": percentile(values, 90),
             "p99": percentile(values, 99)}
+
+
+def median_s(fn, passes: int, warmups: int = 2) -> float:
+    """The median seconds of ``passes`` calls of ``fn`` after ``warmups`` untimed ones."""
+    for _ in range(warmups):
+        fn()
+    times = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def format_table(header: list[str], rows: list[list]) -> str:

@@ -118,17 +118,10 @@ class EngineParts:
                                      hash_salt=_salt_bytes(config.prefix_cache_salt))
         if config.enable_prefix_caching:  # what the routers' prefix index is fed from
             block_manager.events = KVEventLog()
-        int8 = (_int8_tiers(config, resolved, model, tokenizer) if config.kv_offload_int8
-                else None)
-        block_manager.offload = PoolTiers.for_config(config, caches, 0,
-                                                     config.tensor_parallel_size,
-                                                     block_manager.events, int8)
+        block_manager.offload = _kv_tiers(config, resolved, model, tokenizer, caches,
+                                          block_manager.events)
         if block_manager.offload is not None:
-            tiers = block_manager.offload.tiers
-            ledger = dataclasses.replace(ledger, kv_host_tier_bytes=tiers.host_capacity,
-                                         kv_disk_tier_bytes=tiers.disk_capacity
-                                         if tiers.folder is not None else 0,
-                                         kv_tier_int8="" if int8 is None else int8.description)
+            ledger = _with_tiers(ledger, block_manager.offload)
             if followers is not None:
                 block_manager.offload.ranks = runner
         logger.info("engine ready: %s", ", ".join(f"{k} {v}" for k, v in ledger.rows()))
@@ -197,6 +190,23 @@ def _int8_pool(config: EngineConfig, resolved: ResolvedModel, model, ledger: Mem
                                 scales, scheme)
     logger.info("int8 KV cache: %s", calibration.describe())
     return config, dataclasses.replace(ledger, kv_int8=calibration.describe()), caches
+
+
+def _kv_tiers(config: EngineConfig, resolved: ResolvedModel, model, tokenizer, caches,
+              events) -> PoolTiers | None:
+    """The KV tiers below rank 0's pool that ``config`` asks for (``kv_offload_*``), or None."""
+    int8 = (_int8_tiers(config, resolved, model, tokenizer) if config.kv_offload_int8
+            else None)
+    return PoolTiers.for_config(config, caches, 0, config.tensor_parallel_size, events, int8)
+
+
+def _with_tiers(ledger: MemoryLedger, offload: PoolTiers) -> MemoryLedger:
+    """``ledger`` with the tiers' budgets and how they store blocks."""
+    tiers = offload.tiers
+    return dataclasses.replace(
+        ledger, kv_host_tier_bytes=tiers.host_capacity,
+        kv_disk_tier_bytes=tiers.disk_capacity if tiers.folder is not None else 0,
+        kv_tier_int8="" if offload.int8 is None else offload.int8.description)
 
 
 def _int8_tiers(config: EngineConfig, resolved: ResolvedModel, model,

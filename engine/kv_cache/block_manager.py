@@ -216,11 +216,6 @@ class BlockManager:
             return 0
         return max(0, (num_computed_tokens - self.sliding_window + 1) // self._block_size)
 
-    def lookup_prefix(self, seq: Sequence) -> int:
-        """Tokens ``match_prefix`` would serve from the cache right now (if every block it
-        loads from a tier passes its check); changes nothing."""
-        return self.find_prefix(seq).num_tokens
-
     def prefetch(self, seq: Sequence) -> None:
         """Have the tiers bring the blocks of seq's prefix that are on disk up to host memory
         in the background (a request that just arrived: by its admission they load from

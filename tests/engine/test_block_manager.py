@@ -80,7 +80,7 @@ def test_prefix_hit_shares_blocks_and_keeps_one_token_to_compute():
     assert bm.match_prefix(first) == 0
     compute(bm, first, 12)
     second = make_seq("b", prompt)  # identical: the last block must be recomputed
-    assert bm.lookup_prefix(second) == 8
+    assert bm.find_prefix(second).num_tokens == 8
     assert bm.match_prefix(second) == 8
     assert second.block_table == first.block_table[:2]
     assert second.num_computed_tokens == second.num_cached_tokens == 8
@@ -351,7 +351,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def admit(self, prompt, keep, tail):
         seq = make_seq(f"r{self.next_id}", PROMPTS[prompt][:keep] + tail)
         self.next_id += 1
-        expected, room = self.bm.lookup_prefix(seq), self.bm.admission_room(seq)
+        expected, room = self.bm.find_prefix(seq).num_tokens, self.bm.admission_room(seq)
         hit = self.bm.match_prefix(seq)
         assert hit == expected < seq.num_tokens and hit % self.bm.block_size == 0
         assert self.bm.num_allocatable_tokens(seq) == room
