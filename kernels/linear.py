@@ -6,10 +6,11 @@ reordered once, at load, into oneDNN's blocked layout (what PyTorch's inductor d
 linears when it freezes a model): the GEMM then reads the weight in the order its kernel
 consumes it instead of re-packing it on every call, which is what a decode step (a few rows
 against every weight) spends most of its time on. Anywhere else (CUDA, float16, bf16 without
-the CPU's support, no oneDNN) the weight is not packed and ``F.linear`` runs. In float32 a
-decode step's few rows (up to ``cpu_panel_gemm.MAX_ROWS``) read the packed weight through
-pdserve's C kernel (:mod:`pdserve.kernels.cpu_panel_gemm`) where it builds, the layout checks
-out and the CPU has AVX-512 (elsewhere oneDNN's kernel is faster); bf16 rows all go to oneDNN.
+the CPU's support, no oneDNN) the weight is not packed and ``F.linear`` runs. A decode
+step's few rows (up to ``cpu_panel_gemm.MAX_ROWS``) read the packed weight through pdserve's C
+kernel (:mod:`pdserve.kernels.cpu_panel_gemm`) where it builds, the layout checks out and the
+CPU has what makes it the faster one: AVX-512 in float32, AMX in bf16 (elsewhere oneDNN's
+kernel is faster, and the rows stay with it).
 :func:`linear` is the one entry; ``F.linear`` over the unpacked weight is its reference (the
 packed GEMMs sum in other orders: the same to the dtype's rounding).
 
@@ -70,7 +71,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """(T, in) -> (T, out); through ``packed`` (from :func:`pack_weight`) when given."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if cpu_panel_gemm.takes(x, packed) and cpu_panel_gemm.beats_onednn():
+    if cpu_panel_gemm.takes(x, packed) and cpu_panel_gemm.beats_onednn(x.dtype):
         return cpu_panel_gemm.panel_linear(x, packed, bias)
     rows, pad_to = x.shape[0], min_packed_rows(x.dtype)
     if rows < pad_to:  # the same sums, a faster kernel: pad with zero rows

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import KVCacheLayer
+from pdserve.kernels import KVCacheLayer, cpu_decode_layers
 
 # The dispatch module, not the package: once the Triton submodule pdserve.kernels.rotary is
 # imported, it replaces the package attribute ``rotary`` (the dispatch function).
@@ -257,6 +257,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("lm_head_packed", None)  # pack_linears: the head's GEMM layout
         # float32 [cos | sin] table, kept outside the parameters so .to(dtype) never rounds it
         self._cos_sin_cache = cos_sin_cache_for(config)
+        self._fuses_decode: bool | None = None  # cpu_decode_layers.takes_model, once known
+        self._decode_layers: cpu_decode_layers.DecodeLayers | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -305,6 +307,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {self.num_layers}")
         cos_sin = self.cos_sin_cache(input_ids.device)
         rope = (cos_sin, kernels.rope_table(positions, cos_sin, backend=meta.backend))
+        fused = self._fused_decode(len(input_ids), kv_caches, meta, rows, after_layer)
+        if fused is not None:
+            return fused.forward(input_ids, rope[1], meta.slot_mapping, meta.block_tables,
+                                 meta.context_lens)
         hidden = F.embedding(input_ids, self.model.embed_tokens.weight)  # (T, hidden)
         residual = None
         last = None if rows is None or len(rows) == len(input_ids) else (rows, meta.of_rows(rows))
@@ -315,6 +321,28 @@ class LlamaForCausalLM(nn.Module):
                 after_layer(i)
         hidden, _ = self.model.norm.forward(hidden, residual, backend=meta.backend)  # >= 1 layer
         return hidden
+
+    def _fused_decode(self, num_tokens: int, kv_caches: list[KVCacheLayer],
+                      meta: AttentionMetadata, rows, after_layer
+                      ) -> cpu_decode_layers.DecodeLayers | None:
+        """The one-call decode (:mod:`pdserve.kernels.cpu_decode_layers`) where it serves this
+        step: a CPU model it takes, the native backend, one new token for each of at most
+        ``MAX_ROWS`` sequences, every row wanted, no LoRA rows, no per-layer hook."""
+        if (after_layer is not None or meta.lora is not None or not meta.is_decode_only
+                or not 0 < num_tokens <= cpu_decode_layers.MAX_ROWS
+                or (rows is not None and len(rows) != num_tokens)
+                or kernels.resolve_backend(meta.backend, self.device) != "native"):
+            return None
+        if self._fuses_decode is None:
+            self._fuses_decode = cpu_decode_layers.takes_model(self)
+        held = self._decode_layers
+        if not self._fuses_decode:
+            return None
+        if held is None or not held.serves(kv_caches):
+            if not cpu_decode_layers.DecodeLayers.takes(kv_caches, self.dtype):
+                return None
+            held = self._decode_layers = cpu_decode_layers.DecodeLayers(self, kv_caches)
+        return held
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -328,10 +356,12 @@ class LlamaForCausalLM(nn.Module):
         output is summed across the ranks with ``all_reduce`` (in place)."""
         for layer in self.model.layers:
             layer.all_reduce = all_reduce
+        self._fuses_decode = self._decode_layers = None
 
     def pack_linears(self) -> None:
         """Pack every linear layer and the head for the CPU's GEMM (a no-op elsewhere). A head
         that shares the embedding matrix gets a packed copy (lookups read the embedding)."""
+        self._fuses_decode = self._decode_layers = None
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()

@@ -137,12 +137,13 @@ def test_the_build_is_cached_and_a_missing_compiler_falls_back(tmp_path, monkeyp
 
 
 def test_a_changed_header_builds_anew(tmp_path, monkeypatch):
-    """cpu_pointwise.c includes native_vec.h: a change to the header makes a new library, not
-    the cached one built from the old header."""
+    """cpu_pointwise.c includes native_pointwise.h, which includes native_vec.h: a change to a
+    header makes a new library, not the cached one built from the old header."""
     sources = tmp_path / "src"
     sources.mkdir()
-    for name in ("cpu_pointwise.c", "native_vec.h"):
-        (sources / name).write_text((native_build.SOURCE_DIR / name).read_text())
+    for source in [native_build.SOURCE_DIR / "cpu_pointwise.c",
+                   *native_build.SOURCE_DIR.glob("*.h")]:
+        (sources / source.name).write_text(source.read_text())
     monkeypatch.setattr(native_build, "SOURCE_DIR", sources)
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     before = native_build.build("cpu_pointwise")

@@ -86,7 +86,8 @@ def test_linear_sends_few_rows_to_the_kernel_and_more_to_onednn(gen, monkeypatch
     real = cpu_panel_gemm.panel_linear
     monkeypatch.setattr(cpu_panel_gemm, "panel_linear",
                         lambda x, *args: calls.append(x.shape[0]) or real(x, *args))
-    monkeypatch.setattr(cpu_panel_gemm, "beats_onednn", lambda: registers_fit)
+    monkeypatch.setattr(cpu_panel_gemm, "beats_onednn",
+                        lambda dtype=torch.float32: registers_fit)
     for rows in (1, cpu_panel_gemm.MAX_ROWS, cpu_panel_gemm.MAX_ROWS + 1):
         x = torch.randn(rows, 64, generator=gen)
         got = klinear.linear(x, weight, None, packed)
@@ -117,7 +118,7 @@ def test_the_layout_check_refuses_what_is_not_the_panels(gen):
 
 def test_a_shape_whose_layout_was_not_confirmed_stays_with_onednn(gen, monkeypatch):
     weight, packed = _packed(gen, 192, 64)
-    monkeypatch.setitem(cpu_panel_gemm._confirmed, (192, 64), False)
+    monkeypatch.setitem(cpu_panel_gemm._confirmed, (192, 64, torch.float32), False)
     x = torch.randn(2, 64, generator=gen)
     assert not cpu_panel_gemm.takes(x, packed)
     with pytest.raises(ValueError, match="record_layout confirmed"):
@@ -128,8 +129,90 @@ def test_a_shape_whose_layout_was_not_confirmed_stays_with_onednn(gen, monkeypat
 
 def test_refuses_what_it_does_not_take(gen):
     weight, packed = _packed(gen, 192, 64)
-    for x, match in ((torch.randn(cpu_panel_gemm.MAX_ROWS + 1, 64), "1-16 float32 rows"),
-                     (torch.randn(2, 64, dtype=torch.float64), "1-16 float32 rows"),
+    for x, match in ((torch.randn(cpu_panel_gemm.MAX_ROWS + 1, 64), "1-16 rows of the weight"),
+                     (torch.randn(2, 64, dtype=torch.float64), "1-16 rows of the weight"),
                      (torch.randn(2, 65), "x has 65 features, the weight takes 64")):
         with pytest.raises(ValueError, match=match):
             cpu_panel_gemm.panel_linear(x, packed)
+
+
+bf16_kernel = pytest.mark.skipif(not cpu_panel_gemm.beats_onednn(torch.bfloat16),
+                                 reason="the bf16 kernel runs on AMX, which this CPU lacks")
+
+
+def _packed_bf16(gen, out_features, in_features):
+    weight = (torch.randn(out_features, in_features, generator=gen)
+              / in_features ** 0.5).to(torch.bfloat16)
+    packed = klinear.pack_weight(weight)
+    if not cpu_panel_gemm.record_layout(weight, packed):
+        pytest.skip("oneDNN packs this bf16 shape in another layout on this CPU")
+    return weight, packed
+
+
+@bf16_kernel
+@pytest.mark.parametrize("rows", [1, 2, 7, cpu_panel_gemm.MAX_ROWS])
+@pytest.mark.parametrize("in_features, out_features", [
+    (576, 960),  # SmolLM2's qkv
+    (1536, 576),  # its down projection
+    (37, 100),  # in past a multiple of 32, out past a multiple of 32: both paddings
+    (5, 7),
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_matches_f_linear_and_onednn(gen, rows, in_features, out_features, bias):
+    """To bf16's rounding of the float64 product, and bit for bit what oneDNN's own bf16
+    GEMM gives on the same packed weight."""
+    weight, packed = _packed_bf16(gen, out_features, in_features)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    got = cpu_panel_gemm.panel_linear(x, packed, b)
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), _reference(x, weight, b), rtol=1e-2, atol=1e-2)
+    assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""))
+
+
+@bf16_kernel
+def test_bf16_rows_of_a_wider_tensor_are_read_only_up_to_in_features(gen):
+    weight, packed = _packed_bf16(gen, 64, 40)
+    wide = torch.randn(3, 48, generator=gen).to(torch.bfloat16)
+    wide[:, 40:] = float("nan")
+    got = cpu_panel_gemm.panel_linear(wide[:, :40], packed)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), _reference(wide[:, :40], weight, None), rtol=1e-2,
+                               atol=1e-2)
+
+
+@bf16_kernel
+def test_bf16_threads_and_neighbours_give_the_same_sums(gen, monkeypatch):
+    weight, packed = _packed_bf16(gen, 960, 576)
+    x = torch.randn(cpu_panel_gemm.MAX_ROWS, 576, generator=gen).to(torch.bfloat16)
+    alone = cpu_panel_gemm.panel_linear(x, packed)
+    assert torch.equal(cpu_panel_gemm.panel_linear(x[:3], packed), alone[:3])
+    monkeypatch.setattr(cpu_panel_gemm, "PARALLEL_MIN_WORK", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(cpu_panel_gemm.panel_linear(x, packed), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_bf16_layout_check_refuses_what_is_not_the_panels(gen):
+    lib = cpu_panel_gemm._library()
+    weight = torch.randn(100, 70, generator=gen).to(torch.bfloat16)
+    packed = klinear.pack_weight(weight)
+    ptr, nbytes = torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
+    if not lib.panel_layout_matches_bf16(weight.data_ptr(), 100, 70, ptr, nbytes):
+        pytest.skip("oneDNN packs this bf16 shape in another layout on this CPU")
+    other = weight.clone()
+    other[99, 69] += 1.0
+    assert not lib.panel_layout_matches_bf16(other.data_ptr(), 100, 70, ptr, nbytes)
+    assert not lib.panel_layout_matches_bf16(weight.data_ptr(), 100, 70, ptr, nbytes - 64)
+    assert not lib.panel_layout_matches_bf16(weight.data_ptr(), 70, 100, ptr, nbytes)
+
+
+def test_the_bf16_kernel_runs_where_amx_is():
+    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
+    if "amx_bf16" not in flags:
+        assert not cpu_panel_gemm.beats_onednn(torch.bfloat16)
+    else:  # the kernel also needs Linux to grant the tiles, which every kernel since 5.16 does
+        assert cpu_panel_gemm.beats_onednn(torch.bfloat16)
