@@ -36,7 +36,7 @@ from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.step.decode_rows import DecodeRows
-from pdserve.kernels import cpu_panel_gemm
+from pdserve.kernels import cpu_decode_layers, cpu_panel_gemm
 from pdserve.testing import general_steps
 from pdserve.worker_api.sampling_params import SamplingParams
 
@@ -126,13 +126,16 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int,
     return stats
 
 
-# (dtype, GEMM, attention): "panel" is the default on CPU in float32 (oneDNN's packed weights,
-# a decode step's few rows through pdserve's C panel GEMM where it builds), "onednn" the same
-# packed weights with every row through oneDNN (bf16's default where the CPU has oneDNN's bf16
-# kernels), "plain" unpacked weights through F.linear
-ROOFLINE_VARIANTS = (("float32", "panel", "auto"), ("float32", "onednn", "auto"),
-                     ("float32", "panel", "torch"), ("float32", "plain", "auto"),
-                     ("bfloat16", "onednn", "auto"), ("bfloat16", "plain", "auto"))
+# (dtype, GEMM, attention, fused): "panel" is the default on CPU (oneDNN's packed weights, a
+# decode step's few rows through pdserve's C panel GEMM where it beats oneDNN: AVX-512 in
+# float32, AMX in bf16), "onednn" the same packed weights with every row through oneDNN,
+# "plain" unpacked weights through F.linear; fused: a decode step's layers in one C call where
+# the model and step allow (kernels/cpu_decode_layers; the default), else the unfused forward
+ROOFLINE_VARIANTS = (("float32", "panel", "auto", True), ("float32", "panel", "auto", False),
+                     ("float32", "onednn", "auto", False), ("float32", "panel", "torch", False),
+                     ("float32", "plain", "auto", False), ("bfloat16", "panel", "auto", True),
+                     ("bfloat16", "panel", "auto", False), ("bfloat16", "onednn", "auto", False),
+                     ("bfloat16", "plain", "auto", False))
 
 
 @contextlib.contextmanager
@@ -153,13 +156,16 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
     ceiling the best of ``repeats`` timings); each of ROOFLINE_VARIANTS in the same run."""
     rows = []
     ceilings: dict[torch.dtype, tuple[float, float]] = {}  # torch's own, one per dtype
-    for dtype, gemm, attention in ROOFLINE_VARIANTS:
+    for dtype, gemm, attention, fused in ROOFLINE_VARIANTS:
         parts = EngineParts.build(EngineConfig(model=str(model_dir), dtype=dtype,
                                                num_kv_blocks=4096, max_num_seqs=256,
                                                cpu_packed_gemm=gemm != "plain",
                                                attention_backend=attention))
         engine = LLMEngine(parts)
-        model_dtype = parts.runner.model.dtype
+        model = parts.runner.model
+        if not fused:
+            model.fuses_decode = False
+        model_dtype = model.dtype
         if model_dtype not in ceilings:  # the same torch linear for every variant of a dtype
             ceilings[model_dtype] = (measure_linear(model_dtype, 1, repeats)[0],
                                      measure_linear(model_dtype, 512, repeats)[1])
@@ -176,13 +182,16 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
             compute_s = 2 * params * batch / peak_flops
             roof = max(bytes_read / bandwidth, compute_s)
             achievable = max(bytes_read / gemv_bw, compute_s)
-            gemm_used = gemm if gemm != "panel" or cpu_panel_gemm.beats_onednn() else "onednn"
-            rows.append([dtype, gemm_used, parts.runner.backend, batch,
+            gemm_used = (gemm if gemm != "panel" or cpu_panel_gemm.beats_onednn(model_dtype)
+                         else "onednn")
+            fused_ran = fused and batch <= cpu_decode_layers.MAX_ROWS and bool(model.fuses_decode)
+            rows.append([dtype, gemm_used, parts.runner.backend, "yes" if fused_ran else "no",
+                         batch,
                          median.total_s * 1e3,
                          f"{1 - median.forward_s / median.total_s:.1%}", roof * 1e3,
                          median.total_s / roof, achievable * 1e3, median.total_s / achievable,
                          batch / median.total_s])
-    return format_table(["dtype", "GEMM", "attention", "batch", "step ms", "outside fwd",
+    return format_table(["dtype", "GEMM", "attention", "fused", "batch", "step ms", "outside fwd",
                          "roofline ms", "x roofline", "gemv-roof ms", "x gemv-roof", "tok/s"],
                         rows)
 
@@ -376,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--model", help="a checkpoint folder for section 1 instead of the "
                                         "random ~100M Llama")
+    parser.add_argument("--roofline-only", action="store_true", help="section 1 alone")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -394,6 +404,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"1. decode step vs memory roofline ({big_name})")
         print(roofline_table(big, bandwidth, [1, 8] if args.quick else [1, 8, 32],
                              4 if args.quick else 16, 1 if args.quick else 5))
+        if args.roofline_only:
+            return
         print("\n2. engine overhead per decode step (tiny model)")
         print(overhead_table(tiny, windowed, [8, 64] if args.quick else [64, 256],
                              4 if args.quick else 64,

@@ -36,7 +36,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;
     int block_size, num_blocks;
-    int64_t gemm_min_work, attention_min_work; /* below these a call runs on one thread */
+    int64_t parallel_min_work; /* below this much work a step runs on one thread */
 } decode_shape;
 
 /* threads for a call of this much work (kernels/native_build.py's threads) */
@@ -79,6 +79,69 @@ static inline void put_row(void *pool, int64_t slot, int64_t n, const void *row,
     memcpy((char *)pool + slot * n * size, row, (size_t)(n * size));
 }
 
+/* One call's batch, scratch and settings. */
+typedef struct {
+    const decode_shape *shape;
+    int64_t rows, q_size, kv_size, qkv_size;
+    const float *cos, *sin;
+    const int64_t *slots;
+    const int32_t *tables, *lens;
+    int64_t table_stride;
+    int bf16, threads, attention_threads;
+    char *residual, *normed, *wide, *rotated, *attn, *act; /* model dtype */
+    float *q32, *out32;
+} decode_batch;
+
+static int gemm_threads(const decode_batch *B, int64_t n, int64_t k) {
+    return threads_for(B->rows * n * k, B->shape->parallel_min_work, B->threads);
+}
+
+/* normed rows -> the attention block's output projection, in hidden: q/k/v, RoPE, the new
+   K and V into their slots, paged attention over each sequence's context, o. */
+static int attention_block(const decode_batch *B, const decode_layer *L, void *hidden) {
+    const decode_shape *S = B->shape;
+    const int64_t rows = B->rows, h = S->hidden, size = B->bf16 ? 2 : 4;
+    const int64_t q_size = B->q_size, kv_size = B->kv_size, qkv_size = B->qkv_size;
+    int code = panel_gemm_run(B->normed, h, L->qkv, L->qkv_kp, L->qkv_bias, B->wide, qkv_size,
+                              rows, qkv_size, h, B->bf16, gemm_threads(B, qkv_size, h));
+    if (code) return code;
+    rope_rows(B->wide, qkv_size, rows, S->heads + S->kv_heads, S->head_dim, B->cos, B->sin,
+              B->rotated, B->bf16);
+    for (int64_t r = 0; r < rows; r++) {
+        const char *row = B->rotated + r * (q_size + kv_size) * size;
+        put_row(L->k_pool, B->slots[r], kv_size, row + q_size * size, B->bf16);
+        put_row(L->v_pool, B->slots[r], kv_size,
+                B->wide + (r * qkv_size + q_size + kv_size) * size, B->bf16);
+        for (int64_t i = 0; i < q_size; i++) B->q32[r * q_size + i] = loadx1(row, i, B->bf16);
+    }
+    code = decode_attention_run(B->q32, L->k_pool, L->v_pool, B->bf16, B->tables,
+                                B->table_stride, B->lens, B->out32, (int)rows, (int)S->heads,
+                                (int)S->kv_heads, (int)S->head_dim, S->block_size,
+                                S->num_blocks, S->scale, L->window, B->attention_threads);
+    if (code) return code;
+    for (int64_t i = 0; i < rows * q_size; i++) storex1(B->attn, i, B->out32[i], B->bf16);
+    return panel_gemm_run(B->attn, q_size, L->o, L->o_kp, L->o_bias, hidden, h, rows, h, q_size,
+                          B->bf16, gemm_threads(B, h, q_size));
+}
+
+/* normed rows -> the MLP's output, in hidden: gate/up, SiLU-and-mul, down. */
+static int mlp_block(const decode_batch *B, const decode_layer *L, void *hidden) {
+    const int64_t rows = B->rows, h = B->shape->hidden, inter = B->shape->inter;
+    const int64_t size = B->bf16 ? 2 : 4;
+    int code = panel_gemm_run(B->normed, h, L->gate_up, L->gate_up_kp, L->gate_up_bias,
+                              B->wide, 2 * inter, rows, 2 * inter, h, B->bf16,
+                              gemm_threads(B, 2 * inter, h));
+    if (code) return code;
+    for (int64_t r = 0; r < rows; r++) {
+        if (B->bf16)
+            silu_and_mul_row(B->wide, r * 2 * inter, inter, B->act + r * inter * size, 1);
+        else
+            silu_and_mul_row(B->wide, r * 2 * inter, inter, B->act + r * inter * size, 0);
+    }
+    return panel_gemm_run(B->act, inter, L->down, L->down_kp, L->down_bias, hidden, h, rows, h,
+                          inter, B->bf16, gemm_threads(B, h, inter));
+}
+
 /* hidden (rows, hidden) in the model dtype: the embeddings in, the final norm's output out.
  * cos, sin: (rows, head_dim) float32, rope_table_torch's rows; slots (rows,) int64 pool
  * slots of the new tokens; tables (rows, table_stride) int32 and lens (rows,) int32 (context
@@ -89,75 +152,52 @@ int decode_layers(const decode_layer *layers, int num_layers, const decode_shape
                   const float *sin, const int64_t *slots, const int32_t *tables,
                   int64_t table_stride, const int32_t *lens, int bf16, int threads) {
     const int64_t h = shape->hidden, hd = shape->head_dim, heads = shape->heads;
-    const int64_t kvh = shape->kv_heads, inter = shape->inter;
-    const int64_t q_size = heads * hd, kv_size = kvh * hd, qkv_size = q_size + 2 * kv_size;
-    const int64_t size = bf16 ? 2 : 4;
-    if (rows < 1 || num_layers < 1 || hd < 2 || hd % 2 || heads % kvh) return -1;
+    const int64_t inter = shape->inter, size = bf16 ? 2 : 4;
+    if (rows < 1 || num_layers < 1 || hd < 2 || hd % 2 || shape->kv_heads < 1
+            || heads % shape->kv_heads)
+        return -1;
     const int64_t pool_slots = (int64_t)shape->num_blocks * shape->block_size;
-    for (int64_t r = 0; r < rows; r++)
-        if (slots[r] < 0 || slots[r] >= pool_slots) return -3;
-    const int64_t widest = qkv_size > 2 * inter ? qkv_size : 2 * inter;
-    /* scratch: residual, normed, qkv/gate_up, rotated q/k, q float, attention float, its
-       model-dtype copy, activation */
-    char *scratch = malloc((size_t)(rows * (size * (2 * h + widest + q_size + kv_size + q_size
-                                                    + inter) + 4 * 2 * q_size)));
-    if (scratch == NULL) return -2;
-    char *residual = scratch, *normed = residual + rows * h * size;
-    char *wide = normed + rows * h * size, *rotated = wide + rows * widest * size;
-    char *attn = rotated + rows * (q_size + kv_size) * size, *act = attn + rows * q_size * size;
-    float *q32 = (float *)(act + rows * inter * size), *out32 = q32 + rows * q_size;
-    const int64_t gemm = shape->gemm_min_work;
     int64_t context = 0;
-    for (int64_t r = 0; r < rows; r++) context += lens[r];
-    const int attention_threads = threads_for(context * heads * hd, shape->attention_min_work,
-                                              threads);
+    for (int64_t r = 0; r < rows; r++) {
+        if (slots[r] < 0 || slots[r] >= pool_slots) return -3;
+        context += lens[r];
+    }
+    decode_batch B = {.shape = shape, .rows = rows, .q_size = heads * hd,
+                      .kv_size = shape->kv_heads * hd, .cos = cos, .sin = sin, .slots = slots,
+                      .tables = tables, .lens = lens, .table_stride = table_stride,
+                      .bf16 = bf16, .threads = threads};
+    B.qkv_size = B.q_size + 2 * B.kv_size;
+    B.attention_threads = threads_for(context * heads * hd, shape->parallel_min_work, threads);
+    const int64_t wide = B.qkv_size > 2 * inter ? B.qkv_size : 2 * inter;
+    const int64_t widths[] = {h, h, wide, B.q_size + B.kv_size, B.q_size, inter};
+    char **buffers[] = {&B.residual, &B.normed, &B.wide, &B.rotated, &B.attn, &B.act};
+    int64_t total = 0;
+    for (int i = 0; i < 6; i++) total += rows * widths[i] * size;
+    char *scratch = malloc((size_t)(total + rows * 2 * B.q_size * 4));
+    if (scratch == NULL) return -2;
+    char *at = scratch;
+    for (int i = 0; i < 6; i++) {
+        *buffers[i] = at;
+        at += rows * widths[i] * size;
+    }
+    B.q32 = (float *)at;
+    B.out32 = B.q32 + rows * B.q_size;
+    memcpy(B.residual, hidden, (size_t)(rows * h * size));
+    norm_rows(hidden, NULL, NULL, layers[0].input_norm, shape->eps, rows, h, B.normed, bf16);
     int code = 0;
     for (int l = 0; l < num_layers && code == 0; l++) {
-        const decode_layer *L = &layers[l];
-        if (l == 0) {
-            memcpy(residual, hidden, (size_t)(rows * h * size));
-            norm_rows(hidden, NULL, NULL, L->input_norm, shape->eps, rows, h, normed, bf16);
-        } else {
-            norm_rows(hidden, residual, residual, L->input_norm, shape->eps, rows, h, normed,
-                      bf16);
-        }
-        code = panel_gemm_run(normed, h, L->qkv, L->qkv_kp, L->qkv_bias, wide, qkv_size, rows,
-                              qkv_size, h, bf16, threads_for(rows * qkv_size * h, gemm, threads));
+        if (l > 0)
+            norm_rows(hidden, B.residual, B.residual, layers[l].input_norm, shape->eps, rows, h,
+                      B.normed, bf16);
+        code = attention_block(&B, &layers[l], hidden);
         if (code) break;
-        rope_rows(wide, qkv_size, rows, heads + kvh, hd, cos, sin, rotated, bf16);
-        for (int64_t r = 0; r < rows; r++) {
-            const char *row = rotated + r * (q_size + kv_size) * size;
-            put_row(L->k_pool, slots[r], kv_size, row + q_size * size, bf16);
-            put_row(L->v_pool, slots[r], kv_size, wide + (r * qkv_size + q_size + kv_size) * size,
-                    bf16);
-            for (int64_t i = 0; i < q_size; i++) q32[r * q_size + i] = loadx1(row, i, bf16);
-        }
-        code = decode_attention_run(q32, L->k_pool, L->v_pool, bf16, tables, table_stride, lens,
-                                    out32, (int)rows, (int)heads, (int)kvh, (int)hd,
-                                    shape->block_size, shape->num_blocks, shape->scale,
-                                    L->window, attention_threads);
-        if (code) break;
-        for (int64_t i = 0; i < rows * q_size; i++) storex1(attn, i, out32[i], bf16);
-        code = panel_gemm_run(attn, q_size, L->o, L->o_kp, L->o_bias, hidden, h, rows, h, q_size,
-                              bf16, threads_for(rows * h * q_size, gemm, threads));
-        if (code) break;
-        norm_rows(hidden, residual, residual, L->post_norm, shape->eps, rows, h, normed, bf16);
-        code = panel_gemm_run(normed, h, L->gate_up, L->gate_up_kp, L->gate_up_bias, wide,
-                              2 * inter, rows, 2 * inter, h, bf16,
-                              threads_for(rows * 2 * inter * h, gemm, threads));
-        if (code) break;
-        for (int64_t r = 0; r < rows; r++) {
-            if (bf16)
-                silu_and_mul_row(wide, r * 2 * inter, inter, act + r * inter * size, 1);
-            else
-                silu_and_mul_row(wide, r * 2 * inter, inter, act + r * inter * size, 0);
-        }
-        code = panel_gemm_run(act, inter, L->down, L->down_kp, L->down_bias, hidden, h, rows, h,
-                              inter, bf16, threads_for(rows * h * inter, gemm, threads));
+        norm_rows(hidden, B.residual, B.residual, layers[l].post_norm, shape->eps, rows, h,
+                  B.normed, bf16);
+        code = mlp_block(&B, &layers[l], hidden);
     }
     if (code == 0) {
-        norm_rows(hidden, residual, residual, final_norm, shape->eps, rows, h, normed, bf16);
-        memcpy(hidden, normed, (size_t)(rows * h * size));
+        norm_rows(hidden, B.residual, B.residual, final_norm, shape->eps, rows, h, B.normed, bf16);
+        memcpy(hidden, B.normed, (size_t)(rows * h * size));
     }
     free(scratch);
     return code;

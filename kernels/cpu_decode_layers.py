@@ -18,11 +18,16 @@ import functools
 
 import torch
 
-from pdserve.kernels import cpu_decode_attention, cpu_panel_gemm, native_build
+from pdserve.kernels import cpu_panel_gemm, native_build
 from pdserve.kernels.kv_layout import KVCacheLayer
 
 MAX_ROWS = cpu_panel_gemm.MAX_ROWS  # rows a call takes: the panel GEMM's
 DTYPES = (torch.float32, torch.bfloat16)
+# Below this much work (a GEMM's rows x weight elements; attention's context tokens x heads x
+# head_dim) a step of the call runs on one thread: far lower than the one-op kernels' bounds,
+# since within one call the threads go from step to step without returning to Python, and a
+# batch-1 GEMM of SmolLM2's already runs faster on two cores (docs/cpu-speed.md).
+PARALLEL_MIN_WORK = 1 << 16
 
 
 class _Layer(ctypes.Structure):
@@ -37,8 +42,7 @@ class _Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "hidden", "heads", "kv_heads", "head_dim", "inter")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("block_size", ctypes.c_int),
-        ("num_blocks", ctypes.c_int), ("gemm_min_work", ctypes.c_int64),
-        ("attention_min_work", ctypes.c_int64)]
+        ("num_blocks", ctypes.c_int), ("parallel_min_work", ctypes.c_int64)]
 
 
 _ERRORS = {-1: "a shape it does not take", -2: "out of memory",
@@ -62,14 +66,18 @@ def _linears(layer) -> tuple:
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
+def serves_dtype(dtype: torch.dtype) -> bool:
+    """Whether the fused decode runs on this machine for models of ``dtype``: float32 or
+    bfloat16, the C kernel built, and the panel GEMM the faster one for the dtype here."""
+    return dtype in DTYPES and available() and cpu_panel_gemm.beats_onednn(dtype)
+
+
 def takes_model(model) -> bool:
-    """Whether the fused decode serves ``model`` (a ``LlamaForCausalLM``) at all: float32 or
-    bfloat16 on the CPU, every linear packed in a layout the panel GEMM confirmed and where it
-    beats oneDNN for this dtype, no per-head q/k norm, not a tensor parallel rank."""
+    """Whether the fused decode serves ``model`` (a ``LlamaForCausalLM``) at all: on the CPU in
+    a dtype it serves here (:func:`serves_dtype`), every linear packed in a layout the panel
+    GEMM confirmed, no per-head q/k norm, not a tensor parallel rank."""
     dtype = model.dtype
-    if dtype not in DTYPES or model.device.type != "cpu" or not available():
-        return False
-    if not cpu_panel_gemm.beats_onednn(dtype):
+    if model.device.type != "cpu" or not serves_dtype(dtype):
         return False
     for layer in model.model.layers:
         if layer.all_reduce is not None or layer.self_attn.q_norm is not None:
@@ -111,8 +119,7 @@ class DecodeLayers:
             kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
             inter=config.intermediate_size, eps=config.rms_norm_eps,
             scale=config.head_dim ** -0.5, block_size=first.block_size,
-            num_blocks=first.num_blocks, gemm_min_work=cpu_panel_gemm.PARALLEL_MIN_WORK,
-            attention_min_work=cpu_decode_attention.PARALLEL_MIN_WORK)
+            num_blocks=first.num_blocks, parallel_min_work=PARALLEL_MIN_WORK)
         self.final_norm = self._hold(model.model.norm.weight)
         self.embedding = model.model.embed_tokens.weight
 

@@ -257,7 +257,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("lm_head_packed", None)  # pack_linears: the head's GEMM layout
         # float32 [cos | sin] table, kept outside the parameters so .to(dtype) never rounds it
         self._cos_sin_cache = cos_sin_cache_for(config)
-        self._fuses_decode: bool | None = None  # cpu_decode_layers.takes_model, once known
+        # whether a decode step runs as one C call (cpu_decode_layers): None until the first
+        # decode step asks cpu_decode_layers.takes_model; set False to keep the unfused forward
+        self.fuses_decode: bool | None = None
         self._decode_layers: cpu_decode_layers.DecodeLayers | None = None
 
     @property
@@ -333,10 +335,10 @@ class LlamaForCausalLM(nn.Module):
                 or (rows is not None and len(rows) != num_tokens)
                 or kernels.resolve_backend(meta.backend, self.device) != "native"):
             return None
-        if self._fuses_decode is None:
-            self._fuses_decode = cpu_decode_layers.takes_model(self)
+        if self.fuses_decode is None:
+            self.fuses_decode = cpu_decode_layers.takes_model(self)
         held = self._decode_layers
-        if not self._fuses_decode:
+        if not self.fuses_decode:
             return None
         if held is None or not held.serves(kv_caches):
             if not cpu_decode_layers.DecodeLayers.takes(kv_caches, self.dtype):
@@ -356,12 +358,12 @@ class LlamaForCausalLM(nn.Module):
         output is summed across the ranks with ``all_reduce`` (in place)."""
         for layer in self.model.layers:
             layer.all_reduce = all_reduce
-        self._fuses_decode = self._decode_layers = None
+        self.fuses_decode = self._decode_layers = None
 
     def pack_linears(self) -> None:
         """Pack every linear layer and the head for the CPU's GEMM (a no-op elsewhere). A head
         that shares the embedding matrix gets a packed copy (lookups read the embedding)."""
-        self._fuses_decode = self._decode_layers = None
+        self.fuses_decode = self._decode_layers = None
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()

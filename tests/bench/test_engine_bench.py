@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from pdserve import kernels
 from pdserve.bench import engine
-from pdserve.kernels import cpu_panel_gemm
+from pdserve.kernels import cpu_decode_layers, cpu_panel_gemm
 
 
 def test_engine_bench_quick_prints_every_section(capsys):
@@ -18,10 +20,14 @@ def test_engine_bench_quick_prints_every_section(capsys):
         assert title in out, out
     native = "native" if kernels.cpu_decode_attention.available() else "torch"
     panel = "panel" if cpu_panel_gemm.beats_onednn() else "onednn"
-    for dtype, gemm, attention in (("float32", panel, native), ("float32", "onednn", native),
-                                   ("float32", panel, "torch"), ("float32", "plain", native),
-                                   ("bfloat16", "plain", native)):
-        assert re.search(rf"^\s*{dtype}\s+{gemm}\s+{attention}\s+8\s+[\d.]+", out, re.M), out
+    fused = "yes" if native == "native" and cpu_decode_layers.serves_dtype(torch.float32) \
+        else "no"
+    for dtype, gemm, attention, fused_ran in (
+            ("float32", panel, native, fused), ("float32", panel, native, "no"),
+            ("float32", "onednn", native, "no"), ("float32", panel, "torch", "no"),
+            ("float32", "plain", native, "no"), ("bfloat16", "plain", native, "no")):
+        assert re.search(rf"^\s*{dtype}\s+{gemm}\s+{attention}\s+{fused_ran}\s+8\s+[\d.]+",
+                         out, re.M), out
     for lengths in ("16", "16-31"):  # one prompt length, and a block's worth of lengths
         assert re.search(rf"^\s*8\s+{lengths}\s+greedy\s+[\d.]+", out, re.M), out
     for decoding in [*engine.SAMPLED, f"greedy, window {engine.WINDOW}",
