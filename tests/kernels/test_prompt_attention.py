@@ -58,3 +58,23 @@ def test_attention_reads_the_pool_back_only_where_it_must(gen, monkeypatch, wind
     want = paged(batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
                  batch.block_tables, 0.125, window)
     assert relative_error(got, want) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.skipif(not kernels.cpu_decode_attention.available(), reason="no C compiler")
+@pytest.mark.parametrize("n", [1, 37, 300])
+def test_a_bf16_prompt_on_the_native_path_matches_float32_to_bf16_rounding(gen, n):
+    """bf16 prompts take torch's bf16 attention kernel (not the C one on float32 copies): the
+    float32 result rounded to bf16, within bf16's error, grouped heads included."""
+    q = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+    want = kernels.prompt_attention(q, k, v, 0.125, backend="torch")
+    got = kernels.prompt_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125,
+                                   backend="native")
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert relative_error(got.float(), want) < TOLERANCE[torch.bfloat16]
+    # causal: a later key changes no earlier query's output
+    k2, v2 = k.clone(), v.clone()
+    k2[-1], v2[-1] = 100.0, 100.0
+    again = kernels.prompt_attention(q.bfloat16(), k2.bfloat16(), v2.bfloat16(), 0.125,
+                                     backend="native")
+    assert torch.equal(again[:-1], got[:-1])
