@@ -184,7 +184,8 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
             achievable = max(bytes_read / gemv_bw, compute_s)
             gemm_used = (gemm if gemm != "panel" or cpu_panel_gemm.beats_onednn(model_dtype)
                          else "onednn")
-            fused_ran = fused and batch <= cpu_decode_layers.MAX_ROWS and bool(model.fuses_decode)
+            fused_ran = (fused and batch <= cpu_decode_layers.MAX_ROWS[model_dtype]
+                         and bool(model.fuses_decode))
             rows.append([dtype, gemm_used, parts.runner.backend, "yes" if fused_ran else "no",
                          batch,
                          median.total_s * 1e3,

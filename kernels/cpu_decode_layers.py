@@ -21,8 +21,10 @@ import torch
 from pdserve.kernels import cpu_panel_gemm, native_build
 from pdserve.kernels.kv_layout import KVCacheLayer
 
-MAX_ROWS = cpu_panel_gemm.MAX_ROWS  # rows a call takes: the panel GEMM's
-DTYPES = (torch.float32, torch.bfloat16)
+# Rows (sequences) a call takes, by dtype: as many as its GEMMs run at least as fast as
+# oneDNN's for (float32: the panel GEMM's 16; bf16: 32, one pass of AMX tiles over the weight)
+MAX_ROWS = {torch.float32: cpu_panel_gemm.MAX_ROWS, torch.bfloat16: 32}
+DTYPES = tuple(MAX_ROWS)
 # Below this much work (a GEMM's rows x weight elements; attention's context tokens x heads x
 # head_dim) a step of the call runs on one thread: far lower than the one-op kernels' bounds,
 # since within one call the threads go from step to step without returning to Python, and a
@@ -144,8 +146,8 @@ class DecodeLayers:
         and V are written to ``slot_mapping``. ``rope_table``: ``rope_table_torch`` of their
         positions; block tables and context lengths as paged decode attention takes them."""
         rows = input_ids.shape[0]
-        if not 0 < rows <= MAX_ROWS:
-            raise ValueError(f"the fused decode takes 1-{MAX_ROWS} rows, got {rows}")
+        if not 0 < rows <= MAX_ROWS[self.dtype]:
+            raise ValueError(f"the fused decode takes 1-{MAX_ROWS[self.dtype]} rows, got {rows}")
         hidden = torch.nn.functional.embedding(input_ids, self.embedding).contiguous()
         cos, sin = (t.reshape(rows, -1).contiguous() for t in rope_table)
         slots = slot_mapping.to(torch.int64).contiguous()

@@ -11,8 +11,8 @@
  * bfloat16: panels of 32 output columns, kp rows (K rounded up to 32 or 64, zero-padded) taken
  * in pairs: pair i of panel p is the 32 columns' (W[c, 2i], W[c, 2i + 1]) side by side, the
  * layout of AMX's bf16 tile multiply, which reads 16 pairs of 16 columns as one tile. Each
- * panel is two tiles of sums (up to 16 rows x 16 columns, float32), k taken 32 at a time in
- * order; results are rounded to bf16 once, with the bias added in float32 first (what oneDNN's
+ * panel's sums are up to four tiles (16 rows x 16 columns, float32; up to 32 rows a pass over
+ * the weight), k taken 32 at a time in order; results are rounded to bf16 once, with the bias added in float32 first (what oneDNN's
  * AMX GEMM does: the same bits here). Only where the compiler targets AMX and the kernel
  * grants it (panel_gemm_bf16_native); elsewhere the call is refused and oneDNN keeps the rows.
  *
@@ -103,6 +103,7 @@ static int panel_gemm_f32_run(const float *x, int64_t ldx, const float *packed, 
 #include <unistd.h>
 #define PANEL_BF16_AMX 1
 #define AMX_K 32 /* k values a tile multiply takes: one A tile row of 64 bytes */
+#define AMX_ROWS 32 /* rows one pass over the weight takes: two tiles of 16 */
 
 /* Whether this process may use AMX's tile registers (Linux grants them on request, once). */
 static int amx_permitted(void) {
@@ -120,35 +121,53 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* Tiles 0 and 1: a panel's two halves of the sums (rows x 16 floats); 2: rows x 32 k values of
-   x; 3 and 4: 16 pairs of k of the panel's two halves of 16 columns. */
+/* Tiles 0-3: the sums of a panel (rows 0-15 of its two halves of 16 columns, then rows
+   16-31); 4 and 5: rows 0-15 and 16-31 of x, 32 k values each; 6 and 7: 16 pairs of k of the
+   panel's two halves. rows: 1-32. */
 static void amx_configure(int rows) {
+    const int first = rows < 16 ? rows : 16, second = rows - first;
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 5; t++) {
-        cfg.bytes_per_row[t] = 64;
-        cfg.rows[t] = t < 3 ? rows : AMX_K / 2;
+    const int tile_rows[8] = {first, first, second, second, first, second, AMX_K / 2,
+                              AMX_K / 2};
+    for (int t = 0; t < 8; t++) {
+        cfg.bytes_per_row[t] = tile_rows[t] ? 64 : 0;
+        cfg.rows[t] = (uint8_t)tile_rows[t];
     }
     _tile_loadconfig(&cfg);
 }
 
-/* rows (<= 16, as configured) of x, kp columns (zero past k), against one panel: out (rows,
-   32) float32 sums, k in order 32 at a time */
+/* rows (<= 32, as configured) of x, kp columns (zero past k), against one panel: out (rows,
+   32) float32 sums, k in order 32 at a time; the panel is read once for all the rows */
 static inline void panel_rows_amx(const uint16_t *x, const uint16_t *panel, int64_t kp,
-                                  float *out) {
+                                  int rows, float *out) {
+    const int two = rows > 16;
     _tile_zero(0);
     _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
     for (int64_t i = 0; i < kp; i += AMX_K) {
         const uint16_t *w = panel + i * PANEL_BF16; /* pair i / 2 */
-        _tile_loadd(2, x + i, kp * 2);
-        _tile_loadd(3, w, PANEL_BF16 * 4);
-        _tile_loadd(4, w + PANEL_BF16, PANEL_BF16 * 4);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_dpbf16ps(1, 2, 4);
+        _tile_loadd(6, w, PANEL_BF16 * 4);
+        _tile_loadd(7, w + PANEL_BF16, PANEL_BF16 * 4);
+        _tile_loadd(4, x + i, kp * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, x + 16 * kp + i, kp * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
     }
     _tile_stored(0, out, PANEL_BF16 * 4);
     _tile_stored(1, out + 16, PANEL_BF16 * 4);
+    if (two) {
+        _tile_stored(2, out + 16 * PANEL_BF16, PANEL_BF16 * 4);
+        _tile_stored(3, out + 16 * PANEL_BF16 + 16, PANEL_BF16 * 4);
+    }
 }
 
 /* y rows r .. r + block - 1 of one panel p from its sums out (block, 32), bias added, rounded */
@@ -167,7 +186,8 @@ static int amx_permitted(void) { return 0; }
 
 /* The bfloat16 GEMM on AMX: y (m, n) bf16, row stride ldy = x (m, k) bf16, row stride ldx,
  * times the packed weight (kp rows a panel, kp >= k, a multiple of 32); bias (n) bf16 or NULL.
- * x is copied with its rows padded to kp (zeros past k), 16 rows at a time (a tile's). Returns
+ * x is copied with its rows padded to kp (zeros past k), 32 rows at a time (a pass over the
+ * weight: two tiles of 16 rows). Returns
  * 0; -1 for a shape it does not take or a CPU or process without AMX; -2 out of memory. */
 static int panel_gemm_bf16_run(const uint16_t *x, int64_t ldx, const uint16_t *packed,
                                int64_t kp, const uint16_t *bias, uint16_t *y, int64_t ldy,
@@ -177,17 +197,17 @@ static int panel_gemm_bf16_run(const uint16_t *x, int64_t ldx, const uint16_t *p
         return -1;
 #if PANEL_BF16_AMX
     const int64_t panels = (n + PANEL_BF16 - 1) / PANEL_BF16;
-    uint16_t *xp = calloc((size_t)(m < 16 ? m : 16) * kp, 2);
+    uint16_t *xp = calloc((size_t)(m < AMX_ROWS ? m : AMX_ROWS) * kp, 2);
     if (xp == NULL) return -2;
-    for (int64_t r = 0; r < m; r += 16) {
-        const int64_t block = m - r < 16 ? m - r : 16;
+    for (int64_t r = 0; r < m; r += AMX_ROWS) {
+        const int64_t block = m - r < AMX_ROWS ? m - r : AMX_ROWS;
         for (int64_t i = 0; i < block; i++) memcpy(xp + i * kp, x + (r + i) * ldx, k * 2);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int64_t p = 0; p < panels; p++) {
             const int64_t col = p * PANEL_BF16;
-            float out[16 * PANEL_BF16];
+            float out[AMX_ROWS * PANEL_BF16];
             amx_configure((int)block); /* each thread's tiles */
-            panel_rows_amx(xp, packed + p * kp * PANEL_BF16, kp, out);
+            panel_rows_amx(xp, packed + p * kp * PANEL_BF16, kp, (int)block, out);
             store_panel_bf16(out, bias, y + r * ldy, ldy, block, col,
                              n - col < PANEL_BF16 ? n - col : PANEL_BF16);
         }

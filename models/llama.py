@@ -329,9 +329,9 @@ class LlamaForCausalLM(nn.Module):
                       ) -> cpu_decode_layers.DecodeLayers | None:
         """The one-call decode (:mod:`pdserve.kernels.cpu_decode_layers`) where it serves this
         step: a CPU model it takes, the native backend, one new token for each of at most
-        ``MAX_ROWS`` sequences, every row wanted, no LoRA rows, no per-layer hook."""
+        ``MAX_ROWS[dtype]`` sequences, every row wanted, no LoRA rows, no per-layer hook."""
         if (after_layer is not None or meta.lora is not None or not meta.is_decode_only
-                or not 0 < num_tokens <= cpu_decode_layers.MAX_ROWS
+                or not 0 < num_tokens <= cpu_decode_layers.MAX_ROWS.get(self.dtype, 0)
                 or (rows is not None and len(rows) != num_tokens)
                 or kernels.resolve_backend(meta.backend, self.device) != "native"):
             return None

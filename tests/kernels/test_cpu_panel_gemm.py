@@ -216,3 +216,23 @@ def test_the_bf16_kernel_runs_where_amx_is():
         assert not cpu_panel_gemm.beats_onednn(torch.bfloat16)
     else:  # the kernel also needs Linux to grant the tiles, which every kernel since 5.16 does
         assert cpu_panel_gemm.beats_onednn(torch.bfloat16)
+
+
+@bf16_kernel
+@pytest.mark.parametrize("rows", [17, 31, 32, 33, 70])
+def test_bf16_past_one_tile_of_rows(gen, rows, monkeypatch):
+    """Past 16 rows a pass over the weight takes two tiles of rows, past 32 another pass: each
+    row's sums are those of the row alone, and up to 32 rows oneDNN's, bit for bit (past 32
+    oneDNN takes other kernels). The call on its own takes MAX_ROWS rows; the fused decode
+    hands it up to 32."""
+    monkeypatch.setattr(cpu_panel_gemm, "MAX_ROWS", 128)
+    weight, packed = _packed_bf16(gen, 576, 1536)
+    b = torch.randn(576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 1536, generator=gen).to(torch.bfloat16)
+    got = cpu_panel_gemm.panel_linear(x, packed, b)
+    torch.testing.assert_close(got.double(), _reference(x, weight, b), rtol=1e-2, atol=1e-2)
+    alone = torch.cat([cpu_panel_gemm.panel_linear(x[i:i + 1], packed, b) for i in range(rows)])
+    assert torch.equal(got, alone)
+    if rows <= 32:
+        assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [],
+                                                                   ""))

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     not cpu_decode_layers.serves_dtype(torch.float32),
     reason="the fused decode runs where the panel GEMM beats oneDNN (AVX-512) and C builds")
 
-PROMPT_LENS = (5, 11, 19, 2, 9, 14, 3, 7, 12, 6, 17, 4, 8, 10, 13, 15, 16)  # 17 sequences
+PROMPT_LENS = [2 + (7 * i) % 19 for i in range(33)]  # 2-20 tokens, for up to 33 sequences
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def _prefilled(model, paged_batch, num_seqs: int, seed: int):
     """A native-backend batch whose first num_seqs sequences hold their prompts' K/V, and
     each one's next token."""
     batch = paged_batch(model.config, num_seqs, max(PROMPT_LENS) + 2, seed=seed,
-                        num_blocks=128, backend="native")
+                        num_blocks=256, backend="native")
     for cache in batch.caches:
         cache.kv = cache.kv.to(model.dtype)
     gen = torch.Generator().manual_seed(seed)
@@ -74,8 +74,9 @@ def _decode_both_ways(model, batch, prompts):
     return fused, batch.caches, unfused, unfused_caches
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_seqs", [1, 3, 16])
+@pytest.mark.parametrize("dtype, num_seqs", [
+    (torch.float32, 1), (torch.float32, 3), (torch.float32, 16),
+    (torch.bfloat16, 1), (torch.bfloat16, 3), (torch.bfloat16, 17), (torch.bfloat16, 32)])
 def test_fused_decode_equals_the_unfused_forward(family_case, paged_batch, fused_calls, dtype,
                                                  num_seqs):
     model = _model(family_case.path, dtype)
@@ -100,9 +101,11 @@ def test_fused_decode_equals_the_unfused_forward(family_case, paged_batch, fused
             torch.testing.assert_close(a.kv, b.kv, atol=2e-2, rtol=2e-2)
 
 
-def test_more_rows_than_it_takes_stay_unfused(hf_checkpoint, paged_batch, fused_calls):
-    model = _model(hf_checkpoint("llama"), torch.float32)
-    batch, prompts = _prefilled(model, paged_batch, cpu_decode_layers.MAX_ROWS + 1, seed=4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_more_rows_than_it_takes_stay_unfused(hf_checkpoint, paged_batch, fused_calls, dtype):
+    model = _model(hf_checkpoint("llama"), dtype)
+    batch, prompts = _prefilled(model, paged_batch, cpu_decode_layers.MAX_ROWS[dtype] + 1,
+                                seed=4)
     fused, _, unfused, _ = _decode_both_ways(model, batch, prompts)
     assert fused_calls == []
     assert torch.equal(fused, unfused)
