@@ -202,14 +202,18 @@ static int panel_gemm_bf16_run(const uint16_t *x, int64_t ldx, const uint16_t *p
     for (int64_t r = 0; r < m; r += AMX_ROWS) {
         const int64_t block = m - r < AMX_ROWS ? m - r : AMX_ROWS;
         for (int64_t i = 0; i < block; i++) memcpy(xp + i * kp, x + (r + i) * ldx, k * 2);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int64_t p = 0; p < panels; p++) {
-            const int64_t col = p * PANEL_BF16;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
             float out[AMX_ROWS * PANEL_BF16];
-            amx_configure((int)block); /* each thread's tiles */
-            panel_rows_amx(xp, packed + p * kp * PANEL_BF16, kp, (int)block, out);
-            store_panel_bf16(out, bias, y + r * ldy, ldy, block, col,
-                             n - col < PANEL_BF16 ? n - col : PANEL_BF16);
+            amx_configure((int)block); /* each thread's tiles, released when it is done */
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                const int64_t col = p * PANEL_BF16;
+                panel_rows_amx(xp, packed + p * kp * PANEL_BF16, kp, (int)block, out);
+                store_panel_bf16(out, bias, y + r * ldy, ldy, block, col,
+                                 n - col < PANEL_BF16 ? n - col : PANEL_BF16);
+            }
+            _tile_release();
         }
     }
     free(xp);

@@ -6,6 +6,7 @@ the forward call; there is no module-global context.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,23 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
+
+    @functools.cached_property
+    def prompt_bounds(self) -> list[int] | None:
+        """``cu_seqlens_q`` as a list where every sequence's queries are its whole context
+        (prompts with no cached prefix: the step's K/V are all of theirs), else None; several
+        sequences are checked on the CPU only (elsewhere None: no device sync). Asked by every
+        layer, computed once."""
+        if self.max_query_len != self.max_context_len:  # the longest is no whole prompt
+            return None
+        if self.num_seqs == 1:
+            return [0, self.max_query_len]
+        if self.cu_seqlens_q.device.type != "cpu":
+            return None
+        q_lens = self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
+        if not torch.equal(q_lens.to(self.context_lens.dtype), self.context_lens):
+            return None
+        return self.cu_seqlens_q.tolist()
 
     def of_rows(self, rows: torch.Tensor) -> AttentionMetadata:
         """The batch's ``rows`` (R,) of the flat batch, each as one query (a decode) at its own
@@ -77,10 +95,10 @@ class Attention(nn.Module):
             q, meta = q.index_select(0, rows[0]), rows[1]
             if not len(q):
                 return q
-        elif (self.sliding_window is None and meta.num_seqs == 1
-                and meta.max_query_len == meta.max_context_len and cache.kv.dtype == k.dtype):
-            # one whole prompt, its K/V stored as they are: attend from them, not the cache
-            out = kernels.prompt_attention(q, k, v, self.scale, backend=meta.backend)
+        elif (self.sliding_window is None and cache.kv.dtype == k.dtype
+                and meta.prompt_bounds is not None):
+            # whole prompts, their K/V stored as they are: attend from them, not the cache
+            out = self._prompts(q, k, v, meta.prompt_bounds, meta.backend)
             if out is not None:
                 return out
         if meta.is_decode_only:
@@ -91,3 +109,18 @@ class Attention(nn.Module):
             q, cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, self.scale,
             self.sliding_window, backend=meta.backend, max_query_len=meta.max_query_len,
             max_context_len=meta.max_context_len)
+
+    def _prompts(self, q, k, v, bounds: list[int], backend: str) -> torch.Tensor | None:
+        """Each whole prompt of the packed q, k, v (rows ``bounds[i]:bounds[i + 1]``)
+        attending to itself (:func:`kernels.prompt_attention`); None where that kernel does not
+        serve (Triton reads the cache as fast)."""
+        if len(bounds) == 2:
+            return kernels.prompt_attention(q, k, v, self.scale, backend=backend)
+        outs = []
+        for start, end in zip(bounds, bounds[1:]):
+            out = kernels.prompt_attention(q[start:end], k[start:end], v[start:end], self.scale,
+                                           backend=backend)
+            if out is None:
+                return None
+            outs.append(out)
+        return torch.cat(outs)

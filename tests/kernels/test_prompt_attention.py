@@ -78,3 +78,37 @@ def test_a_bf16_prompt_on_the_native_path_matches_float32_to_bf16_rounding(gen, 
     again = kernels.prompt_attention(q.bfloat16(), k2.bfloat16(), v2.bfloat16(), 0.125,
                                      backend="native")
     assert torch.equal(again[:-1], got[:-1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_several_whole_prompts_attend_from_their_own_k_and_v(gen, monkeypatch, backend, dtype):
+    """A step of whole prompts only attends each from its own K/V (no read-back); one with a
+    cached prefix among them sends the step down the paged path. Both agree."""
+    lens = [5, 17, 9]
+    batch = random_paged_batch(lens, lens, HEADS, KV_HEADS, HEAD_DIM, BLOCK, dtype, gen)
+    total = sum(lens)
+    k, v = (torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+    meta = AttentionMetadata(
+        slot_mapping=batch.slot_mapping, cu_seqlens_q=batch.cu_seqlens_q,
+        context_lens=batch.context_lens, block_tables=batch.block_tables,
+        max_query_len=max(lens), max_context_len=max(lens), backend=backend)
+    assert meta.prompt_bounds == [0, 5, 22, 31]
+    paged = kernels.paged_attention
+    calls = []
+    monkeypatch.setattr(kernels, "paged_attention",
+                        lambda *args, **kw: calls.append(1) or paged(*args, **kw))
+    layer = Attention(HEADS, KV_HEADS, HEAD_DIM, 0.125)
+    got = layer.forward(batch.query, k, v, batch.cache, meta)
+    assert calls == []
+    want = paged(batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
+                 batch.block_tables, 0.125, backend=backend)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert relative_error(got, want) < TOLERANCE[dtype]
+    # the middle prompt brings 8 of its 17 tokens after a cached prefix: not whole prompts
+    prefixed = random_paged_batch(lens, [5, 8, 9], HEADS, KV_HEADS, HEAD_DIM, BLOCK, dtype, gen)
+    meta = AttentionMetadata(
+        slot_mapping=prefixed.slot_mapping, cu_seqlens_q=prefixed.cu_seqlens_q,
+        context_lens=prefixed.context_lens, block_tables=prefixed.block_tables,
+        max_query_len=9, max_context_len=17, backend=backend)
+    assert meta.prompt_bounds is None
