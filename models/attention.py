@@ -117,7 +117,7 @@ class Attention(nn.Module):
         if len(bounds) == 2:
             return kernels.prompt_attention(q, k, v, self.scale, backend=backend)
         outs = []
-        for start, end in zip(bounds, bounds[1:]):
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             out = kernels.prompt_attention(q[start:end], k[start:end], v[start:end], self.scale,
                                            backend=backend)
             if out is None:
