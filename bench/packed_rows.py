@@ -6,9 +6,10 @@ the vocabulary head; random weights in ``--dtype``, float32 by default, so from 
 real step reads them), one thread, at 1-32 rows, four ways: oneDNN's packed weights with the
 rows padded to ``--pad-to`` rows (default: what ``kernels.linear.linear`` pads the dtype to),
 the same without padding, ``F.linear`` over unpacked weights, and pdserve's C panel GEMM over
-the packed weights (float32 where it builds and the layout checks out; past its
-``MAX_ROWS`` in calls of that many rows: what taking it further would cost). The median of 9
-passes after 3 warm-ups, in ms; "-" where a way does not run here.
+the packed weights (where it builds, the layout checks out and it runs for the dtype here:
+AVX-512 for float32, AMX for bf16; in calls of as many rows as the fused decode hands it,
+``cpu_decode_layers.MAX_ROWS``, past that: what taking it further would cost). The median of
+9 passes after 3 warm-ups, in ms; "-" where a way does not run here.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.bench.stats import format_table, median_s
-from pdserve.kernels import cpu_panel_gemm
+from pdserve.kernels import cpu_decode_layers, cpu_panel_gemm
 from pdserve.kernels.linear import can_pack, min_packed_rows
 
 HIDDEN, INTERMEDIATE, KV_WIDTH, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
@@ -31,9 +32,10 @@ WAYS = ("padded", "unpadded", "F.linear", "panel")
 def step_ms(rows: int, way: str, layers: int, vocab: int, passes: int,
             dtype: torch.dtype = torch.float32, pad_to: int = 4) -> float | None:
     """One pass over every layer's weight at ``rows`` rows, ``way``; None where it does not
-    run here (the panel GEMM: not float32, not built, or another layout)."""
-    if way == "panel" and (dtype != torch.float32 or not cpu_panel_gemm.available()):
+    run here (the panel GEMM: not for this dtype here, not built, or another layout)."""
+    if way == "panel" and not cpu_panel_gemm.beats_onednn(dtype):
         return None
+    chunk = cpu_decode_layers.MAX_ROWS.get(dtype, cpu_panel_gemm.MAX_ROWS)
     weights = [torch.randn(o, i).to(dtype) for _ in range(layers) for o, i in SHAPES]
     weights.append(torch.randn(vocab, HIDDEN).to(dtype))
     packed = ([torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
@@ -50,15 +52,19 @@ def step_ms(rows: int, way: str, layers: int, vocab: int, passes: int,
                 F.linear(x, w)
                 continue
             if way == "panel":
-                for first in range(0, rows, cpu_panel_gemm.MAX_ROWS):
-                    cpu_panel_gemm.panel_linear(x[first:first + cpu_panel_gemm.MAX_ROWS],
-                                                packed[k])
+                for first in range(0, rows, chunk):
+                    cpu_panel_gemm.panel_linear(x[first:first + chunk], packed[k])
                 continue
             if way == "padded" and rows < pad_to:
                 x = torch.cat([x, x.new_zeros(pad_to - rows, x.shape[1])])
             torch.ops.mkldnn._linear_pointwise(x, packed[k], None, "none", [], "")
 
-    return median_s(one_pass, passes, warmups=3) * 1e3
+    before = cpu_panel_gemm.MAX_ROWS  # the rows linear routes to it, not what it can take
+    cpu_panel_gemm.MAX_ROWS = max(before, chunk)
+    try:
+        return median_s(one_pass, passes, warmups=3) * 1e3
+    finally:
+        cpu_panel_gemm.MAX_ROWS = before
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,13 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     layers, vocab, passes = (2, 1024, 3) if args.quick else (LAYERS, VOCAB, 9)
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, one thread, "
           f"{layers} layers, {args.dtype}, padded to {pad_to} rows; the panel GEMM serves "
-          f"{'1-' + str(cpu_panel_gemm.MAX_ROWS) if cpu_panel_gemm.beats_onednn() else 'no'} "
+          f"{'1-' + str(cpu_panel_gemm.MAX_ROWS) if cpu_panel_gemm.beats_onednn(dtype) else 'no'} "
           "rows in linear here")
     try:
         with torch.inference_mode():
             table = [[rows, *("-" if (ms := step_ms(rows, way, layers, vocab, passes, dtype,
                                                     pad_to)) is None else f"{ms:.1f}"
-                              for way in WAYS)] for rows in (1, 2, 3, 4, 8, 16, 32)]
+                              for way in WAYS)] for rows in (1, 2, 3, 4, 8, 16, 24, 32)]
     finally:
         torch.set_num_threads(threads)
     print(format_table(["rows", *(f"{way} ms" for way in WAYS)], table))

@@ -91,10 +91,6 @@ def takes_model(model) -> bool:
     return True
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class DecodeLayers:
     """``model``'s layers over ``kv_caches`` as the C call takes them (a table of pointers,
     built once; the tensors it points into are held here)."""

@@ -337,9 +337,9 @@ class LlamaForCausalLM(nn.Module):
             return None
         if self.fuses_decode is None:
             self.fuses_decode = cpu_decode_layers.takes_model(self)
-        held = self._decode_layers
         if not self.fuses_decode:
             return None
+        held = self._decode_layers
         if held is None or not held.serves(kv_caches):
             if not cpu_decode_layers.DecodeLayers.takes(kv_caches, self.dtype):
                 return None
