@@ -1,6 +1,6 @@
 /* A decode step's decoder layers in one call on the CPU, float32 or bfloat16.
  *
- * The layers of kernels/../models/llama.py for a batch of one new token per sequence, each
+ * The layers of models/llama.py for a batch of one new token per sequence, each
  * step done by the kernel the unfused path calls for it, in the same order, with the same
  * roundings: RMSNorm (with the residual add), the fused q/k/v GEMM, rotate-half RoPE on q and
  * k, K and V written to their pool slots, paged decode attention, the output GEMM, the second
@@ -31,7 +31,7 @@ typedef struct {
     int32_t window; /* 0: none */
 } decode_layer;
 
-/* The model's shape and the step's batch. */
+/* The model's shape, the pools' and the bound on splitting work over threads. */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;
@@ -59,6 +59,8 @@ static void rope_rows(const void *qkv, int64_t ld, int64_t rows, int64_t heads, 
         }
 }
 
+/* RMSNorm of rows (hidden wide): add_rms_norm_row on each (with residual: x + residual into
+   sum first, which may be residual itself) */
 static void norm_rows(const void *x, const void *residual, void *sum, const void *weight,
                       float eps, int64_t rows, int64_t hidden, void *out, int bf16) {
     const int64_t size = bf16 ? 2 : 4;
@@ -66,10 +68,12 @@ static void norm_rows(const void *x, const void *residual, void *sum, const void
         const int64_t at = r * hidden * size;
         const char *rr = residual == NULL ? NULL : (const char *)residual + at;
         char *sr = residual == NULL ? NULL : (char *)sum + at;
+        const char *xr = (const char *)x + at;
+        char *o = (char *)out + at;
         if (bf16)
-            add_rms_norm_row((const char *)x + at, rr, sr, weight, eps, hidden, (char *)out + at, 1);
+            add_rms_norm_row(xr, rr, sr, weight, eps, hidden, o, 1);
         else
-            add_rms_norm_row((const char *)x + at, rr, sr, weight, eps, hidden, (char *)out + at, 0);
+            add_rms_norm_row(xr, rr, sr, weight, eps, hidden, o, 0);
     }
 }
 

@@ -11,9 +11,9 @@
  *
  * Used by kernels/cpu_decode_attention.c (the call on its own) and kernels/cpu_decode_layers.c
  * (the attention step of a fused decode), built by kernels/native_build.py (cc -O3
- * -march=native). The torch path in kernels/torch_attention.py is its reference (which widens a bf16 pool to float32 too). Sums
- * run in another order than the reference, so results agree to float32 rounding, not bit for
- * bit.
+ * -march=native). The torch path in kernels/torch_attention.py is its reference (which widens
+ * a bf16 pool to float32 too). Sums run in another order than the reference, so results agree
+ * to float32 rounding, not bit for bit.
  */
 #ifndef PDSERVE_NATIVE_ATTENTION_H
 #define PDSERVE_NATIVE_ATTENTION_H

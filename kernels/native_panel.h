@@ -1,5 +1,5 @@
 /* A few rows against a weight in oneDNN's packed layout: y (M, N) = x (M, K) W^T, float32 or
- * bfloat16, for decode steps (M of at most 16 or so).
+ * bfloat16, for decode steps (M of at most 16 in float32, 32 in bf16).
  *
  * float32: oneDNN's packed weight (kernels/linear.py) holds W in panels of 64 output columns:
  * panel p is kp rows (K rounded up to 16, zero-padded), each row the 64 weights W[p*64 + j, k]
@@ -12,14 +12,16 @@
  * in pairs: pair i of panel p is the 32 columns' (W[c, 2i], W[c, 2i + 1]) side by side, the
  * layout of AMX's bf16 tile multiply, which reads 16 pairs of 16 columns as one tile. Each
  * panel's sums are up to four tiles (16 rows x 16 columns, float32; up to 32 rows a pass over
- * the weight), k taken 32 at a time in order; results are rounded to bf16 once, with the bias added in float32 first (what oneDNN's
- * AMX GEMM does: the same bits here). Only where the compiler targets AMX and the kernel
- * grants it (panel_gemm_bf16_native); elsewhere the call is refused and oneDNN keeps the rows.
+ * the weight), k taken 32 at a time in order; results are rounded to bf16 once, with the bias
+ * added in float32 first (what oneDNN's AMX GEMM does: the same bits here). Only where the
+ * compiler targets AMX and the kernel grants it (panel_gemm_bf16_native); elsewhere the call
+ * is refused and oneDNN keeps the rows.
  *
  * float32 rows go through in blocks (their accumulators stay in registers); a second block
- * rereads the panel from cache, not memory. Columns past N in the last panel are computed from the padding
- * and not stored. OpenMP splits the panels when threads > 1. Used by kernels/cpu_panel_gemm.c
- * (the calls on their own) and kernels/cpu_decode_layers.c (a fused decode's GEMMs).
+ * rereads the panel from cache, not memory. Columns past N in the last panel are computed from
+ * the padding and not stored. OpenMP splits the panels when threads > 1. Used by
+ * kernels/cpu_panel_gemm.c (the calls on their own) and kernels/cpu_decode_layers.c (a fused
+ * decode's GEMMs).
  */
 #ifndef PDSERVE_NATIVE_PANEL_H
 #define PDSERVE_NATIVE_PANEL_H
@@ -72,8 +74,8 @@ static void panel_block(const float *x, int64_t ldx, const float *panel, int64_t
 /* y (m, n) row stride ldy = x (m, k) row stride ldx times the packed weight (kp rows a panel,
  * kp >= k); bias (n) or NULL. Returns 0, or -1 for a shape it does not take. */
 static int panel_gemm_f32_run(const float *x, int64_t ldx, const float *packed, int64_t kp,
-                   const float *bias, float *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
-                   int threads) {
+                              const float *bias, float *y, int64_t ldy, int64_t m, int64_t n,
+                              int64_t k, int threads) {
     if (m < 1 || n < 1 || k < 1 || kp < k || ldx < k || ldy < n) return -1;
     int64_t panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -93,7 +95,6 @@ static int panel_gemm_f32_run(const float *x, int64_t ldx, const float *packed, 
     }
     return 0;
 }
-
 
 #define PANEL_BF16 32 /* bfloat16 panel width */
 
@@ -187,8 +188,8 @@ static int amx_permitted(void) { return 0; }
 /* The bfloat16 GEMM on AMX: y (m, n) bf16, row stride ldy = x (m, k) bf16, row stride ldx,
  * times the packed weight (kp rows a panel, kp >= k, a multiple of 32); bias (n) bf16 or NULL.
  * x is copied with its rows padded to kp (zeros past k), 32 rows at a time (a pass over the
- * weight: two tiles of 16 rows). Returns
- * 0; -1 for a shape it does not take or a CPU or process without AMX; -2 out of memory. */
+ * weight: two tiles of 16 rows). Returns 0; -1 for a shape it does not take or a CPU or
+ * process without AMX; -2 out of memory. */
 static int panel_gemm_bf16_run(const uint16_t *x, int64_t ldx, const uint16_t *packed,
                                int64_t kp, const uint16_t *bias, uint16_t *y, int64_t ldy,
                                int64_t m, int64_t n, int64_t k, int threads) {

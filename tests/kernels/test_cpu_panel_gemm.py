@@ -12,6 +12,8 @@ from pdserve.kernels import linear as klinear
 
 pytestmark = pytest.mark.skipif(not cpu_panel_gemm.available(),
                                 reason="no working C compiler on this machine")
+bf16_kernel = pytest.mark.skipif(not cpu_panel_gemm.beats_onednn(torch.bfloat16),
+                                 reason="the bf16 kernel runs on AMX, which this CPU lacks")
 
 
 def _packed(gen, out_features, in_features):
@@ -63,9 +65,11 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(gen):
         assert torch.equal(cpu_panel_gemm.panel_linear(x[:rows], packed), batch[:rows])
 
 
-def test_several_threads_give_the_same_sums(gen, monkeypatch):
-    weight, packed = _packed(gen, 960, 576)
-    x = torch.randn(8, 576, generator=gen)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16,
+                                                               marks=bf16_kernel)])
+def test_several_threads_give_the_same_sums(gen, monkeypatch, dtype):
+    weight, packed = (_packed if dtype == torch.float32 else _packed_bf16)(gen, 960, 576)
+    x = torch.randn(8, 576, generator=gen).to(dtype)
     alone = cpu_panel_gemm.panel_linear(x, packed)
     monkeypatch.setattr(cpu_panel_gemm, "PARALLEL_MIN_WORK", 0)
     before = torch.get_num_threads()
@@ -136,10 +140,6 @@ def test_refuses_what_it_does_not_take(gen):
             cpu_panel_gemm.panel_linear(x, packed)
 
 
-bf16_kernel = pytest.mark.skipif(not cpu_panel_gemm.beats_onednn(torch.bfloat16),
-                                 reason="the bf16 kernel runs on AMX, which this CPU lacks")
-
-
 def _packed_bf16(gen, out_features, in_features):
     weight = (torch.randn(out_features, in_features, generator=gen)
               / in_features ** 0.5).to(torch.bfloat16)
@@ -179,21 +179,6 @@ def test_bf16_rows_of_a_wider_tensor_are_read_only_up_to_in_features(gen):
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), _reference(wide[:, :40], weight, None), rtol=1e-2,
                                atol=1e-2)
-
-
-@bf16_kernel
-def test_bf16_threads_and_neighbours_give_the_same_sums(gen, monkeypatch):
-    weight, packed = _packed_bf16(gen, 960, 576)
-    x = torch.randn(cpu_panel_gemm.MAX_ROWS, 576, generator=gen).to(torch.bfloat16)
-    alone = cpu_panel_gemm.panel_linear(x, packed)
-    assert torch.equal(cpu_panel_gemm.panel_linear(x[:3], packed), alone[:3])
-    monkeypatch.setattr(cpu_panel_gemm, "PARALLEL_MIN_WORK", 0)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert torch.equal(cpu_panel_gemm.panel_linear(x, packed), alone)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_the_bf16_layout_check_refuses_what_is_not_the_panels(gen):

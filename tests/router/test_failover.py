@@ -29,7 +29,7 @@ from pdserve.testing.waits import async_wait_for
 from pdserve.workers.build import build_local_workers
 from pdserve.workers.host import LocalHandle
 
-ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=32)
+ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=384, max_num_batched_tokens=32)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True,
                         presence_penalty=0.3)
@@ -147,9 +147,10 @@ def run_with_fault(model_dir, fault, router_config=None, tracing=None, **build):
     victims are the requests the router sees streaming from that worker and, where ``fault``
     returns the set the worker runs, still running there (the router's view lags the worker by
     the deltas it has not polled yet: a request may have finished there already; outputs of
-    64 tokens and more keep those it sees streaming running there for many steps after, even
-    on a loaded machine)."""
-    reqs = requests(8, max_tokens=64)
+    128 tokens and more keep those it sees streaming running there for many steps after, even
+    on a loaded machine with decode steps of a fraction of a millisecond; ENGINE's pool holds
+    all eight on one worker)."""
+    reqs = requests(8, max_tokens=128)
 
     async def main():
         async with Cluster(model_dir, router_config, tracing=tracing, **build) as c:

@@ -37,6 +37,9 @@ def test_abort_is_idempotent_in_every_decode_state(hf_checkpoint, make_pair):
     assert pair.used_blocks() == (0, 0)
     req = request("running")
     reservation = pair.decode.reserve(req).result(5)
+    # its first decode step begins asleep, so it is still running when stats answers after that
+    # step, however fast the rest of its 50 steps go
+    pair.decode.loop.inject_fault("stall", 1.0)
     pair.prefill.prefill(req, reservation).result(10)
     assert wait_for(lambda: pair.decode.stats().result(5).num_running == 1)
     for _ in range(2):  # running, then finished
