@@ -23,6 +23,7 @@ from pdserve.engine.kv_cache.offload import PoolTiers
 from pdserve.engine.kv_cache.prefix_hash import chained_block_hashes
 from pdserve.engine.kv_cache.tiers import FOLDER_PREFIX, HEADER, KVTiers
 from pdserve.engine.llm import LLM
+from pdserve.testing.waits import wait_for
 from pdserve.worker_api import KV_TIER_DISK, KV_TIER_HOST, PrefixSource, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
@@ -161,6 +162,10 @@ def test_a_request_waits_for_its_prefetch_while_others_step(tiny_dir, computed, 
         assert queued.block_table == [] and queued.num_computed_tokens == 0
         assert busy.num_tokens == 20 + 4  # (one token per step: the prompt's, then 3 more)
         gate.set()
+        # the blocks are up before busy's last steps (a fast decode step could end them first,
+        # and a request alone reads from disk itself)
+        bm = engine.parts.block_manager
+        wait_for(lambda: not bm.coming_up(bm.find_prefix(queued)), what="the prefetch")
         while engine.has_unfinished_requests():
             engine.step()
         assert queued.prefix_source.cached_tokens == HIT
