@@ -3,8 +3,10 @@
 ``backend`` is ``"auto"`` (Triton when the tensor is on CUDA and Triton imports; on CPU
 ``"native"`` when the C kernels build here, else ``"torch"``), ``"torch"``, ``"native"`` (torch
 with the C decode attention, :mod:`pdserve.kernels.cpu_decode_attention`, for float32 and
-bfloat16 pools, the C causal attention of prompts, :mod:`pdserve.kernels.cpu_causal_attention`,
-and the C RMSNorm, SiLU-and-mul and RoPE, :mod:`pdserve.kernels.cpu_pointwise`, for float32) or
+bfloat16 pools, the C causal attention of float32 prompts,
+:mod:`pdserve.kernels.cpu_causal_attention` (bf16 ones through torch's bf16 SDPA), and the C
+RMSNorm, SiLU-and-mul and RoPE, :mod:`pdserve.kernels.cpu_pointwise`, for float32 and bf16;
+a decode step through :mod:`pdserve.kernels.cpu_decode_layers` where the model takes it) or
 ``"triton"`` (forced; on CPU it needs ``TRITON_INTERPRET=1`` set before triton is imported).
 Triton modules are imported lazily so the CPU path never imports triton.
 """
