@@ -44,39 +44,6 @@ static inline int threads_for(int64_t work, int64_t min_work, int threads) {
     return work >= min_work ? threads : 1;
 }
 
-/* RoPE of the packed q and k heads of qkv (rows, (heads + kv_heads) x head_dim, row stride
-   ld) into out (rows, heads + kv_heads, head_dim); rotary_head's products stay unfused. */
-__attribute__((optimize("fp-contract=off")))
-static void rope_rows(const void *qkv, int64_t ld, int64_t rows, int64_t heads, int64_t dim,
-                      const float *cos, const float *sin, void *out, int bf16) {
-    for (int64_t t = 0; t < rows; t++)
-        for (int64_t h = 0; h < heads; h++) {
-            const int64_t at = t * ld + h * dim, out_at = (t * heads + h) * dim;
-            if (bf16)
-                rotary_head(qkv, at, dim, cos + t * dim, sin + t * dim, out, out_at, 1);
-            else
-                rotary_head(qkv, at, dim, cos + t * dim, sin + t * dim, out, out_at, 0);
-        }
-}
-
-/* RMSNorm of rows (hidden wide): add_rms_norm_row on each (with residual: x + residual into
-   sum first, which may be residual itself) */
-static void norm_rows(const void *x, const void *residual, void *sum, const void *weight,
-                      float eps, int64_t rows, int64_t hidden, void *out, int bf16) {
-    const int64_t size = bf16 ? 2 : 4;
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t at = r * hidden * size;
-        const char *rr = residual == NULL ? NULL : (const char *)residual + at;
-        char *sr = residual == NULL ? NULL : (char *)sum + at;
-        const char *xr = (const char *)x + at;
-        char *o = (char *)out + at;
-        if (bf16)
-            add_rms_norm_row(xr, rr, sr, weight, eps, hidden, o, 1);
-        else
-            add_rms_norm_row(xr, rr, sr, weight, eps, hidden, o, 0);
-    }
-}
-
 /* Copy n values of row into the pool row at slot (the pool and the row of one dtype). */
 static inline void put_row(void *pool, int64_t slot, int64_t n, const void *row, int bf16) {
     const int64_t size = bf16 ? 2 : 4;
@@ -96,6 +63,13 @@ typedef struct {
     float *q32, *out32;
 } decode_batch;
 
+/* B->normed = RMSNorm(hidden (+ residual, written back to residual)) with weight */
+static void norm_into(const decode_batch *B, const void *hidden, void *residual,
+                      const void *weight) {
+    add_rms_norm_rows(hidden, residual, residual, weight, B->shape->eps, B->rows,
+                      B->shape->hidden, B->normed, B->bf16, 1);
+}
+
 static int gemm_threads(const decode_batch *B, int64_t n, int64_t k) {
     return threads_for(B->rows * n * k, B->shape->parallel_min_work, B->threads);
 }
@@ -109,8 +83,8 @@ static int attention_block(const decode_batch *B, const decode_layer *L, void *h
     int code = panel_gemm_run(B->normed, h, L->qkv, L->qkv_kp, L->qkv_bias, B->wide, qkv_size,
                               rows, qkv_size, h, B->bf16, gemm_threads(B, qkv_size, h));
     if (code) return code;
-    rope_rows(B->wide, qkv_size, rows, S->heads + S->kv_heads, S->head_dim, B->cos, B->sin,
-              B->rotated, B->bf16);
+    rotary_rows(B->wide, qkv_size, S->head_dim, rows, S->heads + S->kv_heads, S->head_dim,
+                B->cos, B->sin, B->rotated, B->bf16, 1);
     for (int64_t r = 0; r < rows; r++) {
         const char *row = B->rotated + r * (q_size + kv_size) * size;
         put_row(L->k_pool, B->slots[r], kv_size, row + q_size * size, B->bf16);
@@ -131,17 +105,11 @@ static int attention_block(const decode_batch *B, const decode_layer *L, void *h
 /* normed rows -> the MLP's output, in hidden: gate/up, SiLU-and-mul, down. */
 static int mlp_block(const decode_batch *B, const decode_layer *L, void *hidden) {
     const int64_t rows = B->rows, h = B->shape->hidden, inter = B->shape->inter;
-    const int64_t size = B->bf16 ? 2 : 4;
     int code = panel_gemm_run(B->normed, h, L->gate_up, L->gate_up_kp, L->gate_up_bias,
                               B->wide, 2 * inter, rows, 2 * inter, h, B->bf16,
                               gemm_threads(B, 2 * inter, h));
     if (code) return code;
-    for (int64_t r = 0; r < rows; r++) {
-        if (B->bf16)
-            silu_and_mul_row(B->wide, r * 2 * inter, inter, B->act + r * inter * size, 1);
-        else
-            silu_and_mul_row(B->wide, r * 2 * inter, inter, B->act + r * inter * size, 0);
-    }
+    silu_and_mul_rows(B->wide, 2 * inter, rows, inter, B->act, B->bf16, 1);
     return panel_gemm_run(B->act, inter, L->down, L->down_kp, L->down_bias, hidden, h, rows, h,
                           inter, B->bf16, gemm_threads(B, h, inter));
 }
@@ -187,20 +155,17 @@ int decode_layers(const decode_layer *layers, int num_layers, const decode_shape
     B.q32 = (float *)at;
     B.out32 = B.q32 + rows * B.q_size;
     memcpy(B.residual, hidden, (size_t)(rows * h * size));
-    norm_rows(hidden, NULL, NULL, layers[0].input_norm, shape->eps, rows, h, B.normed, bf16);
+    norm_into(&B, hidden, NULL, layers[0].input_norm);
     int code = 0;
     for (int l = 0; l < num_layers && code == 0; l++) {
-        if (l > 0)
-            norm_rows(hidden, B.residual, B.residual, layers[l].input_norm, shape->eps, rows, h,
-                      B.normed, bf16);
+        if (l > 0) norm_into(&B, hidden, B.residual, layers[l].input_norm);
         code = attention_block(&B, &layers[l], hidden);
         if (code) break;
-        norm_rows(hidden, B.residual, B.residual, layers[l].post_norm, shape->eps, rows, h,
-                  B.normed, bf16);
+        norm_into(&B, hidden, B.residual, layers[l].post_norm);
         code = mlp_block(&B, &layers[l], hidden);
     }
     if (code == 0) {
-        norm_rows(hidden, B.residual, B.residual, final_norm, shape->eps, rows, h, B.normed, bf16);
+        norm_into(&B, hidden, B.residual, final_norm);
         memcpy(hidden, B.normed, (size_t)(rows * h * size));
     }
     free(scratch);

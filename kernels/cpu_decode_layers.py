@@ -85,8 +85,7 @@ def takes_model(model) -> bool:
         if layer.all_reduce is not None or layer.self_attn.q_norm is not None:
             return False
         for linear in _linears(layer):
-            if linear.packed is None or not cpu_panel_gemm.takes(
-                    torch.empty(1, linear.in_features, dtype=dtype), linear.packed):
+            if linear.packed is None or not cpu_panel_gemm.confirmed(linear.packed):
                 return False
     return True
 

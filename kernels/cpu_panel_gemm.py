@@ -93,10 +93,16 @@ def k_rows(packed: torch.Tensor) -> int:
                                                * -(-out_features // panel))
 
 
+def confirmed(packed: torch.Tensor) -> bool:
+    """Whether :func:`record_layout` confirmed the panel layout for ``packed``'s shape and
+    dtype."""
+    return _confirmed.get((*packed.shape, packed.dtype), False)
+
+
 def takes(x: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether :func:`panel_linear` serves ``x`` (rows, in) against ``packed``."""
     return (0 < x.shape[0] <= MAX_ROWS and x.dim() == 2 and x.dtype == packed.dtype
-            and _confirmed.get((*packed.shape, packed.dtype), False))
+            and confirmed(packed))
 
 
 def panel_linear(x: torch.Tensor, packed: torch.Tensor,

@@ -74,7 +74,8 @@ def _causal_attention_cpu(q, k, v, scale):
 def _causal_bf16_cpu(q, k, v, scale):
     """One bf16 prompt (T, heads, hd) through torch's own bf16 attention kernel (products on
     the CPU's bf16 instructions, softmax and sums in float32; the kernel transformers runs in
-    bf16), 2-3x the C kernel on float32 copies: (T, heads, hd) bf16."""
+    bf16), faster than the C kernel on float32 copies (docs/cpu-speed.md): (T, heads, hd)
+    bf16."""
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         is_causal=True, scale=scale, enable_gqa=True)  # (1, heads, T, hd)

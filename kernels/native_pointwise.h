@@ -15,8 +15,9 @@
  * each output. The entry points take bf16 as an argument and call a copy of the loop compiled
  * for each type (the helpers of native_vec.h fold the test away).
  *
- * The row functions live here; kernels/cpu_pointwise.c calls them on their own, and
- * kernels/cpu_decode_layers.c between the GEMMs of a fused decode.
+ * The kernels live here (a row at a time, and over rows, split over threads); kernels/
+ * cpu_pointwise.c exports them as calls of their own, kernels/cpu_decode_layers.c runs them
+ * between the GEMMs of a fused decode.
  */
 #ifndef PDSERVE_NATIVE_POINTWISE_H
 #define PDSERVE_NATIVE_POINTWISE_H
@@ -86,6 +87,58 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
     for (int64_t i = half; i < dim; i++) {
         float p = loadx1(x, at + i, bf16) * c[i], q = loadx1(x, at + i - half, bf16) * s[i];
         storex1(out, out_at + i, p + q, bf16);
+    }
+}
+
+/* out (rows, inter) = silu(gate) * up for x (rows, 2 * inter) = [gate | up], rows ldx apart */
+static void silu_and_mul_rows(const void *x, int64_t ldx, int64_t rows, int64_t inter,
+                              void *out, int bf16, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16)
+            silu_and_mul_row(x, r * ldx, inter, (uint16_t *)out + r * inter, 1);
+        else
+            silu_and_mul_row(x, r * ldx, inter, (float *)out + r * inter, 0);
+    }
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * weight, row by row (rows, hidden); with residual (not
+ * NULL): x + residual first, written to sum (the next layer's residual). */
+static void add_rms_norm_rows(const void *x, const void *residual, void *sum,
+                              const void *weight, float eps, int64_t rows, int64_t hidden,
+                              void *out, int bf16, int threads) {
+    const int64_t size = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t at = r * hidden * size;
+        const char *xr = (const char *)x + at;
+        const char *rr = residual == NULL ? NULL : (const char *)residual + at;
+        char *sr = residual == NULL ? NULL : (char *)sum + at, *o = (char *)out + at;
+        if (bf16)
+            add_rms_norm_row(xr, rr, sr, weight, eps, hidden, o, 1);
+        else
+            add_rms_norm_row(xr, rr, sr, weight, eps, hidden, o, 0);
+    }
+}
+
+/* RoPE, rotate-half: out (tokens, heads, dim) = x * cos + (x2, x1) * sin per head, x's heads
+ * ld_head elements apart and tokens ld_token apart; cos and sin (tokens, dim) float32 are the
+ * rows of rope_table_torch, (cos, cos) and (-sin, sin). Products and sum rounded one by one,
+ * as torch does them (no fused multiply-add), so the result is the reference's bit for bit. */
+__attribute__((optimize("fp-contract=off")))
+static void rotary_rows(const void *x, int64_t ld_token, int64_t ld_head, int64_t tokens,
+                        int64_t heads, int64_t dim, const float *cos, const float *sin, void *out,
+                        int bf16, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * dim, *s = sin + t * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t at = t * ld_token + h * ld_head, out_at = (t * heads + h) * dim;
+            if (bf16)
+                rotary_head(x, at, dim, c, s, out, out_at, 1);
+            else
+                rotary_head(x, at, dim, c, s, out, out_at, 0);
+        }
     }
 }
 
