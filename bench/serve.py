@@ -312,16 +312,30 @@ def hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> f
     return max(0, after[0] - before[0]) / (after[1] - before[1])
 
 
+def traced_hit_rate(traces: list[dict]) -> float | None:
+    """The share of the traced requests' prompt tokens that the prefix caches of the workers
+    computing them served (a prefill, colocated, or, for a prompt it computed itself, decode
+    worker; any tier); None when no trace says where its prompt's tokens were found."""
+    sourced = [t for t in traces if t["prefix_source"] is not None]
+    looked_up = sum(t["num_prompt_tokens"] for t in sourced)
+    if not looked_up:
+        return None
+    served = sum(t["prefix_source"][k] for t in sourced
+                 for k in ("pool_tokens", "host_tokens", "disk_tokens"))
+    return served / looked_up
+
+
 def server_side(admins: list, request_ids: list[str], sampled: dict[str, dict]) -> dict:
     """Traces of ``request_ids`` (each router keeps those it routed; a router without the
-    Admin service gives none) -> ``phases``, ``prefill_locations`` and ``pool_prompt_tokens``
-    (the prompt tokens computed on prefill or colocated workers, whose prefix caches
-    ``prefix_counters`` reads; a prompt a decode worker computed itself is not among them);
-    from the first admin,
+    Admin service gives none) -> ``phases``, ``prefill_locations``, ``prefix_hit_rate``
+    (:func:`traced_hit_rate`) and ``pool_prompt_tokens`` (the prompt tokens computed on
+    prefill or colocated workers, whose prefix caches ``prefix_counters`` reads; a prompt a
+    decode worker computed itself is not among them); from the first admin,
     workers' ledgers and sampled utilisation and the server's configuration. Each part is
     None when the server does not offer it."""
     out: dict = {"phases": None, "num_traces": 0, "prefill_locations": None,
-                 "pool_prompt_tokens": None, "workers": None, "server_config": None}
+                 "prefix_hit_rate": None, "pool_prompt_tokens": None, "workers": None,
+                 "server_config": None}
     traces = []
     for admin in admins:
         try:
@@ -332,6 +346,7 @@ def server_side(admins: list, request_ids: list[str], sampled: dict[str, dict]) 
     out["phases"] = phase_split(traces) if traces else None
     out["prefill_locations"] = prefill_locations(traces)
     if traces:
+        out["prefix_hit_rate"] = traced_hit_rate(traces)
         out["pool_prompt_tokens"] = sum(t["num_prompt_tokens"] for t in traces
                                         if t["prefill_location"] != "local")
     admin = admins[0]
@@ -376,11 +391,12 @@ async def _benchmark(opts: ServeOptions) -> dict:
         await sampler.stop()
         side = await asyncio.to_thread(server_side, admins, [o.request_id for o in outcomes],
                                        sampler.summary())
-        looked_up = side["pool_prompt_tokens"]
-        if looked_up is None:  # (no traces: every prompt, as a colocated server computes them)
-            looked_up = sum(o.prompt_len for o in outcomes if o.success)
-        side["prefix_hit_rate"] = hit_rate(before, await asyncio.to_thread(
-            settled_prefix_counters, admins[0], before, looked_up))
+        if side["prefix_hit_rate"] is None:  # (no traces: the workers' counters)
+            looked_up = side["pool_prompt_tokens"]
+            if looked_up is None:  # (every prompt, as a colocated server computes them)
+                looked_up = sum(o.prompt_len for o in outcomes if o.success)
+            side["prefix_hit_rate"] = hit_rate(before, await asyncio.to_thread(
+                settled_prefix_counters, admins[0], before, looked_up))
     result = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "pdserve",
               "target": opts.target, "base_url": opts.base_url, "model_id": info.model_name,
               "num_prompts": opts.num_prompts, "request_rate": opts.request_rate,

@@ -12,7 +12,7 @@ import pytest
 from pdserve.bench.compare import CompareOptions, derive_slos, run_compare, score
 from pdserve.bench.plots import write_plots
 from pdserve.bench.report import dump_json, format_compare, format_serve
-from pdserve.bench.serve import ServeOptions, compute_metrics, hit_rate
+from pdserve.bench.serve import ServeOptions, compute_metrics, hit_rate, traced_hit_rate
 from pdserve.bench.workload import (
     NUM_SYSTEM_PROMPTS,
     RequestOutcome,
@@ -121,6 +121,21 @@ def test_hit_rate_is_the_runs_share_of_looked_up_tokens_the_caches_served():
     assert hit_rate((100, 1000), (400, 2000)) == pytest.approx(0.3)
     assert hit_rate(None, (1, 2)) is None and hit_rate((5, 10), (5, 10)) is None
     assert hit_rate((500, 1000), (0, 1500)) == 0.0  # a replaced worker restarted its counters
+
+
+def test_traced_hit_rate_counts_each_prompt_where_it_was_computed():
+    def trace(tokens, location, pool=0, host=0, disk=0):
+        source = {"pool_tokens": pool, "host_tokens": host, "disk_tokens": disk, "load_s": 0.0}
+        return {"num_prompt_tokens": tokens, "prefill_location": location,
+                "prefix_source": source}
+
+    # a remote prefill's hits, a decode worker's own prompt's (pool and host), a colocated miss
+    traces = [trace(64, "remote", pool=32), trace(64, "local", pool=16, host=16),
+              trace(128, None)]
+    assert traced_hit_rate(traces) == pytest.approx(64 / 256)
+    unsourced = dict(trace(100, "remote"), prefix_source=None)  # (a failed request)
+    assert traced_hit_rate(traces + [unsourced]) == pytest.approx(64 / 256)
+    assert traced_hit_rate([unsourced]) is None and traced_hit_rate([]) is None
 
 
 def test_arrivals_poisson_gamma_and_inf():
