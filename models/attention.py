@@ -40,21 +40,39 @@ class AttentionMetadata:
         return self.context_lens.shape[0]
 
     @functools.cached_property
-    def prompt_bounds(self) -> list[int] | None:
-        """``cu_seqlens_q`` as a list where every sequence's queries are its whole context
-        (prompts with no cached prefix: the step's K/V are all of theirs), else None; several
-        sequences are checked on the CPU only (elsewhere None: no device sync). Asked by every
-        layer, computed once."""
-        if self.max_query_len != self.max_context_len:  # the longest is no whole prompt
-            return None
+    def whole_prompts(self) -> WholePrompts | None:
+        """The step's sequences whose queries are their whole context (prompts with no cached
+        prefix: the step's K/V are all of theirs), apart from the others; None when there is
+        none. Several sequences are checked on the CPU only (elsewhere None: no device sync).
+        Asked by every layer, computed once."""
         if self.num_seqs == 1:
-            return [0, self.max_query_len]
+            if self.max_query_len != self.max_context_len:
+                return None
+            return WholePrompts([(0, self.max_query_len)])
         if self.cu_seqlens_q.device.type != "cpu":
             return None
-        q_lens = self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
-        if not torch.equal(q_lens.to(self.context_lens.dtype), self.context_lens):
+        q_lens = (self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]).to(self.context_lens.dtype)
+        whole = q_lens == self.context_lens
+        if not bool(whole.any()):
             return None
-        return self.cu_seqlens_q.tolist()
+        starts = self.cu_seqlens_q[:-1]
+        prompts = list(zip(starts[whole].tolist(), (starts + q_lens)[whole].tolist(),
+                           strict=True))
+        if bool(whole.all()):
+            return WholePrompts(prompts)
+        seqs = (~whole).nonzero().flatten()
+        rest_lens = q_lens[seqs].long()
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+        torch.cumsum(rest_lens, 0, out=cu[1:])
+        rows = torch.arange(int(cu[-1])) + torch.repeat_interleave(
+            starts[seqs].long() - cu[:-1], rest_lens)
+        context_lens = self.context_lens[seqs]
+        rest = AttentionMetadata(
+            slot_mapping=self.slot_mapping[rows], cu_seqlens_q=cu.to(self.cu_seqlens_q.dtype),
+            context_lens=context_lens, block_tables=self.block_tables[seqs],
+            max_query_len=int(rest_lens.max()), max_context_len=int(context_lens.max()),
+            backend=self.backend)
+        return WholePrompts(prompts, rows, rest)
 
     def of_rows(self, rows: torch.Tensor) -> AttentionMetadata:
         """The batch's ``rows`` (R,) of the flat batch, each as one query (a decode) at its own
@@ -68,6 +86,17 @@ class AttentionMetadata:
             context_lens=context_lens.to(torch.int32), block_tables=self.block_tables[seq],
             max_query_len=1, max_context_len=int(context_lens.max()) if len(rows) else 0,
             backend=self.backend, lora=None if self.lora is None else self.lora.of_rows(rows))
+
+
+@dataclass(frozen=True)
+class WholePrompts:
+    """A step's whole prompts (:attr:`AttentionMetadata.whole_prompts`), which attend from
+    their own K/V, and the rest of its sequences (decodes, later chunks of prompts, prompts
+    after a cached prefix), which attend over the paged pool."""
+
+    bounds: list[tuple[int, int]]  # each whole prompt's rows of the flat batch, start to end
+    rest_rows: torch.Tensor | None = None  # (R,) int64: the other sequences' rows (None: none)
+    rest: AttentionMetadata | None = None  # their metadata, as a batch of their own
 
 
 class Attention(nn.Module):
@@ -96,11 +125,16 @@ class Attention(nn.Module):
             if not len(q):
                 return q
         elif (self.sliding_window is None and cache.kv.dtype == k.dtype
-                and meta.prompt_bounds is not None):
+                and meta.whole_prompts is not None):
             # whole prompts, their K/V stored as they are: attend from them, not the cache
-            out = self._prompts(q, k, v, meta.prompt_bounds, meta.backend)
+            out = self._whole_prompts(q, k, v, cache, meta.whole_prompts, meta.backend)
             if out is not None:
                 return out
+        return self._paged(q, cache, meta)
+
+    def _paged(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata
+               ) -> torch.Tensor:
+        """Every query of ``meta``'s batch over the K/V in the paged pool."""
         if meta.is_decode_only:
             return kernels.paged_decode_attention(
                 q, cache, meta.block_tables, meta.context_lens, self.scale, self.sliding_window,
@@ -110,17 +144,22 @@ class Attention(nn.Module):
             self.sliding_window, backend=meta.backend, max_query_len=meta.max_query_len,
             max_context_len=meta.max_context_len)
 
-    def _prompts(self, q, k, v, bounds: list[int], backend: str) -> torch.Tensor | None:
-        """Each whole prompt of the packed q, k, v (rows ``bounds[i]:bounds[i + 1]``)
-        attending to itself (:func:`kernels.prompt_attention`); None where that kernel does not
-        serve (Triton reads the cache as fast)."""
-        if len(bounds) == 2:
-            return kernels.prompt_attention(q, k, v, self.scale, backend=backend)
+    def _whole_prompts(self, q, k, v, cache: KVCacheLayer, split: WholePrompts, backend: str
+                       ) -> torch.Tensor | None:
+        """Each whole prompt of the packed q, k, v attending to itself
+        (:func:`kernels.prompt_attention`), the step's other rows over the pool; None where
+        that kernel does not serve (Triton reads the cache as fast)."""
         outs = []
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        for start, end in split.bounds:
             out = kernels.prompt_attention(q[start:end], k[start:end], v[start:end], self.scale,
                                            backend=backend)
             if out is None:
                 return None
             outs.append(out)
-        return torch.cat(outs)
+        if split.rest is None:
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = q.new_empty(q.shape)
+        for (start, end), prompt in zip(split.bounds, outs, strict=True):
+            out[start:end] = prompt
+        out[split.rest_rows] = self._paged(q.index_select(0, split.rest_rows), cache, split.rest)
+        return out

@@ -80,35 +80,55 @@ def test_a_bf16_prompt_on_the_native_path_matches_float32_to_bf16_rounding(gen, 
     assert torch.equal(again[:-1], got[:-1])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_several_whole_prompts_attend_from_their_own_k_and_v(gen, monkeypatch, backend, dtype):
-    """A step of whole prompts only attends each from its own K/V (no read-back); one with a
-    cached prefix among them sends the step down the paged path. Both agree."""
-    lens = [5, 17, 9]
-    batch = random_paged_batch(lens, lens, HEADS, KV_HEADS, HEAD_DIM, BLOCK, dtype, gen)
-    total = sum(lens)
-    k, v = (torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+def _step(gen, context_lens, q_lens, dtype, backend):
+    """A step's batch of sequences (``q_lens`` new tokens each after ``context_lens`` minus
+    them in the pool), the K/V of its new tokens and its metadata."""
+    batch = random_paged_batch(context_lens, q_lens, HEADS, KV_HEADS, HEAD_DIM, BLOCK, dtype,
+                               gen)
+    k, v = (torch.randn(sum(q_lens), KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+            for _ in range(2))
     meta = AttentionMetadata(
         slot_mapping=batch.slot_mapping, cu_seqlens_q=batch.cu_seqlens_q,
         context_lens=batch.context_lens, block_tables=batch.block_tables,
-        max_query_len=max(lens), max_context_len=max(lens), backend=backend)
-    assert meta.prompt_bounds == [0, 5, 22, 31]
-    paged = kernels.paged_attention
+        max_query_len=max(q_lens), max_context_len=max(context_lens), backend=backend)
+    return batch, k, v, meta
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context_lens, q_lens, prompts, rest", [
+    # whole prompts only: each attends from its own K/V, nothing is read back
+    ([5, 17, 9], [5, 17, 9], [(0, 5), (5, 22), (22, 31)], None),
+    # a decode, a whole prompt, a prompt after a cached prefix, a whole prompt: the decode and
+    # the prefixed prompt's rows (0; 18-25) attend over the pool, as a batch of their own
+    ([13, 17, 17, 5], [1, 17, 8, 5], [(1, 18), (26, 31)], [0, *range(18, 26)]),
+    # decodes around a whole prompt: the rest is decode only
+    ([30, 6, 3], [1, 6, 1], [(1, 7)], [0, 7]),
+])
+def test_whole_prompts_attend_from_their_own_k_and_v_the_rest_over_the_pool(
+        gen, monkeypatch, backend, dtype, context_lens, q_lens, prompts, rest):
+    batch, k, v, meta = _step(gen, context_lens, q_lens, dtype, backend)
+    split = meta.whole_prompts
+    assert split.bounds == prompts
+    assert (split.rest_rows is None if rest is None else split.rest_rows.tolist() == rest)
+    paged, decode = kernels.paged_attention, kernels.paged_decode_attention
     calls = []
     monkeypatch.setattr(kernels, "paged_attention",
-                        lambda *args, **kw: calls.append(1) or paged(*args, **kw))
+                        lambda q, *args, **kw: calls.append(len(q)) or paged(q, *args, **kw))
+    monkeypatch.setattr(kernels, "paged_decode_attention",
+                        lambda q, *args, **kw: calls.append(len(q)) or decode(q, *args, **kw))
     layer = Attention(HEADS, KV_HEADS, HEAD_DIM, 0.125)
     got = layer.forward(batch.query, k, v, batch.cache, meta)
-    assert calls == []
+    assert calls == ([] if rest is None else [len(rest)])
     want = paged(batch.query, batch.cache, batch.cu_seqlens_q, batch.context_lens,
                  batch.block_tables, 0.125, backend=backend)
     assert got.shape == want.shape and got.dtype == dtype
     assert relative_error(got, want) < TOLERANCE[dtype]
-    # the middle prompt brings 8 of its 17 tokens after a cached prefix: not whole prompts
-    prefixed = random_paged_batch(lens, [5, 8, 9], HEADS, KV_HEADS, HEAD_DIM, BLOCK, dtype, gen)
-    meta = AttentionMetadata(
-        slot_mapping=prefixed.slot_mapping, cu_seqlens_q=prefixed.cu_seqlens_q,
-        context_lens=prefixed.context_lens, block_tables=prefixed.block_tables,
-        max_query_len=9, max_context_len=17, backend=backend)
-    assert meta.prompt_bounds is None
+
+
+def test_a_step_without_a_whole_prompt_has_none(gen):
+    # decodes and a prompt after a cached prefix: every row reads the pool
+    _, _, _, meta = _step(gen, [13, 17], [1, 8], torch.float32, "auto")
+    assert meta.whole_prompts is None
+    _, _, _, meta = _step(gen, [9], [4], torch.float32, "auto")
+    assert meta.whole_prompts is None
