@@ -18,8 +18,11 @@
  * is refused and oneDNN keeps the rows.
  *
  * float32 rows go through in blocks (their accumulators stay in registers); a second block
- * rereads the panel from cache, not memory. Columns past N in the last panel are computed from
- * the padding and not stored. OpenMP splits the panels when threads > 1. Used by
+ * rereads the panel from cache, not memory. Both kernels prefetch the weight a few k steps
+ * ahead of their multiplies (PREFETCH_ROWS, AMX_PREFETCH): the CPU's own prefetcher alone
+ * left a stream read with a few rows of work per byte short of the memory's bandwidth
+ * (docs/cpu-speed.md). Columns past N in the last panel are computed from the padding and not
+ * stored. OpenMP splits the panels when threads > 1. Used by
  * kernels/cpu_panel_gemm.c (the calls on their own) and kernels/cpu_decode_layers.c (a fused
  * decode's GEMMs).
  */
@@ -32,6 +35,7 @@
 #include "native_vec.h"
 
 #define PANEL 64 /* float32 panel width */
+#define PREFETCH_ROWS 16 /* k rows of a float32 panel (256 bytes each) read ahead */
 #define ROW_BLOCK 6 /* rows whose 4 x 6 accumulators stay in registers (7 spill) */
 
 /* rows (<= ROW_BLOCK, a constant once inlined) of x against one panel: out (rows, 64) */
@@ -43,6 +47,11 @@ static inline __attribute__((always_inline)) void panel_rows(
         for (int j = 0; j < 4; j++) acc[m][j] = (v16){0};
     for (int64_t i = 0; i < k; i++) {
         const float *w = panel + i * PANEL;
+        const char *ahead = (const char *)(w + PREFETCH_ROWS * PANEL);
+        __builtin_prefetch(ahead, 0, 3);
+        __builtin_prefetch(ahead + 64, 0, 3);
+        __builtin_prefetch(ahead + 128, 0, 3);
+        __builtin_prefetch(ahead + 192, 0, 3);
         v16 w0 = in_register(load16(w)), w1 = in_register(load16(w + 16));
         v16 w2 = in_register(load16(w + 32)), w3 = in_register(load16(w + 48));
 #pragma GCC unroll 6
@@ -105,6 +114,7 @@ static int panel_gemm_f32_run(const float *x, int64_t ldx, const float *packed, 
 #define PANEL_BF16_AMX 1
 #define AMX_K 32 /* k values a tile multiply takes: one A tile row of 64 bytes */
 #define AMX_ROWS 32 /* rows one pass over the weight takes: two tiles of 16 */
+#define AMX_PREFETCH 4 /* k steps of a bf16 panel (2 KiB each) read ahead */
 
 /* Whether this process may use AMX's tile registers (Linux grants them on request, once). */
 static int amx_permitted(void) {
@@ -152,6 +162,9 @@ static inline void panel_rows_amx(const uint16_t *x, const uint16_t *panel, int6
     }
     for (int64_t i = 0; i < kp; i += AMX_K) {
         const uint16_t *w = panel + i * PANEL_BF16; /* pair i / 2 */
+        const char *ahead = (const char *)(w + AMX_PREFETCH * AMX_K * PANEL_BF16);
+        for (int line = 0; line < AMX_K * PANEL_BF16 * 2; line += 64)
+            __builtin_prefetch(ahead + line, 0, 3);
         _tile_loadd(6, w, PANEL_BF16 * 4);
         _tile_loadd(7, w + PANEL_BF16, PANEL_BF16 * 4);
         _tile_loadd(4, x + i, kp * 2);
