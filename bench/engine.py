@@ -15,7 +15,9 @@ In one run:
    median of three interleaved rounds, and their range), what a request joining the decode
    rows costs, and what arrivals cost a colocated worker's decode steps;
 3. tokens/s of continuous batching against Hugging Face ``generate`` with static batches on the
-   same requests with long-tailed output lengths.
+   same requests with long-tailed output lengths;
+4. the forward time of a step of one and of seven whole prompts of 256 tokens, and of seven
+   beside a running request's decode, in fp32 and bf16 (``--prefill-only``: this alone).
 """
 
 from __future__ import annotations
@@ -381,12 +383,55 @@ def step_profile(engine: LLMEngine, prompts, params) -> str:
             f"the forward is {sum(s.forward_s for s in steps) / total:.0%} of step time")
 
 
+# (label, prompts in the step, a running request decoding beside them)
+PREFILL_STEPS = (("1 prompt", 1, False), ("7 prompts", 7, False),
+                 ("1 decode + 7 prompts", 7, True))
+
+
+def prefill_table(model_dir: Path, prompt_len: int, repeats: int = 3) -> str:
+    """The forward time of a step of whole prompts of ``prompt_len`` tokens (no prefix cache),
+    alone and beside a running request's decode (a mixed step), per dtype: the median of
+    ``repeats``."""
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        engine = LLMEngine(EngineParts.build(EngineConfig(
+            model=str(model_dir), dtype=dtype, num_kv_blocks=4096, max_num_seqs=256,
+            enable_prefix_caching=False, max_num_batched_tokens=max(2048, 8 * prompt_len))))
+        for label, num_prompts, beside_decode in PREFILL_STEPS:
+            steps = sorted(_prompt_step(engine, f"{label}-{r}", num_prompts, prompt_len,
+                                        beside_decode) for r in range(repeats))
+            forward_s, num_seqs = steps[len(steps) // 2]
+            rows.append([dtype, label, num_seqs, num_prompts * prompt_len, forward_s * 1e3,
+                         num_prompts * prompt_len / forward_s])
+    return format_table(["dtype", "step", "seqs", "prompt tokens", "forward ms",
+                         "prompt tok/s"], rows)
+
+
+def _prompt_step(engine: LLMEngine, tag: str, num_prompts: int, prompt_len: int,
+                 beside_decode: bool) -> tuple[float, int]:
+    """The forward seconds and sequences of one step that takes ``num_prompts`` whole prompts
+    (and, with ``beside_decode``, a running request's next token)."""
+    if beside_decode:
+        engine.add_request(f"{tag}-running", [(3 * j) % 500 + 1 for j in range(prompt_len)],
+                           SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
+        engine.step()  # its prompt; the step below decodes it
+    for i in range(num_prompts):
+        engine.add_request(f"{tag}-{i}", [(7 * i + j) % 500 + 1 for j in range(prompt_len)],
+                           SamplingParams(max_tokens=1, temperature=0.0))
+    engine.step()
+    step = engine.last_step
+    while engine.has_unfinished_requests():
+        engine.step()
+    return step.forward_s, step.num_seqs
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--model", help="a checkpoint folder for section 1 instead of the "
                                         "random ~100M Llama")
     parser.add_argument("--roofline-only", action="store_true", help="section 1 alone")
+    parser.add_argument("--prefill-only", action="store_true", help="section 4 alone")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -399,6 +444,10 @@ def main(argv: list[str] | None = None) -> None:
             big = write_random_llama(Path(tmp) / "llama100m", **LLAMA_100M)
             big_name = "random ~100M Llama"
         windowed = write_random_mistral(Path(tmp) / "windowed", WINDOW, **LLAMA_TINY)
+        if args.prefill_only:
+            print(f"4. prefill steps ({big_name})")
+            print(prefill_table(big, 32 if args.quick else 256, 1 if args.quick else 3))
+            return
         bandwidth = measure_read_bandwidth(1 << 26 if args.quick else 1 << 29)
         print(f"threads {torch.get_num_threads()}, measured read bandwidth "
               f"{bandwidth / 1e9:.1f} GB/s\n")
@@ -417,6 +466,8 @@ def main(argv: list[str] | None = None) -> None:
         print("\n3. continuous batching vs Hugging Face static batching (tiny model)")
         print(batching_table(tiny, 16 if args.quick else 64, 16 if args.quick else 64,
                              [8] if args.quick else [16, 64], 1 if args.quick else 3))
+        print(f"\n4. prefill steps ({big_name})")
+        print(prefill_table(big, 32 if args.quick else 256, 1 if args.quick else 3))
 
 
 if __name__ == "__main__":

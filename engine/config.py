@@ -74,6 +74,11 @@ class EngineConfig:
     # step and the decodes run without prefills between them: lower time per output token,
     # later first tokens; prompts go at once when nothing decodes, when as many wait as
     # decode, or when they fill a step. 0: admitted at once
+    prefill_batch_tokens: int | None = None  # a step admits a further waiting prompt only
+    # while its prompt tokens (prompt chunks and admitted prompts) stay within this many; the
+    # step's first prompt always goes (split by max_num_batched_tokens alone). Every prompt in
+    # a step waits for all of them: fewer a step, sooner first tokens. None: no bound but
+    # max_num_batched_tokens
     attention_backend: str = "auto"  # auto | torch | native | triton
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, never as captured CUDA graphs
     cpu_packed_gemm: bool = True  # CPU, float32 (and bf16 where the CPU has oneDNN's bf16
@@ -144,6 +149,7 @@ class EngineConfig:
         _positive_int("memory_budget_bytes", self.memory_budget_bytes, allow_none=True)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("prefill_batch_tokens", self.prefill_batch_tokens, allow_none=True)
         check_admission_hold(self.admission_hold_s)
         check_step_timeout(self.step_timeout_s)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)

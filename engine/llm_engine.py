@@ -105,7 +105,8 @@ class LLMEngine:
                             max_num_batched_tokens=cfg.max_num_batched_tokens,
                             max_model_len=parts.max_model_len,
                             enable_chunked_prefill=cfg.enable_chunked_prefill,
-                            admission_hold_s=cfg.admission_hold_s),
+                            admission_hold_s=cfg.admission_hold_s,
+                            prefill_batch_tokens=cfg.prefill_batch_tokens),
             parts.block_manager, policy or SchedulingPolicy(cfg.scheduling_policy))
         self.scheduler.adapters = parts.adapters
         self.sampler = Sampler()

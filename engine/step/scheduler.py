@@ -426,9 +426,10 @@ class Scheduler:
         logger.debug("preempted %s (recompute %d tokens)", seq.request_id, seq.num_tokens)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit waiting sequences in the policy's order while seats, budget and blocks
-        allow; returns the budget left."""
+        """Admit waiting sequences in the policy's order while seats, budget, blocks and
+        ``prefill_batch_tokens`` allow; returns the budget left."""
         cfg, bm = self.config, self.block_manager
+        prompt_tokens = sum(item.num_new_tokens for item in out.chunks if not item.is_decode)
         while (budget > 0 and len(self.running) < cfg.max_num_seqs
                and out.num_seqs < cfg.max_num_seqs):
             seq = self.policy.next_waiting(self.waiting)
@@ -444,6 +445,9 @@ class Scheduler:
                                            cfg.enable_chunked_prefill)
             if n <= 0:
                 break
+            if prompt_tokens and cfg.prefill_batch_tokens is not None \
+                    and prompt_tokens + n > cfg.prefill_batch_tokens:
+                break  # (it waits for a step of its own rather than make these wait for it)
             room = bm.admission_room(seq, hit)
             if room < n:
                 # Alone, a chunk shrinks to what fits so a sliding-window request progresses.
@@ -457,6 +461,7 @@ class Scheduler:
             self._join_running(seq)
             out.add(seq, n)
             budget -= n
+            prompt_tokens += n
         return budget
 
     def update(self, output: SchedulerOutput) -> None:

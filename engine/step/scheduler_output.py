@@ -28,12 +28,16 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True  # split long prompts over steps
     admission_hold_s: float = 0.0  # while sequences decode, a new prompt waits up to this
     # long from its arrival before it is admitted (Scheduler._holds_admission); 0: at once
+    prefill_batch_tokens: int | None = None  # a further prompt is admitted only while the
+    # step's prompt tokens stay within this (the first always goes); None: no bound
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 2)
         check_admission_hold(self.admission_hold_s)
+        if self.prefill_batch_tokens is not None:
+            _check_int("prefill_batch_tokens", self.prefill_batch_tokens, 1)
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill must be a bool, "
                              f"got {self.enable_chunked_prefill!r}")
@@ -61,6 +65,12 @@ class ScheduledSequence:
         # drafts proposed into them (at most num_lookahead; verified in this step's forward)
         self.num_lookahead = num_lookahead
         self.draft_token_ids: list[int] | tuple = ()
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether the chunk computes its sequence's last token alone (a decode as a chunk,
+        with any draft slots), not prompt work."""
+        return self.num_new_tokens == 1 and self.samples
 
     @property
     def num_scored(self) -> int:

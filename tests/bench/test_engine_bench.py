@@ -1,4 +1,4 @@
-"""``python -m pdserve.bench.engine --quick`` runs and prints its three sections (it never
+"""``python -m pdserve.bench.engine --quick`` runs and prints its four sections (it never
 asserts timings)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def test_engine_bench_quick_prints_every_section(capsys):
     engine.main(["--quick"])
     out = capsys.readouterr().out
     for title in ("1. decode step vs memory roofline", "2. engine overhead per decode step",
-                  "3. continuous batching vs Hugging Face static batching"):
+                  "3. continuous batching vs Hugging Face static batching", "4. prefill steps"):
         assert title in out, out
     native = "native" if kernels.cpu_decode_attention.available() else "torch"
     panel = "panel" if cpu_panel_gemm.beats_onednn() else "onednn"
@@ -46,3 +46,9 @@ def test_engine_bench_quick_prints_every_section(capsys):
     steps, decode, mean_batch, forward = profile.groups()
     assert 0 < int(decode) < int(steps) and 1.0 <= float(mean_batch) <= 16
     assert 0 < int(forward) <= 100
+    # section 4: the steps took the prompts asked for (32 tokens each), the mixed one a decode
+    for dtype in ("float32", "bfloat16"):
+        for step, seqs, tokens in (("1 prompt", 1, 32), ("7 prompts", 7, 224),
+                                   (r"1 decode \+ 7 prompts", 8, 224)):
+            assert re.search(rf"^\s*{dtype}\s+{step}\s+{seqs}\s+{tokens}\s+[\d.]+", out,
+                             re.M), out
