@@ -19,7 +19,8 @@ NON_DEFAULTS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_dtype=
                     max_num_batched_tokens=64, max_model_len=64, enable_prefix_caching=False,
                     enable_chunked_prefill=False, attention_backend="torch", seed=7,
                     scheduling_policy="priority", prefix_cache_salt="salt", enforce_eager=True,
-                    cpu_packed_gemm=False, admission_hold_s=0.5, step_timeout_s=120.0,
+                    cpu_packed_gemm=False, admission_hold_s=0.5, prefill_batch_tokens=32,
+                    step_timeout_s=120.0,
                     enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
                     speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                         "prompt_lookup_max": 3, "prompt_lookup_min": 1})
