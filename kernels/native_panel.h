@@ -48,10 +48,7 @@ static inline __attribute__((always_inline)) void panel_rows(
     for (int64_t i = 0; i < k; i++) {
         const float *w = panel + i * PANEL;
         const char *ahead = (const char *)(w + PREFETCH_ROWS * PANEL);
-        __builtin_prefetch(ahead, 0, 3);
-        __builtin_prefetch(ahead + 64, 0, 3);
-        __builtin_prefetch(ahead + 128, 0, 3);
-        __builtin_prefetch(ahead + 192, 0, 3);
+        for (int line = 0; line < PANEL * 4; line += 64) __builtin_prefetch(ahead + line, 0, 3);
         v16 w0 = in_register(load16(w)), w1 = in_register(load16(w + 16));
         v16 w2 = in_register(load16(w + 32)), w3 = in_register(load16(w + 48));
 #pragma GCC unroll 6
