@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_amx.h"
 #include "native_vec.h"
 
 #define QB 8 /* queries scored together (summed four at a time) */
@@ -168,4 +169,242 @@ int causal_attention_f32(const float *q, int64_t q_seq, int64_t q_token, int64_t
     }
     free(kt);
     return failed ? -2 : 0;
+}
+
+/* bfloat16 prompts on AMX's tiles: one whole prompt (no cached prefix), causal, grouped-query
+ * heads, head_dim a multiple of 32 (at most MAX_HEAD_DIM_BF16).
+ *
+ * Each kv head's keys are laid out once as the right-hand tiles of the scores (for sixteen keys
+ * and 32 dimensions, sixteen rows of the keys' dimension pairs side by side) and its values as
+ * those of the sums (for 32 keys and sixteen dimensions, sixteen rows of the dimensions' key
+ * pairs). A task takes 32 queries of one head (two tiles of sixteen rows, read in place): their
+ * scores against every key up to the last of them, 32 keys at a time in four float32 tiles;
+ * then, row by row on the vector unit, the softmax over the keys up to each query (later ones
+ * weigh 0), the weights rounded to bf16 as torch's bf16 attention does; then the weights times
+ * the values, 32 dimensions at a time in four tiles, and each row scaled by its sum's
+ * reciprocal and rounded to bf16. Tiles 0-3 hold sums, 4 and 5 the left-hand rows, 6 and 7 the
+ * right-hand tiles. */
+#define MAX_HEAD_DIM_BF16 256
+#define AQ 32 /* queries a task: two tiles of 16 rows */
+#define AK 32 /* keys a block: two tiles of 16 (scores), one tile's 16 pairs (sums) */
+#define TILE_U16 512 /* one 16 x 64-byte tile, in bf16 values */
+
+#if HAVE_AMX_BF16
+/* kt: key tile (b, c) for b in 16-key blocks (up to the 32-key block count x 2), c in 32-dim
+ * chunks: row p holds the 16 keys' dims (32c + 2p, 32c + 2p + 1); zero past n keys */
+static void pack_keys_bf16(const uint16_t *k, int64_t ld, int n, int head_dim, uint16_t *kt) {
+    const int chunks = head_dim / 32, tiles = (n + AK - 1) / AK * 2;
+    for (int b = 0; b < tiles; b++)
+        for (int c = 0; c < chunks; c++) {
+            uint32_t *tile = (uint32_t *)(kt + ((int64_t)b * chunks + c) * TILE_U16);
+            for (int j = 0; j < 16; j++) {
+                const int key = b * 16 + j;
+                for (int p = 0; p < 16; p++) {
+                    uint32_t pair = 0;
+                    if (key < n) memcpy(&pair, k + key * ld + c * 32 + 2 * p, sizeof pair);
+                    tile[p * 16 + j] = pair;
+                }
+            }
+        }
+}
+
+/* vt: value tile (b, t) for b in 32-key blocks, t in 16-dim slices: row p holds the 16 dims'
+ * values of keys (32b + 2p, 32b + 2p + 1) side by side; zero past n keys */
+static void pack_values_bf16(const uint16_t *v, int64_t ld, int n, int head_dim, uint16_t *vt) {
+    const int slices = head_dim / 16, blocks = (n + AK - 1) / AK;
+    for (int b = 0; b < blocks; b++)
+        for (int t = 0; t < slices; t++) {
+            uint16_t *tile = vt + ((int64_t)b * slices + t) * TILE_U16;
+            for (int p = 0; p < 16; p++)
+                for (int d = 0; d < 16; d++)
+                    for (int e = 0; e < 2; e++) {
+                        const int key = b * AK + 2 * p + e;
+                        tile[(p * 16 + d) * 2 + e] = key < n ? v[key * ld + t * 16 + d] : 0;
+                    }
+        }
+}
+
+/* 2^x lane by lane for the softmax's weights, which are rounded to bf16 (8 bits): x = n + f,
+ * |f| <= 1/2, 2^f by its Taylor polynomial of degree 5 (relative error below 3e-6), times 2^n
+ * by scalef (0 below 2^-149). x must not be NaN or +inf; the kernel's are at most 0. */
+static inline v16 vexp2_weights(v16 x) {
+    __m512 n = _mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v16 f = x - (v16)n;
+    v16 p = splat16(1.3333558146e-3f);
+    p = p * f + 9.6181291076e-3f;
+    p = p * f + 5.5504108665e-2f;
+    p = p * f + 2.4022650696e-1f;
+    p = p * f + 6.9314718056e-1f;
+    p = p * f + 1.0f;
+    return (v16)_mm512_scalef_ps((__m512)p, n);
+}
+
+/* One step's four products: left tiles 4 (rows 0-15) and 5 (rows 16-31) times right tiles 6
+ * and 7 into sums 0, 1 (rows 0-15) and 2, 3 (rows 16-31). */
+#define AMX_FOUR_PRODUCTS()      \
+    do {                         \
+        _tile_dpbf16ps(0, 4, 6); \
+        _tile_dpbf16ps(1, 4, 7); \
+        _tile_dpbf16ps(2, 5, 6); \
+        _tile_dpbf16ps(3, 5, 7); \
+    } while (0)
+
+/* The 32 queries i0 .. i0 + 31 (count of them real, q rows qld apart, padded to 32) of one
+ * head: out rows old apart. scores (AQ x sld floats) and weights (AQ x sld bf16) are the
+ * task's buffers, sld at least the keys up to the last query rounded up to AK. */
+static void attend_block_bf16(const uint16_t *q, int64_t qld, const uint16_t *kt,
+                              const uint16_t *vt, int i0, int count, int head_dim, float scale,
+                              float *scores, uint16_t *weights, int64_t sld, uint16_t *out,
+                              int64_t old) {
+    const int chunks = head_dim / 32, slices = head_dim / 16, blocks = (i0 + count - 1) / AK + 1;
+    for (int b = 0; b < blocks; b++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int c = 0; c < chunks; c++) {
+            _tile_loadd(4, q + c * 32, qld * 2);
+            _tile_loadd(5, q + 16 * qld + c * 32, qld * 2);
+            _tile_loadd(6, kt + ((int64_t)(2 * b) * chunks + c) * TILE_U16, 64);
+            _tile_loadd(7, kt + ((int64_t)(2 * b + 1) * chunks + c) * TILE_U16, 64);
+            AMX_FOUR_PRODUCTS();
+        }
+        _tile_stored(0, scores + b * AK, sld * 4);
+        _tile_stored(1, scores + b * AK + 16, sld * 4);
+        _tile_stored(2, scores + 16 * sld + b * AK, sld * 4);
+        _tile_stored(3, scores + 16 * sld + b * AK + 16, sld * 4);
+    }
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    float inv[AQ];
+    for (int i = 0; i < AQ; i++) {
+        uint16_t *w = weights + i * sld;
+        if (i >= count) { /* a padding row: weights 0 */
+            memset(w, 0, sizeof(uint16_t) * (size_t)(blocks * AK));
+            continue;
+        }
+        const float *s = scores + i * sld;
+        const int last = i0 + i, full = (last + 1) / 16, vecs = last / 16 + 1;
+        const v16i tail = lane + full * 16 <= last; /* the keys of the last, partial vector */
+        v16 top = splat16(-INFINITY);
+        for (int b = 0; b < full; b++) {
+            v16 x = load16(s + b * 16);
+            top = select16(x > top, x, top);
+        }
+        if (full < vecs) {
+            v16 x = select16(tail, load16(s + full * 16), splat16(-INFINITY));
+            top = select16(x > top, x, top);
+        }
+        float max = -INFINITY;
+        for (int l = 0; l < 16; l++) max = top[l] > max ? top[l] : max;
+        /* e^(scale (s - max)) = 2^(s log2e scale - max log2e scale): one multiply-add a lane */
+        const float log2_scale = scale * 1.4426950408889634f, shift = max * log2_scale;
+        v16 sums = {0};
+        for (int b = 0; b < full; b++) {
+            v16 e = vexp2_weights(load16(s + b * 16) * log2_scale - shift);
+            sums += e;
+            store16_bf16(w + b * 16, e);
+        }
+        if (full < vecs) {
+            v16 e = select16(tail, vexp2_weights(load16(s + full * 16) * log2_scale - shift),
+                             splat16(0.0f));
+            sums += e;
+            store16_bf16(w + full * 16, e);
+        }
+        for (int b = vecs; b < blocks * 2; b++) store16_bf16(w + b * 16, splat16(0.0f));
+        inv[i] = 1.0f / sum16(sums);
+    }
+    float acc[AQ * MAX_HEAD_DIM_BF16];
+    for (int t = 0; t < slices; t += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int b = 0; b < blocks; b++) {
+            _tile_loadd(4, weights + b * AK, sld * 2);
+            _tile_loadd(5, weights + 16 * sld + b * AK, sld * 2);
+            _tile_loadd(6, vt + ((int64_t)b * slices + t) * TILE_U16, 64);
+            _tile_loadd(7, vt + ((int64_t)b * slices + t + 1) * TILE_U16, 64);
+            AMX_FOUR_PRODUCTS();
+        }
+        _tile_stored(0, acc + t * 16, head_dim * 4);
+        _tile_stored(1, acc + t * 16 + 16, head_dim * 4);
+        _tile_stored(2, acc + 16 * head_dim + t * 16, head_dim * 4);
+        _tile_stored(3, acc + 16 * head_dim + t * 16 + 16, head_dim * 4);
+    }
+    for (int i = 0; i < count; i++)
+        for (int d = 0; d < head_dim; d += 16)
+            store16_bf16(out + i * old + d, load16(acc + i * head_dim + d) * inv[i]);
+}
+#endif
+
+/* Whether causal_attention_bf16 runs here (the compiler targets AMX and the kernel grants this
+ * process its tiles): 1 or 0. */
+int causal_attention_bf16_native(void) { return HAVE_AMX_BF16 && amx_permitted(); }
+
+/* One bf16 prompt of n tokens attending to itself: q (n, heads, head_dim) with strides
+ * (q_token, q_head, 1), k and v (n, kv_heads, head_dim) with strides (kv_token, kv_head, 1);
+ * out (n, heads, head_dim) contiguous. Returns 0; -1 for a shape it does not take or a CPU or
+ * process without AMX; -2 when out of memory. */
+int causal_attention_bf16(const uint16_t *q, int64_t q_token, int64_t q_head, const uint16_t *k,
+                          const uint16_t *v, int64_t kv_token, int64_t kv_head, uint16_t *out,
+                          int n, int heads, int kv_heads, int head_dim, float scale, int threads) {
+    if (n < 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 || head_dim % 32
+            || head_dim > MAX_HEAD_DIM_BF16 || !(scale > 0.0f) || !amx_permitted())
+        return -1;
+    if (n == 0) return 0;
+#if HAVE_AMX_BF16
+    const int group = heads / kv_heads, blocks = (n + AK - 1) / AK, qblocks = (n + AQ - 1) / AQ;
+    const int64_t kt_size = (int64_t)blocks * 2 * (head_dim / 32) * TILE_U16;
+    const int64_t vt_size = (int64_t)blocks * (head_dim / 16) * TILE_U16;
+    const int64_t sld = (int64_t)blocks * AK + 16; /* + 16: rows a multiple of 4 KiB apart would share cache sets */
+    uint16_t *packed = malloc(sizeof(uint16_t) * (size_t)((kt_size + vt_size) * kv_heads));
+    if (packed == NULL) return -2;
+    uint16_t *kts = packed, *vts = packed + kt_size * kv_heads;
+    for (int g = 0; g < kv_heads; g++) {
+        pack_keys_bf16(k + g * kv_head, kv_token, n, head_dim, kts + g * kt_size);
+        pack_values_bf16(v + g * kv_head, kv_token, n, head_dim, vts + g * vt_size);
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const int tile_rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+        float *scores = malloc(sizeof(float) * (size_t)(AQ * sld));
+        uint16_t *weights = malloc(sizeof(uint16_t) * (size_t)(AQ * sld));
+        uint16_t *pad = malloc(sizeof(uint16_t) * (size_t)(AQ * head_dim));
+        if (scores == NULL || weights == NULL || pad == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        } else
+            amx_load_config(tile_rows);
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < (int64_t)heads * qblocks; task++) {
+            if (scores == NULL || weights == NULL || pad == NULL) continue;
+            const int h = (int)(task / qblocks), i0 = (int)(task % qblocks) * AQ;
+            const int g = h / group, count = n - i0 < AQ ? n - i0 : AQ;
+            const uint16_t *qs = q + h * q_head + (int64_t)i0 * q_token;
+            int64_t qld = q_token;
+            if (count < AQ) { /* the last block, filled up with zero queries */
+                memset(pad, 0, sizeof(uint16_t) * (size_t)(AQ * head_dim));
+                for (int i = 0; i < count; i++)
+                    memcpy(pad + i * head_dim, qs + i * q_token, sizeof(uint16_t) * head_dim);
+                qs = pad;
+                qld = head_dim;
+            }
+            attend_block_bf16(qs, qld, kts + g * kt_size, vts + g * vt_size, i0, count,
+                              head_dim, scale, scores, weights, sld,
+                              out + ((int64_t)i0 * heads + h) * head_dim,
+                              (int64_t)heads * head_dim);
+        }
+        if (scores != NULL && weights != NULL && pad != NULL) _tile_release();
+        free(scores);
+        free(weights);
+        free(pad);
+    }
+    free(packed);
+    return failed ? -2 : 0;
+#else
+    (void)q, (void)q_token, (void)q_head, (void)k, (void)v, (void)kv_token, (void)kv_head;
+    (void)out, (void)scale, (void)threads;
+    return -1;
+#endif
 }

@@ -1,7 +1,8 @@
-"""Prompts attending to themselves (causal, no window; whole, or a chunk after its cached
-prefix) on the CPU through the C kernel (``cpu_causal_attention.c``). float32; :func:`takes`
-says which calls it serves, and the torch path (``_causal_sdpa_in_chunks``, its reference)
-takes the rest.
+"""Prompts attending to themselves (causal, no window) on the CPU through the C kernels
+(``cpu_causal_attention.c``): float32 prompts, whole or a chunk after a cached prefix
+(:func:`causal_attention_cpu`; the torch path ``_causal_sdpa_in_chunks`` is its reference and
+takes what :func:`takes` refuses), and whole bf16 prompts on AMX's tiles
+(:func:`causal_attention_bf16_cpu`, where :func:`takes_bf16`; torch's bf16 SDPA elsewhere).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from pdserve.kernels import native_build
 
 MAX_HEAD_DIM = 512
+MAX_HEAD_DIM_BF16 = 256  # and a multiple of 32 (the tiles take 32 dimensions at a time)
 # below this much work (query-key pairs x heads x head_dim) a call runs on one thread
 # (native_build.threads says why)
 PARALLEL_MIN_WORK = 1 << 22
@@ -22,15 +24,64 @@ PARALLEL_MIN_WORK = 1 << 22
 @functools.cache
 def _kernel():
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib = native_build.bind("cpu_causal_attention", {"causal_attention_f32": (
-        i32, [ptr, i64, i64, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ctypes.c_float,
-              i32])})
-    return None if lib is None else lib.causal_attention_f32
+    lib = native_build.bind("cpu_causal_attention", {
+        "causal_attention_f32": (i32, [ptr, i64, i64, i64, ptr, ptr, ptr, i32, i32, i32, i32,
+                                       i32, i32, ctypes.c_float, i32]),
+        "causal_attention_bf16": (i32, [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32,
+                                        i32, ctypes.c_float, i32]),
+        "causal_attention_bf16_native": (i32, [])})
+    return lib
+
+
+@functools.cache
+def _bf16_native() -> bool:
+    lib = _kernel()
+    return lib is not None and bool(lib.causal_attention_bf16_native())
 
 
 def available() -> bool:
     """Whether the C kernel is built and loaded on this machine (builds it on first call)."""
     return _kernel() is not None
+
+
+def takes_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> bool:
+    """Whether :func:`causal_attention_bf16_cpu` serves this prompt: bf16 CPU tensors, a head_dim
+    that is a multiple of 32 up to MAX_HEAD_DIM_BF16, a positive scale, and a CPU whose AMX
+    tiles this process may use."""
+    head_dim = q.shape[-1]
+    return (all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (q, k, v))
+            and head_dim % 32 == 0 and head_dim <= MAX_HEAD_DIM_BF16 and scale > 0
+            and _bf16_native())
+
+
+def causal_attention_bf16_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """One whole bf16 prompt attending to itself: q (T, heads, hd), k and v (T, kv_heads, hd)
+    (views of a packed projection are read in place); returns (T, heads, hd) bf16. Products on
+    AMX, softmax in float32, its weights rounded to bf16 before they weigh the values (as
+    torch's bf16 attention does), so results agree with it to bf16 rounding."""
+    if not takes_bf16(q, k, v, scale):
+        raise ValueError("the C bf16 causal attention takes bf16 CPU tensors with head_dim a "
+                         f"multiple of 32 up to {MAX_HEAD_DIM_BF16}, a positive scale, and a "
+                         "CPU with AMX (takes_bf16())")
+    n, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if k.shape != (n, kv_heads, head_dim) or v.shape != k.shape or heads % kv_heads:
+        raise ValueError(f"k and v must be (T, kv_heads, hd) alike, kv_heads dividing heads; got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1 or k.stride() != v.stride():  # the kernel takes one stride for both
+        k, v = k.contiguous(), v.contiguous()
+    out = torch.empty(n, heads, head_dim, dtype=torch.bfloat16)
+    work = n * (n // 2 + 1) * heads * head_dim
+    code = _kernel().causal_attention_bf16(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0),
+        k.stride(1), out.data_ptr(), n, heads, kv_heads, head_dim, scale,
+        native_build.threads(work, PARALLEL_MIN_WORK))
+    if code:
+        raise ValueError(f"the C bf16 causal attention refused {tuple(q.shape)}: code {code}")
+    return out
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -59,9 +110,10 @@ def causal_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k, v = k.contiguous(), v.contiguous()
     out = torch.empty(seqs, n, heads, head_dim, dtype=torch.float32)
     work = seqs * n * (keys - n // 2) * heads * head_dim
-    code = _kernel()(q.data_ptr(), q.stride(0), q.stride(2), q.stride(1), k.data_ptr(),
-                     v.data_ptr(), out.data_ptr(), seqs, n, keys - n, heads, kv_heads, head_dim,
-                     scale, native_build.threads(work, PARALLEL_MIN_WORK))
+    code = _kernel().causal_attention_f32(
+        q.data_ptr(), q.stride(0), q.stride(2), q.stride(1), k.data_ptr(), v.data_ptr(),
+        out.data_ptr(), seqs, n, keys - n, heads, kv_heads, head_dim, scale,
+        native_build.threads(work, PARALLEL_MIN_WORK))
     if code:
         raise ValueError(f"the C causal attention refused {tuple(q.shape)}: code {code}")
     return out.transpose(1, 2)

@@ -3,9 +3,9 @@
 ``backend`` is ``"auto"`` (Triton when the tensor is on CUDA and Triton imports; on CPU
 ``"native"`` when the C kernels build here, else ``"torch"``), ``"torch"``, ``"native"`` (torch
 with the C decode attention, :mod:`pdserve.kernels.cpu_decode_attention`, for float32 and
-bfloat16 pools, the C causal attention of float32 prompts,
-:mod:`pdserve.kernels.cpu_causal_attention` (bf16 ones through torch's bf16 SDPA), and the C
-RMSNorm, SiLU-and-mul and RoPE, :mod:`pdserve.kernels.cpu_pointwise`, for float32 and bf16;
+bfloat16 pools, the C causal attention of prompts, :mod:`pdserve.kernels.cpu_causal_attention`
+(float32, and whole bf16 ones on AMX where the CPU has it, else through torch's bf16 SDPA), and
+the C RMSNorm, SiLU-and-mul and RoPE, :mod:`pdserve.kernels.cpu_pointwise`, for float32 and bf16;
 a decode step through :mod:`pdserve.kernels.cpu_decode_layers` where the model takes it) or
 ``"triton"`` (forced; on CPU it needs ``TRITON_INTERPRET=1`` set before triton is imported).
 Triton modules are imported lazily so the CPU path never imports triton.
@@ -72,10 +72,13 @@ def _causal_attention_cpu(q, k, v, scale):
 
 
 def _causal_bf16_cpu(q, k, v, scale):
-    """One bf16 prompt (T, heads, hd) through torch's own bf16 attention kernel (products on
-    the CPU's bf16 instructions, softmax and sums in float32; the kernel transformers runs in
-    bf16), faster than the C kernel on float32 copies (docs/cpu-speed.md): (T, heads, hd)
+    """One bf16 prompt (T, heads, hd) attending to itself: the C kernel on AMX's tiles where it
+    takes the prompt, else torch's own bf16 attention kernel (products on the CPU's bf16
+    instructions, softmax and sums in float32; the kernel transformers runs in bf16), both
+    faster than the C float32 kernel on float32 copies (docs/cpu-speed.md): (T, heads, hd)
     bf16."""
+    if cpu_causal_attention.takes_bf16(q, k, v, scale):
+        return cpu_causal_attention.causal_attention_bf16_cpu(q, k, v, scale)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         is_causal=True, scale=scale, enable_gqa=True)  # (1, heads, T, hd)

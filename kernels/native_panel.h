@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_amx.h"
 #include "native_vec.h"
 
 #define PANEL 64 /* float32 panel width */
@@ -104,46 +105,20 @@ static int panel_gemm_f32_run(const float *x, int64_t ldx, const float *packed, 
 
 #define PANEL_BF16 32 /* bfloat16 panel width */
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#if HAVE_AMX_BF16
 #define PANEL_BF16_AMX 1
 #define AMX_K 32 /* k values a tile multiply takes: one A tile row of 64 bytes */
 #define AMX_ROWS 32 /* rows one pass over the weight takes: two tiles of 16 */
 #define AMX_PREFETCH 4 /* k steps of a bf16 panel (2 KiB each) read ahead */
-
-/* Whether this process may use AMX's tile registers (Linux grants them on request, once). */
-static int amx_permitted(void) {
-    static int state = 0; /* 0 unknown, 1 yes, -1 no */
-    if (state == 0) {
-        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    }
-    return state == 1;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} tile_config;
 
 /* Tiles 0-3: the sums of a panel (rows 0-15 of its two halves of 16 columns, then rows
    16-31); 4 and 5: rows 0-15 and 16-31 of x, 32 k values each; 6 and 7: 16 pairs of k of the
    panel's two halves. rows: 1-32. */
 static void amx_configure(int rows) {
     const int first = rows < 16 ? rows : 16, second = rows - first;
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
     const int tile_rows[8] = {first, first, second, second, first, second, AMX_K / 2,
                               AMX_K / 2};
-    for (int t = 0; t < 8; t++) {
-        cfg.bytes_per_row[t] = tile_rows[t] ? 64 : 0;
-        cfg.rows[t] = (uint8_t)tile_rows[t];
-    }
-    _tile_loadconfig(&cfg);
+    amx_load_config(tile_rows);
 }
 
 /* rows (<= 32, as configured) of x, kp columns (zero past k), against one panel: out (rows,
@@ -192,7 +167,6 @@ static inline void store_panel_bf16(const float *out, const uint16_t *bias, uint
 #else
 #define PANEL_BF16_AMX 0
 #define AMX_K 32
-static int amx_permitted(void) { return 0; }
 #endif
 
 /* The bfloat16 GEMM on AMX: y (m, n) bf16, row stride ldy = x (m, k) bf16, row stride ldx,

@@ -27,6 +27,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine import resolved_model
+from pdserve.kernels import cpu_causal_attention
 from pdserve.kernels import linear as klinear
 
 MARGIN_ULPS = 8
@@ -115,6 +116,25 @@ def test_bf16_greedy_matches_transformers_but_at_ties(hf_checkpoint, reference, 
     for out, ref in zip(outs, reference(name), strict=True):
         check_against_reference(out.token_ids, out.logprobs, ref)
     assert llm.engine.parts.block_manager.num_used_blocks == 0
+
+
+def test_bf16_greedy_with_prompts_on_the_amx_attention(hf_checkpoint, reference, monkeypatch):
+    """Qwen3's head_dim of 32 is one the C bf16 prompt attention takes (the other checkpoints'
+    16 is not): on a CPU with AMX every prompt's layers go through it, and the tokens still
+    match transformers' but at ties."""
+    calls = []
+    real = cpu_causal_attention.causal_attention_bf16_cpu
+    monkeypatch.setattr(cpu_causal_attention, "causal_attention_bf16_cpu",
+                        lambda *args: calls.append(args[0].shape[0]) or real(*args))
+    llm = LLM(str(hf_checkpoint("qwen3-qknorm")), dtype="bfloat16", block_size=4,
+              num_kv_blocks=512, max_num_seqs=5)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for out, ref in zip(outs, reference("qwen3-qknorm"), strict=True):
+        check_against_reference(out.token_ids, out.logprobs, ref)
+    probe = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
+    if cpu_causal_attention.takes_bf16(probe, probe, probe, 1.0):
+        assert sorted(set(calls)) == sorted({len(p) for p in PROMPTS})
 
 
 def test_the_tie_rule_fails_a_token_that_was_no_tie():

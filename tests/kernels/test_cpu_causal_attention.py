@@ -106,3 +106,104 @@ def test_refuses_what_it_does_not_take(gen):
     q, k, v = _inputs(gen, 1, 3, 3, 2, 16)
     with pytest.raises(ValueError, match="kv_heads dividing heads"):
         cpu_causal_attention.causal_attention_cpu(q, k, v, 0.1)
+
+
+bf16_native = pytest.mark.skipif(
+    not cpu_causal_attention.takes_bf16(*(torch.zeros(1, 1, 32, dtype=torch.bfloat16),) * 3, 1.0),
+    reason="this CPU has no AMX tiles for the bf16 kernel (torch's SDPA serves bf16 prompts)")
+
+
+def _packed_bf16(gen, n, heads, kv_heads, head_dim, magnitude=1.0):
+    """q (n, heads, hd), k and v (n, kv_heads, hd) in bf16 as the model passes them: views of
+    one packed projection's rows, not contiguous."""
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = (torch.randn(n, width, generator=gen) * magnitude).bfloat16()
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    return (q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim),
+            v.view(n, kv_heads, head_dim))
+
+
+def _plain_prompt(q, k, v, scale):
+    """_plain for one whole prompt in the (T, heads, hd) layout, from q, k, v's bf16 values."""
+    out = _plain(q.double().transpose(0, 1)[None], k.double()[None], v.double()[None], scale)
+    return out[0].transpose(0, 1).float()
+
+
+@bf16_native
+@pytest.mark.parametrize("n,heads,kv_heads,head_dim", [
+    (256, 9, 3, 64),  # SmolLM2's shape
+    (1, 2, 2, 32),  # one query
+    (31, 4, 2, 64),  # one tile of queries short of a block
+    (32, 4, 2, 64),  # exactly one block
+    (33, 4, 1, 128),  # one past a block, all heads on one kv head
+    (100, 8, 8, 256),  # the widest head it takes
+])
+def test_bf16_prompts_match_plain_arithmetic(gen, n, heads, kv_heads, head_dim):
+    q, k, v = _packed_bf16(gen, n, heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    got = cpu_causal_attention.causal_attention_bf16_cpu(q, k, v, scale)
+    assert got.shape == (n, heads, head_dim) and got.dtype == torch.bfloat16
+    want = _plain_prompt(q, k, v, scale)
+    assert relative_error(got.float(), want) < TOLERANCE[torch.bfloat16]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    # as close to the exact result as torch's own bf16 kernel, to within bf16 rounding
+    assert relative_error(got.float(), want) < 2 * relative_error(sdpa.float(), want) + 4e-3
+
+
+@bf16_native
+def test_bf16_softmax_holds_for_large_scores(gen):
+    """Scores in the thousands (softmax close to one-hot) stay finite and right: each row's
+    largest score is taken out before the exponential."""
+    q, k, v = _packed_bf16(gen, 70, 4, 2, 64, magnitude=30.0)
+    got = cpu_causal_attention.causal_attention_bf16_cpu(q, k, v, 0.125)
+    assert torch.isfinite(got.float()).all()
+    assert relative_error(got.float(), _plain_prompt(q, k, v, 0.125)) < TOLERANCE[torch.bfloat16]
+
+
+@bf16_native
+def test_bf16_is_causal_and_threads_agree(gen, monkeypatch):
+    q, k, v = _packed_bf16(gen, 90, 6, 2, 64)
+    alone = cpu_causal_attention.causal_attention_bf16_cpu(q, k, v, 0.125)
+    k2, v2 = k.clone(), v.clone()
+    k2[-1], v2[-1] = 100.0, -100.0
+    later = cpu_causal_attention.causal_attention_bf16_cpu(q, k2, v2, 0.125)
+    assert torch.equal(later[:-1], alone[:-1]) and not torch.equal(later[-1], alone[-1])
+    monkeypatch.setattr(cpu_causal_attention, "PARALLEL_MIN_WORK", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(cpu_causal_attention.causal_attention_bf16_cpu(q, k, v, 0.125), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bf16_refuses_what_it_does_not_take(gen):
+    for head_dim, scale in ((48, 0.1), (288, 0.1), (64, 0.0), (64, -0.5)):
+        q, k, v = _packed_bf16(gen, 5, 2, 1, head_dim)
+        assert not cpu_causal_attention.takes_bf16(q, k, v, scale)
+        with pytest.raises(ValueError, match="multiple of 32"):
+            cpu_causal_attention.causal_attention_bf16_cpu(q, k, v, scale)
+    q, k, v = _packed_bf16(gen, 5, 2, 1, 64)
+    assert not cpu_causal_attention.takes_bf16(q.float(), k.float(), v.float(), 0.1)
+    if cpu_causal_attention.takes_bf16(q, k, v, 0.1):
+        q3, k3, v3 = _packed_bf16(gen, 5, 3, 2, 64)
+        with pytest.raises(ValueError, match="kv_heads dividing heads"):
+            cpu_causal_attention.causal_attention_bf16_cpu(q3, k3, v3, 0.1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_bf16_prompts_go_where_they_are_taken(gen, monkeypatch, head_dim):
+    """The dispatcher sends a bf16 prompt to the AMX kernel where it takes it (head_dim 64 on
+    an AMX CPU), to torch's bf16 SDPA elsewhere (head_dim 80, or no AMX); both agree."""
+    q, k, v = _packed_bf16(gen, 40, 4, 2, head_dim)
+    calls = []
+    real = cpu_causal_attention.causal_attention_bf16_cpu
+    monkeypatch.setattr(cpu_causal_attention, "causal_attention_bf16_cpu",
+                        lambda *args: calls.append(args[0].shape) or real(*args))
+    got = dispatch.prompt_attention(q, k, v, 0.125, backend="native")
+    assert bool(calls) == cpu_causal_attention.takes_bf16(q, k, v, 0.125)
+    assert bool(calls) == (head_dim == 64 and cpu_causal_attention.takes_bf16(
+        *(torch.zeros(1, 1, 32, dtype=torch.bfloat16),) * 3, 1.0))
+    assert relative_error(got.float(), _plain_prompt(q, k, v, 0.125)) < TOLERANCE[torch.bfloat16]

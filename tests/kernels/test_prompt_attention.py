@@ -63,8 +63,9 @@ def test_attention_reads_the_pool_back_only_where_it_must(gen, monkeypatch, wind
 @pytest.mark.skipif(not kernels.cpu_decode_attention.available(), reason="no C compiler")
 @pytest.mark.parametrize("n", [1, 37, 300])
 def test_a_bf16_prompt_on_the_native_path_matches_float32_to_bf16_rounding(gen, n):
-    """bf16 prompts take torch's bf16 attention kernel (not the C one on float32 copies): the
-    float32 result rounded to bf16, within bf16's error, grouped heads included."""
+    """bf16 prompts take a bf16 attention kernel (the C one on AMX where the CPU has it, else
+    torch's; not the C float32 one on copies): the float32 result rounded to bf16, within
+    bf16's error, grouped heads included."""
     q = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
     k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
     want = kernels.prompt_attention(q, k, v, 0.125, backend="torch")
