@@ -1,5 +1,6 @@
 """Paged decode attention on the CPU against a plain read of the same bytes:
-``python -m pdserve.bench.cpu_attention [--quick] [--threads 1 2]``. Prints; never asserts.
+``python -m pdserve.bench.cpu_attention [--quick] [--threads 1 2] [--prompts]``. Prints; never
+asserts.
 
 One decode step's attention of one layer at SmolLM2-135M's shape (9 query heads over 3 KV
 heads of 64), blocks of 16 scattered over a pool as they are after churn (each sequence's
@@ -11,6 +12,12 @@ time, set beside the rate of a plain copy of the same bytes (one contiguous tens
 another: bytes copied over its time, what the memory gives one pass over them) on the same
 threads, in the same run. The median of
 ``--repeats`` calls after warm-ups, interleaved by round.
+
+``--prompts`` times whole bf16 prompts attending to themselves instead, at the same shape and
+a few lengths: what the engine runs (``kernels.prompt_attention`` on the ``native`` backend:
+the C kernel on AMX's tiles where it takes the prompt) against torch's bf16 SDPA with grouped
+heads (what it ran before, and runs where the CPU has no AMX), each in ms and in TFLOPS of the
+causal products (two of 2 x head_dim flops per query-key pair and head).
 """
 
 from __future__ import annotations
@@ -21,7 +28,13 @@ import random
 import torch
 
 from pdserve.bench.stats import format_table, median_s
-from pdserve.kernels import KVCacheLayer, cpu_decode_attention, paged_decode_attention
+from pdserve.kernels import (
+    KVCacheLayer,
+    cpu_causal_attention,
+    cpu_decode_attention,
+    paged_decode_attention,
+    prompt_attention,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -62,17 +75,70 @@ def measure(batch: int, context: int, dtype: torch.dtype,
     return nbytes / attention_s / 1e9, nbytes / copy_s / 1e9, path
 
 
+def prompt_case(length: int, seed: int = 0):
+    """(q, k, v) of one bf16 prompt as the model passes them: views of a packed projection."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(length, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).bfloat16()
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=1)
+    return (q.view(length, HEADS, HEAD_DIM), k.view(length, KV_HEADS, HEAD_DIM),
+            v.view(length, KV_HEADS, HEAD_DIM))
+
+
+def prompt_flops(length: int) -> int:
+    """The causal products' flops of one layer: query-key pairs x heads x 2 x 2 x head_dim."""
+    return length * (length + 1) // 2 * HEADS * 4 * HEAD_DIM
+
+
+def measure_prompt(length: int, repeats: int) -> tuple[float, float, str]:
+    """(engine ms, SDPA ms, the engine's kernel) of one bf16 prompt on the current threads."""
+    q, k, v = prompt_case(length)
+    scale = HEAD_DIM ** -0.5
+    path = "C AMX" if cpu_causal_attention.takes_bf16(q, k, v, scale) else "SDPA"
+    qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))
+    engine_s = sdpa_s = float("inf")
+    for _ in range(3):  # rounds, interleaved
+        engine_s = min(engine_s, median_s(
+            lambda: prompt_attention(q, k, v, scale, backend="native"), repeats))
+        sdpa_s = min(sdpa_s, median_s(lambda: torch.nn.functional.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True), repeats))
+    return engine_s * 1e3, sdpa_s * 1e3, path
+
+
+def prompt_rows(lengths: list[int], threads: list[int], repeats: int) -> list[list]:
+    rows = []
+    for length in lengths:
+        for count in threads:
+            torch.set_num_threads(count)
+            engine_ms, sdpa_ms, path = measure_prompt(length, repeats)
+            flops = prompt_flops(length)
+            rows.append([length, count, path, f"{engine_ms:.3f}", f"{sdpa_ms:.3f}",
+                         f"{flops / engine_ms / 1e9:.2f}", f"{flops / sdpa_ms / 1e9:.2f}",
+                         f"{sdpa_ms / engine_ms:.2f}"])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--prompts", action="store_true",
+                        help="whole bf16 prompts' attention instead of decode steps'")
     args = parser.parse_args(argv)
+    threads_before = torch.get_num_threads()
+    if args.prompts:
+        lengths = [64] if args.quick else [32, 256, 1024, 2048]
+        try:
+            rows = prompt_rows(lengths, args.threads, 3 if args.quick else args.repeats)
+        finally:
+            torch.set_num_threads(threads_before)
+        print(format_table(["prompt", "threads", "engine's kernel", "engine ms", "SDPA ms",
+                            "engine TFLOPS", "SDPA TFLOPS", "SDPA / engine"], rows))
+        return
     batches, contexts = ([1, 4], [64]) if args.quick else ([1, 8, 32], [512, 2048])
     repeats = 3 if args.quick else args.repeats
     if not cpu_decode_attention.available():
         print("the C decode attention does not build here: every point runs torch's gather")
-    threads_before = torch.get_num_threads()
     rows = []
     try:
         for dtype in (torch.float32, torch.bfloat16):

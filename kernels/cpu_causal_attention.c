@@ -356,7 +356,8 @@ int causal_attention_bf16(const uint16_t *q, int64_t q_token, int64_t q_head, co
     const int group = heads / kv_heads, blocks = (n + AK - 1) / AK, qblocks = (n + AQ - 1) / AQ;
     const int64_t kt_size = (int64_t)blocks * 2 * (head_dim / 32) * TILE_U16;
     const int64_t vt_size = (int64_t)blocks * (head_dim / 16) * TILE_U16;
-    const int64_t sld = (int64_t)blocks * AK + 16; /* + 16: rows a multiple of 4 KiB apart would share cache sets */
+    /* the buffers' rows: + 16 lest rows a multiple of 4 KiB apart share the caches' sets */
+    const int64_t sld = (int64_t)blocks * AK + 16;
     uint16_t *packed = malloc(sizeof(uint16_t) * (size_t)((kt_size + vt_size) * kv_heads));
     if (packed == NULL) return -2;
     uint16_t *kts = packed, *vts = packed + kt_size * kv_heads;

@@ -1,5 +1,6 @@
 """``python -m pdserve.bench.cpu_attention --quick`` prints a row per point (it never asserts
-timings), and the case it times reads what the engine's attention reads."""
+timings), and the case it times reads what the engine's attention reads; likewise its
+``--prompts`` section."""
 
 from __future__ import annotations
 
@@ -30,3 +31,20 @@ def test_the_case_is_a_scattered_pool_the_kernel_reads_right():
     expected = torch_attention.paged_decode_attention_torch(query, cache, tables, lens, scale)
     torch.testing.assert_close(got, expected)
     assert cpu_attention.context_bytes(3, 40, torch.float32) == 2 * 3 * 40 * 3 * 64 * 4
+
+
+def test_quick_prompts_print_a_row_per_thread_count(capsys):
+    before = torch.get_num_threads()
+    cpu_attention.main(["--quick", "--prompts", "--threads", "1", "2"])
+    out = capsys.readouterr().out
+    for threads in (1, 2):
+        assert re.search(rf"^\s*64\s+{threads}\s+(C AMX|SDPA)(\s+[\d.]+){{5}}\s*$", out,
+                         re.M), out
+    assert torch.get_num_threads() == before  # restored, not left at the last count
+
+
+def test_the_prompt_case_is_a_packed_projection_and_its_flops_count_causal_pairs():
+    q, k, v = cpu_attention.prompt_case(5)
+    assert q.shape == (5, 9, 64) and k.shape == v.shape == (5, 3, 64)
+    assert not q.is_contiguous() and q.stride(0) == (9 + 2 * 3) * 64  # rows of one projection
+    assert cpu_attention.prompt_flops(5) == 15 * 9 * 4 * 64  # pairs (i, j <= i) of 5 tokens
