@@ -285,17 +285,15 @@ static void attend_block_bf16(const uint16_t *q, int64_t qld, const uint16_t *kt
         const float *s = scores + i * sld;
         const int last = i0 + i, full = (last + 1) / 16, vecs = last / 16 + 1;
         const v16i tail = lane + full * 16 <= last; /* the keys of the last, partial vector */
-        v16 top = splat16(-INFINITY);
-        for (int b = 0; b < full; b++) {
-            v16 x = load16(s + b * 16);
-            top = select16(x > top, x, top);
-        }
-        if (full < vecs) {
-            v16 x = select16(tail, load16(s + full * 16), splat16(-INFINITY));
-            top = select16(x > top, x, top);
-        }
-        float max = -INFINITY;
-        for (int l = 0; l < 16; l++) max = top[l] > max ? top[l] : max;
+        __m512 top[4]; /* four running maxima: one would wait on the last one's result */
+        for (int j = 0; j < 4; j++) top[j] = (__m512)splat16(-INFINITY);
+        for (int b = 0; b < full; b++)
+            top[b % 4] = _mm512_max_ps(top[b % 4], _mm512_loadu_ps(s + b * 16));
+        if (full < vecs)
+            top[0] = _mm512_max_ps(top[0], (__m512)select16(tail, load16(s + full * 16),
+                                                            splat16(-INFINITY)));
+        const float max = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3])));
         /* e^(scale (s - max)) = 2^(s log2e scale - max log2e scale): one multiply-add a lane */
         const float log2_scale = scale * 1.4426950408889634f, shift = max * log2_scale;
         v16 sums = {0};
