@@ -1,9 +1,11 @@
-"""Engine benchmark: ``python -m pdserve.bench.engine [--quick] [--model DIR]``. Prints; never
-asserts.
+"""Engine benchmark: ``python -m pdserve.bench.engine [--quick] [--model DIR] [--context N]``.
+Prints; never asserts.
 
 In one run:
 1. decode step time against the memory roofline (bytes read per step / read bandwidth measured
-   now) on a random ~100M-parameter Llama (or the ``--model`` checkpoint) at batch 1, 8, 32 in
+   now) on a random ~100M-parameter Llama (or the ``--model`` checkpoint) at batch 1, 8, 32,
+   each sequence decoding after a prompt of ``--context`` tokens (128; longer contexts weigh
+   the decode attention's reads), in
    fp32 (linear layers packed for oneDNN with a decode step's rows through the C panel GEMM,
    the default, through oneDNN, and plain; decode attention in C, the default where it
    builds, and in torch) and bf16 (packed for oneDNN, the default where the CPU has its bf16
@@ -152,15 +154,17 @@ def _rows_through_onednn(on: bool):
 
 
 def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps: int,
-                   repeats: int = 5) -> str:
+                   repeats: int = 5, prompt_len: int = 128) -> str:
     """Decode step vs the roofline max(bytes read / bandwidth, FLOPs / peak matmul rate), with
     the bandwidth of a plain read and, as the achievable ceiling, of torch's own GEMV (each
     ceiling the best of ``repeats`` timings); each of ROOFLINE_VARIANTS in the same run."""
     rows = []
     ceilings: dict[torch.dtype, tuple[float, float]] = {}  # torch's own, one per dtype
     for dtype, gemm, attention, fused in ROOFLINE_VARIANTS:
+        blocks = max(4096, 2 * max(batches) * (prompt_len + steps) // 16)  # twice, at blocks of 16
         parts = EngineParts.build(EngineConfig(model=str(model_dir), dtype=dtype,
-                                               num_kv_blocks=4096, max_num_seqs=256,
+                                               num_kv_blocks=blocks, max_num_seqs=256,
+                                               max_num_batched_tokens=max(2048, prompt_len),
                                                cpu_packed_gemm=gemm != "plain",
                                                attention_backend=attention))
         engine = LLMEngine(parts)
@@ -174,7 +178,6 @@ def roofline_table(model_dir: Path, bandwidth: float, batches: list[int], steps:
         gemv_bw, peak_flops = ceilings[model_dtype]
         params = parts.model_config.num_parameters()
         for batch in batches:
-            prompt_len = 128
             with _rows_through_onednn(gemm == "onednn"):
                 stats = sorted(decode_steps(engine, batch, prompt_len, steps),
                                key=lambda s: s.total_s)
@@ -432,7 +435,11 @@ def main(argv: list[str] | None = None) -> None:
                                         "random ~100M Llama")
     parser.add_argument("--roofline-only", action="store_true", help="section 1 alone")
     parser.add_argument("--prefill-only", action="store_true", help="section 4 alone")
+    parser.add_argument("--context", type=int, default=128,
+                        help="section 1: the prompt tokens each sequence decodes after")
     args = parser.parse_args(argv)
+    if args.context < 1:
+        parser.error(f"--context must be at least 1, got {args.context}")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         tiny = write_random_llama(Path(tmp) / "tiny", **LLAMA_TINY)
@@ -451,9 +458,10 @@ def main(argv: list[str] | None = None) -> None:
         bandwidth = measure_read_bandwidth(1 << 26 if args.quick else 1 << 29)
         print(f"threads {torch.get_num_threads()}, measured read bandwidth "
               f"{bandwidth / 1e9:.1f} GB/s\n")
-        print(f"1. decode step vs memory roofline ({big_name})")
+        print(f"1. decode step vs memory roofline ({big_name}, prompts of {args.context} "
+              "tokens)")
         print(roofline_table(big, bandwidth, [1, 8] if args.quick else [1, 8, 32],
-                             4 if args.quick else 16, 1 if args.quick else 5))
+                             4 if args.quick else 16, 1 if args.quick else 5, args.context))
         if args.roofline_only:
             return
         print("\n2. engine overhead per decode step (tiny model)")

@@ -1,10 +1,11 @@
 """``python -m pdserve.bench.engine --quick`` runs and prints its four sections (it never
-asserts timings)."""
+asserts timings); ``--context`` sets section 1's prompts."""
 
 from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 
 from pdserve import kernels
@@ -52,3 +53,17 @@ def test_engine_bench_quick_prints_every_section(capsys):
                                    (r"1 decode \+ 7 prompts", 8, 224)):
             assert re.search(rf"^\s*{dtype}\s+{step}\s+{seqs}\s+{tokens}\s+[\d.]+", out,
                              re.M), out
+
+
+def test_the_roofline_decodes_after_prompts_of_the_context_asked_for(capsys, monkeypatch):
+    seen = []
+    real = engine.decode_steps
+    monkeypatch.setattr(engine, "decode_steps", lambda eng, batch, prompt_len, *rest:
+                        seen.append(prompt_len) or real(eng, batch, prompt_len, *rest))
+    engine.main(["--quick", "--roofline-only", "--context", "300"])
+    out = capsys.readouterr().out
+    assert "1. decode step vs memory roofline (random tiny Llama, prompts of 300 tokens)" in out
+    assert seen and set(seen) == {300}
+    with pytest.raises(SystemExit) as refused:
+        engine.main(["--quick", "--context", "0"])
+    assert refused.value.code == 2 and "--context must be at least 1" in capsys.readouterr().err
