@@ -1,16 +1,15 @@
-"""Engine benchmark: ``python -m pdserve.bench.engine [--quick] [--model DIR] [--context N]``.
-Prints; never asserts.
+"""Engine benchmark: ``python -m pdserve.bench.engine [--quick] [--model DIR] [--context N]
+[--batches B ...]``. Prints; never asserts.
 
 In one run:
 1. decode step time against the memory roofline (bytes read per step / read bandwidth measured
-   now) on a random ~100M-parameter Llama (or the ``--model`` checkpoint) at batch 1, 8, 32,
-   each sequence decoding after a prompt of ``--context`` tokens (128; longer contexts weigh
-   the decode attention's reads), in
-   fp32 (linear layers packed for oneDNN with a decode step's rows through the C panel GEMM,
-   the default, through oneDNN, and plain; decode attention in C, the default where it
-   builds, and in torch) and bf16 (packed for oneDNN, the default where the CPU has its bf16
-   kernels, and plain; ``python -m pdserve.bench.cpu_dtypes`` sets the two dtypes side by
-   side, with prefill);
+   now) on a random ~100M-parameter Llama (or the ``--model`` checkpoint) at batch 1, 8, 32
+   (``--batches``), each sequence decoding after a prompt of ``--context`` tokens (128; longer
+   contexts weigh the decode attention's reads), in fp32 (linear layers packed for oneDNN with
+   a decode step's rows through the C panel GEMM, the default, through oneDNN, and plain;
+   decode attention in C, the default where it builds, and in torch) and bf16 (packed for
+   oneDNN, the default where the CPU has its bf16 kernels, and plain; ``python -m
+   pdserve.bench.cpu_dtypes`` sets the two dtypes side by side, with prefill);
 2. engine overhead per step (everything outside the model forward) at batch 64 and 256 on a
    tiny model, with prompts of one length and of spread lengths, greedy and sampled, and on
    a tiny Mistral with a sliding window on the persistent rows and on the general path (the
@@ -437,9 +436,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-only", action="store_true", help="section 4 alone")
     parser.add_argument("--context", type=int, default=128,
                         help="section 1: the prompt tokens each sequence decodes after")
+    parser.add_argument("--batches", type=int, nargs="+",
+                        help="section 1's batch sizes (default 1 8 32; --quick 1 8)")
     args = parser.parse_args(argv)
     if args.context < 1:
         parser.error(f"--context must be at least 1, got {args.context}")
+    if args.batches is not None and min(args.batches) < 1:
+        parser.error(f"--batches must be at least 1, got {min(args.batches)}")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         tiny = write_random_llama(Path(tmp) / "tiny", **LLAMA_TINY)
@@ -460,7 +463,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{bandwidth / 1e9:.1f} GB/s\n")
         print(f"1. decode step vs memory roofline ({big_name}, prompts of {args.context} "
               "tokens)")
-        print(roofline_table(big, bandwidth, [1, 8] if args.quick else [1, 8, 32],
+        print(roofline_table(big, bandwidth,
+                             args.batches or ([1, 8] if args.quick else [1, 8, 32]),
                              4 if args.quick else 16, 1 if args.quick else 5, args.context))
         if args.roofline_only:
             return

@@ -60,10 +60,12 @@ def test_the_roofline_decodes_after_prompts_of_the_context_asked_for(capsys, mon
     real = engine.decode_steps
     monkeypatch.setattr(engine, "decode_steps", lambda eng, batch, prompt_len, *rest:
                         seen.append(prompt_len) or real(eng, batch, prompt_len, *rest))
-    engine.main(["--quick", "--roofline-only", "--context", "300"])
+    engine.main(["--quick", "--roofline-only", "--context", "300", "--batches", "3"])
     out = capsys.readouterr().out
     assert "1. decode step vs memory roofline (random tiny Llama, prompts of 300 tokens)" in out
     assert seen and set(seen) == {300}
+    assert re.search(r"^\s*float32\s+\S+\s+\S+\s+\S+\s+3\s+[\d.]+", out, re.M), out
+    assert not re.search(r"^\s*float32\s+\S+\s+\S+\s+\S+\s+8\s+[\d.]+", out, re.M), out
     with pytest.raises(SystemExit) as refused:
         engine.main(["--quick", "--context", "0"])
     assert refused.value.code == 2 and "--context must be at least 1" in capsys.readouterr().err
