@@ -64,16 +64,22 @@ def test_a_chunk_after_its_prefix(gen, n, offset, heads, kv_heads, head_dim):
         assert relative_error(got, want.float()) < TOLERANCE[torch.float32]
 
 
-def test_several_threads_give_the_same_result(gen, monkeypatch):
-    q, k, v = _inputs(gen, 1, 70, 6, 2, 64)
-    alone = cpu_causal_attention.causal_attention_cpu(q, k, v, 0.125)
+def _on_two_threads(monkeypatch, attend):
+    """attend() split over two threads however small its work."""
     monkeypatch.setattr(cpu_causal_attention, "PARALLEL_MIN_WORK", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert torch.equal(cpu_causal_attention.causal_attention_cpu(q, k, v, 0.125), alone)
+        return attend()
     finally:
         torch.set_num_threads(before)
+
+
+def test_several_threads_give_the_same_result(gen, monkeypatch):
+    q, k, v = _inputs(gen, 1, 70, 6, 2, 64)
+    alone = cpu_causal_attention.causal_attention_cpu(q, k, v, 0.125)
+    assert torch.equal(_on_two_threads(
+        monkeypatch, lambda: cpu_causal_attention.causal_attention_cpu(q, k, v, 0.125)), alone)
 
 
 @pytest.mark.parametrize("q_lens,prefix,window,through_kernel", [
@@ -108,9 +114,10 @@ def test_refuses_what_it_does_not_take(gen):
         cpu_causal_attention.causal_attention_cpu(q, k, v, 0.1)
 
 
+AMX = cpu_causal_attention.takes_bf16(*(torch.zeros(1, 1, 32, dtype=torch.bfloat16),) * 3, 1.0)
 bf16_native = pytest.mark.skipif(
-    not cpu_causal_attention.takes_bf16(*(torch.zeros(1, 1, 32, dtype=torch.bfloat16),) * 3, 1.0),
-    reason="this CPU has no AMX tiles for the bf16 kernel (torch's SDPA serves bf16 prompts)")
+    not AMX, reason="this CPU has no AMX tiles for the bf16 kernel (torch's SDPA serves bf16 "
+                    "prompts)")
 
 
 def _packed_bf16(gen, n, heads, kv_heads, head_dim, magnitude=1.0):
@@ -170,13 +177,9 @@ def test_bf16_is_causal_and_threads_agree(gen, monkeypatch):
     k2[-1], v2[-1] = 100.0, -100.0
     later = cpu_causal_attention.causal_attention_bf16_cpu(q, k2, v2, 0.125)
     assert torch.equal(later[:-1], alone[:-1]) and not torch.equal(later[-1], alone[-1])
-    monkeypatch.setattr(cpu_causal_attention, "PARALLEL_MIN_WORK", 0)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert torch.equal(cpu_causal_attention.causal_attention_bf16_cpu(q, k, v, 0.125), alone)
-    finally:
-        torch.set_num_threads(before)
+    assert torch.equal(_on_two_threads(
+        monkeypatch, lambda: cpu_causal_attention.causal_attention_bf16_cpu(q, k, v, 0.125)),
+        alone)
 
 
 def test_bf16_refuses_what_it_does_not_take(gen):
@@ -203,7 +206,6 @@ def test_bf16_prompts_go_where_they_are_taken(gen, monkeypatch, head_dim):
     monkeypatch.setattr(cpu_causal_attention, "causal_attention_bf16_cpu",
                         lambda *args: calls.append(args[0].shape) or real(*args))
     got = dispatch.prompt_attention(q, k, v, 0.125, backend="native")
-    assert bool(calls) == cpu_causal_attention.takes_bf16(q, k, v, 0.125)
-    assert bool(calls) == (head_dim == 64 and cpu_causal_attention.takes_bf16(
-        *(torch.zeros(1, 1, 32, dtype=torch.bfloat16),) * 3, 1.0))
+    taken = cpu_causal_attention.takes_bf16(q, k, v, 0.125)
+    assert bool(calls) == taken == (head_dim == 64 and AMX)
     assert relative_error(got.float(), _plain_prompt(q, k, v, 0.125)) < TOLERANCE[torch.bfloat16]
