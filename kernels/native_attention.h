@@ -94,7 +94,7 @@ static inline v16 sum16_each(const v16 a[16]) {
    rows, k/v the pools and head the element offset of that kv head in a position's row, row
    the stride between consecutive positions of a block, scores room for group * n floats.
    Each K and V row is read once for the group: the keys sixteen positions at a time, widened
-   to float32 into a small buffer each head's products then read from cache, sixteen dot
+   to float32 into a small buffer that each head's products then read from cache, sixteen dot
    products summed at once (sum16_each) into a vector of scores. */
 static inline __attribute__((always_inline)) void attend_group(
         const float *q, const void *k, const void *v, int64_t head, const int bf16,
