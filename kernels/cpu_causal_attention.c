@@ -249,14 +249,11 @@ static inline v16 vexp2_weights(v16 x) {
         _tile_dpbf16ps(3, 5, 7); \
     } while (0)
 
-/* The 32 queries i0 .. i0 + 31 (count of them real, q rows qld apart, padded to 32) of one
- * head: out rows old apart. scores (AQ x sld floats) and weights (AQ x sld bf16) are the
- * task's buffers, sld at least the keys up to the last query rounded up to AK. */
-static void attend_block_bf16(const uint16_t *q, int64_t qld, const uint16_t *kt,
-                              const uint16_t *vt, int i0, int count, int head_dim, float scale,
-                              float *scores, uint16_t *weights, int64_t sld, uint16_t *out,
-                              int64_t old) {
-    const int chunks = head_dim / 32, slices = head_dim / 16, blocks = (i0 + count - 1) / AK + 1;
+/* scores (AQ rows sld apart) of the 32 queries (q rows qld apart) against the keys of blocks
+ * 0 .. blocks - 1: four float32 tiles a block of 32 keys, head_dim 32 at a time. */
+static void score_block_bf16(const uint16_t *q, int64_t qld, const uint16_t *kt, int blocks,
+                             int head_dim, float *scores, int64_t sld) {
+    const int chunks = head_dim / 32;
     for (int b = 0; b < blocks; b++) {
         _tile_zero(0);
         _tile_zero(1);
@@ -274,8 +271,14 @@ static void attend_block_bf16(const uint16_t *q, int64_t qld, const uint16_t *kt
         _tile_stored(2, scores + 16 * sld + b * AK, sld * 4);
         _tile_stored(3, scores + 16 * sld + b * AK + 16, sld * 4);
     }
+}
+
+/* weights (bf16, AQ rows sld apart, blocks x AK keys each) = exp(scale (score - the row's
+ * max)) over the keys up to each query i0 + i, 0 past it and on the padding rows past count;
+ * inv[i] the reciprocal of row i's sum. */
+static void softmax_weights_bf16(const float *scores, int i0, int count, int blocks,
+                                 float scale, uint16_t *weights, int64_t sld, float *inv) {
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    float inv[AQ];
     for (int i = 0; i < AQ; i++) {
         uint16_t *w = weights + i * sld;
         if (i >= count) { /* a padding row: weights 0 */
@@ -311,6 +314,14 @@ static void attend_block_bf16(const uint16_t *q, int64_t qld, const uint16_t *kt
         for (int b = vecs; b < blocks * 2; b++) store16_bf16(w + b * 16, splat16(0.0f));
         inv[i] = 1.0f / sum16(sums);
     }
+}
+
+/* out rows 0 .. count - 1 (old apart, bf16) = inv[i] x the weights times the values of blocks
+ * 0 .. blocks - 1: four float32 tiles (32 rows, 32 dimensions) at a time. */
+static void sum_values_bf16(const uint16_t *weights, int64_t sld, const uint16_t *vt,
+                            int blocks, int head_dim, const float *inv, int count,
+                            uint16_t *out, int64_t old) {
+    const int slices = head_dim / 16;
     float acc[AQ * MAX_HEAD_DIM_BF16];
     for (int t = 0; t < slices; t += 2) {
         _tile_zero(0);
@@ -332,6 +343,20 @@ static void attend_block_bf16(const uint16_t *q, int64_t qld, const uint16_t *kt
     for (int i = 0; i < count; i++)
         for (int d = 0; d < head_dim; d += 16)
             store16_bf16(out + i * old + d, load16(acc + i * head_dim + d) * inv[i]);
+}
+
+/* The 32 queries i0 .. i0 + 31 (count of them real, q rows qld apart, padded to 32) of one
+ * head: out rows old apart. scores (AQ x sld floats) and weights (AQ x sld bf16) are the
+ * task's buffers, sld at least the keys up to the last query rounded up to AK. */
+static void attend_block_bf16(const uint16_t *q, int64_t qld, const uint16_t *kt,
+                              const uint16_t *vt, int i0, int count, int head_dim, float scale,
+                              float *scores, uint16_t *weights, int64_t sld, uint16_t *out,
+                              int64_t old) {
+    const int blocks = (i0 + count - 1) / AK + 1;
+    float inv[AQ];
+    score_block_bf16(q, qld, kt, blocks, head_dim, scores, sld);
+    softmax_weights_bf16(scores, i0, count, blocks, scale, weights, sld, inv);
+    sum_values_bf16(weights, sld, vt, blocks, head_dim, inv, count, out, old);
 }
 #endif
 

@@ -33,15 +33,17 @@ def _kernel():
     return lib
 
 
-@functools.cache
-def _bf16_native() -> bool:
-    lib = _kernel()
-    return lib is not None and bool(lib.causal_attention_bf16_native())
-
-
 def available() -> bool:
     """Whether the C kernel is built and loaded on this machine (builds it on first call)."""
     return _kernel() is not None
+
+
+@functools.cache
+def bf16_native() -> bool:
+    """Whether the bf16 kernel runs here: built for a CPU with AMX, whose tiles Linux grants
+    this process."""
+    lib = _kernel()
+    return lib is not None and bool(lib.causal_attention_bf16_native())
 
 
 def takes_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> bool:
@@ -51,7 +53,7 @@ def takes_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     head_dim = q.shape[-1]
     return (all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in (q, k, v))
             and head_dim % 32 == 0 and head_dim <= MAX_HEAD_DIM_BF16 and scale > 0
-            and _bf16_native())
+            and bf16_native())
 
 
 def causal_attention_bf16_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

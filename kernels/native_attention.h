@@ -90,16 +90,15 @@ static inline v16 sum16_each(const v16 a[16]) {
     return __builtin_shufflevector(f, f, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
 
-/* The query heads h0 .. h0 + group - 1 sharing one kv head: q and out (group, head_dim)
-   rows, k/v the pools and head the element offset of that kv head in a position's row, row
-   the stride between consecutive positions of a block, scores room for group * n floats.
-   Each K and V row is read once for the group: the keys sixteen positions at a time, widened
-   to float32 into a small buffer that each head's products then read from cache, sixteen dot
-   products summed at once (sum16_each) into a vector of scores. */
-static inline __attribute__((always_inline)) void attend_group(
-        const float *q, const void *k, const void *v, int64_t head, const int bf16,
-        const int32_t *table, int n, int first, int64_t row, const int group, const int head_dim,
-        int bs, float scale, float *scores, float *out) {
+/* The scores (scale q . k) of positions first .. n - 1 of group query heads (q rows head_dim
+   apart) sharing one kv head, into scores (group rows n apart); max[h] row h's largest. The
+   keys are taken sixteen positions at a time, widened to float32 into a small buffer that
+   each head's products then read from cache, sixteen dot products summed at once
+   (sum16_each) into a vector of scores; each next block's slices are fetched ahead. */
+static inline __attribute__((always_inline)) void score_keys(
+        const float *q, const void *k, int64_t head, const int bf16, const int32_t *table,
+        int n, int first, int64_t row, const int group, const int head_dim, int bs, float scale,
+        float *scores, float *max) {
     const int nv = head_dim / 16, tail = nv * 16;
     const int64_t block = bs * row;
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -142,11 +141,25 @@ static inline __attribute__((always_inline)) void attend_group(
             top[h] = select16(x > top[h], x, top[h]);
         }
     }
-    float max[MAX_GROUP];
     for (int h = 0; h < group; h++) {
         max[h] = -INFINITY;
         for (int l = 0; l < 16; l++) max[h] = top[h][l] > max[h] ? top[h][l] : max[h];
     }
+}
+
+/* The query heads h0 .. h0 + group - 1 sharing one kv head: q and out (group, head_dim)
+   rows, k/v the pools and head the element offset of that kv head in a position's row, row
+   the stride between consecutive positions of a block, scores room for group * n floats.
+   Each K and V row is read once for the group: the scores (score_keys), their softmax, then
+   the values summed a row at a time for every head. */
+static inline __attribute__((always_inline)) void attend_group(
+        const float *q, const void *k, const void *v, int64_t head, const int bf16,
+        const int32_t *table, int n, int first, int64_t row, const int group, const int head_dim,
+        int bs, float scale, float *scores, float *out) {
+    const int nv = head_dim / 16, tail = nv * 16;
+    const int64_t block = bs * row;
+    float max[MAX_GROUP];
+    score_keys(q, k, head, bf16, table, n, first, row, group, head_dim, bs, scale, scores, max);
     float inv[MAX_GROUP];
     softmax_rows(scores, n, first, group, max, inv);
     v16 acc[MAX_GROUP][MAX_VECTORS];

@@ -132,8 +132,7 @@ def test_bf16_greedy_with_prompts_on_the_amx_attention(hf_checkpoint, reference,
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     for out, ref in zip(outs, reference("qwen3-qknorm"), strict=True):
         check_against_reference(out.token_ids, out.logprobs, ref)
-    probe = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
-    if cpu_causal_attention.takes_bf16(probe, probe, probe, 1.0):
+    if cpu_causal_attention.bf16_native():
         assert sorted(set(calls)) == sorted({len(p) for p in PROMPTS})
 
 

@@ -114,10 +114,9 @@ def test_refuses_what_it_does_not_take(gen):
         cpu_causal_attention.causal_attention_cpu(q, k, v, 0.1)
 
 
-AMX = cpu_causal_attention.takes_bf16(*(torch.zeros(1, 1, 32, dtype=torch.bfloat16),) * 3, 1.0)
 bf16_native = pytest.mark.skipif(
-    not AMX, reason="this CPU has no AMX tiles for the bf16 kernel (torch's SDPA serves bf16 "
-                    "prompts)")
+    not cpu_causal_attention.bf16_native(),
+    reason="this CPU has no AMX tiles for the bf16 kernel (torch's SDPA serves bf16 prompts)")
 
 
 def _packed_bf16(gen, n, heads, kv_heads, head_dim, magnitude=1.0):
@@ -207,5 +206,5 @@ def test_bf16_prompts_go_where_they_are_taken(gen, monkeypatch, head_dim):
                         lambda *args: calls.append(args[0].shape) or real(*args))
     got = dispatch.prompt_attention(q, k, v, 0.125, backend="native")
     taken = cpu_causal_attention.takes_bf16(q, k, v, 0.125)
-    assert bool(calls) == taken == (head_dim == 64 and AMX)
+    assert bool(calls) == taken == (head_dim == 64 and cpu_causal_attention.bf16_native())
     assert relative_error(got.float(), _plain_prompt(q, k, v, 0.125)) < TOLERANCE[torch.bfloat16]
