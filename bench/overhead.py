@@ -39,19 +39,20 @@ FIGURES = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT P50 m
            ("median_tpot_ms", "TPOT P50 ms"))
 
 
-def offline(model: str, requests: list[BenchRequest], concurrency: int) -> dict:
+def offline(model: str, requests: list[BenchRequest], concurrency: int,
+            dtype: str = "float32") -> dict:
     """``requests`` through the engine in this process, ``concurrency`` at a time, on one
     torch thread (the process's own count is restored after)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _offline(model, requests, concurrency)
+        return _offline(model, requests, concurrency, dtype)
     finally:
         torch.set_num_threads(threads)
 
 
-def _offline(model: str, requests: list[BenchRequest], concurrency: int) -> dict:
-    engine = LLM(model, dtype="float32").engine
+def _offline(model: str, requests: list[BenchRequest], concurrency: int, dtype: str) -> dict:
+    engine = LLM(model, dtype=dtype).engine
     outcomes = {str(i): RequestOutcome(str(i), r.prompt_len) for i, r in enumerate(requests)}
     pending = list(enumerate(requests))
     sent, last = {}, {}
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--paths", default="offline,grpc,http")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -133,10 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     for c in args.concurrency if "offline" in paths else []:
         requests = synthetic_requests(args.num_prompts, seeds[("offline", c)], vocab, 1 << 30,
                                       shape)
-        results[("offline", c)] = offline(model, requests, c)
+        results[("offline", c)] = offline(model, requests, c, args.dtype)
     if {"grpc", "http"} & set(paths):
         options = ClusterOptions(model=model, colocated=True, num_decode=1, port=0,
-                                 http_port=0, metrics_port=None, engine=dict(dtype="float32"))
+                                 http_port=0, metrics_port=None, engine=dict(dtype=args.dtype))
         with EmbeddedCluster(options) as cluster:
             for c in args.concurrency:
                 for path in ("grpc", "http"):
