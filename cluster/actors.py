@@ -33,6 +33,7 @@ memory and the pool manager's drain marks come from the records.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -152,9 +153,13 @@ class WorkerActor(WorkerHost):
     actor's event loop."""
 
     def __init__(self, spec: WorkerSpec):
-        limit_process_threads(spec.log_level, spec.resources.torch_threads)
-        limit_torch_threads(spec.resources.torch_threads)
-        super().__init__(build_spec_worker(spec))
+        threads = spec.resources.torch_threads
+        limit_process_threads(spec.log_level, threads)
+        limit_torch_threads(threads)
+        from pdserve.workers.build import with_compute_threads  # lazy: torch, as above
+
+        super().__init__(with_compute_threads(functools.partial(build_spec_worker, spec),
+                                              threads))
         self.spec = spec
         self.registry = Registry(spec.redis_url, spec.cluster, spec.ttl_s,
                                  auth=RecordAuth(spec.record_key))

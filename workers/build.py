@@ -8,11 +8,15 @@ groups (:class:`TorchTransfer`) or in-process queues with fault injection
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from pdserve.colocated_worker.worker import ColocatedWorker
 from pdserve.decode_worker.ranks import DecodeRank
 from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine import compute_threads
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parts import EngineParts
 from pdserve.engine.tensor_parallel.group import RankRole
@@ -82,6 +86,17 @@ def build_worker(role: str, worker_id: str, config: EngineConfig,
                               _rank_role(role, worker_id, config, transfer))
     return PrefillWorker(worker_id, parts, transfer.connector(worker_id),
                          **(prefill_kwargs or {}))
+
+
+def with_compute_threads(build: Callable[[], Worker], num_threads: int) -> Worker:
+    """``build()``'s worker, built on a thread that ends with its OpenMP threads; the worker's
+    engine loop thread then computes on ``num_threads`` threads and every other thread of this
+    process on one (``engine.compute_threads``: two threads computing would each keep a pool,
+    and the process's OpenMP threads would sleep at every barrier)."""
+    worker = compute_threads.on_own_thread(build)
+    worker.loop.call(compute_threads.claim, num_threads).result()
+    torch.set_num_threads(1)  # the calling thread's own count: it only serves calls
+    return worker
 
 
 def _rank_role(role: str, worker_id: str, config: EngineConfig,

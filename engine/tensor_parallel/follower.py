@@ -19,6 +19,7 @@ import pickle
 
 import torch
 
+from pdserve.engine import compute_threads
 from pdserve.engine.adapters import AdapterSlots
 from pdserve.engine.capacity.memory import allocate_kv_caches, kv_layer_dtypes
 from pdserve.engine.kv_cache.offload import TIER_CALLS, PoolTiers
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 def serve(address: str, rank: int, size: int, signer: Signer) -> None:
     store = SignedStore(connect_store(address, START_TIMEOUT_S), signer)
     spec: FollowerSpec = pickle.loads(store.get("spec"))
-    torch.set_num_threads(spec.num_threads)
+    compute_threads.claim(spec.num_threads)  # this thread computes; the rank's others on one
     try:
         resolved = ResolvedModel.of(spec.config)
         device = rank_device(resolved.device, rank)
