@@ -35,6 +35,7 @@ from pdserve.bench.failover import (
     stream_all,
     tally,
 )
+from pdserve.cluster.adapters import AdapterStore
 from pdserve.cluster.launcher import ClusterOptions, EmbeddedCluster
 from pdserve.cluster.pools.store import PoolStore
 from pdserve.cluster.record_auth import RecordAuth
@@ -93,17 +94,18 @@ def kill_redis(cluster, down_s: float,
 
 
 def control_plane_restored(cluster) -> bool:
-    """Redis holds again what the cluster knows (each pool's target, every live member and
-    a record of every ready worker), the router is not degraded, every pool is at its target
-    and the router's ports are saved."""
+    """Redis holds again what the cluster knows (each pool's target, every live member, a
+    record of every ready worker and the LoRA registry's copy), the router is not degraded,
+    every pool is at its target and the router's ports are saved."""
 
     with AdminClient(cluster.target, timeout=5) as admin:
         pools, workers = admin.get_pools(), admin.list_workers()
         degraded = admin.get_control_plane().degraded
     states = {w.worker_id: state_name(w.state) for w in workers}
     store = PoolStore(cluster.redis_url, cluster.cluster_name)
-    registry = Registry(cluster.redis_url, cluster.cluster_name,
-                        auth=RecordAuth(cluster.derived_secret("redis-records")))
+    auth = RecordAuth(cluster.derived_secret("redis-records"))
+    registry = Registry(cluster.redis_url, cluster.cluster_name, auth=auth)
+    adapters = AdapterStore(cluster.redis_url, cluster.cluster_name, auth)
     try:
         live = {w for w, state in states.items() if state != "dead"}
         ready = {w for w, state in states.items() if state == "ready"}
@@ -111,10 +113,12 @@ def control_plane_restored(cluster) -> bool:
                 and store.targets() == {p.role: p.target for p in pools}
                 and {m.worker_id for m in store.members()} == live
                 and ready <= {r.worker_id for r in registry.workers()}
-                and store.router_ports() == (cluster.port, cluster.metrics_port))
+                and store.router_ports() == (cluster.port, cluster.metrics_port)
+                and adapters.read() is not None)
     finally:
         store.close()
         registry.close()
+        adapters.client.close()
 
 
 def serves_a_request(cluster, timeout: float = 10.0) -> bool:
