@@ -1,0 +1,126 @@
+"""Where a worker's threads compute: ``python -m pdserve.bench.compute_threads [--model DIR]
+[--dtype bfloat16] [--threads 2] [--prompt 256] [--rounds 9] [--quick]``. Prints; never asserts.
+
+The forward time of one prompt's step (no prefix cache) in three arrangements, each in a fresh
+process (the thread counts are process-wide state):
+
+* ``one thread``: the engine built and stepped on one thread, on one OpenMP thread;
+* ``built here, stepped there``: built at ``--threads`` on the process's first thread, stepped
+  on another, as a worker actor did before ``engine.compute_threads``: two threads each keep an
+  OpenMP pool;
+* ``compute_threads``: built on a thread that ends with its pool, stepped on a thread that
+  claims ``--threads`` (``compute_threads.claim``), as a worker actor does now.
+
+Without ``--model``, a random Llama of SmolLM2-135M's shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from pdserve.bench.cpu_dtypes import SMOLLM2_SHAPE
+from pdserve.bench.engine import write_random_llama
+from pdserve.bench.stats import format_table
+from pdserve.engine import compute_threads
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.parts import EngineParts
+from pdserve.worker_api.sampling_params import SamplingParams
+
+ARRANGEMENTS = ("one thread", "built here, stepped there", "compute_threads")
+QUICK_SHAPE = dict(SMOLLM2_SHAPE, num_hidden_layers=2, vocab_size=512)
+
+
+def build_engine(model: str, dtype: str) -> LLMEngine:
+    return LLMEngine(EngineParts.build(EngineConfig(
+        model=model, dtype=dtype, num_kv_blocks=512, max_num_seqs=16,
+        max_num_batched_tokens=2048, enable_prefix_caching=False)))
+
+
+def forward_ms(engine: LLMEngine, prompt_len: int, rounds: int) -> list[float]:
+    """The forward ms of ``rounds`` prompt steps, after two not counted."""
+    times = []
+    for r in range(rounds + 2):
+        engine.add_request(f"p{r}", [(7 * r + 3 * j) % 500 + 1 for j in range(prompt_len)],
+                           SamplingParams(max_tokens=1, temperature=0.0))
+        engine.step()
+        times.append(engine.last_step.forward_s * 1e3)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return times[2:]
+
+
+def measure(arrangement: str, model: str, dtype: str, threads: int, prompt_len: int,
+            rounds: int) -> list[float]:
+    """In this process (a fresh one): the forward ms of ``arrangement``."""
+    result: list[list[float]] = []
+    if arrangement == "one thread":
+        torch.set_num_threads(1)
+        return forward_ms(build_engine(model, dtype), prompt_len, rounds)
+    torch.set_num_threads(threads)
+    if arrangement == "built here, stepped there":
+        engine = build_engine(model, dtype)
+        stepper = threading.Thread(target=lambda: result.append(
+            forward_ms(engine, prompt_len, rounds)))
+    else:
+        engine = compute_threads.on_own_thread(build_engine, model, dtype)
+
+        def claimed() -> None:
+            compute_threads.claim(threads)
+            result.append(forward_ms(engine, prompt_len, rounds))
+
+        stepper = threading.Thread(target=claimed)
+    stepper.start()
+    stepper.join()
+    return result[0]
+
+
+def run_fresh(arrangement: str, args) -> list[float]:
+    command = [sys.executable, "-m", "pdserve.bench.compute_threads", "--model", args.model,
+               "--dtype", args.dtype, "--threads", str(args.threads), "--prompt",
+               str(args.prompt), "--rounds", str(args.rounds), "--arrangement", arrangement]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a checkpoint folder (default: a random "
+                                                       "Llama of SmolLM2-135M's shape)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--quick", action="store_true", help="two layers, short prompts")
+    parser.add_argument("--arrangement", choices=ARRANGEMENTS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.arrangement:  # the child: one arrangement, its times as JSON
+        print(json.dumps(measure(args.arrangement, args.model, args.dtype, args.threads,
+                                 args.prompt, args.rounds)))
+        return
+    if args.quick:
+        args.prompt, args.rounds = min(args.prompt, 32), min(args.rounds, 3)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is None:
+            args.model = str(write_random_llama(Path(tmp) / "llama",
+                                                **(QUICK_SHAPE if args.quick else SMOLLM2_SHAPE)))
+        rows = []
+        for arrangement in ARRANGEMENTS:
+            times = run_fresh(arrangement, args)
+            rows.append([arrangement, 1 if arrangement == "one thread" else args.threads,
+                         statistics.median(times), min(times), max(times)])
+    print(f"{args.dtype}, prompts of {args.prompt} tokens, {args.rounds} steps each")
+    print(format_table(["arrangement", "threads", "forward ms median", "min", "max"], rows))
+
+
+if __name__ == "__main__":
+    main()
