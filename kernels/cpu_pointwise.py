@@ -16,7 +16,7 @@ from pdserve.kernels import native_build
 
 # below this many elements a call runs on one thread
 # (native_build.threads says why)
-PARALLEL_MIN_WORK = 1 << 20
+PARALLEL_MIN_WORK = 1 << 15
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write
 
 

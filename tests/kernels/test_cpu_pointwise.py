@@ -164,3 +164,34 @@ def test_rotary_refuses_what_it_does_not_take(gen):
         cpu_pointwise.rotary_cpu(torch.randn(3, 2, 7), cos, sin)
     with pytest.raises(ValueError, match="D even"):
         cpu_pointwise.rotary_cpu(torch.randn(4, 2, 8), cos, sin)  # a table for 3 tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_threads_give_the_bits_of_one(gen, monkeypatch, dtype):
+    """Each kernel splits its rows over the threads: SiLU-and-mul, RMSNorm with and without a
+    residual and RoPE return the same bits on two threads (however small the call) as on
+    one."""
+    rows, hidden, heads, head_dim = 37, 96, 3, 16
+    x = (torch.randn(rows, 2 * hidden, generator=gen) * 4).to(dtype)
+    h, r = (torch.randn(rows, hidden, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    q = torch.randn(rows, heads, head_dim, generator=gen).to(dtype)
+    angles = torch.rand(rows, 1, head_dim, generator=gen) * 6  # RoPE's float32 table
+    cos, sin = angles.cos(), angles.sin()
+
+    def run_all():
+        return [cpu_pointwise.silu_and_mul_cpu(x), cpu_pointwise.rms_norm_cpu(h, weight, 1e-5),
+                *cpu_pointwise.rms_norm_cpu(h, weight, 1e-5, r.clone()),
+                cpu_pointwise.rotary_cpu(q.clone(), cos, sin)]
+
+    monkeypatch.setattr(cpu_pointwise, "PARALLEL_MIN_WORK", 0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = run_all()
+        torch.set_num_threads(2)
+        split = run_all()
+    finally:
+        torch.set_num_threads(before)
+    for one, two in zip(alone, split, strict=True):
+        assert torch.equal(one, two)
