@@ -11,6 +11,9 @@ process (the thread counts are process-wide state):
 * ``compute_threads``: built on a thread that ends with its pool, stepped on a thread that
   claims ``--threads`` (``compute_threads.claim``), as a worker actor does now.
 
+With ``--gemms``, also oneDNN's GEMMs of those steps per weight shape (torch.profiler, us a
+call) one thread against ``compute_threads``: which of them split over the threads.
+
 Without ``--model``, a random Llama of SmolLM2-135M's shape.
 """
 
@@ -59,24 +62,39 @@ def forward_ms(engine: LLMEngine, prompt_len: int, rounds: int) -> list[float]:
     return times[2:]
 
 
+def timed(engine: LLMEngine, prompt_len: int, rounds: int, gemms: bool) -> dict:
+    """{"times": forward ms of each step, "gemms": {weight shape: oneDNN us a call}} (the
+    GEMMs profiled with ``gemms`` only)."""
+    if not gemms:
+        return {"times": forward_ms(engine, prompt_len, rounds), "gemms": {}}
+    with torch.profiler.profile(record_shapes=True) as prof:
+        times = forward_ms(engine, prompt_len, rounds)
+    calls = {}
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key == "mkldnn::_linear_pointwise" and len(event.input_shapes) > 1:
+            out_features, in_features = event.input_shapes[1]
+            calls[f"{out_features}x{in_features}"] = event.cpu_time_total / event.count
+    return {"times": times, "gemms": calls}
+
+
 def measure(arrangement: str, model: str, dtype: str, threads: int, prompt_len: int,
-            rounds: int) -> list[float]:
-    """In this process (a fresh one): the forward ms of ``arrangement``."""
-    result: list[list[float]] = []
+            rounds: int, gemms: bool = False) -> dict:
+    """In this process (a fresh one): :func:`timed` of ``arrangement``."""
+    result: list[dict] = []
     if arrangement == "one thread":
         torch.set_num_threads(1)
-        return forward_ms(build_engine(model, dtype), prompt_len, rounds)
+        return timed(build_engine(model, dtype), prompt_len, rounds, gemms)
     torch.set_num_threads(threads)
     if arrangement == "built here, stepped there":
         engine = build_engine(model, dtype)
         stepper = threading.Thread(target=lambda: result.append(
-            forward_ms(engine, prompt_len, rounds)))
+            timed(engine, prompt_len, rounds, gemms)))
     else:
         engine = compute_threads.on_own_thread(build_engine, model, dtype)
 
         def claimed() -> None:
             compute_threads.claim(threads)
-            result.append(forward_ms(engine, prompt_len, rounds))
+            result.append(timed(engine, prompt_len, rounds, gemms))
 
         stepper = threading.Thread(target=claimed)
     stepper.start()
@@ -84,10 +102,11 @@ def measure(arrangement: str, model: str, dtype: str, threads: int, prompt_len: 
     return result[0]
 
 
-def run_fresh(arrangement: str, args) -> list[float]:
+def run_fresh(arrangement: str, args) -> dict:
     command = [sys.executable, "-m", "pdserve.bench.compute_threads", "--model", args.model,
                "--dtype", args.dtype, "--threads", str(args.threads), "--prompt",
-               str(args.prompt), "--rounds", str(args.rounds), "--arrangement", arrangement]
+               str(args.prompt), "--rounds", str(args.rounds), "--arrangement", arrangement,
+               *(["--gemms"] if args.gemms else [])]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -101,25 +120,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--quick", action="store_true", help="two layers, short prompts")
+    parser.add_argument("--gemms", action="store_true",
+                        help="also oneDNN's time a call per weight shape")
     parser.add_argument("--arrangement", choices=ARRANGEMENTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.arrangement:  # the child: one arrangement, its times as JSON
         print(json.dumps(measure(args.arrangement, args.model, args.dtype, args.threads,
-                                 args.prompt, args.rounds)))
+                                 args.prompt, args.rounds, args.gemms)))
         return
     if args.quick:
-        args.prompt, args.rounds = min(args.prompt, 32), min(args.rounds, 3)
+        args.prompt, args.rounds = min(args.prompt, 48), min(args.rounds, 3)  # past the panel
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             args.model = str(write_random_llama(Path(tmp) / "llama",
                                                 **(QUICK_SHAPE if args.quick else SMOLLM2_SHAPE)))
-        rows = []
-        for arrangement in ARRANGEMENTS:
-            times = run_fresh(arrangement, args)
-            rows.append([arrangement, 1 if arrangement == "one thread" else args.threads,
-                         statistics.median(times), min(times), max(times)])
+        results = {arrangement: run_fresh(arrangement, args) for arrangement in ARRANGEMENTS}
+    rows = []
+    for arrangement, result in results.items():
+        times = result["times"]
+        rows.append([arrangement, 1 if arrangement == "one thread" else args.threads,
+                     statistics.median(times), min(times), max(times)])
     print(f"{args.dtype}, prompts of {args.prompt} tokens, {args.rounds} steps each")
     print(format_table(["arrangement", "threads", "forward ms median", "min", "max"], rows))
+    if args.gemms:
+        one, split = results["one thread"]["gemms"], results["compute_threads"]["gemms"]
+        print(format_table(["weight (out x in)", "1 thread us", f"{args.threads} threads us",
+                            "speed-up"],
+                           [[shape, one[shape], split[shape], one[shape] / split[shape]]
+                            for shape in one if shape in split]))
 
 
 if __name__ == "__main__":
