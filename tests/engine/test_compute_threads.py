@@ -78,7 +78,6 @@ def test_without_a_claim_a_second_computing_thread_keeps_its_own_pool():
 def test_a_worker_built_with_compute_threads_computes_on_its_engine_loop_thread(tiny_dir):
     out = run(f"""
         from pdserve.engine.config import EngineConfig
-        from pdserve.worker_api.sampling_params import SamplingParams
         from pdserve.workers.build import build_worker, with_compute_threads
         torch.set_num_threads(2)
         native = lambda: threads_now() - threading.active_count()  # OpenMP's pools, mostly
