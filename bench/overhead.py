@@ -1,13 +1,16 @@
-"""Serving overhead: ``python -m pdserve.bench.overhead [--model DIR] [--concurrency 1 8]``.
+"""Serving overhead: ``python -m pdserve.bench.overhead [--model DIR] [--concurrency 1 8]
+[--dtype bfloat16] [--worker-cpus 2]``.
 
 The same requests (random token ids, ``--input-len`` prompt tokens, ``--output-len`` output
 tokens each, greedy with ignore_eos) at the same concurrency (closed loop: a request is sent as
 soon as one ends) through three paths, one at a time:
 
-* ``offline``: the engine in this process on one torch thread, stepped by a loop that adds a
-  request as soon as a slot frees; its times come from the tokens each step returns;
-* ``grpc``: one colocated worker with one CPU (what ``bench.peer`` puts against vLLM) behind an
-  embedded cluster's router, driven by ``pdserve bench serve``'s client;
+* ``offline``: the engine in this process on ``--worker-cpus`` torch threads (default one),
+  stepped by a loop that adds a request as soon as a slot frees; its times come from the
+  tokens each step returns;
+* ``grpc``: one colocated worker with ``--worker-cpus`` CPUs (one: what ``bench.peer`` puts
+  against vLLM on one core) behind an embedded cluster's router, driven by ``pdserve bench
+  serve``'s client;
 * ``http``: the same cluster's OpenAI front door, the same client over ``/v1/completions``.
 
 Prints output tok/s, TTFT P50 and TPOT P50 per path and concurrency, each beside its ratio to
@@ -40,15 +43,15 @@ FIGURES = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT P50 m
 
 
 def offline(model: str, requests: list[BenchRequest], concurrency: int,
-            dtype: str = "float32") -> dict:
-    """``requests`` through the engine in this process, ``concurrency`` at a time, on one
-    torch thread (the process's own count is restored after)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+            dtype: str = "float32", threads: int = 1) -> dict:
+    """``requests`` through the engine in this process, ``concurrency`` at a time, on
+    ``threads`` torch threads (the process's own count is restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         return _offline(model, requests, concurrency, dtype)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _offline(model: str, requests: list[BenchRequest], concurrency: int, dtype: str) -> dict:
@@ -120,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--paths", default="offline,grpc,http")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--worker-cpus", type=int, default=1,
+                        help="the served worker's CPUs (its threads), the offline engine's threads")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -135,10 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     for c in args.concurrency if "offline" in paths else []:
         requests = synthetic_requests(args.num_prompts, seeds[("offline", c)], vocab, 1 << 30,
                                       shape)
-        results[("offline", c)] = offline(model, requests, c, args.dtype)
+        results[("offline", c)] = offline(model, requests, c, args.dtype, args.worker_cpus)
     if {"grpc", "http"} & set(paths):
         options = ClusterOptions(model=model, colocated=True, num_decode=1, port=0,
-                                 http_port=0, metrics_port=None, engine=dict(dtype=args.dtype))
+                                 http_port=0, metrics_port=None, worker_cpus=args.worker_cpus,
+                                 engine=dict(dtype=args.dtype))
         with EmbeddedCluster(options) as cluster:
             for c in args.concurrency:
                 for path in ("grpc", "http"):
