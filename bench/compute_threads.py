@@ -30,35 +30,20 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench.cpu_dtypes import SMOLLM2_SHAPE
-from pdserve.bench.engine import write_random_llama
+from pdserve.bench.cpu_dtypes import SMOLLM2_SHAPE, build_engine
+from pdserve.bench.engine import prompt_step, write_random_llama
 from pdserve.bench.stats import format_table
 from pdserve.engine import compute_threads
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.parts import EngineParts
-from pdserve.worker_api.sampling_params import SamplingParams
 
 ARRANGEMENTS = ("one thread", "built here, stepped there", "compute_threads")
 QUICK_SHAPE = dict(SMOLLM2_SHAPE, num_hidden_layers=2, vocab_size=512)
 
 
-def build_engine(model: str, dtype: str) -> LLMEngine:
-    return LLMEngine(EngineParts.build(EngineConfig(
-        model=model, dtype=dtype, num_kv_blocks=512, max_num_seqs=16,
-        max_num_batched_tokens=2048, enable_prefix_caching=False)))
-
-
 def forward_ms(engine: LLMEngine, prompt_len: int, rounds: int) -> list[float]:
-    """The forward ms of ``rounds`` prompt steps, after two not counted."""
-    times = []
-    for r in range(rounds + 2):
-        engine.add_request(f"p{r}", [(7 * r + 3 * j) % 500 + 1 for j in range(prompt_len)],
-                           SamplingParams(max_tokens=1, temperature=0.0))
-        engine.step()
-        times.append(engine.last_step.forward_s * 1e3)
-        while engine.has_unfinished_requests():
-            engine.step()
+    """The forward ms of ``rounds`` steps of one prompt each, after two not counted."""
+    times = [prompt_step(engine, f"p{r}", 1, prompt_len, False)[0] * 1e3
+             for r in range(rounds + 2)]
     return times[2:]
 
 
@@ -77,7 +62,7 @@ def timed(engine: LLMEngine, prompt_len: int, rounds: int, gemms: bool) -> dict:
     return {"times": times, "gemms": calls}
 
 
-def measure(arrangement: str, model: str, dtype: str, threads: int, prompt_len: int,
+def measure(arrangement: str, model: Path, dtype: str, threads: int, prompt_len: int,
             rounds: int, gemms: bool = False) -> dict:
     """In this process (a fresh one): :func:`timed` of ``arrangement``."""
     result: list[dict] = []
@@ -125,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arrangement", choices=ARRANGEMENTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.arrangement:  # the child: one arrangement, its times as JSON
-        print(json.dumps(measure(args.arrangement, args.model, args.dtype, args.threads,
+        print(json.dumps(measure(args.arrangement, Path(args.model), args.dtype, args.threads,
                                  args.prompt, args.rounds, args.gemms)))
         return
     if args.quick:

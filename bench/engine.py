@@ -400,7 +400,7 @@ def prefill_table(model_dir: Path, prompt_len: int, repeats: int = 3) -> str:
             model=str(model_dir), dtype=dtype, num_kv_blocks=4096, max_num_seqs=256,
             enable_prefix_caching=False, max_num_batched_tokens=max(2048, 8 * prompt_len))))
         for label, num_prompts, beside_decode in PREFILL_STEPS:
-            steps = sorted(_prompt_step(engine, f"{label}-{r}", num_prompts, prompt_len,
+            steps = sorted(prompt_step(engine, f"{label}-{r}", num_prompts, prompt_len,
                                         beside_decode) for r in range(repeats))
             forward_s, num_seqs = steps[len(steps) // 2]
             rows.append([dtype, label, num_seqs, num_prompts * prompt_len, forward_s * 1e3,
@@ -409,7 +409,7 @@ def prefill_table(model_dir: Path, prompt_len: int, repeats: int = 3) -> str:
                          "prompt tok/s"], rows)
 
 
-def _prompt_step(engine: LLMEngine, tag: str, num_prompts: int, prompt_len: int,
+def prompt_step(engine: LLMEngine, tag: str, num_prompts: int, prompt_len: int,
                  beside_decode: bool) -> tuple[float, int]:
     """The forward seconds and sequences of one step that takes ``num_prompts`` whole prompts
     (and, with ``beside_decode``, a running request's next token)."""
