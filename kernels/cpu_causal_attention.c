@@ -177,16 +177,24 @@ int causal_attention_f32(const float *q, int64_t q_seq, int64_t q_token, int64_t
  * Each kv head's keys are laid out once as the right-hand tiles of the scores (for sixteen keys
  * and 32 dimensions, sixteen rows of the keys' dimension pairs side by side) and its values as
  * those of the sums (for 32 keys and sixteen dimensions, sixteen rows of the dimensions' key
- * pairs). A task takes 32 queries of one head (two tiles of sixteen rows, read in place): their
- * scores against every key up to the last of them, 32 keys at a time in four float32 tiles;
- * then, row by row on the vector unit, the softmax over the keys up to each query (later ones
- * weigh 0), the weights rounded to bf16 as torch's bf16 attention does; then the weights times
- * the values, 32 dimensions at a time in four tiles, and each row scaled by its sum's
- * reciprocal and rounded to bf16. Tiles 0-3 hold sums, 4 and 5 the left-hand rows, 6 and 7 the
- * right-hand tiles. */
+ * pairs). A task takes sixteen queries of one head (one tile of rows, read in place) and walks
+ * the keys up to its last query 32 at a time, what a block needs staying in the core's first
+ * cache: the block's scores (two float32 tiles); on the vector unit, the softmax's weights
+ * exp(score - m) over the keys each query sees (0 past them), m the row's running maximum,
+ * rounded to bf16 as torch's bf16 attention rounds them, their float32 values summed per row;
+ * then the weights times the block's values added to the output's sums, which stay in four
+ * tiles (64 dimensions; a wider head takes a pass over the keys per 64, reusing the weights
+ * the first pass kept). The running maximum may lag a row's scores by STALE_LOG2: where a block
+ * scores higher still, the maximum rises to it and the sums made so far shrink by the factor
+ * between the two (rare: a row's largest scores come early). Each row is finally scaled by its
+ * sum's reciprocal and rounded to bf16. The next block's scores go to AMX before the vector
+ * unit works out this block's weights. Tiles 0-3 hold the output's sums, 4 and 5 a block's
+ * scores, 6 the left-hand rows (queries, then weights), 7 the right-hand tile (keys, then
+ * values). */
 #define MAX_HEAD_DIM_BF16 256
-#define AQ 32 /* queries a task: two tiles of 16 rows */
+#define AQ 16 /* queries a task: one tile of rows */
 #define AK 32 /* keys a block: two tiles of 16 (scores), one tile's 16 pairs (sums) */
+#define AD 64 /* output dimensions a pass over the keys sums: four tiles of 16 */
 #define TILE_U16 512 /* one 16 x 64-byte tile, in bf16 values */
 
 #if HAVE_AMX_BF16
@@ -239,124 +247,165 @@ static inline v16 vexp2_weights(v16 x) {
     return (v16)_mm512_scalef_ps((__m512)p, n);
 }
 
-/* One step's four products: left tiles 4 (rows 0-15) and 5 (rows 16-31) times right tiles 6
- * and 7 into sums 0, 1 (rows 0-15) and 2, 3 (rows 16-31). */
-#define AMX_FOUR_PRODUCTS()      \
-    do {                         \
-        _tile_dpbf16ps(0, 4, 6); \
-        _tile_dpbf16ps(1, 4, 7); \
-        _tile_dpbf16ps(2, 5, 6); \
-        _tile_dpbf16ps(3, 5, 7); \
-    } while (0)
-
-/* scores (AQ rows sld apart) of the 32 queries (q rows qld apart) against the keys of blocks
- * 0 .. blocks - 1: four float32 tiles a block of 32 keys, head_dim 32 at a time. */
-static void score_block_bf16(const uint16_t *q, int64_t qld, const uint16_t *kt, int blocks,
-                             int head_dim, float *scores, int64_t sld) {
-    const int chunks = head_dim / 32;
-    for (int b = 0; b < blocks; b++) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int c = 0; c < chunks; c++) {
-            _tile_loadd(4, q + c * 32, qld * 2);
-            _tile_loadd(5, q + 16 * qld + c * 32, qld * 2);
-            _tile_loadd(6, kt + ((int64_t)(2 * b) * chunks + c) * TILE_U16, 64);
-            _tile_loadd(7, kt + ((int64_t)(2 * b + 1) * chunks + c) * TILE_U16, 64);
-            AMX_FOUR_PRODUCTS();
-        }
-        _tile_stored(0, scores + b * AK, sld * 4);
-        _tile_stored(1, scores + b * AK + 16, sld * 4);
-        _tile_stored(2, scores + 16 * sld + b * AK, sld * 4);
-        _tile_stored(3, scores + 16 * sld + b * AK + 16, sld * 4);
+/* s (AQ rows of AK floats) = the queries (q rows qld apart) against the keys of block b */
+static inline void score_block_bf16(const uint16_t *q, int64_t qld, const uint16_t *kt, int b,
+                                    int chunks, float *s) {
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int c = 0; c < chunks; c++) {
+        _tile_loadd(6, q + c * 32, qld * 2);
+        _tile_loadd(7, kt + ((int64_t)(2 * b) * chunks + c) * TILE_U16, 64);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(7, kt + ((int64_t)(2 * b + 1) * chunks + c) * TILE_U16, 64);
+        _tile_dpbf16ps(5, 6, 7);
     }
+    _tile_stored(4, s, AK * 4);
+    _tile_stored(5, s + 16, AK * 4);
 }
 
-/* weights (bf16, AQ rows sld apart, blocks x AK keys each) = exp(scale (score - the row's
- * max)) over the keys up to each query i0 + i, 0 past it and on the padding rows past count;
- * inv[i] the reciprocal of row i's sum. */
-static void softmax_weights_bf16(const float *scores, int i0, int count, int blocks,
-                                 float scale, uint16_t *weights, int64_t sld, float *inv) {
+/* Lanes of the 16 keys from `first` that query position `pos` sees (keys up to pos). */
+static inline v16i seen_keys(int first, int pos) {
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return lane + first <= pos;
+}
+
+/* Rows' running maxima may lag the scores by this much (log2 of the weights' largest value)
+ * before the sums made so far are scaled down to a new maximum. */
+#define STALE_LOG2 8.0f
+
+/* Block b's weights (the keys k0 .. k0 + 31 each query sees, 0 past them; AQ rows of AK bf16
+ * in w, wld apart) from its scores s: exp(scale (score - top[i])), top[i] the row's running
+ * maximum, raised where the block's scores pass it by more than STALE_LOG2 (alpha[i] the
+ * factor by which the row's sums so far must then shrink, else 1); their float32 values added
+ * to sums[i]. Returns whether any row's maximum rose. */
+static inline int block_weights_bf16(const float *s, int k0, int p0, float log2_scale,
+                                     float *top, float *alpha, uint16_t *w, int64_t wld,
+                                     v16 *sums) {
+    const int whole = k0 + AK - 1 <= p0; /* every row sees every key */
+    const float stale = STALE_LOG2 / log2_scale; /* in the scores' units */
+    int rose = 0;
     for (int i = 0; i < AQ; i++) {
-        uint16_t *w = weights + i * sld;
-        if (i >= count) { /* a padding row: weights 0 */
-            memset(w, 0, sizeof(uint16_t) * (size_t)(blocks * AK));
-            continue;
+        const v16 lo = load16(s + i * AK), hi = load16(s + i * AK + 16);
+        v16i seen_lo = {0}, seen_hi = {0};
+        __m512 most;
+        if (whole)
+            most = _mm512_max_ps((__m512)lo, (__m512)hi);
+        else { /* the keys past the query count for nothing */
+            seen_lo = seen_keys(k0, p0 + i);
+            seen_hi = seen_keys(k0 + 16, p0 + i);
+            most = _mm512_max_ps((__m512)select16(seen_lo, lo, splat16(-INFINITY)),
+                                 (__m512)select16(seen_hi, hi, splat16(-INFINITY)));
         }
-        const float *s = scores + i * sld;
-        const int last = i0 + i, full = (last + 1) / 16, vecs = last / 16 + 1;
-        const v16i tail = lane + full * 16 <= last; /* the keys of the last, partial vector */
-        __m512 top[4]; /* four running maxima: one would wait on the last one's result */
-        for (int j = 0; j < 4; j++) top[j] = (__m512)splat16(-INFINITY);
-        for (int b = 0; b < full; b++)
-            top[b % 4] = _mm512_max_ps(top[b % 4], _mm512_loadu_ps(s + b * 16));
-        if (full < vecs)
-            top[0] = _mm512_max_ps(top[0], (__m512)select16(tail, load16(s + full * 16),
-                                                            splat16(-INFINITY)));
-        const float max = _mm512_reduce_max_ps(
-            _mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3])));
-        /* e^(scale (s - max)) = 2^(s log2e scale - max log2e scale): one multiply-add a lane */
-        const float log2_scale = scale * 1.4426950408889634f, shift = max * log2_scale;
-        v16 sums = {0};
-        for (int b = 0; b < full; b++) {
-            v16 e = vexp2_weights(load16(s + b * 16) * log2_scale - shift);
-            sums += e;
-            store16_bf16(w + b * 16, e);
+        alpha[i] = 1.0f;
+        if (_mm512_cmp_ps_mask(most, _mm512_set1_ps(top[i] + stale), _CMP_GT_OQ)
+                || top[i] == -INFINITY) { /* rare: the row's maximum rises */
+            const float now = _mm512_reduce_max_ps(most);
+            if (top[i] != -INFINITY) alpha[i] = exp2f((top[i] - now) * log2_scale);
+            sums[i] *= alpha[i];
+            top[i] = now;
+            rose = 1;
         }
-        if (full < vecs) {
-            v16 e = select16(tail, vexp2_weights(load16(s + full * 16) * log2_scale - shift),
-                             splat16(0.0f));
-            sums += e;
-            store16_bf16(w + full * 16, e);
+        const v16 shift = splat16(top[i] * log2_scale);
+        v16 e0 = vexp2_weights(lo * log2_scale - shift);
+        v16 e1 = vexp2_weights(hi * log2_scale - shift);
+        if (!whole) {
+            e0 = select16(seen_lo, e0, splat16(0.0f));
+            e1 = select16(seen_hi, e1, splat16(0.0f));
         }
-        for (int b = vecs; b < blocks * 2; b++) store16_bf16(w + b * 16, splat16(0.0f));
-        inv[i] = 1.0f / sum16(sums);
+        sums[i] += e0 + e1;
+        store16_bf16(w + i * wld, e0);
+        store16_bf16(w + i * wld + 16, e1);
+    }
+    return rose;
+}
+
+/* The output's sums (tiles 0 .. group - 1, AQ rows) into acc (AQ rows of AD floats) */
+static inline void store_sums(int group, float *acc) {
+    _tile_stored(0, acc, AD * 4);
+    _tile_stored(1, acc + 16, AD * 4);
+    if (group > 2) {
+        _tile_stored(2, acc + 32, AD * 4);
+        _tile_stored(3, acc + 48, AD * 4);
     }
 }
 
-/* out rows 0 .. count - 1 (old apart, bf16) = inv[i] x the weights times the values of blocks
- * 0 .. blocks - 1: four float32 tiles (32 rows, 32 dimensions) at a time. */
-static void sum_values_bf16(const uint16_t *weights, int64_t sld, const uint16_t *vt,
-                            int blocks, int head_dim, const float *inv, int count,
-                            uint16_t *out, int64_t old) {
+/* The output's sums (tiles 0 .. group - 1) times alpha[i] row by row, through acc */
+static void shrink_sums(int group, const float *alpha, float *acc) {
+    store_sums(group, acc);
+    for (int i = 0; i < AQ; i++)
+        for (int d = 0; d < group * 16; d += 16)
+            store16(acc + i * AD + d, load16(acc + i * AD + d) * alpha[i]);
+    _tile_loadd(0, acc, AD * 4);
+    _tile_loadd(1, acc + 16, AD * 4);
+    if (group > 2) {
+        _tile_loadd(2, acc + 32, AD * 4);
+        _tile_loadd(3, acc + 48, AD * 4);
+    }
+}
+
+/* The output's sums (tiles 0 .. group - 1, group 2 or 4) plus a block's weights (w, AQ rows
+ * wld apart) times its values of the pass's dimensions (value tiles from `values`) */
+static inline void add_values_bf16(const uint16_t *w, int64_t wld, const uint16_t *values,
+                                   int group) {
+    _tile_loadd(6, w, wld * 2);
+    _tile_loadd(7, values, 64);
+    _tile_dpbf16ps(0, 6, 7);
+    _tile_loadd(7, values + TILE_U16, 64);
+    _tile_dpbf16ps(1, 6, 7);
+    if (group > 2) {
+        _tile_loadd(7, values + 2 * TILE_U16, 64);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(7, values + 3 * TILE_U16, 64);
+        _tile_dpbf16ps(3, 6, 7);
+    }
+}
+
+/* The sixteen queries at positions p0 .. p0 + 15 (q rows qld apart; count of them real) of
+ * one head: out rows 0 .. count - 1 (old apart, bf16). s: 2 x AQ x AK floats (a block's scores
+ * and the next one's); w: AQ rows of wld >= the keys' padded count bf16 (every block's
+ * weights, kept for a wider head's later passes); acc: AQ x AD floats; shrink: AQ x blocks
+ * floats (the factors of the rows' sums at each block), rose: blocks flags (whether any row's
+ * maximum rose there: the later passes replay those). */
+static void attend_queries_bf16(const uint16_t *q, int64_t qld, const uint16_t *kt,
+                                const uint16_t *vt, int p0, int count, int head_dim,
+                                float scale, float *s, uint16_t *w, int64_t wld, float *acc,
+                                float *shrink, unsigned char *rose, uint16_t *out,
+                                int64_t old) {
+    const int blocks = (p0 + count - 1) / AK + 1, chunks = head_dim / 32;
     const int slices = head_dim / 16;
-    float acc[AQ * MAX_HEAD_DIM_BF16];
-    for (int t = 0; t < slices; t += 2) {
+    const float log2_scale = scale * 1.4426950408889634f;
+    float top[AQ];
+    v16 sums[AQ];
+    for (int i = 0; i < AQ; i++) {
+        top[i] = -INFINITY;
+        sums[i] = splat16(0.0f);
+    }
+    for (int d0 = 0; d0 < head_dim; d0 += AD) {
+        const int group = head_dim - d0 < AD ? 2 : 4; /* the pass's tiles of 16 dimensions */
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
+        if (d0 == 0) score_block_bf16(q, qld, kt, 0, chunks, s);
         for (int b = 0; b < blocks; b++) {
-            _tile_loadd(4, weights + b * AK, sld * 2);
-            _tile_loadd(5, weights + 16 * sld + b * AK, sld * 2);
-            _tile_loadd(6, vt + ((int64_t)b * slices + t) * TILE_U16, 64);
-            _tile_loadd(7, vt + ((int64_t)b * slices + t + 1) * TILE_U16, 64);
-            AMX_FOUR_PRODUCTS();
+            if (d0 == 0) { /* the first pass makes the weights; later ones replay them */
+                if (b + 1 < blocks)
+                    score_block_bf16(q, qld, kt, b + 1, chunks, s + ((b + 1) & 1) * AQ * AK);
+                rose[b] = (unsigned char)block_weights_bf16(
+                    s + (b & 1) * AQ * AK, b * AK, p0, log2_scale, top, shrink + b * AQ,
+                    w + b * AK, wld, sums);
+            }
+            if (b > 0 && rose[b]) shrink_sums(group, shrink + b * AQ, acc);
+            add_values_bf16(w + b * AK, wld, vt + ((int64_t)b * slices + d0 / 16) * TILE_U16,
+                            group);
         }
-        _tile_stored(0, acc + t * 16, head_dim * 4);
-        _tile_stored(1, acc + t * 16 + 16, head_dim * 4);
-        _tile_stored(2, acc + 16 * head_dim + t * 16, head_dim * 4);
-        _tile_stored(3, acc + 16 * head_dim + t * 16 + 16, head_dim * 4);
+        store_sums(group, acc);
+        for (int i = 0; i < count; i++) {
+            const float inv = 1.0f / sum16(sums[i]);
+            for (int d = 0; d < group * 16; d += 16)
+                store16_bf16(out + i * old + d0 + d, load16(acc + i * AD + d) * inv);
+        }
     }
-    for (int i = 0; i < count; i++)
-        for (int d = 0; d < head_dim; d += 16)
-            store16_bf16(out + i * old + d, load16(acc + i * head_dim + d) * inv[i]);
-}
-
-/* The 32 queries i0 .. i0 + 31 (count of them real, q rows qld apart, padded to 32) of one
- * head: out rows old apart. scores (AQ x sld floats) and weights (AQ x sld bf16) are the
- * task's buffers, sld at least the keys up to the last query rounded up to AK. */
-static void attend_block_bf16(const uint16_t *q, int64_t qld, const uint16_t *kt,
-                              const uint16_t *vt, int i0, int count, int head_dim, float scale,
-                              float *scores, uint16_t *weights, int64_t sld, uint16_t *out,
-                              int64_t old) {
-    const int blocks = (i0 + count - 1) / AK + 1;
-    float inv[AQ];
-    score_block_bf16(q, qld, kt, blocks, head_dim, scores, sld);
-    softmax_weights_bf16(scores, i0, count, blocks, scale, weights, sld, inv);
-    sum_values_bf16(weights, sld, vt, blocks, head_dim, inv, count, out, old);
 }
 #endif
 
@@ -379,32 +428,43 @@ int causal_attention_bf16(const uint16_t *q, int64_t q_token, int64_t q_head, co
     const int group = heads / kv_heads, blocks = (n + AK - 1) / AK, qblocks = (n + AQ - 1) / AQ;
     const int64_t kt_size = (int64_t)blocks * 2 * (head_dim / 32) * TILE_U16;
     const int64_t vt_size = (int64_t)blocks * (head_dim / 16) * TILE_U16;
-    /* the buffers' rows: + 16 lest rows a multiple of 4 KiB apart share the caches' sets */
-    const int64_t sld = (int64_t)blocks * AK + 16;
+    /* the weights' rows: + 32 lest rows a multiple of 4 KiB apart share the caches' sets */
+    const int64_t wld = (int64_t)blocks * AK + 32;
     uint16_t *packed = malloc(sizeof(uint16_t) * (size_t)((kt_size + vt_size) * kv_heads));
     if (packed == NULL) return -2;
     uint16_t *kts = packed, *vts = packed + kt_size * kv_heads;
-    for (int g = 0; g < kv_heads; g++) {
-        pack_keys_bf16(k + g * kv_head, kv_token, n, head_dim, kts + g * kt_size);
-        pack_values_bf16(v + g * kv_head, kv_token, n, head_dim, vts + g * vt_size);
-    }
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
+#pragma omp for schedule(static)
+        for (int job = 0; job < 2 * kv_heads; job++) { /* each kv head's keys, then values */
+            const int g = job / 2;
+            if (job % 2 == 0)
+                pack_keys_bf16(k + g * kv_head, kv_token, n, head_dim, kts + g * kt_size);
+            else
+                pack_values_bf16(v + g * kv_head, kv_token, n, head_dim, vts + g * vt_size);
+        }
         const int tile_rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
-        float *scores = malloc(sizeof(float) * (size_t)(AQ * sld));
-        uint16_t *weights = malloc(sizeof(uint16_t) * (size_t)(AQ * sld));
+        float s[2 * AQ * AK], acc[AQ * AD];
+        uint16_t *w = malloc(sizeof(uint16_t) * (size_t)(AQ * wld));
         uint16_t *pad = malloc(sizeof(uint16_t) * (size_t)(AQ * head_dim));
-        if (scores == NULL || weights == NULL || pad == NULL) {
+        float *shrink = malloc(sizeof(float) * (size_t)(AQ * blocks));
+        unsigned char *rose = malloc((size_t)blocks);
+        const int ready = w != NULL && pad != NULL && shrink != NULL && rose != NULL;
+        if (!ready) {
 #pragma omp atomic write
             failed = 1;
         } else
             amx_load_config(tile_rows);
-#pragma omp for schedule(dynamic)
+#pragma omp for schedule(dynamic, 4)
         for (int64_t task = 0; task < (int64_t)heads * qblocks; task++) {
-            if (scores == NULL || weights == NULL || pad == NULL) continue;
-            const int h = (int)(task / qblocks), i0 = (int)(task % qblocks) * AQ;
-            const int g = h / group, count = n - i0 < AQ ? n - i0 : AQ;
+            if (!ready) continue;
+            /* a kv head's tasks together (its keys and values stay in cache), the longest
+               (the last queries, which see the most keys) first */
+            const int g = (int)(task / ((int64_t)group * qblocks));
+            const int rest = (int)(task % ((int64_t)group * qblocks));
+            const int h = g * group + rest % group, i0 = (qblocks - 1 - rest / group) * AQ;
+            const int count = n - i0 < AQ ? n - i0 : AQ;
             const uint16_t *qs = q + h * q_head + (int64_t)i0 * q_token;
             int64_t qld = q_token;
             if (count < AQ) { /* the last block, filled up with zero queries */
@@ -414,15 +474,16 @@ int causal_attention_bf16(const uint16_t *q, int64_t q_token, int64_t q_head, co
                 qs = pad;
                 qld = head_dim;
             }
-            attend_block_bf16(qs, qld, kts + g * kt_size, vts + g * vt_size, i0, count,
-                              head_dim, scale, scores, weights, sld,
-                              out + ((int64_t)i0 * heads + h) * head_dim,
-                              (int64_t)heads * head_dim);
+            attend_queries_bf16(qs, qld, kts + g * kt_size, vts + g * vt_size, i0, count,
+                                head_dim, scale, s, w, wld, acc, shrink, rose,
+                                out + ((int64_t)i0 * heads + h) * head_dim,
+                                (int64_t)heads * head_dim);
         }
-        if (scores != NULL && weights != NULL && pad != NULL) _tile_release();
-        free(scores);
-        free(weights);
+        if (ready) _tile_release();
+        free(w);
         free(pad);
+        free(shrink);
+        free(rose);
     }
     free(packed);
     return failed ? -2 : 0;

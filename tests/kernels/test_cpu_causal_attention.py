@@ -169,6 +169,23 @@ def test_bf16_softmax_holds_for_large_scores(gen):
 
 
 @bf16_native
+@pytest.mark.parametrize("head_dim", [64, 128, 256])  # one pass over the keys; two; four
+def test_bf16_rows_whose_largest_score_comes_late(gen, head_dim):
+    """The kernel keeps each row's running maximum and scales the sums made so far down when
+    a later block of keys scores far higher: keys that every query favours more and more the
+    later they come (ten blocks of 32 keys, scores rising by thousands) give the exact result,
+    for a head of one pass over the keys and for wider ones, whose later passes replay the
+    first one's rescalings."""
+    n, heads = 330, 2
+    q, k, v = _packed_bf16(gen, n, heads, 1, head_dim)
+    q[:, :, 0] = 8.0  # every query leans on dimension 0, where keys grow with position
+    k[:, :, 0] = torch.linspace(0.0, 400.0, n).bfloat16()[:, None]
+    scale = head_dim ** -0.5
+    got = cpu_causal_attention.causal_attention_bf16_cpu(q, k, v, scale)
+    assert relative_error(got.float(), _plain_prompt(q, k, v, scale)) < TOLERANCE[torch.bfloat16]
+
+
+@bf16_native
 def test_bf16_is_causal_and_threads_agree(gen, monkeypatch):
     q, k, v = _packed_bf16(gen, 90, 6, 2, 64)
     alone = cpu_causal_attention.causal_attention_bf16_cpu(q, k, v, 0.125)
