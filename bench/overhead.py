@@ -15,8 +15,8 @@ soon as one ends) through three paths, one at a time:
 
 Prints output tok/s, TTFT P50 and TPOT P50 per path and concurrency, each beside its ratio to
 the offline figure: what the router, Ray and the front door cost on top of the engine; and, for
-the served paths, the part of the router's TTFT that the worker did not time (placing, RPCs,
-polling: ``bench.phases``' "router"). The
+the served paths, TTFT's split (``bench.phases``): the worker's queue and prefill, and the
+part no worker timed (placing, RPCs, polling: "router"). The
 served paths share this machine's cores with their client, as ``vllm bench serve`` does.
 Never asserts; not part of ``make test``.
 """
@@ -40,6 +40,7 @@ from pdserve.worker_api.sampling_params import SamplingParams
 
 FIGURES = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT P50 ms"),
            ("median_tpot_ms", "TPOT P50 ms"))
+TRACE_PHASES = ("queue", "prefill", "router")  # the served paths' TTFT split (bench.phases)
 
 
 def offline(model: str, requests: list[BenchRequest], concurrency: int,
@@ -108,10 +109,11 @@ def table(results: dict[tuple[str, int], dict]) -> str:
             ratio = f" ({value / base[key]:.2f}x)" if base and path != "offline" else ""
             row.append(f"{value:,.1f}{ratio}")
         phases = result.get("phases") or {}
-        row.append(f"{phases['router']['p50_ms']:,.1f}" if "router" in phases else "-")
+        row += [f"{phases[phase]['p50_ms']:,.1f}" if phase in phases else "-"
+                for phase in TRACE_PHASES]
         rows.append(row)
     return format_table(["path", "concurrency", *(label for _key, label in FIGURES),
-                         "router P50 ms"], rows)
+                         *(f"{phase} P50 ms" for phase in TRACE_PHASES)], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
