@@ -4,9 +4,11 @@
  * For each sequence and kv head the keys are first laid out sixteen to a block with the
  * head_dim running down the block (the transpose of their rows), so that scoring eight queries
  * against sixteen keys is eight accumulators fed by one load and eight broadcasts per
- * dimension, every multiply-add at the core's full width. The softmax takes the scores of keys
- * up to each query (later keys score -inf, exp 0); the values are summed four queries and four
- * vectors of head_dim at a time.
+ * dimension, every multiply-add at the core's full width (two blocks at a time: sixteen
+ * accumulators, each query's value broadcast once for both). The softmax takes the scores of
+ * keys up to each query (later keys score -inf, exp 0); the values are summed for all eight
+ * queries and two vectors of head_dim at a time, so a task reads each value row once a pair of
+ * vectors.
  *
  * Built and loaded by kernels/native_build.py; kernels/torch_attention.py's
  * _causal_sdpa_in_chunks is the reference. Sums run in another order, so results agree to
@@ -34,25 +36,44 @@ static void transpose_keys(const float *k, int64_t ld, int n, int head_dim, floa
         }
 }
 
+/* The scores of blocks b (and b + 1 when two = 1) of keys: acc[i][t] = q_i . block b + t */
+static inline __attribute__((always_inline)) void score_blocks(
+        const float *q, int64_t qld, const float *kt, int b, int head_dim, int two,
+        v16 acc[QB][2]) {
+    const float *kb = kt + (int64_t)b * head_dim * 16, *next = kb + head_dim * 16;
+    for (int i = 0; i < QB; i++) acc[i][0] = acc[i][1] = splat16(0.0f);
+    for (int d = 0; d < head_dim; d++) {
+        const v16 k0 = load16(kb + d * 16), k1 = two ? load16(next + d * 16) : k0;
+        for (int i = 0; i < QB; i++) {
+            const float x = q[i * qld + d];
+            acc[i][0] += x * k0;
+            if (two) acc[i][1] += x * k1;
+        }
+    }
+}
+
 /* scores (QB rows sld apart) = scale * q . k for keys 0 .. last of queries i0 .. i0 + QB - 1,
- * -inf past each query's position; top[i] the row's largest lane by lane. */
+ * -inf past each query's position; top[i] the row's largest lane by lane. Two blocks of 16
+ * keys at a time, so each query's value is read once for both. */
 static void score_queries(const float *q, int64_t qld, const float *kt, int i0, int last,
                           int head_dim, float scale, float *scores, int64_t sld, v16 *top) {
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const int blocks = last / 16 + 1;
     for (int i = 0; i < QB; i++) top[i] = splat16(-INFINITY);
-    for (int b = 0; b <= last / 16; b++) {
-        const float *kb = kt + (int64_t)b * head_dim * 16;
-        v16 acc[QB] = {{0}};
-        for (int d = 0; d < head_dim; d++) {
-            v16 kd = load16(kb + d * 16);
-            for (int i = 0; i < QB; i++) acc[i] += q[i * qld + d] * kd;
-        }
-        for (int i = 0; i < QB; i++) {
-            v16 s = acc[i] * scale;
-            s = select16(lane + b * 16 <= i0 + i, s, splat16(-INFINITY));
-            store16(scores + i * sld + b * 16, s);
-            top[i] = select16(s > top[i], s, top[i]);
-        }
+    for (int b = 0; b < blocks; b += 2) {
+        const int nb = blocks - b < 2 ? 1 : 2;
+        v16 acc[QB][2];
+        if (nb == 2)
+            score_blocks(q, qld, kt, b, head_dim, 1, acc);
+        else
+            score_blocks(q, qld, kt, b, head_dim, 0, acc);
+        for (int t = 0; t < nb; t++)
+            for (int i = 0; i < QB; i++) {
+                v16 x = acc[i][t] * scale;
+                x = select16(lane + (b + t) * 16 <= i0 + i, x, splat16(-INFINITY));
+                store16(scores + i * sld + (b + t) * 16, x);
+                top[i] = select16(x > top[i], x, top[i]);
+            }
     }
 }
 
@@ -72,27 +93,40 @@ static void softmax_rows(float *scores, int64_t sld, int last, const v16 *top, f
     }
 }
 
+/* The sums of all QB queries' weights (scores, rows sld apart) times the values (rows ld
+ * apart, from dimension d0) of keys 0 .. last, one or two (two = 1) vectors of head_dim */
+static inline __attribute__((always_inline)) void sum_value_vectors(
+        const float *scores, int64_t sld, const float *v, int64_t ld, int last, int d0,
+        int two, v16 acc[QB][2]) {
+    for (int i = 0; i < QB; i++) acc[i][0] = acc[i][1] = splat16(0.0f);
+    for (int key = 0; key <= last; key++) {
+        const float *vr = v + key * ld + d0;
+        const v16 x0 = in_register(load16(vr)), x1 = two ? in_register(load16(vr + 16)) : x0;
+        for (int i = 0; i < QB; i++) {
+            const float w = scores[i * sld + key];
+            acc[i][0] += w * x0;
+            if (two) acc[i][1] += w * x1;
+        }
+    }
+}
+
 /* out rows (old apart) of count queries = inv * the weights (scores) times the values (rows
- * ld apart) of keys 0 .. last; four queries and four vectors of head_dim at a time. */
+ * ld apart) of keys 0 .. last; every query and two vectors of head_dim at a time, so a task
+ * reads each value once. */
 static void sum_values(const float *scores, int64_t sld, const float *inv, const float *v,
                        int64_t ld, int last, int count, int head_dim, float *out, int64_t old) {
     const int nv = head_dim / 16, tail = nv * 16;
-    for (int i0 = 0; i0 < count; i0 += 4)
-        for (int j0 = 0; j0 < nv; j0 += 4) {
-            int nj = nv - j0 < 4 ? nv - j0 : 4, ni = count - i0 < 4 ? count - i0 : 4;
-            const float *sc = scores + i0 * sld;
-            v16 acc[4][4] = {{{0}}};
-            for (int key = 0; key <= last; key++) {
-                const float *vr = v + key * ld + j0 * 16;
-                for (int j = 0; j < nj; j++) {
-                    v16 x = in_register(load16(vr + j * 16));
-                    for (int i = 0; i < 4; i++) acc[i][j] += sc[i * sld + key] * x;
-                }
-            }
-            for (int i = 0; i < ni; i++)
-                for (int j = 0; j < nj; j++)
-                    store16(out + (i0 + i) * old + (j0 + j) * 16, acc[i][j] * inv[i0 + i]);
-        }
+    for (int j0 = 0; j0 < nv; j0 += 2) {
+        const int nj = nv - j0 < 2 ? 1 : 2;
+        v16 acc[QB][2];
+        if (nj == 2)
+            sum_value_vectors(scores, sld, v, ld, last, j0 * 16, 1, acc);
+        else
+            sum_value_vectors(scores, sld, v, ld, last, j0 * 16, 0, acc);
+        for (int i = 0; i < count; i++)
+            for (int j = 0; j < nj; j++)
+                store16(out + i * old + (j0 + j) * 16, acc[i][j] * inv[i]);
+    }
     for (int i = 0; i < count; i++)
         for (int d = tail; d < head_dim; d++) {
             float x = 0.0f;
