@@ -13,11 +13,12 @@ another: bytes copied over its time, what the memory gives one pass over them) o
 threads, in the same run. The median of
 ``--repeats`` calls after warm-ups, interleaved by round.
 
-``--prompts`` times whole bf16 prompts attending to themselves instead, at the same shape and
-a few lengths: what the engine runs (``kernels.prompt_attention`` on the ``native`` backend:
-the C kernel on AMX's tiles where it takes the prompt) against torch's bf16 SDPA with grouped
-heads (what it ran before, and runs where the CPU has no AMX), each in ms and in TFLOPS of the
-causal products (two of 2 x head_dim flops per query-key pair and head).
+``--prompts`` times whole prompts attending to themselves instead, at the same shape, a few
+lengths and both dtypes: what the engine runs (``kernels.prompt_attention`` on the ``native``
+backend: in bf16 the C kernel on AMX's tiles where it takes the prompt, in float32 the C
+float32 kernel) against torch's SDPA with grouped heads in the same dtype (what bf16 ran
+before, and runs where the CPU has no AMX), each in ms and in TFLOPS of the causal products
+(two of 2 x head_dim flops per query-key pair and head).
 """
 
 from __future__ import annotations
@@ -75,10 +76,10 @@ def measure(batch: int, context: int, dtype: torch.dtype,
     return nbytes / attention_s / 1e9, nbytes / copy_s / 1e9, path
 
 
-def prompt_case(length: int, seed: int = 0):
-    """(q, k, v) of one bf16 prompt as the model passes them: views of a packed projection."""
+def prompt_case(length: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """(q, k, v) of one prompt as the model passes them: views of a packed projection."""
     gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(length, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).bfloat16()
+    qkv = torch.randn(length, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
     q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=1)
     return (q.view(length, HEADS, HEAD_DIM), k.view(length, KV_HEADS, HEAD_DIM),
             v.view(length, KV_HEADS, HEAD_DIM))
@@ -89,11 +90,18 @@ def prompt_flops(length: int) -> int:
     return length * (length + 1) // 2 * HEADS * 4 * HEAD_DIM
 
 
-def measure_prompt(length: int, repeats: int) -> tuple[float, float, str]:
-    """(engine ms, SDPA ms, the engine's kernel) of one bf16 prompt on the current threads."""
-    q, k, v = prompt_case(length)
+def prompt_kernel(q, k, v, scale: float) -> str:
+    """The kernel ``prompt_attention`` runs for this prompt on the ``native`` backend."""
+    if q.dtype == torch.bfloat16:
+        return "C AMX" if cpu_causal_attention.takes_bf16(q, k, v, scale) else "SDPA"
+    return "C" if cpu_causal_attention.takes(q, k, v) else "SDPA"
+
+
+def measure_prompt(length: int, dtype: torch.dtype, repeats: int) -> tuple[float, float, str]:
+    """(engine ms, SDPA ms, the engine's kernel) of one prompt on the current threads."""
+    q, k, v = prompt_case(length, dtype)
     scale = HEAD_DIM ** -0.5
-    path = "C AMX" if cpu_causal_attention.takes_bf16(q, k, v, scale) else "SDPA"
+    path = prompt_kernel(q, k, v, scale)
     qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))
     engine_s = sdpa_s = float("inf")
     for _ in range(3):  # rounds, interleaved
@@ -107,13 +115,15 @@ def measure_prompt(length: int, repeats: int) -> tuple[float, float, str]:
 def prompt_rows(lengths: list[int], threads: list[int], repeats: int) -> list[list]:
     rows = []
     for length in lengths:
-        for count in threads:
-            torch.set_num_threads(count)
-            engine_ms, sdpa_ms, path = measure_prompt(length, repeats)
-            flops = prompt_flops(length)
-            rows.append([length, count, path, f"{engine_ms:.3f}", f"{sdpa_ms:.3f}",
-                         f"{flops / engine_ms / 1e9:.2f}", f"{flops / sdpa_ms / 1e9:.2f}",
-                         f"{sdpa_ms / engine_ms:.2f}"])
+        for dtype in (torch.bfloat16, torch.float32):
+            for count in threads:
+                torch.set_num_threads(count)
+                engine_ms, sdpa_ms, path = measure_prompt(length, dtype, repeats)
+                flops = prompt_flops(length)
+                rows.append([length, str(dtype).removeprefix("torch."), count, path,
+                             f"{engine_ms:.3f}", f"{sdpa_ms:.3f}",
+                             f"{flops / engine_ms / 1e9:.2f}", f"{flops / sdpa_ms / 1e9:.2f}",
+                             f"{sdpa_ms / engine_ms:.2f}"])
     return rows
 
 
@@ -123,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--prompts", action="store_true",
-                        help="whole bf16 prompts' attention instead of decode steps'")
+                        help="whole prompts' attention (bf16 and float32) instead of decode "
+                             "steps'")
     args = parser.parse_args(argv)
     threads_before = torch.get_num_threads()
     if args.prompts:
@@ -132,8 +143,8 @@ def main(argv: list[str] | None = None) -> None:
             rows = prompt_rows(lengths, args.threads, 3 if args.quick else args.repeats)
         finally:
             torch.set_num_threads(threads_before)
-        print(format_table(["prompt", "threads", "engine's kernel", "engine ms", "SDPA ms",
-                            "engine TFLOPS", "SDPA TFLOPS", "SDPA / engine"], rows))
+        print(format_table(["prompt", "dtype", "threads", "engine's kernel", "engine ms",
+                            "SDPA ms", "engine TFLOPS", "SDPA TFLOPS", "SDPA / engine"], rows))
         return
     batches, contexts = ([1, 4], [64]) if args.quick else ([1, 8, 32], [512, 2048])
     repeats = 3 if args.quick else args.repeats

@@ -37,14 +37,15 @@ def test_quick_prompts_print_a_row_per_thread_count(capsys):
     before = torch.get_num_threads()
     cpu_attention.main(["--quick", "--prompts", "--threads", "1", "2"])
     out = capsys.readouterr().out
-    for threads in (1, 2):
-        assert re.search(rf"^\s*64\s+{threads}\s+(C AMX|SDPA)(\s+[\d.]+){{5}}\s*$", out,
-                         re.M), out
+    for dtype in ("bfloat16", "float32"):
+        for threads in (1, 2):
+            row = rf"^\s*64\s+{dtype}\s+{threads}\s+(C AMX|C|SDPA)(\s+[\d.]+){{5}}\s*$"
+            assert re.search(row, out, re.M), out
     assert torch.get_num_threads() == before  # restored, not left at the last count
 
 
 def test_the_prompt_case_is_a_packed_projection_and_its_flops_count_causal_pairs():
     q, k, v = cpu_attention.prompt_case(5)
-    assert q.shape == (5, 9, 64) and k.shape == v.shape == (5, 3, 64)
+    assert q.shape == (5, 9, 64) and k.shape == v.shape == (5, 3, 64) and q.dtype == torch.bfloat16
     assert not q.is_contiguous() and q.stride(0) == (9 + 2 * 3) * 64  # rows of one projection
     assert cpu_attention.prompt_flops(5) == 15 * 9 * 4 * 64  # pairs (i, j <= i) of 5 tokens
