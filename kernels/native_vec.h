@@ -22,10 +22,19 @@ static inline v16 splat16(float x) { return (v16){0} + x; }
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
+/* sixteen bf16 values as 32-bit lanes, each in its lane's low half */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* one widening move: GCC splits __builtin_convertvector's into 128-bit pieces here */
+static inline v16u widen16(v16h h) { return (v16u)_mm512_cvtepu16_epi32((__m256i)h); }
+#else
+static inline v16u widen16(v16h h) { return __builtin_convertvector(h, v16u); }
+#endif
+
 static inline v16 load16_bf16(const uint16_t *p) {
     v16h h;
     memcpy(&h, p, sizeof h);
-    return (v16)(__builtin_convertvector(h, v16u) << 16);
+    return (v16)(widen16(h) << 16);
 }
 
 #if defined(__AVX512BF16__)
@@ -51,7 +60,7 @@ static inline v16h to_bf16(v16 x) {
 
 /* x rounded to bf16 precision, kept as floats */
 static inline v16 round16_bf16(v16 x) {
-    return (v16)(__builtin_convertvector(to_bf16(x), v16u) << 16);
+    return (v16)(widen16(to_bf16(x)) << 16);
 }
 
 static inline void store16_bf16(uint16_t *p, v16 x) {
