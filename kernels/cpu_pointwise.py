@@ -2,7 +2,9 @@
 kernels (``cpu_pointwise.c``), each one pass over the activations where torch takes several.
 float32 or bfloat16 (computed in float32, rounded to bf16 where the torch path rounds);
 :func:`takes` says which calls they serve, and the dispatcher (the ``native`` backend) sends
-the rest down the torch path, which is their reference.
+the rest down the torch path, which is their reference. And a step's K/V rows copied into
+their pool slots in one call (:func:`write_kv_cpu`, where ``write_kv_torch`` takes two
+``index_copy_`` and their dispatch a layer).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def _library():
     return native_build.bind("cpu_pointwise", {
         "silu_and_mul": (None, [ptr, i64, i64, i64, ptr, i32, i32]),
         "add_rms_norm": (None, [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, i32, i32]),
-        "rotary": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i32, i32])})
+        "rotary": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i32, i32]),
+        "write_kv_rows": (i32, [ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i32])})
 
 
 def available() -> bool:
@@ -109,3 +112,48 @@ def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
                           cos.data_ptr(), sin.data_ptr(), out.data_ptr(), _is_bf16(x),
                           _threads(out.numel()))
     return out
+
+
+def _rows_whole(t: torch.Tensor) -> bool:
+    """Whether each row of ``t`` (rows, heads, head_dim) is one run of memory."""
+    return t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])
+
+
+def takes_kv(key: torch.Tensor, value: torch.Tensor, k_rows: torch.Tensor,
+             v_rows: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Whether :func:`write_kv_cpu` serves these: CPU tensors, key and value of the pool's
+    dtype and shape per row, each row one run of memory (views of a packed projection are),
+    the pools contiguous, int64 slots, the kernels built."""
+    tensors = (key, value, k_rows, v_rows, slot_mapping)
+    return (all(t.device.type == "cpu" for t in tensors) and slot_mapping.dtype == torch.int64
+            and key.dtype == value.dtype == k_rows.dtype == v_rows.dtype
+            and key.shape == value.shape and key.shape[1:] == k_rows.shape[1:]
+            and k_rows.shape == v_rows.shape and k_rows.is_contiguous()
+            and v_rows.is_contiguous() and _rows_whole(key) and _rows_whole(value)
+            and available())
+
+
+def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_rows: torch.Tensor,
+                 v_rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Row i of ``key`` and ``value`` (T, kv_heads, hd) into row ``slot_mapping[i]`` of
+    ``k_rows`` and ``v_rows`` (num_slots, kv_heads, hd): ``write_kv_torch``'s copies for an
+    unquantized pool of the rows' dtype. IndexError, the pool untouched, for a slot outside
+    it."""
+    if not takes_kv(key, value, k_rows, v_rows, slot_mapping) or len(slot_mapping) != len(key):
+        raise ValueError("write_kv_cpu takes CPU key and value (T, kv_heads, hd) of the pools' "
+                         "dtype, each row one run of memory, contiguous pools and T int64 "
+                         f"slots; got key {tuple(key.shape)} {key.dtype}, pool "
+                         f"{tuple(k_rows.shape)} {k_rows.dtype}, slots "
+                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    if not len(key):
+        return
+    slots = slot_mapping.contiguous()
+    element = key.element_size()
+    row_bytes = key.shape[1] * key.shape[2] * element
+    code = _library().write_kv_rows(
+        key.data_ptr(), key.stride(0) * element, value.data_ptr(), value.stride(0) * element,
+        len(key), row_bytes, slots.data_ptr(), len(k_rows), k_rows.data_ptr(),
+        v_rows.data_ptr(), _threads(key.numel()))
+    if code:
+        raise IndexError(f"a slot of {slot_mapping.tolist()[:8]}... lies outside the pool of "
+                         f"{len(k_rows)} slots")

@@ -90,8 +90,13 @@ def _triton(module: str):
 
 
 def write_kv(key, value, cache: KVCacheLayer, slot_mapping, backend: str = "auto") -> None:
-    if resolve_backend(backend, key.device) == "triton":
+    resolved = resolve_backend(backend, key.device)
+    if resolved == "triton":
         return _triton("kv_write").write_kv(key, value, cache, slot_mapping)
+    if resolved == "native" and not cache.is_quantized:
+        k_rows, v_rows = cache.slot_rows()
+        if cpu_pointwise.takes_kv(key, value, k_rows, v_rows, slot_mapping):
+            return cpu_pointwise.write_kv_cpu(key, value, k_rows, v_rows, slot_mapping)
     return ref.write_kv_torch(key, value, cache, slot_mapping)
 
 

@@ -1,6 +1,6 @@
 """The C RMSNorm, SiLU-and-mul and RoPE against their torch references (and float64) on random
 inputs, in float32 and bfloat16, and the dispatch that sends them float32 and bfloat16 CPU
-calls under the native backend only."""
+calls under the native backend only; the C K/V write against ``write_kv_torch``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve import kernels
-from pdserve.kernels import cpu_pointwise, dispatch
+from pdserve.kernels import KVCacheLayer, cpu_pointwise, dispatch
 from pdserve.kernels import torch_ops as ref
 
 pytestmark = pytest.mark.skipif(not cpu_pointwise.available(),
@@ -195,3 +195,68 @@ def test_two_threads_give_the_bits_of_one(gen, monkeypatch, dtype):
         torch.set_num_threads(before)
     for one, two in zip(alone, split, strict=True):
         assert torch.equal(one, two)
+
+
+def _kv_step(gen, tokens, dtype, blocks=12, block=4, kv_heads=3, head_dim=16):
+    """A pool (KVCacheLayer, random contents), and one step's key and value as the model
+    passes them (views of a packed projection's rows) bound for shuffled slots of it."""
+    cache = KVCacheLayer(torch.randn(2, blocks, block, kv_heads, head_dim, generator=gen)
+                         .to(dtype))
+    qkv = torch.randn(tokens, (2 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    width = kv_heads * head_dim
+    key = qkv[:, 2 * head_dim:2 * head_dim + width].view(tokens, kv_heads, head_dim)
+    value = qkv[:, 2 * head_dim + width:].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(blocks * block, generator=gen)[:tokens]
+    return cache, key, value, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 29, 48])  # one; some; every slot of the pool
+def test_write_kv_copies_what_the_torch_path_copies(gen, dtype, tokens):
+    cache, key, value, slots = _kv_step(gen, tokens, dtype)
+    want = KVCacheLayer(cache.kv.clone())
+    ref.write_kv_torch(key, value, want, slots)
+    k_rows, v_rows = cache.slot_rows()
+    assert tokens == 1 or key.stride(0) > key[0].numel()  # rows of a wider projection
+    assert cpu_pointwise.takes_kv(key, value, k_rows, v_rows, slots)
+    cpu_pointwise.write_kv_cpu(key, value, k_rows, v_rows, slots)
+    assert torch.equal(cache.kv, want.kv)
+
+
+def test_write_kv_refuses_a_slot_outside_the_pool_and_writes_nothing(gen):
+    for bad in (-1, 48, 2 ** 40):
+        cache, key, value, slots = _kv_step(gen, 5, torch.float32)
+        before = cache.kv.clone()
+        slots[3] = bad
+        with pytest.raises(IndexError, match="outside the pool of 48 slots"):
+            cpu_pointwise.write_kv_cpu(key, value, *cache.slot_rows(), slots)
+        assert torch.equal(cache.kv, before)
+
+
+def test_write_kv_goes_to_c_for_an_unquantized_cpu_pool_only(gen, monkeypatch):
+    calls = []
+    real = cpu_pointwise.write_kv_cpu
+    monkeypatch.setattr(cpu_pointwise, "write_kv_cpu",
+                        lambda *a: calls.append(a[0].dtype) or real(*a))
+    cache, key, value, slots = _kv_step(gen, 6, torch.bfloat16)
+    dispatch.write_kv(key, value, cache, slots, backend="native")
+    dispatch.write_kv(key, value, cache, slots, backend="torch")
+    dispatch.write_kv(key.float(), value.float(), cache, slots, backend="native")  # casts: torch
+    assert calls == [torch.bfloat16]
+    with pytest.raises(ValueError, match="each row one run of memory"):
+        cpu_pointwise.write_kv_cpu(key.transpose(1, 2), value.transpose(1, 2),
+                                   *cache.slot_rows(), slots)
+
+
+def test_write_kv_on_two_threads_writes_what_one_does(gen, monkeypatch):
+    monkeypatch.setattr(cpu_pointwise, "PARALLEL_MIN_WORK", 0)
+    cache, key, value, slots = _kv_step(gen, 48, torch.bfloat16)
+    one, two = KVCacheLayer(cache.kv.clone()), KVCacheLayer(cache.kv.clone())
+    before = torch.get_num_threads()
+    try:
+        for pool, count in ((one, 1), (two, 2)):
+            torch.set_num_threads(count)
+            cpu_pointwise.write_kv_cpu(key, value, *pool.slot_rows(), slots)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one.kv, two.kv) and not torch.equal(one.kv, cache.kv)
