@@ -401,7 +401,7 @@ def prefill_table(model_dir: Path, prompt_len: int, repeats: int = 3) -> str:
             enable_prefix_caching=False, max_num_batched_tokens=max(2048, 8 * prompt_len))))
         for label, num_prompts, beside_decode in PREFILL_STEPS:
             steps = sorted(prompt_step(engine, f"{label}-{r}", num_prompts, prompt_len,
-                                        beside_decode) for r in range(repeats))
+                                       beside_decode) for r in range(repeats))
             forward_s, num_seqs = steps[len(steps) // 2]
             rows.append([dtype, label, num_seqs, num_prompts * prompt_len, forward_s * 1e3,
                          num_prompts * prompt_len / forward_s])
@@ -410,7 +410,7 @@ def prefill_table(model_dir: Path, prompt_len: int, repeats: int = 3) -> str:
 
 
 def prompt_step(engine: LLMEngine, tag: str, num_prompts: int, prompt_len: int,
-                 beside_decode: bool) -> tuple[float, int]:
+                beside_decode: bool) -> tuple[float, int]:
     """The forward seconds and sequences of one step that takes ``num_prompts`` whole prompts
     (and, with ``beside_decode``, a running request's next token)."""
     if beside_decode:

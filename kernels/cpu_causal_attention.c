@@ -268,7 +268,8 @@ static void pack_values_bf16(const uint16_t *v, int64_t ld, int n, int head_dim,
 
 /* 2^x lane by lane for the softmax's weights, which are rounded to bf16 (8 bits): x = n + f,
  * |f| <= 1/2, 2^f by its Taylor polynomial of degree 5 (relative error below 3e-6), times 2^n
- * by scalef (0 below 2^-149). x must not be NaN or +inf; the kernel's are at most 0. */
+ * by scalef (0 below 2^-149, +inf past 2^128). x must not be NaN; the kernel's are at most
+ * STALE_LOG2 on the keys a query sees (the others' are set to 0 after). */
 static inline v16 vexp2_weights(v16 x) {
     __m512 n = _mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     v16 f = x - (v16)n;
@@ -441,6 +442,45 @@ static void attend_queries_bf16(const uint16_t *q, int64_t qld, const uint16_t *
         }
     }
 }
+
+/* Every kv head's keys (kts, kt_size apart) and values (vts, vt_size apart) packed, the jobs
+ * shared by the threads of the enclosing parallel region. */
+static void pack_heads_bf16(const uint16_t *k, const uint16_t *v, int64_t kv_token,
+                            int64_t kv_head, int n, int kv_heads, int head_dim, uint16_t *kts,
+                            int64_t kt_size, uint16_t *vts, int64_t vt_size) {
+#pragma omp for schedule(static)
+    for (int job = 0; job < 2 * kv_heads; job++) { /* each kv head's keys, then values */
+        const int g = job / 2;
+        if (job % 2 == 0)
+            pack_keys_bf16(k + g * kv_head, kv_token, n, head_dim, kts + g * kt_size);
+        else
+            pack_values_bf16(v + g * kv_head, kv_token, n, head_dim, vts + g * vt_size);
+    }
+}
+
+/* Task `task`'s head h and first query i0: a kv head's tasks together (its keys and values
+ * stay in cache), the longest (the last queries, which see the most keys) first. */
+static inline void task_of(int64_t task, int group, int qblocks, int *h, int *i0) {
+    const int g = (int)(task / ((int64_t)group * qblocks));
+    const int rest = (int)(task % ((int64_t)group * qblocks));
+    *h = g * group + rest % group;
+    *i0 = (qblocks - 1 - rest / group) * AQ;
+}
+
+/* The AQ queries of head h from position i0 as the tiles read them: in place, or for the last
+ * block (count < AQ) copied into pad and filled up with zero queries; *qld their row stride. */
+static inline const uint16_t *task_queries(const uint16_t *q, int64_t q_token, int64_t q_head,
+                                           int h, int i0, int count, int head_dim,
+                                           uint16_t *pad, int64_t *qld) {
+    const uint16_t *qs = q + h * q_head + (int64_t)i0 * q_token;
+    *qld = q_token;
+    if (count == AQ) return qs;
+    memset(pad, 0, sizeof(uint16_t) * (size_t)(AQ * head_dim));
+    for (int i = 0; i < count; i++)
+        memcpy(pad + i * head_dim, qs + i * q_token, sizeof(uint16_t) * head_dim);
+    *qld = head_dim;
+    return pad;
+}
 #endif
 
 /* Whether causal_attention_bf16 runs here (the compiler targets AMX and the kernel grants this
@@ -470,14 +510,8 @@ int causal_attention_bf16(const uint16_t *q, int64_t q_token, int64_t q_head, co
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-#pragma omp for schedule(static)
-        for (int job = 0; job < 2 * kv_heads; job++) { /* each kv head's keys, then values */
-            const int g = job / 2;
-            if (job % 2 == 0)
-                pack_keys_bf16(k + g * kv_head, kv_token, n, head_dim, kts + g * kt_size);
-            else
-                pack_values_bf16(v + g * kv_head, kv_token, n, head_dim, vts + g * vt_size);
-        }
+        pack_heads_bf16(k, v, kv_token, kv_head, n, kv_heads, head_dim, kts, kt_size, vts,
+                        vt_size);
         const int tile_rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
         float s[2 * AQ * AK], acc[AQ * AD];
         uint16_t *w = malloc(sizeof(uint16_t) * (size_t)(AQ * wld));
@@ -493,21 +527,12 @@ int causal_attention_bf16(const uint16_t *q, int64_t q_token, int64_t q_head, co
 #pragma omp for schedule(dynamic, 4)
         for (int64_t task = 0; task < (int64_t)heads * qblocks; task++) {
             if (!ready) continue;
-            /* a kv head's tasks together (its keys and values stay in cache), the longest
-               (the last queries, which see the most keys) first */
-            const int g = (int)(task / ((int64_t)group * qblocks));
-            const int rest = (int)(task % ((int64_t)group * qblocks));
-            const int h = g * group + rest % group, i0 = (qblocks - 1 - rest / group) * AQ;
-            const int count = n - i0 < AQ ? n - i0 : AQ;
-            const uint16_t *qs = q + h * q_head + (int64_t)i0 * q_token;
-            int64_t qld = q_token;
-            if (count < AQ) { /* the last block, filled up with zero queries */
-                memset(pad, 0, sizeof(uint16_t) * (size_t)(AQ * head_dim));
-                for (int i = 0; i < count; i++)
-                    memcpy(pad + i * head_dim, qs + i * q_token, sizeof(uint16_t) * head_dim);
-                qs = pad;
-                qld = head_dim;
-            }
+            int h, i0;
+            task_of(task, group, qblocks, &h, &i0);
+            const int g = h / group, count = n - i0 < AQ ? n - i0 : AQ;
+            int64_t qld;
+            const uint16_t *qs = task_queries(q, q_token, q_head, h, i0, count, head_dim, pad,
+                                              &qld);
             attend_queries_bf16(qs, qld, kts + g * kt_size, vts + g * vt_size, i0, count,
                                 head_dim, scale, s, w, wld, acc, shrink, rose,
                                 out + ((int64_t)i0 * heads + h) * head_dim,
