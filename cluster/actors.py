@@ -20,7 +20,10 @@ Lifecycle of a worker actor (``WorkerActor``, one plain worker per actor process
    ``poll``: with several routers each polls its own requests' deltas, and a router silent
    for ``orphan_timeout_s`` has its requests freed (``pdserve.streaming_worker.mailboxes``).
    The worker's futures are awaited with ``asyncio.wrap_future`` and the blocking ``poll``
-   runs on its own thread, so the actor's event loop never blocks.
+   runs on its own thread, so the actor's event loop never blocks. Polls, the one call made
+   for every step that streams, go around Ray once the handle has opened the actor's delta
+   channel (``workers.delta_channel``: a socket of the worker's, its address and key handed
+   over Ray); Ray carries them where the channel cannot be reached.
 4. ``close()`` stops the heartbeat, removes the record, closes the worker; the launcher then
    kills the actor. A worker that dies stops heartbeating: its record expires after ``ttl_s``
    and the handle marks it dead at once on the first failed call.
@@ -61,6 +64,12 @@ from pdserve.worker_api import (
     WorkerHandle,
     WorkerStats,
     WorkRequest,
+)
+from pdserve.workers.delta_channel import (
+    ANSWER_GRACE_S,
+    ChannelClient,
+    ChannelLost,
+    ChannelServer,
 )
 from pdserve.workers.host import Worker, WorkerHost
 
@@ -169,6 +178,7 @@ class WorkerActor(WorkerHost):
         self._heartbeat: asyncio.Task | None = None
         self._kv_publisher: asyncio.Task | None = None
         self._kv_published = 0  # the last KV event batch this actor tried to publish
+        self._channel: ChannelServer | None = None
         self._closed = False
 
     async def ready(self) -> dict:
@@ -189,6 +199,14 @@ class WorkerActor(WorkerHost):
         alive = bool(getattr(loop, "is_alive", True)) and error is None
         return {**self._where(), "loop_alive": alive,
                 "error": None if error is None else str(error)}
+
+    async def delta_channel(self) -> tuple[tuple[str, int], bytes]:
+        """Where this worker serves polls beside Ray, and the key that opens it
+        (``workers.delta_channel``); started at the first ask."""
+        if self._channel is None:  # on the address its KV transfers advertise
+            host = self.spec.transfer_host or ray.util.get_node_ip_address()
+            self._channel = ChannelServer(self.poll_blocking, host)
+        return self._channel.address, self._channel.authkey
 
     def _where(self) -> dict:
         return {"worker_id": self.spec.worker_id, "role": self.spec.role, "pid": os.getpid(),
@@ -243,6 +261,8 @@ class WorkerActor(WorkerHost):
         for task in (self._heartbeat, self._kv_publisher):
             if task is not None:
                 task.cancel()
+        if self._channel is not None:
+            self._channel.close()
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(self._io, self.registry.remove, self.spec.worker_id)
@@ -275,7 +295,9 @@ def start_worker_actor(spec: WorkerSpec, detached: bool = False,
 class RayHandle(WorkerHandle):
     """The worker protocol (``worker_api.WorkerHandle``) over a worker actor: the worker's
     refusals and request faults reach the router as their own types, unwrapped from Ray's;
-    ``router``: the name of the router actor holding it (its deltas are its own)."""
+    ``router``: the name of the router actor holding it (its deltas are its own). Polls go
+    through the actor's delta channel (``workers.delta_channel``) on a thread of the handle's
+    own, or through Ray where the channel cannot be opened."""
 
     def __init__(self, actor, worker_id: str, role: str, router: str = ""):
         self.actor = actor
@@ -283,6 +305,9 @@ class RayHandle(WorkerHandle):
         self.role = role
         self.router = router
         self.dead_at: float | None = None  # time.time() of the first call that found it dead
+        self.channel: ChannelClient | None = None
+        self._channel_tried = False  # (once: where it cannot open, polls stay on Ray)
+        self._channel_thread = ThreadPoolExecutor(1, thread_name_prefix=f"poll-{worker_id}")
 
     async def _call(self, method: str, *args):
         try:
@@ -314,7 +339,32 @@ class RayHandle(WorkerHandle):
         await self._call("submit", request, self.router)
 
     async def poll(self, timeout: float) -> StepDeltas:
-        return await self._call("poll", timeout, self.router)
+        if not self._channel_tried:
+            self._channel_tried = True
+            await self._open_channel()
+        if self.channel is None:
+            return await self._call("poll", timeout, self.router)
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._channel_thread, self.channel.poll, timeout)
+        except ChannelLost:
+            if self.dead_at is None:
+                self.dead_at = time.time()
+                logger.warning("worker %s: its delta channel is lost", self.worker_id)
+            raise
+
+    async def _open_channel(self) -> None:
+        """Connect to the actor's delta channel; where that fails but the actor answers (an
+        address this router cannot reach), polls stay on Ray."""
+        address, authkey = await self._call("delta_channel")  # a dead actor raises here
+        loop = asyncio.get_running_loop()
+        try:
+            self.channel = await asyncio.wait_for(loop.run_in_executor(
+                self._channel_thread, ChannelClient, address, authkey, self.router),
+                ANSWER_GRACE_S)
+        except OSError as exc:  # (a handshake past the grace is a TimeoutError, one too)
+            logger.warning("worker %s: delta channel at %s not reachable (%s); polling "
+                           "through Ray", self.worker_id, address, exc)
 
     async def kv_snapshot(self) -> KVSnapshot | None:
         return await self._call("kv_snapshot")

@@ -6,7 +6,7 @@ over a host in this process, for one router."""
 from __future__ import annotations
 
 import asyncio
-import functools
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeAlias, cast
 
@@ -35,8 +35,9 @@ STREAMING_ROLES = ("decode", "colocated")  # the roles whose worker is a Streami
 class WorkerHost:
     """A worker in this process with its calls made awaitable and the calling router named on
     each: what a worker actor serves (``cluster.actors.WorkerActor``) and what the
-    :class:`LocalHandle` of every router in this process calls. Polls run one at a time on
-    the host's thread, whichever router asks. A call the worker's role does not answer raises
+    :class:`LocalHandle` of every router in this process calls. Polls run one at a time,
+    whichever router asks and whatever thread it asks on (the host's own, or a delta
+    channel's: ``workers.delta_channel``). A call the worker's role does not answer raises
     TypeError."""
 
     def __init__(self, worker: Worker):
@@ -44,6 +45,7 @@ class WorkerHost:
         self.worker_id = worker.worker_id
         self.role = worker.role
         self._poller = ThreadPoolExecutor(1, thread_name_prefix=f"poll-{self.worker_id}")
+        self._poll_lock = threading.Lock()
 
     def _of_role(self, roles: tuple[str, ...], call: str) -> Worker:
         """The worker, when its role answers ``call`` (TypeError naming both otherwise)."""
@@ -84,10 +86,16 @@ class WorkerHost:
 
     async def poll(self, timeout: float, router: str) -> StepDeltas:
         """``router``'s deltas."""
-        worker = self._streaming("poll")
+        self._streaming("poll")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._poller, functools.partial(
-            worker.poll, timeout, router=router))
+        return await loop.run_in_executor(self._poller, self.poll_blocking, timeout, router)
+
+    def poll_blocking(self, timeout: float, router: str) -> StepDeltas:
+        """:meth:`poll` on the calling thread (it blocks up to ``timeout``), after any poll in
+        progress on another."""
+        worker = self._streaming("poll")
+        with self._poll_lock:
+            return worker.poll(timeout, router=router)
 
     async def kv_snapshot(self) -> KVSnapshot | None:
         """Every block hash the worker's prefix cache holds (read on its engine loop)."""
