@@ -16,8 +16,10 @@ soon as one ends) through three paths, one at a time:
 Prints output tok/s, TTFT P50 and TPOT P50 per path and concurrency, each beside its ratio to
 the offline figure: what the router, Ray and the front door cost on top of the engine; and, for
 the served paths, TTFT's split (``bench.phases``): the worker's queue and prefill, and the
-part no worker timed (placing, RPCs, polling: "router"). The
-served paths share this machine's cores with their client, as ``vllm bench serve`` does.
+part no worker timed (placing, RPCs, polling: "router"); and the CPU per output token of the
+worker's computing threads and of every other thread on the machine (router, Ray, the
+worker's serving threads, Redis, client: ``bench.thread_cpu``). The served paths share this
+machine's cores with their client, as ``vllm bench serve`` does.
 Never asserts; not part of ``make test``.
 """
 
@@ -29,6 +31,7 @@ import time
 
 import torch
 
+from pdserve.bench import thread_cpu
 from pdserve.bench.serve import ServeOptions, compute_metrics, run_serve
 from pdserve.bench.stats import format_table
 from pdserve.bench.workload import BenchRequest, RequestOutcome, SyntheticShape, synthetic_requests
@@ -41,6 +44,7 @@ from pdserve.worker_api.sampling_params import SamplingParams
 FIGURES = (("output_throughput", "output tok/s"), ("median_ttft_ms", "TTFT P50 ms"),
            ("median_tpot_ms", "TPOT P50 ms"))
 TRACE_PHASES = ("queue", "prefill", "router")  # the served paths' TTFT split (bench.phases)
+CPU_KINDS = ("computing", "other")  # the served paths' CPU per output token (bench.thread_cpu)
 
 
 def offline(model: str, requests: list[BenchRequest], concurrency: int,
@@ -92,11 +96,19 @@ def _offline(model: str, requests: list[BenchRequest], concurrency: int, dtype: 
 
 
 def served(cluster, shape: SyntheticShape, num_prompts: int, concurrency: int, seed: int,
-           http: bool) -> dict:
+           http: bool, computing_threads: int = 1) -> dict:
+    """The served run's metrics, with ``cpu_ms_per_token``: the CPU the worker's
+    ``computing_threads`` busiest threads and everything else on the machine used, per output
+    token (``bench.thread_cpu``)."""
     opts = ServeOptions(target=cluster.target, base_url=cluster.http_url if http
                         else None, wait_ready_s=120, num_prompts=num_prompts,
                         max_concurrency=concurrency, seed=seed, shape=shape, disable_tqdm=True)
-    return run_serve(opts)
+    before = thread_cpu.snapshot()
+    result = run_serve(opts)
+    cpu_s = thread_cpu.split(before, thread_cpu.snapshot(), computing_threads)
+    tokens = max(1, result["total_output_tokens"])
+    result["cpu_ms_per_token"] = {kind: 1e3 * s / tokens for kind, s in cpu_s.items()}
+    return result
 
 
 def table(results: dict[tuple[str, int], dict]) -> str:
@@ -111,9 +123,12 @@ def table(results: dict[tuple[str, int], dict]) -> str:
         phases = result.get("phases") or {}
         row += [f"{phases[phase]['p50_ms']:,.1f}" if phase in phases else "-"
                 for phase in TRACE_PHASES]
+        cpu = result.get("cpu_ms_per_token") or {}
+        row += [f"{cpu[kind]:,.2f}" if kind in cpu else "-" for kind in CPU_KINDS]
         rows.append(row)
     return format_table(["path", "concurrency", *(label for _key, label in FIGURES),
-                         *(f"{phase} P50 ms" for phase in TRACE_PHASES)], rows)
+                         *(f"{phase} P50 ms" for phase in TRACE_PHASES),
+                         *(f"{kind} CPU ms/tok" for kind in CPU_KINDS)], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
                 for path in ("grpc", "http"):
                     if path in paths:
                         results[(path, c)] = served(cluster, shape, args.num_prompts, c,
-                                                    seeds[(path, c)], http=path == "http")
+                                                    seeds[(path, c)], http=path == "http",
+                                                    computing_threads=args.worker_cpus)
     order = {"offline": 0, "grpc": 1, "http": 2}
     print(table(dict(sorted(results.items(), key=lambda kv: (kv[0][1], order[kv[0][0]])))))
 

@@ -24,9 +24,10 @@ def test_served_rows_carry_their_ratio_to_offline():
     base = dict(output_throughput=20.0, median_ttft_ms=500.0, median_tpot_ms=50.0)
     served = {k: v * 1.5 for k, v in base.items()} | {
         "phases": {"queue": {"p50_ms": 1.0}, "prefill": {"p50_ms": 400.0},
-                   "router": {"p50_ms": 12.0}}}
+                   "router": {"p50_ms": 12.0}},
+        "cpu_ms_per_token": {"computing": 20.5, "other": 3.25}}
     text = overhead.table({("offline", 1): base, ("grpc", 1): served})
     offline_row, grpc_row = text.splitlines()[2:]
-    assert "(" not in offline_row and offline_row.split()[-3:] == ["-", "-", "-"]
+    assert "(" not in offline_row and offline_row.split()[-5:] == ["-"] * 5
     assert grpc_row.split() == ["grpc", "1", "30.0", "(1.50x)", "750.0", "(1.50x)", "75.0",
-                                "(1.50x)", "1.0", "400.0", "12.0"]
+                                "(1.50x)", "1.0", "400.0", "12.0", "20.50", "3.25"]
