@@ -46,8 +46,10 @@ def snapshot() -> dict[tuple[int, int], ThreadCPU]:
 def split(before: dict, after: dict, computing: int,
           worker_prefix: str = WORKER_PREFIX) -> dict[str, float]:
     """CPU seconds between the two snapshots: ``computing`` (the worker processes' busiest
-    ``computing`` threads each) and ``other`` (every other thread alive at both)."""
-    used = {key: after[key].cpu_s - before[key].cpu_s for key in after.keys() & before.keys()}
+    ``computing`` threads each) and ``other`` (every other thread alive at the second; one
+    that started in between counts whole, one that ended in between is not seen)."""
+    used = {key: thread.cpu_s - (before[key].cpu_s if key in before else 0.0)
+            for key, thread in after.items()}
     by_worker: dict[int, list[float]] = {}
     for (pid, _tid), seconds in used.items():
         if after[(pid, _tid)].command.startswith(worker_prefix):
