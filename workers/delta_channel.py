@@ -12,10 +12,10 @@ stays on Ray.
 The framing and the handshake are ``multiprocessing.connection``'s: a connection must answer
 an HMAC challenge on a random 32-byte key that only travels over Ray's own (authenticated)
 channel, and prove it knows the key too; then it carries pickled objects, as Ray's own calls
-do. One connection per router; its thread serves
-that router's polls one at a time, and the server's ``poll`` callable keeps polls of several
-routers from overlapping. A request is ``(timeout, router)``; an answer ``("ok", deltas)`` or
-``("error", exception)``, the exception the poll raised, raised again in the router.
+do. One connection per router; its thread serves that router's polls one at a time, and the
+server's ``poll`` callable keeps polls of several routers from overlapping. A request is
+``(timeout, router)``; an answer ``("ok", deltas)`` or ``("error", exception)``, the
+exception the poll raised, raised again in the router.
 
 A router tells a dead worker from a slow one the way a Ray call did: the worker's process
 ending closes the socket (EOF at once); a poll not answered within its timeout plus
