@@ -79,15 +79,13 @@ def test_what_a_poll_raises_is_raised_in_the_router(error, raised):
         server.close()
 
 
-def test_a_closed_worker_end_fails_the_poll_at_once():
+def test_a_closed_worker_end_fails_the_poll_instead_of_waiting_out_its_timeout():
     server = ChannelServer(lambda timeout, router: StepDeltas(), "127.0.0.1")
     client = ChannelClient(server.address, server.authkey)
     client.poll(0.01)
     server.close()
-    start = time.monotonic()
     with pytest.raises(ChannelLost):
-        client.poll(5.0)
-    assert time.monotonic() - start < 5.0  # not a wait for the poll's timeout
+        client.poll(3600.0)  # (a poll that waited the hour would end the test run instead)
     client.close()
 
 
