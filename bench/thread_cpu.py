@@ -51,9 +51,9 @@ def split(before: dict, after: dict, computing: int,
     used = {key: thread.cpu_s - (before[key].cpu_s if key in before else 0.0)
             for key, thread in after.items()}
     by_worker: dict[int, list[float]] = {}
-    for (pid, _tid), seconds in used.items():
-        if after[(pid, _tid)].command.startswith(worker_prefix):
-            by_worker.setdefault(pid, []).append(seconds)
+    for key, seconds in used.items():
+        if after[key].command.startswith(worker_prefix):
+            by_worker.setdefault(key[0], []).append(seconds)  # (pid, tid): by process
     computing_s = sum(sum(sorted(threads, reverse=True)[:computing])
                       for threads in by_worker.values())
     return {"computing": computing_s, "other": sum(used.values()) - computing_s}

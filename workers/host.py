@@ -85,8 +85,7 @@ class WorkerHost:
         await asyncio.wrap_future(worker.submit(request, router))
 
     async def poll(self, timeout: float, router: str) -> StepDeltas:
-        """``router``'s deltas."""
-        self._streaming("poll")
+        """``router``'s deltas (TypeError, from the poll thread, for a prefill worker)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._poller, self.poll_blocking, timeout, router)
 
