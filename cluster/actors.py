@@ -20,10 +20,11 @@ Lifecycle of a worker actor (``WorkerActor``, one plain worker per actor process
    ``poll``: with several routers each polls its own requests' deltas, and a router silent
    for ``orphan_timeout_s`` has its requests freed (``pdserve.streaming_worker.mailboxes``).
    The worker's futures are awaited with ``asyncio.wrap_future`` and the blocking ``poll``
-   runs on its own thread, so the actor's event loop never blocks. Polls, the one call made
-   for every step that streams, go around Ray once the handle has opened the actor's delta
-   channel (``workers.delta_channel``: a socket of the worker's, its address and key handed
-   over Ray); Ray carries them where the channel cannot be reached.
+   runs on its own thread, so the actor's event loop never blocks. Polls and submits, the
+   calls made for every step that streams and every request placed, go around Ray once the
+   handle has opened the actor's worker channel (``workers.worker_channel``: a socket of the
+   worker's, its address and key handed over Ray); Ray carries them where the channel cannot
+   be reached.
 4. ``close()`` stops the heartbeat, removes the record, closes the worker; the launcher then
    kills the actor. A worker that dies stops heartbeating: its record expires after ``ttl_s``
    and the handle marks it dead at once on the first failed call.
@@ -65,13 +66,13 @@ from pdserve.worker_api import (
     WorkerStats,
     WorkRequest,
 )
-from pdserve.workers.delta_channel import (
+from pdserve.workers.host import Worker, WorkerHost
+from pdserve.workers.worker_channel import (
     ANSWER_GRACE_S,
     ChannelClient,
     ChannelLost,
     ChannelServer,
 )
-from pdserve.workers.host import Worker, WorkerHost
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig
@@ -200,12 +201,13 @@ class WorkerActor(WorkerHost):
         return {**self._where(), "loop_alive": alive,
                 "error": None if error is None else str(error)}
 
-    async def delta_channel(self) -> tuple[tuple[str, int], bytes]:
-        """Where this worker serves polls beside Ray, and the key that opens it
-        (``workers.delta_channel``); started at the first ask."""
+    async def worker_channel(self) -> tuple[tuple[str, int], bytes]:
+        """Where this worker serves polls and submits beside Ray, and the key that opens it
+        (``workers.worker_channel``); started at the first ask."""
         if self._channel is None:  # on the address its KV transfers advertise
             host = self.spec.transfer_host or ray.util.get_node_ip_address()
-            self._channel = ChannelServer(self.poll_blocking, host)
+            self._channel = ChannelServer({"poll": self.poll_blocking,
+                                           "submit": self.submit_blocking}, host)
         return self._channel.address, self._channel.authkey
 
     def _where(self) -> dict:
@@ -295,9 +297,10 @@ def start_worker_actor(spec: WorkerSpec, detached: bool = False,
 class RayHandle(WorkerHandle):
     """The worker protocol (``worker_api.WorkerHandle``) over a worker actor: the worker's
     refusals and request faults reach the router as their own types, unwrapped from Ray's;
-    ``router``: the name of the router actor holding it (its deltas are its own). Polls go
-    through the actor's delta channel (``workers.delta_channel``) on a thread of the handle's
-    own, or through Ray where the channel cannot be opened."""
+    ``router``: the name of the router actor holding it (its deltas are its own). Polls and
+    submits go through the actor's worker channel (``workers.worker_channel``), each on a
+    connection and a thread of the handle's own, or through Ray where the channel cannot be
+    opened."""
 
     def __init__(self, actor, worker_id: str, role: str, router: str = ""):
         self.actor = actor
@@ -305,20 +308,25 @@ class RayHandle(WorkerHandle):
         self.role = role
         self.router = router
         self.dead_at: float | None = None  # time.time() of the first call that found it dead
-        self.channel: ChannelClient | None = None
-        self._channel_tried = False  # (once: where it cannot open, polls stay on Ray)
-        self._channel_thread = ThreadPoolExecutor(1, thread_name_prefix=f"poll-{worker_id}")
+        self.polls: ChannelClient | None = None  # the channel's connections, once open
+        self.calls: ChannelClient | None = None
+        self._opening: asyncio.Future | None = None  # (once: where it fails, Ray carries all)
+        self._poll_thread = ThreadPoolExecutor(1, thread_name_prefix=f"poll-{worker_id}")
+        self._call_thread = ThreadPoolExecutor(1, thread_name_prefix=f"submit-{worker_id}")
 
     async def _call(self, method: str, *args):
         try:
             return await getattr(self.actor, method).remote(*args)
         except RayActorError:
-            if self.dead_at is None:
-                self.dead_at = time.time()
-                logger.warning("worker %s is dead", self.worker_id)
+            self._died("is dead")
             raise
         except (Refusal, RequestFaultError) as exc:  # a RayTaskError subclassing the cause
             raise _cause(exc) from None
+
+    def _died(self, why: str) -> None:
+        if self.dead_at is None:
+            self.dead_at = time.time()
+            logger.warning("worker %s %s", self.worker_id, why)
 
     async def stats(self) -> WorkerStats:
         return await self._call("stats")
@@ -336,35 +344,52 @@ class RayHandle(WorkerHandle):
         return await self._call("prefill", request, reservation)
 
     async def submit(self, request: WorkRequest) -> None:
-        await self._call("submit", request, self.router)
+        await self._channel_opened()
+        if self.calls is None:
+            await self._call("submit", request, self.router)
+        else:
+            await self._through_channel(self._call_thread, self.calls.submit, request)
 
     async def poll(self, timeout: float) -> StepDeltas:
-        if not self._channel_tried:
-            self._channel_tried = True
-            await self._open_channel()
-        if self.channel is None:
+        await self._channel_opened()
+        if self.polls is None:
             return await self._call("poll", timeout, self.router)
-        loop = asyncio.get_running_loop()
+        return await self._through_channel(self._poll_thread, self.polls.poll, timeout)
+
+    async def _through_channel(self, thread: ThreadPoolExecutor, call, *args):
         try:
-            return await loop.run_in_executor(self._channel_thread, self.channel.poll, timeout)
+            return await asyncio.get_running_loop().run_in_executor(thread, call, *args)
         except ChannelLost:
-            if self.dead_at is None:
-                self.dead_at = time.time()
-                logger.warning("worker %s: its delta channel is lost", self.worker_id)
+            self._died("lost its worker channel")
             raise
 
+    async def _channel_opened(self) -> None:
+        """Open the worker channel for this handle's polls and submits, at the first call that
+        asks; those that wait for it get what opening raised (later ones find no channel and
+        call through Ray)."""
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._open_channel())
+        if not self._opening.done():
+            await asyncio.shield(self._opening)
+
     async def _open_channel(self) -> None:
-        """Connect to the actor's delta channel; where that fails but the actor answers (an
-        address this router cannot reach), polls stay on Ray."""
-        address, authkey = await self._call("delta_channel")  # a dead actor raises here
+        """Connect to the actor's worker channel, once for polls and once for submits; where
+        that fails but the actor answers (an address this router cannot reach), both stay
+        on Ray."""
+        address, authkey = await self._call("worker_channel")  # a dead actor raises here
         loop = asyncio.get_running_loop()
+        opened = []
         try:
-            self.channel = await asyncio.wait_for(loop.run_in_executor(
-                self._channel_thread, ChannelClient, address, authkey, self.router),
-                ANSWER_GRACE_S)
+            for thread in (self._poll_thread, self._call_thread):
+                opened.append(await asyncio.wait_for(loop.run_in_executor(
+                    thread, ChannelClient, address, authkey, self.router), ANSWER_GRACE_S))
         except OSError as exc:  # (a handshake past the grace is a TimeoutError, one too)
-            logger.warning("worker %s: delta channel at %s not reachable (%s); polling "
-                           "through Ray", self.worker_id, address, exc)
+            logger.warning("worker %s: worker channel at %s not reachable (%s); polling and "
+                           "submitting through Ray", self.worker_id, address, exc)
+            for client in opened:
+                client.close()
+            return
+        self.polls, self.calls = opened
 
     async def kv_snapshot(self) -> KVSnapshot | None:
         return await self._call("kv_snapshot")

@@ -36,8 +36,8 @@ class WorkerHost:
     """A worker in this process with its calls made awaitable and the calling router named on
     each: what a worker actor serves (``cluster.actors.WorkerActor``) and what the
     :class:`LocalHandle` of every router in this process calls. Polls run one at a time,
-    whichever router asks and whatever thread it asks on (the host's own, or a delta
-    channel's: ``workers.delta_channel``). A call the worker's role does not answer raises
+    whichever router asks and whatever thread it asks on (the host's own, or a worker
+    channel's: ``workers.worker_channel``). A call the worker's role does not answer raises
     TypeError."""
 
     def __init__(self, worker: Worker):
@@ -83,6 +83,11 @@ class WorkerHost:
     async def submit(self, request: WorkRequest, router: str) -> None:
         worker = self._streaming("submit")
         await asyncio.wrap_future(worker.submit(request, router))
+
+    def submit_blocking(self, request: WorkRequest, router: str) -> None:
+        """:meth:`submit` on the calling thread (the worker checks and queues the request there,
+        never waiting for its engine loop)."""
+        self._streaming("submit").submit(request, router).result()
 
     async def poll(self, timeout: float, router: str) -> StepDeltas:
         """``router``'s deltas (TypeError, from the poll thread, for a prefill worker)."""

@@ -1,7 +1,7 @@
 """RayHandle hands a worker's refusals and request faults to the router as the worker raised
-them, whatever Ray wrapped them in; it polls through Ray where the worker's delta channel
-cannot be reached, and a channel that closes fails the poll as a dead worker (no Ray
-started: the actor is faked; the channel is real)."""
+them, whatever Ray wrapped them in; it polls and submits through the worker's channel, or
+through Ray where the channel cannot be reached, and a channel that closes fails the call as a
+dead worker (no Ray started: the actor is faked; the channel is real)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,18 @@ import socket
 import pytest
 from ray.exceptions import RayTaskError
 
+from pdserve import SamplingParams
 from pdserve.cluster.actors import RayHandle
-from pdserve.worker_api import NeverFits, NoRoomNow, RequestDelta, RequestFaultError, StepDeltas
-from pdserve.workers.delta_channel import ChannelLost, ChannelServer
+from pdserve.worker_api import (
+    DuplicateRequestId,
+    NeverFits,
+    NoRoomNow,
+    RequestDelta,
+    RequestFaultError,
+    StepDeltas,
+    WorkRequest,
+)
+from pdserve.workers.worker_channel import ChannelLost, ChannelServer
 
 
 class RaisingActor:
@@ -51,12 +60,13 @@ def test_other_errors_stay_ray_errors():
 
 
 class PollingActor:
-    """An actor whose ``delta_channel`` names ``address`` and whose Ray ``poll`` answers one
-    delta."""
+    """An actor whose ``worker_channel`` names ``address``, whose Ray ``poll`` answers one
+    delta and whose Ray ``submit`` counts the request."""
 
     def __init__(self, address, authkey: bytes = b"k" * 32):
         self.channel = (address, authkey)
         self.ray_polls = 0
+        self.ray_submits = 0
 
     def __getattr__(self, method: str):
         actor = self
@@ -65,8 +75,11 @@ class PollingActor:
             @staticmethod
             def remote(*args):
                 async def answer():
-                    if method == "delta_channel":
+                    if method == "worker_channel":
                         return actor.channel
+                    if method == "submit":
+                        actor.ray_submits += 1
+                        return None
                     assert method == "poll"
                     actor.ray_polls += 1
                     return StepDeltas([RequestDelta("r", [5], "x")])
@@ -74,31 +87,63 @@ class PollingActor:
         return Method
 
 
-def test_polls_go_through_ray_where_the_channel_cannot_be_reached():
+REQUEST = WorkRequest("r", [3, 4, 5], SamplingParams(max_tokens=4), seed=1, arrival_time=0.0)
+
+
+def test_polls_and_submits_go_through_ray_where_the_channel_cannot_be_reached():
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         address = probe.getsockname()
     actor = PollingActor(address)
     handle = RayHandle(actor, "decode-0", "decode")
 
-    async def two_polls():
+    async def calls():
+        await handle.submit(REQUEST)
         return [list(await handle.poll(0.01)) for _ in range(2)]
 
-    first, second = asyncio.run(two_polls())
+    first, second = asyncio.run(calls())
     assert [d.request_id for d in first + second] == ["r", "r"]
-    assert handle.channel is None and actor.ray_polls == 2 and handle.dead_at is None
+    assert handle.polls is None and handle.calls is None
+    assert (actor.ray_polls, actor.ray_submits) == (2, 1) and handle.dead_at is None
 
 
-def test_a_closed_channel_fails_the_poll_and_marks_the_worker_dead():
-    server = ChannelServer(lambda timeout, router: StepDeltas(), "127.0.0.1")
+def test_submits_go_through_the_channel_and_its_refusals_arrive_as_raised():
+    held: list[str] = []
+
+    def submit(request, router):
+        if request.request_id in held:
+            raise DuplicateRequestId(f"{request.request_id}: held here already")
+        held.append(request.request_id)
+
+    server = ChannelServer({"submit": submit}, "127.0.0.1")
     actor = PollingActor(server.address, server.authkey)
     handle = RayHandle(actor, "decode-0", "decode")
 
-    async def polls():
+    async def two_submits():
+        submitted, polled = await asyncio.gather(  # both wait for the one opening
+            handle.submit(REQUEST), handle.poll(0.01), return_exceptions=True)
+        assert submitted is None and isinstance(polled, TypeError)  # (no poll served here)
+        with pytest.raises(DuplicateRequestId):
+            await handle.submit(REQUEST)
+
+    try:
+        asyncio.run(two_submits())
+    finally:
+        server.close()
+    assert held == ["r"] and actor.ray_submits == 0 and handle.dead_at is None
+
+
+def test_a_closed_channel_fails_the_call_and_marks_the_worker_dead():
+    server = ChannelServer({"poll": lambda timeout, router: StepDeltas(),
+                            "submit": lambda request, router: None}, "127.0.0.1")
+    actor = PollingActor(server.address, server.authkey)
+    handle = RayHandle(actor, "decode-0", "decode")
+
+    async def calls():
         assert list(await handle.poll(0.01)) == []  # through the channel
         server.close()
         with pytest.raises(ChannelLost):
-            await handle.poll(0.01)
+            await handle.submit(REQUEST)
 
-    asyncio.run(polls())
-    assert actor.ray_polls == 0 and handle.dead_at is not None
+    asyncio.run(calls())
+    assert (actor.ray_polls, actor.ray_submits) == (0, 0) and handle.dead_at is not None

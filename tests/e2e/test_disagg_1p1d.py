@@ -229,12 +229,12 @@ def test_ray_handle_translates_worker_errors(cluster, e2e):
     assert e2e.wait_idle(cluster) == {"prefill-0": 0, "decode-0": 0}
 
 
-def test_a_routers_polls_go_through_the_workers_delta_channel(cluster):
+def test_a_routers_polls_go_through_the_workers_channel(cluster):
     from pdserve.cluster.actors import RayHandle
 
     handle = RayHandle(cluster.workers["decode-0"], "decode-0", "decode", router="probe")
     deltas = asyncio.run(handle.poll(0.01))  # nothing of router "probe" to take
-    assert list(deltas) == [] and handle.channel is not None
+    assert list(deltas) == [] and handle.polls is not None and handle.calls is not None
 
 
 def test_killed_decode_worker_is_replaced_and_serving_resumes(cluster, model_dir, e2e):
