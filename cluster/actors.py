@@ -309,10 +309,10 @@ class RayHandle(WorkerHandle):
         self.router = router
         self.dead_at: float | None = None  # time.time() of the first call that found it dead
         self.polls: ChannelClient | None = None  # the channel's connections, once open
-        self.calls: ChannelClient | None = None
+        self.submits: ChannelClient | None = None
         self._opening: asyncio.Future | None = None  # (once: where it fails, Ray carries all)
         self._poll_thread = ThreadPoolExecutor(1, thread_name_prefix=f"poll-{worker_id}")
-        self._call_thread = ThreadPoolExecutor(1, thread_name_prefix=f"submit-{worker_id}")
+        self._submit_thread = ThreadPoolExecutor(1, thread_name_prefix=f"submit-{worker_id}")
 
     async def _call(self, method: str, *args):
         try:
@@ -345,10 +345,10 @@ class RayHandle(WorkerHandle):
 
     async def submit(self, request: WorkRequest) -> None:
         await self._channel_opened()
-        if self.calls is None:
+        if self.submits is None:
             await self._call("submit", request, self.router)
         else:
-            await self._through_channel(self._call_thread, self.calls.submit, request)
+            await self._through_channel(self._submit_thread, self.submits.submit, request)
 
     async def poll(self, timeout: float) -> StepDeltas:
         await self._channel_opened()
@@ -380,7 +380,7 @@ class RayHandle(WorkerHandle):
         loop = asyncio.get_running_loop()
         opened = []
         try:
-            for thread in (self._poll_thread, self._call_thread):
+            for thread in (self._poll_thread, self._submit_thread):
                 opened.append(await asyncio.wait_for(loop.run_in_executor(
                     thread, ChannelClient, address, authkey, self.router), ANSWER_GRACE_S))
         except OSError as exc:  # (a handshake past the grace is a TimeoutError, one too)
@@ -389,7 +389,7 @@ class RayHandle(WorkerHandle):
             for client in opened:
                 client.close()
             return
-        self.polls, self.calls = opened
+        self.polls, self.submits = opened
 
     async def kv_snapshot(self) -> KVSnapshot | None:
         return await self._call("kv_snapshot")

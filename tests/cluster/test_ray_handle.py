@@ -103,7 +103,7 @@ def test_polls_and_submits_go_through_ray_where_the_channel_cannot_be_reached():
 
     first, second = asyncio.run(calls())
     assert [d.request_id for d in first + second] == ["r", "r"]
-    assert handle.polls is None and handle.calls is None
+    assert handle.polls is None and handle.submits is None
     assert (actor.ray_polls, actor.ray_submits) == (2, 1) and handle.dead_at is None
 
 

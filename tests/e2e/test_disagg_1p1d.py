@@ -234,7 +234,7 @@ def test_a_routers_polls_go_through_the_workers_channel(cluster):
 
     handle = RayHandle(cluster.workers["decode-0"], "decode-0", "decode", router="probe")
     deltas = asyncio.run(handle.poll(0.01))  # nothing of router "probe" to take
-    assert list(deltas) == [] and handle.polls is not None and handle.calls is not None
+    assert list(deltas) == [] and handle.polls is not None and handle.submits is not None
 
 
 def test_killed_decode_worker_is_replaced_and_serving_resumes(cluster, model_dir, e2e):
