@@ -152,7 +152,8 @@ class ChannelClient:
         return self._call("poll", (timeout, self._router), timeout)
 
     def submit(self, request: WorkRequest) -> None:
-        """Queue ``request`` on the worker for this router (the worker answers at once)."""
+        """Queue ``request`` on the worker for this router (answered once the worker has checked
+        and queued it, never after a step)."""
         self._call("submit", (request, self._router), 0.0)
 
     def _call(self, name: str, args: tuple, takes_s: float):

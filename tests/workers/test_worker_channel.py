@@ -20,6 +20,18 @@ from pdserve.workers.worker_channel import ChannelClient, ChannelLost, ChannelSe
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
+def streamed(client: ChannelClient, tokens: list[int]) -> tuple[list[int], str | None]:
+    """Poll through ``client`` until request "r" finishes (30 s at most): ``tokens`` with
+    every token streamed after them, and the finish reason."""
+    reason, deadline = None, time.monotonic() + 30
+    while reason is None and time.monotonic() < deadline:
+        for delta in client.poll(0.2):
+            assert delta.request_id == "r"
+            tokens += delta.new_token_ids
+            reason = delta.finish_reason
+    return tokens, reason
+
+
 def test_a_requests_deltas_come_through_the_channel_as_the_workers_poll_gives_them(
         hf_checkpoint, make_pair):
     pair = make_pair(hf_checkpoint("llama"))
@@ -31,14 +43,7 @@ def test_a_requests_deltas_come_through_the_channel_as_the_workers_poll_gives_th
         request = WorkRequest("r", [3, 4, 5, 6], PARAMS, seed=1, arrival_time=time.time())
         reservation = pair.decode.reserve(request, "router-a").result(10)
         first = pair.prefill.prefill(request, reservation).result(10)
-        tokens, reason = list(first.first.new_token_ids), None
-        deadline = time.monotonic() + 30
-        while reason is None and time.monotonic() < deadline:
-            for delta in client.poll(0.2):
-                assert delta.request_id == "r"
-                tokens += delta.new_token_ids
-                reason = delta.finish_reason
-        assert (tokens, reason) == (reference, "length")
+        assert streamed(client, list(first.first.new_token_ids)) == (reference, "length")
         assert pair.used_blocks() == (0, 0)
     finally:
         client.close()
@@ -53,24 +58,17 @@ def test_a_request_submitted_through_the_channel_streams_the_reference_tokens(
     server = ChannelServer({"poll": host.poll_blocking, "submit": host.submit_blocking},
                            "127.0.0.1")
     polls = ChannelClient(server.address, server.authkey, router="router-a")
-    calls = ChannelClient(server.address, server.authkey, router="router-a")
+    submits = ChannelClient(server.address, server.authkey, router="router-a")
     try:
         request = WorkRequest("r", [3, 4, 5, 6], PARAMS, seed=1, arrival_time=time.time())
-        calls.submit(request)  # the decode worker computes the prompt itself
+        submits.submit(request)  # the decode worker computes the prompt itself
         with pytest.raises(DuplicateRequestId):
-            calls.submit(request)
-        tokens, reason = [], None
-        deadline = time.monotonic() + 30
-        while reason is None and time.monotonic() < deadline:
-            for delta in polls.poll(0.2):
-                assert delta.request_id == "r"
-                tokens += delta.new_token_ids
-                reason = delta.finish_reason
-        assert (tokens, reason) == (reference, "length")
+            submits.submit(request)
+        assert streamed(polls, []) == (reference, "length")
         assert pair.used_blocks() == (0, 0)
     finally:
         polls.close()
-        calls.close()
+        submits.close()
         server.close()
 
 
