@@ -268,10 +268,13 @@ class PrefillWorker(StepHooks):
             target.frames.append(target.sender.send_abort(target.key))
             target.result.set_exception(RequestFaultError(f"{seq.request_id}: {delta.error}"))
             return
-        if seq.is_finished:  # token 0 ended the request: D's reservation is not needed
+        if seq.is_finished and seq.sampling_params.num_sequences == 1:
+            # token 0 ended the request: D's reservation is not needed
             target.frames.append(target.sender.send_abort(target.key))
-        else:
-            self.engine.hand_off(seq)  # payloads are copies: its blocks are free now
+        else:  # (n > 1: the decode worker forks the others from the prompt's KV even when
+            # token 0 ended the first sequence; the engine frees a finished one itself)
+            if not seq.is_finished:
+                self.engine.hand_off(seq)  # payloads are copies: its blocks are free now
             target.frames.append(target.sender.send_commit(
                 target.key, delta.new_token_ids[0], sharded=target.routes.sharded,
                 num_stand_ins=target.num_stand_ins))

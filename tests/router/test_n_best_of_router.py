@@ -133,6 +133,23 @@ def test_greedy_choices_over_http_equal_offline_and_best_of_ranks(hf_checkpoint,
     assert {c["text"] for c in best["choices"]} == {o.text for o in ranked[:2]}
 
 
+def test_forks_decode_on_when_the_first_token_ends_its_sequence(hf_checkpoint):
+    """Disaggregated: token 0, sampled on the prefill worker, ends the first sequence (here by
+    length); the prompt's KV still goes to the decode worker, which forks the others."""
+    model_dir = hf_checkpoint("llama")
+
+    async def main():
+        async with Served(model_dir, "disaggregated") as s:
+            async with AsyncPdserveClient(f"127.0.0.1:{s.grpc_port}") as client:
+                result = await client.generate(PROMPT, max_tokens=1, temperature=0.9, seed=77,
+                                               ignore_eos=True, n=3)
+            await s.idle()
+            return result
+
+    result = asyncio.run(main())
+    assert [(len(c.token_ids), c.finish_reason) for c in result.choices] == [(1, "length")] * 3
+
+
 def test_the_decode_worker_holds_one_copy_of_the_prompt(hf_checkpoint):
     model_dir = hf_checkpoint("llama")
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, n=4)
