@@ -48,6 +48,8 @@ The servers:
 * ``pdserve-colocated-prefill-batch``: the same worker with ``--prefill-batch-tokens 512``
   (prompts that arrive together prefill two of 256 tokens a step, the first ones taking
   their first token sooner; not in the default ``--servers``);
+* ``pdserve-1x2-prefill-batch``: ``pdserve-1x2`` with ``--prefill-batch-tokens 512`` (two
+  prompts of 256 tokens a step; not in the default ``--servers``);
 * ``pdserve-1p1d``: one prefill and one decode worker, one CPU each (conditional
   disaggregation, the default: a prompt may be prefilled on the decode worker);
 * ``pdserve-1p1d-always``: the same with every prompt on the prefill worker
@@ -128,6 +130,9 @@ def servers(vllm: str, model: str, port: int, dtype: str = "float32") -> list[Se
         Server("pdserve-colocated-prefill-batch", [*pdserve, "--colocated", "--decode", "1",
                                                    "--prefill-batch-tokens", "512"], quiet,
                Path(model).name),
+        Server("pdserve-1x2-prefill-batch", [*pdserve, "--colocated", "--decode", "1",
+                                             "--worker-cpus", "2", "--prefill-batch-tokens",
+                                             "512"], quiet, Path(model).name),
         Server("pdserve-1p1d", [*pdserve, "--prefill", "1", "--decode", "1"], quiet,
                Path(model).name),
         Server("pdserve-1p1d-always", [*pdserve, "--prefill", "1", "--decode", "1",

@@ -219,6 +219,14 @@ def test_cores_choose_the_set_ups(tmp_path):
     assert two.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
 
 
+def test_the_bounded_two_core_server_is_pdserve_1x2_with_the_bound(tmp_path):
+    by_name = {s.name: s for s in peer.servers("vllm", str(tmp_path), 8100)}
+    bounded = by_name["pdserve-1x2-prefill-batch"].command
+    at = bounded.index("--prefill-batch-tokens")
+    assert int(bounded[at + 1]) == 512
+    assert bounded[:at] + bounded[at + 2:] == by_name["pdserve-1x2"].command
+
+
 def fake_sitting(tmp_path, monkeypatch, fail_at: str | None = None) -> tuple:
     """``peer.run`` with the servers and the client replaced: records every start and every
     point's (server, name, concurrency, rate); vLLM completes c/2 requests/s at c."""
