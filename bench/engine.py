@@ -106,7 +106,9 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int,
     enters a new block in the same step; the block size: a few rows do in every step), and
     it decodes greedily or with ``sampling`` (SamplingParams fields; seed ``i``).
     ``render_s`` gets the time of rendering each step's deltas and reading each of them as a
-    RequestDelta (the reader's side: a worker's poll renders, the router reads)."""
+    RequestDelta (the reader's side: a worker's poll renders, the router reads). Every row
+    decodes every step (``Scheduler.max_decode_rows`` off): a step of ``batch`` is measured."""
+    engine.scheduler.max_decode_rows = None
     for i in range(batch):
         params = SamplingParams(max_tokens=steps + 4, ignore_eos=True,
                                 **(dict(sampling, seed=i) if sampling else {"temperature": 0.0}))
@@ -294,6 +296,7 @@ def arrivals_line(model_dir: Path, batch: int = 64, every: int = 8, steps: int =
     parts = EngineParts.build(EngineConfig(model=str(model_dir), num_kv_blocks=4096,
                                            max_num_seqs=batch + 8))
     engine = LLMEngine(parts)
+    engine.scheduler.max_decode_rows = None  # (every row every step)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", [(7 * i + j) % 500 + 1 for j in range(16 + i % 16)], params)

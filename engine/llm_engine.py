@@ -119,6 +119,8 @@ class LLMEngine:
         self.speculator = Speculator.build(parts) if self.scheduler.policy.speculates else None
         if self.speculator is not None:
             self.scheduler.lookahead = self.speculator.num_lookahead
+        elif parts.adapters is None:  # (LoRA rows and drafts run the unfused forward)
+            self.scheduler.max_decode_rows = self._fused_decode_rows()
         # an int8 KV cache whose scales or dequantized values overflow shows as non-finite
         # logits: each step checks them, and fails the rows that have them (loudly)
         self._int8_kv = cfg.kv_int8_scales if cfg.kv_cache_dtype == "int8" else None
@@ -246,6 +248,13 @@ class LLMEngine:
                              f"(start it with enable_lora)")
         self.parts.adapters.read(adapter)
         return adapter
+
+    def _fused_decode_rows(self) -> int | None:
+        """The decodes a step takes at most (``Scheduler.max_decode_rows``): as many as the
+        model computes in one fused call, where it has one."""
+        runner = self.parts.runner
+        rows = getattr(runner.model, "fused_decode_rows", None)
+        return None if rows is None else rows(runner.kv_caches, runner.backend)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Start the other sequences of ``parent``'s request (``n``/``best_of`` > 1), whose

@@ -324,6 +324,19 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm.forward(hidden, residual, backend=meta.backend)  # >= 1 layer
         return hidden
 
+    def fused_decode_rows(self, kv_caches: list[KVCacheLayer], backend: str) -> int | None:
+        """The most sequences a pure decode step of this model over ``kv_caches`` computes
+        in one fused call (:meth:`_fused_decode`, without LoRA rows); None where it runs
+        none. A step of more runs the unfused forward, far slower a token."""
+        if kernels.resolve_backend(backend, self.device) != "native":
+            return None
+        if self.fuses_decode is None:
+            self.fuses_decode = cpu_decode_layers.takes_model(self)
+        if not self.fuses_decode or not cpu_decode_layers.DecodeLayers.takes(kv_caches,
+                                                                             self.dtype):
+            return None
+        return cpu_decode_layers.MAX_ROWS[self.dtype]
+
     def _fused_decode(self, num_tokens: int, kv_caches: list[KVCacheLayer],
                       meta: AttentionMetadata, rows, after_layer
                       ) -> cpu_decode_layers.DecodeLayers | None:

@@ -85,6 +85,11 @@ class Scheduler:
         # LoRA (set by the engine when it serves adapters): a running sequence pins its
         # adapter's slot; a waiting one for an adapter without a slot waits for one
         self.adapters: AdapterSlots | None = None
+        # (set by the engine where a decode step of up to this many rows runs as one fused
+        # call, far faster a token than a step of more): decodes a step at most, the running
+        # sequences taking turns, those that waited the most steps first (_decode_turns)
+        self.max_decode_rows: int | None = None
+        self._turns_waited: dict[int, int] = {}  # id(seq) -> steps it has waited for a turn
 
     # ---- counts -------------------------------------------------------------------------
 
@@ -281,7 +286,8 @@ class Scheduler:
         if due is None or self._decodes_version != self.running_version:
             seqs = (self.policy.order_running(self.running) if self.policy.by_priority
                     else list(self.running))  # (all decodes: FCFS order is admission order)
-            if len(seqs) > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
+            if len(seqs) > min(cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                               self.max_decode_rows or len(seqs)):
                 return None
             if due is None:  # not known since a general step: every sequence is checked
                 joined = seqs
@@ -315,10 +321,14 @@ class Scheduler:
         fast = fast and self.lookahead is None  # speculating decodes take draft slots too
         on_rows = self._decodes_on_rows
         running, num_fast = SequenceStatus.RUNNING, 0  # (locals: this loop runs per sequence)
-        for seq in self.policy.order_running(self.running):
+        ordered = self.policy.order_running(self.running)
+        waits = self._decode_turns(ordered)
+        for seq in ordered:
             if budget <= 0 or len(decodes) + len(chunks) >= max_num_seqs:
                 break
             if seq.status != running:  # preempted earlier in this loop
+                continue
+            if waits and id(seq) in waits:  # a decode whose turn this step is not
                 continue
             computed = seq.num_computed_tokens
             if (fast and len(seq.token_ids) - computed == 1
@@ -339,6 +349,22 @@ class Scheduler:
             short = short or went_short
         out.num_batched_tokens += num_fast
         return budget, short, deferred
+
+    def _decode_turns(self, ordered: list[Sequence]) -> dict[int, int]:
+        """The decodes that wait this step (id -> steps waited, this one counted): none while
+        at most ``max_decode_rows`` running sequences decode one token, else all but the
+        ``max_decode_rows`` that waited the most steps (in the policy's order among equals),
+        so none waits more than ceil(decodes / max_decode_rows) - 1 steps in a row."""
+        cap, lookahead = self.max_decode_rows, self.lookahead
+        decoding = ([] if cap is None or lookahead is not None else
+                    [s for s in ordered if len(s.token_ids) - s.num_computed_tokens == 1])
+        if len(decoding) <= (cap or 0):
+            self._turns_waited = {}
+            return self._turns_waited
+        last = self._turns_waited
+        decoding.sort(key=lambda s: -last.get(id(s), 0))  # (stable: the policy's order)
+        self._turns_waited = {id(s): last.get(id(s), 0) + 1 for s in decoding[cap:]}
+        return self._turns_waited
 
     def _schedule_one(self, seq: Sequence, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
         """Schedule running ``seq``'s next tokens; returns (tokens scheduled, went short)."""
