@@ -351,14 +351,18 @@ class Scheduler:
         return budget, short, deferred
 
     def _decode_turns(self, ordered: list[Sequence]) -> dict[int, int]:
-        """The decodes that wait this step (id -> steps waited, this one counted): none while
-        at most ``max_decode_rows`` running sequences decode one token, else all but the
+        """The decodes that wait this step (id -> steps waited, this one counted). None wait
+        unless the step is one of decodes alone (no prompt chunk runs, none is admitted: a
+        step with a prompt runs the unfused forward anyway, in which decodes cost little more
+        a token) and more than ``max_decode_rows`` of them; then all but the
         ``max_decode_rows`` that waited the most steps (in the policy's order among equals),
         so none waits more than ceil(decodes / max_decode_rows) - 1 steps in a row."""
         cap, lookahead = self.max_decode_rows, self.lookahead
         decoding = ([] if cap is None or lookahead is not None else
                     [s for s in ordered if len(s.token_ids) - s.num_computed_tokens == 1])
-        if len(decoding) <= (cap or 0):
+        if (len(decoding) <= (cap or 0) or len(decoding) < len(ordered)
+                or (self.waiting and len(self.running) < self.config.max_num_seqs
+                    and not self._holds_admission())):
             self._turns_waited = {}
             return self._turns_waited
         last = self._turns_waited

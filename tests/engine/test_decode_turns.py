@@ -67,17 +67,20 @@ def test_without_a_cap_every_running_sequence_decodes_every_step():
     assert [len(decoded(out)) for out in outs[1:]] == [10] * 5
 
 
-def test_prompts_join_while_decodes_take_turns():
+def test_a_step_with_a_prompt_takes_every_decode():
+    """A prompt's step runs the unfused forward whatever its decodes: all of them go."""
     sched = make(2)
     early = [req(f"a{i}", prompt(f"a{i}", 5), max_tokens=8) for i in range(4)]
     for seq in early:
         sched.add(seq)
     step(sched)
+    assert len(decoded(step(sched))) == 2  # decodes alone: two a turn
     late = req("late", prompt("l", 6), max_tokens=3)
     sched.add(late)
-    out = step(sched)  # the newcomer's prompt goes beside the two decodes of this turn
+    out = step(sched)  # the newcomer's prompt goes beside every decode
     assert any(item.seq is late and item.num_new_tokens == 6 for item in out.chunks)
-    assert len(decoded(out)) == 2
+    assert len(decoded(out)) == 4
+    assert len(decoded(step(sched))) == 2  # decodes alone again
     run_all(sched)
     assert all(s.status == SequenceStatus.FINISHED_LENGTH for s in [*early, late])
 
