@@ -328,14 +328,19 @@ class LlamaForCausalLM(nn.Module):
         """The most sequences a pure decode step of this model over ``kv_caches`` computes
         in one fused call (:meth:`_fused_decode`, without LoRA rows); None where it runs
         none. A step of more runs the unfused forward, far slower a token."""
-        if kernels.resolve_backend(backend, self.device) != "native":
-            return None
-        if self.fuses_decode is None:
-            self.fuses_decode = cpu_decode_layers.takes_model(self)
-        if not self.fuses_decode or not cpu_decode_layers.DecodeLayers.takes(kv_caches,
-                                                                             self.dtype):
+        if not self._fuses(backend) or not cpu_decode_layers.DecodeLayers.takes(kv_caches,
+                                                                                self.dtype):
             return None
         return cpu_decode_layers.MAX_ROWS[self.dtype]
+
+    def _fuses(self, backend: str) -> bool:
+        """Whether the fused decode serves this model on ``backend`` (asked of
+        :func:`cpu_decode_layers.takes_model` once)."""
+        if kernels.resolve_backend(backend, self.device) != "native":
+            return False
+        if self.fuses_decode is None:
+            self.fuses_decode = cpu_decode_layers.takes_model(self)
+        return self.fuses_decode
 
     def _fused_decode(self, num_tokens: int, kv_caches: list[KVCacheLayer],
                       meta: AttentionMetadata, rows, after_layer
@@ -346,11 +351,7 @@ class LlamaForCausalLM(nn.Module):
         if (after_layer is not None or meta.lora is not None or not meta.is_decode_only
                 or not 0 < num_tokens <= cpu_decode_layers.MAX_ROWS.get(self.dtype, 0)
                 or (rows is not None and len(rows) != num_tokens)
-                or kernels.resolve_backend(meta.backend, self.device) != "native"):
-            return None
-        if self.fuses_decode is None:
-            self.fuses_decode = cpu_decode_layers.takes_model(self)
-        if not self.fuses_decode:
+                or not self._fuses(meta.backend)):
             return None
         held = self._decode_layers
         if held is None or not held.serves(kv_caches):

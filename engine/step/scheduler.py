@@ -270,6 +270,11 @@ class Scheduler:
         waiting_tokens = sum(s.num_uncomputed_tokens for s in self.waiting)
         return waiting_tokens < self.config.max_num_batched_tokens
 
+    def _admits_waiting(self) -> bool:
+        """Whether this step admits waiting prompts: some wait, a seat is free, none is held."""
+        return (bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+                and not self._holds_admission())
+
     def _schedule_steady(self) -> SchedulerOutput | None:
         """The decodes of every running sequence, made from the last steady step's by a diff,
         when that is what the general schedule would give: nothing waits (or every seat is
@@ -277,9 +282,7 @@ class Scheduler:
         compute, all fit the step's limits, and the sequences entering a new block get one.
         None when the step needs the general schedule."""
         cfg = self.config
-        if (not self._decodes_on_rows or not self.running
-                or (self.waiting and len(self.running) < cfg.max_num_seqs
-                    and not self._holds_admission())):
+        if not self._decodes_on_rows or not self.running or self._admits_waiting():
             return None  # (with every seat taken, the general schedule would admit no one)
         running = SequenceStatus.RUNNING  # (joined or due, then finished: no longer)
         due, joined = self._due, [s for s in self._joined if s.status == running]
@@ -360,9 +363,7 @@ class Scheduler:
         cap, lookahead = self.max_decode_rows, self.lookahead
         decoding = ([] if cap is None or lookahead is not None else
                     [s for s in ordered if len(s.token_ids) - s.num_computed_tokens == 1])
-        if (len(decoding) <= (cap or 0) or len(decoding) < len(ordered)
-                or (self.waiting and len(self.running) < self.config.max_num_seqs
-                    and not self._holds_admission())):
+        if len(decoding) <= (cap or 0) or len(decoding) < len(ordered) or self._admits_waiting():
             self._turns_waited = {}
             return self._turns_waited
         last = self._turns_waited
